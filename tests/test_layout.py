@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "transport": {"lifecycle", "gpu", "torch"},
     "gpu": {"lifecycle", "transport", "h11", "wsproto"},
+    "wire": {"lifecycle", "transport", "gpu", "torch"},
 }
 
 

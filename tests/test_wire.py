@@ -1,0 +1,129 @@
+"""Wire codec: round trips, framing, schema conformance (pycddl), hostile bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wire import (
+    Abort,
+    Fatal,
+    Flush,
+    FlushReply,
+    FrameBuffer,
+    Hello,
+    Probe,
+    ProbeReply,
+    ReqError,
+    Shutdown,
+    Stats,
+    StatsReq,
+    Step,
+    StepEntry,
+    Submit,
+    SubmitEntry,
+    WireError,
+    decode_frame,
+    encode_frame,
+    f32s_to_list,
+    frame_bytes,
+    ids_to_list,
+    pack_f32s,
+    pack_ids,
+)
+
+from .wire_schema import RULE_BY_KIND, validate_frame
+
+
+EXAMPLES = [
+    Hello(
+        {"name": "m", "path": "/x.gguf", "arch": "llama", "vocab_size": 10, "context_length": 64,
+         "eos_id": 2, "eog_ids": [0, 2], "device": "cpu", "dtype": "float32", "pid": 7},
+        {"max_running": 4, "max_pending": 16, "kv_blocks": 32, "block_size": 16, "max_context": 64},
+    ),
+    Submit([
+        SubmitEntry(1, pack_ids([5, 6, 7]), {"max_new_tokens": 4, "temperature": 0.5, "stop": ["x"],
+                                              "logit_bias": {3: -1.5}}, {"return_logprob": True,
+                                              "token_ids_logprob": pack_ids([1, 2])}),
+        SubmitEntry(2, pack_ids([5]), {}, {}),
+    ]),
+    Abort([1, 2]),
+    Step(3, [StepEntry(1, pack_ids([9]), None, {"prompt_tokens": 3, "cached_tokens": 0,
+                                                "logprobs": pack_f32s([-0.5])}),
+             StepEntry(2, pack_ids([]), ["length", 4], {"num_retractions": 0}),
+             StepEntry(4, pack_ids([2]), ["stop", 2], None),
+             StepEntry(5, pack_ids([]), ["abort", "aborted"], None)]),
+    Step(0, []),
+    ReqError([(9, "too_long", "prompt too long")]),
+    Probe(1), ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
+    StatsReq(2), Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
+    Flush(3), FlushReply(3, True, "flushed"), Shutdown(), Fatal("bad frame"),
+]
+
+
+@pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
+def test_round_trip_and_schema(frame) -> None:
+    data = encode_frame(frame)
+    validate_frame(data)
+    assert decode_frame(data) == frame
+
+
+def test_ids_and_floats_are_raw_little_endian() -> None:
+    assert pack_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert ids_to_list(pack_ids([0, 49151, -1])) == [0, 49151, -1]
+    assert f32s_to_list(pack_f32s([0.5, -2.0])) == [0.5, -2.0]
+    with pytest.raises(WireError):
+        ids_to_list(b"\x00\x01\x02")
+
+
+def test_frame_buffer_splits_and_joins() -> None:
+    frames = [encode_frame(f) for f in EXAMPLES]
+    stream = b"".join(frame_bytes(f) for f in frames)
+    buf = FrameBuffer()
+    got: list[bytes] = []
+    for i in range(0, len(stream), 7):  # arbitrary cuts across frame boundaries
+        got += buf.feed(stream[i : i + 7])
+    assert got == frames and buf.pending == 0
+
+
+def test_frame_buffer_refuses_oversized_length() -> None:
+    with pytest.raises(ValueError):
+        FrameBuffer().feed(b"\xff\xff\xff\xff")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[], [99], [4, 1], [2, []], [2, [[1, b"abc", {}, {}]]], [4, -1, []], [3, []], "x", 5,
+     [4, 0, [[1, b"", ["stop"], None]]], [1, 1, [], {}]],
+)
+def test_malformed_frames_raise_wire_error(value) -> None:
+    with pytest.raises(WireError):
+        decode_frame(cbor2.dumps(value))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_never_escape_as_other_errors(data: bytes) -> None:
+    try:
+        decode_frame(data)
+    except WireError:
+        pass
+
+
+def test_spec_names_every_frame_kind() -> None:
+    from wire import frames
+
+    kinds = {v for k, v in vars(frames).items() if k.startswith("K_")}
+    assert kinds == set(RULE_BY_KIND)
+    text = (Path(__file__).resolve().parent.parent / "specs" / "wire.cddl").read_text()
+    for rule in RULE_BY_KIND.values():
+        assert f"\n{rule} = [" in text
+
+
+def test_schema_rejects_off_spec_frames() -> None:
+    with pytest.raises(Exception):
+        validate_frame(cbor2.dumps([4, 0, [[1, [1, 2], None, None]]]))  # ids as an int list

@@ -1,0 +1,62 @@
+"""The frontend <-> worker wire protocol (``specs/wire.cddl``): frames and framing.
+
+Imported by both ``lifecycle`` and ``gpu``; depends on neither.
+"""
+
+from wire.frames import (
+    PROTOCOL_VERSION,
+    Abort,
+    Fatal,
+    Flush,
+    FlushReply,
+    Frame,
+    Hello,
+    Probe,
+    ProbeReply,
+    ReqError,
+    Shutdown,
+    Stats,
+    StatsReq,
+    Step,
+    StepEntry,
+    Submit,
+    SubmitEntry,
+    WireError,
+    decode_frame,
+    encode_frame,
+    f32s_to_list,
+    ids_to_list,
+    pack_f32s,
+    pack_ids,
+)
+from wire.framing import MAX_FRAME_BYTES, FrameBuffer, frame_bytes
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "Abort",
+    "Fatal",
+    "Flush",
+    "FlushReply",
+    "Frame",
+    "FrameBuffer",
+    "Hello",
+    "Probe",
+    "ProbeReply",
+    "ReqError",
+    "Shutdown",
+    "Stats",
+    "StatsReq",
+    "Step",
+    "StepEntry",
+    "Submit",
+    "SubmitEntry",
+    "WireError",
+    "decode_frame",
+    "encode_frame",
+    "f32s_to_list",
+    "frame_bytes",
+    "ids_to_list",
+    "pack_f32s",
+    "pack_ids",
+]

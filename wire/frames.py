@@ -1,0 +1,295 @@
+"""Typed frames of the wire protocol and their CBOR encoding (``specs/wire.cddl``).
+
+Frames are small positional CBOR arrays; token ids and per-token floats travel as raw
+little-endian byte strings (measured ~30x cheaper than CBOR integer lists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Fatal",
+    "Flush",
+    "FlushReply",
+    "Frame",
+    "Hello",
+    "Probe",
+    "ProbeReply",
+    "ReqError",
+    "Shutdown",
+    "Stats",
+    "StatsReq",
+    "Step",
+    "StepEntry",
+    "Submit",
+    "SubmitEntry",
+    "WireError",
+    "decode_frame",
+    "encode_frame",
+    "f32s_to_list",
+    "ids_to_list",
+    "pack_f32s",
+    "pack_ids",
+]
+
+PROTOCOL_VERSION = 1
+
+K_HELLO, K_SUBMIT, K_ABORT, K_STEP, K_REQ_ERROR = 1, 2, 3, 4, 5
+K_PROBE, K_PROBE_REPLY, K_STATS_REQ, K_STATS = 6, 7, 8, 9
+K_FLUSH, K_FLUSH_REPLY, K_SHUTDOWN, K_FATAL = 10, 11, 12, 13
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class WireError(ValueError):
+    """A frame that does not match the schema."""
+
+
+def pack_ids(ids: Any) -> bytes:
+    """Token ids (list, tuple, numpy array or tensor .tolist()) -> int32 LE bytes."""
+    return np.asarray(ids, dtype=_I32).tobytes()
+
+
+def ids_to_list(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise WireError("ids byte string length is not a multiple of 4")
+    return np.frombuffer(data, dtype=_I32).tolist()
+
+
+def pack_f32s(values: Any) -> bytes:
+    return np.asarray(values, dtype=_F32).tobytes()
+
+
+def f32s_to_list(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise WireError("f32s byte string length is not a multiple of 4")
+    return np.frombuffer(data, dtype=_F32).tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    model: dict[str, Any]
+    capacity: dict[str, Any]
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitEntry:
+    rid: int
+    prompt: bytes  # pack_ids(...)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    entries: list[SubmitEntry]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    rid: int
+    new_ids: bytes  # pack_ids(...)
+    finish: list[Any] | None = None  # ["stop", id|str] / ["length", n] / ["abort", msg]
+    extra: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    step_no: int
+    entries: list[StepEntry]
+
+
+@dataclass(frozen=True, slots=True)
+class ReqError:
+    errors: list[tuple[int, str, str]]  # (rid, code, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReply:
+    nonce: int
+    load: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReq:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    nonce: int
+    load: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReply:
+    nonce: int
+    ok: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    message: str
+
+
+Frame = (
+    Hello | Submit | Abort | Step | ReqError | Probe | ProbeReply | StatsReq | Stats
+    | Flush | FlushReply | Shutdown | Fatal
+)
+
+
+def _to_array(frame: Frame) -> list[Any]:
+    match frame:
+        case Step(step_no, entries):
+            return [K_STEP, step_no, [[e.rid, e.new_ids, e.finish, e.extra] for e in entries]]
+        case Submit(entries):
+            return [K_SUBMIT, [[e.rid, e.prompt, e.sampling, e.options] for e in entries]]
+        case Abort(rids):
+            return [K_ABORT, list(rids)]
+        case ReqError(errors):
+            return [K_REQ_ERROR, [list(e) for e in errors]]
+        case Hello(model, capacity, version):
+            return [K_HELLO, version, model, capacity]
+        case Probe(nonce):
+            return [K_PROBE, nonce]
+        case ProbeReply(nonce, load):
+            return [K_PROBE_REPLY, nonce, load]
+        case StatsReq(nonce):
+            return [K_STATS_REQ, nonce]
+        case Stats(nonce, load):
+            return [K_STATS, nonce, load]
+        case Flush(nonce):
+            return [K_FLUSH, nonce]
+        case FlushReply(nonce, ok, message):
+            return [K_FLUSH_REPLY, nonce, ok, message]
+        case Shutdown():
+            return [K_SHUTDOWN]
+        case Fatal(message):
+            return [K_FATAL, message]
+    raise TypeError(f"not a frame: {frame!r}")
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """One frame -> CBOR bytes (without the length prefix; see ``framing``)."""
+    return cbor2.dumps(_to_array(frame))
+
+
+def _uint(v: Any, what: str) -> int:
+    if type(v) is not int or v < 0:
+        raise WireError(f"{what} must be an unsigned integer")
+    return v
+
+
+def _map(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise WireError(f"{what} must be a map")
+    return v
+
+
+def _bytes(v: Any, what: str) -> bytes:
+    if not isinstance(v, bytes) or len(v) % 4:
+        raise WireError(f"{what} must be a byte string of 4-byte items")
+    return v
+
+
+def _entries(v: Any, width: int, what: str) -> list[list[Any]]:
+    if not isinstance(v, list) or not all(isinstance(e, list) and len(e) == width for e in v):
+        raise WireError(f"{what} must be a list of {width}-element arrays")
+    return v
+
+
+def _decode_submit(a: list[Any]) -> Submit:
+    out = []
+    for rid, prompt, sampling, options in _entries(a[1], 4, "submit entries"):
+        out.append(
+            SubmitEntry(
+                _uint(rid, "rid"),
+                _bytes(prompt, "prompt"),
+                _map(sampling, "sampling"),
+                _map(options, "options"),
+            )
+        )
+    if not out:
+        raise WireError("submit carries no entry")
+    return Submit(out)
+
+
+def _decode_step(a: list[Any]) -> Step:
+    entries = []
+    for rid, new_ids, finish, extra in _entries(a[2], 4, "step entries"):
+        if finish is not None and not (isinstance(finish, list) and len(finish) == 2):
+            raise WireError("finish must be null or a 2-element array")
+        if extra is not None:
+            _map(extra, "extra")
+        entries.append(StepEntry(_uint(rid, "rid"), _bytes(new_ids, "new_ids"), finish, extra))
+    return Step(_uint(a[1], "step_no"), entries)
+
+
+def decode_frame(payload: bytes) -> Frame:
+    """CBOR bytes -> a typed frame; ``WireError`` for anything off-schema."""
+    try:
+        a = cbor2.loads(payload)
+    except Exception as exc:  # cbor2 raises several types for corrupt input
+        raise WireError(f"undecodable CBOR: {exc}") from None
+    if not isinstance(a, list) or not a or type(a[0]) is not int:
+        raise WireError("a frame must be a non-empty array starting with its kind")
+    kind, n = a[0], len(a)
+    try:
+        if kind == K_STEP and n == 3:
+            return _decode_step(a)
+        if kind == K_SUBMIT and n == 2:
+            return _decode_submit(a)
+        if kind == K_ABORT and n == 2 and isinstance(a[1], list) and a[1]:
+            return Abort([_uint(r, "rid") for r in a[1]])
+        if kind == K_REQ_ERROR and n == 2:
+            errs = _entries(a[1], 3, "errors")
+            return ReqError([(_uint(r, "rid"), str(c), str(m)) for r, c, m in errs])
+        if kind == K_HELLO and n == 4:
+            return Hello(_map(a[2], "model"), _map(a[3], "capacity"), _uint(a[1], "version"))
+        if kind in (K_PROBE, K_STATS_REQ, K_FLUSH) and n == 2:
+            cls = {K_PROBE: Probe, K_STATS_REQ: StatsReq, K_FLUSH: Flush}[kind]
+            return cls(_uint(a[1], "nonce"))
+        if kind in (K_PROBE_REPLY, K_STATS) and n == 3:
+            cls2 = ProbeReply if kind == K_PROBE_REPLY else Stats
+            return cls2(_uint(a[1], "nonce"), _map(a[2], "load"))
+        if kind == K_FLUSH_REPLY and n == 4:
+            return FlushReply(_uint(a[1], "nonce"), bool(a[2]), str(a[3]))
+        if kind == K_SHUTDOWN and n == 1:
+            return Shutdown()
+        if kind == K_FATAL and n == 2 and isinstance(a[1], str):
+            return Fatal(a[1])
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"malformed frame of kind {kind}: {exc}") from None
+    raise WireError(f"unknown frame kind {kind} with {n} elements")
