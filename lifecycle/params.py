@@ -212,8 +212,9 @@ def _sampling(raw: Any, batch: int, is_batch: bool, vocab_size: int) -> list[Sam
         raise _bad(
             f"The length of sampling_params ({len(raw)}) should be equal to the batch size ({batch})."
         )
-    ns = {1 if p.get("n") is None else p.get("n") for p in raw}
-    if len(ns) > 1:
+    # Compared as sent, before any is validated (SGLang's order); values may be unhashable.
+    ns = [1 if p.get("n") is None else p.get("n") for p in raw]
+    if any(n != ns[0] for n in ns):
         raise _bad("The parallel_sample_num should be the same for all samples in sample params.")
     return [parse_sampling_params(p, vocab_size=vocab_size) for p in raw]
 
