@@ -18,6 +18,7 @@ from typing import Any
 
 from lifecycle.errors import RequestError
 from lifecycle.sampling import SamplingParams, parse_sampling_params
+from lifecycle.states import Cause
 
 __all__ = [
     "GenerateItem",
@@ -134,8 +135,8 @@ class GenerateRequest:
     stream: bool
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(message, 400)
+def _bad(message: str, cause: Cause = Cause.INVALID) -> RequestError:
+    return RequestError(message, 400, cause)
 
 
 def _flag(name: str, v: Any, default: bool) -> bool:
@@ -353,7 +354,8 @@ def check_lengths(n_prompt: int, max_new_tokens: int | None, *, context_length: 
     if n_prompt >= context_length:
         raise _bad(
             f"The input ({n_prompt} tokens) is longer than the model's context length "
-            f"({context_length} tokens)."
+            f"({context_length} tokens).",
+            Cause.TOO_LONG,
         )
     if max_new_tokens is None:
         return context_length - n_prompt
@@ -364,6 +366,7 @@ def check_lengths(n_prompt: int, max_new_tokens: int | None, *, context_length: 
             f"of {context_length} tokens. You requested a total of {total} "
             f"tokens: {n_prompt} tokens from the input messages and "
             f"{max_new_tokens} tokens for the completion. Please reduce the number "
-            "of tokens in the input messages or the completion to fit within the limit."
+            "of tokens in the input messages or the completion to fit within the limit.",
+            Cause.TOO_LONG,
         )
     return max_new_tokens

@@ -18,6 +18,7 @@ from lifecycle.params import (
     parse_generate,
     parse_sampling_params,
 )
+from lifecycle.states import Cause
 
 V = 49152  # SmolLM2's vocabulary size
 
@@ -30,10 +31,10 @@ def gen(body: Any) -> GenerateRequest:
     return parse_generate(body, vocab_size=V)
 
 
-def message_of(fn: Any, *args: Any) -> str:
+def message_of(fn: Any, *args: Any, cause: Cause = Cause.INVALID) -> str:
     with pytest.raises(RequestError) as err:
         fn(*args)
-    assert err.value.status == 400
+    assert err.value.status == 400 and err.value.cause is cause
     return err.value.message
 
 
@@ -404,10 +405,10 @@ def test_check_lengths() -> None:
     assert check_lengths(10, 20, context_length=100) == 20
     assert check_lengths(10, None, context_length=100) == 90
     assert check_lengths(10, 0, context_length=100) == 0
-    assert message_of(lambda: check_lengths(100, 1, context_length=100)) == (
+    assert message_of(lambda: check_lengths(100, 1, context_length=100), cause=Cause.TOO_LONG) == (
         "The input (100 tokens) is longer than the model's context length (100 tokens)."
     )
-    assert message_of(lambda: check_lengths(60, 40, context_length=100)) == (
+    assert message_of(lambda: check_lengths(60, 40, context_length=100), cause=Cause.TOO_LONG) == (
         "Requested token count exceeds the model's maximum context length of 100 tokens. "
         "You requested a total of 100 tokens: 60 tokens from the input messages and 40 tokens "
         "for the completion. Please reduce the number of tokens in the input messages or the "
