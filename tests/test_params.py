@@ -114,6 +114,8 @@ def test_sampling_rule_messages(kw: dict[str, Any], message: str) -> None:
         ),
         ({"logit_bias": {"5": "x"}}, "logit_bias[5] must be a number, got 'x'."),
         ({"sampling_seed": 1, "seed": 2}, "Set only one of sampling_seed and seed."),
+        ({"top_p": 10**400}, f"top_p is out of range, got {10**400}."),
+        ({"logit_bias": {"1": -(10**400)}}, f"logit_bias[1] is out of range, got {-(10**400)}."),
         (
             {"sampling_seed": 1 << 64},
             f"sampling_seed must fit in a signed 64-bit integer, got {1 << 64}.",
@@ -419,7 +421,12 @@ def test_check_lengths() -> None:
 # -- random bodies: only RequestError, never another exception ----------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-(10**400), 10**400)
+    | st.floats()
+    | st.text(max_size=8),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
     ),
