@@ -2,11 +2,11 @@
 
 The machine is built once, at import, from the table in ``states.py`` and checked
 against it; its transitions are then compiled into ``COMPILED[(state, event)] -> (dst,
-guard)``, which is all a request pays for. Measured with ``bench/fsm.py`` (one run, same
-load): a shared ``transitions`` machine with ``add_model``/``remove_model`` costs ~27x a
-RequestRecord lifecycle (315 vs 11.6 us on a busy 2-core box; ~160 us vs ~4 us quiet) and
-leaks every model that is not removed; a RequestRecord costs ~1.8x a bare dict table with
-no trace, and holds no reference outside the request. The machine stays the definition the tests, the spec
+guard)``, which is all a request pays for. Measured with ``bench/fsm.py`` (all rows in one
+run, on a shared 2-core box under load): a shared ``transitions`` machine with
+``add_model``/``remove_model`` costs 311-315 us per lifecycle and leaks every model that is
+not removed; a RequestRecord lifecycle costs 5.5-11.6 us (27-56x less), about 1.8x a bare
+dict table with no trace, and holds no reference outside the request. The machine stays the definition the tests, the spec
 check and the diagram are held against.
 
 Fire the machine on lifecycle edges only; per-token progress is a counter elsewhere.
