@@ -6,8 +6,8 @@ guard)``, which is all a request pays for. Measured with ``bench/fsm.py`` (all r
 run, on a shared 2-core box under load): a shared ``transitions`` machine with
 ``add_model``/``remove_model`` costs 311-315 us per lifecycle and leaks every model that is
 not removed; a RequestRecord lifecycle costs 5.5-11.6 us (27-56x less), about 1.8x a bare
-dict table with no trace, and holds no reference outside the request. The machine stays the definition the tests, the spec
-check and the diagram are held against.
+dict table with no trace, and holds no reference outside the request. The machine stays the definition the
+tests, the spec check and the diagram are held against.
 
 Fire the machine on lifecycle edges only; per-token progress is a counter elsewhere.
 """
