@@ -194,6 +194,10 @@ class HTTPConnection:
         except h11.RemoteProtocolError as exc:
             await self._inbox_send.send(_Failure(exc.error_status_hint, str(exc)))
             return False
+        if wire.head_size(event) > self.config.max_header_bytes:
+            # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
+            await self._inbox_send.send(_Failure(431, "Request header fields too large"))
+            return False
         size = sum(map(len, chunks)) if chunks else 0
         declared = wire.content_length(event.headers)
         limit = self.config.max_body_bytes

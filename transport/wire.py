@@ -8,6 +8,7 @@ from http import HTTPStatus
 
 import anyio
 import anyio.abc
+import h11
 
 from .config import ServerConfig
 from .errors import HTTPError
@@ -17,6 +18,7 @@ __all__ = [
     "close_stream",
     "content_length",
     "error_response",
+    "head_size",
     "http_date",
     "reason",
     "response_headers",
@@ -52,6 +54,14 @@ def response_headers(
     if closing:
         out.append((b"connection", b"close"))
     return out
+
+
+def head_size(request: h11.Request) -> int:
+    """Bytes of a parsed request head, as sent (give or take whitespace)."""
+    size = len(request.target) + 16
+    for name, value in request.headers:
+        size += len(name) + len(value) + 4
+    return size
 
 
 def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
