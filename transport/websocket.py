@@ -231,6 +231,14 @@ async def run_session(
 ) -> None:
     """Run ``session`` on an upgraded connection; close 1000 when it returns, 1011 on error."""
     ws = WebSocket(request, stream, config, trailing)
+    with ws._inbox_recv:
+        await _supervise(ws, session, config)
+
+
+async def _supervise(
+    ws: WebSocket, session: Callable[[WebSocket], Awaitable[None]], config: ServerConfig
+) -> None:
+    request = ws.request
     async with anyio.create_task_group() as tg:
         tg.start_soon(ws.read_loop)
         if config.ws_ping_interval:
