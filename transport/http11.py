@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,7 +83,11 @@ class HTTPConnection:
         self.idle = True  # no request in flight: shutdown may close this connection at once
         self.scope = anyio.CancelScope()
         self.current: Request | None = None
-        self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Request | _Failure](1)
+        # Reader -> responder hand-off. h11 pauses after each request until the response
+        # is done, so this never holds more than a request and a failure.
+        self._inbox: deque[Request | _Failure] = deque()
+        self._inbox_closed = False
+        self._inbox_wake: anyio.Event | None = None
         self._phase = _Phase.HEAD
         self._deadline = anyio.current_time() + config.header_timeout
         self._read_scope: anyio.CancelScope | None = None
@@ -117,11 +122,30 @@ class HTTPConnection:
 
     # ------------------------------------------------------------------ reader
     async def _read_loop(self) -> None:
-        with self._inbox_send, self._reader_scope:
+        with self._reader_scope:
             try:
                 await self._read_events()
             finally:
+                self._inbox_closed = True
+                self._wake_responder()
                 self._reader_done.set()
+
+    def _deliver(self, item: Request | _Failure) -> None:
+        self._inbox.append(item)
+        self._wake_responder()
+
+    def _wake_responder(self) -> None:
+        if self._inbox_wake is not None:
+            self._inbox_wake.set()
+            self._inbox_wake = None
+
+    async def _next_item(self) -> Request | _Failure | None:
+        while not self._inbox:
+            if self._inbox_closed:
+                return None
+            self._inbox_wake = anyio.Event()
+            await self._inbox_wake.wait()
+        return self._inbox.popleft()
 
     async def _read_events(self) -> None:
         conn = self.h11
@@ -192,17 +216,17 @@ class HTTPConnection:
                 else:
                     break
         except h11.RemoteProtocolError as exc:
-            await self._inbox_send.send(_Failure(exc.error_status_hint, str(exc)))
+            self._deliver(_Failure(exc.error_status_hint, str(exc)))
             return False
         if wire.head_size(event) > self.config.max_header_bytes:
             # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
-            await self._inbox_send.send(_Failure(431, "Request header fields too large"))
+            self._deliver(_Failure(431, "Request header fields too large"))
             return False
         size = sum(map(len, chunks)) if chunks else 0
         declared = wire.content_length(event.headers)
         limit = self.config.max_body_bytes
         if size > limit or (declared is not None and declared > limit):
-            await self._inbox_send.send(_Failure(413, f"Request body exceeds {limit} bytes"))
+            self._deliver(_Failure(413, f"Request body exceeds {limit} bytes"))
             return False
         request = Request(
             event.method.decode("ascii"),
@@ -225,21 +249,21 @@ class HTTPConnection:
                 request._on_first_pull = self._send_continue
             self._set_phase(_Phase.BODY, anyio.current_time() + self.config.body_timeout)
         self.current = request
-        await self._inbox_send.send(request)
+        self._deliver(request)
         return True
 
     async def _on_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self._body is not None:  # malformed body: the handler reading it gets a 400
             self._body.fail(HTTPError(exc.error_status_hint, f"Malformed request body: {exc}"))
         elif self._phase is not _Phase.WATCH:
-            await self._inbox_send.send(_Failure(exc.error_status_hint, str(exc)))
+            self._deliver(_Failure(exc.error_status_hint, str(exc)))
 
     async def _on_timeout(self) -> bool:
         phase = self._phase
         if phase is _Phase.BODY and self._body is not None:
             self._body.fail(HTTPError(408, "Request body timeout"))
         elif phase is _Phase.HEAD and self.h11.trailing_data[0]:
-            await self._inbox_send.send(_Failure(408, "Request header timeout"))
+            self._deliver(_Failure(408, "Request header timeout"))
         self._graceful = phase is not _Phase.IDLE or bool(self.h11.trailing_data[0])
         return False  # an idle connection that timed out just closes
 
@@ -258,17 +282,16 @@ class HTTPConnection:
 
     # --------------------------------------------------------------- responder
     async def _respond_loop(self) -> None:
-        async with self._inbox_recv:
-            async for item in self._inbox_recv:
-                self.idle = False
-                if isinstance(item, _Failure):
-                    await self._send_error(item.status, item.message)
-                    return
-                keep_alive = await self._respond(item)
-                self.current = None
-                if not keep_alive or self.server.draining or not self._next_cycle():
-                    return
-                self.idle = True
+        while (item := await self._next_item()) is not None:
+            self.idle = False
+            if isinstance(item, _Failure):
+                await self._send_error(item.status, item.message)
+                return
+            keep_alive = await self._respond(item)
+            self.current = None
+            if not keep_alive or self.server.draining or not self._next_cycle():
+                return
+            self.idle = True
 
     def _next_cycle(self) -> bool:
         conn = self.h11
@@ -291,7 +314,7 @@ class HTTPConnection:
         except Exception:
             log.exception("unhandled error in handler for %s %s", request.method, request.path)
             response = wire.error_response(HTTPError(500, "Internal Server Error"))
-        if request.disconnected.is_set():
+        if request.is_disconnected():
             self._graceful = False
             return False
         if isinstance(response, WebSocketResponse):
@@ -337,7 +360,7 @@ class HTTPConnection:
             except _ClientGone:
                 self._graceful = False
             tg.cancel_scope.cancel()
-        if request.disconnected.is_set() or box.failed or not box.closed:
+        if request.is_disconnected() or box.failed or not box.closed:
             self._graceful = False  # an unterminated chunked body tells the client it is cut
             return False
         await self._write(request, conn.send(h11.EndOfMessage()))
@@ -391,14 +414,14 @@ class HTTPConnection:
 
     async def _write(self, request: Request, data: bytes) -> None:
         try:
-            with anyio.fail_after(self.config.send_timeout):
+            with anyio.CancelScope(deadline=anyio.current_time() + self.config.send_timeout) as scope:
                 await self.stream.send(data)
-        except TimeoutError:
-            request.mark_disconnected("send_stall")
-            raise _ClientGone from None
         except _STREAM_ERRORS:
             request.mark_disconnected("client_gone")
             raise _ClientGone from None
+        if scope.cancelled_caught:
+            request.mark_disconnected("send_stall")
+            raise _ClientGone
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:

@@ -143,8 +143,8 @@ class Request:
         "_cached",
         "_on_first_pull",
         "client",
+        "_disconnected",
         "disconnect_reason",
-        "disconnected",
         "headers",
         "http_version",
         "method",
@@ -169,7 +169,7 @@ class Request:
         self.client = client
         self.http_version = http_version
         self.path_params: dict[str, str] = {}
-        self.disconnected = anyio.Event()
+        self._disconnected: anyio.Event | None = None  # made on first use: most never need it
         self.disconnect_reason: str | None = None
         self._body = body
         self._cached: bytes | None = None if body is not None else b""
@@ -180,6 +180,15 @@ class Request:
 
     def query(self) -> dict[str, list[str]]:
         return parse_qs(self.query_string, keep_blank_values=True)
+
+    @property
+    def disconnected(self) -> anyio.Event:
+        if self._disconnected is None:
+            self._disconnected = anyio.Event()
+        return self._disconnected
+
+    def is_disconnected(self) -> bool:
+        return self._disconnected is not None and self._disconnected.is_set()
 
     def mark_disconnected(self, reason: str) -> None:
         """Record why the client is gone (first reason wins) and wake whoever waits."""
