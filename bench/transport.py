@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("lifecycle", "uvicorn-h11", "uvicorn-httptools")
+SERVERS = ("lifecycle", "bare-anyio-h11", "uvicorn-h11", "uvicorn-httptools")
 PAYLOAD = {
     "model": "SmolLM2-135M-Instruct",
     "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
@@ -74,6 +74,11 @@ def serve(kind: str, port: int) -> None:
 
         run(router, ServerConfig(port=port))
         return
+    if kind == "bare-anyio-h11":
+        import anyio
+
+        anyio.run(_bare_serve, port)
+        return
     import uvicorn
 
     async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -93,6 +98,43 @@ def serve(kind: str, port: int) -> None:
 
     uvicorn.run(app, host="127.0.0.1", port=port, http=kind.split("-")[1], loop="asyncio",
                 log_level="warning", access_log=False, lifespan="off")
+
+
+async def _bare_handle(stream) -> None:  # type: ignore[no-untyped-def]
+    """The floor: one task per connection, h11, no limits, no disconnect watching."""
+    import anyio
+    import h11
+
+    conn = h11.Connection(h11.SERVER)
+    body = b""
+    async with stream:
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    conn.receive_data(await stream.receive())
+                except anyio.EndOfStream:
+                    return
+            elif type(event) is h11.Request:
+                body = b""
+            elif type(event) is h11.Data:
+                body += event.data
+            elif type(event) is h11.EndOfMessage:
+                data = answer(orjson.loads(body))
+                out = conn.send(h11.Response(status_code=200, headers=[
+                    ("content-type", "application/json"), ("content-length", str(len(data)))]))
+                out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+                await stream.send(out)
+                conn.start_next_cycle()
+            else:
+                return
+
+
+async def _bare_serve(port: int) -> None:
+    import anyio
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+    await listener.serve(_bare_handle)
 
 
 async def _connection(port: int, stop_at: float, counts: list[int]) -> None:

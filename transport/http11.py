@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
 from .sse import PING, frame_event
 from .streaming import END, Mailbox, run_producer
 
-__all__ = ["HTTPConnection", "ServerState"]
+__all__ = ["HTTPConnection", "ServerState", "watch_deadlines"]
 
 log = logging.getLogger("transport")
 
@@ -89,9 +90,10 @@ class HTTPConnection:
         self._inbox_closed = False
         self._inbox_wake: anyio.Event | None = None
         self._phase = _Phase.HEAD
-        self._deadline = anyio.current_time() + config.header_timeout
+        self._deadline = time.monotonic() + config.header_timeout
         self._read_scope: anyio.CancelScope | None = None
         self._poked = False
+        self._send_since: float | None = None
         self._body: BodyQueue | None = None
         self._reader_scope = anyio.CancelScope()
         self._reader_done = anyio.Event()
@@ -103,6 +105,8 @@ class HTTPConnection:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._read_loop)
+                    if isinstance(self.server, _Idle):  # no server watchdog: bring our own
+                        tg.start_soon(watch_deadlines, [self], self.config)
                     try:
                         await self._respond_loop()
                     except _ClientGone:
@@ -179,7 +183,7 @@ class HTTPConnection:
         """Read once into h11; False when the connection is finished on the reading side."""
         limit_reached = paused and len(self.h11.trailing_data[0]) > self.config.max_header_bytes
         data = b""
-        with anyio.CancelScope(deadline=self._deadline) as scope:
+        with anyio.CancelScope() as scope:  # cancelled by a poke or by check_deadlines
             self._read_scope = scope
             try:
                 if limit_reached:
@@ -192,12 +196,12 @@ class HTTPConnection:
                 self._read_scope = None
         poked, self._poked = self._poked, False
         if scope.cancelled_caught:
-            return True if poked else await self._on_timeout()
+            return await self._on_timeout() if not poked else True
         if not data:
             self._on_gone()
             return False
         if self._phase is _Phase.IDLE:
-            self._set_phase(_Phase.HEAD, anyio.current_time() + self.config.header_timeout)
+            self._set_phase(_Phase.HEAD, time.monotonic() + self.config.header_timeout)
         self.h11.receive_data(data)
         return True
 
@@ -218,12 +222,12 @@ class HTTPConnection:
         except h11.RemoteProtocolError as exc:
             self._deliver(_Failure(exc.error_status_hint, str(exc)))
             return False
-        if wire.head_size(event) > self.config.max_header_bytes:
+        pairs, head_size, declared = wire.scan_head(event)
+        if head_size > self.config.max_header_bytes:
             # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
             self._deliver(_Failure(431, "Request header fields too large"))
             return False
         size = sum(map(len, chunks)) if chunks else 0
-        declared = wire.content_length(event.headers)
         limit = self.config.max_body_bytes
         if size > limit or (declared is not None and declared > limit):
             self._deliver(_Failure(413, f"Request body exceeds {limit} bytes"))
@@ -231,7 +235,7 @@ class HTTPConnection:
         request = Request(
             event.method.decode("ascii"),
             event.target.decode("latin-1"),
-            Headers(event.headers),
+            Headers(pairs),
             self.client,
             None,
             event.http_version.decode("ascii"),
@@ -247,7 +251,7 @@ class HTTPConnection:
                 body.push(chunk)
             if conn.they_are_waiting_for_100_continue:
                 request._on_first_pull = self._send_continue
-            self._set_phase(_Phase.BODY, anyio.current_time() + self.config.body_timeout)
+            self._set_phase(_Phase.BODY, time.monotonic() + self.config.body_timeout)
         self.current = request
         self._deliver(request)
         return True
@@ -277,8 +281,21 @@ class HTTPConnection:
     def _set_phase(self, phase: _Phase, deadline: float) -> None:
         self._phase = phase
         self._deadline = deadline
-        if self._read_scope is not None:
-            self._read_scope.deadline = deadline
+
+    def check_deadlines(self, now: float) -> None:
+        """Enforce the read and send deadlines; called a few times per timeout period.
+
+        Deadlines are plain numbers checked by a watchdog rather than a timer per read and
+        per write: arming and cancelling two timers per request costs more than the rest
+        of the transport's own work.
+        """
+        if self._read_scope is not None and now >= self._deadline and not self._poked:
+            self._read_scope.cancel()
+        if self._send_since is not None and now - self._send_since >= self.config.send_timeout:
+            if self.current is not None:
+                self.current.mark_disconnected("send_stall")
+            self._graceful = False
+            self.scope.cancel()
 
     # --------------------------------------------------------------- responder
     async def _respond_loop(self) -> None:
@@ -298,7 +315,7 @@ class HTTPConnection:
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return False  # an unread body or Connection: close; either way we are done
         conn.start_next_cycle()
-        self._set_phase(_Phase.IDLE, anyio.current_time() + self.config.keepalive_timeout)
+        self._set_phase(_Phase.IDLE, time.monotonic() + self.config.keepalive_timeout)
         if self._read_scope is not None and conn.trailing_data[0]:
             self._poked = True  # a pipelined request is already buffered: parse it now
             self._read_scope.cancel()
@@ -402,7 +419,7 @@ class HTTPConnection:
         if self.h11.they_are_waiting_for_100_continue and self.current is not None:
             data = self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
             await self._write(self.current, data)
-            self._set_phase(_Phase.BODY, anyio.current_time() + self.config.body_timeout)
+            self._set_phase(_Phase.BODY, time.monotonic() + self.config.body_timeout)
 
     async def _send_error(self, status: int, message: str) -> None:
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -413,15 +430,33 @@ class HTTPConnection:
         await self._send_whole(request, response)
 
     async def _write(self, request: Request, data: bytes) -> None:
+        # A write that outlives send_timeout cancels the whole connection (check_deadlines).
+        self._send_since = time.monotonic()
         try:
-            with anyio.CancelScope(deadline=anyio.current_time() + self.config.send_timeout) as scope:
-                await self.stream.send(data)
+            await self.stream.send(data)
         except _STREAM_ERRORS:
             request.mark_disconnected("client_gone")
             raise _ClientGone from None
-        if scope.cancelled_caught:
-            request.mark_disconnected("send_stall")
-            raise _ClientGone
+        finally:
+            self._send_since = None
+
+
+def watchdog_interval(config: ServerConfig) -> float:
+    shortest = min(
+        config.header_timeout, config.body_timeout, config.keepalive_timeout, config.send_timeout
+    )
+    return min(1.0, max(0.005, shortest / 4))
+
+
+async def watch_deadlines(connections: Iterable[HTTPConnection], config: ServerConfig) -> None:
+    """Check every connection's deadlines, forever: a timeout fires within a quarter of
+    the shortest configured timeout (at most a second) of its due time."""
+    interval = watchdog_interval(config)
+    while True:
+        await anyio.sleep(interval)
+        now = time.monotonic()
+        for conn in list(connections):
+            conn.check_deadlines(now)
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:

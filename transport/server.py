@@ -17,7 +17,7 @@ from anyio.streams.tls import TLSListener
 from . import wire
 from .config import ServerConfig
 from .errors import error_body
-from .http11 import HTTPConnection
+from .http11 import HTTPConnection, watch_deadlines
 from .request import Request
 from .responses import Response
 
@@ -66,10 +66,13 @@ class Server:
         listener = await self._open_listener()
         try:
             async with anyio.create_task_group() as connections:
+                watchdog = anyio.CancelScope()
+                connections.start_soon(self._watch, watchdog)
                 with anyio.CancelScope() as self._accept_scope:
                     task_status.started(self.bound)
                     await listener.serve(self._handle, task_group=connections)
                 await self._drain()
+                watchdog.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
@@ -83,6 +86,10 @@ class Server:
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             await self._stopped.wait()
+
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            await watch_deadlines(self._connections, self.config)
 
     async def _drain(self) -> None:
         self.draining = True
