@@ -97,6 +97,10 @@ class HTTPConnection:
         self._body: BodyQueue | None = None
         self._reader_scope = anyio.CancelScope()
         self._reader_done = anyio.Event()
+        # The running backend's own classes: anyio.Event() / anyio.CancelScope() look the
+        # backend up on every call, and these two are made once per request.
+        self._new_event = type(self._reader_done)
+        self._new_scope = type(self._reader_scope)
         self._graceful = True
 
     # ------------------------------------------------------------------ driver
@@ -147,7 +151,7 @@ class HTTPConnection:
         while not self._inbox:
             if self._inbox_closed:
                 return None
-            self._inbox_wake = anyio.Event()
+            self._inbox_wake = self._new_event()
             await self._inbox_wake.wait()
         return self._inbox.popleft()
 
@@ -183,7 +187,7 @@ class HTTPConnection:
         """Read once into h11; False when the connection is finished on the reading side."""
         limit_reached = paused and len(self.h11.trailing_data[0]) > self.config.max_header_bytes
         data = b""
-        with anyio.CancelScope() as scope:  # cancelled by a poke or by check_deadlines
+        with self._new_scope() as scope:  # cancelled by a poke or by check_deadlines
             self._read_scope = scope
             try:
                 if limit_reached:
