@@ -91,13 +91,28 @@ def serve(kind: str, port: int) -> None:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         data = answer(orjson.loads(body))
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, http=kind.split("-")[1], loop="asyncio",
-                log_level="warning", access_log=False, lifespan="off")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=kind.split("-")[1],
+        loop="asyncio",
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
 
 
 async def _bare_handle(stream) -> None:  # type: ignore[no-untyped-def]
@@ -121,8 +136,15 @@ async def _bare_handle(stream) -> None:  # type: ignore[no-untyped-def]
                 body += event.data
             elif type(event) is h11.EndOfMessage:
                 data = answer(orjson.loads(body))
-                out = conn.send(h11.Response(status_code=200, headers=[
-                    ("content-type", "application/json"), ("content-length", str(len(data)))]))
+                out = conn.send(
+                    h11.Response(
+                        status_code=200,
+                        headers=[
+                            ("content-type", "application/json"),
+                            ("content-length", str(len(data))),
+                        ],
+                    )
+                )
                 out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
                 await stream.send(out)
                 conn.start_next_cycle()
@@ -205,9 +227,13 @@ def compare(seconds: float) -> None:
             _wait_ready(port, proc)
             results[kind], cpu_us[kind] = {}, {}
             for conns in (1, 32):
-                cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
-                out = subprocess.run([*me, "load", str(port), str(conns), str(seconds)],
-                                     check=True, capture_output=True, text=True).stdout
+                cpu0 = _cpu_seconds(proc.pid)
+                out = subprocess.run(
+                    [*me, "load", str(port), str(conns), str(seconds)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 rate = float(out.strip().splitlines()[-1])
                 served = rate * seconds + rate * min(0.5, seconds)  # measured + warm-up
                 results[kind][conns] = rate

@@ -15,7 +15,9 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "transport.md"
 
 
 @pytest.mark.timeout(30)
-def test_embedding_example_serves_every_kind_of_response(capsys: pytest.CaptureFixture[str]) -> None:
+def test_embedding_example_serves_every_kind_of_response(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S)
     assert code is not None
     source = code.group(1)

@@ -18,11 +18,12 @@ from transport import (
     Request,
     Response,
     Router,
+    Server,
     ServerConfig,
     SSEResponse,
     StreamResponse,
+    wire,
 )
-from transport import Server, wire
 from transport.http11 import HTTPConnection
 
 from .transport_helpers import RawClient, connect, request_bytes, running

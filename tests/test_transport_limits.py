@@ -116,7 +116,9 @@ async def test_chunked_body_over_the_limit_is_413() -> None:
     probe = Probe()
     async with running(make_router(probe), max_body_bytes=1000) as (_, port):
         async with await connect(port) as stream:
-            await stream.send(b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
+            await stream.send(
+                b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
             for _ in range(3):
                 await stream.send(b"200\r\n" + b"b" * 512 + b"\r\n")
             data = await read_all(stream, 5)

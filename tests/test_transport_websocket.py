@@ -15,8 +15,10 @@ from wsproto.events import (
     CloseConnection,
     Ping,
     Pong,
-    Request as WSRequest,
     TextMessage,
+)
+from wsproto.events import (
+    Request as WSRequest,
 )
 
 from transport import (
@@ -111,7 +113,9 @@ async def test_echo_with_a_real_client_and_subprotocol() -> None:
     seen = Seen()
     async with running(make_router(seen)) as (_, port):
         async with ws_connect(
-            f"ws://127.0.0.1:{port}/ws", subprotocols=["chat"], additional_headers={"x-proto": "chat"}
+            f"ws://127.0.0.1:{port}/ws",
+            subprotocols=["chat"],
+            additional_headers={"x-proto": "chat"},
         ) as ws:
             assert ws.subprotocol == "chat"
             await ws.send("hello")
@@ -181,11 +185,28 @@ async def test_bad_handshakes_get_400_or_426() -> None:
     async with running(make_router(Seen())) as (_, port):
         cases = [
             (request_bytes("GET", "/ws"), b"426"),
-            (request_bytes("GET", "/ws", upgrade="websocket", connection="upgrade",
-                           sec_websocket_version="13", sec_websocket_key="short"), b"400"),
-            (request_bytes("GET", "/ws", upgrade="websocket", connection="upgrade",
-                           sec_websocket_version="8",
-                           sec_websocket_key="dGhlIHNhbXBsZSBub25jZQ=="), b"426"),
+            (
+                request_bytes(
+                    "GET",
+                    "/ws",
+                    upgrade="websocket",
+                    connection="upgrade",
+                    sec_websocket_version="13",
+                    sec_websocket_key="short",
+                ),
+                b"400",
+            ),
+            (
+                request_bytes(
+                    "GET",
+                    "/ws",
+                    upgrade="websocket",
+                    connection="upgrade",
+                    sec_websocket_version="8",
+                    sec_websocket_key="dGhlIHNhbXBsZSBub25jZQ==",
+                ),
+                b"426",
+            ),
         ]
         for raw, status in cases:
             async with await connect(port) as stream:

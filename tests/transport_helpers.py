@@ -63,9 +63,7 @@ class RawClient:
                 data = b""
             self.conn.receive_data(data)
 
-    async def response(
-        self, timeout: float = 5.0, method: str = "GET"
-    ) -> tuple[Any, bytes]:
+    async def response(self, timeout: float = 5.0, method: str = "GET") -> tuple[Any, bytes]:
         """The next response and its body; (ConnectionClosed(), b"") if the server closed.
 
         The bytes on the wire were written raw; h11's client side is told only the method,

@@ -353,8 +353,13 @@ class HTTPConnection:
         if not bodiless:
             headers.append((b"content-length", str(len(body)).encode()))
         try:
-            data = conn.send(h11.Response(status_code=response.status, headers=headers,
-                                          reason=wire.reason(response.status)))
+            data = conn.send(
+                h11.Response(
+                    status_code=response.status,
+                    headers=headers,
+                    reason=wire.reason(response.status),
+                )
+            )
             if body and not bodiless and request.method != "HEAD":
                 data += conn.send(h11.Data(data=body))
             data += conn.send(h11.EndOfMessage())
@@ -367,8 +372,11 @@ class HTTPConnection:
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
         conn = self.h11
         headers = wire.response_headers(response.headers, self.config, self.server.draining)
-        head = conn.send(h11.Response(status_code=response.status, headers=headers,
-                                      reason=wire.reason(response.status)))
+        head = conn.send(
+            h11.Response(
+                status_code=response.status, headers=headers, reason=wire.reason(response.status)
+            )
+        )
         box = Mailbox()
         sse = isinstance(response, SSEResponse)
         async with anyio.create_task_group() as tg:
@@ -413,8 +421,14 @@ class HTTPConnection:
         self._reader_scope.cancel()  # the WebSocket takes over the socket's read side
         await self._reader_done.wait()
         accept = websocket.accept_headers(request, response.subprotocol, self.config)
-        await self._write(request, self.h11.send(h11.InformationalResponse(
-            status_code=101, headers=accept, reason=b"Switching Protocols")))
+        await self._write(
+            request,
+            self.h11.send(
+                h11.InformationalResponse(
+                    status_code=101, headers=accept, reason=b"Switching Protocols"
+                )
+            ),
+        )
         trailing = self.h11.trailing_data[0]
         await websocket.run_session(self.stream, request, response.session, self.config, trailing)
         return False

@@ -65,7 +65,16 @@ class BodyQueue:
     reads instead of growing memory.
     """
 
-    __slots__ = ("_changed", "_chunks", "_done", "_error", "_space", "_total", "high_water", "limit")
+    __slots__ = (
+        "_changed",
+        "_chunks",
+        "_done",
+        "_error",
+        "_space",
+        "_total",
+        "high_water",
+        "limit",
+    )
 
     def __init__(self, limit: int, high_water: int = 65536) -> None:
         self.limit = limit

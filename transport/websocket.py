@@ -16,6 +16,7 @@ from wsproto.events import (
     CloseConnection,
     Message,
     Ping,
+    Pong,
     TextMessage,
 )
 
@@ -139,7 +140,7 @@ class WebSocket:
             except WebSocketClosed:
                 pass
 
-    async def _send_event(self, event: Message | CloseConnection | Ping) -> None:
+    async def _send_event(self, event: Message | CloseConnection | Ping | Pong) -> None:
         async with self._send_lock:
             if self._ws.state is not ConnectionState.OPEN and not isinstance(
                 event, CloseConnection

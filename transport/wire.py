@@ -88,7 +88,12 @@ async def close_stream(stream: anyio.abc.ByteStream, graceful: bool) -> None:
             try:
                 while await stream.receive(65536):
                     pass
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            except (
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                OSError,
+            ):
                 pass
             except Exception:  # a TLS peer that vanishes without close_notify
                 pass
