@@ -28,8 +28,7 @@ from .config import ServerConfig
 from .errors import HTTPError
 from .request import BodyQueue, Headers, Request
 from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
-from .sse import PING, frame_event
-from .streaming import END, Mailbox, run_producer
+from .streaming import discard, pump
 
 __all__ = ["HTTPConnection", "ServerState", "watch_deadlines"]
 
@@ -121,6 +120,11 @@ class HTTPConnection:
                 with anyio.CancelScope(shield=True):
                     await wire.close_stream(self.stream, graceful=self._graceful)
 
+    def close_idle(self) -> None:
+        """Close now if no request is in flight (shutdown): FIN, not a reset."""
+        if self.idle:
+            self.scope.cancel()
+
     def abort(self, reason: str) -> None:
         """Cancel this connection now (shutdown deadline): the in-flight request learns why."""
         if self.current is not None:
@@ -209,20 +213,20 @@ class HTTPConnection:
         self.h11.receive_data(data)
         return True
 
+    def _body_already_here(self) -> tuple[list[bytes], bool]:
+        """The body events h11 can produce without more bytes: (chunks, complete)."""
+        chunks: list[bytes] = []
+        while True:
+            event = self.h11.next_event()
+            if type(event) is h11.Data:
+                chunks.append(event.data)
+            else:
+                return chunks, type(event) is h11.EndOfMessage
+
     async def _on_request(self, event: h11.Request) -> bool:
         conn = self.h11
-        chunks: list[bytes] = []
-        complete = False
-        try:
-            while True:  # take what already arrived: most bodies come with their head
-                nxt = conn.next_event()
-                if type(nxt) is h11.Data:
-                    chunks.append(nxt.data)
-                elif type(nxt) is h11.EndOfMessage:
-                    complete = True
-                    break
-                else:
-                    break
+        try:  # most bodies arrive with their head: take them now, skip the body queue
+            chunks, complete = self._body_already_here()
         except h11.RemoteProtocolError as exc:
             self._deliver(_Failure(exc.error_status_hint, str(exc)))
             return False
@@ -372,44 +376,32 @@ class HTTPConnection:
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
         conn = self.h11
         headers = wire.response_headers(response.headers, self.config, self.server.draining)
-        head = conn.send(
-            h11.Response(
-                status_code=response.status, headers=headers, reason=wire.reason(response.status)
-            )
-        )
-        box = Mailbox()
-        sse = isinstance(response, SSEResponse)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run_producer, response.chunks, box)
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        reason = wire.reason(response.status)
+        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))
+        try:
+            await self._write(request, head)
+        except _ClientGone:
+            await discard(response.chunks)
+            raise
+        if request.method == "HEAD":
+            await discard(response.chunks)
+            ok = True
+        else:
+            sse = isinstance(response, SSEResponse)
+            ping = self.config.sse_ping_interval if sse else math.inf
+
+            async def write_data(data: bytes) -> None:
+                await self._write(request, conn.send(h11.Data(data=data)))
+
             try:
-                await self._write(request, head)
-                if request.method != "HEAD":
-                    await self._pump(request, box, sse)
+                ok = await pump(request, response.chunks, write_data, sse, ping)
             except _ClientGone:
-                self._graceful = False
-            tg.cancel_scope.cancel()
-        if request.is_disconnected() or box.failed or not box.closed:
+                ok = False
+        if not ok:
             self._graceful = False  # an unterminated chunked body tells the client it is cut
             return False
         await self._write(request, conn.send(h11.EndOfMessage()))
         return True
-
-    async def _pump(self, request: Request, box: Mailbox, sse: bool) -> None:
-        conn = self.h11
-        ping = self.config.sse_ping_interval if sse else math.inf
-        while True:
-            item = END
-            with anyio.move_on_after(ping) as idle:
-                item = await box.get()
-            if idle.cancelled_caught:
-                await self._write(request, conn.send(h11.Data(data=PING)))
-                continue
-            if item is END:
-                return
-            data = frame_event(item) if sse else item
-            if data:
-                await self._write(request, conn.send(h11.Data(data=data)))
 
     async def _upgrade(self, request: Request, response: WebSocketResponse) -> bool:
         from . import websocket
@@ -475,8 +467,3 @@ async def watch_deadlines(connections: Iterable[HTTPConnection], config: ServerC
         now = time.monotonic()
         for conn in list(connections):
             conn.check_deadlines(now)
-
-
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    await request.disconnected.wait()
-    scope.cancel()

@@ -97,8 +97,7 @@ class Server:
     async def _drain(self) -> None:
         self.draining = True
         for conn in list(self._connections):
-            if conn.idle:
-                conn.abort("shutdown")
+            conn.close_idle()
         if self._connections:
             with anyio.move_on_after(self.config.shutdown_timeout):
                 await self._all_closed.wait()
