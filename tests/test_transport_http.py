@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -31,9 +32,13 @@ from .transport_helpers import RawClient, connect, request_bytes, running
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+HAVE_TRIO = importlib.util.find_spec("trio") is not None
+
+
+# The same code runs on trio where it is installed (it is not a dependency).
+@pytest.fixture(params=["asyncio", "trio"] if HAVE_TRIO else ["asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 def make_router() -> Router:
@@ -298,3 +303,46 @@ async def test_tls_with_trustme_certificate(tmp_path: pytest.TempPathFactory) ->
             assert r.status_code == 200 and r.json()["hello"] == "tls"
             r = await http.post("/echo", content=b"z" * 200_000)
             assert r.content == b"z" * 200_000
+
+
+async def test_streamed_upload_arrives_in_order_through_the_bounded_queue() -> None:
+    router = Router()
+
+    @router.route("POST", "/count")
+    async def count(request: Request) -> Response:
+        total, chunks = 0, 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            chunks += 1
+            await anyio.sleep(0)  # a slow consumer: the reader must wait, not buffer it all
+        return JSONResponse({"total": total, "chunks": chunks})
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(64):
+            yield b"u" * 16384
+
+    async with running(router) as (_, port):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            r = await http.post("/count", content=body())
+    assert r.json()["total"] == 64 * 16384 and r.json()["chunks"] > 1
+
+
+async def test_producer_failure_mid_stream_truncates_and_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    router = Router()
+
+    @router.route("GET", "/broken")
+    async def broken(request: Request) -> Response:
+        async def gen() -> AsyncIterator[str]:
+            yield "first"
+            raise RuntimeError("producer blew up")
+
+        return SSEResponse(gen())
+
+    async with running(router) as (_, port), await connect(port) as stream:
+        client = RawClient(stream)
+        await client.send(request_bytes("GET", "/broken"))
+        with pytest.raises(h11.RemoteProtocolError):  # no terminating chunk: visibly cut
+            await client.response()
+    assert any("producer blew up" in str(rec.exc_info) for rec in caplog.records)
