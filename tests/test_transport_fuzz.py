@@ -8,7 +8,7 @@ import socket
 import anyio
 import anyio.abc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from transport import Request, Response, Router, ServerConfig
@@ -80,8 +80,11 @@ mutated = st.builds(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.binary(max_size=300), mutated, st.lists(st.sampled_from(SEEDS)).map(b"".join)))
+@example(b"! ! HTTP/0.0\n!:\nTransfer-Encoding:\n\n")  # found by this test: the 501 below
 def test_any_input_ends_in_a_response_or_a_close(data: bytes) -> None:
     received = anyio.run(exchange, data)
     statuses = [int(s) for s in STATUS.findall(received)]
     assert received == b"" or statuses, received[:200]
-    assert all(s < 500 for s in statuses), received[:300]
+    # 501 is h11's (and RFC 9112 section 6.1's) answer to a transfer coding it does not
+    # implement; any other 5xx would be the server failing.
+    assert all(s < 500 or s == 501 for s in statuses), received[:300]

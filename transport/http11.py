@@ -165,7 +165,7 @@ class HTTPConnection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                await self._on_protocol_error(exc)
+                self._on_protocol_error(exc)
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 if not await self._fill(paused=event is h11.PAUSED):
@@ -204,7 +204,7 @@ class HTTPConnection:
                 self._read_scope = None
         poked, self._poked = self._poked, False
         if scope.cancelled_caught:
-            return await self._on_timeout() if not poked else True
+            return self._on_timeout() if not poked else True
         if not data:
             self._on_gone()
             return False
@@ -264,19 +264,18 @@ class HTTPConnection:
         self._deliver(request)
         return True
 
-    async def _on_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+    def _on_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self._body is not None:  # malformed body: the handler reading it gets a 400
             self._body.fail(HTTPError(exc.error_status_hint, f"Malformed request body: {exc}"))
         elif self._phase is not _Phase.WATCH:
             self._deliver(_Failure(exc.error_status_hint, str(exc)))
 
-    async def _on_timeout(self) -> bool:
+    def _on_timeout(self) -> bool:
         phase = self._phase
         if phase is _Phase.BODY and self._body is not None:
             self._body.fail(HTTPError(408, "Request body timeout"))
         elif phase is _Phase.HEAD and self.h11.trailing_data[0]:
             self._deliver(_Failure(408, "Request header timeout"))
-        self._graceful = phase is not _Phase.IDLE or bool(self.h11.trailing_data[0])
         return False  # an idle connection that timed out just closes
 
     def _on_gone(self) -> None:
