@@ -5,8 +5,8 @@ serving the same handler: read a ~500-byte JSON body, parse it, answer ~500 byte
 JSON. The load client is another process (pinned to CPU 1): asyncio streams on raw
 sockets, keep-alive, one request in flight per connection, at 1 and 32 connections.
 
-    python bench/transport.py            # the whole comparison, about a minute
-    python bench/transport.py --seconds 2
+    python bench/transport.py            # the whole comparison, under a minute
+    python bench/transport.py --seconds 3 --rounds 5
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -177,18 +178,20 @@ async def _connection(port: int, stop_at: float, counts: list[int]) -> None:
         writer.close()
 
 
-async def _load(port: int, conns: int, seconds: float) -> float:
+async def _load(port: int, conns: int, seconds: float) -> tuple[int, float]:
     counts: list[int] = []
     stop_at = time.perf_counter() + seconds
     start = time.perf_counter()
     await asyncio.gather(*(_connection(port, stop_at, counts) for _ in range(conns)))
-    return sum(counts) / (time.perf_counter() - start)
+    return sum(counts), time.perf_counter() - start
 
 
 def load(port: int, conns: int, seconds: float) -> None:
+    """Print the measured rate and how many requests were sent in all (warm-up included)."""
     pin(1)
-    asyncio.run(_load(port, conns, min(0.5, seconds)))  # warm-up
-    print(f"{asyncio.run(_load(port, conns, seconds)):.0f}")
+    warm, _ = asyncio.run(_load(port, conns, min(0.5, seconds)))
+    count, elapsed = asyncio.run(_load(port, conns, seconds))
+    print(f"{count / elapsed:.0f} {warm + count}")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -216,53 +219,75 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("server did not start")
 
 
-def compare(seconds: float) -> None:
-    me = [sys.executable, __file__]
-    results: dict[str, dict[int, float]] = {}
-    cpu_us: dict[str, dict[int, float]] = {}
-    for kind in SERVERS:
-        port = _free_port()
-        proc = subprocess.Popen([*me, "serve", kind, str(port)])
-        try:
+def _measure(
+    proc: subprocess.Popen[bytes], port: int, conns: int, seconds: float
+) -> tuple[float, float]:
+    """(requests/s, server CPU µs per request) for one load run against one server."""
+    cpu0 = _cpu_seconds(proc.pid)
+    out = subprocess.run(
+        [sys.executable, __file__, "load", str(port), str(conns), str(seconds)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    rate, sent = out.split()
+    return float(rate), (_cpu_seconds(proc.pid) - cpu0) / int(sent) * 1e6
+
+
+def compare(seconds: float, rounds: int) -> None:
+    """All servers up at once (idle ones cost nothing); rounds interleave them so that
+    load from other jobs on the box falls on all of them alike; medians are reported."""
+    procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    try:
+        for kind in SERVERS:
+            port = _free_port()
+            procs[kind] = (
+                subprocess.Popen([sys.executable, __file__, "serve", kind, str(port)]),
+                port,
+            )
+        for proc, port in procs.values():
             _wait_ready(port, proc)
-            results[kind], cpu_us[kind] = {}, {}
+        for _ in range(rounds):
             for conns in (1, 32):
-                cpu0 = _cpu_seconds(proc.pid)
-                out = subprocess.run(
-                    [*me, "load", str(port), str(conns), str(seconds)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                rate = float(out.strip().splitlines()[-1])
-                served = rate * seconds + rate * min(0.5, seconds)  # measured + warm-up
-                results[kind][conns] = rate
-                cpu_us[kind][conns] = (_cpu_seconds(proc.pid) - cpu0) / served * 1e6
-        finally:
+                for kind, (proc, port) in procs.items():
+                    samples.setdefault((kind, conns), []).append(
+                        _measure(proc, port, conns, seconds)
+                    )
+    finally:
+        for proc, _ in procs.values():
             proc.terminate()
             proc.wait(10)
-    print(f"\nsmall JSON POST ({len(REQUEST)} B request, keep-alive), requests/s:")
-    print(f"{'server':<20}{'c=1':>10}{'c=32':>10}   server CPU us/request c=1, c=32")
-    for kind, row in results.items():
-        cpu = cpu_us[kind]
-        print(f"{kind:<20}{row[1]:>10.0f}{row[32]:>10.0f}   {cpu[1]:>8.0f}{cpu[32]:>8.0f}")
-    base = results["uvicorn-h11"]
-    ours = results["lifecycle"]
-    print(f"lifecycle / uvicorn-h11: c=1 {ours[1] / base[1]:.2f}x, c=32 {ours[32] / base[32]:.2f}x")
+    rate = {k: statistics.median(r for r, _ in v) for k, v in samples.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
+    print(f"\nsmall JSON POST ({len(REQUEST)} B request, keep-alive), median of {rounds} rounds")
+    print(f"{'server':<20}{'req/s c=1':>11}{'c=32':>8}   server CPU µs/request c=1, c=32")
+    for kind in SERVERS:
+        print(
+            f"{kind:<20}{rate[kind, 1]:>11.0f}{rate[kind, 32]:>8.0f}"
+            f"   {cpu[kind, 1]:>8.0f}{cpu[kind, 32]:>8.0f}"
+        )
+    for conns in (1, 32):
+        print(
+            f"lifecycle / uvicorn-h11 at c={conns}: "
+            f"{rate['lifecycle', conns] / rate['uvicorn-h11', conns]:.2f}x req/s, "
+            f"{cpu['uvicorn-h11', conns] / cpu['lifecycle', conns]:.2f}x CPU efficiency"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="compare", choices=["compare", "serve", "load"])
     parser.add_argument("args", nargs="*")
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=1.2, help="per load run")
+    parser.add_argument("--rounds", type=int, default=3)
     ns = parser.parse_args()
     if ns.mode == "serve":
         serve(ns.args[0], int(ns.args[1]))
     elif ns.mode == "load":
         load(int(ns.args[0]), int(ns.args[1]), float(ns.args[2]))
     else:
-        compare(ns.seconds)
+        compare(ns.seconds, ns.rounds)
 
 
 if __name__ == "__main__":
