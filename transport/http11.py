@@ -66,6 +66,13 @@ class _ClientGone(Exception):
 
 
 class HTTPConnection:
+    """One accepted connection, from the first request to the close.
+
+    ``run()`` serves it to the end; a server calls ``close_idle()`` and ``abort()`` during
+    shutdown and ``check_deadlines()`` from its watchdog. Without a server (a test, or an
+    app handing over its own streams) the connection watches its own deadlines.
+    """
+
     def __init__(
         self,
         stream: anyio.abc.ByteStream,
