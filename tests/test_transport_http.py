@@ -346,3 +346,38 @@ async def test_producer_failure_mid_stream_truncates_and_closes(
         with pytest.raises(h11.RemoteProtocolError):  # no terminating chunk: visibly cut
             await client.response()
     assert any("producer blew up" in str(rec.exc_info) for rec in caplog.records)
+
+
+async def test_http10_request_gets_an_answer_then_close() -> None:
+    async with running(make_router()) as (_, port), await connect(port) as stream:
+        await stream.send(b"GET /hello/old HTTP/1.0\r\n\r\n")
+        data = b""
+        with anyio.fail_after(5):
+            try:
+                while True:
+                    data += await stream.receive()
+            except anyio.EndOfStream:
+                pass
+    assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b'{"hello":"old","q":{}}')
+
+
+async def test_expect_100_rejected_without_reading_skips_the_body_and_closes() -> None:
+    router = make_router()
+
+    @router.route("POST", "/deny")
+    async def deny(request: Request) -> Response:
+        raise HTTPError(401, "no")
+
+    async with running(router) as (_, port), await connect(port) as stream:
+        client = RawClient(stream)
+        await client.send(request_bytes("POST", "/deny", expect="100-continue", content_length="9"))
+        response, body = await client.response(method="POST")
+        assert response.status_code == 401 and b"no" in body  # no 100 Continue first
+        assert await client.closed()
+
+
+async def test_body_exactly_at_the_limit_is_accepted() -> None:
+    async with running(make_router(), max_body_bytes=1000) as (_, port):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            assert (await http.post("/echo", content=b"k" * 1000)).status_code == 200
+            assert (await http.post("/echo", content=b"k" * 1001)).status_code == 413
