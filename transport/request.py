@@ -72,6 +72,7 @@ class BodyQueue:
         "_error",
         "_space",
         "_total",
+        "_unread",
         "high_water",
         "limit",
     )
@@ -81,6 +82,7 @@ class BodyQueue:
         self.high_water = high_water
         self._chunks: deque[bytes] = deque()
         self._total = 0
+        self._unread = 0
         self._done = False
         self._error: HTTPError | None = None
         self._changed: anyio.Event | None = None
@@ -97,6 +99,7 @@ class BodyQueue:
             self.fail(HTTPError(413, f"Request body exceeds {self.limit} bytes"))
             return False
         self._chunks.append(data)
+        self._unread += len(data)
         self._wake()
         return True
 
@@ -108,18 +111,22 @@ class BodyQueue:
         if not self._done and self._error is None:
             self._error = error
             self._chunks.clear()
+            self._unread = 0
             self._wake()
+            self._make_space()
 
     def _wake(self) -> None:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
 
-    def buffered(self) -> int:
-        return sum(len(c) for c in self._chunks)
+    def _make_space(self) -> None:
+        if self._space is not None:
+            self._space.set()
+            self._space = None
 
     async def wait_for_space(self) -> None:
-        while self.buffered() > self.high_water and not self.finished:
+        while self._unread > self.high_water and not self.finished:
             self._space = anyio.Event()
             await self._space.wait()
 
@@ -128,9 +135,8 @@ class BodyQueue:
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
-                if self._space is not None:
-                    self._space.set()
-                    self._space = None
+                self._unread -= len(chunk)
+                self._make_space()
                 return chunk
             if self._error is not None:
                 raise self._error
