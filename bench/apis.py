@@ -158,7 +158,7 @@ class ResponseReader:
             self._fail(err)
             return
         text, reported = self._extract(obj, streaming=False)
-        self._parts = [text]
+        self.out.generated_text = text
         self.out.output_len = reported if reported is not None else 0
         self.out.success = True
 

@@ -69,9 +69,16 @@ def _generate_frames(n: int, prompt_tokens: int, rid: str) -> list[bytes]:
     for i in range(n):
         text += token_text(i)
         finish = {"type": "length", "length": n} if i == n - 1 else None
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                "completion_tokens": i + 1, "cached_tokens": 0}  # fmt: skip
-        frames.append(_sse({"text": text, "output_ids": list(range(100, 101 + i)), "meta_info": meta}))
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": i + 1,
+            "cached_tokens": 0,
+        }
+        frames.append(
+            _sse({"text": text, "output_ids": list(range(100, 101 + i)), "meta_info": meta})
+        )
     return frames
 
 
@@ -84,12 +91,28 @@ def _openai_frames(n: int, prompt_tokens: int, rid: str, chat: bool) -> list[byt
             choice["delta"] = {"content": token_text(i)}
         else:
             choice.update(text=token_text(i), logprobs=None)
-        frames.append(_sse({"id": rid, "object": kind, "created": 0, "model": "scripted",
-                            "choices": [choice]}))  # fmt: skip
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-             "total_tokens": prompt_tokens + n}  # fmt: skip
-    frames.append(_sse({"id": rid, "object": kind, "created": 0, "model": "scripted",
-                        "choices": [], "usage": usage}))  # fmt: skip
+        frames.append(
+            _sse(
+                {"id": rid, "object": kind, "created": 0, "model": "scripted", "choices": [choice]}
+            )
+        )
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": prompt_tokens + n,
+    }
+    frames.append(
+        _sse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": 0,
+                "model": "scripted",
+                "choices": [],
+                "usage": usage,
+            }
+        )
+    )
     return frames
 
 
@@ -128,13 +151,24 @@ def build_app(delay_s: float = 0.0) -> FastAPI:
         key = "input_ids" if "input_ids" in body else "text"
         frames = _generate_frames(n, _prompt_tokens(body, key), str(next(counter)))
         if body.get("stream"):
-            return StreamingResponse(_stream(frames, fault, delay_s), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(frames, fault, delay_s), media_type="text/event-stream"
+            )
         text = "".join(token_text(i) for i in range(n))
-        meta = {"id": str(next(counter)), "finish_reason": {"type": "length", "length": n},
-                "prompt_tokens": _prompt_tokens(body, key), "completion_tokens": n,
-                "cached_tokens": 0, "e2e_latency": 0.0}  # fmt: skip
-        return Response(orjson.dumps({"text": text, "output_ids": list(range(100, 100 + n)),
-                                      "meta_info": meta}), media_type="application/json")  # fmt: skip
+        meta = {
+            "id": str(next(counter)),
+            "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": _prompt_tokens(body, key),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "e2e_latency": 0.0,
+        }
+        return Response(
+            orjson.dumps(
+                {"text": text, "output_ids": list(range(100, 100 + n)), "meta_info": meta}
+            ),
+            media_type="application/json",
+        )
 
     async def openai(request: Request, chat: bool) -> Response:
         body = orjson.loads(await request.body())
@@ -146,7 +180,9 @@ def build_app(delay_s: float = 0.0) -> FastAPI:
         rid = f"cmpl-{next(counter)}"
         if body.get("stream"):
             frames = _openai_frames(n, ptoks, rid, chat)
-            return StreamingResponse(_stream(frames, fault, delay_s), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(frames, fault, delay_s), media_type="text/event-stream"
+            )
         text = "".join(token_text(i) for i in range(n))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         if chat:
@@ -154,8 +190,14 @@ def build_app(delay_s: float = 0.0) -> FastAPI:
         else:
             choice.update(text=text, logprobs=None)
         usage = {"prompt_tokens": ptoks, "completion_tokens": n, "total_tokens": ptoks + n}
-        obj = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-               "created": int(time.time()), "model": "scripted", "choices": [choice], "usage": usage}  # fmt: skip
+        obj = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": "scripted",
+            "choices": [choice],
+            "usage": usage,
+        }
         return Response(orjson.dumps(obj), media_type="application/json")
 
     @app.post("/v1/completions")
@@ -170,12 +212,19 @@ def build_app(delay_s: float = 0.0) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.baseline_fastapi", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.baseline_fastapi",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30001, help="0 picks a free port")
-    p.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
-                   help="uvicorn's HTTP parser (auto: httptools when installed)")  # fmt: skip
+    p.add_argument(
+        "--http",
+        choices=("auto", "h11", "httptools"),
+        default="auto",
+        help="uvicorn's HTTP parser (auto: httptools when installed)",
+    )
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     args = p.parse_args(argv)
     # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when
@@ -187,8 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     sock.set_inheritable(True)
     host, port = sock.getsockname()[:2]
     print(f"LISTENING {host} {port}", flush=True)
-    config = uvicorn.Config(build_app(args.token_delay_ms / 1e3), http=args.http, loop="asyncio",
-                            lifespan="off", access_log=False, log_level="warning")  # fmt: skip
+    config = uvicorn.Config(
+        build_app(args.token_delay_ms / 1e3),
+        http=args.http,
+        loop="asyncio",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+    )
     uvicorn.Server(config).run(sockets=[sock])
     sys.stdout.flush()
     return 0

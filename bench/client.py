@@ -135,9 +135,12 @@ async def send_request(
 ) -> RequestOutput:
     """Run one request to completion; every failure comes back as a failed output."""
     payload = encode_request(
-        "POST", spec.path, pool.target.authority, build_body(spec, prompt.prompt, prompt.output_len),
+        "POST",
+        spec.path,
+        pool.target.authority,
+        build_body(spec, prompt.prompt, prompt.output_len),
         "text/event-stream" if spec.stream else "application/json",
-    )  # fmt: skip
+    )
     for attempt in (0, 1):
         reader = ResponseReader(spec, prompt.prompt_len, time.perf_counter())
         stream: SocketStream | None = None
@@ -150,7 +153,12 @@ async def send_request(
                 except IncompleteResponse as exc:
                     # A pooled connection the server closed while idle fails before any
                     # byte arrives: retry once on a fresh one (RFC 9112 §9.3.1).
-                    if reused and attempt == 0 and reader.out.latency == 0 and not reader.out.status:
+                    if (
+                        reused
+                        and attempt == 0
+                        and reader.out.latency == 0
+                        and not reader.out.status
+                    ):
                         continue
                     out = reader.fail(reader.out.status, f"truncated response: {exc}")
         except TimeoutError:

@@ -63,7 +63,8 @@ class ResponseParser:
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._state = "head"  # head | length | chunk_size | chunk_data | chunk_crlf | trailer | close | done
+        # head | length | chunk_size | chunk_data | chunk_crlf | trailer | close | done
+        self._state = "head"
         self._remaining = 0
         self.head: ResponseHead | None = None
 

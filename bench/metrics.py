@@ -187,7 +187,9 @@ def format_report(m: BenchmarkMetrics, header: dict[str, Any]) -> str:
     for title, short, stats, fields in sections:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for f in fields:
-            label = f"{f.capitalize() if f in ('mean', 'median', 'max') else f.upper()} {short} (ms):"
+            label = (
+                f"{f.capitalize() if f in ('mean', 'median', 'max') else f.upper()} {short} (ms):"
+            )
             lines.append(f"{label:<40} {getattr(stats, f):<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -189,8 +189,11 @@ def run_load_sync(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--api", choices=("generate", "completions", "chat"), default="generate")
     p.add_argument("--disable-stream", action="store_true", help="non-streaming requests")
@@ -220,22 +223,34 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     spec = RequestSpec(
-        api=args.api, stream=not args.disable_stream, ignore_eos=args.ignore_eos,
-        eog_ids=tuple(args.eog_ids), model=args.model, stream_usage=args.stream_usage,
+        api=args.api,
+        stream=not args.disable_stream,
+        ignore_eos=args.ignore_eos,
+        eog_ids=tuple(args.eog_ids),
+        model=args.model,
+        stream_usage=args.stream_usage,
         extra_body=json.loads(args.extra_request_body),
-    )  # fmt: skip
+    )
     prompts = make_workload(
         WorkloadConfig(
-            kind=args.dataset, num_requests=args.num_requests, input_len=args.input_len,
-            output_len=args.output_len, range_ratio=args.range_ratio, seed=args.seed,
+            kind=args.dataset,
+            num_requests=args.num_requests,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            seed=args.seed,
             path=args.dataset_path,
         )
-    )  # fmt: skip
+    )
     cfg = LoadConfig(
-        max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-        time_cap_s=args.time_cap, request_timeout_s=args.request_timeout,
-        warmup_requests=args.warmup_requests, seed=args.seed, progress=not args.quiet,
-    )  # fmt: skip
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        time_cap_s=args.time_cap,
+        request_timeout_s=args.request_timeout,
+        warmup_requests=args.warmup_requests,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     result = run_load_sync(Target.from_url(args.base_url), spec, prompts, cfg)
     header = {
         "Backend:": f"{args.api} ({'stream' if spec.stream else 'unary'}) at {args.base_url}",
@@ -244,13 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(format_report(result.metrics, header))
     d = result.to_dict()
-    print(f"Client CPU: {d['client_cpu_s']:.2f} s ({d['client_cpu_pct']:.1f}% of one core), "
-          f"{result.connections_opened} connections, not started: {result.not_started}")  # fmt: skip
+    print(
+        f"Client CPU: {d['client_cpu_s']:.2f} s ({d['client_cpu_pct']:.1f}% of one core), "
+        f"{result.connections_opened} connections, not started: {result.not_started}"
+    )
     for err, n in sorted(result.errors.items()):
         print(f"  failed x{n}: {err}")
     if args.output_file:
-        d.update(api=args.api, stream=spec.stream, max_concurrency=args.max_concurrency,
-                 request_rate=args.request_rate, base_url=args.base_url)  # fmt: skip
+        d.update(
+            api=args.api,
+            stream=spec.stream,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            base_url=args.base_url,
+        )
         d = result.to_dict(details=args.output_details) | d
         with open(args.output_file, "w") as f:
             json.dump(d, f, indent=2, default=str)
