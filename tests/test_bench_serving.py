@@ -391,3 +391,41 @@ def test_cli_writes_json(baseline: Target, tmp_path: Path) -> None:
     d = json.loads(out.read_text())
     assert d["completed"] == 4 and d["total_output"] == 12 and "p99_itl_ms" in d
     assert d["client_cpu_s"] >= 0
+
+
+# --- the comparison harness ------------------------------------------------------------
+
+
+def test_compare_alternates_and_pools_reps(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from bench.compare import Contender, compare, print_table
+
+    procs = [ServerProcess.start_baseline(sys.executable, cwd=ROOT) for _ in range(2)]
+    try:
+        contenders = [Contender(lb, p, RequestSpec()) for lb, p in zip("AB", procs, strict=True)]
+        args = argparse.Namespace(
+            levels=[1, 3],
+            num_requests=4,
+            reps=2,
+            mode="frontend",
+            time_cap=30.0,
+            quiet=True,
+            input_len=4,
+            output_len=6,
+        )
+        summary = compare(contenders, args)
+    finally:
+        for p in procs:
+            p.stop()
+    order = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("==")]
+    assert [ln.rsplit(" ", 1)[1] for ln in order] == list("ABAB" * 2)
+    for conc in (1, 3):
+        for lb in "AB":
+            row = summary[conc][lb]
+            assert (row["completed"], row["failed"]) == (8, 0)  # 4 requests x 2 reps, pooled
+            assert len(row["rep_output_tok_s"]) == 2 and row["output_tok_s"] > 0
+            assert row["server_cpu_us_per_request"] > 0
+    print_table(summary, ["A", "B"], frontend=True)
+    table = capsys.readouterr().out
+    assert "A/B" in table and "CPU us/tok" in table and "c=3: A 8/0, B 8/0" in table
