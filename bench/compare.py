@@ -36,7 +36,7 @@ import psutil
 from bench.apis import RequestSpec
 from bench.client import Target
 from bench.metrics import RequestOutput, compute_metrics
-from bench.procs import ServerProcess, free_port
+from bench.procs import ServerProcess, busy_cpu_seconds, free_port
 from bench.serving import LoadConfig, LoadResult, run_load_sync
 from bench.workload import WorkloadConfig, make_workload
 
@@ -89,14 +89,16 @@ class LevelResult:
     requests_sent: int = 0
     server_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    foreign_cpu_s: float = 0.0
     rep_tok_s: list[float] = field(default_factory=list)
 
-    def add(self, res: LoadResult, server_cpu_s: float) -> None:
+    def add(self, res: LoadResult, server_cpu_s: float, foreign_cpu_s: float) -> None:
         self.outputs += res.outputs
         self.duration_s += res.metrics.duration_s
         self.requests_sent += len(res.outputs)
         self.server_cpu_s += server_cpu_s
         self.client_cpu_s += res.client_cpu_s
+        self.foreign_cpu_s += foreign_cpu_s
         self.rep_tok_s.append(res.metrics.output_throughput)
 
     def summary(self) -> dict[str, Any]:
@@ -116,6 +118,7 @@ class LevelResult:
             "server_cpu_us_per_request": 1e6 * self.server_cpu_s / max(self.requests_sent, 1),
             "server_cpu_us_per_token": 1e6 * self.server_cpu_s / tokens,
             "client_cpu_pct": 100 * self.client_cpu_s / max(self.duration_s, 1e-9),
+            "foreign_cpu_pct": 100 * self.foreign_cpu_s / max(self.duration_s, 1e-9),
         }
 
 
@@ -256,9 +259,18 @@ def compare(contenders: list[Contender], args: argparse.Namespace) -> dict[int, 
                     progress=not args.quiet,
                     seed=rep,
                 )
-                cpu0 = c.proc.cpu_seconds()
-                res = run_load_sync(c.target, c.spec, _prompts(args, n, seed=1 + rep), cfg)
-                level[c.label].add(res, c.proc.cpu_seconds() - cpu0)
+                prompts = _prompts(args, n, seed=1 + rep)
+                cpu0, tree0, busy0 = (
+                    c.proc.cpu_seconds(),
+                    c.proc.tree_cpu_seconds(),
+                    busy_cpu_seconds(),
+                )
+                res = run_load_sync(c.target, c.spec, prompts, cfg)
+                # Whatever else ran meanwhile: machine busy time minus the server's
+                # process tree and this client. Above ~10% of a core the figures are noise.
+                foreign = busy_cpu_seconds() - busy0 - (c.proc.tree_cpu_seconds() - tree0)
+                foreign = max(0.0, foreign - res.client_cpu_s)
+                level[c.label].add(res, c.proc.cpu_seconds() - cpu0, foreign)
     return {conc: {k: v.summary() for k, v in lv.items()} for conc, lv in results.items()}
 
 
@@ -332,8 +344,8 @@ def _parser() -> argparse.ArgumentParser:
         "--api",
         choices=("generate", "completions"),
         default=None,
-        help="API used for our server (default: completions in model mode, "
-        "generate in frontend mode); the llama-cpp peer always gets completions",
+        help="API used for our server (default generate); the llama-cpp peer always "
+        "gets /v1/completions",
     )
     p.add_argument("--time-cap", type=float, default=120.0, help="per run, seconds")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2)")
@@ -355,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.api = args.api or ("completions" if args.mode == "model" else "generate")
+    args.api = args.api or "generate"
     start = start_model_contenders if args.mode == "model" else start_frontend_contenders
     contenders, procs = start(args)
     try:

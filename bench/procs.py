@@ -19,7 +19,13 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ServerProcess", "free_port", "http_status"]
+__all__ = ["ServerProcess", "busy_cpu_seconds", "free_port", "http_status"]
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (every core, every process)."""
+    t = psutil.cpu_times()
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,6 +127,18 @@ class ServerProcess:
         except (OSError, ValueError, IndexError):
             t = psutil.Process(pid).cpu_times()
             return float(t.user + t.system)
+
+    def tree_cpu_seconds(self) -> float:
+        """CPU seconds of the server and every process it spawned (10 ms ticks)."""
+        root = psutil.Process(self.popen.pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
 
     def log_tail(self, n: int = 4000) -> str:
         with contextlib.suppress(OSError):
