@@ -312,13 +312,17 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
             vals = [row[lb][key] for lb in labels]
             line = f"{conc:>5} " + " ".join(f"{v:>12.{digits}f}" for v in vals)
             print(line + (f" {_fmt_ratio(vals[0], vals[1]):>14}" if b else ""))
-    print(
-        "\nrequests completed/failed: "
-        + "; ".join(
-            f"c={conc}: "
-            + ", ".join(f"{lb} {row[lb]['completed']}/{row[lb]['failed']}" for lb in labels)
+
+    def per_level(fmt: Callable[[dict[str, Any]], str]) -> str:
+        return "; ".join(
+            f"c={conc}: " + ", ".join(f"{lb} {fmt(row[lb])}" for lb in labels)
             for conc, row in summary.items()
         )
+
+    print("\nrequests completed/failed: " + per_level(lambda r: f"{r['completed']}/{r['failed']}"))
+    print(
+        "other processes' CPU during the runs, % of one core (above ~10 the figures are noise): "
+        + per_level(lambda r: f"{r['foreign_cpu_pct']:.0f}")
     )
 
 
