@@ -10,6 +10,7 @@ connection close (RFC 9112 §6.3), and no trailers kept. A body cut short raises
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, auto
 
 __all__ = [
     "BodyChunk",
@@ -58,19 +59,33 @@ def encode_request(method: str, path: str, host: str, body: bytes, accept: str) 
     return head.encode("ascii") + body
 
 
+class _State(Enum):
+    HEAD = auto()
+    LENGTH = auto()  # Content-Length body
+    CHUNK_SIZE = auto()
+    CHUNK_DATA = auto()
+    CHUNK_CRLF = auto()  # the CRLF that closes a chunk's data
+    TRAILER = auto()
+    CLOSE = auto()  # body delimited by the connection closing
+    DONE = auto()
+
+
+_DATA_STATES = (_State.LENGTH, _State.CHUNK_DATA, _State.CLOSE)
+_LINE_STATES = (_State.CHUNK_SIZE, _State.CHUNK_CRLF, _State.TRAILER)
+
+
 class ResponseParser:
     """Feed it what the socket gives; it returns the events those bytes complete."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        # head | length | chunk_size | chunk_data | chunk_crlf | trailer | close | done
-        self._state = "head"
+        self._state = _State.HEAD
         self._remaining = 0
         self.head: ResponseHead | None = None
 
     @property
     def done(self) -> bool:
-        return self._state == "done"
+        return self._state is _State.DONE
 
     def feed(self, data: bytes) -> list[Event]:
         self._buf += data
@@ -81,21 +96,21 @@ class ResponseParser:
 
     def eof(self) -> list[Event]:
         """The peer closed the connection: end a close-delimited body, else complain."""
-        if self._state == "close":
-            self._state = "done"
+        if self._state is _State.CLOSE:
+            self._state = _State.DONE
             return [ResponseEnd()]
-        if self._state == "done":
+        if self._state is _State.DONE:
             return []
-        raise IncompleteResponse(f"connection closed in state {self._state!r}")
+        raise IncompleteResponse(f"connection closed in state {self._state.name}")
 
     def _step(self, out: list[Event]) -> bool:
         """Advance one unit of framing; False when more bytes are needed."""
         state = self._state
-        if state == "head":
+        if state is _State.HEAD:
             return self._parse_head(out)
-        if state in ("length", "chunk_data", "close"):
+        if state in _DATA_STATES:
             return self._take_data(out)
-        if state in ("chunk_size", "chunk_crlf", "trailer"):
+        if state in _LINE_STATES:
             return self._parse_chunk_line(out)
         return False
 
@@ -122,23 +137,23 @@ class ResponseParser:
         self.head = ResponseHead(status, headers, keep_alive)
         out.append(self.head)
         if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = "chunk_size"
+            self._state = _State.CHUNK_SIZE
         elif "content-length" in headers:
             self._remaining = int(headers["content-length"])
-            self._state = "length"
+            self._state = _State.LENGTH
             if self._remaining == 0:
                 self._finish(out)
         elif status in (204, 304):
             self._finish(out)
         else:
-            self._state = "close"
+            self._state = _State.CLOSE
             self.head = ResponseHead(status, headers, keep_alive=False)
         return True
 
     def _take_data(self, out: list[Event]) -> bool:
         if not self._buf:
             return False
-        if self._state == "close":
+        if self._state is _State.CLOSE:
             out.append(BodyChunk(bytes(self._buf)))
             self._buf.clear()
             return False
@@ -147,10 +162,10 @@ class ResponseParser:
         del self._buf[:n]
         self._remaining -= n
         if self._remaining == 0:
-            if self._state == "length":
+            if self._state is _State.LENGTH:
                 self._finish(out)
             else:
-                self._state = "chunk_crlf"
+                self._state = _State.CHUNK_CRLF
         return True
 
     def _parse_chunk_line(self, out: list[Event]) -> bool:
@@ -161,23 +176,23 @@ class ResponseParser:
             return False
         line = bytes(self._buf[:end])
         del self._buf[: end + 2]
-        if self._state == "chunk_crlf":
+        if self._state is _State.CHUNK_CRLF:
             if line:
                 raise IncompleteResponse("chunk data longer than its size")
-            self._state = "chunk_size"
-        elif self._state == "chunk_size":
+            self._state = _State.CHUNK_SIZE
+        elif self._state is _State.CHUNK_SIZE:
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError as exc:
                 raise IncompleteResponse(f"bad chunk size {line!r}") from exc
             self._remaining = size
-            self._state = "chunk_data" if size else "trailer"
+            self._state = _State.CHUNK_DATA if size else _State.TRAILER
         elif not line:  # the blank line after the (ignored) trailer fields
             self._finish(out)
         return True
 
     def _finish(self, out: list[Event]) -> None:
-        self._state = "done"
+        self._state = _State.DONE
         out.append(ResponseEnd())
 
 
