@@ -429,3 +429,44 @@ def test_compare_alternates_and_pools_reps(capsys: pytest.CaptureFixture[str]) -
     print_table(summary, ["A", "B"], frontend=True)
     table = capsys.readouterr().out
     assert "A/B" in table and "CPU us/tok" in table and "c=3: A 8/0, B 8/0" in table
+
+
+def test_stale_keep_alive_connection_is_retried_once() -> None:
+    """Regression: a server may close an idle keep-alive connection between two requests
+    (its idle timeout). The next request on that pooled connection sees EOF before any
+    byte and must be resent on a fresh connection, not counted as failed."""
+    import socket
+    import threading
+
+    body = b'{"text": " a", "meta_info": {"completion_tokens": 1}}'
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    listener = socket.create_server(("127.0.0.1", 0))
+    served: list[int] = []
+
+    def scripted_peer() -> None:  # answers one request per connection, then hangs up
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+                    data += conn.recv(65536)
+                conn.sendall(reply)
+                served.append(1)
+
+    thread = threading.Thread(target=scripted_peer, daemon=True)
+    thread.start()
+    try:
+        target = Target("127.0.0.1", listener.getsockname()[1])
+        prompts = make_workload(WorkloadConfig(num_requests=3, input_len=2, output_len=1))
+        cfg = LoadConfig(max_concurrency=1, progress=False, warmup_requests=0, request_timeout_s=10)
+        res = run_load_sync(target, RequestSpec(stream=False), prompts, cfg)
+    finally:
+        listener.close()
+    assert (res.metrics.completed, res.metrics.failed) == (3, 0), [o.error for o in res.outputs]
+    assert len(served) == 3 and res.connections_opened == 3
