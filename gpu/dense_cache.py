@@ -44,6 +44,9 @@ class DenseKVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        if max_len > config.context_length:
+            # The model's RoPE table has context_length rows: refuse here, not mid-forward.
+            raise ValueError(f"max_len {max_len} exceeds the model context {config.context_length}")
         shape = (config.n_layers, max_seqs, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import numpy as np
@@ -28,6 +29,13 @@ def test_config_from_metadata(tiny_gguf: TinyModel) -> None:
     # <|endoftext|>, <|im_end|> (eos) and the FIM repo token <reponame>, as llama.cpp derives.
     assert c.eog_ids == (0, 2, 3)
     assert lm.device == torch.device("cpu") and lm.dtype == torch.float32
+
+
+def test_load_logs_time_and_memory(tiny_gguf: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="gpu.loader"):
+        load_model(tiny_gguf.path, device="cpu")
+    (record,) = [r for r in caplog.records if r.name == "gpu.loader"]
+    assert "tiny.gguf" in record.message and "rss" in record.message and "weights" in record.message
 
 
 def test_weights_are_dequantised_and_unpermuted(tiny_gguf: TinyModel) -> None:

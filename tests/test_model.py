@@ -144,6 +144,8 @@ def test_batched_varlen_equals_each_alone(tiny_lm: LoadedModel, slots: list[int]
 
 
 def test_dense_cache_rejects_bad_layouts(tiny_lm: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        DenseKVCache(tiny_lm.config, 1, tiny_lm.config.context_length + 1)
     cache = DenseKVCache(tiny_lm.config, 2, 4)
     with pytest.raises(ValueError):
         cache.prepare([0, 0], [1, 1])
