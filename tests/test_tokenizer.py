@@ -95,13 +95,13 @@ def test_stream_skips_specials(tiny_tok: tuple[Tokenizer, list[str]]) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_ids_match_llama_cpp(smollm2: LoadedModel) -> None:
-    tok = smollm2.tokenizer
+def test_smollm2_ids_match_llama_cpp(cpu_model: LoadedModel) -> None:
+    tok = cpu_model.tokenizer
     assert tok.vocab_size == 49152
     # llama.cpp splits digits one by one (pre "smollm"); transformers' GGUF import does not.
     assert tok.encode("  99 bottles") == [256, 41, 41, 13577]
     assert tok.encode("<|im_start|>user") == [1, 4093]
-    assert tok.eog_ids == frozenset({0, 2, 4}) and smollm2.config.eog_ids == (0, 2, 4)
+    assert tok.eog_ids == frozenset({0, 2, 4}) and cpu_model.config.eog_ids == (0, 2, 4)
     assert tok.special_ids == frozenset(range(17))
     # ids 28909 + 6414 are 64 + 16 '=': a token longer than 32 bytes must decode in full.
     assert tok.encode("=" * 80) == [28909, 6414]
@@ -109,8 +109,8 @@ def test_smollm2_ids_match_llama_cpp(smollm2: LoadedModel) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_round_trip(smollm2: LoadedModel) -> None:
-    tok = smollm2.tokenizer
+def test_smollm2_round_trip(cpu_model: LoadedModel) -> None:
+    tok = cpu_model.tokenizer
     for text in ["Hello, world!", "naïve café 北京 🙂", "x = [1, 2, 3]\n\tprint(x)", "½ ¼ ¾"]:
         assert tok.decode(tok.encode(text)) == text
         stream = tok.decode_stream()
