@@ -77,7 +77,7 @@ class GGUFFile:
         try:
             self._reader = GGUFReader(self.path, "r")
         except Exception as exc:  # gguf-py raises ValueError/IndexError/OSError alike
-            raise ModelFileError(self.path, _describe_open_error(exc)) from None
+            raise ModelFileError(self.path, _describe_open_error(self.path, exc)) from None
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_tensor_extents()
 
@@ -175,12 +175,13 @@ class GGUFFile:
             raise ModelFileError(self.path, f"tensor {name!r} is missing") from None
 
 
-def _describe_open_error(exc: Exception) -> str:
+def _describe_open_error(path: pathlib.Path, exc: Exception) -> str:
     text = str(exc) or type(exc).__name__
     if "magic" in text.lower():
         return "not a GGUF file (bad magic)"
     if "empty file" in text.lower():
         return "empty file"
-    if isinstance(exc, (IndexError, ValueError)) and "version" not in text.lower():
-        return f"truncated or corrupt GGUF header ({text})"
-    return f"cannot parse GGUF ({text})"
+    if "version" in text.lower():
+        return f"unsupported GGUF version ({text})"
+    # gguf-py reads past the end of a short file as numpy shape/index errors.
+    return f"truncated or corrupt GGUF file ({path.stat().st_size:,} bytes; reader said: {text})"

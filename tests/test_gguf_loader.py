@@ -121,14 +121,20 @@ def test_empty_file(tmp_path: pathlib.Path) -> None:
     _assert_clean(exc, path, "empty file")
 
 
-def test_bad_magic(tmp_path: pathlib.Path, tiny_gguf: TinyModel) -> None:
-    path = tmp_path / "magic.gguf"
+@pytest.mark.parametrize(
+    ("offset", "patch", "problem"),
+    [(0, b"GGML", "bad magic"), (4, (99).to_bytes(4, "little"), "unsupported GGUF version")],
+)
+def test_bad_header(
+    tmp_path: pathlib.Path, tiny_gguf: TinyModel, offset: int, patch: bytes, problem: str
+) -> None:
+    path = tmp_path / "header.gguf"
     data = bytearray(tiny_gguf.path.read_bytes())
-    data[0:4] = b"GGML"
+    data[offset : offset + len(patch)] = patch
     path.write_bytes(bytes(data))
     with pytest.raises(ModelFileError) as exc:
         load_model(path, device="cpu")
-    _assert_clean(exc, path, "bad magic")
+    _assert_clean(exc, path, problem)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.97])  # cut in the metadata, cut in the tensor data
