@@ -48,7 +48,7 @@ def prefill_ms(lm: LoadedModel) -> float:
         cache.prepare([0], [PROMPT])
         lm.model(ids, positions, cache, logits_indices=last)
 
-    return median_ms(step, runs=3)
+    return median_ms(step, runs=2)
 
 
 def decode_ms(lm: LoadedModel, cache: DenseKVCache, batch: int) -> float:

@@ -50,6 +50,9 @@ class DenseKVCache:
         shape = (config.n_layers, max_seqs, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Per-layer views made once: indexing self.k[layer] every call is two extra ops.
+        self._k_layers = self.k.unbind(0)
+        self._v_layers = self.v.unbind(0)
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.device = self.k.device
@@ -143,7 +146,7 @@ class DenseKVCache:
         step = self._step
         if step is None:
             raise RuntimeError("DenseKVCache.prepare() must be called before forward()")
-        kc, vc = self.k[layer], self.v[layer]
+        kc, vc = self._k_layers[layer], self._v_layers[layer]
         kc[step.slot_t, :, step.pos_t] = k
         vc[step.slot_t, :, step.pos_t] = v
         keys = kc[step.slots, :, : step.kv_len]
