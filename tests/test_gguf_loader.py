@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -79,6 +81,21 @@ def test_load_tokenizer_reads_no_weights(tmp_path: pathlib.Path) -> None:
     assert chat is not None and config.n_layers == 2
     with pytest.raises(ModelFileError, match="blk.0.ffn_down.weight"):
         load_model(tiny.path, device="cpu")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_only_on_a_terminal(tiny_gguf: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream, shown in ((io.StringIO(), False), (_Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        load_model(tiny_gguf.path, device="cpu")
+        text = stream.getvalue()
+        assert ("tensors" in text) is shown
+        if shown:
+            assert text.startswith("\rloading tiny.gguf: 1/") and text.endswith(" tensors\n")
 
 
 def test_default_model_path_exists() -> None:

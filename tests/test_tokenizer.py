@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpu.loader import LoadedModel, load_tokenizer
 from gpu.tokenizer import Tokenizer, build_tokenizer
@@ -115,3 +117,18 @@ def test_smollm2_round_trip(cpu_model: LoadedModel) -> None:
         assert tok.decode(tok.encode(text)) == text
         stream = tok.decode_stream()
         assert "".join(stream.step(i) for i in tok.encode(text)) + stream.flush() == text
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(max_size=40))
+def test_round_trip_and_streaming_any_text(
+    tiny_tok: tuple[Tokenizer, list[str]], text: str
+) -> None:
+    tok, _ = tiny_tok
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    stream = tok.decode_stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
