@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -164,9 +163,6 @@ class GGUFFile:
                 raise ModelFileError(
                     self.path, f"tensor {t.name!r} has unsupported type {t.tensor_type.name}"
                 )
-
-    def iter_tensors(self) -> Iterator[str]:
-        yield from self._tensors
 
     def _tensor(self, name: str) -> Any:
         try:
