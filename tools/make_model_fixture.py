@@ -28,7 +28,6 @@ here is a pure argmax with no stop tokens: an end-of-turn token is just another 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -37,7 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from reference_common import FIXTURE_DIR, find_model, llama_cpp_version, sha256_of  # noqa: E402
+from reference_common import (  # noqa: E402
+    FIXTURE_DIR,
+    find_model,
+    fixture_json,
+    llama_cpp_version,
+    sha256_of,
+)
 from reference_prompts import PROMPTS  # noqa: E402
 
 __all__ = ["main"]
@@ -150,10 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         "transformers_vs_llamacpp_teacher_forced_top1": hf_agree / total,
         "prompts": records,
     }
-    (out_dir / "model_reference.json").write_text(
-        json.dumps(meta, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
+    (out_dir / "model_reference.json").write_text(fixture_json(meta, "prompts"), encoding="utf-8")
+    print(
+        f"transformers vs llama.cpp teacher-forced top-1: {hf_agree}/{total} = {hf_agree / total:.4f}"
     )
-    print(f"transformers vs llama.cpp teacher-forced top-1: {hf_agree}/{total} = {hf_agree / total:.4f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ for the same reason as Cn: their flags differ between Unicode tables.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import random
 import sys
@@ -29,7 +28,13 @@ import unicodedata
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from reference_common import FIXTURE_DIR, find_model, llama_cpp_version, sha256_of  # noqa: E402
+from reference_common import (  # noqa: E402
+    FIXTURE_DIR,
+    find_model,
+    fixture_json,
+    llama_cpp_version,
+    sha256_of,
+)
 
 __all__ = ["build_strings", "main"]
 
@@ -49,7 +54,7 @@ PROSE = [
     "It's a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
     "I'm sure they'll say we've done what you'd expect.",
     "DON'T SHOUT, I'M RIGHT HERE! WE'VE HEARD YOU'LL COME.",
-    "She said: \"Well... maybe?\" -- and left; nobody (not even Bob) noticed.",
+    'She said: "Well... maybe?" -- and left; nobody (not even Bob) noticed.',
     "e.g. i.e. etc. vs. Mr. Mrs. Dr. St.",
     "Once upon a time, there was a little robot who wanted to learn how to paint.",
     "What is the capital of France? Paris is the capital of France.",
@@ -172,7 +177,15 @@ CONTROL_TEXT = [
     "<|im_start|>assistant\nThe answer is 4.<|im_end|>",
 ]  # fmt: skip
 
-CONTROL_CHARS = ["\x00", "a\x00b", "\x07bell", "\x1b[31mred\x1b[0m", "\x7f", "\x01\x02\x03", "\u0085"]
+CONTROL_CHARS = [
+    "\x00",
+    "a\x00b",
+    "\x07bell",
+    "\x1b[31mred\x1b[0m",
+    "\x7f",
+    "\x01\x02\x03",
+    "\u0085",
+]
 
 # (first, last) code point ranges for random text; code points of category Cn/Cs/Co are
 # filtered out below.
@@ -294,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(fixture, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    out.write_text(fixture_json(fixture, "cases"), encoding="utf-8")
     n_ids = sum(len(c["ids"]) for c in cases)
     print(f"wrote {out}: {len(cases)} strings, {n_ids} ids")
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import pathlib
+from typing import Any
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
     "FIXTURE_DIR",
     "find_model",
+    "fixture_json",
     "llama_cpp_version",
     "sha256_of",
 ]
@@ -56,3 +59,12 @@ def llama_cpp_version() -> str:
     import llama_cpp
 
     return f"llama-cpp-python {llama_cpp.__version__}"
+
+
+def fixture_json(obj: dict[str, Any], list_key: str) -> str:
+    """``obj`` as JSON with one entry of ``obj[list_key]`` per line: small, diffable, readable."""
+    lines = ["{"]
+    lines += [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in obj.items() if k != list_key]
+    items = [json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in obj[list_key]]
+    lines += [f"{json.dumps(list_key)}: [", ",\n".join(items), "]", "}"]
+    return "\n".join(lines) + "\n"

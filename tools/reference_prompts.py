@@ -15,7 +15,7 @@ def chatml(turns: list[tuple[str, str]], system: str = DEFAULT_SYSTEM) -> str:
     return "".join(out)
 
 
-_CODE = '''import heapq
+_CODE = """import heapq
 from dataclasses import dataclass, field
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     s.submit("deploy", 1)
     s.submit("report", 2)
     while (job := s.next()) is not None:
-'''
+"""
 
 _HISTORY = (
     "The printing press, developed by Johannes Gutenberg around 1440 in Mainz, changed the way "
@@ -92,10 +92,25 @@ _STORY = (
     "Once upon a time, in a small village at the edge of a great forest, there lived an old "
     "clockmaker named Elias. Every morning he opened his shop at seven, wound every clock on the "
     "walls, and listened to them tick together like a choir. One winter evening a girl knocked on "
-    "his door carrying a broken pocket watch wrapped in a red scarf. \"It was my grandfather's,\" she "
-    "said, \"and it stopped the night he left.\" Elias turned the watch over in his hands, opened the "
+    'his door carrying a broken pocket watch wrapped in a red scarf. "It was my grandfather\'s," she '
+    'said, "and it stopped the night he left." Elias turned the watch over in his hands, opened the '
     "back with a tiny brass key, and saw that"
 )
+
+_TRIP = [
+    ("user", "I'm planning a trip to Japan in April."),
+    (
+        "assistant",
+        "That's a great time to visit: the cherry blossoms are usually in bloom. "
+        "Which cities are you thinking about?",
+    ),
+    ("user", "Tokyo and Kyoto. What should I see in Kyoto?"),
+]
+_CODE_QUESTION = (
+    f"What does this program print?\n\n```python\n{_CODE}        print(job)\n\n\nmain()\n```"
+)
+_SUMMARY_REQUEST = f"Summarise the following text in two sentences.\n\n{_HISTORY}"
+_TERSE = "You are a concise assistant. Answer in a numbered list."
 
 # (name, kind, text): kind is "plain" (raw text) or "chat" (rendered ChatML).
 PROMPTS: list[tuple[str, str, str]] = [
@@ -105,19 +120,11 @@ PROMPTS: list[tuple[str, str, str]] = [
     ("chat_math", "chat", chatml([("user", "What is 17 * 23? Explain step by step.")])),
     ("numbers", "plain", _NUMBERS),
     ("code", "plain", _CODE),
-    ("chat_code", "chat", chatml([("user", "What does this program print?\n\n```python\n" + _CODE
-                                   + "        print(job)\n\n\nmain()\n```")])),  # fmt: skip
+    ("chat_code", "chat", chatml([("user", _CODE_QUESTION)])),
     ("story", "plain", _STORY),
-    ("chat_multi", "chat", chatml([
-        ("user", "I'm planning a trip to Japan in April."),
-        ("assistant", "That's a great time to visit: the cherry blossoms are usually in bloom. "
-                      "Which cities are you thinking about?"),
-        ("user", "Tokyo and Kyoto. What should I see in Kyoto?"),
-    ])),  # fmt: skip
+    ("chat_multi", "chat", chatml(_TRIP)),
     ("chinese", "plain", "人工智能是计算机科学的一个分支，它试图理解智能的实质，并"),
-    ("chat_system", "chat", chatml([("user", "Give me three tips for better sleep.")],
-                                   system="You are a concise assistant. Answer in a numbered list.")),  # fmt: skip
+    ("chat_system", "chat", chatml([("user", "Give me three tips for better sleep.")], _TERSE)),
     ("history_long", "plain", _HISTORY),
-    ("chat_summary_long", "chat", chatml([("user", "Summarise the following text in two sentences.\n\n"
-                                           + _HISTORY)])),  # fmt: skip
+    ("chat_summary_long", "chat", chatml([("user", _SUMMARY_REQUEST)])),
 ]

@@ -1,0 +1,13 @@
+"""Session-wide fixtures: the real default model is loaded at most once per test run."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cpu_model():  # noqa: ANN201 (gpu.loader.LoadedModel; imported lazily so collection stays cheap)
+    """The default GGUF model, fp32 on CPU, shared by every test that needs it."""
+    from gpu.loader import load_model
+
+    return load_model(device="cpu")
