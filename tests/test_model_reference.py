@@ -21,7 +21,9 @@ from gpu.gguf_file import default_model_path
 from gpu.loader import LoadedModel
 from gpu.model import DenseKVCache
 
-pytestmark = pytest.mark.model
+# The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
+# 2-core machine, several times that when the cores are shared.
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 LOGITS_ATOL = 2e-3
@@ -63,7 +65,12 @@ def _forward(lm: LoadedModel, cache: DenseKVCache, ids: list[int], rows: list[in
 
 
 def _run_prompt(lm: LoadedModel, cache: DenseKVCache, prompt: dict) -> OurRun:
-    ids, steps = prompt["ids"], len(prompt["greedy"])
+    """Prefill, greedy decode one token at a time, then the teacher's tail as one chunk.
+
+    Three paths meet the references: a fresh prefill (last logits), single-token decode
+    (greedy), and a multi-token chunk appended to a filled cache (the teacher's tail).
+    """
+    ids, teacher, steps = prompt["ids"], prompt["teacher"], len(prompt["greedy"])
     cache.reset(0)
     logits = _forward(lm, cache, ids, [len(ids) - 1])[0]
     last = logits.numpy().copy()
@@ -72,12 +79,16 @@ def _run_prompt(lm: LoadedModel, cache: DenseKVCache, prompt: dict) -> OurRun:
         greedy.append(int(logits.argmax()))
         gaps.append(_gap(logits))
         logits = _forward(lm, cache, [greedy[-1]], [0])[0]
-    # Teacher forcing: prompt + teacher in one prefill, logits at every predicting row.
-    teacher = prompt["teacher"]
-    cache.reset(0)
-    seq = ids + teacher[:-1]
-    rows = list(range(len(ids) - 1, len(seq)))
-    teacher_argmax = _forward(lm, cache, seq, rows).argmax(-1).tolist()
+    if greedy == teacher[:steps]:
+        # The cache already holds prompt + teacher[:steps]: only the rest is new.
+        tail = teacher[steps:-1]
+        rows = _forward(lm, cache, tail, list(range(len(tail))))
+        teacher_argmax = [*greedy, int(logits.argmax()), *rows.argmax(-1).tolist()]
+    else:  # diverged at a near-tie: teacher-force the whole sequence in one prefill
+        cache.reset(0)
+        seq = ids + teacher[:-1]
+        rows = _forward(lm, cache, seq, list(range(len(ids) - 1, len(seq))))
+        teacher_argmax = rows.argmax(-1).tolist()
     return OurRun(last, greedy, gaps, teacher_argmax)
 
 
@@ -133,12 +144,12 @@ def test_greedy_matches_transformers_except_near_ties(reference: dict, ours: lis
     assert not problems, "\n".join(problems)
 
 
-def test_teacher_forced_prefill_agrees_with_transformers_greedy(
+def test_teacher_forced_agrees_with_transformers_greedy(
     reference: dict, ours: list[OurRun]
 ) -> None:
     # The teacher sequence is transformers' own greedy output, so its argmax at every
-    # teacher-forced position is the teacher token; this also checks one long prefill
-    # against step-by-step decoding through the KV cache.
+    # teacher-forced position is the teacher token. The last 15 positions come from one
+    # chunk appended to a filled cache (the masked, chunked-prefill attention path).
     problems = []
     for p, run in zip(reference["prompts"], ours, strict=True):
         for i, (got, want) in enumerate(zip(run.teacher_argmax, p["teacher"], strict=True)):

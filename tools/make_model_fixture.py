@@ -95,14 +95,16 @@ def _llamacpp_teacher_forced(llm, ids: list[int], teacher: list[int]) -> list[in
 
 
 def _versions() -> dict[str, str]:
-    import gguf
+    from importlib.metadata import version
+
     import torch
     import transformers
 
     return {
         "transformers": transformers.__version__,
+        "accelerate": version("accelerate"),
         "torch": torch.__version__,
-        "gguf": getattr(gguf, "__version__", "unknown"),
+        "gguf": version("gguf"),
         "numpy": np.__version__,
         "llama_cpp": llama_cpp_version(),
     }
