@@ -1,0 +1,56 @@
+"""Server configuration: every limit and timeout in one place, with sane defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ServerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Listener, limits and timeouts for one :class:`~transport.Server`.
+
+    Timeouts are in seconds. ``header_timeout`` bounds the time from the first byte of a
+    request (or from accept, for a fresh connection) to its complete head, which is what
+    defeats slowloris; ``body_timeout`` bounds the time from the head to the end of the
+    body; ``keepalive_timeout`` is how long an idle keep-alive connection may wait for
+    its next request; ``send_timeout`` is how long one write may wait on a client that
+    stopped reading before the connection is cut.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uds: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_connections: int = 1000
+    max_header_bytes: int = 16384
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 5.0
+    send_timeout: float = 30.0
+    shutdown_timeout: float = 10.0
+    ws_max_message_bytes: int = 4 * 1024 * 1024
+    ws_ping_interval: float | None = None
+    sse_ping_interval: float = 15.0
+    server_header: str = "lifecycle"
+    backlog: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_header_bytes", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerConfig.{name} must be >= 1")
+        for name in (
+            "header_timeout",
+            "body_timeout",
+            "keepalive_timeout",
+            "send_timeout",
+            "shutdown_timeout",
+            "sse_ping_interval",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")

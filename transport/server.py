@@ -1,0 +1,189 @@
+"""Listeners, the connection limit, and graceful drain: the part that owns every task."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+from anyio.streams.tls import TLSListener
+
+from . import wire
+from .config import ServerConfig
+from .errors import error_body
+from .http11 import HTTPConnection
+from .request import Request
+from .responses import Response
+
+__all__ = ["Server", "run", "serve"]
+
+log = logging.getLogger("transport")
+
+Handler = Callable[[Request], Awaitable[Response]]
+_REJECT_READ_SECONDS = 0.5  # read the refused client's request head before answering 503
+
+
+class _QuietTLSListener(TLSListener):
+    @staticmethod
+    async def handle_handshake_error(exc: BaseException, stream: anyio.abc.AnyByteStream) -> None:
+        # Scanners and impatient clients fail handshakes all day; that is not our error.
+        log.debug("TLS handshake failed: %r", exc)
+        await anyio.aclose_forcefully(stream)
+        if not isinstance(exc, Exception):
+            raise exc
+
+
+class Server:
+    """An HTTP/1.1 + WebSocket server whose tasks live in the caller's task tree.
+
+    ``await server.serve(task_status=...)`` binds, reports the bound addresses through
+    ``task_status.started`` and serves until ``await server.shutdown()`` (graceful: stop
+    accepting, let in-flight responses finish up to ``shutdown_timeout``, then cancel
+    them) or until the enclosing scope is cancelled (immediate).
+    """
+
+    def __init__(self, app: Handler, config: ServerConfig = ServerConfig()) -> None:
+        self.app = app
+        self.config = config
+        self.bound: list[tuple[str, int]] | str = []
+        self.draining = False
+        self._connections: set[HTTPConnection] = set()
+        self._accept_scope: anyio.CancelScope | None = None
+        self._all_closed = anyio.Event()
+        self._stopped = anyio.Event()
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await self._open_listener()
+        try:
+            async with anyio.create_task_group() as connections:
+                with anyio.CancelScope() as self._accept_scope:
+                    task_status.started(self.bound)
+                    await listener.serve(self._handle, task_group=connections)
+                await self._drain()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+                if self.config.uds is not None:
+                    _unlink(self.config.uds)
+            self._stopped.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain in-flight responses, then return once serve() has ended."""
+        self.draining = True
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+            await self._stopped.wait()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        for conn in list(self._connections):
+            if conn.idle:
+                conn.abort("shutdown")
+        if self._connections:
+            with anyio.move_on_after(self.config.shutdown_timeout):
+                await self._all_closed.wait()
+        for conn in list(self._connections):
+            conn.abort("shutdown")
+
+    async def _open_listener(self) -> anyio.abc.Listener[Any]:
+        cfg = self.config
+        listener: anyio.abc.Listener[Any]
+        if cfg.uds is not None:
+            _unlink(cfg.uds)
+            unix = await anyio.create_unix_listener(cfg.uds, backlog=cfg.backlog)
+            self.bound = cfg.uds
+            listener = unix
+        else:
+            tcp = await anyio.create_tcp_listener(
+                local_host=cfg.host, local_port=cfg.port, backlog=cfg.backlog
+            )
+            self.bound = [
+                tuple(l.extra(SocketAttribute.local_address))[:2]  # type: ignore[misc]
+                for l in tcp.listeners
+            ]
+            listener = tcp
+        if cfg.ssl_certfile is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+            context.set_alpn_protocols(["http/1.1"])
+            listener = _QuietTLSListener(
+                listener, context, standard_compatible=False, handshake_timeout=cfg.header_timeout
+            )
+        return listener
+
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
+        if len(self._connections) >= self.config.max_connections or self.draining:
+            await _reject(stream)
+            return
+        conn = HTTPConnection(stream, self.app, self.config, _client(stream), self)
+        self._connections.add(conn)
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection from %s failed", conn.client)
+        finally:
+            self._connections.discard(conn)
+            if self.draining and not self._connections:
+                self._all_closed.set()
+
+
+def _client(stream: anyio.abc.ByteStream) -> tuple[str, int] | None:
+    address = stream.extra(SocketAttribute.remote_address, None)
+    if isinstance(address, tuple) and len(address) >= 2:
+        return (str(address[0]), int(address[1]))
+    return None
+
+
+_OVERLOADED_BODY = error_body("Server overloaded: too many connections")
+
+
+async def _reject(stream: anyio.abc.ByteStream) -> None:
+    """Answer 503 and close without parsing: the cheapest way to say "not now"."""
+    head = (
+        b"HTTP/1.1 503 Service Unavailable\r\ndate: " + wire.http_date()
+        + b"\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
+        + b"content-length: " + str(len(_OVERLOADED_BODY)).encode() + b"\r\n\r\n"
+    )
+    try:
+        with anyio.move_on_after(_REJECT_READ_SECONDS):
+            await stream.receive(65536)
+        with anyio.fail_after(_REJECT_READ_SECONDS):
+            await stream.send(head + _OVERLOADED_BODY)
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, TimeoutError):
+        await anyio.aclose_forcefully(stream)
+        return
+    with anyio.CancelScope(shield=True):
+        await wire.close_stream(stream, graceful=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+async def serve(
+    app: Handler,
+    config: ServerConfig = ServerConfig(),
+    *,
+    task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until cancelled; ``task_status.started`` receives the bound addresses."""
+    await Server(app, config).serve(task_status=task_status)
+
+
+def run(app: Handler, config: ServerConfig = ServerConfig()) -> None:
+    """Blocking entry point: asyncio, on uvloop when it is installed."""
+    uvloop = importlib.util.find_spec("uvloop") is not None
+    anyio.run(serve, app, config, backend="asyncio", backend_options={"use_uvloop": uvloop})
