@@ -103,13 +103,22 @@ class ScriptedWorker:
     def hello(self) -> Hello:
         c = self.config
         model = {
-            "name": "scripted", "path": "", "arch": "scripted", "vocab_size": c.vocab_size,
-            "context_length": c.context_length, "eos_id": c.eos_id, "eog_ids": [c.eos_id],
-            "device": "cpu", "dtype": "none", "pid": os.getpid(),
+            "name": "scripted",
+            "path": "",
+            "arch": "scripted",
+            "vocab_size": c.vocab_size,
+            "context_length": c.context_length,
+            "eos_id": c.eos_id,
+            "eog_ids": [c.eos_id],
+            "device": "cpu",
+            "dtype": "none",
+            "pid": os.getpid(),
         }
         capacity = {
-            "max_running": c.max_running, "max_pending": c.max_pending,
-            "kv_blocks": c.kv_blocks, "block_size": c.block_size,
+            "max_running": c.max_running,
+            "max_pending": c.max_pending,
+            "kv_blocks": c.kv_blocks,
+            "block_size": c.block_size,
             "max_context": c.context_length,
         }
         return Hello(model, capacity)
@@ -128,7 +137,9 @@ class ScriptedWorker:
             max_new = int(s.get("max_new_tokens", 128))
             n = int(s.get("n", 1))
             if not prompt or any(t < 0 or t >= c.vocab_size for t in prompt):
-                self._errors += [(e.rid + i, "invalid", "prompt ids out of range") for i in range(n)]
+                self._errors += [
+                    (e.rid + i, "invalid", "prompt ids out of range") for i in range(n)
+                ]
                 continue
             if len(prompt) + max_new > c.context_length:
                 msg = f"{len(prompt) + max_new} tokens exceed the context of {c.context_length}"
@@ -183,7 +194,9 @@ class ScriptedWorker:
             return self._end(seq, [tok], ["length", seq.max_new], extra)
         return StepEntry(seq.rid, pack_ids([tok]), None, extra or None)
 
-    def _end(self, seq: _Seq, ids: list[int], finish: list[Any], extra: dict[str, Any]) -> StepEntry:
+    def _end(
+        self, seq: _Seq, ids: list[int], finish: list[Any], extra: dict[str, Any]
+    ) -> StepEntry:
         self.free_blocks += seq.blocks
         seq.blocks = 0
         extra["num_retractions"] = 0
@@ -198,7 +211,9 @@ class ScriptedWorker:
         self._admit()
         for seq in self.running:
             entries.append(self._advance(seq))
-        self.running = [s for s, e in zip(self.running, entries[len(gone) :], strict=True) if e.finish is None]
+        self.running = [
+            s for s, e in zip(self.running, entries[len(gone) :], strict=True) if e.finish is None
+        ]
         if not entries:
             return None
         self.steps += 1

@@ -204,6 +204,10 @@ class WorkerClient:
         reply: FlushReply = await self._call(Flush, timeout)
         return reply.ok, reply.message
 
+    async def close(self) -> None:
+        """Drop the connection: ``run`` returns and everything held fails worker_lost."""
+        await self._frames.aclose()
+
     async def shutdown(self) -> None:
         with anyio.move_on_after(2), anyio.CancelScope(shield=True):
             try:
@@ -248,6 +252,8 @@ class WorkerClient:
             if self._in_flight + n > self.max_pending:
                 break
             self._queue.popleft()
+            if not self._in_flight:  # idle until now: the hung-worker clock starts here
+                self.last_progress_ns = time.monotonic_ns()
             for i, s in enumerate(q.sinks):
                 self._sinks[q.entry.rid + i] = s
             self._in_flight += n
@@ -289,7 +295,13 @@ class WorkerClient:
                 continue
             sink = sinks[e.rid]
             if sink is not None and (e.new_ids or e.extra):
-                sink.append(ids_to_list(e.new_ids), e.extra)
+                try:
+                    sink.append(ids_to_list(e.new_ids), e.extra)
+                except Exception as exc:  # e.g. OutputOverflow: a worker bug, end this rid
+                    log.error("rid %d: bad output from the worker: %s", e.rid, exc)
+                    sinks[e.rid] = None
+                    sink.finish(WorkerFailure("internal", "the worker sent invalid output"))
+                    self.abort([e.rid])
             if e.finish is not None:
                 self._end(e.rid, finish_reason(e.finish))
 

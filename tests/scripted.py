@@ -34,3 +34,44 @@ def scripted_worker(*args: str) -> Iterator[str]:
         finally:
             proc.kill()
             proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
+    """``python -m lifecycle serve`` as a real process; yields its base URL."""
+    import httpx
+
+    port = free_port()
+    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready")
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+                if r.status_code == 200 or not wait_ready:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
