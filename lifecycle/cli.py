@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import signal
 import sys
 
 __all__ = ["main"]
@@ -94,10 +95,16 @@ def _serve(args: argparse.Namespace) -> int:
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
     )
-    try:
-        anyio.run(serve_app, cfg)
-    except KeyboardInterrupt:
-        pass
+    async def run() -> None:
+        # SIGTERM/SIGINT cancel the app, so the worker gets SHUTDOWN and is reaped.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_app, cfg)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(run)
     return 0
 
 

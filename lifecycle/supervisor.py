@@ -129,7 +129,8 @@ class Supervisor:
                     await _reap(proc, grace=3.0 if self._stopping else 0.0)
 
     async def _spawn(self, address: str) -> anyio.abc.Process:
-        argv = [sys.executable, "-m", self.config.worker_module, "--listen", address]
+        argv = [sys.executable, "-m", "lifecycle.child", self.config.worker_module]
+        argv += ["--listen", address]
         argv += list(self.config.worker_args)
         log.info("starting worker: %s", " ".join(argv))
         return await anyio.open_process(argv, stdin=None, stdout=None, stderr=None)
