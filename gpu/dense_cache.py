@@ -1,0 +1,160 @@
+"""A contiguous per-sequence KV cache: the simple ``AttentionBackend``.
+
+For tests, the offline CLI and benchmarks. Each sequence slot owns ``max_len`` rows per
+layer, stored ``[layer, slot, kv_head, pos, head_dim]`` so a slot's keys are already in
+the ``[B, H, L, D]`` layout SDPA wants (a view, not a copy, for one sequence or a run
+of adjacent slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpu.config import ModelConfig
+
+__all__ = ["DenseKVCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class _StepLayout:
+    """Everything ``__call__`` needs, computed once per step in ``prepare``."""
+
+    slot_t: Tensor  # [T] slot of each token
+    pos_t: Tensor  # [T] position of each token in its sequence
+    slots: Tensor | slice  # the B slots to read (a slice when adjacent: no gather)
+    kv_len: int  # keys to read per slot (longest sequence after this step)
+    mask: Tensor | None  # bool [B, 1, Q, kv_len]; None when plain attention is exact
+    is_causal: bool  # single fresh sequence: SDPA's own causal mask
+    q_index: Tensor | None  # [T] row of each token in the padded [B*Q] query block
+    q_len: int  # Q: padded queries per sequence
+
+
+class DenseKVCache:
+    """``max_seqs`` slots of ``max_len`` positions; slot id == sequence id."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seqs: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (config.n_layers, max_seqs, config.n_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self.device = self.k.device
+        self._lens = [0] * max_seqs
+        self._step: _StepLayout | None = None
+
+    def reset(self, seq_id: int) -> None:
+        self._lens[seq_id] = 0
+
+    def set_length(self, seq_id: int, length: int) -> None:
+        """Declare positions ``[0, length)`` filled without computing them (benchmarks:
+        attention cost does not depend on what the rows hold)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len}]")
+        self._lens[seq_id] = length
+
+    def length(self, seq_id: int) -> int:
+        """Tokens held, including those of a prepared step."""
+        return self._lens[seq_id]
+
+    def positions(self, seq_ids: list[int], new_lens: list[int]) -> Tensor:
+        """Positions of a step's tokens, to call *before* ``prepare`` (which advances)."""
+        pos = [
+            p
+            for s, n in zip(seq_ids, new_lens, strict=True)
+            for p in range(self._lens[s], self._lens[s] + n)
+        ]
+        return torch.tensor(pos, dtype=torch.int64, device=self.device)
+
+    def prepare(self, seq_ids: list[int], new_lens: list[int]) -> None:
+        """Declare the next forward's layout and reserve its positions.
+
+        Tokens in input order are ``new_lens[0]`` tokens of ``seq_ids[0]``, then
+        ``new_lens[1]`` of ``seq_ids[1]``, ... each appended after what that sequence holds.
+        """
+        if len(seq_ids) != len(new_lens) or not seq_ids or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("prepare needs distinct seq_ids, one new length each")
+        starts = [self._lens[s] for s in seq_ids]
+        totals = [s + n for s, n in zip(starts, new_lens, strict=True)]
+        if max(totals) > self.max_len or min(new_lens) < 1:
+            raise ValueError(f"step does not fit: totals {totals}, max_len {self.max_len}")
+        self._step = self._layout(seq_ids, new_lens, starts, totals)
+        for s, total in zip(seq_ids, totals, strict=True):
+            self._lens[s] = total
+
+    def _layout(
+        self, seq_ids: list[int], new_lens: list[int], starts: list[int], totals: list[int]
+    ) -> _StepLayout:
+        dev = self.device
+        slot_t = torch.tensor(
+            [s for s, n in zip(seq_ids, new_lens, strict=True) for _ in range(n)],
+            dtype=torch.int64,
+            device=dev,
+        )
+        pos_t = torch.tensor(
+            [p for st, n in zip(starts, new_lens, strict=True) for p in range(st, st + n)],
+            dtype=torch.int64,
+            device=dev,
+        )
+        b, kv_len, q_len = len(seq_ids), max(totals), max(new_lens)
+        adjacent = seq_ids == list(range(seq_ids[0], seq_ids[0] + b))
+        slots: Tensor | slice = (
+            slice(seq_ids[0], seq_ids[0] + b)
+            if adjacent
+            else torch.tensor(seq_ids, dtype=torch.int64, device=dev)
+        )
+        is_causal = b == 1 and starts[0] == 0 and q_len > 1
+        q_index = None
+        if q_len > 1 and b > 1:
+            q_index = torch.tensor(
+                [i * q_len + j for i, n in enumerate(new_lens) for j in range(n)],
+                dtype=torch.int64,
+                device=dev,
+            )
+        mask = None
+        needs_mask = (q_len > 1 and not is_causal) or len(set(totals)) > 1
+        if needs_mask:
+            key = torch.arange(kv_len, device=dev)
+            qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(q_len, device=dev)
+            mask = key[None, None, :] <= qpos[:, :, None]  # [B, Q, L] causal within the sequence
+            # Padded query rows (j >= new_len) attend to key 0 only, so no row is all -inf.
+            pad = (
+                torch.arange(q_len, device=dev)[None, :]
+                >= torch.tensor(new_lens, device=dev)[:, None]
+            )
+            mask[pad] = key == 0
+            mask = mask.unsqueeze(1)
+        return _StepLayout(slot_t, pos_t, slots, kv_len, mask, is_causal, q_index, q_len)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        step = self._step
+        if step is None:
+            raise RuntimeError("DenseKVCache.prepare() must be called before forward()")
+        kc, vc = self.k[layer], self.v[layer]
+        kc[step.slot_t, :, step.pos_t] = k
+        vc[step.slot_t, :, step.pos_t] = v
+        keys = kc[step.slots, :, : step.kv_len]
+        values = vc[step.slots, :, : step.kv_len]
+        b = keys.shape[0]
+        if step.q_index is None:
+            # One query per sequence, or a single sequence: [T, H, D] reshapes directly.
+            qh = q.view(b, -1, q.shape[1], q.shape[2]).transpose(1, 2)
+        else:
+            padded = q.new_zeros(b * step.q_len, q.shape[1], q.shape[2])
+            padded[step.q_index] = q
+            qh = padded.view(b, step.q_len, q.shape[1], q.shape[2]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=step.mask, is_causal=step.is_causal, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+        return out if step.q_index is None else out[step.q_index]

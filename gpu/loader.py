@@ -1,0 +1,181 @@
+"""Load a GGUF model: one file open yields config, tokenizer, chat template and weights."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from gpu.chat import ChatTemplate, ChatTemplateError
+from gpu.config import ModelConfig, config_from_gguf
+from gpu.gguf_file import GGUFFile, ModelFileError, default_model_path
+from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
+from gpu.tokenizer import Tokenizer, tokenizer_from_gguf
+
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: Llama
+    tokenizer: Tokenizer
+    chat: ChatTemplate | None
+    path: pathlib.Path
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """None -> CUDA if available else CPU; dtype None -> bf16 on CUDA, fp32 on CPU.
+
+    fp32 on CPU because half-precision matmuls there are 50-200x slower (no AVX512-BF16).
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(names)})")
+    return dev, names[dtype]
+
+
+def load_tokenizer(
+    path: str | pathlib.Path | None = None,
+) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
+    """Tokenizer, chat template and config without reading any weights."""
+    f = GGUFFile(path or default_model_path())
+    return _vocab_parts(f)
+
+
+def load_model(
+    path: str | pathlib.Path | None = None,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> LoadedModel:
+    dev, dt = resolve_device(device, dtype)
+    t0 = time.perf_counter()
+    f = GGUFFile(path or default_model_path())
+    t_open = time.perf_counter()
+    tokenizer, chat, config = _vocab_parts(f)
+    t_vocab = time.perf_counter()
+    f.check_tensor_types()
+    with torch.inference_mode():
+        model = _build_model(f, config, dev, dt, _progress_printer(f.path.name))
+    model.eval()
+    t_end = time.perf_counter()
+    log.info(
+        "loaded %s (%s) on %s/%s in %.2fs (open %.2fs, tokenizer %.2fs, weights %.2fs); rss %.0f MiB",
+        f.path.name,
+        config.name,
+        dev,
+        str(dt).removeprefix("torch."),
+        t_end - t0,
+        t_open - t0,
+        t_vocab - t_open,
+        t_end - t_vocab,
+        psutil.Process().memory_info().rss / 2**20,
+    )
+    return LoadedModel(config, model, tokenizer, chat, f.path, dev, dt)
+
+
+def _vocab_parts(f: GGUFFile) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
+    tokens = f.strings("tokenizer.ggml.tokens")
+    config = config_from_gguf(f, tokens)
+    tokenizer = tokenizer_from_gguf(f, eog_ids=config.eog_ids)
+    source = f.get("tokenizer.chat_template")
+    chat = None
+    if source:
+        bos = tokens[config.bos_id] if config.bos_id is not None else ""
+        try:
+            chat = ChatTemplate(source, bos_token=bos, eos_token=tokens[config.eos_id])
+        except ChatTemplateError as exc:
+            raise ModelFileError(f.path, str(exc)) from None
+    return tokenizer, chat, config
+
+
+def _build_model(
+    f: GGUFFile,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None],
+) -> Llama:
+    c = config
+    total = 2 + 9 * c.n_layers + (0 if c.tied_embeddings else 1)
+    done = 0
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal done
+        got = f.tensor_shape(name)
+        if got != shape:
+            raise ModelFileError(f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+        arr = f.dequantize(name)
+        # F32 tensors come back as read-only views of the mmap: copy those, not the rest.
+        arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
+        t = torch.from_numpy(arr)
+        done += 1
+        progress(done, total)
+        return t
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        wq = unpermute_rope_rows(get(p + "attn_q.weight", (q_rows, c.hidden)), c.n_heads)
+        wk = unpermute_rope_rows(get(p + "attn_k.weight", (kv_rows, c.hidden)), c.n_kv_heads)
+        wv = get(p + "attn_v.weight", (kv_rows, c.hidden))
+        layers.append(
+            LlamaWeights(
+                attn_norm=place(get(p + "attn_norm.weight", (c.hidden,))),
+                wqkv=place(torch.cat([wq, wk, wv])),
+                wo=place(get(p + "attn_output.weight", (c.hidden, q_rows))),
+                ffn_norm=place(get(p + "ffn_norm.weight", (c.hidden,))),
+                w_gate_up=place(
+                    torch.cat(
+                        [
+                            get(p + "ffn_gate.weight", (c.ffn, c.hidden)),
+                            get(p + "ffn_up.weight", (c.ffn, c.hidden)),
+                        ]
+                    )
+                ),
+                w_down=place(get(p + "ffn_down.weight", (c.hidden, c.ffn))),
+            )
+        )
+    embed = place(get("token_embd.weight", (c.vocab_size, c.hidden)))
+    norm = place(get("output_norm.weight", (c.hidden,)))
+    head = None if c.tied_embeddings else place(get("output.weight", (c.vocab_size, c.hidden)))
+    return Llama(config, embed, layers, norm, head)
+
+
+def _progress_printer(label: str) -> Callable[[int, int], None]:
+    """A carriage-return progress line on stderr, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return lambda done, total: None
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        sys.stderr.write(f"\rloading {label}: {done}/{total} tensors{end}")
+        sys.stderr.flush()
+
+    return show

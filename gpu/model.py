@@ -1,0 +1,155 @@
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU.
+
+Weights arrive already un-permuted to the HF layout (see ``unpermute_rope_rows``), so
+RoPE is the rotate-half form. Attention goes through an ``AttentionBackend`` that owns
+the KV cache; the model itself is stateless between steps.
+
+Per-step op count matters on CPU (~2 us of dispatch per op, 30 layers), hence fused
+QKV and gate/up projections, one ``addcmul`` for RoPE on q and k together, and a
+precomputed cos/sin table indexed once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gpu.config import ModelConfig
+from gpu.dense_cache import DenseKVCache
+
+__all__ = [
+    "AttentionBackend",
+    "DenseKVCache",
+    "Llama",
+    "LlamaWeights",
+    "rope_tables",
+    "unpermute_rope_rows",
+]
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store k/v, return causal attention output ``[T, n_heads, head_dim]``.
+
+        q ``[T, n_heads, head_dim]``, k/v ``[T, n_kv_heads, head_dim]`` (RoPE applied);
+        T is every token of the step, sequences laid out as the backend was told.
+        """
+        ...
+
+
+def unpermute_rope_rows(w: Tensor, n_head: int) -> Tensor:
+    """Undo convert_hf_to_gguf's q/k row permutation (llama.cpp's adjacent-pair RoPE).
+
+    GGUF row (head, d, half) holds HF row (head, half, d); this is transformers'
+    ``_reverse_permute_weights``. With it, HF rotate-half RoPE is exact.
+    """
+    rows = w.shape[0]
+    dim = rows // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_tables(
+    head_dim: int, theta: float, n_positions: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """``cos`` and sign-folded ``sin`` tables ``[n_positions, head_dim]`` (fp32).
+
+    HF: ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``; since
+    ``roll(x, d/2) = cat(x2, x1)``, folding the minus sign into the first half of ``sin``
+    turns RoPE into ``x*cos + roll(x)*sin`` (a sign flip is exact in floating point).
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    pos = torch.arange(n_positions, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[:, : head_dim // 2].neg_()
+    return emb.cos(), sin
+
+
+class LlamaWeights(nn.Module):
+    """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused."""
+
+    def __init__(
+        self,
+        attn_norm: Tensor,
+        wqkv: Tensor,
+        wo: Tensor,
+        ffn_norm: Tensor,
+        w_gate_up: Tensor,
+        w_down: Tensor,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
+        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
+        self.wo = nn.Parameter(wo, requires_grad=False)
+        self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
+        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
+        self.w_down = nn.Parameter(w_down, requires_grad=False)
+
+
+class Llama(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: Tensor,
+        layers: list[LlamaWeights],
+        norm: Tensor,
+        lm_head: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        # Tied embeddings share the tensor: no second 49152x576 copy.
+        self.lm_head = self.embed if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.context_length)
+        self.register_buffer("rope_cos", cos.to(embed.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(embed.device), persistent=False)
+        self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
+        self._shape = (config.hidden,)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: AttentionBackend,
+        logits_indices: Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits (fp32) ``[K, vocab]`` for rows ``logits_indices`` (all rows if None).
+
+        The LM head runs only on those rows: it is the largest matmul of the model.
+        """
+        x = F.embedding(input_ids, self.embed)
+        # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, attn)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        h = F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
+        logits = F.linear(h, self.lm_head).float()
+        return (logits, h) if return_hidden else logits
+
+    def _layer(
+        self, i: int, w: LlamaWeights, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend
+    ) -> Tensor:
+        c = self.config
+        t = x.shape[0]
+        h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
+        qkv = F.linear(h, w.wqkv)
+        qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
+        qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
+        v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
+        o = attn(i, qk[:, : c.n_heads], qk[:, c.n_heads :], v)
+        x = x + F.linear(o.reshape(t, c.n_heads * c.head_dim), w.wo)
+        h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
+        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.w_down)
