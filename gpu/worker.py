@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from gpu.engine import Engine, EngineConfig, ProtocolError
 from gpu.loader import load_model
 from wire import (
@@ -64,6 +66,7 @@ class WorkerConfig:
     max_running: int = 64
     max_pending: int = 256
     step_tokens: int = 512
+    threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
 
 
 def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
@@ -271,10 +274,15 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--max-pending", type=int, default=d.max_pending)
     p.add_argument("--step-tokens", type=int, default=d.step_tokens)
+    p.add_argument("--threads", type=int, default=d.threads)
     return WorkerConfig(**vars(p.parse_args(argv)))
 
 
 def build_engine(config: WorkerConfig) -> Engine:
+    if config.threads:
+        # On a CPU shared with other busy processes, one thread avoids stalls at every
+        # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
+        torch.set_num_threads(config.threads)
     lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
     mc = lm.config
     elem = lm.model.embed.element_size()
