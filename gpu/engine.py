@@ -21,11 +21,15 @@ from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
 
-__all__ = ["Engine", "EngineConfig", "ProtocolError"]
+__all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
 
 class ProtocolError(ValueError):
     """The frontend broke the protocol (e.g. reused a live rid): the connection must close."""
+
+
+class TooLong(ValueError):
+    """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +89,9 @@ class Engine:
             except ValueError as exc:
                 if isinstance(exc, ProtocolError):
                     raise
-                errors.append((e.rid, "too_long" if "context" in str(exc) else "invalid", str(exc)))
+                errors.append(
+                    (e.rid, "too_long" if isinstance(exc, TooLong) else "invalid", str(exc))
+                )
                 continue
             if seq.params.max_new_tokens == 0:
                 done.append(
@@ -111,7 +117,7 @@ class Engine:
             raise ValueError(f"prompt has token ids outside [0, {v - 1}]")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_context:
-            raise ValueError(
+            raise TooLong(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the maximum context of {self.max_context} tokens"
             )

@@ -235,3 +235,24 @@ def test_prefix_cache_hit_gives_identical_output(lm: LoadedModel) -> None:
     b = run(engine, [(2, p + [9, 9], {**GREEDY, "max_new_tokens": 6}, {})])[2]
     assert a[0].extra["cached_tokens"] == 0 and b[0].extra["cached_tokens"] == 28
     assert ids_of(b) == dense_greedy(lm, p + [9, 9], 6)[0]
+
+
+def test_hidden_states_per_new_token(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
+    got = run(engine, [(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 3}, {"return_hidden_states": True})])[1]
+    assert len(got) == 3
+    for e in got:
+        (h,) = e.extra["hidden_states"]
+        assert len(f32s_to_list(h)) == lm.config.hidden
+
+
+def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
+    s = {"temperature": 1.0, "seed": 5, "max_new_tokens": 6, "ignore_eos": True, "n": 3}
+    engine.submit([SubmitEntry(20, pack_ids([5, 6, 7, 8, 9]), s, {})])
+    out = engine.abort([21])  # before the fork: the reserved rid ends at once
+    assert [(e.rid, e.finish[0]) for e in out] == [(21, "abort")]
+    got = run(engine, [])
+    assert sorted(got) == [20, 22]
+    assert all(len(ids_of(v)) == 6 for v in got.values())
+    assert ids_of(got[20]) != ids_of(got[22])  # seeds seed and seed + 2
