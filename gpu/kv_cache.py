@@ -261,7 +261,7 @@ class PagedKVCache:
         vc.index_copy_(0, lay.slots, v)
         outs = []
         d, h, hd = lay.n_decode, q.shape[1], q.shape[2]
-        if d:
+        if lay.dec_index is not None:
             shape = (d, lay.dec_len, kc.shape[1], hd)
             keys = kc.index_select(0, lay.dec_index).view(shape).transpose(1, 2)
             vals = vc.index_select(0, lay.dec_index).view(shape).transpose(1, 2)
