@@ -94,6 +94,12 @@ class _Connection:
             except OSError:
                 self.alive = False
 
+    def fatal(self, message: str) -> None:
+        """Send FATAL; nothing more is sent on this connection."""
+        self.send(Fatal(message))
+        with self.lock:
+            self.alive = False
+
     def close(self) -> None:
         with self.lock:
             self.alive = False
@@ -120,7 +126,7 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
                 else:
                     raise WireError(f"a frontend may not send {type(frame).__name__}")
     except (WireError, ValueError) as exc:
-        conn.send(Fatal(f"protocol error: {exc}"))
+        conn.fatal(f"protocol error: {exc}")
     except OSError:
         pass
     finally:
@@ -170,7 +176,7 @@ def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
         try:
             errors, done = engine.submit(frame.entries)
         except ProtocolError as exc:
-            conn.send(Fatal(f"protocol error: {exc}"))
+            conn.fatal(f"protocol error: {exc}")
             return "eof"
         if errors:
             conn.send(ReqError(errors))

@@ -239,7 +239,9 @@ def test_prefix_cache_hit_gives_identical_output(lm: LoadedModel) -> None:
 
 def test_hidden_states_per_new_token(lm: LoadedModel) -> None:
     engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
-    got = run(engine, [(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 3}, {"return_hidden_states": True})])[1]
+    got = run(
+        engine, [(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 3}, {"return_hidden_states": True})]
+    )[1]
     assert len(got) == 3
     for e in got:
         (h,) = e.extra["hidden_states"]

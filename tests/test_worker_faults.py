@@ -106,19 +106,22 @@ def _one_shot(path: str, data: bytes) -> list:
     """Send raw bytes on a fresh connection, then a probe; return what came back."""
     c = WorkerClient(path)
     c.sock.settimeout(10)
+    got: list = []
     try:
-        c.send_raw(data)
-        c.send(Probe(9))
-        got = []
+        try:
+            c.send_raw(data)
+            c.send(Probe(9))
+        except OSError:
+            pass  # the worker may close first; what it sent is still readable
         while (f := c.recv()) is not None:
             got.append(f)
             if isinstance(f, ProbeReply | Fatal):
                 break
-        return got
-    except (TimeoutError, ConnectionError):
-        return []
+    except TimeoutError:
+        pass
     finally:
         c.close()
+    return got
 
 
 _cbor = st.recursive(
@@ -178,14 +181,16 @@ def test_shutdown_aborts_everything_and_exits_zero(tiny_gguf: TinyModel, tmp_pat
     proc = spawn_worker(path, "--model", str(tiny_gguf.path))
     try:
         c = WorkerClient(path, timeout=120)
-        c.submit(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 200})
-        c.wait([1], until=lambda f: isinstance(f, Step))
-        c.send(Shutdown())
-        res = c.wait([1])
-        assert res[1].finish[0] in ("abort", "length")
-        assert c.recv() is None
+        try:
+            c.submit(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 200})
+            c.wait([1], until=lambda f: isinstance(f, Step))
+            c.send(Shutdown())
+            res = c.wait([1])
+            assert res[1].finish[0] in ("abort", "length")
+            assert c.recv() is None
+        finally:
+            c.close()
         assert proc.wait(timeout=30) == 0
-        c.close()
     finally:
         if proc.poll() is None:
             proc.kill()

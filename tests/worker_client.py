@@ -93,7 +93,10 @@ class WorkerClient:
     def recv(self) -> Frame | None:
         """Next frame, or None at EOF."""
         while not self.pending:
-            data = self.sock.recv(1 << 20)
+            try:
+                data = self.sock.recv(1 << 20)
+            except ConnectionResetError:
+                data = b""
             if not data:
                 return None
             for payload in self.buf.feed(data):
