@@ -1,0 +1,183 @@
+"""Loading tiny GGUF files: config, weights, and one clear error for every bad file."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu.gguf_file import ModelFileError, default_model_path
+from gpu.loader import load_model, load_tokenizer, resolve_device
+from gpu.model import unpermute_rope_rows
+from tests.tiny_gguf import TinyModel, TinySpec, hf_permute, write_tiny_gguf
+
+
+def test_config_from_metadata(tiny_gguf: TinyModel) -> None:
+    lm = load_model(tiny_gguf.path, device="cpu")
+    c = lm.config
+    s = tiny_gguf.spec
+    assert (c.arch, c.n_layers, c.hidden, c.ffn) == ("llama", s.n_layers, s.hidden, s.ffn)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim) == (s.n_heads, s.n_kv_heads, s.hidden // s.n_heads)
+    assert c.rope_theta == s.rope_theta and c.rms_eps == pytest.approx(s.rms_eps)
+    assert c.context_length == s.context_length and c.vocab_size == len(tiny_gguf.tokens)
+    assert c.tied_embeddings and lm.model.lm_head is lm.model.embed
+    assert (c.bos_id, c.eos_id, c.add_bos, c.name) == (1, 2, False, "tiny-test-llama")
+    # <|endoftext|>, <|im_end|> (eos) and the FIM repo token <reponame>, as llama.cpp derives.
+    assert c.eog_ids == (0, 2, 3)
+    assert lm.device == torch.device("cpu") and lm.dtype == torch.float32
+
+
+def test_weights_are_dequantised_and_unpermuted(tiny_gguf: TinyModel) -> None:
+    lm = load_model(tiny_gguf.path, device="cpu")
+    w = {k: torch.from_numpy(v) for k, v in tiny_gguf.weights.items()}
+    layer = lm.model.layers[1]
+    expect_qkv = torch.cat(
+        [w["blk.1.attn_q.weight"], w["blk.1.attn_k.weight"], w["blk.1.attn_v.weight"]]
+    )
+    assert torch.equal(layer.wqkv, expect_qkv)
+    assert torch.equal(
+        layer.w_gate_up, torch.cat([w["blk.1.ffn_gate.weight"], w["blk.1.ffn_up.weight"]])
+    )
+    assert torch.equal(layer.w_down, w["blk.1.ffn_down.weight"])
+    assert torch.equal(lm.model.embed, w["token_embd.weight"])
+    assert torch.equal(lm.model.norm, w["output_norm.weight"])
+
+
+def test_unpermute_inverts_the_converter_permutation() -> None:
+    w = np.arange(8 * 4 * 3, dtype=np.float32).reshape(8 * 4, 3)
+    for heads in (1, 2, 4):
+        back = unpermute_rope_rows(torch.from_numpy(hf_permute(w, heads)), heads)
+        assert torch.equal(back, torch.from_numpy(w))
+    # and it is not the identity: a head's rows (d0..d3, e0..e3) come back from (d0 e0 d1 e1 ...)
+    assert not np.array_equal(hf_permute(w, 1), w)
+
+
+def test_untied_output_weight(tmp_path: pathlib.Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "untied.gguf", TinySpec(untied=True))
+    lm = load_model(tiny.path, device="cpu")
+    assert not lm.config.tied_embeddings
+    assert torch.equal(lm.model.lm_head, torch.from_numpy(tiny.weights["output.weight"]))
+
+
+def test_load_tokenizer_reads_no_weights(tmp_path: pathlib.Path) -> None:
+    # A file whose weights cannot be loaded still yields tokenizer, template and config.
+    spec = TinySpec(quant={"ffn_up": Q.Q8_0}, omit_tensors=("blk.0.ffn_down.weight",))
+    tiny = write_tiny_gguf(tmp_path / "noweights.gguf", spec)
+    tok, chat, config = load_tokenizer(tiny.path)
+    assert tok.encode("hello") == [tiny.tokens.index("hello")]
+    assert chat is not None and config.n_layers == 2
+    with pytest.raises(ModelFileError, match="blk.0.ffn_down.weight"):
+        load_model(tiny.path, device="cpu")
+
+
+def test_default_model_path_exists() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+
+
+def test_resolve_device_policy() -> None:
+    assert resolve_device("cpu", None) == (torch.device("cpu"), torch.float32)
+    assert resolve_device("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_device("cpu", "int3")
+
+
+# -- bad files: one ModelFileError naming the file and the problem ---------------------
+
+
+def _assert_clean(
+    exc: pytest.ExceptionInfo[ModelFileError], path: pathlib.Path, problem: str
+) -> None:
+    assert str(path) in str(exc.value)
+    assert problem in str(exc.value)
+    # No chained traceback from inside gguf-py.
+    assert exc.value.__cause__ is None
+    assert exc.value.__context__ is None or exc.value.__suppress_context__
+
+
+def test_missing_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(ModelFileError) as exc:
+        load_model(path, device="cpu")
+    _assert_clean(exc, path, "file not found")
+
+
+def test_empty_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelFileError) as exc:
+        load_model(path, device="cpu")
+    _assert_clean(exc, path, "empty file")
+
+
+def test_bad_magic(tmp_path: pathlib.Path, tiny_gguf: TinyModel) -> None:
+    path = tmp_path / "magic.gguf"
+    data = bytearray(tiny_gguf.path.read_bytes())
+    data[0:4] = b"GGML"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError) as exc:
+        load_model(path, device="cpu")
+    _assert_clean(exc, path, "bad magic")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.97])  # cut in the metadata, cut in the tensor data
+def test_truncated_file(tmp_path: pathlib.Path, tiny_gguf: TinyModel, keep: float) -> None:
+    path = tmp_path / "cut.gguf"
+    data = tiny_gguf.path.read_bytes()
+    if keep < 0.9:
+        data = data[:2000]
+    else:
+        data = data[: int(len(data) * keep)]
+    path.write_bytes(data)
+    with pytest.raises(ModelFileError) as exc:
+        load_model(path, device="cpu")
+    _assert_clean(exc, path, "truncated")
+
+
+def test_unsupported_architecture(tmp_path: pathlib.Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "mamba.gguf", TinySpec(arch="mamba"))
+    with pytest.raises(ModelFileError) as exc:
+        load_model(tiny.path, device="cpu")
+    _assert_clean(exc, tiny.path, "unsupported architecture 'mamba'")
+
+
+def test_unsupported_tensor_type(tmp_path: pathlib.Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "f64.gguf", TinySpec(quant={"ffn_down": Q.F64}))
+    with pytest.raises(ModelFileError) as exc:
+        load_model(tiny.path, device="cpu")
+    _assert_clean(exc, tiny.path, "tensor 'blk.0.ffn_down.weight' has unsupported type F64")
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        (TinySpec(tokenizer_model="llama"), "unsupported tokenizer.ggml.model 'llama'"),
+        (TinySpec(pre="qwen9"), "unsupported tokenizer.ggml.pre 'qwen9'"),
+        (TinySpec(chat_template="{% for %}"), "chat template does not compile"),
+        (TinySpec(omit_tensors=("output_norm.weight",)), "tensor 'output_norm.weight' is missing"),
+    ],
+)
+def test_unsupported_file_contents(tmp_path: pathlib.Path, spec: TinySpec, problem: str) -> None:
+    tiny = write_tiny_gguf(tmp_path / "bad.gguf", spec)
+    with pytest.raises(ModelFileError) as exc:
+        load_model(tiny.path, device="cpu")
+    _assert_clean(exc, tiny.path, problem)
+
+
+def test_wrong_tensor_shape(tmp_path: pathlib.Path) -> None:
+    # The metadata's feed-forward size disagrees with the tensors written.
+    tiny = write_tiny_gguf(tmp_path / "shape.gguf", TinySpec())
+    with open(tiny.path, "r+b") as fh:
+        data = fh.read()
+        key = b"llama.feed_forward_length"
+        at = data.index(key) + len(key) + 4  # skip the uint32 value-type tag
+        fh.seek(at)
+        fh.write((96).to_bytes(4, "little"))
+    with pytest.raises(ModelFileError) as exc:
+        load_model(tiny.path, device="cpu")
+    _assert_clean(
+        exc, tiny.path, "tensor 'blk.0.ffn_gate.weight' has shape (128, 64), expected (96, 64)"
+    )
