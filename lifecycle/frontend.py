@@ -11,6 +11,7 @@ terminal entry confirms release) and returns the admission slot.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +32,8 @@ from lifecycle.worker_client import WorkerClient, WorkerFailure
 from wire import pack_ids
 
 __all__ = ["Frontend", "FrontendConfig", "GenerateCall", "ServeError"]
+
+log = logging.getLogger("lifecycle.frontend")
 
 _FAILURE_CAUSE = {
     "worker_lost": Cause.WORKER_LOST,
@@ -285,6 +288,7 @@ class GenerateCall:
         if self.closed:
             return
         self.closed = True
+        log.debug("close %s (%s: %s)", [r.rec for r in self.runs], cause.value, detail)
         fe = self.frontend
         for run in self.runs:
             rec = run.rec

@@ -178,7 +178,8 @@ def test_validation_400_with_sglang_message(url: str) -> None:
 def test_duplicate_live_rid_is_refused(url: str) -> None:
     with httpx.stream("POST", url + "/generate", timeout=30, json={
         "input_ids": [1, 2], "rid": "dup", "stream": True, **LONG}) as first:
-        next(first.iter_lines())
+        lines = first.iter_lines()  # kept: a collected iterator closes the response
+        next(lines)
         r = _gen(url, {"input_ids": [1], "rid": "dup"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == "Duplicate request ID detected: dup"
