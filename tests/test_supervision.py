@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from .scripted import lifecycle_server
 
@@ -20,15 +21,16 @@ def _wait_status(url: str, path: str, status: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # the worker is held back 25 s so the server is seen listening but not ready
 def test_not_ready_then_worker_death_then_recovery() -> None:
     args = ("--scripted-worker", "--worker-args",
-            "--startup-delay 2 --step-delay 0.01 --die-after-steps 60")
+            "--startup-delay 25 --step-delay 0.01 --die-after-steps 60")
     with lifecycle_server(*args, wait_ready=False) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and "error" in r.json()
         g = httpx.post(url + "/generate", json={"input_ids": [1, 2]})
         assert g.status_code == 503 and g.headers["retry-after"]
-        _wait_status(url, "/health", 200, 30)
+        _wait_status(url, "/health", 200, 60)
 
         # A stream in flight when the worker dies ends with an explicit error event.
         frames: list[Any] = []
