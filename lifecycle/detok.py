@@ -135,13 +135,17 @@ class SampleText:
         raw = self.raw
         if not self._stops or not self._trim:
             return raw
-        hold = 0
+        end = len(raw)
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(raw)), hold, -1):
-                if raw.endswith(stop[:k]):
-                    hold = k
+            at = raw.find(stop, sent)  # a whole match (its finish is on its way)
+            if at >= 0:
+                end = min(end, at)
+                continue
+            for k in range(min(len(stop) - 1, len(raw)), 0, -1):
+                if raw.endswith(stop[:k]):  # could become a match: hold it back
+                    end = min(end, len(raw) - k)
                     break
-        return raw[: max(sent, len(raw) - hold)]
+        return raw[: max(sent, end)]
 
     def final(self, finish: Any, sent: int) -> str:
         """The whole text once the sample ended with ``finish`` (a finish-reason dict)."""
