@@ -13,7 +13,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Awaitable, Callable
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,10 +28,9 @@ from .config import ServerConfig
 from .errors import HTTPError
 from .request import BodyQueue, Headers, Request
 from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
-from .sse import PING, frame_event
-from .streaming import END, Mailbox, run_producer
+from .streaming import discard, pump
 
-__all__ = ["HTTPConnection", "ServerState"]
+__all__ = ["HTTPConnection", "ServerState", "watch_deadlines"]
 
 log = logging.getLogger("transport")
 
@@ -65,6 +66,13 @@ class _ClientGone(Exception):
 
 
 class HTTPConnection:
+    """One accepted connection, from the first request to the close.
+
+    ``run()`` serves it to the end; a server calls ``close_idle()`` and ``abort()`` during
+    shutdown and ``check_deadlines()`` from its watchdog. Without a server (a test, or an
+    app handing over its own streams) the connection watches its own deadlines.
+    """
+
     def __init__(
         self,
         stream: anyio.abc.ByteStream,
@@ -82,14 +90,23 @@ class HTTPConnection:
         self.idle = True  # no request in flight: shutdown may close this connection at once
         self.scope = anyio.CancelScope()
         self.current: Request | None = None
-        self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Request | _Failure](1)
+        # Reader -> responder hand-off. h11 pauses after each request until the response
+        # is done, so this never holds more than a request and a failure.
+        self._inbox: deque[Request | _Failure] = deque()
+        self._inbox_closed = False
+        self._inbox_wake: anyio.Event | None = None
         self._phase = _Phase.HEAD
-        self._deadline = anyio.current_time() + config.header_timeout
+        self._deadline = time.monotonic() + config.header_timeout
         self._read_scope: anyio.CancelScope | None = None
         self._poked = False
+        self._send_since: float | None = None
         self._body: BodyQueue | None = None
         self._reader_scope = anyio.CancelScope()
         self._reader_done = anyio.Event()
+        # The running backend's own classes: anyio.Event() / anyio.CancelScope() look the
+        # backend up on every call, and these two are made once per request.
+        self._new_event = type(self._reader_done)
+        self._new_scope = type(self._reader_scope)
         self._graceful = True
 
     # ------------------------------------------------------------------ driver
@@ -98,6 +115,8 @@ class HTTPConnection:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._read_loop)
+                    if isinstance(self.server, _Idle):  # no server watchdog: bring our own
+                        tg.start_soon(watch_deadlines, [self], self.config)
                     try:
                         await self._respond_loop()
                     except _ClientGone:
@@ -108,6 +127,11 @@ class HTTPConnection:
                 with anyio.CancelScope(shield=True):
                     await wire.close_stream(self.stream, graceful=self._graceful)
 
+    def close_idle(self) -> None:
+        """Close now if no request is in flight (shutdown): FIN, not a reset."""
+        if self.idle:
+            self.scope.cancel()
+
     def abort(self, reason: str) -> None:
         """Cancel this connection now (shutdown deadline): the in-flight request learns why."""
         if self.current is not None:
@@ -117,11 +141,30 @@ class HTTPConnection:
 
     # ------------------------------------------------------------------ reader
     async def _read_loop(self) -> None:
-        with self._inbox_send, self._reader_scope:
+        with self._reader_scope:
             try:
                 await self._read_events()
             finally:
+                self._inbox_closed = True
+                self._wake_responder()
                 self._reader_done.set()
+
+    def _deliver(self, item: Request | _Failure) -> None:
+        self._inbox.append(item)
+        self._wake_responder()
+
+    def _wake_responder(self) -> None:
+        if self._inbox_wake is not None:
+            self._inbox_wake.set()
+            self._inbox_wake = None
+
+    async def _next_item(self) -> Request | _Failure | None:
+        while not self._inbox:
+            if self._inbox_closed:
+                return None
+            self._inbox_wake = self._new_event()
+            await self._inbox_wake.wait()
+        return self._inbox.popleft()
 
     async def _read_events(self) -> None:
         conn = self.h11
@@ -129,7 +172,7 @@ class HTTPConnection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                await self._on_protocol_error(exc)
+                self._on_protocol_error(exc)
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 if not await self._fill(paused=event is h11.PAUSED):
@@ -155,7 +198,7 @@ class HTTPConnection:
         """Read once into h11; False when the connection is finished on the reading side."""
         limit_reached = paused and len(self.h11.trailing_data[0]) > self.config.max_header_bytes
         data = b""
-        with anyio.CancelScope(deadline=self._deadline) as scope:
+        with self._new_scope() as scope:  # cancelled by a poke or by check_deadlines
             self._read_scope = scope
             try:
                 if limit_reached:
@@ -168,42 +211,46 @@ class HTTPConnection:
                 self._read_scope = None
         poked, self._poked = self._poked, False
         if scope.cancelled_caught:
-            return True if poked else await self._on_timeout()
+            return self._on_timeout() if not poked else True
         if not data:
             self._on_gone()
             return False
         if self._phase is _Phase.IDLE:
-            self._set_phase(_Phase.HEAD, anyio.current_time() + self.config.header_timeout)
+            self._set_phase(_Phase.HEAD, time.monotonic() + self.config.header_timeout)
         self.h11.receive_data(data)
         return True
 
+    def _body_already_here(self) -> tuple[list[bytes], bool]:
+        """The body events h11 can produce without more bytes: (chunks, complete)."""
+        chunks: list[bytes] = []
+        while True:
+            event = self.h11.next_event()
+            if type(event) is h11.Data:
+                chunks.append(event.data)
+            else:
+                return chunks, type(event) is h11.EndOfMessage
+
     async def _on_request(self, event: h11.Request) -> bool:
         conn = self.h11
-        chunks: list[bytes] = []
-        complete = False
-        try:
-            while True:  # take what already arrived: most bodies come with their head
-                nxt = conn.next_event()
-                if type(nxt) is h11.Data:
-                    chunks.append(nxt.data)
-                elif type(nxt) is h11.EndOfMessage:
-                    complete = True
-                    break
-                else:
-                    break
+        try:  # most bodies arrive with their head: take them now, skip the body queue
+            chunks, complete = self._body_already_here()
         except h11.RemoteProtocolError as exc:
-            await self._inbox_send.send(_Failure(exc.error_status_hint, str(exc)))
+            self._deliver(_Failure(exc.error_status_hint, str(exc)))
+            return False
+        pairs, head_size, declared = wire.scan_head(event)
+        if head_size > self.config.max_header_bytes:
+            # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
+            self._deliver(_Failure(431, "Request header fields too large"))
             return False
         size = sum(map(len, chunks)) if chunks else 0
-        declared = wire.content_length(event.headers)
         limit = self.config.max_body_bytes
         if size > limit or (declared is not None and declared > limit):
-            await self._inbox_send.send(_Failure(413, f"Request body exceeds {limit} bytes"))
+            self._deliver(_Failure(413, f"Request body exceeds {limit} bytes"))
             return False
         request = Request(
             event.method.decode("ascii"),
             event.target.decode("latin-1"),
-            Headers(event.headers),
+            Headers(pairs),
             self.client,
             None,
             event.http_version.decode("ascii"),
@@ -219,24 +266,23 @@ class HTTPConnection:
                 body.push(chunk)
             if conn.they_are_waiting_for_100_continue:
                 request._on_first_pull = self._send_continue
-            self._set_phase(_Phase.BODY, anyio.current_time() + self.config.body_timeout)
+            self._set_phase(_Phase.BODY, time.monotonic() + self.config.body_timeout)
         self.current = request
-        await self._inbox_send.send(request)
+        self._deliver(request)
         return True
 
-    async def _on_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+    def _on_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self._body is not None:  # malformed body: the handler reading it gets a 400
             self._body.fail(HTTPError(exc.error_status_hint, f"Malformed request body: {exc}"))
         elif self._phase is not _Phase.WATCH:
-            await self._inbox_send.send(_Failure(exc.error_status_hint, str(exc)))
+            self._deliver(_Failure(exc.error_status_hint, str(exc)))
 
-    async def _on_timeout(self) -> bool:
+    def _on_timeout(self) -> bool:
         phase = self._phase
         if phase is _Phase.BODY and self._body is not None:
             self._body.fail(HTTPError(408, "Request body timeout"))
         elif phase is _Phase.HEAD and self.h11.trailing_data[0]:
-            await self._inbox_send.send(_Failure(408, "Request header timeout"))
-        self._graceful = phase is not _Phase.IDLE or bool(self.h11.trailing_data[0])
+            self._deliver(_Failure(408, "Request header timeout"))
         return False  # an idle connection that timed out just closes
 
     def _on_gone(self) -> None:
@@ -249,29 +295,41 @@ class HTTPConnection:
     def _set_phase(self, phase: _Phase, deadline: float) -> None:
         self._phase = phase
         self._deadline = deadline
-        if self._read_scope is not None:
-            self._read_scope.deadline = deadline
+
+    def check_deadlines(self, now: float) -> None:
+        """Enforce the read and send deadlines; called a few times per timeout period.
+
+        Deadlines are plain numbers checked by a watchdog rather than a timer per read and
+        per write: arming and cancelling two timers per request costs more than the rest
+        of the transport's own work.
+        """
+        if self._read_scope is not None and now >= self._deadline and not self._poked:
+            self._read_scope.cancel()
+        if self._send_since is not None and now - self._send_since >= self.config.send_timeout:
+            if self.current is not None:
+                self.current.mark_disconnected("send_stall")
+            self._graceful = False
+            self.scope.cancel()
 
     # --------------------------------------------------------------- responder
     async def _respond_loop(self) -> None:
-        async with self._inbox_recv:
-            async for item in self._inbox_recv:
-                self.idle = False
-                if isinstance(item, _Failure):
-                    await self._send_error(item.status, item.message)
-                    return
-                keep_alive = await self._respond(item)
-                self.current = None
-                if not keep_alive or self.server.draining or not self._next_cycle():
-                    return
-                self.idle = True
+        while (item := await self._next_item()) is not None:
+            self.idle = False
+            if isinstance(item, _Failure):
+                await self._send_error(item.status, item.message)
+                return
+            keep_alive = await self._respond(item)
+            self.current = None
+            if not keep_alive or self.server.draining or not self._next_cycle():
+                return
+            self.idle = True
 
     def _next_cycle(self) -> bool:
         conn = self.h11
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return False  # an unread body or Connection: close; either way we are done
         conn.start_next_cycle()
-        self._set_phase(_Phase.IDLE, anyio.current_time() + self.config.keepalive_timeout)
+        self._set_phase(_Phase.IDLE, time.monotonic() + self.config.keepalive_timeout)
         if self._read_scope is not None and conn.trailing_data[0]:
             self._poked = True  # a pipelined request is already buffered: parse it now
             self._read_scope.cancel()
@@ -287,7 +345,7 @@ class HTTPConnection:
         except Exception:
             log.exception("unhandled error in handler for %s %s", request.method, request.path)
             response = wire.error_response(HTTPError(500, "Internal Server Error"))
-        if request.disconnected.is_set():
+        if request.is_disconnected():
             self._graceful = False
             return False
         if isinstance(response, WebSocketResponse):
@@ -305,8 +363,13 @@ class HTTPConnection:
         if not bodiless:
             headers.append((b"content-length", str(len(body)).encode()))
         try:
-            data = conn.send(h11.Response(status_code=response.status, headers=headers,
-                                          reason=wire.reason(response.status)))
+            data = conn.send(
+                h11.Response(
+                    status_code=response.status,
+                    headers=headers,
+                    reason=wire.reason(response.status),
+                )
+            )
             if body and not bodiless and request.method != "HEAD":
                 data += conn.send(h11.Data(data=body))
             data += conn.send(h11.EndOfMessage())
@@ -319,41 +382,32 @@ class HTTPConnection:
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
         conn = self.h11
         headers = wire.response_headers(response.headers, self.config, self.server.draining)
-        head = conn.send(h11.Response(status_code=response.status, headers=headers,
-                                      reason=wire.reason(response.status)))
-        box = Mailbox()
-        sse = isinstance(response, SSEResponse)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run_producer, response.chunks, box)
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        reason = wire.reason(response.status)
+        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))
+        try:
+            await self._write(request, head)
+        except _ClientGone:
+            await discard(response.chunks)
+            raise
+        if request.method == "HEAD":
+            await discard(response.chunks)
+            ok = True
+        else:
+            sse = isinstance(response, SSEResponse)
+            ping = self.config.sse_ping_interval if sse else math.inf
+
+            async def write_data(data: bytes) -> None:
+                await self._write(request, conn.send(h11.Data(data=data)))
+
             try:
-                await self._write(request, head)
-                if request.method != "HEAD":
-                    await self._pump(request, box, sse)
+                ok = await pump(request, response.chunks, write_data, sse, ping)
             except _ClientGone:
-                self._graceful = False
-            tg.cancel_scope.cancel()
-        if request.disconnected.is_set() or box.failed or not box.closed:
+                ok = False
+        if not ok:
             self._graceful = False  # an unterminated chunked body tells the client it is cut
             return False
         await self._write(request, conn.send(h11.EndOfMessage()))
         return True
-
-    async def _pump(self, request: Request, box: Mailbox, sse: bool) -> None:
-        conn = self.h11
-        ping = self.config.sse_ping_interval if sse else math.inf
-        while True:
-            item = END
-            with anyio.move_on_after(ping) as idle:
-                item = await box.get()
-            if idle.cancelled_caught:
-                await self._write(request, conn.send(h11.Data(data=PING)))
-                continue
-            if item is END:
-                return
-            data = frame_event(item) if sse else item
-            if data:
-                await self._write(request, conn.send(h11.Data(data=data)))
 
     async def _upgrade(self, request: Request, response: WebSocketResponse) -> bool:
         from . import websocket
@@ -365,8 +419,14 @@ class HTTPConnection:
         self._reader_scope.cancel()  # the WebSocket takes over the socket's read side
         await self._reader_done.wait()
         accept = websocket.accept_headers(request, response.subprotocol, self.config)
-        await self._write(request, self.h11.send(h11.InformationalResponse(
-            status_code=101, headers=accept, reason=b"Switching Protocols")))
+        await self._write(
+            request,
+            self.h11.send(
+                h11.InformationalResponse(
+                    status_code=101, headers=accept, reason=b"Switching Protocols"
+                )
+            ),
+        )
         trailing = self.h11.trailing_data[0]
         await websocket.run_session(self.stream, request, response.session, self.config, trailing)
         return False
@@ -375,7 +435,7 @@ class HTTPConnection:
         if self.h11.they_are_waiting_for_100_continue and self.current is not None:
             data = self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
             await self._write(self.current, data)
-            self._set_phase(_Phase.BODY, anyio.current_time() + self.config.body_timeout)
+            self._set_phase(_Phase.BODY, time.monotonic() + self.config.body_timeout)
 
     async def _send_error(self, status: int, message: str) -> None:
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -386,17 +446,30 @@ class HTTPConnection:
         await self._send_whole(request, response)
 
     async def _write(self, request: Request, data: bytes) -> None:
+        # A write that outlives send_timeout cancels the whole connection (check_deadlines).
+        self._send_since = time.monotonic()
         try:
-            with anyio.fail_after(self.config.send_timeout):
-                await self.stream.send(data)
-        except TimeoutError:
-            request.mark_disconnected("send_stall")
-            raise _ClientGone from None
+            await self.stream.send(data)
         except _STREAM_ERRORS:
             request.mark_disconnected("client_gone")
             raise _ClientGone from None
+        finally:
+            self._send_since = None
 
 
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    await request.disconnected.wait()
-    scope.cancel()
+def watchdog_interval(config: ServerConfig) -> float:
+    shortest = min(
+        config.header_timeout, config.body_timeout, config.keepalive_timeout, config.send_timeout
+    )
+    return min(1.0, max(0.005, shortest / 4))
+
+
+async def watch_deadlines(connections: Iterable[HTTPConnection], config: ServerConfig) -> None:
+    """Check every connection's deadlines, forever: a timeout fires within a quarter of
+    the shortest configured timeout (at most a second) of its due time."""
+    interval = watchdog_interval(config)
+    while True:
+        await anyio.sleep(interval)
+        now = time.monotonic()
+        for conn in list(connections):
+            conn.check_deadlines(now)

@@ -65,13 +65,24 @@ class BodyQueue:
     reads instead of growing memory.
     """
 
-    __slots__ = ("_changed", "_chunks", "_done", "_error", "_space", "_total", "high_water", "limit")
+    __slots__ = (
+        "_changed",
+        "_chunks",
+        "_done",
+        "_error",
+        "_space",
+        "_total",
+        "_unread",
+        "high_water",
+        "limit",
+    )
 
     def __init__(self, limit: int, high_water: int = 65536) -> None:
         self.limit = limit
         self.high_water = high_water
         self._chunks: deque[bytes] = deque()
         self._total = 0
+        self._unread = 0
         self._done = False
         self._error: HTTPError | None = None
         self._changed: anyio.Event | None = None
@@ -88,6 +99,7 @@ class BodyQueue:
             self.fail(HTTPError(413, f"Request body exceeds {self.limit} bytes"))
             return False
         self._chunks.append(data)
+        self._unread += len(data)
         self._wake()
         return True
 
@@ -99,18 +111,22 @@ class BodyQueue:
         if not self._done and self._error is None:
             self._error = error
             self._chunks.clear()
+            self._unread = 0
             self._wake()
+            self._make_space()
 
     def _wake(self) -> None:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
 
-    def buffered(self) -> int:
-        return sum(len(c) for c in self._chunks)
+    def _make_space(self) -> None:
+        if self._space is not None:
+            self._space.set()
+            self._space = None
 
     async def wait_for_space(self) -> None:
-        while self.buffered() > self.high_water and not self.finished:
+        while self._unread > self.high_water and not self.finished:
             self._space = anyio.Event()
             await self._space.wait()
 
@@ -119,9 +135,8 @@ class BodyQueue:
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
-                if self._space is not None:
-                    self._space.set()
-                    self._space = None
+                self._unread -= len(chunk)
+                self._make_space()
                 return chunk
             if self._error is not None:
                 raise self._error
@@ -143,8 +158,8 @@ class Request:
         "_cached",
         "_on_first_pull",
         "client",
+        "_disconnected",
         "disconnect_reason",
-        "disconnected",
         "headers",
         "http_version",
         "method",
@@ -169,7 +184,7 @@ class Request:
         self.client = client
         self.http_version = http_version
         self.path_params: dict[str, str] = {}
-        self.disconnected = anyio.Event()
+        self._disconnected: anyio.Event | None = None  # made on first use: most never need it
         self.disconnect_reason: str | None = None
         self._body = body
         self._cached: bytes | None = None if body is not None else b""
@@ -180,6 +195,15 @@ class Request:
 
     def query(self) -> dict[str, list[str]]:
         return parse_qs(self.query_string, keep_blank_values=True)
+
+    @property
+    def disconnected(self) -> anyio.Event:
+        if self._disconnected is None:
+            self._disconnected = anyio.Event()
+        return self._disconnected
+
+    def is_disconnected(self) -> bool:
+        return self._disconnected is not None and self._disconnected.is_set()
 
     def mark_disconnected(self, reason: str) -> None:
         """Record why the client is gone (first reason wins) and wake whoever waits."""

@@ -59,9 +59,7 @@ class Router:
         for method in names:
             table[method.upper()] = handler
 
-    def route(
-        self, methods: str | Iterable[str], path: str
-    ) -> Callable[[Handler], Handler]:
+    def route(self, methods: str | Iterable[str], path: str) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             self.add(methods, path, handler)
             return handler

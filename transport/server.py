@@ -17,7 +17,7 @@ from anyio.streams.tls import TLSListener
 from . import wire
 from .config import ServerConfig
 from .errors import error_body
-from .http11 import HTTPConnection
+from .http11 import HTTPConnection, watch_deadlines
 from .request import Request
 from .responses import Response
 
@@ -26,6 +26,7 @@ __all__ = ["Server", "run", "serve"]
 log = logging.getLogger("transport")
 
 Handler = Callable[[Request], Awaitable[Response]]
+DEFAULT_CONFIG = ServerConfig()  # frozen, so one shared default is safe
 _REJECT_READ_SECONDS = 0.5  # read the refused client's request head before answering 503
 
 
@@ -48,7 +49,7 @@ class Server:
     them) or until the enclosing scope is cancelled (immediate).
     """
 
-    def __init__(self, app: Handler, config: ServerConfig = ServerConfig()) -> None:
+    def __init__(self, app: Handler, config: ServerConfig = DEFAULT_CONFIG) -> None:
         self.app = app
         self.config = config
         self.bound: list[tuple[str, int]] | str = []
@@ -62,14 +63,19 @@ class Server:
     def connection_count(self) -> int:
         return len(self._connections)
 
-    async def serve(self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         listener = await self._open_listener()
         try:
             async with anyio.create_task_group() as connections:
+                watchdog = anyio.CancelScope()
+                connections.start_soon(self._watch, watchdog)
                 with anyio.CancelScope() as self._accept_scope:
                     task_status.started(self.bound)
                     await listener.serve(self._handle, task_group=connections)
                 await self._drain()
+                watchdog.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
@@ -84,11 +90,14 @@ class Server:
             self._accept_scope.cancel()
             await self._stopped.wait()
 
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            await watch_deadlines(self._connections, self.config)
+
     async def _drain(self) -> None:
         self.draining = True
         for conn in list(self._connections):
-            if conn.idle:
-                conn.abort("shutdown")
+            conn.close_idle()
         if self._connections:
             with anyio.move_on_after(self.config.shutdown_timeout):
                 await self._all_closed.wait()
@@ -108,8 +117,8 @@ class Server:
                 local_host=cfg.host, local_port=cfg.port, backlog=cfg.backlog
             )
             self.bound = [
-                tuple(l.extra(SocketAttribute.local_address))[:2]  # type: ignore[misc]
-                for l in tcp.listeners
+                tuple(sub.extra(SocketAttribute.local_address))[:2]  # type: ignore[misc]
+                for sub in tcp.listeners
             ]
             listener = tcp
         if cfg.ssl_certfile is not None:
@@ -150,16 +159,25 @@ _OVERLOADED_BODY = error_body("Server overloaded: too many connections")
 async def _reject(stream: anyio.abc.ByteStream) -> None:
     """Answer 503 and close without parsing: the cheapest way to say "not now"."""
     head = (
-        b"HTTP/1.1 503 Service Unavailable\r\ndate: " + wire.http_date()
+        b"HTTP/1.1 503 Service Unavailable\r\ndate: "
+        + wire.http_date()
         + b"\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-        + b"content-length: " + str(len(_OVERLOADED_BODY)).encode() + b"\r\n\r\n"
+        + b"content-length: "
+        + str(len(_OVERLOADED_BODY)).encode()
+        + b"\r\n\r\n"
     )
     try:
         with anyio.move_on_after(_REJECT_READ_SECONDS):
             await stream.receive(65536)
         with anyio.fail_after(_REJECT_READ_SECONDS):
             await stream.send(head + _OVERLOADED_BODY)
-    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, TimeoutError):
+    except (
+        anyio.EndOfStream,
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        OSError,
+        TimeoutError,
+    ):
         await anyio.aclose_forcefully(stream)
         return
     with anyio.CancelScope(shield=True):
@@ -175,7 +193,7 @@ def _unlink(path: str) -> None:
 
 async def serve(
     app: Handler,
-    config: ServerConfig = ServerConfig(),
+    config: ServerConfig = DEFAULT_CONFIG,
     *,
     task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -183,7 +201,7 @@ async def serve(
     await Server(app, config).serve(task_status=task_status)
 
 
-def run(app: Handler, config: ServerConfig = ServerConfig()) -> None:
+def run(app: Handler, config: ServerConfig = DEFAULT_CONFIG) -> None:
     """Blocking entry point: asyncio, on uvloop when it is installed."""
     uvloop = importlib.util.find_spec("uvloop") is not None
     anyio.run(serve, app, config, backend="asyncio", backend_options={"use_uvloop": uvloop})

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import anyio
 
-__all__ = ["END", "Mailbox", "run_producer"]
+from .request import Request
+from .sse import PING, frame_event
+
+__all__ = ["END", "Mailbox", "discard", "pump", "run_producer"]
 
 log = logging.getLogger("transport")
 
@@ -92,3 +95,63 @@ async def run_producer(source: AsyncIterable[Any], box: Mailbox) -> None:
                     await aclose()
                 except Exception:
                     log.exception("response producer failed while closing")
+
+
+async def discard(source: AsyncIterable[Any]) -> None:
+    """Close a producer that will never be pulled (HEAD, or the head write failed)."""
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + _ACLOSE_TIMEOUT
+            await aclose()
+
+
+async def pump(
+    request: Request,
+    source: AsyncIterable[Any],
+    write: Callable[[bytes], Awaitable[None]],
+    sse: bool,
+    ping_interval: float,
+) -> bool:
+    """Write what ``source`` produces, one item at a time, until it ends.
+
+    The producer runs in its own task so that an idle SSE stream can still send pings.
+    It is cancelled when the client goes away (``request.disconnected``) or when a
+    write fails, and the failure is re-raised here. True when the source ended
+    normally and every item was written.
+    """
+    box = Mailbox()
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_producer, source, box)
+        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        try:
+            await _write_items(box, write, sse, ping_interval)
+        except Exception as exc:  # re-raised bare, not wrapped in an exception group
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return box.closed and not box.failed and not request.is_disconnected()
+
+
+async def _write_items(
+    box: Mailbox, write: Callable[[bytes], Awaitable[None]], sse: bool, ping_interval: float
+) -> None:
+    while True:
+        item = END
+        with anyio.move_on_after(ping_interval) as idle:
+            item = await box.get()
+        if idle.cancelled_caught:
+            await write(PING)  # a comment line: keeps proxies and clients from timing out
+            continue
+        if item is END:
+            return
+        data = frame_event(item) if sse else item
+        if data:
+            await write(data)
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    await request.disconnected.wait()
+    scope.cancel()

@@ -16,6 +16,7 @@ from wsproto.events import (
     CloseConnection,
     Message,
     Ping,
+    Pong,
     TextMessage,
 )
 
@@ -139,7 +140,7 @@ class WebSocket:
             except WebSocketClosed:
                 pass
 
-    async def _send_event(self, event: Message | CloseConnection | Ping) -> None:
+    async def _send_event(self, event: Message | CloseConnection | Ping | Pong) -> None:
         async with self._send_lock:
             if self._ws.state is not ConnectionState.OPEN and not isinstance(
                 event, CloseConnection
@@ -231,6 +232,14 @@ async def run_session(
 ) -> None:
     """Run ``session`` on an upgraded connection; close 1000 when it returns, 1011 on error."""
     ws = WebSocket(request, stream, config, trailing)
+    with ws._inbox_recv:
+        await _supervise(ws, session, config)
+
+
+async def _supervise(
+    ws: WebSocket, session: Callable[[WebSocket], Awaitable[None]], config: ServerConfig
+) -> None:
+    request = ws.request
     async with anyio.create_task_group() as tg:
         tg.start_soon(ws.read_loop)
         if config.ws_ping_interval:
