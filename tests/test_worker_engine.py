@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpu.dense_cache import DenseKVCache
 from gpu.engine import Engine, EngineConfig, ProtocolError
@@ -258,3 +260,54 @@ def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
     assert sorted(got) == [20, 22]
     assert all(len(ids_of(v)) == 6 for v in got.values())
     assert ids_of(got[20]) != ids_of(got[22])  # seeds seed and seed + 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("submit"), st.integers(1, 30), st.integers(1, 12), st.integers(1, 3)),
+            st.tuples(st.just("abort"), st.integers(0, 20)),
+            st.tuples(st.just("step"), st.integers(1, 4)),
+        ),
+        max_size=30,
+    )
+)
+def test_any_interleaving_terminates_every_rid_once_and_leaks_nothing(
+    lm: LoadedModel, ops: list
+) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=12, block_size=4, step_tokens=16, max_running=4))
+    terminal: dict[int, int] = {}
+    submitted: list[int] = []
+    rid = 0
+
+    def seen(entries: list[StepEntry]) -> None:
+        for e in entries:
+            assert e.rid in submitted and terminal.get(e.rid, 0) == 0, e
+            if e.finish is not None:
+                terminal[e.rid] = 1
+
+    for op in ops:
+        if op[0] == "submit":
+            _, plen, new, n = op
+            s = {"temperature": 0.8, "seed": rid, "max_new_tokens": new, "n": n, "ignore_eos": True}
+            errors, done = engine.submit([SubmitEntry(rid, pack_ids([5 + rid % 50] * plen), s, {})])
+            submitted.extend(range(rid, rid + n))
+            assert sorted(r for r, _, _ in errors) == (
+                [] if not errors else list(range(rid, rid + n))
+            )
+            for r, code, _ in errors:
+                assert code == "too_long" and terminal.get(r, 0) == 0
+                terminal[r] = 1
+            seen(done)
+            rid += n
+        elif op[0] == "abort" and submitted:
+            seen(engine.abort([submitted[op[1] % len(submitted)]]))
+        else:
+            for _ in range(op[1]):
+                seen(engine.step())
+        assert engine.check() == []
+    while engine.has_work:
+        seen(engine.step())
+    assert sorted(terminal) == submitted
+    assert engine.blocks.num_free == engine.blocks.num_blocks and engine.check() == []
