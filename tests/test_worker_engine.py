@@ -311,3 +311,18 @@ def test_any_interleaving_terminates_every_rid_once_and_leaks_nothing(
         seen(engine.step())
     assert sorted(terminal) == submitted
     assert engine.blocks.num_free == engine.blocks.num_blocks and engine.check() == []
+
+
+def test_abort_mid_prefill_frees_its_blocks(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4, step_tokens=8))
+    engine.submit(
+        [SubmitEntry(1, pack_ids(list(range(5, 45))), {**GREEDY, "max_new_tokens": 4}, {})]
+    )
+    assert engine.step() == []  # first chunk of five
+    seq = engine.seqs[1]
+    assert 0 < seq.num_computed < seq.prompt_len and engine.blocks.num_free < 64
+    (entry,) = engine.abort([1])
+    assert (
+        entry.finish == ["abort", "aborted by the frontend"] and entry.extra["prompt_tokens"] == 40
+    )
+    assert engine.blocks.num_free == 64 and engine.check() == [] and not engine.has_work
