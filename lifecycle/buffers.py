@@ -149,7 +149,11 @@ class OutputBuffer:
             chunk = self.take_nowait()
             if chunk is not None:
                 return chunk
-            wake = self._wake = anyio.Event()
+            # One reader is the design (the client writer); sharing the event keeps a
+            # second one from stranding the first.
+            wake = self._wake
+            if wake is None:
+                wake = self._wake = anyio.Event()
             await wake.wait()
 
     def _notify(self) -> None:

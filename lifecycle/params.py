@@ -18,6 +18,7 @@ from typing import Any
 
 from lifecycle.errors import RequestError
 from lifecycle.sampling import SamplingParams, parse_sampling_params
+from lifecycle.states import Cause
 
 __all__ = [
     "GenerateItem",
@@ -134,8 +135,8 @@ class GenerateRequest:
     stream: bool
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(message, 400)
+def _bad(message: str, cause: Cause = Cause.INVALID) -> RequestError:
+    return RequestError(message, 400, cause)
 
 
 def _flag(name: str, v: Any, default: bool) -> bool:
@@ -212,8 +213,9 @@ def _sampling(raw: Any, batch: int, is_batch: bool, vocab_size: int) -> list[Sam
         raise _bad(
             f"The length of sampling_params ({len(raw)}) should be equal to the batch size ({batch})."
         )
-    ns = {1 if p.get("n") is None else p.get("n") for p in raw}
-    if len(ns) > 1:
+    # Compared as sent, before any is validated (SGLang's order); values may be unhashable.
+    ns = [1 if p.get("n") is None else p.get("n") for p in raw]
+    if any(n != ns[0] for n in ns):
         raise _bad("The parallel_sample_num should be the same for all samples in sample params.")
     return [parse_sampling_params(p, vocab_size=vocab_size) for p in raw]
 
@@ -352,7 +354,8 @@ def check_lengths(n_prompt: int, max_new_tokens: int | None, *, context_length: 
     if n_prompt >= context_length:
         raise _bad(
             f"The input ({n_prompt} tokens) is longer than the model's context length "
-            f"({context_length} tokens)."
+            f"({context_length} tokens).",
+            Cause.TOO_LONG,
         )
     if max_new_tokens is None:
         return context_length - n_prompt
@@ -363,6 +366,7 @@ def check_lengths(n_prompt: int, max_new_tokens: int | None, *, context_length: 
             f"of {context_length} tokens. You requested a total of {total} "
             f"tokens: {n_prompt} tokens from the input messages and "
             f"{max_new_tokens} tokens for the completion. Please reduce the number "
-            "of tokens in the input messages or the completion to fit within the limit."
+            "of tokens in the input messages or the completion to fit within the limit.",
+            Cause.TOO_LONG,
         )
     return max_new_tokens

@@ -95,10 +95,13 @@ def _bad(message: str) -> RequestError:
     return RequestError(message, 400)
 
 
-def _number(name: str, v: Any) -> float | int:
+def _number(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise _bad(f"{name} must be a number, got {v!r}.")
-    return v
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond any float (Python's json accepts them)
+        raise _bad(f"{name} is out of range, got {v}.") from None
 
 
 def _integer(name: str, v: Any) -> int:
@@ -148,7 +151,7 @@ def _logit_bias(v: Any, vocab_size: int) -> dict[int, float]:
         value = _number(f"logit_bias[{key}]", bias)
         if not math.isfinite(value):
             raise _bad(f"logit_bias[{key}] must be a finite number, got {value}.")
-        out[token] = float(value)
+        out[token] = value
     return out
 
 
@@ -195,7 +198,7 @@ def _convert(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     kw: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _NUMBERS:
-            kw[key] = float(_number(key, value))
+            kw[key] = _number(key, value)
         elif key in _INTEGERS:
             kw[key] = _integer(key, value)
         elif key in _BOOLEANS:

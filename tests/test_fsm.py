@@ -243,6 +243,18 @@ def test_registry_add_get_remove_and_duplicate_rid() -> None:
     reg.add(new_request("x"))  # the rid is free again once its request is gone
 
 
+def test_registry_remove_of_a_live_request_ends_it() -> None:
+    reg = Registry()
+    rec = record_in(State.QUEUED)
+    reg.add(rec)
+    reg.remove(rec)
+    assert (rec.state, rec.cause) == (State.ERROR, Cause.INTERNAL) and reg.tombstones == 0
+    held = record_in(State.RUNNING)
+    reg.add(held)
+    reg.remove(held)
+    assert held.state is State.ERROR and reg.tombstone(held.id) is held
+
+
 def test_registry_keeps_tombstone_until_worker_releases() -> None:
     reg = Registry()
     rec = record_in(State.RUNNING)
