@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
     )
+
     async def run() -> None:
         # SIGTERM/SIGINT cancel the app, so the worker gets SHUTDOWN and is reaped.
         async with anyio.create_task_group() as tg:

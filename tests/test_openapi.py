@@ -35,8 +35,16 @@ def test_core_request_path_does_not_import_transport() -> None:
     import ast
 
     root = SPEC.parent.parent / "lifecycle"
-    for name in ("worker_client", "supervisor", "frontend", "detok", "outputs",
-                 "wire_stream", "scripted_worker", "child"):
+    for name in (
+        "worker_client",
+        "supervisor",
+        "frontend",
+        "detok",
+        "outputs",
+        "wire_stream",
+        "scripted_worker",
+        "child",
+    ):
         tree = ast.parse((root / f"{name}.py").read_text())
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
