@@ -368,3 +368,25 @@ def test_client_that_stops_reading_is_ended_as_stalled(url: str) -> None:
         _wait_idle(url, timeout=3)
     finally:
         sock.close()
+
+
+def test_bench_serving_client_reads_the_stream(url: str) -> None:
+    """What SGLang's bench_serving sglang client does with each frame: strip ``data: ``,
+    skip ``[DONE]``, take ``text`` as the whole text so far, split each inter-chunk gap
+    by the ``completion_tokens`` delta."""
+    body = {"text": "Benchmarks read cumulative text", "stream": True,
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0}}
+    generated, last_count, itl_entries = "", 0, 0
+    with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
+        for chunk in r.iter_lines():
+            chunk = chunk.removeprefix("data: ")
+            if not chunk or chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if data["text"]:
+                generated = data["text"]
+                count = data["meta_info"]["completion_tokens"]
+                itl_entries += count - last_count
+                last_count = count
+    whole = _gen(url, {**body, "stream": False}).json()
+    assert generated == whole["text"] and last_count == 24 and itl_entries == 24

@@ -129,3 +129,15 @@ def test_overload_answers_503_with_retry_after_at_once() -> None:
         while httpx.get(url + "/server_info").json()["live_requests"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_serve_with_a_worker_started_elsewhere() -> None:
+    from .scripted import scripted_worker
+
+    with scripted_worker("--step-delay", "0.005") as address:
+        with lifecycle_server("--worker", address) as url:
+            r = httpx.post(url + "/generate", timeout=30, json={
+                "input_ids": [42, 43], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+            assert r.status_code == 200 and r.json()["output_ids"] == [42, 43, 42]
+            info = httpx.get(url + "/server_info").json()
+            assert info["worker"] == address and info["internal_states"][0]["pid"]
