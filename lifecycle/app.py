@@ -13,10 +13,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from lifecycle.api_native import NativeAPI
+from lifecycle.api_native import NativeAPI, error_response
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.supervisor import Supervisor, SupervisorConfig
-from transport import Router, Server, ServerConfig
+from transport import Handler, Request, Response, Router, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 
@@ -75,8 +75,7 @@ class App:
 
     @property
     def port(self) -> int:
-        bound = self.server.bound
-        return bound[0][1] if isinstance(bound, list) and bound else 0
+        return _port(self.server)
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
@@ -101,9 +100,16 @@ async def serve_app(
             warmup=cfg.warmup,
         )
     )
+    handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
+    server = Server(
+        lambda request: handler[0](request),
+        ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout),
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
         try:
+            await tg.start(server.serve)  # bind early: /health says 503 until ready
+            log.info("listening on http://%s:%s", cfg.host, _port(server))
             tokenizer, model_config, path = await anyio.to_thread.run_sync(
                 _load_tokenizer, cfg.model
             )
@@ -121,15 +127,20 @@ async def serve_app(
             api = NativeAPI(frontend, server_args)
             router = Router()
             api.install(router)
-            server = Server(
-                router, ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout)
-            )
-            await tg.start(server.serve)
+            handler[0] = router
             app = App(cfg, server, supervisor, frontend, api)
-            log.info("listening on http://%s:%d", cfg.host, app.port)
             task_status.started(app)
             await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
                 await supervisor.stop()
             tg.cancel_scope.cancel()
+
+
+async def _starting(request: Request) -> Response:
+    return error_response(503, "not ready (loading the tokenizer)", 5)
+
+
+def _port(server: Server) -> int:
+    bound = server.bound
+    return bound[0][1] if isinstance(bound, list) and bound else 0

@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 
 from .scripted import lifecycle_server
 
@@ -21,12 +20,11 @@ def _wait_status(url: str, path: str, status: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow  # the worker is held back 25 s so the server is seen listening but not ready
 def test_not_ready_then_worker_death_then_recovery() -> None:
     args = (
         "--scripted-worker",
         "--worker-args",
-        "--startup-delay 25 --step-delay 0.01 --die-after-steps 60",
+        "--startup-delay 3 --step-delay 0.01 --die-after-steps 60",
     )
     with lifecycle_server(*args, wait_ready=False) as url:
         r = httpx.get(url + "/health")
@@ -136,8 +134,14 @@ def test_serve_with_a_worker_started_elsewhere() -> None:
 
     with scripted_worker("--step-delay", "0.005") as address:
         with lifecycle_server("--worker", address) as url:
-            r = httpx.post(url + "/generate", timeout=30, json={
-                "input_ids": [42, 43], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+            r = httpx.post(
+                url + "/generate",
+                timeout=30,
+                json={
+                    "input_ids": [42, 43],
+                    "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+                },
+            )
             assert r.status_code == 200 and r.json()["output_ids"] == [42, 43, 42]
             info = httpx.get(url + "/server_info").json()
             assert info["worker"] == address and info["internal_states"][0]["pid"]
