@@ -270,8 +270,11 @@ class PagedKVCache:
             )
             outs.append(o.view(d, h, hd))
         for row, n, index, mask in lay.prefills:
-            keys = kc.index_select(0, index).transpose(0, 1).unsqueeze(0)
-            vals = vc.index_select(0, index).transpose(0, 1).unsqueeze(0)
+            if mask is None:  # nothing cached before the chunk: its own k/v are all the keys
+                keys, vals = k[row : row + n], v[row : row + n]
+            else:
+                keys, vals = kc.index_select(0, index), vc.index_select(0, index)
+            keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qh, keys, vals, attn_mask=mask, is_causal=mask is None and n > 1, enable_gqa=True
