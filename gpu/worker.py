@@ -213,8 +213,16 @@ def _step(engine: Engine, conn: _Connection) -> None:
         if errs:
             conn.send(ReqError(errs))
         return
-    if entries:
+    if not entries:
+        return
+    try:
         conn.send(Step(engine.step_no, entries))
+    except ValueError as exc:  # over the frame size limit: those requests cannot be served
+        log.error("step %d: %s", engine.step_no, exc)
+        engine.abort([e.rid for e in entries if e.finish is None], "internal error")
+        conn.send(
+            ReqError([(e.rid, "internal", "output too large for one frame") for e in entries])
+        )
 
 
 def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
