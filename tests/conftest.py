@@ -19,3 +19,14 @@ def cpu_model():  # noqa: ANN201 (gpu.loader.LoadedModel; imported lazily so col
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """A 2-layer random llama with a byte-level BPE vocab (written once per session)."""
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def model_server():  # noqa: ANN201 (str: the base URL)
+    """One ``lifecycle serve`` process on the real model, shared by the end-to-end modules."""
+    from tests.scripted import lifecycle_server
+
+    with lifecycle_server(
+        "--device", "cpu", "--max-running", "8", "--kv-cache-tokens", "8192"
+    ) as base:
+        yield base

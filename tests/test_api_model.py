@@ -12,19 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from .scripted import lifecycle_server
-
 pytestmark = pytest.mark.model
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with lifecycle_server(
-        "--device", "cpu", "--max-running", "8", "--kv-cache-tokens", "8192"
-    ) as base:
-        yield base
+def url(model_server: str) -> Iterator[str]:
+    yield model_server
 
 
 def _gen(url: str, body: dict[str, Any]) -> dict[str, Any]:
