@@ -129,7 +129,9 @@ async def serve_app(
             router = Router()
             api.install(router)
             model_id = cfg.served_model_name or model_config.name
-            OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api).install(router)
+            OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api).install(
+                router
+            )
             handler[0] = router
             app = App(cfg, server, supervisor, frontend, api)
             task_status.started(app)

@@ -62,8 +62,8 @@ class TokenTexts:
 def finish_reason(finish: Any) -> str | None:
     if not isinstance(finish, dict):
         return None
-    kind = finish.get("type")
-    return {"stop": "stop", "length": "length"}.get(kind, kind)
+    # The native types are OpenAI's names already: stop, length (and abort, ours).
+    return str(finish.get("type"))
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -5,6 +5,8 @@ cyclically, sample ``j`` starting ``j`` tokens on), so every expected output is 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,16 @@ import pytest
 
 from .scripted import lifecycle_server
 
-SERVER_ARGS = ("--scripted-worker", "--max-pending", "8", "--max-running", "4")
+# 2 ms per step: a long request stays in flight long enough to abort it.
+SERVER_ARGS = (
+    "--scripted-worker",
+    "--max-pending",
+    "8",
+    "--max-running",
+    "4",
+    "--worker-args",
+    "--step-delay 0.002",
+)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +260,44 @@ def test_streamed_error_after_headers_is_a_chunk_then_done() -> None:
             list(
                 client.completions.create(model="default", prompt="a b", max_tokens=50, stream=True)
             )
+
+
+def test_abort_all_reaches_openai_streams(client: openai.OpenAI, url: str) -> None:
+    finishes: list[str | None] = []
+
+    def consume() -> None:
+        stream = client.completions.create(
+            model="default", prompt="a b c", max_tokens=4000, stream=True
+        )
+        finishes.extend(c.choices[0].finish_reason for c in stream if c.choices)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/server_info").json()["live_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    httpx.post(url + "/abort_request", json={"abort_all": True})
+    reader.join(30)
+    assert finishes and finishes[-1] == "abort"
+
+
+def test_client_gone_mid_stream_releases_everything(url: str) -> None:
+    body = {"prompt": "a b c", "max_tokens": 4000, "stream": True, "n": 2}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # close the connection mid-stream
+    deadline = time.monotonic() + 10
+    while True:
+        info = httpx.get(url + "/server_info").json()
+        state = info["internal_states"][0]
+        if (
+            info["live_requests"] == 0
+            and info["tombstones"] == 0
+            and state["kv_blocks_free"] == state["kv_blocks_total"]
+        ):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.02)
+    assert info["failed_requests"].get("client_gone", 0) >= 1
