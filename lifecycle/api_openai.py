@@ -102,8 +102,8 @@ class OpenAIAPI:
     async def _body(self, request: Request) -> Any:
         try:
             return await request.json()
-        except HTTPError as exc:
-            raise OpenAIError(exc.message) from None
+        except HTTPError as exc:  # invalid JSON (400), a body over the limit (413)
+            raise OpenAIError(exc.message, exc.status) from None
 
     def _opts(self) -> dict[str, Any]:
         return {
