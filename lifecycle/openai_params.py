@@ -42,7 +42,7 @@ _SAMPLING = {
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
 }
-_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", *_SAMPLING})
+_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "rid", *_SAMPLING})
 # Accepted and ignored: bookkeeping that changes nothing about the output.
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -79,8 +79,9 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_cause(cls, cause: Cause, message: str, param: str | None = None) -> OpenAIError:
-        code = "context_length_exceeded" if cause is Cause.TOO_LONG else cause.value
-        return cls(message, cause.status, param=param, code=code)
+        if cause is Cause.TOO_LONG:
+            return cls(message, cause.status, param=param, code="context_length_exceeded")
+        return cls(message, cause.status, code=cause.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +96,19 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: int | None  # top logprobs per position; None: no logprobs at all
     echo: bool = False
+    rid: str | None = None  # SGLang's extra: names the request for /abort_request
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
+        prompts = prompts if prompts is not None else self.prompts
+        rids = [self.rid if len(prompts) == 1 else f"{self.rid}_{i}" for i in range(len(prompts))]
         items = [
             GenerateItem(
                 index=i,
                 text=p if isinstance(p, str) else None,
                 input_ids=None if isinstance(p, str) else p,
                 sampling=self.sampling,
-                client_rid=None,
+                client_rid=rids[i] if self.rid else None,
                 return_logprob=self.logprobs is not None,
                 # echo + logprobs scores the prompt too (legacy completions)
                 logprob_start_len=0 if self.echo and self.logprobs is not None else -1,
@@ -113,7 +117,7 @@ class OpenAIRequest:
                 return_text_in_logprobs=False,
                 return_hidden_states=False,
             )
-            for i, p in enumerate(prompts if prompts is not None else self.prompts)
+            for i, p in enumerate(prompts)
         ]
         return GenerateRequest(items, is_batch=len(items) > 1, stream=self.stream)
 
@@ -158,6 +162,13 @@ def _bool_field(body: dict[str, Any], name: str) -> bool:
     if not isinstance(v, bool):
         raise _bad(f"{name} must be a boolean, got {v!r}.", name)
     return v
+
+
+def _rid(body: dict[str, Any]) -> str | None:
+    rid = body.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise _bad("rid must be a non-empty string.", "rid")
+    return rid
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -253,6 +264,7 @@ def parse_completion(
         include_usage=include_usage,
         logprobs=_int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS),
         echo=_bool_field(body, "echo"),
+        rid=_rid(body),
     )
 
 
@@ -318,5 +330,6 @@ def parse_chat(
         stream=stream,
         include_usage=include_usage,
         logprobs=(top or 0) if want else None,
+        rid=_rid(body),
     )
     return req, messages

@@ -301,3 +301,28 @@ def test_client_gone_mid_stream_releases_everything(url: str) -> None:
         assert time.monotonic() < deadline, info
         time.sleep(0.02)
     assert info["failed_requests"].get("client_gone", 0) >= 1
+
+
+def test_rid_names_the_request_for_abort_and_duplicates(client: openai.OpenAI, url: str) -> None:
+    finishes: list[str | None] = []
+
+    def consume() -> None:
+        stream = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "go"}],
+            stream=True,
+            extra_body={"rid": "chat-1", "ignore_eos": True},
+        )
+        finishes.extend(c.choices[0].finish_reason for c in stream if c.choices)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/server_info").json()["live_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    status, err = _error(url, "/v1/completions", {"prompt": "x", "rid": "chat-1"})
+    assert status == 400 and "chat-1" in err["message"]
+    httpx.post(url + "/abort_request", json={"rid": "chat-1"})
+    reader.join(30)
+    assert finishes and finishes[-1] == "abort"
