@@ -255,11 +255,18 @@ def test_streamed_error_after_headers_is_a_chunk_then_done() -> None:
         err = json.loads(events[-2])["error"]
         assert err["code"] == "worker_lost" and err["type"] == "server_error"
         assert all("choices" in json.loads(e) for e in events[:-2])
+        # The restarted worker dies again 3 steps in: the client raises on the error chunk.
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        with pytest.raises(openai.APIError):
+        with pytest.raises(openai.APIError) as info:
             list(
                 client.completions.create(model="default", prompt="a b", max_tokens=50, stream=True)
             )
+        assert not isinstance(info.value, openai.APIStatusError)  # raised after a 200
+        assert info.value.body["code"] == "worker_lost"  # type: ignore[index]
 
 
 def test_abort_all_reaches_openai_streams(client: openai.OpenAI, url: str) -> None:
