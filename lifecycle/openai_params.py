@@ -48,6 +48,9 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_too
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _CHAT |= {"response_format", "tools", "tool_choice"}
+# OpenAI chat features we do not implement: accepted only when null (or the text default).
+_CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
+_CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -309,6 +312,10 @@ def parse_chat(
     model, stream, include_usage = _common(body, _CHAT, model_names, default_model)
     messages = chat_messages(body.get("messages"))
     _unsupported(body, "tools", (None, []))
+    for name in _CHAT_NULL_ONLY:
+        _unsupported(body, name)
+    _unsupported(body, "modalities", (None, ["text"]))
+    _unsupported(body, "web_search_options")
     _unsupported(body, "tool_choice", (None, "none", "auto"))
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:

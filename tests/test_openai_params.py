@@ -103,3 +103,11 @@ def test_any_json_body_is_a_request_or_an_openai_error(body: Any) -> None:
             parse(body, **OPTS)
         except OpenAIError as exc:
             assert exc.status in (400, 404) and exc.message
+
+
+def test_chat_features_we_lack_are_400_unless_null() -> None:
+    parse_chat({"messages": USER, "functions": None, "modalities": ["text"]}, **OPTS)
+    for name, value in (("functions", [{}]), ("modalities", ["audio"]), ("audio", {})):
+        with pytest.raises(OpenAIError) as info:
+            parse_chat({"messages": USER, name: value}, **OPTS)
+        assert info.value.param == name and "not supported" in info.value.message
