@@ -14,6 +14,7 @@ import anyio
 import anyio.abc
 
 from lifecycle.api_native import NativeAPI, error_response
+from lifecycle.api_openai import OpenAIAPI
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.supervisor import Supervisor, SupervisorConfig
 from transport import Handler, Request, Response, Router, Server, ServerConfig
@@ -78,13 +79,13 @@ class App:
         return _port(self.server)
 
 
-def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
+def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
     from gpu.gguf_file import default_model_path
     from gpu.loader import load_tokenizer
 
     path = str(model or default_model_path())
-    tokenizer, _chat, model_config = load_tokenizer(path)
-    return tokenizer, model_config, path
+    tokenizer, chat, model_config = load_tokenizer(path)
+    return tokenizer, chat, model_config, path
 
 
 async def serve_app(
@@ -110,7 +111,7 @@ async def serve_app(
         try:
             await tg.start(server.serve)  # bind early: /health says 503 until ready
             log.info("listening on http://%s:%s", cfg.host, _port(server))
-            tokenizer, model_config, path = await anyio.to_thread.run_sync(
+            tokenizer, chat, model_config, path = await anyio.to_thread.run_sync(
                 _load_tokenizer, cfg.model
             )
             frontend = Frontend(
@@ -127,6 +128,10 @@ async def serve_app(
             api = NativeAPI(frontend, server_args)
             router = Router()
             api.install(router)
+            model_id = cfg.served_model_name or model_config.name
+            OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api).install(
+                router
+            )
             handler[0] = router
             app = App(cfg, server, supervisor, frontend, api)
             task_status.started(app)

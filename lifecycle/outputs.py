@@ -63,9 +63,13 @@ class SampleOutput:
         self.sent_ids = 0
         self.sent_chars = 0
         self.final_text: str | None = None
+        self._lp_pos = 0  # output position of the next logprob entry while consuming
 
     # -- input ---------------------------------------------------------------------------
     def consume(self, chunk: Chunk) -> None:
+        # A chunk may hold several appends (steps); each extra describes the ids of its
+        # own append, so logprobs are matched to ids from the chunk's start, in order.
+        self._lp_pos = len(self.ids)
         if chunk.ids:
             self.ids += chunk.ids
             self.text.feed(chunk.ids)
@@ -80,11 +84,11 @@ class SampleOutput:
             if "hidden_states" in extra:
                 self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
             return
-        # Output positions these extras describe: the ids appended with them, i.e. the
-        # last len(logprobs) ids received so far.
+        # Output positions these extras describe: the ids appended with them.
         if "logprobs" in extra:
             values = f32s_to_list(extra["logprobs"])
-            ids = self.ids[len(self.ids) - len(values) :]
+            ids = self.ids[self._lp_pos : self._lp_pos + len(values)]
+            self._lp_pos += len(values)
             self._add(
                 "output_token_logprobs",
                 [self._entry(v, i) for v, i in zip(values, ids, strict=False)],

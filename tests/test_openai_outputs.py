@@ -1,0 +1,41 @@
+"""Output shaping below the HTTP layer: logprob entries matched to their own step's ids,
+and OpenAI's token strings and bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu.gguf_file import default_model_path
+from gpu.loader import load_tokenizer
+from lifecycle.buffers import Chunk
+from lifecycle.openai_outputs import TokenTexts
+from lifecycle.outputs import OutputOptions, SampleOutput
+from wire import pack_f32s
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer(str(default_model_path()))[0]
+
+
+def test_regression_coalesced_steps_keep_their_own_logprob_ids(tok: Any) -> None:
+    """A chunk holding several steps used to pair every step's logprobs with the chunk's
+    last ids, so all entries named the same token."""
+    sample = SampleOutput(tok, OutputOptions(return_logprob=True), [1, 2], "r")
+    extras = [{"logprobs": pack_f32s([-float(k)])} for k in (1, 2, 3)]
+    sample.consume(Chunk([500, 600, 700], extras))
+    sample.consume(Chunk([800], [{"logprobs": pack_f32s([-4.0])}]))
+    entries = sample.lp["output_token_logprobs"]
+    assert [(e[0], e[1]) for e in entries] == [(-1.0, 500), (-2.0, 600), (-3.0, 700), (-4.0, 800)]
+
+
+def test_token_texts_and_bytes(tok: Any) -> None:
+    texts = TokenTexts(tok)
+    ids = tok.encode("héllo 日本", add_special_tokens=False)
+    pieces = [texts.get(i) for i in ids]
+    assert b"".join(bytes(b) for _, b in pieces).decode() == "héllo 日本"
+    partial = [t for t, b in pieces if t.startswith("bytes:")]
+    assert partial and all("\ufffd" not in t for t, _ in pieces)
+    assert texts.get(2) == ("<|im_end|>", list(b"<|im_end|>"))
