@@ -163,8 +163,19 @@ class Fatal:
 
 
 Frame = (
-    Hello | Submit | Abort | Step | ReqError | Probe | ProbeReply | StatsReq | Stats
-    | Flush | FlushReply | Shutdown | Fatal
+    Hello
+    | Submit
+    | Abort
+    | Step
+    | ReqError
+    | Probe
+    | ProbeReply
+    | StatsReq
+    | Stats
+    | Flush
+    | FlushReply
+    | Shutdown
+    | Fatal
 )
 
 
@@ -277,8 +288,14 @@ def decode_frame(payload: bytes) -> Frame:
         if kind == K_HELLO and n == 4:
             return Hello(_map(a[2], "model"), _map(a[3], "capacity"), _uint(a[1], "version"))
         if kind in (K_PROBE, K_STATS_REQ, K_FLUSH) and n == 2:
-            cls = {K_PROBE: Probe, K_STATS_REQ: StatsReq, K_FLUSH: Flush}[kind]
-            return cls(_uint(a[1], "nonce"))
+            nonce = _uint(a[1], "nonce")
+            return (
+                Probe(nonce)
+                if kind == K_PROBE
+                else StatsReq(nonce)
+                if kind == K_STATS_REQ
+                else Flush(nonce)
+            )
         if kind in (K_PROBE_REPLY, K_STATS) and n == 3:
             cls2 = ProbeReply if kind == K_PROBE_REPLY else Stats
             return cls2(_uint(a[1], "nonce"), _map(a[2], "load"))
