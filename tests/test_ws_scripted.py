@@ -274,3 +274,21 @@ async def test_a_paused_reader_gets_fewer_larger_deltas_and_no_gap(fast_url: str
         assert got.ids(mid) == echo_ids(body)
         assert len(got.deltas[mid]) < 8000
     wait_idle(url)
+
+
+async def test_batch_and_n_samples_are_indexed_like_generate(url: str) -> None:
+    body = {
+        "input_ids": [[101, 102, 103], [201, 202]],
+        "sampling_params": {"max_new_tokens": 5, "n": 2},
+    }
+    unary = httpx.post(url + "/generate", json=body, timeout=30).json()
+    assert len(unary) == 4
+    async with connect(ws_url(url)) as ws:
+        await ws.send(gen_msg("b", body))
+        got = await collect(ws, 1)
+    by_index: dict[int, list[int]] = {}
+    for d in got.deltas["b"]:
+        by_index.setdefault(d["index"], []).extend(d["output_ids"])
+    assert [by_index[i] for i in range(4)] == [u["output_ids"] for u in unary]
+    metas = got.final["b"]["meta_info"]
+    assert [m["finish_reason"] for m in metas] == [u["meta_info"]["finish_reason"] for u in unary]
