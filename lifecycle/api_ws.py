@@ -30,6 +30,7 @@ from lifecycle.frontend import GenerateCall, ServeError
 from lifecycle.params import parse_generate
 from lifecycle.states import Cause
 from transport import Request, Response, Router, WebSocket, WebSocketClosed, WebSocketResponse
+from transport.websocket import handshake_problem
 
 __all__ = [
     "CBOR_SUBPROTOCOL",
@@ -103,6 +104,9 @@ class WebSocketAPI:
         router.add("GET", WS_PATH, self.upgrade)
 
     async def upgrade(self, request: Request) -> Response:
+        problem = handshake_problem(request)
+        if problem is not None:  # answered here, so the metrics see the 426/400
+            raise problem
         codec, subprotocol = choose_codec(request)
 
         async def session(ws: WebSocket) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from lifecycle.fsm import TraceEntry
 from lifecycle.states import Cause, Event, State
 from transport import Request, Response, Router
 
@@ -46,9 +47,7 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 
 
-def record_timings(
-    trace: list[tuple[int, State, State, Event, Any]], created_ns: int
-) -> dict[str, float]:
+def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]:
     """Queue time, time to first token and end-to-end latency (seconds) from a record's trace.
 
     queue: from admission (QUEUED) to dispatch (RUNNING); ttft: from arrival to the first
@@ -56,9 +55,9 @@ def record_timings(
     """
     t: dict[Event, int] = {}
     end_ns = created_ns
-    for t_ns, _src, _dst, event, _detail in trace:
-        t.setdefault(event, t_ns)
-        end_ns = t_ns
+    for entry in trace:
+        t.setdefault(entry.event, entry.t_ns)
+        end_ns = entry.t_ns
     out: dict[str, float] = {"e2e": (end_ns - created_ns) / 1e9}
     if Event.ADMIT in t and Event.DISPATCH in t:
         out["queue"] = (t[Event.DISPATCH] - t[Event.ADMIT]) / 1e9
@@ -118,7 +117,7 @@ class Metrics:
             self.requests.labels(outcome).inc()
             if rec.state is not State.DONE:
                 self.errors.labels(outcome).inc()
-            timings = record_timings(rec._trace, rec.created_ns)
+            timings = record_timings(rec.trace, rec.created_ns)
             self.e2e.observe(timings["e2e"])
             if "queue" in timings:
                 self.queue.observe(timings["queue"])

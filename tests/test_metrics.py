@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+from lifecycle.fsm import TraceEntry
 from lifecycle.metrics import record_timings
 from lifecycle.states import Event, State
 
@@ -53,11 +54,11 @@ def delta(a: Samples, b: Samples, name: str, **labels: str) -> float:
 def test_record_timings_from_a_trace() -> None:
     ms = 1_000_000
     trace = [
-        (1 * ms, State.RECEIVED, State.VALIDATED, Event.VALIDATE, None),
-        (2 * ms, State.VALIDATED, State.QUEUED, Event.ADMIT, None),
-        (5 * ms, State.QUEUED, State.RUNNING, Event.DISPATCH, None),
-        (9 * ms, State.RUNNING, State.STREAMING, Event.FIRST_TOKEN, None),
-        (30 * ms, State.STREAMING, State.DONE, Event.FINISH, None),
+        TraceEntry(1 * ms, State.RECEIVED, State.VALIDATED, Event.VALIDATE, None),
+        TraceEntry(2 * ms, State.VALIDATED, State.QUEUED, Event.ADMIT, None),
+        TraceEntry(5 * ms, State.QUEUED, State.RUNNING, Event.DISPATCH, None),
+        TraceEntry(9 * ms, State.RUNNING, State.STREAMING, Event.FIRST_TOKEN, None),
+        TraceEntry(30 * ms, State.STREAMING, State.DONE, Event.FINISH, None),
     ]
     t = record_timings(trace, 0)
     assert t == pytest.approx({"e2e": 0.030, "queue": 0.003, "ttft": 0.009, "decode": 0.021})
@@ -76,6 +77,7 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
     too_long = {"input_ids": [5] * 9000, "sampling_params": {"max_new_tokens": 4}}
     assert httpx.post(url + "/generate", json=too_long, timeout=30).status_code == 400
     assert httpx.get(url + "/no_such_route", timeout=30).status_code == 404
+    assert httpx.get(url + "/v1/stream", timeout=30).status_code == 426  # not an upgrade
     m1 = scrape(url)
     assert delta(m0, m1, "lifecycle_http_requests_total",
                  endpoint="/generate", method="POST", status="200") == 3  # fmt: skip
@@ -83,6 +85,8 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
                  endpoint="/generate", method="POST", status="400") == 2  # fmt: skip
     assert delta(m0, m1, "lifecycle_http_requests_total",
                  endpoint="(unmatched)", method="GET", status="404") == 1  # fmt: skip
+    assert delta(m0, m1, "lifecycle_http_requests_total",
+                 endpoint="/v1/stream", method="GET", status="426") == 1  # fmt: skip
     assert delta(m0, m1, "lifecycle_requests_total", outcome="done") == 3
     assert delta(m0, m1, "lifecycle_request_errors_total", cause="invalid") == 1
     assert delta(m0, m1, "lifecycle_prompt_tokens_total") == 9
