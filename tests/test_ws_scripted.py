@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import cbor2
@@ -84,8 +83,11 @@ async def test_cbor_by_subprotocol_and_by_query(url: str) -> None:
     async with connect(ws_url(url), subprotocols=["lifecycle.cbor"]) as ws:  # type: ignore[list-item]
         assert ws.subprotocol == "lifecycle.cbor"
         await ws.send(cbor2.dumps({"type": "generate", "id": 7, "body": body}))
-        got = await collect(ws, 1)
-        assert isinstance(await _one_raw(ws, gen=True), bytes)
+        got = Collected()
+        while 7 not in got.final:
+            raw = await ws.recv()
+            assert isinstance(raw, bytes)  # binary frames, CBOR inside
+            got.add(raw)
     assert got.final[7]["type"] == "done" and got.ids(7) == echo_ids(body)
     async with connect(ws_url(url, "?format=cbor")) as ws:
         await ws.send(cbor2.dumps({"type": "generate", "id": "q", "body": body}))
@@ -95,12 +97,6 @@ async def test_cbor_by_subprotocol_and_by_query(url: str) -> None:
         assert ws.subprotocol == "lifecycle.json"
         await ws.send(gen_msg("j", body))
         assert isinstance(await ws.recv(), str)
-
-
-async def _one_raw(ws: Any, gen: bool) -> str | bytes:
-    """Send one more short generation and return its first raw message."""
-    await ws.send(cbor2.dumps({"type": "generate", "id": "x", "body": echo_body(2, 1)}))
-    return await ws.recv()  # type: ignore[no-any-return]
 
 
 async def test_cancel_one_leaves_the_others_and_releases_its_slot(url: str) -> None:
@@ -195,7 +191,7 @@ STALL_ARGS = (
     "--max-queued",
     "128",
     "--send-timeout",
-    "4",
+    "6",
 )
 
 
@@ -239,7 +235,7 @@ async def test_a_stopped_reader_is_bounded_and_cut_and_others_go_on(fast_url: st
             assert got.final["o"]["type"] == "done" and got.ids("o") == echo_ids(echo_body(40, 50))
         # It finished while the stalled socket's streams were still held (not after the cut).
         assert server_info(url)["live_requests"] > 0
-        while server_info(url)["live_requests"]:  # cut after send_timeout (4 s) of no progress
+        while server_info(url)["live_requests"]:  # cut after send_timeout (6 s) of no progress
             peak = max(peak, proc.memory_info().rss)
             assert time.monotonic() - t0 < 30
             await anyio.sleep(0.05)
