@@ -4,7 +4,7 @@ Keys arrive as ``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``. Every ca
 compared with ``hmac.compare_digest`` against the SHA-256 digest of every configured key,
 without an early exit, so neither a key's content nor its length shows in the timing.
 Admin routes (abort, flush, debug) need an admin key when one is configured; an admin key
-is also valid on every other route. Public routes (``/health`` and ``/metrics`` by
+is also valid on every other route. With admin keys only, the other routes stay open. Public routes (``/health`` and ``/metrics`` by
 default) need nothing. Keys are never logged: the failure body and the log line name only
 the route.
 """
@@ -115,8 +115,9 @@ class Auth:
         ``admin``: the route is an admin route; it needs an admin key when any is
         configured (otherwise any API key will do).
         """
-        if not self.enabled:
-            return None
+        need_admin = admin and bool(self._admin)
+        if not (need_admin or self.config.api_keys):
+            return None  # no user keys: only admin routes are closed (by admin keys)
         key = presented_key(request)
         if key is None:
             log.info("401 %s %s: no API key", request.method, request.path)
@@ -124,7 +125,6 @@ class Auth:
                 "Missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'."
             )
         digest = _digest(key)
-        need_admin = admin and bool(self._admin)
         if _matches(digest, self._admin if need_admin else self._user):
             return None
         log.info("401 %s %s: wrong API key", request.method, request.path)

@@ -64,6 +64,10 @@ def test_auth_without_admin_keys_and_disabled() -> None:
     users_only = Auth(AuthConfig(api_keys=(KEY,)))
     assert users_only.check(_req("/abort_request", ("x-api-key", KEY)), admin=True) is None
     assert Auth().check(_req("/abort_request"), admin=True) is None  # no keys: open
+    admins_only = Auth(AuthConfig(admin_api_keys=(ADMIN,)))
+    assert admins_only.check(_req("/generate"), admin=False) is None
+    assert admins_only.check(_req("/flush_cache"), admin=True) is not None
+    assert admins_only.check(_req("/flush_cache", ("x-api-key", ADMIN)), admin=True) is None
     closed = Auth(AuthConfig(api_keys=(KEY,), public_routes=()))
     assert closed.check_route(_req("/health"), "/health") is not None
 
