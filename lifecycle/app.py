@@ -86,6 +86,7 @@ class App:
     frontend: Frontend
     api: NativeAPI
     metrics: Metrics
+    auth: Auth = field(default_factory=Auth)  # every route is already checked by AppRouter
 
     @property
     def port(self) -> int:
@@ -147,14 +148,13 @@ async def serve_app(
             server_args.update(cfg.extra, model_path=path)
             api = NativeAPI(frontend, server_args)
             metrics = Metrics(frontend)
-            router = AppRouter(
-                Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes)), metrics
-            )
+            auth = Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes))
+            router = AppRouter(auth, metrics)
             api.install(router)
             WebSocketAPI(api).install(router)
             metrics.install(router)
             handler[0] = router
-            app = App(cfg, server, supervisor, frontend, api, metrics)
+            app = App(cfg, server, supervisor, frontend, api, metrics, auth)
             task_status.started(app)
             await anyio.sleep_forever()
         finally:
