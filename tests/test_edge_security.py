@@ -15,6 +15,8 @@ import httpx
 import pytest
 import trustme
 import websockets
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from lifecycle.app import App, AppConfig, serve_app
@@ -179,3 +181,23 @@ async def test_tls_end_to_end_with_streaming(tmp_path: Path) -> None:
             await sock.send(gen_msg("t", body))
             got = await collect(sock, 1)
         assert got.final["t"]["type"] == "done" and got.ids("t") == echo_ids(body)
+
+
+@given(
+    keys=st.lists(
+        st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1),
+        min_size=1,
+        max_size=4,
+    ),  # fmt: skip
+    presented=st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+    header=st.sampled_from(["authorization", "x-api-key"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_auth_accepts_exactly_the_configured_keys(
+    keys: list[str], presented: str, header: str
+) -> None:
+    auth = Auth(AuthConfig(api_keys=tuple(keys)))
+    value = f"Bearer {presented}" if header == "authorization" else presented
+    denied = auth.check(_req("/generate", (header, value)), admin=False)
+    assert (denied is None) == (presented.strip() in keys)
+    assert denied is None or denied.status == 401
