@@ -188,13 +188,18 @@ class StreamSession:
     async def _generation(self, mid: Any, body: dict[str, Any], scope: anyio.CancelScope) -> None:
         try:
             final = await self._generate(mid, body, scope)
-            self.live.pop(mid, None)  # before the terminal message: the id may be reused
+            self._forget(mid, scope)  # before the terminal message: the id may be reused
             await self.send(final)
         except WebSocketClosed:
             assert self._tg is not None
             self._tg.cancel_scope.cancel()  # stalled or lost: the whole session ends
         finally:
-            self.live.pop(mid, None)
+            self._forget(mid, scope)
+
+    def _forget(self, mid: Any, scope: anyio.CancelScope) -> None:
+        # Only our own entry: once the terminal message is out, the id may be live again.
+        if self.live.get(mid) is scope:
+            del self.live[mid]
 
     async def _generate(
         self, mid: Any, body: dict[str, Any], scope: anyio.CancelScope
