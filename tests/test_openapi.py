@@ -9,6 +9,8 @@ import yaml
 
 from lifecycle.api_native import NativeAPI
 from lifecycle.api_openai import OpenAIAPI
+from lifecycle.api_ws import WebSocketAPI
+from lifecycle.metrics import Metrics
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 
@@ -29,6 +31,8 @@ def test_every_installed_route_is_specified() -> None:
     recorder = RouteRecorder()
     NativeAPI.install(NativeAPI.__new__(NativeAPI), recorder)  # type: ignore[arg-type]
     OpenAIAPI.install(OpenAIAPI.__new__(OpenAIAPI), recorder)  # type: ignore[arg-type]
+    WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
+    Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 
 
