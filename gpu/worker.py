@@ -333,4 +333,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: native thread pools can abort the process while it runs
+    # ("terminate called without an active exception", seen as exit -6 after SHUTDOWN).
+    os._exit(code)
