@@ -62,6 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra options for the spawned worker, as one shell-quoted string",
     )
+    srv.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE",
+        help="fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
+    )
     srv.add_argument("--log-level", default="info")
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
@@ -77,6 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.faults:
+        _install_faults(args.faults)
     cfg = AppConfig(
         host=args.host,
         port=args.port,
@@ -107,6 +115,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     anyio.run(run)
     return 0
+
+
+def _install_faults(path: str) -> None:
+    """This process and, through the environment, the worker it spawns."""
+    import os
+
+    from wire import faults
+
+    faults.install(faults.load_plan(path))
+    os.environ[faults.ENV_VAR] = os.path.abspath(path)
 
 
 def main(argv: list[str] | None = None) -> int:

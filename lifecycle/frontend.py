@@ -73,6 +73,7 @@ class Frontend:
         self.registry = Registry()
         self.admission = AdmissionQueue(config.max_queued)
         self.codec = TextCodec(tokenizer)
+        self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
 
@@ -148,6 +149,7 @@ class GenerateCall:
         for item in self.req.items:
             rec = new_request(item.client_rid)
             fe.registry.add(rec)  # DuplicateRid: 400 with SGLang's message
+            fe.received += 1
             self.runs.append(_ItemRun(rec, item))
             rec.fire(Event.VALIDATE)
         self.client = fe.ready_client()

@@ -44,6 +44,7 @@ from wire import (
     ids_to_list,
     pack_ids,
 )
+from wire.faults import fault_point
 
 __all__ = ["Sink", "WorkerClient", "WorkerFailure", "finish_reason"]
 
@@ -240,6 +241,8 @@ class WorkerClient:
                     await self._frames.send(Abort(rids))
                 batch = self._take_ready()
                 if batch:
+                    batch = await _dispatch_faults(batch)
+                if batch:
                     await self._frames.send(Submit(batch))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._frames.aclose()  # the reader sees EOF and ends the connection
@@ -327,3 +330,14 @@ class WorkerClient:
             s.finish(lost)
         for slot in self._replies.values():
             slot[0].set()
+
+
+async def _dispatch_faults(batch: list[SubmitEntry]) -> list[SubmitEntry]:
+    """Fault point ``frontend.dispatch``: "drop" loses an entry on the way to the worker
+    (what a dispatcher bug would do; the hung-worker watchdog must still end it)."""
+    kept = []
+    for entry in batch:
+        f = fault_point("frontend.dispatch", entry.rid)
+        if f is None or await f.apply_async() is None:
+            kept.append(entry)
+    return kept

@@ -163,8 +163,19 @@ class Fatal:
 
 
 Frame = (
-    Hello | Submit | Abort | Step | ReqError | Probe | ProbeReply | StatsReq | Stats
-    | Flush | FlushReply | Shutdown | Fatal
+    Hello
+    | Submit
+    | Abort
+    | Step
+    | ReqError
+    | Probe
+    | ProbeReply
+    | StatsReq
+    | Stats
+    | Flush
+    | FlushReply
+    | Shutdown
+    | Fatal
 )
 
 
