@@ -41,6 +41,7 @@ class AppConfig:
     incremental_streaming_output: bool = False
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
+    restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -98,6 +99,7 @@ async def serve_app(
             worker_args=worker_args(cfg),
             hung_timeout=cfg.hung_timeout,
             warmup=cfg.warmup,
+            **({"backoff": cfg.restart_backoff} if cfg.restart_backoff else {}),
         )
     )
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in

@@ -63,6 +63,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="extra options for the spawned worker, as one shell-quoted string",
     )
     srv.add_argument(
+        "--restart-backoff",
+        default=None,
+        help="seconds between worker restarts, comma-separated (the last one repeats)",
+    )
+    srv.add_argument(
         "--faults",
         default=None,
         metavar="FILE",
@@ -102,6 +107,11 @@ def _serve(args: argparse.Namespace) -> int:
         incremental_streaming_output=args.incremental_streaming_output,
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
+        restart_backoff=(
+            tuple(float(x) for x in args.restart_backoff.split(","))
+            if args.restart_backoff
+            else None
+        ),
     )
 
     async def run() -> None:

@@ -216,7 +216,12 @@ class GenerateCall:
                 chunk = buf.take_nowait()
                 if chunk is None:
                     continue
-                sample.consume(chunk)
+                try:
+                    sample.consume(chunk)
+                except (ValueError, TypeError, KeyError, IndexError) as exc:
+                    self._bad_output(run, j, exc)
+                    changed.append((j * n_items + i, sample))
+                    continue
                 if chunk.ids and run.rec.state is State.RUNNING:
                     run.rec.fire(Event.FIRST_TOKEN)
                 if chunk.end is not None:
@@ -228,6 +233,15 @@ class GenerateCall:
             if run.samples and all(s.finish or s.failure for s in run.samples):
                 self._item_ended(run)
         return changed
+
+    def _bad_output(self, run: _ItemRun, j: int, exc: Exception) -> None:
+        """A malformed output field (a worker bug) ends this sample with an explicit
+        error, never the handler or the stream without one; the worker is told to stop."""
+        log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
+        run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
+        run.sinks[j].dropped = True
+        if not run.buffers[j].ended and self.client is not None and j < len(run.rids):
+            self.client.abort([run.rids[j]], message="invalid output")
 
     def _item_ended(self, run: _ItemRun) -> None:
         rec = run.rec

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.request import Request, urlopen
 
@@ -75,7 +76,7 @@ class LiveServer:
     proc: subprocess.Popen[bytes]
     host: str = "127.0.0.1"
     port: int = 0
-    sent: int = field(default=0)
+    plan_path: str | None = None  # a plan file the worker (re)reads each time it starts
 
     def info(self) -> dict[str, Any]:
         status, body = _http(self.url + "/server_info")
@@ -101,6 +102,28 @@ class LiveServer:
     def wait_state(self, state: str, n: int = 1, timeout: float = 5.0) -> None:
         """Until ``n`` requests are in lifecycle ``state`` (queued, running, streaming)."""
         self.wait_until(lambda i: i.get("requests_by_state", {}).get(state, 0) >= n, timeout)
+
+    def kill_worker(self, timeout: float = 30.0) -> None:
+        """SIGKILL the worker; returns once a new one is up and the server is ready."""
+        old = self.worker()["pid"]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health() == 200 and self.worker()["pid"] not in (old, None):
+                    return
+            except (OSError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "the worker did not come back"
+            time.sleep(0.05)
+
+    def replan_worker(self, rules: list[FaultRule], restart: bool = True) -> None:
+        """Write the worker's fault plan; with ``restart`` a fresh worker loads it now."""
+        assert self.plan_path is not None, "start_server(..., faults=<path>) for a worker plan"
+        with open(self.plan_path, "w", encoding="utf-8") as f:
+            f.write(FaultPlan(rules).to_json())
+        if restart:
+            self.kill_worker()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -157,7 +180,8 @@ def start_server(
     ready: bool = True,
     timeout: float = 60.0,
 ) -> Iterator[LiveServer]:
-    """``python -m lifecycle serve ARGS`` on a free port, with an optional fault plan."""
+    """``python -m lifecycle serve ARGS`` on a free port, with an optional fault plan
+    (rules, a plan, JSON text, or the path of a plan file: see ``replan_worker``)."""
     port = free_port()
     env = dict(os.environ)
     env.pop(ENV_VAR, None)
@@ -167,7 +191,8 @@ def start_server(
     argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
     argv += ["--log-level", "warning"]
     proc = subprocess.Popen(argv, env=env)
-    srv = LiveServer(f"http://127.0.0.1:{port}", proc, port=port)
+    path = plan if plan is not None and os.path.isfile(plan) else None
+    srv = LiveServer(f"http://127.0.0.1:{port}", proc, port=port, plan_path=path)
     try:
         deadline = time.monotonic() + timeout
         while True:
