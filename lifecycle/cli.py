@@ -128,13 +128,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _install_faults(path: str) -> None:
-    """This process and, through the environment, the worker it spawns."""
+    """This process and, through the environment, the worker it spawns (which reads the
+    file again at each start). SIGHUP reloads the file here: a chaos run changes the
+    plan of a live frontend without a restart."""
     import os
 
     from wire import faults
 
     faults.install(faults.load_plan(path))
     os.environ[faults.ENV_VAR] = os.path.abspath(path)
+
+    def reload(signum: int, frame: object) -> None:
+        try:
+            faults.install(faults.load_plan(path))
+        except (OSError, ValueError, TypeError) as exc:
+            logging.getLogger("lifecycle.faults").error("fault plan not reloaded: %s", exc)
+
+    signal.signal(signal.SIGHUP, reload)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,6 +107,11 @@ class LiveServer:
         """SIGKILL the worker; returns once a new one is up and the server is ready."""
         old = self.worker()["pid"]
         os.kill(old, signal.SIGKILL)
+        self.wait_replaced(old, timeout)
+
+    def wait_replaced(self, old_pid: int, timeout: float = 30.0) -> None:
+        """Until a worker other than ``old_pid`` is up and the server is ready."""
+        old = old_pid
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -124,6 +129,12 @@ class LiveServer:
             f.write(FaultPlan(rules).to_json())
         if restart:
             self.kill_worker()
+
+    def replan_frontend(self, rules: list[FaultRule]) -> None:
+        """Write the plan file and make the frontend reload it (SIGHUP) now."""
+        self.replan_worker(rules, restart=False)
+        self.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.05)  # the handler runs on the frontend's next bytecode boundary
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -190,8 +201,10 @@ def start_server(
         env[ENV_VAR] = plan
     argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
     argv += ["--log-level", "warning"]
-    proc = subprocess.Popen(argv, env=env)
     path = plan if plan is not None and os.path.isfile(plan) else None
+    if path is not None:
+        argv += ["--faults", path]  # reloadable: replan_frontend, replan_worker
+    proc = subprocess.Popen(argv, env=env)
     srv = LiveServer(f"http://127.0.0.1:{port}", proc, port=port, plan_path=path)
     try:
         deadline = time.monotonic() + timeout
