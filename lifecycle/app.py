@@ -7,7 +7,7 @@ the worker said HELLO and one warm-up generation came back (``Supervisor``).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -92,16 +92,16 @@ async def serve_app(
     cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening."""
-    supervisor = Supervisor(
-        SupervisorConfig(
-            worker=cfg.worker,
-            worker_module=cfg.worker_module,
-            worker_args=worker_args(cfg),
-            hung_timeout=cfg.hung_timeout,
-            warmup=cfg.warmup,
-            **({"backoff": cfg.restart_backoff} if cfg.restart_backoff else {}),
-        )
+    sup_config = SupervisorConfig(
+        worker=cfg.worker,
+        worker_module=cfg.worker_module,
+        worker_args=worker_args(cfg),
+        hung_timeout=cfg.hung_timeout,
+        warmup=cfg.warmup,
     )
+    if cfg.restart_backoff:
+        sup_config = replace(sup_config, backoff=cfg.restart_backoff)
+    supervisor = Supervisor(sup_config)
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(
         lambda request: handler[0](request),

@@ -17,7 +17,7 @@ SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 pytest.importorskip("schemathesis")
 
 
-def test_openapi_conformance_no_5xx() -> None:
+def test_openapi_conformance_no_5xx(tmp_path: Path) -> None:
     exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert exe is not None
     with start_server("--scripted-worker", "--max-pending", "8") as srv:
@@ -40,6 +40,7 @@ def test_openapi_conformance_no_5xx() -> None:
                 "1",
                 "--no-color",
             ],
+            cwd=tmp_path,  # schemathesis keeps a cache in its working directory
             capture_output=True,
             text=True,
             timeout=240,

@@ -163,19 +163,8 @@ class Fatal:
 
 
 Frame = (
-    Hello
-    | Submit
-    | Abort
-    | Step
-    | ReqError
-    | Probe
-    | ProbeReply
-    | StatsReq
-    | Stats
-    | Flush
-    | FlushReply
-    | Shutdown
-    | Fatal
+    Hello | Submit | Abort | Step | ReqError | Probe | ProbeReply | StatsReq | Stats
+    | Flush | FlushReply | Shutdown | Fatal
 )
 
 
