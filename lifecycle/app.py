@@ -14,9 +14,13 @@ import anyio
 import anyio.abc
 
 from lifecycle.api_native import NativeAPI, error_response
+from lifecycle.api_ws import WebSocketAPI
+from lifecycle.auth import DEFAULT_PUBLIC_ROUTES, Auth, AuthConfig
 from lifecycle.frontend import Frontend, FrontendConfig
+from lifecycle.metrics import Metrics
+from lifecycle.routes import AppRouter
 from lifecycle.supervisor import Supervisor, SupervisorConfig
-from transport import Handler, Request, Response, Router, Server, ServerConfig
+from transport import Handler, Request, Response, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 
@@ -43,7 +47,16 @@ class AppConfig:
     hung_timeout: float = 60.0
     restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
+    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Never echoed by /server_info: secrets, and what is not a server argument.
+_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys"})
 
 
 def worker_args(cfg: AppConfig) -> tuple[str, ...]:
@@ -73,6 +86,8 @@ class App:
     supervisor: Supervisor
     frontend: Frontend
     api: NativeAPI
+    metrics: Metrics
+    auth: Auth = field(default_factory=Auth)  # every route is already checked by AppRouter
 
     @property
     def port(self) -> int:
@@ -105,13 +120,20 @@ async def serve_app(
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(
         lambda request: handler[0](request),
-        ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout),
+        ServerConfig(
+            host=cfg.host,
+            port=cfg.port,
+            send_timeout=cfg.send_timeout,
+            ssl_certfile=cfg.ssl_certfile,
+            ssl_keyfile=cfg.ssl_keyfile,
+        ),
     )
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
         try:
             await tg.start(server.serve)  # bind early: /health says 503 until ready
-            log.info("listening on http://%s:%s", cfg.host, _port(server))
+            scheme = "https" if cfg.ssl_certfile else "http"
+            log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
             tokenizer, model_config, path = await anyio.to_thread.run_sync(
                 _load_tokenizer, cfg.model
             )
@@ -124,13 +146,17 @@ async def serve_app(
                     incremental_streaming_output=cfg.incremental_streaming_output,
                 ),
             )
-            server_args = {k: v for k, v in asdict(cfg).items() if k != "extra"}
+            server_args = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
             server_args.update(cfg.extra, model_path=path)
             api = NativeAPI(frontend, server_args)
-            router = Router()
+            metrics = Metrics(frontend)
+            auth = Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes))
+            router = AppRouter(auth, metrics)
             api.install(router)
+            WebSocketAPI(api).install(router)
+            metrics.install(router)
             handler[0] = router
-            app = App(cfg, server, supervisor, frontend, api)
+            app = App(cfg, server, supervisor, frontend, api, metrics, auth)
             task_status.started(app)
             await anyio.sleep_forever()
         finally:

@@ -74,10 +74,49 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
     )
     srv.add_argument("--log-level", default="info")
+    _add_edge_flags(srv)
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
     wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
     return parser
+
+
+def _add_edge_flags(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument(
+        "--api-key", action="append", default=[], help="accept this API key (repeatable)"
+    )
+    srv.add_argument("--api-key-file", default=None, help="API keys, one per line")
+    srv.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=[],
+        help="key for the abort/flush/debug routes (repeatable; also valid everywhere)",
+    )
+    srv.add_argument(
+        "--public-route",
+        action="append",
+        default=None,
+        help="a route that needs no key (repeatable; default: /health and /metrics)",
+    )
+    srv.add_argument("--no-public-routes", action="store_true", help="every route needs a key")
+    srv.add_argument("--ssl-certfile", default=None)
+    srv.add_argument("--ssl-keyfile", default=None)
+
+
+def _edge_options(args: argparse.Namespace) -> dict[str, object]:
+    from lifecycle.auth import DEFAULT_PUBLIC_ROUTES, read_key_file
+
+    keys = list(args.api_key)
+    if args.api_key_file:
+        keys += read_key_file(args.api_key_file)
+    public: tuple[str, ...] = tuple(args.public_route or DEFAULT_PUBLIC_ROUTES)
+    return {
+        "api_keys": tuple(keys),
+        "admin_api_keys": tuple(args.admin_api_key),
+        "public_routes": () if args.no_public_routes else public,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_keyfile": args.ssl_keyfile,
+    }
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -112,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
             if args.restart_backoff
             else None
         ),
+        **_edge_options(args),  # type: ignore[arg-type]
     )
 
     async def run() -> None:

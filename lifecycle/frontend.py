@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,9 @@ class Frontend:
         self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
+        # Called once per call, after close() has driven every record to its terminal state
+        # (metrics count there, never per token).
+        self.close_observers: list[Callable[[GenerateCall], None]] = []
 
     def ready_client(self) -> WorkerClient:
         client = self.supervisor.client
@@ -318,6 +321,11 @@ class GenerateCall:
             self._release_admission(run)
             fe.registry.remove(rec)  # stays a tombstone while the worker holds it
             fe.count(rec)
+        for observe in fe.close_observers:
+            try:
+                observe(self)
+            except Exception:  # an observer's bug must not leak the request
+                log.exception("close observer failed")
 
 
 def _wire_options(item: GenerateItem) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from typing import Any
 import yaml
 
 from lifecycle.api_native import NativeAPI
+from lifecycle.api_ws import WebSocketAPI
+from lifecycle.metrics import Metrics
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 
@@ -27,6 +29,8 @@ def test_every_installed_route_is_specified() -> None:
     assert spec["openapi"].startswith("3.1")
     recorder = RouteRecorder()
     NativeAPI.install(NativeAPI.__new__(NativeAPI), recorder)  # type: ignore[arg-type]
+    WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
+    Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 
 
