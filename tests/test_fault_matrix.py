@@ -9,8 +9,10 @@ injected through ``wire.faults`` by reloading the live frontend's plan).
 States: ``queued`` (admitted, waiting for worker credits in the frontend), ``running``
 (dispatched, no token yet: the worker's prefill step takes 0.3 s), ``streaming``.
 
+Modes: unary ``POST /generate``, SSE, and a generation on the WebSocket ``/v1/stream``
+(``specs/websocket.md``).
+
 The full matrix is ``slow``; the default run takes one case per fault and state.
-WebSocket joins the modes when the server grows a WebSocket generate route.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+from websockets.sync.client import ClientConnection, connect
 
 from lifecycle.pytest_plugin import LiveServer, RawClients, start_server
 from wire.faults import FaultRule
@@ -44,7 +48,7 @@ SERVER_ARGS = (
 LONG = {"sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
 FAULTS = ("disconnect", "worker_kill", "worker_hang", "frame_corrupt")
 STATES = ("queued", "running", "streaming")
-MODES = ("unary", "sse")
+MODES = ("unary", "sse", "ws")
 DEFAULT = {
     ("disconnect", "queued", "sse"),
     ("disconnect", "running", "unary"),
@@ -52,6 +56,8 @@ DEFAULT = {
     ("worker_kill", "queued", "unary"),
     ("worker_hang", "running", "sse"),
     ("frame_corrupt", "streaming", "unary"),
+    ("disconnect", "running", "ws"),
+    ("worker_kill", "streaming", "ws"),
 }
 CASES = [
     pytest.param(f, s, m, marks=() if (f, s, m) in DEFAULT else pytest.mark.slow)
@@ -82,6 +88,13 @@ class _Client(threading.Thread):
 
     def run(self) -> None:
         body = {"input_ids": [11, 12, 13], "stream": self.mode == "sse", **LONG}
+        if self.mode == "ws":
+            with _ws_generate(self.srv, body) as ws:
+                while True:
+                    msg = json.loads(ws.recv(timeout=30))
+                    self.events.append(msg)
+                    if msg["type"] in ("done", "error"):
+                        return
         with httpx.stream("POST", self.srv.url + "/generate", json=body, timeout=30) as r:
             self.status, self.headers = r.status_code, dict(r.headers)
             if self.mode == "unary":
@@ -91,6 +104,13 @@ class _Client(threading.Thread):
                 if line.startswith("data: "):
                     data = line[6:]
                     self.events.append(data if data == "[DONE]" else json.loads(data))
+
+
+@contextmanager
+def _ws_generate(srv: LiveServer, body: dict[str, Any]) -> Iterator[ClientConnection]:
+    with connect(srv.url.replace("http://", "ws://") + "/v1/stream") as ws:
+        ws.send(json.dumps({"type": "generate", "id": "g", "body": body}))
+        yield ws
 
 
 def _inject(srv: LiveServer, fault: str) -> None:
@@ -104,6 +124,15 @@ def _inject(srv: LiveServer, fault: str) -> None:
 
 
 def _assert_worker_lost(c: _Client) -> None:
+    if c.mode == "ws":
+        last = c.events[-1]
+        assert last["type"] == "error" and last["id"] == "g"
+        err = last["error"]
+        assert err["code"] == 503 and err["type"] == "server_error" and err["retryable"] is True
+        assert err["message"].startswith("worker lost: ")
+        assert all(e["type"] == "delta" for e in c.events[:-1])
+        assert all(e["meta_info"]["finish_reason"] is None for e in c.events[:-1])
+        return
     if c.mode == "unary":
         assert c.status == 503 and c.headers["retry-after"] == "2"
         assert c.body["error"]["message"].startswith("worker lost: ")
@@ -127,9 +156,14 @@ def test_fault_matrix(server: LiveServer, fault: str, state: str, mode: str) -> 
                 raw.open({"input_ids": [100 + i], "stream": True, **LONG})
             srv.wait_state("streaming", 2)
         if fault == "disconnect":
-            sock = raw.open({"input_ids": [11, 12, 13], "stream": mode == "sse", **LONG})
-            srv.wait_state(state)
-            sock.close()
+            body = {"input_ids": [11, 12, 13], "stream": mode == "sse", **LONG}
+            if mode == "ws":
+                with _ws_generate(srv, body):
+                    srv.wait_state(state)  # leaving the block closes the socket
+            else:
+                sock = raw.open(body)
+                srv.wait_state(state)
+                sock.close()
             raw.close()
             info = srv.assert_invariants()
             assert info["failed_requests"]["client_gone"] > before["failed_requests"].get(
