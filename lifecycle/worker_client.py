@@ -187,6 +187,9 @@ class WorkerClient:
             with anyio.fail_after(timeout):
                 await self._frames.send(frame_cls(nonce))
                 await slot[0].wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            # The worker was just lost (or closed as hung): a caller sees one error type.
+            raise ConnectionError("the worker connection closed") from exc
         finally:
             self._replies.pop(nonce, None)
         if slot[1] is None:

@@ -118,3 +118,22 @@ def test_kill_action_kills_the_process() -> None:
     env = {**os.environ, faults.ENV_VAR: '[{"point": "worker.forward", "action": "kill"}]'}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == -9 and "survived" not in out.stdout
+
+
+@pytest.mark.anyio
+async def test_control_call_on_a_lost_worker_connection_is_a_connection_error(tmp_path) -> None:  # noqa: ANN001
+    """Found by the fault suite: /server_info polled in the instant between a worker's
+    loss and the supervisor noticing answered 500 (an uncaught ClosedResourceError)."""
+    from lifecycle.wire_stream import FrameStream, listen, parse_address
+    from lifecycle.worker_client import WorkerClient
+    from wire import Hello
+
+    address = parse_address(f"unix:{tmp_path / 'w.sock'}")
+    listener = await listen(address)
+    async with listener:
+        stream = await anyio.connect_unix(address.path)
+        frames = FrameStream(stream)
+        client = WorkerClient(frames, Hello({"pid": 1}, {"max_pending": 1}))
+        await frames.aclose()
+        with pytest.raises(ConnectionError):
+            await client.stats(timeout=1.0)
