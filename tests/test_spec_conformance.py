@@ -7,20 +7,25 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 
-from lifecycle.pytest_plugin import start_server
+from lifecycle.pytest_plugin import LiveServer
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 pytest.importorskip("schemathesis")
 
 
-def test_openapi_conformance_no_5xx(tmp_path: Path) -> None:
+def test_openapi_conformance_no_5xx(
+    tmp_path: Path, lifecycle_server_factory: Callable[..., AbstractContextManager[LiveServer]]
+) -> None:
+    """Uses the package's pytest plugin (its ``lifecycle_server_factory`` fixture)."""
     exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert exe is not None
-    with start_server("--scripted-worker", "--max-pending", "8") as srv:
+    with lifecycle_server_factory("--scripted-worker", "--max-pending", "8") as srv:
         r = subprocess.run(
             [
                 exe,
