@@ -20,6 +20,7 @@ from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_e
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
+from wire.faults import fault_point
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -210,6 +211,9 @@ class Engine:
         dev = self.cache.device
         self.cache.prepare(decodes, prefills)
         want_hidden = any(s.options.return_hidden_states for s in samplers)
+        fault = fault_point("worker.forward")
+        if fault is not None:
+            fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         out = self.model(
             torch.tensor(ids, device=dev),
             torch.tensor(pos, device=dev),
@@ -218,6 +222,8 @@ class Engine:
             return_hidden=want_hidden,
         )
         logits, hidden = out if isinstance(out, tuple) else (out, None)
+        if fault is not None and fault.action == "nan":
+            logits = torch.full_like(logits, float("nan"))
         for seq, n in batch:
             self.scheduler.computed(seq, n)
         rows.collect_prompt(logits)
@@ -240,6 +246,8 @@ class Engine:
             if seq.rid not in self.seqs:
                 continue
             extra = token_extra(seq, i, tok, result.logprobs, hidden)
+            if (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
+                extra = {**(extra or {}), "logprobs": b"\x01\x02\x03"}  # a malformed field
             seq.tokens.append(tok)
             entries.extend(self._emit(seq, [tok], extra))
         return entries

@@ -52,6 +52,7 @@ from wire import (  # noqa: E402
     encode_frame,
     frame_bytes,
 )
+from wire.faults import fault_point  # noqa: E402
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
 
@@ -92,6 +93,11 @@ class _Connection:
 
     def send(self, frame: Frame) -> None:
         data = frame_bytes(encode_frame(frame))
+        if (f := fault_point("worker.frame_send")) is not None and f.apply() is not None:
+            if f.action == "drop":
+                self.close()
+                return
+            data = data[:4] + b"\xff" * (len(data) - 4)  # corrupt: the frontend must refuse it
         with self.lock:
             if not self.alive:
                 return
@@ -124,6 +130,10 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
             if not data:
                 return
             for payload in buf.feed(data):
+                if (f := fault_point("worker.frame_recv")) is not None and f.apply() is not None:
+                    if f.action == "drop":
+                        return
+                    payload = b"\xff" * len(payload)
                 frame = decode_frame(payload)
                 if isinstance(frame, Probe):
                     conn.send(ProbeReply(frame.nonce, engine.load()))
@@ -318,6 +328,8 @@ def build_engine(config: WorkerConfig) -> Engine:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config = _parse(argv)
+    if (f := fault_point("worker.start")) is not None:
+        f.apply()
     engine = build_engine(config)
     listener = _listen(config.listen)
     log.info(

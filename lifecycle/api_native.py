@@ -23,6 +23,7 @@ from lifecycle.params import parse_generate
 from lifecycle.states import Cause
 from lifecycle.supervisor import generate_probe
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
+from wire.faults import fault_point
 
 __all__ = ["NativeAPI", "error_response"]
 
@@ -59,6 +60,13 @@ async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> N
 async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
     yield orjson.dumps(cause.body(message))
     yield b"[DONE]"
+
+
+async def _client_write_fault(fault: Any) -> None:
+    """Fault point ``frontend.client_write``: drop and corrupt both cut the connection
+    (the transport ends a response whose producer fails without a clean end)."""
+    if await fault.apply_async() is not None:
+        raise anyio.BrokenResourceError(fault.message)
 
 
 class NativeAPI:
@@ -134,6 +142,8 @@ class NativeAPI:
             if err is not None:
                 cause, message = err
                 return error_response(cause.status, message, cause.retry_after)
+            if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+                await _client_write_fault(f)
             results = [s.result(call.e2e()) for s in call.samples()]
             multi = call.req.is_batch or len(results) > 1
             return JSONResponse(results if multi else results[0])
@@ -149,6 +159,8 @@ class NativeAPI:
             async for index, _sample, frame in call.frames(incremental):
                 if multi:
                     frame["index"] = index
+                if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+                    await _client_write_fault(f)
                 yield orjson.dumps(frame)
             err = call.error()
             if err is not None:
@@ -226,6 +238,7 @@ class NativeAPI:
                 "tombstones": fe.registry.tombstones,
                 "requests_by_state": fe.registry.counts_by_state(),
                 "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
+                "received_requests": fe.received,
                 "finished_requests": fe.finished,
                 "failed_requests": dict(fe.failed),
                 "internal_states": [state],

@@ -7,7 +7,7 @@ the worker said HELLO and one warm-up generation came back (``Supervisor``).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -46,6 +46,7 @@ class AppConfig:
     incremental_streaming_output: bool = False
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
+    restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
@@ -107,15 +108,16 @@ async def serve_app(
     cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening."""
-    supervisor = Supervisor(
-        SupervisorConfig(
-            worker=cfg.worker,
-            worker_module=cfg.worker_module,
-            worker_args=worker_args(cfg),
-            hung_timeout=cfg.hung_timeout,
-            warmup=cfg.warmup,
-        )
+    sup_config = SupervisorConfig(
+        worker=cfg.worker,
+        worker_module=cfg.worker_module,
+        worker_args=worker_args(cfg),
+        hung_timeout=cfg.hung_timeout,
+        warmup=cfg.warmup,
     )
+    if cfg.restart_backoff:
+        sup_config = replace(sup_config, backoff=cfg.restart_backoff)
+    supervisor = Supervisor(sup_config)
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(
         lambda request: handler[0](request),

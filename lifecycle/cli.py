@@ -62,6 +62,17 @@ def _build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra options for the spawned worker, as one shell-quoted string",
     )
+    srv.add_argument(
+        "--restart-backoff",
+        default=None,
+        help="seconds between worker restarts, comma-separated (the last one repeats)",
+    )
+    srv.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE",
+        help="fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
+    )
     srv.add_argument("--log-level", default="info")
     _add_edge_flags(srv)
 
@@ -116,6 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.faults:
+        _install_faults(args.faults)
     cfg = AppConfig(
         host=args.host,
         port=args.port,
@@ -133,6 +146,11 @@ def _serve(args: argparse.Namespace) -> int:
         incremental_streaming_output=args.incremental_streaming_output,
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
+        restart_backoff=(
+            tuple(float(x) for x in args.restart_backoff.split(","))
+            if args.restart_backoff
+            else None
+        ),
         **_edge_options(args),  # type: ignore[arg-type]
     )
 
@@ -147,6 +165,26 @@ def _serve(args: argparse.Namespace) -> int:
 
     anyio.run(run)
     return 0
+
+
+def _install_faults(path: str) -> None:
+    """This process and, through the environment, the worker it spawns (which reads the
+    file again at each start). SIGHUP reloads the file here: a chaos run changes the
+    plan of a live frontend without a restart."""
+    import os
+
+    from wire import faults
+
+    faults.install(faults.load_plan(path))
+    os.environ[faults.ENV_VAR] = os.path.abspath(path)
+
+    def reload(signum: int, frame: object) -> None:
+        try:
+            faults.install(faults.load_plan(path))
+        except (OSError, ValueError, TypeError) as exc:
+            logging.getLogger("lifecycle.faults").error("fault plan not reloaded: %s", exc)
+
+    signal.signal(signal.SIGHUP, reload)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
+from wire.faults import fault_point
+
 __all__ = ["SampleText", "TextCodec", "TokenizerLike"]
 
 
@@ -54,6 +56,8 @@ class TextCodec:
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text; joins the batch of whoever else asks in this tick."""
+        if (f := fault_point("frontend.tokenize")) is not None:
+            await f.apply_async()
         mine = _Pending(texts, add_special_tokens)
         self._pending.append(mine)
         if len(self._pending) == 1:

@@ -73,6 +73,7 @@ class Frontend:
         self.registry = Registry()
         self.admission = AdmissionQueue(config.max_queued)
         self.codec = TextCodec(tokenizer)
+        self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
         # Called once per call, after close() has driven every record to its terminal state
@@ -151,6 +152,7 @@ class GenerateCall:
         for item in self.req.items:
             rec = new_request(item.client_rid)
             fe.registry.add(rec)  # DuplicateRid: 400 with SGLang's message
+            fe.received += 1
             self.runs.append(_ItemRun(rec, item))
             rec.fire(Event.VALIDATE)
         self.client = fe.ready_client()
@@ -217,7 +219,12 @@ class GenerateCall:
                 chunk = buf.take_nowait()
                 if chunk is None:
                     continue
-                sample.consume(chunk)
+                try:
+                    sample.consume(chunk)
+                except (ValueError, TypeError, KeyError, IndexError) as exc:
+                    self._bad_output(run, j, exc)
+                    changed.append((j * n_items + i, sample))
+                    continue
                 if chunk.ids and run.rec.state is State.RUNNING:
                     run.rec.fire(Event.FIRST_TOKEN)
                 if chunk.end is not None:
@@ -229,6 +236,15 @@ class GenerateCall:
             if run.samples and all(s.finish or s.failure for s in run.samples):
                 self._item_ended(run)
         return changed
+
+    def _bad_output(self, run: _ItemRun, j: int, exc: Exception) -> None:
+        """A malformed output field (a worker bug) ends this sample with an explicit
+        error, never the handler or the stream without one; the worker is told to stop."""
+        log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
+        run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
+        run.sinks[j].dropped = True
+        if not run.buffers[j].ended and self.client is not None and j < len(run.rids):
+            self.client.abort([run.rids[j]], message="invalid output")
 
     def _item_ended(self, run: _ItemRun) -> None:
         rec = run.rec

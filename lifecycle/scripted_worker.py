@@ -42,6 +42,7 @@ from wire import (
     pack_f32s,
     pack_ids,
 )
+from wire.faults import fault_point
 
 __all__ = ["ScriptConfig", "ScriptedWorker", "main"]
 
@@ -145,6 +146,11 @@ class ScriptedWorker:
                 msg = f"{len(prompt) + max_new} tokens exceed the context of {c.context_length}"
                 self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
                 continue
+            need = math.ceil((len(prompt) + max_new) / c.block_size)
+            if need > c.kv_blocks:  # could never be admitted: refuse now, never wait forever
+                msg = f"{len(prompt) + max_new} tokens exceed the KV cache of {c.kv_blocks * c.block_size}"
+                self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                continue
             stops = set(s.get("stop_token_ids", ()))
             if not s.get("ignore_eos"):
                 stops.add(c.eos_id)
@@ -188,6 +194,8 @@ class ScriptedWorker:
         tok = seq.prompt[(seq.generated + seq.offset) % len(seq.prompt)]
         seq.generated += 1
         _token_logprobs(seq, tok, extra)
+        if (f := fault_point("worker.sample", seq.rid)) is not None:
+            _sample_fault(f.apply(), extra)
         if tok in seq.stop_ids:
             return self._end(seq, [tok], ["stop", tok], extra)
         if seq.generated >= seq.max_new:
@@ -236,6 +244,8 @@ class ScriptedWorker:
                 await anyio.sleep_forever()
             delay = c.step_delay + (c.prefill_delay if self.waiting else 0.0)
             await anyio.sleep(delay)
+            if (f := fault_point("worker.forward")) is not None:
+                await f.apply_async()
             frame = self.step()
             if frame is not None:
                 await out.send(frame)
@@ -293,6 +303,13 @@ def _token_logprobs(seq: _Seq, tok: int, extra: dict[str, Any]) -> None:
         extra["ids_logprobs"] = [pack_f32s([-1.0] * (len(given) // 4))]
 
 
+def _sample_fault(fault: Any, extra: dict[str, Any]) -> None:
+    """corrupt: a logprob field of the wrong length; nan: a NaN logprob (what NaN logits give)."""
+    if fault is None:
+        return
+    extra["logprobs"] = b"\x01\x02\x03" if fault.action == "corrupt" else pack_f32s([math.nan])
+
+
 def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
     o = seq.options
     start = int(o.get("logprob_start_len", -1))
@@ -306,6 +323,8 @@ def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
 
 async def _serve(config: ScriptConfig) -> None:
     await anyio.sleep(config.startup_delay)
+    if (f := fault_point("worker.start")) is not None:
+        await f.apply_async()
     worker = ScriptedWorker(config)
     address = parse_address(config.listen)
     if address.kind == "unix" and os.path.exists(address.path):
@@ -315,7 +334,7 @@ async def _serve(config: ScriptConfig) -> None:
 
     async def handle(stream: Any) -> None:
         async with one_at_a_time:
-            out = FrameStream(stream)
+            out = FrameStream(stream, side="worker")
             try:
                 await worker.serve_connection(out)
             finally:

@@ -44,6 +44,7 @@ from wire import (
     ids_to_list,
     pack_ids,
 )
+from wire.faults import fault_point
 
 __all__ = ["Sink", "WorkerClient", "WorkerFailure", "finish_reason"]
 
@@ -186,6 +187,9 @@ class WorkerClient:
             with anyio.fail_after(timeout):
                 await self._frames.send(frame_cls(nonce))
                 await slot[0].wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            # The worker was just lost (or closed as hung): a caller sees one error type.
+            raise ConnectionError("the worker connection closed") from exc
         finally:
             self._replies.pop(nonce, None)
         if slot[1] is None:
@@ -239,6 +243,8 @@ class WorkerClient:
                     rids, self._abort_lane = self._abort_lane, []
                     await self._frames.send(Abort(rids))
                 batch = self._take_ready()
+                if batch:
+                    batch = await _dispatch_faults(batch)
                 if batch:
                     await self._frames.send(Submit(batch))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -327,3 +333,14 @@ class WorkerClient:
             s.finish(lost)
         for slot in self._replies.values():
             slot[0].set()
+
+
+async def _dispatch_faults(batch: list[SubmitEntry]) -> list[SubmitEntry]:
+    """Fault point ``frontend.dispatch``: "drop" loses an entry on the way to the worker
+    (what a dispatcher bug would do; the hung-worker watchdog must still end it)."""
+    kept = []
+    for entry in batch:
+        f = fault_point("frontend.dispatch", entry.rid)
+        if f is None or await f.apply_async() is None:
+            kept.append(entry)
+    return kept

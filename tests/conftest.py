@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import pytest
 
 from tests.tiny_gguf import TinyModel, write_tiny_gguf
+
+# The package's own plugin (lifecycle/pytest_plugin.py); loaded here when the installed
+# copy predates its pytest11 entry point.
+if not any(ep.value == "lifecycle.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["lifecycle.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")

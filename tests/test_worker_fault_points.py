@@ -1,0 +1,110 @@
+"""Fault points inside the model worker (``gpu.worker`` on a tiny GGUF): a plan from
+``LIFECYCLE_FAULTS`` makes a forward pass raise, return NaN logits, or a sample carry a
+malformed logprob field. Each time the failing requests end explicitly, the worker stays
+up, the next request is served and its KV books balance."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from tests.tiny_gguf import TinyModel
+from tests.worker_client import WorkerClient, spawn_worker
+from wire import Stats, StatsReq, f32s_to_list
+from wire.faults import ENV_VAR, FaultPlan, FaultRule
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@contextmanager
+def _worker(
+    tiny: TinyModel, path: str, rules: list[FaultRule], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[WorkerClient]:
+    monkeypatch.setenv(ENV_VAR, FaultPlan(rules).to_json())
+    proc = spawn_worker(path, "--model", str(tiny.path), "--kv-cache-tokens", "256")
+    monkeypatch.delenv(ENV_VAR)
+    try:
+        c = WorkerClient(path, timeout=120)
+        yield c
+        c.close()
+        assert proc.poll() is None, "the worker died"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _sound_and_serving(c: WorkerClient, rid: int) -> None:
+    c.submit(rid, [5, 6, 7], {**GREEDY, "max_new_tokens": 3})
+    assert c.wait([rid])[rid].finish == ["length", 3]
+    load = c.request(StatsReq(1), Stats).load
+    assert load["integrity_ok"] and load["kv_blocks_free"] == load["kv_blocks_total"], load
+
+
+def test_forward_raise_fails_the_batch_not_the_worker(
+    tiny_gguf: TinyModel,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    with _worker(
+        tiny_gguf,
+        str(tmp_path / "w.sock"),
+        [FaultRule("worker.forward", "raise", nth=3)],
+        monkeypatch,
+    ) as c:
+        c.submit_many([(i, [10 + i, 11, 12], {**GREEDY, "max_new_tokens": 20}, {}) for i in (1, 2)])
+        got = c.wait([1, 2])
+        for r in (1, 2):
+            assert got[r].error is not None and got[r].error[0] == "internal", got[r]
+        _sound_and_serving(c, 9)
+
+
+def test_nan_logits_end_explicitly(
+    tiny_gguf: TinyModel,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    with _worker(
+        tiny_gguf,
+        str(tmp_path / "w.sock"),
+        [FaultRule("worker.forward", "nan", nth=2)],
+        monkeypatch,
+    ) as c:
+        c.submit(
+            1,
+            [20, 21, 22],
+            {"temperature": 0.8, "max_new_tokens": 8, "ignore_eos": True},
+            {"return_logprob": True},
+        )
+        r = c.wait([1])[1]
+        # Either the request fails as ours (500), or it completes: never a hang or a crash.
+        assert r.error is not None or r.finish == ["length", 8], r
+        _sound_and_serving(c, 9)
+
+
+def test_malformed_logprob_field_reaches_the_frontend_not_the_worker(
+    tiny_gguf: TinyModel,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    with _worker(
+        tiny_gguf,
+        str(tmp_path / "w.sock"),
+        [FaultRule("worker.sample", "corrupt", rid=4, nth=2)],
+        monkeypatch,
+    ) as c:
+        c.submit(4, [30, 31], {**GREEDY, "max_new_tokens": 4}, {"return_logprob": True})
+        r = c.wait([4])[4]
+        assert r.finish == ["length", 4]
+        fields = [e.get("logprobs") for e in r.extras if e and "logprobs" in e]
+        assert b"\x01\x02\x03" in fields
+        with pytest.raises(ValueError):
+            f32s_to_list(b"\x01\x02\x03")  # what the frontend refuses (GenerateCall._bad_output)
+        assert all(
+            math.isfinite(v) for f in fields if f != b"\x01\x02\x03" for v in f32s_to_list(f)
+        )
+        _sound_and_serving(c, 9)

@@ -1,0 +1,92 @@
+"""Remove one protection at a time, run its named regression test, restore the file.
+
+Each test in tests/test_fault_regressions.py must fail without its protection:
+
+    python tools/check_fault_protections.py [TEST_NAME ...]
+
+Edits files of the working tree in place (restored in ``finally``): run it on a clean tree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+MUTS = [
+    (
+        "test_zombie_decode_after_disconnect",
+        "lifecycle/frontend.py",
+        "            if live and self.client is not None:\n                self.client.abort(live, message=detail or cause.value)\n",
+        "            pass\n",
+    ),
+    (
+        "test_abort_does_not_kill_other_clients_decode",
+        "lifecycle/api_native.py",
+        "            targets = [self.calls[rec.id]] if rec is not None and rec.id in self.calls else []\n",
+        "            targets = list(self.calls.values())  # process-global stop\n",
+    ),
+    (
+        "test_kv_not_leaked_on_abort_during_handoff",
+        "lifecycle/worker_client.py",
+        "            self._abort_lane.extend(held)\n",
+        "            pass\n",
+    ),
+    (
+        "test_unfittable_prompt_refused_not_hung",
+        "lifecycle/scripted_worker.py",
+        "            if need > c.kv_blocks:",
+        "            if False:",
+    ),
+    (
+        "test_health_503_while_engine_hung",
+        "lifecycle/supervisor.py",
+        "        limit_ns = int(self.config.hung_timeout * 1e9)\n",
+        "        limit_ns = 10**15\n",
+    ),
+    (
+        "test_truncated_stream_never_ends_with_done",
+        "lifecycle/api_native.py",
+        "                yield orjson.dumps(cause.body(message))\n            call.close()\n",
+        "                pass\n            call.close()\n",
+    ),
+    (
+        "test_malformed_logprob_field_does_not_kill_scheduler",
+        "lifecycle/frontend.py",
+        "                except (ValueError, TypeError, KeyError, IndexError) as exc:\n",
+        "                except ZeroDivisionError as exc:\n",
+    ),
+    (
+        "test_burst_queue_bounded",
+        "lifecycle/fsm.py",
+        "        rec.fire(Event.ADMIT, queue)\n",
+        "        queue.capacity = 10**9\n        rec.fire(Event.ADMIT, queue)\n",
+    ),
+]
+only = sys.argv[1:]
+for test, path, old, new in MUTS:
+    if only and test not in only:
+        continue
+    src = open(path).read()
+    assert src.count(old) == 1, (test, old)
+    open(path, "w").write(src.replace(old, new))
+    try:
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--timeout",
+                "60",
+                f"tests/test_fault_regressions.py::{test}",
+            ],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        open(path, "w").write(src)
+    verdict = "FAILS without protection (good)" if r.returncode else "STILL PASSES (bad)"
+    print(test, verdict, r.stdout.strip().splitlines()[-1], flush=True)
