@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lifecycle.trace_cli import add_trace_parser, run_trace
+
 __all__ = ["main"]
 
 
@@ -17,6 +19,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--device", default=None)
+    add_trace_parser(sub)
     return parser
 
 
@@ -32,5 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             chat=args.chat,
             device=args.device,
         )
+    if args.command == "trace":
+        return run_trace(args)
     print(f"unknown command {args.command}", file=sys.stderr)
     return 2
