@@ -82,6 +82,7 @@ class Tracer:
         self._awaiting: dict[int, FinishedTrace] = {}  # terminal, worker still holds it
         self._released_early: dict[int, int] = {}  # released while live: id -> t_ns
         self.finished = 0
+        self.failed = 0
         self.logged = 0
 
     # -- installation --------------------------------------------------------------------
@@ -138,6 +139,8 @@ class Tracer:
 
     def _finish(self, rec: RequestRecord, t_ns: int) -> None:
         self.finished += 1
+        if rec.cause is not None:
+            self.failed += 1
         ft = FinishedTrace(rec, t_ns, self.probe(rec))
         self.ring.add(ft)
         early = self._released_early.pop(rec.id, None)
@@ -195,7 +198,11 @@ class Tracer:
         return [live_summary(r, now, self.probe(r)) for r in recs]
 
     def counts(self) -> dict[str, int]:
-        return self.registry.counts_by_state() if self.registry is not None else {}
+        """Live requests per state; for done and error, how many ended there so far."""
+        counts = self.registry.counts_by_state() if self.registry is not None else {}
+        counts["done"] = self.finished - self.failed
+        counts["error"] = self.failed
+        return counts
 
     def finished_traces(self) -> list[dict[str, Any]]:
         return [ft.to_json(self.offset_ns) for ft in self.ring.all()]

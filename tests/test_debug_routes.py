@@ -48,7 +48,9 @@ async def test_live_listing_and_one_trace() -> None:
         assert failed["message"] == "ended with deadline"
         missing = await http.get("/debug/requests/nobody")
         assert missing.status_code == 404
-        assert (await http.get("/debug/requests")).json()["requests"] == []
+        after = (await http.get("/debug/requests")).json()
+        assert after["requests"] == []
+        assert after["counts"]["done"] == 1 and after["counts"]["error"] == 1
 
         traces = (await http.get("/debug/traces")).json()["traces"]
         assert [t["rid"] for t in traces] == ["s-1", "q-1"]
