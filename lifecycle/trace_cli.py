@@ -34,6 +34,7 @@ from lifecycle.trace_query import (
     timeline,
     with_cause,
 )
+
 __all__ = ["add_trace_parser", "load_traces", "run_trace"]
 
 

@@ -30,17 +30,21 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from lifecycle import fsm
 from lifecycle.fsm import RawEntry, Registry, RequestRecord
-from lifecycle.states import TERMINAL
+from lifecycle.states import TERMINAL, State
 from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 
 __all__ = ["Probe", "TraceConfig", "Tracer", "default_probe"]
+
+_DONE, _ERROR = State.DONE, State.ERROR
+assert frozenset({_DONE, _ERROR}) == TERMINAL
 
 # What the tracer asks about a request beyond its record: {"tokens": int, "worker": str}.
 Probe = Callable[[RequestRecord], dict[str, Any]]
 
 
 def default_probe(rec: RequestRecord) -> dict[str, Any]:
-    return {"tokens": getattr(rec, "tokens", None), "worker": "worker" if rec.held_by_worker else None}
+    """Without a probe from the request path: no token count, one anonymous worker."""
+    return {"tokens": None, "worker": "worker" if rec.held_by_worker else None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +116,18 @@ class Tracer:
 
     # -- the observer (hot path) ---------------------------------------------------------
     def transition(self, rec: RequestRecord, entry: RawEntry) -> None:
+        # Identity tests and ``_value_``: hashing an Enum member or reading ``.value``
+        # runs Python-level code, and this runs on every edge of every request.
+        dst = entry[2]
         if self._subscribers:
-            self._feed(rec, entry[0], entry[1].value, entry[2].value, entry[3].value, entry[4])
-        if entry[2] in TERMINAL:
+            self._feed(rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_, entry[4])
+        if dst is _DONE or dst is _ERROR:
             self._finish(rec, entry[0])
 
     def released(self, rec: RequestRecord) -> None:
         now = time.monotonic_ns()
         if self._subscribers:
-            state = rec.state.value
+            state = rec.state._value_
             self._feed(rec, now, state, state, "worker_released", None)
         ft = self._awaiting.pop(rec.id, None)
         if ft is not None:

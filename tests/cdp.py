@@ -128,9 +128,7 @@ async def chromium_page(binary: str) -> AsyncIterator[Page]:
         )
         try:
             port, path = await _devtools_port(profile, proc)
-            async with websockets.connect(
-                f"ws://127.0.0.1:{port}{path}", max_size=64 << 20
-            ) as ws:
+            async with websockets.connect(f"ws://127.0.0.1:{port}{path}", max_size=64 << 20) as ws:
                 page = Page(ws)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(page._read)

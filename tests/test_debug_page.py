@@ -77,7 +77,9 @@ async def test_debug_page_live(artifacts: Path) -> None:
         )
         assert counts["queued"] == "queued 100" and counts["streaming"] == "streaming 100"
         assert counts["error"] == "error 1" and counts["done"] == "done 0"
-        chips = await page.eval("document.querySelectorAll('.col[data-state=validated] .req').length")
+        chips = await page.eval(
+            "document.querySelectorAll('.col[data-state=validated] .req').length"
+        )
         assert chips == 60
         await page.screenshot(artifacts / "debug-page.png")
         for r in many:
@@ -85,4 +87,3 @@ async def test_debug_page_live(artifacts: Path) -> None:
         await page.wait_for("document.querySelectorAll('.req').length === 0")
         assert page.errors == []
     assert (artifacts / "debug-page.png").stat().st_size > 10_000
-

@@ -174,7 +174,9 @@ def test_ring_is_bounded_and_keeps_slow_and_failed() -> None:
     assert set(range(1991, 2001)) <= held  # the most recent half
     assert ring.by_rid("r7") is ring.get(7)
     assert ring.get(1500) is None and ring.by_rid("r1500") is None
-    assert all(a.finished_ns <= b.finished_ns for a, b in zip(ring.all(), ring.all()[1:]))
+    assert all(
+        a.finished_ns <= b.finished_ns for a, b in zip(ring.all(), ring.all()[1:], strict=False)
+    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
@@ -200,7 +202,9 @@ def test_log_rotates(tmp_path: Path) -> None:
         assert f.stat().st_size <= 2000
     got = [r["n"] for r in read_log(path)]
     assert got == list(range(100 - len(got), 100))  # the newest, in order, none lost between
-    assert [r["n"] for r in read_log(path, rotated=False)] == got[-len(read_log(path, rotated=False)) :]
+    assert [r["n"] for r in read_log(path, rotated=False)] == got[
+        -len(read_log(path, rotated=False)) :
+    ]
     # Reopening appends to the current file and keeps counting its size.
     log = TraceLog(path, max_bytes=2000, backups=2)
     log.write({"n": 100})
