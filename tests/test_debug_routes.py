@@ -62,6 +62,8 @@ async def test_live_listing_and_one_trace() -> None:
         page = await http.get("/debug")
         assert page.headers["content-type"].startswith("text/html")
         assert b"/feed" in page.content
+        # One self-contained file: no external scripts, styles or images.
+        assert b"src=" not in page.content and b"://" not in page.content
 
 
 def _admin(request: Request) -> bool:

@@ -15,6 +15,7 @@ from lifecycle.fsm import Registry, RequestRecord, new_request
 from lifecycle.states import EDGES, INITIAL, LIVE, TERMINAL, Cause, Event, State
 from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, read_log
 from lifecycle.tracing import TraceConfig, Tracer
+from tests.test_fsm import PATH_TO as FSM_PATH_TO
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "specs" / "trace.schema.json").read_text())
@@ -22,13 +23,7 @@ VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 ALLOWED = {(e.src.value, e.event.value, e.dst.value) for e in EDGES}
 
 # Events that take a fresh request to each live state (no FAIL).
-PATH_TO = {
-    State.RECEIVED: [],
-    State.VALIDATED: [Event.VALIDATE],
-    State.QUEUED: [Event.VALIDATE, Event.ADMIT],
-    State.RUNNING: [Event.VALIDATE, Event.ADMIT, Event.DISPATCH],
-    State.STREAMING: [Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN],
-}
+PATH_TO = {state: path for state, path in FSM_PATH_TO.items() if state in LIVE}
 DONE_PATHS = {
     "done_from_running": [Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FINISH],
     "done_from_streaming": PATH_TO[State.STREAMING] + [Event.FINISH],
@@ -270,3 +265,20 @@ def test_slow_subscriber_gets_resync(tmp_path: Path) -> None:
         msg = orjson.loads(stream.receive_nowait())
         assert msg["resync"] and len(msg["transitions"]) == 3
         stream.close()
+
+
+def test_awaiting_release_is_bounded_and_flushed_on_close(tmp_path: Path) -> None:
+    path = tmp_path / "held.jsonl"
+    with Tracer(TraceConfig(log_path=str(path), max_awaiting_release=3)) as t:
+        held = []
+        for i in range(5):  # failed after dispatch: the worker never answers the abort
+            rec = new_request(f"held-{i}")
+            for ev in PATH_TO[State.RUNNING]:
+                rec.fire(ev)
+            rec.fail(Cause.WORKER_LOST)
+            held.append(rec)
+        assert len(t._awaiting) == 3 and t.logged == 2  # the oldest two went out
+    assert t.logged == 5
+    lines = read_log(path)
+    assert [r["rid"] for r in lines] == [f"held-{i}" for i in range(5)]
+    assert all(r["handoffs"]["worker_released"] is None for r in lines)
