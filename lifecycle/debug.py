@@ -15,6 +15,7 @@ should let the page in accepts the key as ``?key=`` too; the page forwards its o
 
 from __future__ import annotations
 
+import hmac
 import inspect
 from collections.abc import Awaitable, Callable
 from functools import cache
@@ -36,9 +37,23 @@ from transport import (
 )
 from transport.routing import Handler
 
-__all__ = ["Auth", "install_debug", "page_html"]
+__all__ = ["Auth", "admin_auth", "install_debug", "page_html"]
 
 Auth = Callable[[Request], bool | Awaitable[bool]]
+
+
+def admin_auth(key: str) -> Auth:
+    """An auth hook for ``key``: ``Authorization: Bearer KEY`` or ``?key=KEY`` (the page)."""
+    expected = key.encode()
+
+    def check(request: Request) -> bool:
+        header = request.headers.get("authorization") or ""
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer":
+            given = (request.query().get("key") or [""])[-1]
+        return hmac.compare_digest(given.strip().encode(), expected)
+
+    return check
 
 
 @cache

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import websockets
 
+from lifecycle.debug import admin_auth
 from lifecycle.states import Cause
 from tests.debug_helpers import debug_server
 from transport import Request
@@ -66,19 +67,20 @@ async def test_live_listing_and_one_trace() -> None:
         assert b"src=" not in page.content and b"://" not in page.content
 
 
-def _admin(request: Request) -> bool:
-    auth = request.headers.get("authorization")
-    return auth == "Bearer sekret" or request.query().get("key") == ["sekret"]
-
-
-async def test_auth_hook_guards_every_route() -> None:
-    async with debug_server(auth=_admin) as srv, httpx.AsyncClient(base_url=srv.url) as http:
+async def test_admin_key_guards_every_route() -> None:
+    async with (
+        debug_server(auth=admin_auth("sekret")) as srv,
+        httpx.AsyncClient(base_url=srv.url) as http,
+    ):
         srv.finish(srv.start("a-1"))
         for path in ("/debug", "/debug/requests", "/debug/requests/a-1", "/debug/traces"):
             assert (await http.get(path)).status_code == 401, path
             ok = await http.get(path, headers={"authorization": "Bearer sekret"})
             assert ok.status_code == 200, path
         assert (await http.get("/debug/requests?key=sekret")).status_code == 200
+        assert (await http.get("/debug/requests?key=wrong")).status_code == 401
+        wrong = {"authorization": "Bearer sekre"}
+        assert (await http.get("/debug/requests", headers=wrong)).status_code == 401
         with pytest.raises(websockets.InvalidStatus):
             async with websockets.connect(f"ws://127.0.0.1:{srv.port}/debug/feed"):
                 pass
