@@ -94,11 +94,20 @@ class Page:
         return result["result"].get("value")
 
     async def wait_for(self, expression: str, timeout: float = 15.0) -> Any:
-        """Poll ``expression`` until it is truthy; its value."""
+        """Poll ``expression`` until it is truthy; its value.
+
+        An evaluation that fails (the page is navigating, its context is gone) counts as
+        not yet.
+        """
         with anyio.fail_after(timeout):
-            while not (value := await self.eval(expression)):
+            while True:
+                try:
+                    value = await self.eval(expression)
+                except RuntimeError:
+                    value = None
+                if value:
+                    return value
                 await anyio.sleep(0.05)
-        return value
 
     async def screenshot(self, path: Path) -> None:
         shot = await self.send("Page.captureScreenshot", {"format": "png"})

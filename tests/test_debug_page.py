@@ -82,6 +82,10 @@ async def test_debug_page_live(artifacts: Path) -> None:
         )
         assert chips == 60
         await page.screenshot(artifacts / "debug-page.png")
+
+        # Reopened, the page lists what finished before it from the server's ring.
+        await page.send("Page.reload")
+        await page.wait_for(f"!!document.querySelector('.fin[data-id=\"{rec.id}\"]')", 30)
         for r in many:
             srv.finish(r, Cause.CLIENT_GONE)
         await page.wait_for("document.querySelectorAll('.req').length === 0")
