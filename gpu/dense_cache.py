@@ -56,6 +56,13 @@ class DenseKVCache:
     def reset(self, seq_id: int) -> None:
         self._lens[seq_id] = 0
 
+    def set_length(self, seq_id: int, length: int) -> None:
+        """Declare positions ``[0, length)`` filled without computing them (benchmarks:
+        attention cost does not depend on what the rows hold)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len}]")
+        self._lens[seq_id] = length
+
     def length(self, seq_id: int) -> int:
         """Tokens held, including those of a prepared step."""
         return self._lens[seq_id]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
+import signal
 import sys
 
 from lifecycle.trace_cli import add_trace_parser, run_trace
@@ -19,12 +22,106 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--device", default=None)
+
+    srv = sub.add_parser("serve", help="serve the SGLang-native HTTP API")
+    srv.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2)")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument(
+        "--worker", default=None, help="use a worker started elsewhere (unix:/path or HOST:PORT)"
+    )
+    srv.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    srv.add_argument("--dtype", default=None)
+    srv.add_argument(
+        "--max-pending",
+        type=int,
+        default=None,
+        help="requests the worker may hold (running + waiting)",
+    )
+    srv.add_argument("--max-running", type=int, default=None)
+    srv.add_argument("--kv-cache-tokens", type=int, default=None)
+    srv.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests admitted and not yet dispatched; beyond: 503",
+    )
+    srv.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream deltas instead of cumulative text/output_ids",
+    )
+    srv.add_argument("--send-timeout", type=float, default=30.0)
+    srv.add_argument("--hung-timeout", type=float, default=60.0)
+    srv.add_argument(
+        "--scripted-worker",
+        action="store_true",
+        help="spawn the scripted worker (no model; for benchmarks and tests)",
+    )
+    srv.add_argument(
+        "--worker-args",
+        default="",
+        help="extra options for the spawned worker, as one shell-quoted string",
+    )
+    srv.add_argument("--log-level", default="info")
+
+    wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
+    wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
     add_trace_parser(sub)
     return parser
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import anyio
+
+    from lifecycle.app import AppConfig, serve_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    cfg = AppConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        worker=args.worker,
+        worker_module="lifecycle.scripted_worker" if args.scripted_worker else "gpu.worker",
+        worker_extra_args=tuple(shlex.split(args.worker_args)),
+        device=args.device,
+        dtype=args.dtype,
+        max_pending=args.max_pending,
+        max_running=args.max_running,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_queued=args.max_queued,
+        incremental_streaming_output=args.incremental_streaming_output,
+        send_timeout=args.send_timeout,
+        hung_timeout=args.hung_timeout,
+    )
+    async def run() -> None:
+        # SIGTERM/SIGINT cancel the app, so the worker gets SHUTDOWN and is reaped.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_app, cfg)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(run)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args, rest = _build_parser().parse_known_args(argv)
+    if args.command == "worker":
+        from gpu.worker import main as worker_main
+
+        return worker_main(["--listen", args.listen, *rest])
+    if rest:
+        print(f"unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "generate":
         from gpu.generate import run_generate
 

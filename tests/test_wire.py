@@ -38,7 +38,6 @@ from wire import (
 
 from .wire_schema import RULE_BY_KIND, validate_frame
 
-
 EXAMPLES = [
     Hello(
         {"name": "m", "path": "/x.gguf", "arch": "llama", "vocab_size": 10, "context_length": 64,

@@ -1,0 +1,136 @@
+"""Frontend cost with the scripted instant worker: CPU per request, per streamed token,
+requests/s, and the state machine's share, in one run.
+
+The server (``lifecycle serve --scripted-worker``) runs as its own process; its CPU time
+(children excluded) is read with psutil around each phase, so the client's own cost is
+not counted. The worker answers every step at once, so what is measured is the frontend.
+
+    python bench/frontend.py [--requests 400] [--concurrency 32] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def _drive(url: str, n: int, conc: int, body: dict, stream: bool) -> float:
+    sem = asyncio.Semaphore(conc)
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> None:
+            async with sem:
+                b = {**body, "input_ids": [100 + i % 1000, 7, 8, 9]}
+                if stream:
+                    async with client.stream("POST", url + "/generate", json=b) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+                        assert r.status_code == 200
+                else:
+                    r = await client.post(url + "/generate", json=b)
+                    assert r.status_code == 200, r.text
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return time.perf_counter() - t0
+
+
+def _phase(proc: psutil.Process, url: str, n: int, conc: int, body: dict, stream: bool) -> tuple[float, float]:
+    c0 = _cpu(proc)
+    wall = asyncio.run(_drive(url, n, conc, body, stream))
+    return _cpu(proc) - c0, wall
+
+
+def _fsm_us(rounds: int = 20000) -> float:
+    from lifecycle.buffers import AdmissionQueue
+    from lifecycle.fsm import Registry, admit, new_request
+    from lifecycle.states import Event
+
+    reg, q = Registry(), AdmissionQueue(10)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        rec = new_request(None)
+        reg.add(rec)
+        rec.fire(Event.VALIDATE)
+        admit(rec, q)
+        rec.fire(Event.DISPATCH)
+        q.release()
+        rec.fire(Event.FIRST_TOKEN)
+        rec.fire(Event.FINISH)
+        reg.remove(rec)
+    return (time.perf_counter() - t0) / rounds * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lifecycle", "serve", "--scripted-worker", "--port", str(port),
+         "--log-level", "warning"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("server did not become ready")
+            time.sleep(0.1)
+        proc = psutil.Process(server.pid)
+        unary = {"sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
+        _phase(proc, url, 50, args.concurrency, unary, False)  # warm-up
+        cpu_u, wall_u = _phase(proc, url, args.requests, args.concurrency, unary, False)
+        streamed = {"stream": True, "sampling_params": {"max_new_tokens": args.tokens, "ignore_eos": True}}
+        n_s = max(1, args.requests // 4)
+        cpu_s, wall_s = _phase(proc, url, n_s, args.concurrency, streamed, True)
+    finally:
+        server.terminate()
+        server.wait(10)
+    per_req_us = cpu_u / args.requests * 1e6
+    per_tok_us = max(0.0, cpu_s / n_s * 1e6 - per_req_us) / args.tokens
+    fsm = _fsm_us()
+    print(f"frontend CPU per request (unary, 1 token):   {per_req_us:8.0f} us")
+    print(f"frontend CPU per streamed token (beyond req): {per_tok_us:8.1f} us")
+    print(f"requests/s (unary, concurrency {args.concurrency}):        {args.requests / wall_u:8.0f}")
+    print(f"streamed tokens/s ({args.tokens}-token streams):          {n_s * args.tokens / wall_s:8.0f}")
+    print(f"state machine per request lifecycle:          {fsm:8.1f} us "
+          f"({fsm / per_req_us * 100:.1f}% of the request's frontend CPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

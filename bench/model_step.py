@@ -1,0 +1,106 @@
+"""Model step costs on the default model: prefill, batched decode, and bare matmuls.
+
+Prints prefill tokens/s for a 512-token prompt, decode step time at batch 1/8/32/64
+(independent sequences, ~128 tokens of context each), and the same matmul shapes timed
+bare (``F.linear`` with the model's weight shapes at those row counts) so the gap
+between the model and its matmul floor is visible. Runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+
+from gpu.loader import LoadedModel, load_model  # noqa: E402
+from gpu.model import DenseKVCache  # noqa: E402
+
+BATCHES = (1, 8, 32, 64)
+CONTEXT = 128
+PROMPT = 512
+
+
+def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def prefill_ms(lm: LoadedModel) -> float:
+    ids = torch.randint(100, 40000, (PROMPT,), generator=torch.Generator().manual_seed(0))
+    last = torch.tensor([PROMPT - 1])
+    cache = DenseKVCache(lm.config, 1, PROMPT)
+    positions = torch.arange(PROMPT)
+
+    def step() -> None:
+        cache.reset(0)
+        cache.prepare([0], [PROMPT])
+        lm.model(ids, positions, cache, logits_indices=last)
+
+    return median_ms(step, runs=3)
+
+
+def decode_ms(lm: LoadedModel, cache: DenseKVCache, batch: int) -> float:
+    seqs = list(range(batch))
+    ids = torch.full((batch,), 1000, dtype=torch.int64)
+
+    def step() -> None:
+        for s in seqs:
+            cache.set_length(s, CONTEXT)
+        positions = cache.positions(seqs, [1] * batch)
+        cache.prepare(seqs, [1] * batch)
+        lm.model(ids, positions, cache)
+
+    return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
+
+
+def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
+    """(one layer's four projections x n_layers, the LM head) at ``rows`` rows."""
+    layer = lm.model.layers[0]
+    weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+    head_x = torch.randn(rows, lm.config.hidden)
+
+    def layer_mm() -> None:
+        for x, w in zip(xs, weights, strict=True):
+            F.linear(x, w)
+
+    per_layer = median_ms(layer_mm, runs=15, warmup=3)
+    head = median_ms(lambda: F.linear(head_x, lm.model.lm_head), runs=7)
+    return per_layer * lm.config.n_layers, head
+
+
+def main() -> int:
+    t = time.perf_counter()
+    lm = load_model(device="cpu")
+    print(f"model {lm.path.name}: load {time.perf_counter() - t:.1f}s, "
+          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    with torch.inference_mode():
+        ms = prefill_ms(lm)
+        print(f"prefill {PROMPT} tokens: {ms:.0f} ms = {PROMPT / ms * 1e3:.0f} tok/s")
+        cache = DenseKVCache(lm.config, max(BATCHES), CONTEXT + 1)
+        print(f"decode step, context {CONTEXT} per sequence, logits for every row:")
+        print(
+            f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} {'+ head)':>8}"
+        )
+        for b in BATCHES:
+            step = decode_ms(lm, cache, b)
+            layers, head = bare_matmul_ms(lm, b)
+            print(f"{b:>5} {step:>8.1f} {b / step * 1e3:>7.0f} {layers + head:>11.1f} "
+                  f"{layers:>8.1f} {head:>8.1f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

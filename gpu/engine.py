@@ -1,0 +1,333 @@
+"""The step engine: SUBMIT entries in, one list of STEP entries out per scheduler step.
+
+No I/O here: ``gpu/worker.py`` drives it. ``step()`` is the loop body: schedule, lay the
+batch out for the paged cache, one forward (LM head only on the rows that need logits),
+one batched sampling pass, then per-sequence bookkeeping (stop checks, frees).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
+from gpu.loader import LoadedModel
+from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
+from gpu.sampling import SampleRow, parse_request, sample
+from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
+from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
+
+__all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
+
+
+class ProtocolError(ValueError):
+    """The frontend broke the protocol (e.g. reused a live rid): the connection must close."""
+
+
+class TooLong(ValueError):
+    """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_blocks: int
+    block_size: int = 16
+    max_running: int = 64
+    max_pending: int = 256
+    step_tokens: int = 512
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.mc = loaded.config
+        self.config = config
+        self.blocks = BlockManager(config.kv_blocks, config.block_size)
+        self.cache = PagedKVCache(
+            self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype
+        )
+        self.scheduler = Scheduler(
+            self.blocks, SchedulerConfig(config.max_running, config.step_tokens)
+        )
+        self.seqs: dict[int, Sequence] = {}
+        self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
+        self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
+        self.step_no = 0
+        self._eog = tuple(sorted(self.mc.eog_ids))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def load(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_free": self.blocks.num_free,
+            "kv_blocks_cached": self.blocks.num_cached,
+            "rids": len(self.seqs) + len(self.reserved),
+        }
+
+    # -- ingress ---------------------------------------------------------------------
+
+    def submit(
+        self, entries: Iterable[SubmitEntry]
+    ) -> tuple[list[tuple[int, str, str]], list[StepEntry]]:
+        """Queue valid entries; returns (REQ-ERROR tuples, immediately terminal entries)."""
+        errors: list[tuple[int, str, str]] = []
+        done: list[StepEntry] = []
+        for e in entries:
+            try:
+                seq = self._make_sequence(e)
+            except ValueError as exc:
+                if isinstance(exc, ProtocolError):
+                    raise
+                errors.append(
+                    (e.rid, "too_long" if isinstance(exc, TooLong) else "invalid", str(exc))
+                )
+                continue
+            if seq.params.max_new_tokens == 0:
+                done.append(
+                    StepEntry(seq.rid, b"", ["length", 0], {"prompt_tokens": seq.prompt_len})
+                )
+                continue
+            for r in range(seq.rid + 1, seq.rid + seq.forks + 1):
+                self.reserved[r] = seq
+            self.seqs[seq.rid] = seq
+            self.scheduler.add(seq)
+        return errors, done
+
+    def _make_sequence(self, e: SubmitEntry) -> Sequence:
+        v = self.mc.vocab_size
+        prompt = ids_to_list(e.prompt)
+        params, opts = parse_request(e.sampling, e.options, v, len(prompt))
+        rids = range(e.rid, e.rid + params.n)
+        if any(r in self.seqs or r in self.reserved for r in rids):
+            raise ProtocolError(f"rid {e.rid} (n={params.n}) overlaps a live request")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= v:
+            raise ValueError(f"prompt has token ids outside [0, {v - 1}]")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_context:
+            raise TooLong(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the maximum context of {self.max_context} tokens"
+            )
+        live = len(self.seqs) + len(self.reserved)
+        if live + params.n > self.config.max_pending:
+            raise ValueError(
+                f"credit limit exceeded: {live} rids live, max_pending {self.config.max_pending}"
+            )
+        seq = Sequence(e.rid, prompt, len(prompt), params, opts, self._generator(params.seed))
+        seq.forks = params.n - 1
+        if opts.return_logprob and opts.logprob_start_len >= 0:
+            # Positions whose logits score prompt tokens must be computed, not reused.
+            seq.prefix_limit = max(opts.logprob_start_len - 1, 0)
+        if params.stop:
+            seq.stop_window = max(len(s) for s in params.stop) + 2
+        return seq
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        g = torch.Generator(device=self.loaded.device)
+        g.manual_seed(random.getrandbits(63) if seed is None else seed & ((1 << 63) - 1))
+        return g
+
+    def abort(
+        self, rids: Iterable[int], message: str = "aborted by the frontend"
+    ) -> list[StepEntry]:
+        """End held rids now (blocks freed before the next step); unknown rids are ignored."""
+        out = []
+        for rid in rids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self.scheduler.remove(seq)
+                out.append(self._terminal(seq, b"", ["abort", message]))
+                # Forks not yet made go with their parent: each gets its own terminal entry.
+                for r in [r for r, p in self.reserved.items() if p is seq]:
+                    del self.reserved[r]
+                    out.append(StepEntry(r, b"", ["abort", message], None))
+            elif rid in self.reserved:
+                del self.reserved[rid]
+                out.append(StepEntry(rid, b"", ["abort", message], None))
+        return out
+
+    def abort_all(self, message: str) -> list[StepEntry]:
+        return self.abort(list(self.seqs) + list(self.reserved), message)
+
+    def check(self) -> list[str]:
+        problems = self.scheduler.check()
+        if not self.scheduler.has_work and (self.seqs or self.reserved):
+            problems.append(f"idle but {len(self.seqs) + len(self.reserved)} rids still live")
+        return problems
+
+    def flush(self) -> tuple[bool, str]:
+        n = self.blocks.flush()
+        return True, f"dropped {n} cached blocks"
+
+    # -- the step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEntry]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.step_no += 1
+        ids: list[int] = []
+        pos: list[int] = []
+        decodes: list[tuple[list[int], int]] = []
+        prefills: list[PrefillChunk] = []
+        rows = LogprobRows()
+        samplers: list[Sequence] = []
+        for seq, n in batch:
+            c, row = seq.num_computed, len(ids)
+            ids += seq.tokens[c : c + n]
+            pos += range(c, c + n)
+            if n == 1:
+                decodes.append((seq.block_table, c + 1))
+            else:
+                prefills.append(PrefillChunk(seq.block_table, c, n))
+            if not seq.started:
+                prompt_logprob_rows(seq, c, n, row, rows)
+            if c + n == len(seq.tokens):
+                rows.add_sample(row + n - 1)
+                samplers.append(seq)
+        dev = self.cache.device
+        self.cache.prepare(decodes, prefills)
+        want_hidden = any(s.options.return_hidden_states for s in samplers)
+        out = self.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            self.cache,
+            logits_indices=torch.tensor(rows.indices, dtype=torch.int64, device=dev),
+            return_hidden=want_hidden,
+        )
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
+        for seq, n in batch:
+            self.scheduler.computed(seq, n)
+        rows.collect_prompt(logits)
+        hid = None if hidden is None else hidden[rows.sample_slice]
+        return self._finish_step(samplers, logits[rows.sample_slice], hid)
+
+    def _finish_step(
+        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> list[StepEntry]:
+        if any(s.forks for s in samplers):
+            samplers, logits, hidden = self._fork(samplers, logits, hidden)
+        sample_rows = [
+            SampleRow(s.params, s.tokens[: s.prompt_len], s.output, s.generator, self._eog)
+            for s in samplers
+        ]
+        want_lp = any(s.options.return_logprob for s in samplers)
+        result = sample(logits, sample_rows, want_logprobs=want_lp)
+        entries: list[StepEntry] = []
+        for i, (seq, tok) in enumerate(zip(samplers, result.tokens, strict=False)):
+            if seq.rid not in self.seqs:
+                continue
+            extra = token_extra(seq, i, tok, result.logprobs, hidden)
+            seq.tokens.append(tok)
+            entries.extend(self._emit(seq, [tok], extra))
+        return entries
+
+    def _fork(
+        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+        """n > 1: the prefill is done once; each sibling shares its full blocks.
+
+        A sibling that finds no slot or no block for its partial last block waits and
+        recomputes (the shared prefix is then a prefix-cache hit).
+        """
+        order: list[int] = []
+        out: list[Sequence] = []
+        for i, seq in enumerate(samplers):
+            order.append(i)
+            out.append(seq)
+            for k in range(1, seq.forks + 1):
+                child = self._make_child(seq, k)
+                if child is not None:
+                    order.append(i)
+                    out.append(child)
+            seq.forks = 0
+        idx = torch.tensor(order, device=logits.device)
+        return (
+            out,
+            logits.index_select(0, idx),
+            None if hidden is None else hidden.index_select(0, idx),
+        )
+
+    def _make_child(self, parent: Sequence, k: int) -> Sequence | None:
+        rid = parent.rid + k
+        if self.reserved.pop(rid, None) is None:
+            return None  # aborted before the fork
+        seed = None if parent.params.seed is None else parent.params.seed + k
+        child = Sequence(
+            rid,
+            list(parent.tokens),
+            parent.prompt_len,
+            parent.params,
+            parent.options,
+            self._generator(seed),
+            cached_tokens=parent.cached_tokens,
+            stop_window=parent.stop_window,
+            prefix_limit=parent.prefix_limit,
+        )
+        self.seqs[rid] = child
+        sched, bs = self.scheduler, self.config.block_size
+        full = parent.num_computed // bs
+        partial = len(parent.block_table) > full
+        if len(sched.running) >= sched.config.max_running or (partial and self.blocks.num_free < 1):
+            sched.waiting.appendleft(child)
+            return None
+        self.blocks.incref(parent.block_table[:full])
+        child.block_table = parent.block_table[:full]
+        if partial:
+            (b,) = self.blocks.allocate(1)
+            self.cache.copy_block(parent.block_table[full], b)
+            child.block_table.append(b)
+        child.block_hashes = list(parent.block_hashes)
+        child.prompt_logprobs = list(parent.prompt_logprobs)
+        child.num_computed = parent.num_computed
+        sched.running.append(child)
+        return child
+
+    def _emit(self, seq: Sequence, new: list[int], extra: dict[str, Any]) -> list[StepEntry]:
+        if not seq.started:
+            seq.started = True
+            extra["prompt_tokens"] = seq.prompt_len
+            extra["cached_tokens"] = seq.cached_tokens
+            extra.update(prompt_extra(seq))
+        finish = self._finish_reason(seq)
+        if finish is None:
+            return [StepEntry(seq.rid, pack_ids(new), None, extra or None)]
+        del self.seqs[seq.rid]
+        self.scheduler.remove(seq)
+        return [self._terminal(seq, pack_ids(new), finish, extra)]
+
+    def _terminal(
+        self, seq: Sequence, new: bytes, finish: list[Any], extra: dict[str, Any] | None = None
+    ) -> StepEntry:
+        extra = dict(extra or {})
+        extra["num_retractions"] = seq.num_retractions
+        if not seq.started:
+            extra["prompt_tokens"] = seq.prompt_len
+        return StepEntry(seq.rid, new, finish, extra)
+
+    def _finish_reason(self, seq: Sequence) -> list[Any] | None:
+        p, tok = seq.params, seq.tokens[-1]
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.mc.eog_ids):
+            return ["stop", tok]
+        if seq.stop_window:
+            tail = self.loaded.tokenizer.decode(seq.output[-seq.stop_window :])
+            for s in p.stop:
+                if s in tail:
+                    return ["stop", s]
+        if seq.num_output >= p.max_new_tokens:
+            return ["length", p.max_new_tokens]
+        return None

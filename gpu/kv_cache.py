@@ -1,0 +1,286 @@
+"""The paged KV cache: a block manager with a prefix cache, and the attention backend.
+
+``BlockManager`` is pure bookkeeping (no tensors): fixed-size blocks with reference
+counts; a full block whose KV has been written is registered under a hash of its tokens
+chained with its parent's hash, so a later request with the same prefix reuses it
+(``cached_tokens``). Unreferenced registered blocks stay cached in LRU order and are
+evicted only when the free list runs dry.
+
+``PagedKVCache`` holds the tensors (per layer ``[num_blocks * block_size + 1, n_kv,
+head_dim]``; the extra row is an all-zero padding slot) and implements the model's
+``AttentionBackend``. A step lays tokens out as every decoding sequence first (one query
+each, attended in one padded SDPA call) and then each prefill chunk (causal over its
+cached and new tokens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpu.config import ModelConfig
+
+__all__ = ["BlockManager", "NoFreeBlocks", "PagedKVCache", "PrefillChunk", "block_hash"]
+
+
+class NoFreeBlocks(RuntimeError):
+    """Raised by ``allocate`` when neither free nor evictable blocks remain."""
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """Content hash of one full block, chained with its parent's (deterministic for ints)."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    """Reference-counted blocks: free, held (ref > 0) or cached (ref 0, registered)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an ``allocate`` can hand out: free plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free} available")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                self._unregister(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Share held blocks with another sequence (fork)."""
+        for b in blocks:
+            if self.ref[b] < 1:
+                raise ValueError(f"block {b} is not held")
+            self.ref[b] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            r = self.ref[b] - 1
+            if r < 0:
+                raise ValueError(f"block {b} released more often than held")
+            self.ref[b] = r
+            if r == 0:
+                if self._hash[b] is not None:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
+
+    def match_prefix(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
+        """Hold the longest cached run of full blocks that starts ``tokens``.
+
+        Returns (blocks, their hashes); each block's reference count is raised.
+        """
+        bs, parent = self.block_size, None
+        blocks: list[int] = []
+        hashes: list[int] = []
+        for i in range(min(max_blocks, len(tokens) // bs)):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk)
+            b = self._by_hash.get(h)
+            if b is None or self._tokens[b] != chunk:
+                break
+            if self.ref[b] == 0:
+                del self._cached[b]
+            self.ref[b] += 1
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
+        """Publish a held full block whose KV is written; returns its hash.
+
+        When an identical block is already published this one stays private.
+        """
+        chunk = tuple(tokens)
+        h = block_hash(parent, chunk)
+        if self._hash[block] is None and h not in self._by_hash:
+            self._hash[block] = h
+            self._tokens[block] = chunk
+            self._by_hash[h] = block
+        return h
+
+    def flush(self) -> int:
+        """Drop every unreferenced cached block; returns how many."""
+        n = len(self._cached)
+        while self._cached:
+            b, _ = self._cached.popitem(last=False)
+            self._unregister(b)
+            self._free.append(b)
+        return n
+
+    def _unregister(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None and self._by_hash.get(h) == b:
+            del self._by_hash[h]
+        self._hash[b] = None
+        self._tokens[b] = None
+
+    def check(self, tables: Iterable[Sequence[int]]) -> list[str]:
+        """Integrity problems given every live sequence's block table (empty list: sound)."""
+        held = Counter(b for t in tables for b in t)
+        problems = []
+        free, cached = set(self._free), set(self._cached)
+        if len(free) != len(self._free):
+            problems.append("a block is on the free list twice")
+        if free & cached:
+            problems.append(f"blocks both free and cached: {sorted(free & cached)[:8]}")
+        for b in range(self.num_blocks):
+            if self.ref[b] != held[b]:
+                problems.append(f"block {b}: refcount {self.ref[b]}, held {held[b]} times")
+            if self.ref[b] and (b in free or b in cached):
+                problems.append(f"block {b} is held and also free/cached")
+        n_held = sum(1 for r in self.ref if r > 0)
+        if len(free) + len(cached) + n_held != self.num_blocks:
+            problems.append(
+                f"free {len(free)} + cached {len(cached)} + held {n_held} != {self.num_blocks}"
+            )
+        return problems
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One sequence's new tokens at positions ``start .. start+n-1`` in this step."""
+
+    block_table: Sequence[int]
+    start: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    slots: Tensor  # [T] cache row of each new token
+    n_decode: int
+    dec_index: Tensor | None  # [D * L] rows to gather for the decode group
+    dec_len: int
+    dec_mask: Tensor | None  # bool [D, 1, 1, L]; None when every context has length L
+    prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
+
+
+class PagedKVCache:
+    """The paged ``AttentionBackend``: call ``prepare`` before each forward."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        rows = num_blocks * block_size + 1
+        shape = (config.n_layers, rows, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = block_size
+        self.pad_slot = rows - 1
+        self.device = self.k.device
+        self._layout: _Layout | None = None
+
+    def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    def prepare(
+        self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
+    ) -> None:
+        """Declare the step: ``decodes`` as (block_table, context length incl. the new token)."""
+        dev, slots = self.device, []
+        for table, ctx in decodes:
+            slots.extend(self._slots(table, ctx - 1, ctx))
+        dec_index = dec_mask = None
+        dec_len = max((ctx for _, ctx in decodes), default=0)
+        if decodes:
+            idx = []
+            for table, ctx in decodes:
+                idx.extend(self._slots(table, 0, ctx))
+                idx.extend([self.pad_slot] * (dec_len - ctx))
+            dec_index = torch.tensor(idx, dtype=torch.int64, device=dev)
+            if any(ctx != dec_len for _, ctx in decodes):
+                lens = torch.tensor([ctx for _, ctx in decodes], device=dev)
+                dec_mask = (torch.arange(dec_len, device=dev)[None, :] < lens[:, None]).view(
+                    len(decodes), 1, 1, dec_len
+                )
+        pre = []
+        row = len(decodes)
+        for c in prefills:
+            slots.extend(self._slots(c.block_table, c.start, c.start + c.n))
+            index = torch.tensor(
+                self._slots(c.block_table, 0, c.start + c.n), dtype=torch.int64, device=dev
+            )
+            mask = None
+            if c.start:
+                key = torch.arange(c.start + c.n, device=dev)
+                mask = key[None, :] <= (c.start + torch.arange(c.n, device=dev))[:, None]
+            pre.append((row, c.n, index, mask))
+            row += c.n
+        self._layout = _Layout(
+            torch.tensor(slots, dtype=torch.int64, device=dev),
+            len(decodes),
+            dec_index,
+            dec_len,
+            dec_mask,
+            tuple(pre),
+        )
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        lay = self._layout
+        if lay is None:
+            raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(0, lay.slots, k)
+        vc.index_copy_(0, lay.slots, v)
+        outs = []
+        d, h, hd = lay.n_decode, q.shape[1], q.shape[2]
+        if lay.dec_index is not None:
+            shape = (d, lay.dec_len, kc.shape[1], hd)
+            keys = kc.index_select(0, lay.dec_index).view(shape).transpose(1, 2)
+            vals = vc.index_select(0, lay.dec_index).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:d].unsqueeze(2), keys, vals, attn_mask=lay.dec_mask, enable_gqa=True
+            )
+            outs.append(o.view(d, h, hd))
+        for row, n, index, mask in lay.prefills:
+            keys = kc.index_select(0, index).transpose(0, 1).unsqueeze(0)
+            vals = vc.index_select(0, index).transpose(0, 1).unsqueeze(0)
+            qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qh, keys, vals, attn_mask=mask, is_causal=mask is None and n > 1, enable_gqa=True
+            )
+            outs.append(o[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV in every layer (forking a partial last block)."""
+        bs = self.block_size
+        self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
+        self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]

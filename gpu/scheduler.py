@@ -1,0 +1,166 @@
+"""Continuous batching: waiting/running queues, chunked prefill, preemption by recompute.
+
+One rule drives every sequence: each step it is fed ``tokens[num_computed:]`` (up to the
+step's token budget), and when that reaches the end of its tokens the step samples one
+more. A decode is the one-token case; a prefill, a later chunk of one, and the recompute
+after a preemption are the longer cases. Running sequences are served first (so every
+running request decodes every step); waiting ones are admitted while blocks, slots and
+budget last. When a running sequence needs a block and none is free, the most recently
+admitted sequence is preempted (blocks released, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu.kv_cache import BlockManager
+from gpu.sampling import RequestOptions, SamplingParams
+
+__all__ = ["Scheduler", "SchedulerConfig", "Sequence"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running: int = 64
+    step_tokens: int = 512
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sampled sequence (a request with n > 1 has n of them after its prefill)."""
+
+    rid: int
+    tokens: list[int]  # prompt + output so far
+    prompt_len: int
+    params: SamplingParams
+    options: RequestOptions
+    generator: torch.Generator | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the published full blocks
+    num_computed: int = 0  # tokens whose KV is in the cache
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    started: bool = False  # its first STEP entry was sent
+    forks: int = 0  # siblings to fork off at the first sampled token (n - 1)
+    prefix_limit: int = 1 << 62  # prompt tokens the prefix cache may supply
+    stop_window: int = 0  # tokens of output to decode when checking stop strings
+    prompt_logprobs: list[Any] = field(default_factory=list)  # rows gathered during prefill
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig) -> None:
+        self.blocks = blocks
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def live(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The step's batch: (sequence, new tokens); single-token entries first."""
+        budget = self.config.step_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted while an earlier one made room
+            n = min(len(seq.tokens) - seq.num_computed, max(budget, 1))
+            if not self._reserve_running(seq, n):
+                continue
+            batch.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if not n:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        batch.sort(key=lambda e: e[1] > 1)
+        return batch
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        bs = self.blocks.block_size
+        return max(0, -(-(seq.num_computed + n) // bs) - len(seq.block_table))
+
+    def _reserve_running(self, seq: Sequence, n: int) -> bool:
+        while self._blocks_needed(seq, n) > self.blocks.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.blocks.allocate(self._blocks_needed(seq, n))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Hold the cached prefix and the first chunk's blocks; 0 when they do not fit."""
+        bs = self.blocks.block_size
+        if seq.num_computed == 0 and not seq.block_table:
+            # Leave at least one token to compute: its logits give the next token.
+            limit = min(len(seq.tokens) - 1, seq.prefix_limit) // bs
+            blocks, hashes = self.blocks.match_prefix(seq.tokens, limit)
+            seq.block_table, seq.block_hashes = blocks, hashes
+            seq.num_computed = len(blocks) * bs
+            if not seq.started:
+                seq.cached_tokens = seq.num_computed
+        n = min(len(seq.tokens) - seq.num_computed, budget)
+        if self._blocks_needed(seq, n) > self.blocks.num_free:
+            self._drop_blocks(seq)
+            return 0
+        seq.block_table += self.blocks.allocate(self._blocks_needed(seq, n))
+        return n
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release everything; the sequence is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.num_retractions += 1
+        if not seq.started:
+            seq.prompt_logprobs.clear()  # gathered again by the recompute
+        self.waiting.appendleft(seq)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """The step wrote ``n`` more tokens of KV: publish the blocks that became full."""
+        seq.num_computed += n
+        bs = self.blocks.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.blocks.register(seq.block_table[i], parent, seq.tokens[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def remove(self, seq: Sequence) -> None:
+        """Finish or abort: free its blocks now, wherever it is queued."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._drop_blocks(seq)
+
+    def check(self) -> list[str]:
+        return self.blocks.check(s.block_table for s in self.live())

@@ -1,0 +1,322 @@
+"""The worker process: ``python -m gpu.worker --listen unix:/path | tcp:HOST:PORT``.
+
+A thin driver around ``Engine``. One frontend connection at a time; HELLO first. A
+receiver thread does blocking reads, answers PROBE itself (no slot, under the send
+lock) and queues everything else; the step loop blocks on the queue when it has no
+work (idle is ~0% CPU, and a frame arriving wakes it at once) and drains it between
+steps otherwise. A lost connection aborts and frees everything it held; a malformed
+frame gets FATAL and a close; the worker itself stays up until SHUTDOWN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu.engine import Engine, EngineConfig, ProtocolError
+from gpu.loader import load_model
+from wire import (
+    Abort,
+    Fatal,
+    Flush,
+    FlushReply,
+    Frame,
+    FrameBuffer,
+    Hello,
+    Probe,
+    ProbeReply,
+    ReqError,
+    Shutdown,
+    Stats,
+    StatsReq,
+    Step,
+    StepEntry,
+    Submit,
+    WireError,
+    decode_frame,
+    encode_frame,
+    frame_bytes,
+)
+
+__all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
+
+log = logging.getLogger("gpu.worker")
+
+_EOF = object()  # the receiver's last word: the connection is gone
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model_path: str | None = None
+    device: str | None = None  # None: CUDA when present, else CPU
+    dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    listen: str = "unix:/tmp/lifecycle-worker.sock"
+    kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib
+    kv_memory_mib: int = 1024
+    block_size: int = 16
+    max_running: int = 64
+    max_pending: int = 256
+    step_tokens: int = 512
+    threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+
+
+def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
+    tokens = config.kv_cache_tokens
+    if tokens is None:
+        tokens = config.kv_memory_mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
+    return max(1, tokens // config.block_size)
+
+
+class _Connection:
+    """Sends whole frames under a lock (the receiver thread answers PROBE directly)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.alive = True
+
+    def send(self, frame: Frame) -> None:
+        data = frame_bytes(encode_frame(frame))
+        with self.lock:
+            if not self.alive:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.alive = False
+
+    def fatal(self, message: str) -> None:
+        """Send FATAL; nothing more is sent on this connection."""
+        self.send(Fatal(message))
+        with self.lock:
+            self.alive = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.alive = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None:
+    buf = FrameBuffer()
+    try:
+        while True:
+            data = conn.sock.recv(1 << 20)
+            if not data:
+                return
+            for payload in buf.feed(data):
+                frame = decode_frame(payload)
+                if isinstance(frame, Probe):
+                    conn.send(ProbeReply(frame.nonce, engine.load()))
+                elif isinstance(frame, Submit | Abort | StatsReq | Flush | Shutdown):
+                    inbox.put(frame)
+                else:
+                    raise WireError(f"a frontend may not send {type(frame).__name__}")
+    except (WireError, ValueError) as exc:
+        conn.fatal(f"protocol error: {exc}")
+    except OSError:
+        pass
+    finally:
+        inbox.put(_EOF)
+
+
+def _hello(engine: Engine) -> Hello:
+    lm, mc, c = engine.loaded, engine.mc, engine.config
+    model = {
+        "name": mc.name,
+        "path": str(lm.path),
+        "arch": mc.arch,
+        "vocab_size": mc.vocab_size,
+        "context_length": mc.context_length,
+        "eos_id": mc.eos_id,
+        "eog_ids": list(mc.eog_ids),
+        "device": str(lm.device),
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "pid": os.getpid(),
+    }
+    capacity = {
+        "max_running": c.max_running,
+        "max_pending": c.max_pending,
+        "kv_blocks": c.kv_blocks,
+        "block_size": c.block_size,
+        "max_context": engine.max_context,
+    }
+    return Hello(model, capacity)
+
+
+def _stats(engine: Engine) -> dict[str, Any]:
+    load = engine.load()
+    problems = engine.check()
+    load["integrity_ok"] = not problems
+    if problems:
+        load["integrity_problems"] = problems[:8]
+    return load
+
+
+def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
+    """Apply one queued frame; returns "eof" or "shutdown" when the connection ends."""
+    if frame is _EOF:
+        return "eof"
+    if isinstance(frame, Shutdown):
+        return "shutdown"
+    if isinstance(frame, Submit):
+        try:
+            errors, done = engine.submit(frame.entries)
+        except ProtocolError as exc:
+            conn.fatal(f"protocol error: {exc}")
+            return "eof"
+        if errors:
+            conn.send(ReqError(errors))
+        if done:
+            conn.send(Step(engine.step_no, done))
+    elif isinstance(frame, Abort):
+        entries = engine.abort(frame.rids)
+        if entries:
+            conn.send(Step(engine.step_no, entries))
+    elif isinstance(frame, StatsReq):
+        conn.send(Stats(frame.nonce, _stats(engine)))
+    elif isinstance(frame, Flush):
+        ok, message = engine.flush()
+        conn.send(FlushReply(frame.nonce, ok, message))
+    return None
+
+
+def _step(engine: Engine, conn: _Connection) -> None:
+    try:
+        entries = engine.step()
+    except Exception:
+        # Ours, not the frontend's: fail what is live, keep serving.
+        log.exception("step %d failed; failing every live request", engine.step_no)
+        aborted = engine.abort_all("internal error")
+        errs = [
+            (e.rid, "internal", "the worker failed while running this request") for e in aborted
+        ]
+        if errs:
+            conn.send(ReqError(errs))
+        return
+    if entries:
+        conn.send(Step(engine.step_no, entries))
+
+
+def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
+    """Serve one frontend; True when it asked the worker to shut down."""
+    conn = _Connection(sock)
+    inbox: queue.Queue[Any] = queue.Queue()
+    conn.send(_hello(engine))
+    threading.Thread(
+        target=_receive, args=(conn, inbox, engine), daemon=True, name="receiver"
+    ).start()
+    end = None
+    while end is None:
+        if not engine.has_work:
+            problems = engine.check()
+            if problems:
+                log.error("integrity check failed: %s", problems[:8])
+            end = _handle(engine, conn, inbox.get())
+        while end is None:
+            try:
+                end = _handle(engine, conn, inbox.get_nowait())
+            except queue.Empty:
+                break
+        if end is None and engine.has_work:
+            _step(engine, conn)
+    entries: list[StepEntry] = engine.abort_all(
+        "worker shutting down" if end == "shutdown" else "connection lost"
+    )
+    if end == "shutdown" and entries:
+        conn.send(Step(engine.step_no, entries))
+    conn.close()
+    return end == "shutdown"
+
+
+def _listen(address: str) -> socket.socket:
+    kind, _, rest = address.partition(":")
+    if kind == "unix":
+        if os.path.exists(rest):
+            os.unlink(rest)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(rest)
+    elif kind == "tcp":
+        host, _, port = rest.rpartition(":")
+        s = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False)
+    else:
+        raise ValueError(f"listen address must be unix:PATH or tcp:HOST:PORT, got {address!r}")
+    s.listen(1)
+    return s
+
+
+def serve(engine: Engine, listener: socket.socket) -> int:
+    while True:
+        sock, _ = listener.accept()
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if _serve_connection(engine, sock):
+            return 0
+
+
+def _parse(argv: list[str] | None) -> WorkerConfig:
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(prog="python -m gpu.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--model", dest="model_path", default=d.model_path)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--listen", default=d.listen)
+    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
+    p.add_argument("--kv-memory-mib", type=int, default=d.kv_memory_mib)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-running", type=int, default=d.max_running)
+    p.add_argument("--max-pending", type=int, default=d.max_pending)
+    p.add_argument("--step-tokens", type=int, default=d.step_tokens)
+    p.add_argument("--threads", type=int, default=d.threads)
+    return WorkerConfig(**vars(p.parse_args(argv)))
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    if config.threads:
+        # On a CPU shared with other busy processes, one thread avoids stalls at every
+        # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
+        torch.set_num_threads(config.threads)
+    lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
+    mc = lm.config
+    elem = lm.model.embed.element_size()
+    blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
+    return Engine(
+        lm,
+        EngineConfig(
+            blocks, config.block_size, config.max_running, config.max_pending, config.step_tokens
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    config = _parse(argv)
+    engine = build_engine(config)
+    listener = _listen(config.listen)
+    log.info(
+        "listening on %s (%d KV blocks of %d)",
+        config.listen,
+        engine.config.kv_blocks,
+        config.block_size,
+    )
+    try:
+        return serve(engine, listener)
+    finally:
+        listener.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The SGLang-native HTTP API (reference/sglang.md §1.1, §4, §5): handlers on the transport.
+
+Shapes follow SGLang: unary errors are ``{"error": {"message": ...}}`` with the status;
+once stream headers are out an error is an event ``{"error": {message, type, code,
+retryable}}`` followed by ``[DONE]``; a stream never ends early without one. Streams are
+cumulative by default (``text``/``output_ids`` so far, as bench_serving expects) and
+incremental with ``--incremental-streaming-output`` or ``"incremental_streaming_output":
+true`` in the request body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import orjson
+
+from lifecycle.errors import RequestError
+from lifecycle.frontend import Frontend, GenerateCall, ServeError
+from lifecycle.params import parse_generate
+from lifecycle.states import Cause
+from lifecycle.supervisor import generate_probe
+from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
+
+__all__ = ["NativeAPI", "error_response"]
+
+log = logging.getLogger("lifecycle.api")
+
+HEALTH_PROBE_TIMEOUT = 20.0
+
+
+def error_response(status: int, message: str, retry_after: int | None = None) -> Response:
+    headers = [("retry-after", str(retry_after))] if retry_after else None
+    return JSONResponse({"error": {"message": message}}, status, headers)
+
+
+def _serve_error(exc: ServeError) -> Response:
+    return error_response(exc.cause.status, exc.message, exc.cause.retry_after)
+
+
+def _gone_cause(request: Request) -> tuple[Cause, str]:
+    reason = request.disconnect_reason
+    if reason == "send_stall":
+        return Cause.CLIENT_STALLED, "the client stopped reading"
+    if reason == "shutdown":
+        return Cause.INTERNAL, "server shutdown"
+    if request.disconnected.is_set():
+        return Cause.CLIENT_GONE, "client disconnected"
+    return Cause.INTERNAL, "handler ended early"
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    await request.disconnected.wait()
+    scope.cancel()
+
+
+async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
+    yield orjson.dumps(cause.body(message))
+    yield b"[DONE]"
+
+
+class NativeAPI:
+    def __init__(self, frontend: Frontend, server_args: dict[str, Any]) -> None:
+        self.fe = frontend
+        self.server_args = server_args
+        self.calls: dict[int, tuple[GenerateCall, Any]] = {}  # record id -> (call, run)
+
+    def install(self, router: Router) -> None:
+        router.add(["POST", "PUT"], "/generate", self.generate)
+        router.add("GET", "/health", self.health)
+        router.add("GET", "/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            router.add("GET", path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            router.add("GET", path, self.server_info)
+        router.add("POST", "/abort_request", self.abort_request)
+        router.add(["GET", "POST"], "/flush_cache", self.flush_cache)
+        for prefix in ("", "/v1"):
+            router.add("POST", prefix + "/tokenize", self.tokenize)
+            router.add("POST", prefix + "/detokenize", self.detokenize)
+
+    # -- /generate -------------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        stream = isinstance(body, dict) and body.get("stream") is True
+        # Ours, not SGLang's: taken out before SGLang's validation sees the body.
+        per_request = body.pop("incremental_streaming_output", None) if stream else None
+        try:
+            req = parse_generate(body, vocab_size=self.fe.model_config.vocab_size)
+        except RequestError as exc:
+            if stream:
+                return SSEResponse(_error_events(exc.message, Cause.INVALID))
+            return error_response(exc.status, exc.message)
+        incremental = self.fe.config.incremental_streaming_output or per_request is True
+        call = self.fe.generate(req)
+        try:
+            await call.start()
+        except RequestError as exc:
+            call.close(Cause.INVALID, exc.message)
+            if req.stream:
+                return SSEResponse(_error_events(exc.message, Cause.INVALID))
+            return error_response(exc.status, exc.message)
+        except ServeError as exc:
+            call.close(exc.cause, exc.message)
+            return _serve_error(exc)
+        except BaseException:
+            call.close(*_gone_cause(request))
+            raise
+        self._track(call)
+        if req.stream:
+            return SSEResponse(self._stream(call, request, incremental))
+        return await self._unary(call, request)
+
+    def _track(self, call: GenerateCall) -> None:
+        for run in call.runs:
+            self.calls[run.rec.id] = (call, run)
+
+    def _untrack(self, call: GenerateCall) -> None:
+        for run in call.runs:
+            self.calls.pop(run.rec.id, None)
+
+    async def _unary(self, call: GenerateCall, request: Request) -> Response:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+                await call.run_to_end()
+                tg.cancel_scope.cancel()
+            if not call.done:
+                call.close(*_gone_cause(request))
+                return Response(b"", 499)
+            err = call.error()
+            if err is not None:
+                cause, message = err
+                return error_response(cause.status, message, cause.retry_after)
+            results = [s.result(call.e2e()) for s in call.samples()]
+            multi = call.req.is_batch or len(results) > 1
+            return JSONResponse(results if multi else results[0])
+        finally:
+            call.close(*_gone_cause(request))
+            self._untrack(call)
+
+    async def _stream(
+        self, call: GenerateCall, request: Request, incremental: bool
+    ) -> AsyncIterator[bytes]:
+        multi = call.req.is_batch or len(call.samples()) > 1
+        try:
+            async for index, _sample, frame in call.frames(incremental):
+                if multi:
+                    frame["index"] = index
+                yield orjson.dumps(frame)
+            err = call.error()
+            if err is not None:
+                cause, message = err
+                yield orjson.dumps(cause.body(message))
+            call.close()
+            yield b"[DONE]"
+        finally:
+            call.close(*_gone_cause(request))
+            self._untrack(call)
+
+    # -- health ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if not self.fe.supervisor.ready:
+            return error_response(503, f"not ready ({self.fe.supervisor.status})", 5)
+        return Response(b"")
+
+    async def health_generate(self, request: Request) -> Response:
+        try:
+            client = self.fe.ready_client()
+        except ServeError as exc:
+            return _serve_error(exc)
+        ok, detail = False, "timed out"
+        with anyio.move_on_after(HEALTH_PROBE_TIMEOUT):
+            ok, detail = await generate_probe(client)
+        if not ok:
+            log.error("health probe failed: %s", detail)
+            return error_response(503, f"health probe failed: {detail}", 5)
+        return Response(b"")
+
+    # -- info --------------------------------------------------------------------------------
+    async def model_info(self, request: Request) -> Response:
+        cfg = self.fe.model_config
+        path = self.server_args.get("model_path")
+        return JSONResponse(
+            {
+                "model_path": path,
+                "tokenizer_path": path,
+                "served_model_name": self.server_args.get("served_model_name") or cfg.name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "model_type": getattr(cfg, "arch", None),
+                "architectures": [getattr(cfg, "arch", "llama")],
+                "max_model_len": cfg.context_length,
+                "vocab_size": cfg.vocab_size,
+            }
+        )
+
+    async def server_info(self, request: Request) -> Response:
+        fe, sup = self.fe, self.fe.supervisor
+        state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
+        client = sup.client
+        if client is not None:
+            try:
+                load = await client.stats(timeout=2.0)
+                state.update(
+                    {
+                        k: load.get(k)
+                        for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
+                    }
+                )
+                state["worker_load"] = load
+            except (TimeoutError, ConnectionError) as exc:
+                state["stats_error"] = str(exc) or type(exc).__name__
+            state.update(
+                in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
+            )
+        return JSONResponse(
+            {
+                **self.server_args,
+                "version": _version(),
+                "status": sup.status,
+                "live_requests": len(fe.registry),
+                "tombstones": fe.registry.tombstones,
+                "requests_by_state": fe.registry.counts_by_state(),
+                "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
+                "finished_requests": fe.finished,
+                "failed_requests": dict(fe.failed),
+                "internal_states": [state],
+            }
+        )
+
+    # -- control -----------------------------------------------------------------------------
+    async def abort_request(self, request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object")
+        rid, abort_all = body.get("rid"), body.get("abort_all") is True
+        targets = list(self.calls.values())
+        if not abort_all:
+            if not isinstance(rid, str) or not rid:
+                return Response(b"")  # SGLang ignores an empty rid without abort_all
+            rec = self.fe.registry.by_client_rid(rid)
+            targets = [self.calls[rec.id]] if rec is not None and rec.id in self.calls else []
+        for call, run in targets:
+            if call.client is not None and run.rids:
+                call.client.abort(run.rids, message="Abort by the /abort_request API")
+        return Response(b"")
+
+    async def flush_cache(self, request: Request) -> Response:
+        try:
+            client = self.fe.ready_client()
+            ok, message = await client.flush()
+        except ServeError as exc:
+            return _serve_error(exc)
+        except (TimeoutError, ConnectionError) as exc:
+            return error_response(503, f"flush failed: {exc}")
+        if not ok:
+            return error_response(400, message)
+        return Response(f"Cache flushed.\n{message}\n".encode())
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        add_special = body.get("add_special_tokens", True) if isinstance(body, dict) else True
+        single = isinstance(prompt, str)
+        if not (single or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))):
+            raise HTTPError(
+                400, {"error": {"message": "prompt must be a string or a list of strings"}}
+            )
+        if not isinstance(add_special, bool):
+            raise HTTPError(400, {"error": {"message": "add_special_tokens must be a boolean"}})
+        ids = await self.fe.codec.encode([prompt] if single else prompt, add_special)
+        ctx = self.fe.model_config.context_length
+        if single:
+            return JSONResponse({"tokens": ids[0], "count": len(ids[0]), "max_model_len": ctx})
+        return JSONResponse({"tokens": ids, "count": [len(t) for t in ids], "max_model_len": ctx})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await request.json()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.fe.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < vocab for t in tokens
+        ):
+            raise HTTPError(
+                400, {"error": {"message": f"tokens must be a list of integers in [0, {vocab})"}}
+            )
+        skip = body.get("skip_special_tokens", True) is not False
+        return JSONResponse({"prompt": self.fe.codec.decode(tokens, skip)})
+
+
+def _version() -> str:
+    from lifecycle import __version__
+
+    return __version__

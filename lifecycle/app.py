@@ -1,0 +1,135 @@
+"""Wiring: router + HTTP server + supervised worker + frontend, in one task group.
+
+The listener binds early; ``/health`` answers 503 and generation requests get 503 until
+the worker said HELLO and one warm-up generation came back (``Supervisor``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from lifecycle.api_native import NativeAPI
+from lifecycle.frontend import Frontend, FrontendConfig
+from lifecycle.supervisor import Supervisor, SupervisorConfig
+from transport import Router, Server, ServerConfig
+
+__all__ = ["App", "AppConfig", "serve_app", "worker_args"]
+
+log = logging.getLogger("lifecycle.app")
+
+
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model: str | None = None  # GGUF path; None: the bundled SmolLM2
+    served_model_name: str | None = None
+    worker: str | None = None  # address of a worker started elsewhere; None: spawn one
+    worker_module: str = "gpu.worker"
+    worker_extra_args: tuple[str, ...] = ()
+    device: str | None = None
+    dtype: str | None = None
+    max_pending: int | None = None  # worker credits (rids in flight)
+    max_running: int | None = None
+    kv_cache_tokens: int | None = None
+    max_queued: int = 1024  # admission bound in the frontend
+    incremental_streaming_output: bool = False
+    send_timeout: float = 30.0
+    hung_timeout: float = 60.0
+    warmup: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def worker_args(cfg: AppConfig) -> tuple[str, ...]:
+    """The ``gpu.worker`` command-line options this configuration implies."""
+    args: list[str] = []
+    options: list[tuple[str, Any]] = [
+        ("--max-pending", cfg.max_pending),
+        ("--max-running", cfg.max_running),
+    ]
+    if cfg.worker_module == "gpu.worker":  # the scripted worker loads no model
+        options += [
+            ("--model", cfg.model),
+            ("--device", cfg.device),
+            ("--dtype", cfg.dtype),
+            ("--kv-cache-tokens", cfg.kv_cache_tokens),
+        ]
+    for flag, value in options:
+        if value is not None:
+            args += [flag, str(value)]
+    return (*args, *cfg.worker_extra_args)
+
+
+@dataclass(slots=True)
+class App:
+    config: AppConfig
+    server: Server
+    supervisor: Supervisor
+    frontend: Frontend
+    api: NativeAPI
+
+    @property
+    def port(self) -> int:
+        bound = self.server.bound
+        return bound[0][1] if isinstance(bound, list) and bound else 0
+
+
+def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
+    from gpu.gguf_file import default_model_path
+    from gpu.loader import load_tokenizer
+
+    path = str(model or default_model_path())
+    tokenizer, _chat, model_config = load_tokenizer(path)
+    return tokenizer, model_config, path
+
+
+async def serve_app(
+    cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Run everything until cancelled; ``task_status.started(App)`` once listening."""
+    supervisor = Supervisor(
+        SupervisorConfig(
+            worker=cfg.worker,
+            worker_module=cfg.worker_module,
+            worker_args=worker_args(cfg),
+            hung_timeout=cfg.hung_timeout,
+            warmup=cfg.warmup,
+        )
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
+        try:
+            tokenizer, model_config, path = await anyio.to_thread.run_sync(
+                _load_tokenizer, cfg.model
+            )
+            frontend = Frontend(
+                supervisor,
+                tokenizer,
+                model_config,
+                FrontendConfig(
+                    max_queued=cfg.max_queued,
+                    incremental_streaming_output=cfg.incremental_streaming_output,
+                ),
+            )
+            server_args = {k: v for k, v in asdict(cfg).items() if k != "extra"}
+            server_args.update(cfg.extra, model_path=path)
+            api = NativeAPI(frontend, server_args)
+            router = Router()
+            api.install(router)
+            server = Server(
+                router, ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout)
+            )
+            await tg.start(server.serve)
+            app = App(cfg, server, supervisor, frontend, api)
+            log.info("listening on http://%s:%d", cfg.host, app.port)
+            task_status.started(app)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await supervisor.stop()
+            tg.cancel_scope.cancel()

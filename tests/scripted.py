@@ -1,0 +1,77 @@
+"""Helpers to run the scripted worker (``lifecycle.scripted_worker``) as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scripted_worker_argv(address: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "lifecycle.scripted_worker", "--listen", address, *args]
+
+
+@contextmanager
+def scripted_worker(*args: str) -> Iterator[str]:
+    """Start a scripted worker on a Unix socket; yields its address."""
+    with tempfile.TemporaryDirectory(prefix="lc-sw-") as tmp:
+        path = os.path.join(tmp, "w.sock")
+        proc = subprocess.Popen(scripted_worker_argv(f"unix:{path}", *args), cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(path):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("scripted worker did not start")
+                time.sleep(0.02)
+            yield f"unix:{path}"
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
+    """``python -m lifecycle serve`` as a real process; yields its base URL."""
+    import httpx
+
+    port = free_port()
+    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready")
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+                if r.status_code == 200 or not wait_ready:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

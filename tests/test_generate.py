@@ -1,0 +1,44 @@
+"""The offline ``generate`` command, on tiny GGUF files."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from gpu.generate import run_generate
+from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_cli_prints_a_continuation(tiny_gguf: TinyModel) -> None:
+    cmd = [sys.executable, "-m", "lifecycle", "generate", "hello", "--chat", "--model", str(tiny_gguf.path),
+           "--max-new-tokens", "6", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n") and len(done.stdout) > 1
+
+
+def test_same_prompt_same_output(tiny_gguf: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_generate("hello world", model=str(tiny_gguf.path), max_new_tokens=5) == 0
+    first = capsys.readouterr().out
+    assert run_generate("hello world", model=str(tiny_gguf.path), max_new_tokens=5) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_bad_file_is_one_line_and_exit_1(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "missing.gguf"
+    assert run_generate("hi", model=str(path)) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {path}: file not found\n"
+
+
+def test_chat_without_template(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = write_tiny_gguf(tmp_path / "notpl.gguf", TinySpec(chat_template=None))
+    assert run_generate("hi", model=str(tiny.path), chat=True) == 1
+    assert "has no chat template" in capsys.readouterr().err

@@ -1,0 +1,260 @@
+"""The engine in memory on a tiny GGUF: paged cache, scheduler, sampling, logprobs.
+
+The oracle for "run alone" is the model branch's contiguous ``DenseKVCache``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from gpu.dense_cache import DenseKVCache
+from gpu.engine import Engine, EngineConfig, ProtocolError
+from gpu.kv_cache import BlockManager
+from gpu.loader import LoadedModel, load_model
+from tests.tiny_gguf import TinyModel
+from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_gguf: TinyModel) -> LoadedModel:
+    return load_model(tiny_gguf.path, device="cpu")
+
+
+def dense_greedy(
+    lm: LoadedModel, prompt: list[int], n: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    cache = DenseKVCache(lm.config, 1, len(prompt) + n)
+    out: list[int] = []
+    rows = []
+    ids = prompt
+    with torch.inference_mode():
+        for _ in range(n):
+            pos = cache.positions([0], [len(ids)])
+            cache.prepare([0], [len(ids)])
+            logits = lm.model(torch.tensor(ids), pos, cache)
+            rows.append(logits)
+            out.append(int(logits[-1].argmax()))
+            ids = [out[-1]]
+    return out, rows
+
+
+def run(
+    engine: Engine, reqs: list[tuple[int, list[int], dict, dict]]
+) -> dict[int, list[StepEntry]]:
+    errors, done = engine.submit([SubmitEntry(r, pack_ids(p), s, o) for r, p, s, o in reqs])
+    assert not errors, errors
+    got: dict[int, list[StepEntry]] = {}
+    for e in done:
+        got.setdefault(e.rid, []).append(e)
+    for _ in range(10_000):
+        if not engine.has_work:
+            break
+        for e in engine.step():
+            got.setdefault(e.rid, []).append(e)
+    assert not engine.check(), engine.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    return got
+
+
+def ids_of(entries: list[StepEntry]) -> list[int]:
+    assert entries[-1].finish is not None and all(e.finish is None for e in entries[:-1])
+    return [t for e in entries for t in ids_to_list(e.new_ids)]
+
+
+def prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_block_manager_prefix_sharing_lru_and_integrity() -> None:
+    bm = BlockManager(4, 2)
+    a = bm.allocate(2)
+    h0 = bm.register(a[0], None, [1, 2])
+    bm.register(a[1], h0, [3, 4])
+    blocks, hashes = bm.match_prefix([1, 2, 3, 4, 5], 2)
+    assert blocks == a and bm.ref[a[0]] == 2 and len(hashes) == 2
+    assert bm.match_prefix([1, 9, 3, 4], 2) == ([], [])  # chained: a different first block misses
+    assert bm.check([a, blocks]) == []
+    bm.release(blocks)
+    bm.release(a)
+    assert bm.num_cached == 2 and bm.num_free == 4 and bm.check([]) == []
+    fresh = bm.allocate(3)  # two free, then the LRU cached block is evicted
+    assert a[0] in fresh and a[1] not in fresh
+    assert bm.match_prefix([1, 2, 3, 4], 2) == ([], [])
+    assert "refcount" in " ".join(bm.check([]))
+    with pytest.raises(ValueError):
+        bm.release([a[1], a[1]])
+
+
+@pytest.mark.parametrize(("step_tokens", "block_size"), [(512, 16), (7, 4)])
+def test_batch_equals_alone_across_chunks_and_blocks(
+    lm: LoadedModel, step_tokens: int, block_size: int
+) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=400, block_size=block_size, step_tokens=step_tokens))
+    ps = prompts(12, lm.config.vocab_size)
+    got = run(engine, [(i, p, {**GREEDY, "max_new_tokens": 8}, {}) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert ids_of(got[i]) == dense_greedy(lm, p, 8)[0], i
+        assert got[i][0].extra["prompt_tokens"] == len(p) and got[i][-1].finish == ["length", 8]
+
+
+def test_tiny_kv_budget_preempts_and_every_request_completes(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=24, block_size=4, step_tokens=64))
+    ps = prompts(10, lm.config.vocab_size, seed=3, lo=10, hi=30)
+    got = run(engine, [(i, p, {**GREEDY, "max_new_tokens": 40}, {}) for i, p in enumerate(ps)])
+    retractions = [got[i][-1].extra["num_retractions"] for i in range(10)]
+    assert sum(retractions) > 0
+    for i, p in enumerate(ps):
+        assert ids_of(got[i]) == dense_greedy(lm, p, 40)[0], i
+
+
+def test_unfittable_refused_and_duplicate_rid_is_a_protocol_error(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=8, block_size=4))
+    errors, _ = engine.submit([SubmitEntry(1, pack_ids([5] * 20), {"max_new_tokens": 13}, {})])
+    assert errors and errors[0][1] == "too_long" and "32 tokens" in errors[0][2]
+    assert engine.submit([SubmitEntry(2, pack_ids([5] * 20), {"max_new_tokens": 12}, {})]) == (
+        [],
+        [],
+    )
+    with pytest.raises(ProtocolError):
+        engine.submit([SubmitEntry(2, pack_ids([5]), {}, {})])
+
+
+def test_abort_waiting_and_running_frees_blocks_at_once(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4, max_running=1))
+    engine.submit(
+        [
+            SubmitEntry(r, pack_ids([5 + r] * 9), {**GREEDY, "max_new_tokens": 30}, {})
+            for r in (1, 2)
+        ]
+    )
+    engine.step()
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 1
+    out = engine.abort([2, 1, 77])
+    assert [(e.rid, e.finish[0]) for e in out] == [(2, "abort"), (1, "abort")]
+    assert engine.blocks.num_free == 64 and not engine.check() and not engine.has_work
+
+
+def test_n_forks_share_the_prompt_blocks(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
+    p = prompts(1, lm.config.vocab_size, seed=9, lo=10, hi=11)[0]
+    engine.submit([SubmitEntry(10, pack_ids(p), {**GREEDY, "max_new_tokens": 5, "n": 3}, {})])
+    first = engine.step()
+    assert sorted(e.rid for e in first) == [10, 11, 12]
+    full = engine.scheduler.running[0].block_table[: len(p) // 4]
+    assert all(engine.blocks.ref[b] == 3 for b in full)
+    got = run(engine, [])
+    want = dense_greedy(lm, p, 5)[0]
+    for rid in (10, 11, 12):
+        assert (
+            ids_to_list(next(e for e in first if e.rid == rid).new_ids) + ids_of(got[rid]) == want
+        )
+
+
+def test_seeded_sampling_is_independent_of_the_batch(lm: LoadedModel) -> None:
+    s = {
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "max_new_tokens": 12,
+        "ignore_eos": True,
+    }
+    p = prompts(1, lm.config.vocab_size, seed=4)[0]
+    alone = ids_of(run(Engine(lm, EngineConfig(kv_blocks=200, block_size=4)), [(1, p, s, {})])[1])
+    others = [
+        (10 + i, q, {"temperature": 0.7, "max_new_tokens": 9}, {})
+        for i, q in enumerate(prompts(6, 200))
+    ]
+    mixed = run(Engine(lm, EngineConfig(kv_blocks=200, block_size=4)), [*others, (1, p, s, {})])
+    assert ids_of(mixed[1]) == alone
+    other = run(
+        Engine(lm, EngineConfig(kv_blocks=200, block_size=4)), [(1, p, {**s, "seed": 99}, {})]
+    )
+    assert ids_of(other[1]) != alone
+
+
+def test_stop_token_ids_stop_strings_and_bias(lm: LoadedModel) -> None:
+    p = prompts(1, lm.config.vocab_size, seed=5)[0]
+    want = dense_greedy(lm, p, 10)[0]
+    engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4))
+    stop_id = want[3]
+    cut = want.index(stop_id) + 1
+    got = run(engine, [(1, p, {**GREEDY, "max_new_tokens": 10, "stop_token_ids": [stop_id]}, {})])
+    assert ids_of(got[1]) == want[:cut] and got[1][-1].finish == ["stop", stop_id]
+    text = lm.tokenizer.decode(want)
+    stop = text[len(lm.tokenizer.decode(want[:2])) :][:3]
+    if stop.strip() and "\ufffd" not in stop:
+        got = run(engine, [(2, p, {**GREEDY, "max_new_tokens": 10, "stop": [stop]}, {})])
+        ids = ids_of(got[2])
+        assert got[2][-1].finish == ["stop", stop] and stop in lm.tokenizer.decode(ids)
+        assert stop not in lm.tokenizer.decode(ids[:-1]) and ids == want[: len(ids)]
+    forced = 7
+    got = run(engine, [(3, p, {**GREEDY, "max_new_tokens": 3, "logit_bias": {forced: 1e4}}, {})])
+    assert ids_of(got[3]) == [forced] * 3
+
+
+def test_logprobs_match_the_dense_oracle(lm: LoadedModel) -> None:
+    p = prompts(1, lm.config.vocab_size, seed=6, lo=20, hi=21)[0]
+    want, rows = dense_greedy(lm, p, 4)
+    engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4, step_tokens=8))
+    opts = {
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [5, 6],
+    }
+    got = run(engine, [(1, p, {**GREEDY, "max_new_tokens": 4}, opts)])[1]
+    assert ids_of(got) == want
+    prompt_lp = torch.log_softmax(rows[0], dim=-1)
+    first = got[0].extra
+    plp = f32s_to_list(first["prompt_logprobs"])
+    assert len(plp) == len(p) and math.isnan(plp[0])
+    expect = [float(prompt_lp[j - 1, p[j]]) for j in range(1, len(p))]
+    assert plp[1:] == pytest.approx(expect, abs=1e-4)
+    assert len(first["prompt_top_ids"]) == len(p) and len(first["prompt_ids_logprobs"]) == len(p)
+    for k, e in enumerate(got):
+        lp = torch.log_softmax(rows[k][-1], dim=-1)
+        assert f32s_to_list(e.extra["logprobs"])[0] == pytest.approx(float(lp[want[k]]), abs=1e-4)
+        assert ids_to_list(e.extra["top_ids"][0])[0] == want[k]
+        assert f32s_to_list(e.extra["ids_logprobs"][0]) == pytest.approx(
+            [float(lp[5]), float(lp[6])], abs=1e-4
+        )
+
+
+def test_prefix_cache_hit_gives_identical_output(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4))
+    p = prompts(1, lm.config.vocab_size, seed=7, lo=30, hi=31)[0]
+    a = run(engine, [(1, p, {**GREEDY, "max_new_tokens": 6}, {})])[1]
+    b = run(engine, [(2, p + [9, 9], {**GREEDY, "max_new_tokens": 6}, {})])[2]
+    assert a[0].extra["cached_tokens"] == 0 and b[0].extra["cached_tokens"] == 28
+    assert ids_of(b) == dense_greedy(lm, p + [9, 9], 6)[0]
+
+
+def test_hidden_states_per_new_token(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
+    got = run(
+        engine, [(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 3}, {"return_hidden_states": True})]
+    )[1]
+    assert len(got) == 3
+    for e in got:
+        (h,) = e.extra["hidden_states"]
+        assert len(f32s_to_list(h)) == lm.config.hidden
+
+
+def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4))
+    s = {"temperature": 1.0, "seed": 5, "max_new_tokens": 6, "ignore_eos": True, "n": 3}
+    engine.submit([SubmitEntry(20, pack_ids([5, 6, 7, 8, 9]), s, {})])
+    out = engine.abort([21])  # before the fork: the reserved rid ends at once
+    assert [(e.rid, e.finish[0]) for e in out] == [(21, "abort")]
+    got = run(engine, [])
+    assert sorted(got) == [20, 22]
+    assert all(len(ids_of(v)) == 6 for v in got.values())
+    assert ids_of(got[20]) != ids_of(got[22])  # seeds seed and seed + 2

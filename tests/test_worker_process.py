@@ -1,0 +1,158 @@
+"""The real worker process over its Unix socket, on the default model."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.worker_client import WorkerClient, spawn_worker
+from wire import Abort, Flush, FlushReply, Probe, ProbeReply, Stats, StatsReq, Step
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
+    path = str(tmp_path_factory.mktemp("wk") / "w.sock")
+    proc = spawn_worker(path, "--kv-memory-mib", "256")
+    try:
+        client = WorkerClient(path, timeout=300)
+        yield client
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [1] + [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(n)
+    ]
+
+
+_rid = iter(range(1, 1 << 30))
+
+
+def _run(c: WorkerClient, prompt: list[int], sampling: dict, options: dict | None = None):
+    rid = next(_rid)
+    c.submit(rid, prompt, sampling, options)
+    return c.wait([rid])[rid]
+
+
+def _idle_sound(c: WorkerClient) -> dict:
+    load = c.request(StatsReq(next(_rid)), Stats).load
+    assert load["integrity_ok"], load
+    assert load["kv_blocks_free"] == load["kv_blocks_total"], load
+    assert load["running"] == load["waiting"] == 0
+    return load
+
+
+def test_hello_describes_model_and_capacity(worker: WorkerClient) -> None:
+    h = worker.hello
+    assert h.model["vocab_size"] == 49152 and h.model["device"] == "cpu"
+    assert h.capacity["block_size"] == 16 and h.capacity["max_pending"] >= 64
+    reply = worker.request(Probe(7), ProbeReply)
+    assert reply.nonce == 7 and reply.load["kv_blocks_total"] == h.capacity["kv_blocks"]
+
+
+def test_concurrent_greedy_equals_alone(worker: WorkerClient) -> None:
+    prompts = _prompts(64)
+    sampling = {**GREEDY, "max_new_tokens": 6}
+    alone = {i: _run(worker, prompts[i], sampling).ids for i in range(0, 64, 8)}
+    base = next(_rid) + 1000
+    for _ in range(1100):
+        next(_rid)
+    worker.submit_many([(base + i, p, sampling, {}) for i, p in enumerate(prompts)])
+    got = worker.wait([base + i for i in range(64)])
+    for i, ids in alone.items():
+        assert got[base + i].ids == ids, f"prompt {i}"
+    assert all(r.finish == ["length", 6] and len(r.ids) == 6 for r in got.values())
+    _idle_sound(worker)
+
+
+def test_abort_queued_mid_prefill_and_mid_decode_frees_everything(worker: WorkerClient) -> None:
+    long_prompt = [1] + [500 + i % 7000 for i in range(1500)]  # three prefill chunks
+    a, b, c = next(_rid), next(_rid), next(_rid)
+    worker.submit_many(
+        [
+            (a, long_prompt, {**GREEDY, "max_new_tokens": 50}, {}),
+            (b, _prompts(1, 5)[0], {**GREEDY, "max_new_tokens": 500}, {}),
+        ]
+    )
+    worker.send(Abort([a]))  # queued or mid-prefill
+    worker.wait([a])
+    assert worker.results[a].finish[0] == "abort"
+    worker.wait([b], until=lambda f: isinstance(f, Step) and len(worker.results[b].ids) >= 3)
+    worker.send(Abort([b]))  # mid-decode
+    worker.submit(c, long_prompt, {**GREEDY, "max_new_tokens": 3})
+    worker.wait([b])
+    assert (
+        worker.results[b].finish[0] == "abort"
+        and worker.results[b].extras[-1]["num_retractions"] == 0
+    )
+    worker.wait([c], until=lambda f: isinstance(f, Step))
+    worker.send(Abort([c, 999_999_999]))  # unknown rids are ignored
+    worker.wait([c])
+    _idle_sound(worker)
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_same_output(worker: WorkerClient) -> None:
+    worker.request(Flush(next(_rid)), FlushReply)
+    prompt = [1] + [700 + i for i in range(100)]
+    first = _run(worker, prompt, {**GREEDY, "max_new_tokens": 8})
+    second = _run(worker, prompt, {**GREEDY, "max_new_tokens": 8})
+    assert first.extras[0]["cached_tokens"] == 0
+    assert second.extras[0]["cached_tokens"] == 96  # 6 full blocks; the last token is recomputed
+    assert second.ids == first.ids
+    load = _idle_sound(worker)
+    assert load["kv_blocks_cached"] > 0
+    worker.request(Flush(next(_rid)), FlushReply)
+    assert _idle_sound(worker)["kv_blocks_cached"] == 0
+
+
+def test_unfittable_request_is_refused_at_once(worker: WorkerClient) -> None:
+    r = _run(worker, [1, 2, 3], {"max_new_tokens": 10_000_000})
+    assert r.error is not None and r.error[0] == "too_long" and "exceeds" in r.error[1]
+    r = _run(worker, [5] * 9000, {"max_new_tokens": 1})
+    assert r.error[0] == "too_long"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "options"),
+    [
+        ({"top_p": -1}, {}),
+        ({"temperature": "hot"}, {}),
+        ({"top_k": 0}, {}),
+        ({"logit_bias": {10**9: 1.0}}, {}),
+        ({"stop_token_ids": [-4]}, {}),
+        ({"max_new_tokens": 2, "min_new_tokens": 3}, {}),
+        ({}, {"token_ids_logprob": b"\x01\x02\x03"}),
+        ({}, {"token_ids_logprob": [49152]}),
+        ({}, {"top_logprobs_num": -1}),
+        ({"n": 0}, {}),
+    ],
+)
+def test_malformed_fields_fail_only_their_request(
+    worker: WorkerClient, sampling: dict, options: dict
+) -> None:
+    good, bad = next(_rid), next(_rid)
+    worker.submit_many(
+        [
+            (good, [1, 2, 3, 4], {**GREEDY, "max_new_tokens": 3}, {}),
+            (bad, [1, 2], sampling, options),
+        ]
+    )
+    res = worker.wait([good, bad])
+    assert res[bad].error is not None and res[bad].error[0] == "invalid", res[bad]
+    assert res[good].finish == ["length", 3]
+
+
+def test_bad_prompt_ids_are_invalid(worker: WorkerClient) -> None:
+    assert _run(worker, [1, 49152], {}).error[0] == "invalid"
+    assert _run(worker, [-1], {}).error[0] == "invalid"
+    assert _run(worker, [], {}).error[0] == "invalid"

@@ -1,0 +1,121 @@
+"""The batched sampler and parameter validation on hand-made logits (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu.sampling import SampleRow, SamplingParams, parse_request, sample
+
+V = 50
+
+
+def row(
+    output: tuple[int, ...] = (), prompt: tuple[int, ...] = (), seed: int | None = 0, **kw
+) -> SampleRow:
+    g = torch.Generator().manual_seed(seed if seed is not None else 0)
+    return SampleRow(SamplingParams(**kw), list(prompt), list(output), g, eog_ids=(2,))
+
+
+def logits_with_peak(peak: int, second: int | None = None) -> torch.Tensor:
+    x = torch.zeros(1, V)
+    x[0, peak] = 10.0
+    if second is not None:
+        x[0, second] = 9.0
+    return x
+
+
+def test_greedy_forms_pick_the_argmax() -> None:
+    x = logits_with_peak(7, 8)
+    for kw in ({"temperature": 0.0}, {"top_k": 1}, {"temperature": 1e-7}):
+        assert sample(x, [row(**kw)]).tokens == [7]
+
+
+def test_min_new_tokens_masks_eog_until_reached() -> None:
+    x = logits_with_peak(2, 9)
+    assert sample(
+        x, [row(temperature=0.0, min_new_tokens=2, max_new_tokens=5, output=(4,))]
+    ).tokens == [9]
+    assert sample(
+        x, [row(temperature=0.0, min_new_tokens=2, max_new_tokens=5, output=(4, 4))]
+    ).tokens == [2]
+
+
+def test_penalties_follow_vllm_semantics() -> None:
+    x = logits_with_peak(7, 8)
+    assert sample(x, [row(temperature=0.0, repetition_penalty=2.0, prompt=(7,))]).tokens == [
+        8
+    ]  # 10/2 < 9
+    assert sample(x, [row(temperature=0.0, presence_penalty=1.5, output=(7,))]).tokens == [8]
+    assert sample(x, [row(temperature=0.0, frequency_penalty=0.4, output=(7, 7, 7))]).tokens == [8]
+    assert sample(x, [row(temperature=0.0, frequency_penalty=0.4, output=(7, 7))]).tokens == [7]
+
+
+def test_top_k_top_p_min_p_restrict_the_support() -> None:
+    x = torch.zeros(1, V)
+    x[0, :5] = torch.tensor([3.0, 2.9, 2.8, 2.7, 2.6])
+    seen = {t for s in range(200) for t in sample(x, [row(seed=s, top_k=2)]).tokens}
+    assert seen == {0, 1}
+    seen = {t for s in range(200) for t in sample(x, [row(seed=s, top_p=0.01)]).tokens}
+    assert seen == {0}
+    seen = {t for s in range(200) for t in sample(x, [row(seed=s, min_p=0.85)]).tokens}
+    assert seen <= {0, 1, 2} and 0 in seen
+
+
+def test_seed_gives_the_same_token_whatever_the_batch() -> None:
+    x = torch.randn(4, V)
+    alone = [sample(x[2:3], [row(seed=s, temperature=1.0)]).tokens[0] for s in range(20)]
+    batched = [
+        sample(
+            x,
+            [
+                row(seed=99, temperature=0.5),
+                row(temperature=0.0),
+                row(seed=s, temperature=1.0),
+                row(seed=1),
+            ],
+        ).tokens[2]
+        for s in range(20)
+    ]
+    assert alone == batched and len(set(alone)) > 1
+
+
+def test_logprobs_are_of_the_sampling_distribution() -> None:
+    x = torch.randn(2, V)
+    r = sample(x, [row(temperature=0.0), row(temperature=2.0)], want_logprobs=True)
+    assert torch.allclose(r.logprobs[0], torch.log_softmax(x[0], -1))
+    assert torch.allclose(r.logprobs[1], torch.log_softmax(x[1] / 2.0, -1))
+
+
+@pytest.mark.parametrize(
+    ("sampling", "options", "message"),
+    [
+        ({"top_p": -1}, {}, "top_p must be in (0, 1], got -1."),
+        ({"temperature": math.nan}, {}, "temperature must be a finite number"),
+        ({"repetition_penalty": 0}, {}, "repetition_penalty must be in (0, 2]"),
+        ({"logit_bias": {V: 1}}, {}, "logit_bias must has keys in [0, 49]"),
+        (
+            {"min_new_tokens": 5, "max_new_tokens": 4},
+            {},
+            "min_new_tokens must be an integer in [0, 4]",
+        ),
+        ({"stop": [""]}, {}, "stop must be a list of non-empty strings"),
+        ({"seed": 1.5}, {}, "seed must be a 64-bit integer"),
+        ({"ignore_eos": 1}, {}, "ignore_eos must be a boolean"),
+        ({}, {"token_ids_logprob": [V]}, "token_ids_logprob has ids outside [0, 49]"),
+        ({}, {"logprob_start_len": 3}, "logprob_start_len must be an integer in [-1, 2]"),
+    ],
+)
+def test_invalid_fields_have_actionable_messages(
+    sampling: dict, options: dict, message: str
+) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_request(sampling, options, V, prompt_len=3)
+    assert message in str(exc.value)
+
+
+def test_defaults_and_nulls() -> None:
+    p, o = parse_request({"temperature": None, "stop": "x"}, {}, V, 3)
+    assert p == SamplingParams(stop=("x",)) and o.logprob_start_len == -1
