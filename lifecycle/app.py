@@ -14,8 +14,10 @@ import anyio
 import anyio.abc
 
 from lifecycle.api_native import NativeAPI
+from lifecycle.debug import admin_auth, install_debug
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.supervisor import Supervisor, SupervisorConfig
+from lifecycle.tracing import TraceConfig, Tracer, worker_probe
 from transport import Router, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
@@ -42,6 +44,9 @@ class AppConfig:
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
     warmup: bool = True
+    trace: TraceConfig = TraceConfig()  # ring size, --trace-log and its rotation
+    debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
+    admin_api_key: str | None = None  # guards the debug routes when set
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,6 +77,7 @@ class App:
     supervisor: Supervisor
     frontend: Frontend
     api: NativeAPI
+    tracer: Tracer | None = None
 
     @property
     def port(self) -> int:
@@ -88,6 +94,29 @@ def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
     return tokenizer, model_config, path
 
 
+def _start_tracer(
+    cfg: AppConfig,
+    router: Router,
+    frontend: Frontend,
+    supervisor: Supervisor,
+    tg: anyio.abc.TaskGroup,
+) -> Tracer | None:
+    """Debug routes and the transition observer; nothing at all when neither the routes
+    nor a trace log is wanted (the observer slot stays empty: one ``if`` per edge)."""
+    if not (cfg.debug_routes or cfg.trace.log_path):
+        return None
+
+    def worker() -> str:
+        return cfg.worker or f"local pid {getattr(supervisor, 'worker_pid', None)}"
+
+    tracer = Tracer(cfg.trace, registry=frontend.registry, probe=worker_probe(worker))
+    auth = admin_auth(cfg.admin_api_key) if cfg.admin_api_key else None
+    install_debug(router, tracer, enabled=cfg.debug_routes, auth=auth)
+    tracer.install()
+    tg.start_soon(tracer.run)
+    return tracer
+
+
 async def serve_app(
     cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
 ) -> None:
@@ -101,35 +130,45 @@ async def serve_app(
             warmup=cfg.warmup,
         )
     )
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
-        try:
-            tokenizer, model_config, path = await anyio.to_thread.run_sync(
-                _load_tokenizer, cfg.model
-            )
-            frontend = Frontend(
-                supervisor,
-                tokenizer,
-                model_config,
-                FrontendConfig(
-                    max_queued=cfg.max_queued,
-                    incremental_streaming_output=cfg.incremental_streaming_output,
-                ),
-            )
-            server_args = {k: v for k, v in asdict(cfg).items() if k != "extra"}
-            server_args.update(cfg.extra, model_path=path)
-            api = NativeAPI(frontend, server_args)
-            router = Router()
-            api.install(router)
-            server = Server(
-                router, ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout)
-            )
-            await tg.start(server.serve)
-            app = App(cfg, server, supervisor, frontend, api)
-            log.info("listening on http://%s:%d", cfg.host, app.port)
-            task_status.started(app)
-            await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await supervisor.stop()
-            tg.cancel_scope.cancel()
+    tracer: Tracer | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
+            try:
+                tokenizer, model_config, path = await anyio.to_thread.run_sync(
+                    _load_tokenizer, cfg.model
+                )
+                frontend = Frontend(
+                    supervisor,
+                    tokenizer,
+                    model_config,
+                    FrontendConfig(
+                        max_queued=cfg.max_queued,
+                        incremental_streaming_output=cfg.incremental_streaming_output,
+                    ),
+                )
+                secret = ("extra", "admin_api_key")
+                server_args = {k: v for k, v in asdict(cfg).items() if k not in secret}
+                server_args.update(cfg.extra, model_path=path)
+                api = NativeAPI(frontend, server_args)
+                router = Router()
+                api.install(router)
+                tracer = _start_tracer(cfg, router, frontend, supervisor, tg)
+                server = Server(
+                    router,
+                    ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout),
+                )
+                await tg.start(server.serve)
+                app = App(cfg, server, supervisor, frontend, api, tracer)
+                log.info("listening on http://%s:%d", cfg.host, app.port)
+                task_status.started(app)
+                await anyio.sleep_forever()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await supervisor.stop()
+                tg.cancel_scope.cancel()
+    finally:
+        # After the task group: requests cancelled at shutdown have reached their
+        # terminal states by now, so their traces are logged too.
+        if tracer is not None:
+            tracer.close()

@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 
-from lifecycle.trace_cli import add_trace_parser, run_trace
+from lifecycle.trace_cli import add_serve_options, add_trace_parser, run_trace, serve_options
 
 __all__ = ["main"]
 
@@ -65,6 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="extra options for the spawned worker, as one shell-quoted string",
     )
     srv.add_argument("--log-level", default="info")
+    add_serve_options(srv)
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
     wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
@@ -97,7 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
         incremental_streaming_output=args.incremental_streaming_output,
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
+        **serve_options(args),
     )
+
     async def run() -> None:
         # SIGTERM/SIGINT cancel the app, so the worker gets SHUTDOWN and is reaped.
         async with anyio.create_task_group() as tg:

@@ -189,6 +189,7 @@ class RequestRecord:
         "_trace",
         "held_by_worker",
         "created_ns",
+        "tokens",
     )
 
     def __init__(self, id: int, client_rid: str | None = None) -> None:
@@ -200,6 +201,9 @@ class RequestRecord:
         self._trace: list[tuple[int, State, State, Event, Any]] = []
         self.held_by_worker = False
         self.created_ns = monotonic_ns()
+        # Output tokens received so far, all samples together: progress is a counter the
+        # request path bumps, never an edge (the debug routes and traces report it).
+        self.tokens = 0
 
     def __repr__(self) -> str:
         cause = f" cause={self.cause.value}" if self.cause else ""

@@ -30,10 +30,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from lifecycle import fsm
 from lifecycle.fsm import RawEntry, Registry, RequestRecord
-from lifecycle.states import TERMINAL, State
+from lifecycle.states import TERMINAL, Event, State
 from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 
-__all__ = ["Probe", "TraceConfig", "Tracer", "default_probe"]
+__all__ = ["Probe", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
 
 _DONE, _ERROR = State.DONE, State.ERROR
 assert frozenset({_DONE, _ERROR}) == TERMINAL
@@ -42,9 +42,20 @@ assert frozenset({_DONE, _ERROR}) == TERMINAL
 Probe = Callable[[RequestRecord], dict[str, Any]]
 
 
-def default_probe(rec: RequestRecord) -> dict[str, Any]:
-    """Without a probe from the request path: no token count, one anonymous worker."""
-    return {"tokens": None, "worker": "worker" if rec.held_by_worker else None}
+def worker_probe(worker: Callable[[], str | None]) -> Probe:
+    """A probe reporting the record's token counter and ``worker()`` as the worker: for a
+    live request while the worker holds it, for a finished one if it was ever dispatched."""
+
+    def probe(rec: RequestRecord) -> dict[str, Any]:
+        served = rec.held_by_worker or (
+            rec.terminal and any(e[3] is Event.DISPATCH for e in rec._trace)
+        )
+        return {"tokens": rec.tokens, "worker": worker() if served else None}
+
+    return probe
+
+
+default_probe: Probe = worker_probe(lambda: "worker")
 
 
 @dataclass(frozen=True, slots=True)

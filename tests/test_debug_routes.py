@@ -26,10 +26,13 @@ async def test_live_listing_and_one_trace() -> None:
     async with debug_server() as srv, httpx.AsyncClient(base_url=srv.url) as http:
         queued = srv.start("q-1", upto=2)
         streaming = srv.start("s-1")
+        streaming.tokens = 7  # the request path's counter
         body = (await http.get("/debug/requests")).json()
         rows = {r["rid"]: r for r in body["requests"]}
         assert rows["q-1"]["state"] == "queued" and not rows["q-1"]["held_by_worker"]
         assert rows["s-1"]["state"] == "streaming" and rows["s-1"]["worker"] == "worker"
+        assert rows["s-1"]["tokens"] == 7 and rows["q-1"]["tokens"] == 0
+        assert rows["q-1"]["worker"] is None
         assert rows["s-1"]["age_ms"] >= rows["s-1"]["in_state_ms"] >= 0
         assert body["counts"]["queued"] == 1 and body["counts"]["streaming"] == 1
 
@@ -44,7 +47,9 @@ async def test_live_listing_and_one_trace() -> None:
             "first_token",
             "finish",
         ]
+        assert by_id["tokens"] == 7 and by_id["worker"] == "worker"
         failed = (await http.get("/debug/requests/q-1")).json()
+        assert failed["worker"] is None  # never dispatched
         assert failed["cause"] == "deadline" and failed["status"] == 504
         assert failed["message"] == "ended with deadline"
         missing = await http.get("/debug/requests/nobody")
