@@ -67,7 +67,7 @@ class TraceConfig:
     feed_interval: float = 0.1  # seconds between feed messages
     feed_max_pending: int = 50_000  # edges held for the next message; past it: resync
     subscriber_queue: int = 32  # messages a slow feed client may lag; past it: resync
-    max_awaiting_release: int = 10_000  # terminal, still held by the worker, not logged yet
+    max_awaiting_release: int = 10_000  # terminal and still held (or live and released)
 
 
 class Tracer:
@@ -145,7 +145,10 @@ class Tracer:
             ft.released_ns = now
             self._write(ft)
         elif not rec.terminal:
-            self._released_early[rec.id] = now
+            early = self._released_early
+            if len(early) >= self.config.max_awaiting_release:
+                del early[next(iter(early))]  # a record dropped without ending: forget it
+            early[rec.id] = now
 
     def _feed(
         self, rec: RequestRecord, t_ns: int, src: str, dst: str, event: str, detail: Any
