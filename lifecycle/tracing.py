@@ -35,7 +35,7 @@ from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, detail_jso
 
 __all__ = ["Probe", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
 
-_DONE, _ERROR = State.DONE, State.ERROR
+_DONE, _ERROR, _DISPATCH = State.DONE, State.ERROR, Event.DISPATCH
 assert frozenset({_DONE, _ERROR}) == TERMINAL
 
 # What the tracer asks about a request beyond its record: {"tokens": int, "worker": str}.
@@ -47,8 +47,12 @@ def worker_probe(worker: Callable[[], str | None]) -> Probe:
     live request while the worker holds it, for a finished one if it was ever dispatched."""
 
     def probe(rec: RequestRecord) -> dict[str, Any]:
-        served = rec.held_by_worker or (
-            rec.terminal and any(e[3] is Event.DISPATCH for e in rec._trace)
+        # DONE implies it was dispatched: only an error needs the (short) trace scanned.
+        state = rec.state
+        served = (
+            rec.held_by_worker
+            or state is _DONE
+            or (state is _ERROR and any(e[3] is _DISPATCH for e in rec._trace))
         )
         return {"tokens": rec.tokens, "worker": worker() if served else None}
 
