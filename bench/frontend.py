@@ -60,7 +60,9 @@ async def _drive(url: str, n: int, conc: int, body: dict, stream: bool) -> float
         return time.perf_counter() - t0
 
 
-def _phase(proc: psutil.Process, url: str, n: int, conc: int, body: dict, stream: bool) -> tuple[float, float]:
+def _phase(
+    proc: psutil.Process, url: str, n: int, conc: int, body: dict, stream: bool
+) -> tuple[float, float]:
     c0 = _cpu(proc)
     wall = asyncio.run(_drive(url, n, conc, body, stream))
     return _cpu(proc) - c0, wall
@@ -95,9 +97,19 @@ def main() -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "lifecycle", "serve", "--scripted-worker", "--port", str(port),
-         "--log-level", "warning"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "-m",
+            "lifecycle",
+            "serve",
+            "--scripted-worker",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         deadline = time.monotonic() + 120
@@ -114,7 +126,10 @@ def main() -> int:
         unary = {"sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
         _phase(proc, url, 50, args.concurrency, unary, False)  # warm-up
         cpu_u, wall_u = _phase(proc, url, args.requests, args.concurrency, unary, False)
-        streamed = {"stream": True, "sampling_params": {"max_new_tokens": args.tokens, "ignore_eos": True}}
+        streamed = {
+            "stream": True,
+            "sampling_params": {"max_new_tokens": args.tokens, "ignore_eos": True},
+        }
         n_s = max(1, args.requests // 4)
         cpu_s, wall_s = _phase(proc, url, n_s, args.concurrency, streamed, True)
     finally:
@@ -125,10 +140,16 @@ def main() -> int:
     fsm = _fsm_us()
     print(f"frontend CPU per request (unary, 1 token):   {per_req_us:8.0f} us")
     print(f"frontend CPU per streamed token (beyond req): {per_tok_us:8.1f} us")
-    print(f"requests/s (unary, concurrency {args.concurrency}):        {args.requests / wall_u:8.0f}")
-    print(f"streamed tokens/s ({args.tokens}-token streams):          {n_s * args.tokens / wall_s:8.0f}")
-    print(f"state machine per request lifecycle:          {fsm:8.1f} us "
-          f"({fsm / per_req_us * 100:.1f}% of the request's frontend CPU)")
+    print(
+        f"requests/s (unary, concurrency {args.concurrency}):        {args.requests / wall_u:8.0f}"
+    )
+    print(
+        f"streamed tokens/s ({args.tokens}-token streams):          {n_s * args.tokens / wall_s:8.0f}"
+    )
+    print(
+        f"state machine per request lifecycle:          {fsm:8.1f} us "
+        f"({fsm / per_req_us * 100:.1f}% of the request's frontend CPU)"
+    )
     return 0
 
 

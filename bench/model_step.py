@@ -3,7 +3,8 @@
 Prints prefill tokens/s for a 512-token prompt, decode step time at batch 1/8/32/64
 (independent sequences, ~128 tokens of context each), and the same matmul shapes timed
 bare (``F.linear`` with the model's weight shapes at those row counts) so the gap
-between the model and its matmul floor is visible. Runs in well under a minute.
+between the model and its matmul floor is visible. Runs in well under a minute on an
+idle machine. ``python bench/model_step.py [THREADS]``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def prefill_ms(lm: LoadedModel) -> float:
         cache.prepare([0], [PROMPT])
         lm.model(ids, positions, cache, logits_indices=last)
 
-    return median_ms(step, runs=3)
+    return median_ms(step, runs=2)
 
 
 def decode_ms(lm: LoadedModel, cache: DenseKVCache, batch: int) -> float:
@@ -82,6 +83,8 @@ def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
 
 
 def main() -> int:
+    if len(sys.argv) > 1:  # optional thread count: compare 1 vs 2 when the CPU is shared
+        torch.set_num_threads(int(sys.argv[1]))
     t = time.perf_counter()
     lm = load_model(device="cpu")
     print(f"model {lm.path.name}: load {time.perf_counter() - t:.1f}s, "

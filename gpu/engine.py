@@ -41,6 +41,12 @@ class EngineConfig:
     step_tokens: int = 512
 
 
+def _declared_n(e: SubmitEntry) -> int:
+    """The entry's n when it is a usable count (else 1): how many rids an error covers."""
+    n = e.sampling.get("n", 1) if isinstance(e.sampling, dict) else 1
+    return n if type(n) is int and 1 <= n <= 64 else 1
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
@@ -89,14 +95,16 @@ class Engine:
             except ValueError as exc:
                 if isinstance(exc, ProtocolError):
                     raise
-                errors.append(
-                    (e.rid, "too_long" if isinstance(exc, TooLong) else "invalid", str(exc))
-                )
+                code = "too_long" if isinstance(exc, TooLong) else "invalid"
+                # Every rid the request would occupy gets its terminal entry.
+                errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + _declared_n(e))]
                 continue
             if seq.params.max_new_tokens == 0:
-                done.append(
-                    StepEntry(seq.rid, b"", ["length", 0], {"prompt_tokens": seq.prompt_len})
-                )
+                extra = {"prompt_tokens": seq.prompt_len}
+                done += [
+                    StepEntry(r, b"", ["length", 0], extra)
+                    for r in range(e.rid, e.rid + 1 + seq.forks)
+                ]
                 continue
             for r in range(seq.rid + 1, seq.rid + seq.forks + 1):
                 self.reserved[r] = seq

@@ -23,6 +23,12 @@ def greedy_generate(
     """
     if not prompt_ids:
         raise ValueError("empty prompt")
+    room = lm.config.context_length - len(prompt_ids)
+    if room <= 0:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens fills the {lm.config.context_length}-token context"
+        )
+    max_new_tokens = min(max_new_tokens, room)
     cache = DenseKVCache(
         lm.config, 1, len(prompt_ids) + max_new_tokens, device=lm.device, dtype=lm.dtype
     )
@@ -72,10 +78,11 @@ def run_generate(
         ids = lm.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = lm.tokenizer.encode(prompt, add_special_tokens=True)
-    if not ids:
-        print("error: the prompt encodes to no tokens", file=sys.stderr)
+    try:
+        greedy_generate(lm, ids, max_new_tokens, stream=True)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    greedy_generate(lm, ids, max_new_tokens, stream=True)
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -77,7 +76,7 @@ class GGUFFile:
         try:
             self._reader = GGUFReader(self.path, "r")
         except Exception as exc:  # gguf-py raises ValueError/IndexError/OSError alike
-            raise ModelFileError(self.path, _describe_open_error(exc)) from None
+            raise ModelFileError(self.path, _describe_open_error(self.path, exc)) from None
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_tensor_extents()
 
@@ -165,9 +164,6 @@ class GGUFFile:
                     self.path, f"tensor {t.name!r} has unsupported type {t.tensor_type.name}"
                 )
 
-    def iter_tensors(self) -> Iterator[str]:
-        yield from self._tensors
-
     def _tensor(self, name: str) -> Any:
         try:
             return self._tensors[name]
@@ -175,12 +171,13 @@ class GGUFFile:
             raise ModelFileError(self.path, f"tensor {name!r} is missing") from None
 
 
-def _describe_open_error(exc: Exception) -> str:
+def _describe_open_error(path: pathlib.Path, exc: Exception) -> str:
     text = str(exc) or type(exc).__name__
     if "magic" in text.lower():
         return "not a GGUF file (bad magic)"
     if "empty file" in text.lower():
         return "empty file"
-    if isinstance(exc, (IndexError, ValueError)) and "version" not in text.lower():
-        return f"truncated or corrupt GGUF header ({text})"
-    return f"cannot parse GGUF ({text})"
+    if "version" in text.lower():
+        return f"unsupported GGUF version ({text})"
+    # gguf-py reads past the end of a short file as numpy shape/index errors.
+    return f"truncated or corrupt GGUF file ({path.stat().st_size:,} bytes; reader said: {text})"

@@ -220,16 +220,19 @@ class PagedKVCache:
         dec_index = dec_mask = None
         dec_len = max((ctx for _, ctx in decodes), default=0)
         if decodes:
-            idx = []
-            for table, ctx in decodes:
-                idx.extend(self._slots(table, 0, ctx))
-                idx.extend([self.pad_slot] * (dec_len - ctx))
-            dec_index = torch.tensor(idx, dtype=torch.int64, device=dev)
+            # Built from the block tables with tensor ops: per-token Python lists would
+            # cost B * L interpreter steps every step.
+            bs, nb = self.block_size, -(-dec_len // self.block_size)
+            tab = torch.tensor(
+                [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes], dtype=torch.int64
+            )
+            pos = torch.arange(dec_len)
+            lens = torch.tensor([ctx for _, ctx in decodes])
+            valid = pos[None, :] < lens[:, None]
+            idx = torch.where(valid, tab[:, pos // bs] * bs + pos % bs, self.pad_slot)
+            dec_index = idx.flatten().to(dev)
             if any(ctx != dec_len for _, ctx in decodes):
-                lens = torch.tensor([ctx for _, ctx in decodes], device=dev)
-                dec_mask = (torch.arange(dec_len, device=dev)[None, :] < lens[:, None]).view(
-                    len(decodes), 1, 1, dec_len
-                )
+                dec_mask = valid.to(dev).view(len(decodes), 1, 1, dec_len)
         pre = []
         row = len(decodes)
         for c in prefills:
@@ -270,8 +273,11 @@ class PagedKVCache:
             )
             outs.append(o.view(d, h, hd))
         for row, n, index, mask in lay.prefills:
-            keys = kc.index_select(0, index).transpose(0, 1).unsqueeze(0)
-            vals = vc.index_select(0, index).transpose(0, 1).unsqueeze(0)
+            if mask is None:  # nothing cached before the chunk: its own k/v are all the keys
+                keys, vals = k[row : row + n], v[row : row + n]
+            else:
+                keys, vals = kc.index_select(0, index), vc.index_select(0, index)
+            keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qh, keys, vals, attn_mask=mask, is_causal=mask is None and n > 1, enable_gqa=True

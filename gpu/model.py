@@ -11,7 +11,7 @@ precomputed cos/sin table indexed once per step.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,9 @@ class LlamaWeights(nn.Module):
 
 
 class Llama(nn.Module):
+    rope_cos: Tensor
+    rope_sin: Tensor
+
     def __init__(
         self,
         config: ModelConfig,
@@ -131,7 +134,7 @@ class Llama(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, attn)
+            x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
         if logits_indices is not None:
             x = x[logits_indices]
         h = F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)

@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 _GREEDY_EPS = 1e-6
+# Prompt logprobs travel in one STEP entry; frames are capped at 64 MiB (wire.cddl).
+PROMPT_LOGPROB_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,15 @@ def parse_request(
         token_ids_logprob=() if tids is None else _token_ids(tids, "token_ids_logprob", vocab),
         return_hidden_states=_bool(options, "return_hidden_states"),
     )
+    if opts.return_logprob and opts.logprob_start_len >= 0:
+        per_pos = 1 + 2 * opts.top_logprobs_num + len(opts.token_ids_logprob)
+        if (prompt_len - opts.logprob_start_len) * per_pos * 4 > PROMPT_LOGPROB_BYTES:
+            raise ValueError(
+                f"prompt logprobs for {prompt_len - opts.logprob_start_len} positions with "
+                f"top_logprobs_num {opts.top_logprobs_num} and {len(opts.token_ids_logprob)} "
+                "token_ids_logprob exceed the worker's frame budget: raise logprob_start_len "
+                "or ask for fewer"
+            )
     return params, opts
 
 

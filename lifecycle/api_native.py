@@ -272,7 +272,8 @@ class NativeAPI:
             )
         if not isinstance(add_special, bool):
             raise HTTPError(400, {"error": {"message": "add_special_tokens must be a boolean"}})
-        ids = await self.fe.codec.encode([prompt] if single else prompt, add_special)
+        texts: list[str] = [prompt] if isinstance(prompt, str) else list(prompt or [])
+        ids = await self.fe.codec.encode(texts, add_special)
         ctx = self.fe.model_config.context_length
         if single:
             return JSONResponse({"tokens": ids[0], "count": len(ids[0]), "max_model_len": ctx})

@@ -13,12 +13,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from lifecycle.api_native import NativeAPI
+from lifecycle.api_native import NativeAPI, error_response
 from lifecycle.debug import admin_auth, install_debug
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing import TraceConfig, Tracer, worker_probe
-from transport import Router, Server, ServerConfig
+from transport import Handler, Request, Response, Router, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 
@@ -81,8 +81,7 @@ class App:
 
     @property
     def port(self) -> int:
-        bound = self.server.bound
-        return bound[0][1] if isinstance(bound, list) and bound else 0
+        return _port(self.server)
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
@@ -94,33 +93,53 @@ def _load_tokenizer(model: str | None) -> tuple[Any, Any, str]:
     return tokenizer, model_config, path
 
 
-def _start_tracer(
-    cfg: AppConfig,
-    router: Router,
-    frontend: Frontend,
-    supervisor: Supervisor,
-    tg: anyio.abc.TaskGroup,
-) -> Tracer | None:
-    """Debug routes and the transition observer; nothing at all when neither the routes
-    nor a trace log is wanted (the observer slot stays empty: one ``if`` per edge)."""
-    if not (cfg.debug_routes or cfg.trace.log_path):
-        return None
+class _Tracing:
+    """The app's tracer: debug routes and the transition observer, or nothing at all when
+    neither the routes nor a trace log is wanted (the observer slot stays empty)."""
 
-    def worker() -> str:
-        return cfg.worker or f"local pid {getattr(supervisor, 'worker_pid', None)}"
+    def __init__(self, cfg: AppConfig) -> None:
+        self.cfg = cfg
+        self.tracer: Tracer | None = None
 
-    tracer = Tracer(cfg.trace, registry=frontend.registry, probe=worker_probe(worker))
-    auth = admin_auth(cfg.admin_api_key) if cfg.admin_api_key else None
-    install_debug(router, tracer, enabled=cfg.debug_routes, auth=auth)
-    tracer.install()
-    tg.start_soon(tracer.run)
-    return tracer
+    def start(
+        self, router: Router, frontend: Frontend, supervisor: Supervisor, tg: anyio.abc.TaskGroup
+    ) -> Tracer | None:
+        cfg = self.cfg
+        if not (cfg.debug_routes or cfg.trace.log_path):
+            return None
+
+        def worker() -> str:
+            return cfg.worker or f"local pid {getattr(supervisor, 'worker_pid', None)}"
+
+        tracer = Tracer(cfg.trace, registry=frontend.registry, probe=worker_probe(worker))
+        auth = admin_auth(cfg.admin_api_key) if cfg.admin_api_key else None
+        install_debug(router, tracer, enabled=cfg.debug_routes, auth=auth)
+        tracer.install()
+        tg.start_soon(tracer.run)
+        self.tracer = tracer
+        return tracer
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()  # logs what is left, then uninstalls the observer
 
 
 async def serve_app(
     cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening."""
+    tracing = _Tracing(cfg)
+    try:
+        await _serve_app(cfg, tracing, task_status)
+    finally:
+        # After every request task ended: those cancelled at shutdown are terminal by now,
+        # so their traces reach the log too.
+        tracing.close()
+
+
+async def _serve_app(
+    cfg: AppConfig, tracing: _Tracing, task_status: anyio.abc.TaskStatus[App]
+) -> None:
     supervisor = Supervisor(
         SupervisorConfig(
             worker=cfg.worker,
@@ -130,45 +149,49 @@ async def serve_app(
             warmup=cfg.warmup,
         )
     )
-    tracer: Tracer | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
-            try:
-                tokenizer, model_config, path = await anyio.to_thread.run_sync(
-                    _load_tokenizer, cfg.model
-                )
-                frontend = Frontend(
-                    supervisor,
-                    tokenizer,
-                    model_config,
-                    FrontendConfig(
-                        max_queued=cfg.max_queued,
-                        incremental_streaming_output=cfg.incremental_streaming_output,
-                    ),
-                )
-                secret = ("extra", "admin_api_key")
-                server_args = {k: v for k, v in asdict(cfg).items() if k not in secret}
-                server_args.update(cfg.extra, model_path=path)
-                api = NativeAPI(frontend, server_args)
-                router = Router()
-                api.install(router)
-                tracer = _start_tracer(cfg, router, frontend, supervisor, tg)
-                server = Server(
-                    router,
-                    ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout),
-                )
-                await tg.start(server.serve)
-                app = App(cfg, server, supervisor, frontend, api, tracer)
-                log.info("listening on http://%s:%d", cfg.host, app.port)
-                task_status.started(app)
-                await anyio.sleep_forever()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await supervisor.stop()
-                tg.cancel_scope.cancel()
-    finally:
-        # After the task group: requests cancelled at shutdown have reached their
-        # terminal states by now, so their traces are logged too.
-        if tracer is not None:
-            tracer.close()
+    handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
+    server = Server(
+        lambda request: handler[0](request),
+        ServerConfig(host=cfg.host, port=cfg.port, send_timeout=cfg.send_timeout),
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
+        try:
+            await tg.start(server.serve)  # bind early: /health says 503 until ready
+            log.info("listening on http://%s:%s", cfg.host, _port(server))
+            tokenizer, model_config, path = await anyio.to_thread.run_sync(
+                _load_tokenizer, cfg.model
+            )
+            frontend = Frontend(
+                supervisor,
+                tokenizer,
+                model_config,
+                FrontendConfig(
+                    max_queued=cfg.max_queued,
+                    incremental_streaming_output=cfg.incremental_streaming_output,
+                ),
+            )
+            secret = ("extra", "admin_api_key")
+            server_args = {k: v for k, v in asdict(cfg).items() if k not in secret}
+            server_args.update(cfg.extra, model_path=path)
+            api = NativeAPI(frontend, server_args)
+            router = Router()
+            api.install(router)
+            tracer = tracing.start(router, frontend, supervisor, tg)
+            handler[0] = router
+            app = App(cfg, server, supervisor, frontend, api, tracer)
+            task_status.started(app)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await supervisor.stop()
+            tg.cancel_scope.cancel()
+
+
+async def _starting(request: Request) -> Response:
+    return error_response(503, "not ready (loading the tokenizer)", 5)
+
+
+def _port(server: Server) -> int:
+    bound = server.bound
+    return bound[0][1] if isinstance(bound, list) and bound else 0

@@ -156,7 +156,7 @@ class GenerateCall:
             if not admit(run.rec, fe.admission):
                 raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
             run.admitted = True
-        texts = [r.item.text for r in self.runs if r.item.input_ids is None]
+        texts = [r.item.text or "" for r in self.runs if r.item.input_ids is None]
         encoded = iter(await fe.codec.encode(texts) if texts else [])
         for run in self.runs:
             prompt = run.item.input_ids if run.item.input_ids is not None else next(encoded)

@@ -77,9 +77,12 @@ class Supervisor:
                 started = time.monotonic()
                 try:
                     await self._one_life()
-                except (OSError, TimeoutError, WireError, WarmupFailed) as exc:
+                except (OSError, TimeoutError, WireError, WarmupFailed, anyio.EndOfStream) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.error("worker failed: %s", self.last_error)
+                except Exception as exc:  # a bug of ours: logged, and the server stays up
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("supervising the worker failed")
                 self._set_ready(False)
                 if self._stopping:
                     break

@@ -21,7 +21,9 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    with lifecycle_server("--device", "cpu", "--max-running", "8", "--kv-cache-tokens", "8192") as base:
+    with lifecycle_server(
+        "--device", "cpu", "--max-running", "8", "--kv-cache-tokens", "8192"
+    ) as base:
         yield base
 
 
@@ -36,7 +38,11 @@ def _wait_idle(url: str, timeout: float = 10.0) -> None:
     while True:
         info = httpx.get(url + "/server_info", timeout=10).json()
         s = info["internal_states"][0]
-        if info["live_requests"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] and not s["running"]:
+        if (
+            info["live_requests"] == 0
+            and s["kv_blocks_free"] == s["kv_blocks_total"]
+            and not s["running"]
+        ):
             return
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
@@ -62,18 +68,41 @@ def test_stop_string_is_trimmed(url: str) -> None:
     base = _gen(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
     text = base["text"]
     stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
-    out = _gen(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [stop]}})
+    out = _gen(
+        url,
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [stop]},
+        },
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[: text.find(stop)]
-    kept = _gen(url, {"text": PROMPT, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0, "stop": [stop], "no_stop_trim": True}})
+    kept = _gen(
+        url,
+        {
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "temperature": 0,
+                "stop": [stop],
+                "no_stop_trim": True,
+            },
+        },
+    )
     assert kept["text"].endswith(stop)
 
 
 def test_logprobs_shapes(url: str) -> None:
-    out = _gen(url, {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 3,
-                     "return_text_in_logprobs": True,
-                     "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    out = _gen(
+        url,
+        {
+            "text": PROMPT,
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        },
+    )
     meta = out["meta_info"]
     lps = meta["output_token_logprobs"]
     assert [e[1] for e in lps] == out["output_ids"]
@@ -86,10 +115,18 @@ def test_logprobs_shapes(url: str) -> None:
 def test_disconnect_mid_stream_releases_kv(url: str) -> None:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    data = json.dumps({"text": PROMPT, "stream": True, "sampling_params": {
-        "max_new_tokens": 400, "ignore_eos": True}}).encode()
-    sock.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 + f"content-length: {len(data)}\r\n\r\n".encode() + data)
+    data = json.dumps(
+        {
+            "text": PROMPT,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
+    ).encode()
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     got = b""
     while b"data: " not in got:
         got += sock.recv(65536)
@@ -102,8 +139,18 @@ def test_health_generate_and_abort(url: str) -> None:
     import threading
 
     res: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: res.update(r=_gen(url, {
-        "text": PROMPT, "rid": "abort-me", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})))
+    t = threading.Thread(
+        target=lambda: res.update(
+            r=_gen(
+                url,
+                {
+                    "text": PROMPT,
+                    "rid": "abort-me",
+                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+                },
+            )
+        )
+    )
     t.start()
     time.sleep(1.0)
     httpx.post(url + "/abort_request", json={"rid": "abort-me"})

@@ -18,8 +18,15 @@ from .scripted import lifecycle_server
 # Worker: 4 credits, 2 running, 20 ms per step: long requests stay in flight long enough
 # to disconnect from them in each phase.
 SERVER_ARGS = (
-    "--scripted-worker", "--max-pending", "4", "--max-running", "2",
-    "--worker-args", "--step-delay 0.02",
+    "--scripted-worker",
+    "--max-pending",
+    "4",
+    "--max-running",
+    "2",
+    "--worker-args",
+    "--step-delay 0.02",
+    "--send-timeout",
+    "1",
 )
 
 
@@ -91,8 +98,14 @@ def test_unary_text_prompt(url: str) -> None:
 
 
 def test_unary_input_ids_rid_echoed_and_stop_token(url: str) -> None:
-    r = _gen(url, {"input_ids": [100, 200, 300], "rid": "my-req",
-                   "sampling_params": {"max_new_tokens": 10, "stop_token_ids": [300]}})
+    r = _gen(
+        url,
+        {
+            "input_ids": [100, 200, 300],
+            "rid": "my-req",
+            "sampling_params": {"max_new_tokens": 10, "stop_token_ids": [300]},
+        },
+    )
     out = r.json()
     assert out["output_ids"] == [100, 200, 300]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 300}
@@ -103,7 +116,10 @@ def test_batch_and_n(url: str) -> None:
     r = _gen(url, {"input_ids": [[10, 11], [20, 21, 22]], "sampling_params": {"max_new_tokens": 3}})
     outs = r.json()
     assert [o["output_ids"] for o in outs] == [[10, 11, 10], [20, 21, 22]]
-    r = _gen(url, {"input_ids": [[10, 11], [20, 21, 22]], "sampling_params": {"max_new_tokens": 2, "n": 2}})
+    r = _gen(
+        url,
+        {"input_ids": [[10, 11], [20, 21, 22]], "sampling_params": {"max_new_tokens": 2, "n": 2}},
+    )
     outs = r.json()
     # SGLang's order: the batch repeated n times; sample j of the scripted worker starts j later.
     assert [o["output_ids"] for o in outs] == [[10, 11], [20, 21], [11, 10], [21, 22]]
@@ -113,8 +129,12 @@ def test_batch_and_n(url: str) -> None:
 
 def test_logprob_options(url: str) -> None:
     body = {
-        "input_ids": [400, 401, 402], "return_logprob": True, "logprob_start_len": 0,
-        "top_logprobs_num": 2, "token_ids_logprob": [7, 8], "return_text_in_logprobs": True,
+        "input_ids": [400, 401, 402],
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [7, 8],
+        "return_text_in_logprobs": True,
         "sampling_params": {"max_new_tokens": 3},
     }
     meta = _gen(url, body).json()["meta_info"]
@@ -123,7 +143,10 @@ def test_logprob_options(url: str) -> None:
     assert out[0][0] == pytest.approx(-0.2)
     assert meta["output_token_logprobs_length"] == 3
     assert [[t[1] for t in pos] for pos in meta["output_top_logprobs"]] == [
-        [400, 401], [401, 402], [402, 403]]
+        [400, 401],
+        [401, 402],
+        [402, 403],
+    ]
     assert [[t[1] for t in pos] for pos in meta["output_token_ids_logprobs"]] == [[7, 8]] * 3
     inp = meta["input_token_logprobs"]
     assert inp[0][0] is None and [e[1] for e in inp] == [400, 401, 402]
@@ -145,16 +168,26 @@ def test_stream_cumulative(url: str) -> None:
 
 
 def test_stream_incremental(url: str) -> None:
-    whole = _gen(url, {"text": "Streaming in pieces", "sampling_params": {"max_new_tokens": 7}}).json()
-    events = _events(url, {"text": "Streaming in pieces", "incremental_streaming_output": True,
-                           "sampling_params": {"max_new_tokens": 7}})
+    whole = _gen(
+        url, {"text": "Streaming in pieces", "sampling_params": {"max_new_tokens": 7}}
+    ).json()
+    events = _events(
+        url,
+        {
+            "text": "Streaming in pieces",
+            "incremental_streaming_output": True,
+            "sampling_params": {"max_new_tokens": 7},
+        },
+    )
     frames = events[:-1]
     assert "".join(f["text"] for f in frames) == whole["text"]
     assert [i for f in frames for i in f["output_ids"]] == whole["output_ids"]
 
 
 def test_stream_batch_has_index(url: str) -> None:
-    events = _events(url, {"input_ids": [[1000, 1001], [2000]], "sampling_params": {"max_new_tokens": 2}})
+    events = _events(
+        url, {"input_ids": [[1000, 1001], [2000]], "sampling_params": {"max_new_tokens": 2}}
+    )
     frames = events[:-1]
     last = {}
     for f in frames:
@@ -176,8 +209,12 @@ def test_validation_400_with_sglang_message(url: str) -> None:
 
 
 def test_duplicate_live_rid_is_refused(url: str) -> None:
-    with httpx.stream("POST", url + "/generate", timeout=30, json={
-        "input_ids": [1, 2], "rid": "dup", "stream": True, **LONG}) as first:
+    with httpx.stream(
+        "POST",
+        url + "/generate",
+        timeout=30,
+        json={"input_ids": [1, 2], "rid": "dup", "stream": True, **LONG},
+    ) as first:
         lines = first.iter_lines()  # kept: a collected iterator closes the response
         next(lines)
         r = _gen(url, {"input_ids": [1], "rid": "dup"})
@@ -195,8 +232,14 @@ def test_abort_request_ends_running_request(url: str) -> None:
     result: dict[str, Any] = {}
 
     def run() -> None:
-        result["r"] = _gen(url, {"input_ids": [3, 4], "rid": "to-abort",
-                                 "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
+        result["r"] = _gen(
+            url,
+            {
+                "input_ids": [3, 4],
+                "rid": "to-abort",
+                "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+            },
+        )
 
     t = threading.Thread(target=run)
     t.start()
@@ -216,7 +259,8 @@ def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     data = json.dumps(body).encode()
     sock.sendall(
         b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(data)}\r\n\r\n".encode() + data
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
     )
     return sock
 
@@ -244,7 +288,9 @@ def test_disconnect_mid_stream(url: str) -> None:
 
 def test_disconnect_while_queued_in_worker_and_frontend(url: str) -> None:
     # 2 run, 2 wait in the worker (4 credits), 2 more wait in the frontend's queue.
-    socks = [_raw_request(url, {"input_ids": [i + 1], "stream": i % 2 == 0, **LONG}) for i in range(6)]
+    socks = [
+        _raw_request(url, {"input_ids": [i + 1], "stream": i % 2 == 0, **LONG}) for i in range(6)
+    ]
     _wait_running(url, 2)
     info = _info(url)
     assert info["live_requests"] == 6
@@ -282,9 +328,65 @@ def test_info_routes(url: str) -> None:
 
 def test_tokenize_detokenize(url: str) -> None:
     for prefix in ("", "/v1"):
-        r = httpx.post(url + prefix + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})
+        r = httpx.post(
+            url + prefix + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}
+        )
         body = r.json()
         assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 8192
         back = httpx.post(url + prefix + "/detokenize", json={"tokens": body["tokens"]}).json()
         assert back == {"prompt": "Hello world"}
     assert httpx.post(url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_client_that_stops_reading_is_ended_as_stalled(url: str) -> None:
+    # Cumulative frames with 20 top logprobs each grow fast, so the socket buffers fill
+    # within seconds; the client never reads, so the write stalls past --send-timeout.
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    data = json.dumps(
+        {
+            "input_ids": [11, 12, 13],
+            "stream": True,
+            "return_logprob": True,
+            "top_logprobs_num": 20,
+            "return_text_in_logprobs": True,
+            **LONG,
+        }
+    ).encode()
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while _info(url)["failed_requests"].get("client_stalled", 0) < 1:
+            assert time.monotonic() < deadline, _info(url)
+            time.sleep(0.1)
+        _wait_idle(url, timeout=3)
+    finally:
+        sock.close()
+
+
+def test_bench_serving_client_reads_the_stream(url: str) -> None:
+    """What SGLang's bench_serving sglang client does with each frame: strip ``data: ``,
+    skip ``[DONE]``, take ``text`` as the whole text so far, split each inter-chunk gap
+    by the ``completion_tokens`` delta."""
+    body = {"text": "Benchmarks read cumulative text", "stream": True,
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0}}
+    generated, last_count, itl_entries = "", 0, 0
+    with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
+        for chunk in r.iter_lines():
+            chunk = chunk.removeprefix("data: ")
+            if not chunk or chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if data["text"]:
+                generated = data["text"]
+                count = data["meta_info"]["completion_tokens"]
+                itl_entries += count - last_count
+                last_count = count
+    whole = _gen(url, {**body, "stream": False}).json()
+    assert generated == whole["text"] and last_count == 24 and itl_entries == 24

@@ -42,3 +42,17 @@ def test_chat_without_template(tmp_path: pathlib.Path, capsys: pytest.CaptureFix
     tiny = write_tiny_gguf(tmp_path / "notpl.gguf", TinySpec(chat_template=None))
     assert run_generate("hi", model=str(tiny.path), chat=True) == 1
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_context(
+    tiny_gguf: TinyModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_generate("a " * 300, model=str(tiny_gguf.path)) == 1
+    assert "fills the 256-token context" in capsys.readouterr().err
+
+
+def test_generation_is_capped_by_the_context(
+    tiny_gguf: TinyModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 250 prompt tokens + up to 100 new ones would overrun 256 positions: capped, not an error.
+    assert run_generate("a" * 250, model=str(tiny_gguf.path), max_new_tokens=100) == 0

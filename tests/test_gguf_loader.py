@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -28,6 +31,13 @@ def test_config_from_metadata(tiny_gguf: TinyModel) -> None:
     # <|endoftext|>, <|im_end|> (eos) and the FIM repo token <reponame>, as llama.cpp derives.
     assert c.eog_ids == (0, 2, 3)
     assert lm.device == torch.device("cpu") and lm.dtype == torch.float32
+
+
+def test_load_logs_time_and_memory(tiny_gguf: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="gpu.loader"):
+        load_model(tiny_gguf.path, device="cpu")
+    (record,) = [r for r in caplog.records if r.name == "gpu.loader"]
+    assert "tiny.gguf" in record.message and "rss" in record.message and "weights" in record.message
 
 
 def test_weights_are_dequantised_and_unpermuted(tiny_gguf: TinyModel) -> None:
@@ -73,6 +83,21 @@ def test_load_tokenizer_reads_no_weights(tmp_path: pathlib.Path) -> None:
         load_model(tiny.path, device="cpu")
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_only_on_a_terminal(tiny_gguf: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream, shown in ((io.StringIO(), False), (_Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        load_model(tiny_gguf.path, device="cpu")
+        text = stream.getvalue()
+        assert ("tensors" in text) is shown
+        if shown:
+            assert text.startswith("\rloading tiny.gguf: 1/") and text.endswith(" tensors\n")
+
+
 def test_default_model_path_exists() -> None:
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
@@ -113,14 +138,20 @@ def test_empty_file(tmp_path: pathlib.Path) -> None:
     _assert_clean(exc, path, "empty file")
 
 
-def test_bad_magic(tmp_path: pathlib.Path, tiny_gguf: TinyModel) -> None:
-    path = tmp_path / "magic.gguf"
+@pytest.mark.parametrize(
+    ("offset", "patch", "problem"),
+    [(0, b"GGML", "bad magic"), (4, (99).to_bytes(4, "little"), "unsupported GGUF version")],
+)
+def test_bad_header(
+    tmp_path: pathlib.Path, tiny_gguf: TinyModel, offset: int, patch: bytes, problem: str
+) -> None:
+    path = tmp_path / "header.gguf"
     data = bytearray(tiny_gguf.path.read_bytes())
-    data[0:4] = b"GGML"
+    data[offset : offset + len(patch)] = patch
     path.write_bytes(bytes(data))
     with pytest.raises(ModelFileError) as exc:
         load_model(path, device="cpu")
-    _assert_clean(exc, path, "bad magic")
+    _assert_clean(exc, path, problem)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.97])  # cut in the metadata, cut in the tensor data

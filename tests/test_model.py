@@ -144,6 +144,8 @@ def test_batched_varlen_equals_each_alone(tiny_lm: LoadedModel, slots: list[int]
 
 
 def test_dense_cache_rejects_bad_layouts(tiny_lm: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        DenseKVCache(tiny_lm.config, 1, tiny_lm.config.context_length + 1)
     cache = DenseKVCache(tiny_lm.config, 2, 4)
     with pytest.raises(ValueError):
         cache.prepare([0, 0], [1, 1])
@@ -164,26 +166,26 @@ def test_greedy_generate_stops_at_budget(tiny_lm: LoadedModel) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_knows_the_capital_of_france(smollm2: LoadedModel) -> None:
-    assert smollm2.chat is not None
-    text = smollm2.chat.render([{"role": "user", "content": "What is the capital of France?"}])
-    ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
-    answer = smollm2.tokenizer.decode(greedy_generate(smollm2, ids, 24))
+def test_smollm2_knows_the_capital_of_france(cpu_model: LoadedModel) -> None:
+    assert cpu_model.chat is not None
+    text = cpu_model.chat.render([{"role": "user", "content": "What is the capital of France?"}])
+    ids = cpu_model.tokenizer.encode(text, add_special_tokens=False)
+    answer = cpu_model.tokenizer.decode(greedy_generate(cpu_model, ids, 24))
     assert "Paris" in answer
 
 
 @pytest.mark.model
-def test_smollm2_kv_cached_decode_equals_full_recompute(smollm2: LoadedModel) -> None:
-    prompt = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
-    _cached_vs_full(smollm2, prompt, [253, 2475, 314, 2365, 28], chunk=5)
+def test_smollm2_kv_cached_decode_equals_full_recompute(cpu_model: LoadedModel) -> None:
+    prompt = cpu_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    _cached_vs_full(cpu_model, prompt, [253, 2475, 314, 2365, 28], chunk=5)
 
 
 @pytest.mark.model
-def test_smollm2_batched_varlen_equals_each_alone(smollm2: LoadedModel) -> None:
-    enc = smollm2.tokenizer.encode
+def test_smollm2_batched_varlen_equals_each_alone(cpu_model: LoadedModel) -> None:
+    enc = cpu_model.tokenizer.encode
     prompts = [
         enc("Paris is"),
         enc("1, 2, 3, 4, 5, 6, 7,"),
         enc("Once upon a time, in a land far away"),
     ]
-    _batched_vs_alone(smollm2, prompts, [28, 314], [3, 0, 1])
+    _batched_vs_alone(cpu_model, prompts, [28, 314], [3, 0, 1])

@@ -28,3 +28,24 @@ def test_every_installed_route_is_specified() -> None:
     recorder = RouteRecorder()
     NativeAPI.install(NativeAPI.__new__(NativeAPI), recorder)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
+
+
+def test_core_request_path_does_not_import_transport() -> None:
+    """The dispatcher, supervisor and request path stay usable without HTTP."""
+    import ast
+
+    root = SPEC.parent.parent / "lifecycle"
+    for name in (
+        "worker_client",
+        "supervisor",
+        "frontend",
+        "detok",
+        "outputs",
+        "wire_stream",
+        "scripted_worker",
+        "child",
+    ):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m.split(".")[0] == "transport" for m in mods), name

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpu.loader import LoadedModel, load_tokenizer
 from gpu.tokenizer import Tokenizer, build_tokenizer
@@ -95,13 +97,13 @@ def test_stream_skips_specials(tiny_tok: tuple[Tokenizer, list[str]]) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_ids_match_llama_cpp(smollm2: LoadedModel) -> None:
-    tok = smollm2.tokenizer
+def test_smollm2_ids_match_llama_cpp(cpu_model: LoadedModel) -> None:
+    tok = cpu_model.tokenizer
     assert tok.vocab_size == 49152
     # llama.cpp splits digits one by one (pre "smollm"); transformers' GGUF import does not.
     assert tok.encode("  99 bottles") == [256, 41, 41, 13577]
     assert tok.encode("<|im_start|>user") == [1, 4093]
-    assert tok.eog_ids == frozenset({0, 2, 4}) and smollm2.config.eog_ids == (0, 2, 4)
+    assert tok.eog_ids == frozenset({0, 2, 4}) and cpu_model.config.eog_ids == (0, 2, 4)
     assert tok.special_ids == frozenset(range(17))
     # ids 28909 + 6414 are 64 + 16 '=': a token longer than 32 bytes must decode in full.
     assert tok.encode("=" * 80) == [28909, 6414]
@@ -109,9 +111,24 @@ def test_smollm2_ids_match_llama_cpp(smollm2: LoadedModel) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_round_trip(smollm2: LoadedModel) -> None:
-    tok = smollm2.tokenizer
+def test_smollm2_round_trip(cpu_model: LoadedModel) -> None:
+    tok = cpu_model.tokenizer
     for text in ["Hello, world!", "naïve café 北京 🙂", "x = [1, 2, 3]\n\tprint(x)", "½ ¼ ¾"]:
         assert tok.decode(tok.encode(text)) == text
         stream = tok.decode_stream()
         assert "".join(stream.step(i) for i in tok.encode(text)) + stream.flush() == text
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(max_size=40))
+def test_round_trip_and_streaming_any_text(
+    tiny_tok: tuple[Tokenizer, list[str]], text: str
+) -> None:
+    tok, _ = tiny_tok
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    stream = tok.decode_stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) + stream.flush() == text

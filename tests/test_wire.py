@@ -126,3 +126,10 @@ def test_spec_names_every_frame_kind() -> None:
 def test_schema_rejects_off_spec_frames() -> None:
     with pytest.raises(Exception):
         validate_frame(cbor2.dumps([4, 0, [[1, [1, 2], None, None]]]))  # ids as an int list
+
+
+@pytest.mark.parametrize("finish", [["stop", 2], ["stop", "</s>"], ["length", 4], ["abort", "gone"]])
+def test_step_whose_first_entry_is_terminal_validates(finish) -> None:
+    # Regression: with `finish` written as one array of group choices, pycddl rejected a
+    # terminal entry in first position; the spec now spells finish as a choice of arrays.
+    validate_frame(encode_frame(Step(1, [StepEntry(1, pack_ids([3]), finish, None)])))

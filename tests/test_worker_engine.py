@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpu.dense_cache import DenseKVCache
 from gpu.engine import Engine, EngineConfig, ProtocolError
@@ -188,13 +190,18 @@ def test_stop_token_ids_stop_strings_and_bias(lm: LoadedModel) -> None:
     cut = want.index(stop_id) + 1
     got = run(engine, [(1, p, {**GREEDY, "max_new_tokens": 10, "stop_token_ids": [stop_id]}, {})])
     assert ids_of(got[1]) == want[:cut] and got[1][-1].finish == ["stop", stop_id]
-    text = lm.tokenizer.decode(want)
-    stop = text[len(lm.tokenizer.decode(want[:2])) :][:3]
-    if stop.strip() and "\ufffd" not in stop:
-        got = run(engine, [(2, p, {**GREEDY, "max_new_tokens": 10, "stop": [stop]}, {})])
-        ids = ids_of(got[2])
-        assert got[2][-1].finish == ["stop", stop] and stop in lm.tokenizer.decode(ids)
-        assert stop not in lm.tokenizer.decode(ids[:-1]) and ids == want[: len(ids)]
+    # Letters only (a large bias on every letter token), so the text is plain ASCII and
+    # a stop string can straddle a token boundary.
+    bias = {lm.tokenizer.token_to_id(ch): 100.0 for ch in "abcdefghijklmnopqrstuvwxyz"}
+    s = {**GREEDY, "max_new_tokens": 10, "logit_bias": bias}
+    letters = ids_of(run(engine, [(4, p, s, {})])[4])
+    text, head = lm.tokenizer.decode(letters), len(lm.tokenizer.decode(letters[:3]))
+    stop = text[head - 1 : head + 2]  # last char of token 3, then the next two
+    assert len(stop) == 3 and stop.isalpha() and stop not in text[: head - 1]
+    got = run(engine, [(2, p, {**s, "stop": [stop]}, {})])
+    ids = ids_of(got[2])
+    assert got[2][-1].finish == ["stop", stop] and ids == letters[: len(ids)]
+    assert stop in lm.tokenizer.decode(ids) and stop not in lm.tokenizer.decode(ids[:-1])
     forced = 7
     got = run(engine, [(3, p, {**GREEDY, "max_new_tokens": 3, "logit_bias": {forced: 1e4}}, {})])
     assert ids_of(got[3]) == [forced] * 3
@@ -258,3 +265,69 @@ def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
     assert sorted(got) == [20, 22]
     assert all(len(ids_of(v)) == 6 for v in got.values())
     assert ids_of(got[20]) != ids_of(got[22])  # seeds seed and seed + 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("submit"), st.integers(1, 30), st.integers(1, 12), st.integers(1, 3)),
+            st.tuples(st.just("abort"), st.integers(0, 20)),
+            st.tuples(st.just("step"), st.integers(1, 4)),
+        ),
+        max_size=30,
+    )
+)
+def test_any_interleaving_terminates_every_rid_once_and_leaks_nothing(
+    lm: LoadedModel, ops: list
+) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=12, block_size=4, step_tokens=16, max_running=4))
+    terminal: dict[int, int] = {}
+    submitted: list[int] = []
+    rid = 0
+
+    def seen(entries: list[StepEntry]) -> None:
+        for e in entries:
+            assert e.rid in submitted and terminal.get(e.rid, 0) == 0, e
+            if e.finish is not None:
+                terminal[e.rid] = 1
+
+    for op in ops:
+        if op[0] == "submit":
+            _, plen, new, n = op
+            s = {"temperature": 0.8, "seed": rid, "max_new_tokens": new, "n": n, "ignore_eos": True}
+            errors, done = engine.submit([SubmitEntry(rid, pack_ids([5 + rid % 50] * plen), s, {})])
+            submitted.extend(range(rid, rid + n))
+            assert sorted(r for r, _, _ in errors) == (
+                [] if not errors else list(range(rid, rid + n))
+            )
+            for r, code, _ in errors:
+                assert code == "too_long" and terminal.get(r, 0) == 0
+                terminal[r] = 1
+            seen(done)
+            rid += n
+        elif op[0] == "abort" and submitted:
+            seen(engine.abort([submitted[op[1] % len(submitted)]]))
+        else:
+            for _ in range(op[1]):
+                seen(engine.step())
+        assert engine.check() == []
+    while engine.has_work:
+        seen(engine.step())
+    assert sorted(terminal) == submitted
+    assert engine.blocks.num_free == engine.blocks.num_blocks and engine.check() == []
+
+
+def test_abort_mid_prefill_frees_its_blocks(lm: LoadedModel) -> None:
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4, step_tokens=8))
+    engine.submit(
+        [SubmitEntry(1, pack_ids(list(range(5, 45))), {**GREEDY, "max_new_tokens": 4}, {})]
+    )
+    assert engine.step() == []  # first chunk of five
+    seq = engine.seqs[1]
+    assert 0 < seq.num_computed < seq.prompt_len and engine.blocks.num_free < 64
+    (entry,) = engine.abort([1])
+    assert (
+        entry.finish == ["abort", "aborted by the frontend"] and entry.extra["prompt_tokens"] == 40
+    )
+    assert engine.blocks.num_free == 64 and engine.check() == [] and not engine.has_work

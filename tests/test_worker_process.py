@@ -156,3 +156,45 @@ def test_bad_prompt_ids_are_invalid(worker: WorkerClient) -> None:
     assert _run(worker, [1, 49152], {}).error[0] == "invalid"
     assert _run(worker, [-1], {}).error[0] == "invalid"
     assert _run(worker, [], {}).error[0] == "invalid"
+
+
+def test_seed_n_and_logprobs_on_the_real_model(worker: WorkerClient) -> None:
+    from wire import f32s_to_list, ids_to_list
+
+    prompt = [1, 504, 3458, 282, 4649, 314]  # a short English prompt
+    seeded = {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 77,
+        "max_new_tokens": 8,
+        "ignore_eos": True,
+    }
+    alone = _run(worker, prompt, seeded).ids
+    greedy = _run(worker, prompt, {**GREEDY, "max_new_tokens": 8}).ids
+    base = next(_rid)
+    for _ in range(8):
+        next(_rid)
+    worker.submit_many(
+        [
+            (base, prompt, seeded, {}),
+            (base + 1, prompt, {**GREEDY, "max_new_tokens": 8, "n": 2}, {}),
+            (base + 3, _prompts(1, 9)[0], {"temperature": 1.0, "max_new_tokens": 5}, {}),
+            (
+                base + 4,
+                prompt,
+                {**GREEDY, "max_new_tokens": 4},
+                {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2},
+            ),
+        ]
+    )
+    got = worker.wait([base, base + 1, base + 2, base + 3, base + 4])
+    assert got[base].ids == alone
+    assert got[base + 1].ids == got[base + 2].ids == greedy
+    lp = got[base + 4]
+    assert lp.ids == greedy[:4]
+    first = lp.extras[0]
+    assert len(f32s_to_list(first["prompt_logprobs"])) == len(prompt)
+    for k, extra in enumerate(lp.extras[: len(lp.ids)]):
+        (chosen,) = f32s_to_list(extra["logprobs"])
+        assert chosen <= 0 and ids_to_list(extra["top_ids"][0])[0] == lp.ids[k]
+    _idle_sound(worker)

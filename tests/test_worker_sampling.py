@@ -119,3 +119,10 @@ def test_invalid_fields_have_actionable_messages(
 def test_defaults_and_nulls() -> None:
     p, o = parse_request({"temperature": None, "stop": "x"}, {}, V, 3)
     assert p == SamplingParams(stop=("x",)) and o.logprob_start_len == -1
+
+
+def test_prompt_logprobs_beyond_the_frame_budget_are_refused() -> None:
+    opts = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1000}
+    with pytest.raises(ValueError, match="exceed the worker's frame budget"):
+        parse_request({}, opts, 49152, prompt_len=8000)
+    parse_request({}, {**opts, "logprob_start_len": 7990}, 49152, prompt_len=8000)
