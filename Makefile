@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup serve test test-full bench bench-compare bench-frontend lint clean
+.PHONY: setup serve test test-full bench bench-compare bench-frontend lint clean ci-deps
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy lifecycle transport gpu
+
+# System packages some tests need; without them those tests skip. Chromium drives the
+# /debug page test (tests/test_debug_page.py) over the DevTools protocol.
+ci-deps:
+	command -v chromium || (apt-get update && apt-get install -y chromium)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

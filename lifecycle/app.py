@@ -17,11 +17,13 @@ from lifecycle.api_native import NativeAPI, error_response
 from lifecycle.api_openai import OpenAIAPI
 from lifecycle.api_ws import WebSocketAPI
 from lifecycle.auth import DEFAULT_PUBLIC_ROUTES, Auth, AuthConfig
+from lifecycle.debug import install_debug
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.metrics import Metrics
 from lifecycle.routes import AppRouter
 from lifecycle.supervisor import Supervisor, SupervisorConfig
-from transport import Handler, Request, Response, Server, ServerConfig
+from lifecycle.tracing import TraceConfig, Tracer, worker_probe
+from transport import Handler, Request, Response, Router, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 
@@ -49,10 +51,12 @@ class AppConfig:
     restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
     api_keys: tuple[str, ...] = ()
-    admin_api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()  # also guard /debug/* (AppRouter treats it as admin)
     public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    trace: TraceConfig = TraceConfig()  # ring size, --trace-log and its rotation
+    debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +93,7 @@ class App:
     api: NativeAPI
     metrics: Metrics
     auth: Auth = field(default_factory=Auth)  # every route is already checked by AppRouter
+    tracer: Tracer | None = None
 
     @property
     def port(self) -> int:
@@ -104,10 +109,53 @@ def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
     return tokenizer, chat, model_config, path
 
 
+class _Tracing:
+    """The app's tracer: debug routes and the transition observer, or nothing at all when
+    neither the routes nor a trace log is wanted (the observer slot stays empty)."""
+
+    def __init__(self, cfg: AppConfig) -> None:
+        self.cfg = cfg
+        self.tracer: Tracer | None = None
+
+    def start(
+        self, router: Router, frontend: Frontend, supervisor: Supervisor, tg: anyio.abc.TaskGroup
+    ) -> Tracer | None:
+        cfg = self.cfg
+        if not (cfg.debug_routes or cfg.trace.log_path):
+            return None
+
+        def worker() -> str:
+            return cfg.worker or f"local pid {getattr(supervisor, 'worker_pid', None)}"
+
+        tracer = Tracer(cfg.trace, registry=frontend.registry, probe=worker_probe(worker))
+        # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
+        install_debug(router, tracer, enabled=cfg.debug_routes)
+        tracer.install()
+        tg.start_soon(tracer.run)
+        self.tracer = tracer
+        return tracer
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()  # logs what is left, then uninstalls the observer
+
+
 async def serve_app(
     cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening."""
+    tracing = _Tracing(cfg)
+    try:
+        await _serve_app(cfg, tracing, task_status)
+    finally:
+        # After every request task ended: those cancelled at shutdown are terminal by now,
+        # so their traces reach the log too.
+        tracing.close()
+
+
+async def _serve_app(
+    cfg: AppConfig, tracing: _Tracing, task_status: anyio.abc.TaskStatus[App]
+) -> None:
     sup_config = SupervisorConfig(
         worker=cfg.worker,
         worker_module=cfg.worker_module,
@@ -160,8 +208,9 @@ async def serve_app(
             )
             WebSocketAPI(api).install(router)
             metrics.install(router)
+            tracer = tracing.start(router, frontend, supervisor, tg)
             handler[0] = router
-            app = App(cfg, server, supervisor, frontend, api, metrics, auth)
+            app = App(cfg, server, supervisor, frontend, api, metrics, auth, tracer)
             task_status.started(app)
             await anyio.sleep_forever()
         finally:

@@ -88,7 +88,14 @@ def presented_key(request: Request) -> str | None:
         if scheme.lower() == "bearer" and token.strip():
             return token.strip()
     key = request.headers.get("x-api-key")
-    return key.strip() if key else None
+    if key:
+        return key.strip()
+    if request.path.startswith("/debug"):
+        # A browser cannot set headers on the debug page's own requests or its WebSocket
+        # feed: the page forwards the key it was opened with as ?key= (docs/tracing.md).
+        given = (request.query().get("key") or [""])[-1]
+        return given or None
+    return None
 
 
 class Auth:

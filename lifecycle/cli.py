@@ -8,6 +8,8 @@ import shlex
 import signal
 import sys
 
+from lifecycle.trace_cli import add_serve_options, add_trace_parser, run_trace, serve_options
+
 __all__ = ["main"]
 
 
@@ -75,9 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--log-level", default="info")
     _add_edge_flags(srv)
+    add_serve_options(srv)
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
     wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
+    add_trace_parser(sub)
     return parser
 
 
@@ -152,6 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
             else None
         ),
         **_edge_options(args),  # type: ignore[arg-type]
+        **serve_options(args),
     )
 
     async def run() -> None:
@@ -208,5 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             chat=args.chat,
             device=args.device,
         )
+    if args.command == "trace":
+        return run_trace(args)
     print(f"unknown command {args.command}", file=sys.stderr)
     return 2

@@ -107,6 +107,7 @@ class _Sink:
     def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
         if not self.dropped:
             self.buffer.append(ids, extra)
+            self.run.rec.tokens += len(ids)
             self.call.wake()
 
     def finish(self, reason: Any) -> None:

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import monotonic_ns
-from typing import Any
+from typing import Any, Protocol
 
 from transitions import Machine
 
@@ -45,8 +45,10 @@ __all__ = [
     "Registry",
     "RequestRecord",
     "TraceEntry",
+    "TransitionObserver",
     "admit",
     "new_request",
+    "set_observer",
     "spec_dict",
 ]
 
@@ -146,6 +148,29 @@ _HOT: dict[tuple[State, Event], _Hot] = {
 _FAIL: dict[State, _Hot] = {src: edge for (src, ev), edge in _HOT.items() if ev is Event.FAIL}
 _next_id = itertools.count(1)
 
+# (t_ns, src, dst, event, detail): one trace entry as the record stores it.
+RawEntry = tuple[int, State, State, Event, Any]
+
+
+class TransitionObserver(Protocol):
+    """Told of every transition and worker release in this process (``lifecycle.tracing``)."""
+
+    def transition(self, rec: RequestRecord, entry: RawEntry) -> None: ...
+
+    def released(self, rec: RequestRecord) -> None: ...
+
+
+# The one hook on the hot path: None (the default) costs one global load and one `if`
+# per edge. Module-level rather than per record so a record carries no extra slot.
+_observer: TransitionObserver | None = None
+
+
+def set_observer(observer: TransitionObserver | None) -> TransitionObserver | None:
+    """Install (or clear, with None) the process-wide observer; returns the previous one."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
 
 class RequestRecord:
     """One request's lifecycle: its state, error cause, trace and what the worker holds.
@@ -164,6 +189,7 @@ class RequestRecord:
         "_trace",
         "held_by_worker",
         "created_ns",
+        "tokens",
     )
 
     def __init__(self, id: int, client_rid: str | None = None) -> None:
@@ -175,6 +201,9 @@ class RequestRecord:
         self._trace: list[tuple[int, State, State, Event, Any]] = []
         self.held_by_worker = False
         self.created_ns = monotonic_ns()
+        # Output tokens received so far, all samples together: progress is a counter the
+        # request path bumps, never an edge (the debug routes and traces report it).
+        self.tokens = 0
 
     def __repr__(self) -> str:
         cause = f" cause={self.cause.value}" if self.cause else ""
@@ -201,10 +230,13 @@ class RequestRecord:
             raise GuardRefused(
                 f"request {self.id}: guard refused {event.value!r} from {src.value!r}"
             )
-        self._trace.append((monotonic_ns(), src, dst, event, detail))
+        entry = (monotonic_ns(), src, dst, event, detail)
+        self._trace.append(entry)
         self.state = dst
         if hold is not None:
             self.held_by_worker = hold
+        if _observer is not None:
+            _observer.transition(self, entry)
 
     def fail(self, cause: Cause, detail: str | None = None) -> bool:
         """Move to ERROR with ``cause`` from any live state; False if already terminal.
@@ -217,13 +249,18 @@ class RequestRecord:
             return False
         self.cause = cause
         self.detail = detail
-        self._trace.append((monotonic_ns(), src, edge[0], Event.FAIL, cause))
+        entry = (monotonic_ns(), src, edge[0], Event.FAIL, cause)
+        self._trace.append(entry)
         self.state = edge[0]
+        if _observer is not None:
+            _observer.transition(self, entry)
         return True
 
     def worker_released(self) -> None:
         """The worker confirmed it holds nothing more for this request."""
-        self.held_by_worker = False
+        was_held, self.held_by_worker = self.held_by_worker, False
+        if was_held and _observer is not None:
+            _observer.released(self)
 
 
 def new_request(client_rid: str | None = None) -> RequestRecord:

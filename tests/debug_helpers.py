@@ -1,0 +1,72 @@
+"""A real server with only the debug routes, and requests driven through the FSM by hand.
+
+Until the full app is wired, this is how the debug routes and the page are exercised: a
+transport ``Server`` serving ``install_debug`` over a ``Registry`` whose records a test
+moves through the real state machine (the same calls the request path makes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from lifecycle.debug import Auth, install_debug
+from lifecycle.fsm import Registry, RequestRecord, new_request
+from lifecycle.states import Cause, Event
+from lifecycle.tracing import TraceConfig, Tracer
+from transport import Router, Server, ServerConfig
+
+TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)
+
+
+@dataclass
+class DebugServer:
+    port: int
+    registry: Registry
+    tracer: Tracer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, rid: str | None = None, upto: int = len(TO_STREAMING)) -> RequestRecord:
+        """A new request, registered and moved ``upto`` edges along the happy path."""
+        rec = new_request(rid)
+        self.registry.add(rec)
+        for ev in TO_STREAMING[:upto]:
+            rec.fire(ev)
+        return rec
+
+    def finish(self, rec: RequestRecord, cause: Cause | None = None) -> None:
+        """End it (done, or error(cause)), let the worker go, and leave the registry."""
+        if cause is None:
+            rec.fire(Event.FINISH)
+        else:
+            rec.fail(cause, f"ended with {cause.value}")
+        self.registry.remove(rec)
+        self.registry.worker_released(rec.id)
+
+
+@asynccontextmanager
+async def debug_server(
+    *, auth: Auth | None = None, enabled: bool = True, **trace: Any
+) -> AsyncIterator[DebugServer]:
+    registry = Registry()
+    tracer = Tracer(TraceConfig(**trace), registry=registry)
+    router = Router()
+    install_debug(router, tracer, enabled=enabled, auth=auth)
+    server = Server(router, ServerConfig(port=0, shutdown_timeout=2))
+    with tracer:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tracer.run)
+            bound = await tg.start(server.serve)
+            try:
+                yield DebugServer(bound[0][1], registry, tracer)
+            finally:
+                with anyio.fail_after(10):
+                    await server.shutdown()
+                tg.cancel_scope.cancel()
