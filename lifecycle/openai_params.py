@@ -296,11 +296,12 @@ def chat_messages(raw: Any) -> list[dict[str, str]]:
         raise _bad("messages must be a non-empty list.", "messages")
     out = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
             raise _bad(
                 f"messages[{i}] must be an object with a role in {sorted(_ROLES)}.", "messages"
             )
-        role = "system" if m["role"] == "developer" else m["role"]
+        role = "system" if role == "developer" else role
         out.append({"role": role, "content": _content(m, i)})
     return out
 

@@ -72,7 +72,7 @@ async def _own(owner: _Owner) -> None:
 def harness() -> Iterator[_Harness]:
     from lifecycle.app import _load_tokenizer
 
-    tokenizer, model_config, _ = _load_tokenizer(None)
+    tokenizer, _chat, model_config, _ = _load_tokenizer(None)
     with start_blocking_portal() as portal:
         sup = Supervisor(SUPERVISOR)
         running = portal.start_task_soon(sup.run)

@@ -111,3 +111,12 @@ def test_chat_features_we_lack_are_400_unless_null() -> None:
         with pytest.raises(OpenAIError) as info:
             parse_chat({"messages": USER, name: value}, **OPTS)
         assert info.value.param == name and "not supported" in info.value.message
+
+
+@pytest.mark.parametrize("role", [{}, [], None, 3, "robot"])
+def test_chat_message_with_a_non_string_role_is_400(role: Any) -> None:
+    # Regression: an object as the role raised TypeError (unhashable) -> 500; found by
+    # schemathesis against the live server.
+    with pytest.raises(OpenAIError) as err:
+        parse_chat({"messages": [{"role": role, "content": None}]}, **OPTS)
+    assert err.value.status == 400
