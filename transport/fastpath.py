@@ -5,7 +5,7 @@ body that arrive in one read, answered with one Content-Length response. h11 spe
 about 100 µs on such an exchange; this module does it in a few µs by accepting only a
 strict subset of what h11 accepts (RFC 9112 section 3 request line, section 5 field
 lines with h11's own grammar, one Host, at most one Content-Length, no
-Transfer-Encoding, Expect or Upgrade, HTTP/1.1 only) and declining everything else.
+Transfer-Encoding, Expect or Upgrade, no CONNECT, HTTP/1.1 only) and declining everything else.
 A declined request, or a response this module will not write, goes through h11 with
 the request's original bytes, so h11 still judges every case this module does not
 handle, and answers them exactly as before.
@@ -23,7 +23,7 @@ __all__ = ["NEED_MORE", "FastRequest", "encode_response", "parse_request"]
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _VCHAR = rb"[^\x00\s]"
 _VALUE = rb"(?:" + _VCHAR + rb"+(?:[ \t]+" + _VCHAR + rb"+)*)?"
-_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") (/" + _VCHAR + rb"*) HTTP/1\.1").fullmatch
+_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") (/[\x21-\x7e]*) HTTP/1\.1").fullmatch
 _FIELD_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")[ \t]*").fullmatch
 _NAME_OK = re.compile(_TOKEN).fullmatch
 _VALUE_OK = re.compile(_VALUE).fullmatch
@@ -62,7 +62,7 @@ def parse_request(buf: bytes, max_head: int, max_body: int) -> FastRequest | obj
         return None
     lines = buf[:end].split(b"\r\n")
     first = _REQUEST_LINE(lines[0])
-    if first is None:
+    if first is None or first.group(1) == b"CONNECT":  # h11 may switch protocols on it
         return None
     headers: list[tuple[bytes, bytes]] = []
     hosts = 0

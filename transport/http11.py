@@ -1,11 +1,13 @@
 """One HTTP/1.1 connection: a sans-IO core (the fast path, else h11) driven by one task.
 
 The connection's task reads each request head, runs the handler and writes the
-response. A second task, the watcher, reads the socket only while someone needs it to:
-while a request body is still arriving (it feeds the bounded body queue), and from the
-moment a handler looks at ``request.disconnected`` or returns a stream until the
-response is done, so that EOF or a reset sets ``request.disconnected`` without any
-write. Between those times it sleeps, so a plain request costs no task switch.
+response, so a plain request costs no task switch. A second task, the reader, starts
+the first time it is needed: a request body still arriving (it feeds the bounded body
+queue), or a handler looking at ``request.disconnected`` (streams do), which needs
+someone reading while the handler runs so that EOF or a reset sets it without any
+write. From then on the reader owns every read for the rest of the connection and the
+connection's task parses what it delivers: stopping and restarting it per request
+would cost a cancellation each time, more than the hand-off it saves.
 
 Small complete requests take the fast path (``fastpath``); anything else, or a response
 the fast path will not write, is handed to h11 with the request's own bytes. Pipelined
@@ -105,12 +107,15 @@ class HTTPConnection(ResponseWriter):
         self._send_since: float | None = None
         self._body: BodyQueue | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        # The reader task: started by the first request that needs it, then it reads for
+        # the rest of the connection and this task waits on ``_arrived`` instead.
         self._watching = False
-        self._watcher_started = False
         self._upgraded = False
-        self._watch_scope: anyio.CancelScope | None = None
-        self._watch_wake: anyio.Event | None = None
-        self._watch_parked: anyio.Event | None = None
+        self._reading_over = False
+        self._reader_scope = anyio.CancelScope()
+        self._reader_done: anyio.Event | None = None
+        self._arrived: anyio.Event | None = None
+        self._room: anyio.Event | None = None
         # The running backend's own classes: anyio.Event() / anyio.CancelScope() look the
         # backend up on every call.
         self._new_event = type(anyio.Event())
@@ -155,8 +160,6 @@ class HTTPConnection(ResponseWriter):
                 await self._send_error(item.status, item.message)
                 return
             keep_alive = await self._respond(item)
-            if self._watching:
-                await self._stop_watching()
             self.current = None
             if not keep_alive or self.server.draining or not self._next_cycle():
                 return
@@ -165,6 +168,7 @@ class HTTPConnection(ResponseWriter):
     def _next_cycle(self) -> bool:
         if self._eof:
             return False
+        self._make_room()
         if self._live:
             conn = self.h11
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -193,7 +197,7 @@ class HTTPConnection(ResponseWriter):
                     return self._fast_request(found)
                 if found is not fastpath.NEED_MORE:
                     self._go_live()
-                elif not await self._fill(hold=False):
+                elif not await self._fill(by_reader=False):
                     return self._failure
                 continue
             try:
@@ -201,7 +205,7 @@ class HTTPConnection(ResponseWriter):
             except h11.RemoteProtocolError as exc:
                 return _Failure(exc.error_status_hint, str(exc))
             if event is h11.NEED_DATA or event is h11.PAUSED:
-                if not await self._fill(hold=False):
+                if not await self._fill(by_reader=False):
                     return self._failure
             elif type(event) is h11.Request:
                 return self._on_request(event)
@@ -286,17 +290,19 @@ class HTTPConnection(ResponseWriter):
         self._want_watch(request)  # the watcher streams the rest of the body in
         return request
 
-    async def _fill(self, hold: bool) -> bool:
+    async def _fill(self, by_reader: bool) -> bool:
         """Read once into the buffer or h11; False when the reading side is finished."""
-        if self._eof:
+        if self._eof or self._reading_over:
             return False
+        if self._watching and not by_reader:  # the reader task reads: wait for what it gets
+            self._make_room()
+            self._arrived = arrived = self._new_event()
+            await arrived.wait()
+            return not self._reading_over
         data = b""
         with self._new_scope() as scope:  # cancelled by check_deadlines
             self._read_scope = scope
             try:
-                if hold and self._held() > self.config.max_header_bytes:
-                    # Enough pipelined bytes held until the current response is done.
-                    await anyio.sleep_forever()
                 data = await self.stream.receive(65536)
             except (anyio.EndOfStream, *_STREAM_ERRORS):
                 data = b""
@@ -356,45 +362,53 @@ class HTTPConnection(ResponseWriter):
             self._graceful = False
             self.scope.cancel()
 
-    # ---------------------------------------------------------------- watcher
+    # ----------------------------------------------------------------- reader
     def _want_watch(self, request: Request) -> None:
-        """Read beside the handler from now until the response is done (sync: it is called
-        from ``request.disconnected``)."""
-        if request is not self.current or self._watching or self._eof or self._upgraded:
+        """Start the reader task (sync: ``request.disconnected`` calls it on first use)."""
+        if request is not self.current or self._watching or self._upgraded or self._tg is None:
             return
-        if self._tg is None:
+        if self._eof or self._reading_over:
             return
         self._watching = True
-        self._watch_scope = self._new_scope()  # cancelled before entry still cancels
-        if self._watch_wake is not None:
-            self._watch_wake.set()
-        elif not self._watcher_started:
-            self._watcher_started = True
-            self._tg.start_soon(self._watcher)
+        self._reader_done = self._new_event()
+        self._tg.start_soon(self._reader)
 
-    async def _watcher(self) -> None:
-        """The connection's second task: sleeps until wanted, then reads until stopped."""
-        while True:
-            assert self._watch_scope is not None
-            with self._watch_scope:
-                await self._watch()
-            self._watching = False
-            if self._watch_parked is not None:
-                self._watch_parked.set()
-                self._watch_parked = None
-            self._watch_wake = wake = self._new_event()
-            await wake.wait()
-            self._watch_wake = None
+    async def _reader(self) -> None:
+        """Read for the rest of the connection: bodies into their queue, EOF into
+        ``request.disconnected``, heads into the buffer the connection task parses."""
+        try:
+            with self._reader_scope:
+                while True:
+                    if self._held() > self.config.max_header_bytes:
+                        # Enough pipelined bytes held until the current response is done.
+                        self._room = room = self._new_event()
+                        await room.wait()
+                    if not await self._fill(by_reader=True):
+                        return
+                    self._wake_main()
+                    if self._body is not None and not await self._take_body_events():
+                        return
+        finally:
+            self._reading_over = True
+            self._wake_main()
+            assert self._reader_done is not None
+            self._reader_done.set()
+
+    def _wake_main(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
+    def _make_room(self) -> None:
+        if self._room is not None:
+            self._room.set()
+            self._room = None
 
     async def _stop_watching(self) -> None:
-        self._watch_parked = parked = self._new_event()
-        assert self._watch_scope is not None
-        self._watch_scope.cancel()
-        await parked.wait()
-
-    async def _watch(self) -> None:
-        while (not self._live or await self._take_body_events()) and await self._fill(hold=True):
-            pass
+        """Stop the reader for good (a WebSocket takes the socket over)."""
+        self._reader_scope.cancel()
+        assert self._reader_done is not None
+        await self._reader_done.wait()
 
     async def _take_body_events(self) -> bool:
         """Move what h11 has parsed into the body queue; False when reading should stop."""
