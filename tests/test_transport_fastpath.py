@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from transport import Request, Response, Router, ServerConfig, wire
-from transport.fastpath import NEED_MORE, FastRequest, encode_response, parse_request
+from transport.fastpath import NEED_BODY, NEED_MORE, FastRequest, encode_response, parse_request
 from transport.http11 import HTTPConnection
 
 from .transport_helpers import RawClient, request_bytes
@@ -112,6 +112,9 @@ def test_every_request_the_fast_path_takes_h11_reads_the_same(data: bytes) -> No
     if found is NEED_MORE:
         assert b"\r\n\r\n" not in data
         return
+    if found is NEED_BODY:  # the head h11 would accept too; its body is short
+        assert h11_view(data) is None
+        return
     if found is None:
         return  # h11 decides: the driver hands these bytes over
     assert isinstance(found, FastRequest)
@@ -126,10 +129,10 @@ def test_every_request_the_fast_path_takes_h11_reads_the_same(data: bytes) -> No
 def test_what_the_fast_path_declines() -> None:
     ok = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\nhi"
     assert isinstance(parse_request(ok, MAX_HEAD, MAX_BODY), FastRequest)
-    assert parse_request(ok[:-1], MAX_HEAD, MAX_BODY) is None  # body still coming: h11 streams
+    assert parse_request(ok[:-1], MAX_HEAD, MAX_BODY) is NEED_BODY  # small: worth the wait
     assert parse_request(ok[:20], MAX_HEAD, MAX_BODY) is NEED_MORE
     assert parse_request(b"G" * (MAX_HEAD + 1), MAX_HEAD, MAX_BODY) is None  # h11 says 431
-    assert parse_request(ok, MAX_HEAD, 1) is None  # large bodies go through the body queue
+    assert parse_request(ok, MAX_HEAD, 1) is None  # large bodies stream through h11's queue
     for extra in (b"expect: 100-continue", b"transfer-encoding: chunked", b"upgrade: websocket"):
         assert parse_request(ok.replace(b"host: a", b"host: a\r\n" + extra), MAX_HEAD, 99) is None
 
@@ -300,3 +303,29 @@ async def test_a_response_the_fast_path_declines_is_written_by_h11() -> None:
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
                 pass
         assert received == b""  # the invalid header never reached the wire
+
+
+@pytest.mark.anyio
+async def test_head_and_body_written_apart_stay_on_the_fast_path() -> None:
+    async with connection([]) as (conn, client):
+        data = request_bytes("POST", "/echo", b"later")
+        await client.send(data[:-5])  # as httpx does: the head, then the body
+        await anyio.sleep(0.02)
+        await client.send(data[-5:])
+        assert (await client.response(method="POST"))[1] == b"later"
+        assert not conn._live
+
+
+@pytest.mark.anyio
+async def test_small_body_that_never_comes_is_408() -> None:
+    left, right = socket.socketpair()
+    server = await anyio.abc.SocketStream.from_socket(left)
+    client = RawClient(await anyio.abc.SocketStream.from_socket(right))
+    conn = HTTPConnection(server, make_router([]), ServerConfig(body_timeout=0.1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(conn.run)
+        await client.send(request_bytes("POST", "/echo", b"promised")[:-3])
+        head, _ = await client.response(method="POST")
+        assert head.status_code == 408
+        assert await client.closed()
+        await client.stream.aclose()

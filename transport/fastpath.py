@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["NEED_MORE", "FastRequest", "encode_response", "parse_request"]
+__all__ = ["NEED_BODY", "NEED_MORE", "FastRequest", "encode_response", "parse_request"]
 
 # h11's grammar (h11/_abnf.py), so anything accepted here h11 would accept too.
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
@@ -34,7 +34,8 @@ _DECLINE: Final = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te")
 # Response headers the writer owns; a handler that sets one goes through h11.
 _OWNED: Final = frozenset(("content-length", "transfer-encoding", "connection"))
 
-NEED_MORE: Final = object()  # the head (or its body) is not all here yet
+NEED_MORE: Final = object()  # the head is not all here yet
+NEED_BODY: Final = object()  # a good head is here, its (small) body not all yet
 
 
 @dataclass(slots=True)
@@ -50,10 +51,10 @@ class FastRequest:
 
 
 def parse_request(buf: bytes, max_head: int, max_body: int) -> FastRequest | object | None:
-    """A request from the front of ``buf``; ``NEED_MORE``; or None to hand it to h11.
-
-    None is also the answer for a head with its body still on the way: h11 streams
-    bodies through the bounded queue with their own deadline.
+    """A request from the front of ``buf``; ``NEED_MORE`` or ``NEED_BODY``; or None to
+    hand it to h11. Bodies over ``max_body`` go to h11, which streams them through the
+    bounded body queue; smaller ones are worth waiting for (clients often write the
+    head and the body separately).
     """
     end = buf.find(b"\r\n\r\n")
     if end < 0:
@@ -89,8 +90,10 @@ def parse_request(buf: bytes, max_head: int, max_body: int) -> FastRequest | obj
         return None
     start = end + 4
     size = start + (int(length) if length is not None else 0)
-    if size - start > max_body or size > len(buf):
+    if size - start > max_body:
         return None
+    if size > len(buf):
+        return NEED_BODY
     return FastRequest(
         first.group(1).decode("ascii"),
         first.group(2).decode("latin-1"),

@@ -195,9 +195,12 @@ class HTTPConnection(ResponseWriter):
                 )
                 if type(found) is fastpath.FastRequest:
                     return self._fast_request(found)
-                if found is not fastpath.NEED_MORE:
+                if found is None:
                     self._go_live()
-                elif not await self._fill(by_reader=False):
+                    continue
+                if found is fastpath.NEED_BODY and self._phase is not _Phase.BODY:
+                    self._set_body_deadline()  # the head is in: the body has its own time
+                if not await self._fill(by_reader=False):
                     return self._failure
                 continue
             try:
@@ -328,6 +331,8 @@ class HTTPConnection(ResponseWriter):
         phase = self._phase
         if phase is _Phase.BODY and self._body is not None:
             self._body.fail(HTTPError(408, "Request body timeout"))
+        elif phase is _Phase.BODY and not self._live:  # a fast request's body never came
+            self._failure = _Failure(408, "Request body timeout")
         elif phase is _Phase.HEAD and (self._buf or self.h11.trailing_data[0]):
             self._failure = _Failure(408, "Request header timeout")
         return False  # an idle connection that timed out just closes
