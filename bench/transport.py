@@ -7,12 +7,16 @@ sockets, keep-alive, one request in flight per connection, at 1 and 32 connectio
 
     python bench/transport.py            # the whole comparison, under a minute
     python bench/transport.py --seconds 3 --rounds 5
+    python bench/transport.py --against /path/to/other/checkout   # A/B two transports
+
+With uvloop installed every server runs on it (``--loop uvloop``), uvicorn included.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import socket
 import statistics
@@ -61,11 +65,13 @@ def pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def serve(kind: str, port: int) -> None:
+def serve(kind: str, port: int, loop: str, root: str = str(ROOT)) -> None:
     pin(0)
     if kind == "lifecycle":
-        sys.path.insert(0, str(ROOT))
-        from transport import Request, Response, Router, ServerConfig, run
+        sys.path.insert(0, root)
+        import anyio
+
+        from transport import Request, Response, Router, Server, ServerConfig
 
         router = Router()
 
@@ -73,12 +79,13 @@ def serve(kind: str, port: int) -> None:
         async def echo(request: Request) -> Response:
             return Response(answer(await request.json()), content_type="application/json")
 
-        run(router, ServerConfig(port=port))
+        server = Server(router, ServerConfig(port=port))
+        anyio.run(server.serve, backend_options={"use_uvloop": loop == "uvloop"})
         return
     if kind == "bare-anyio-h11":
         import anyio
 
-        anyio.run(_bare_serve, port)
+        anyio.run(_bare_serve, port, backend_options={"use_uvloop": loop == "uvloop"})
         return
     import uvicorn
 
@@ -109,7 +116,7 @@ def serve(kind: str, port: int) -> None:
         host="127.0.0.1",
         port=port,
         http=kind.split("-")[1],
-        loop="asyncio",
+        loop=loop,
         log_level="warning",
         access_log=False,
         lifespan="off",
@@ -234,16 +241,19 @@ def _measure(
     return float(rate), (_cpu_seconds(proc.pid) - cpu0) / int(sent) * 1e6
 
 
-def compare(seconds: float, rounds: int) -> None:
+def compare(seconds: float, rounds: int, loop: str, against: str | None) -> None:
     """All servers up at once (idle ones cost nothing); rounds interleave them so that
     load from other jobs on the box falls on all of them alike; medians are reported."""
     procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    servers = {kind: [kind, str(ROOT)] for kind in SERVERS}
+    if against is not None:
+        servers["lifecycle@against"] = ["lifecycle", against]
     try:
-        for kind in SERVERS:
+        for name, (kind, root) in servers.items():
             port = _free_port()
-            procs[kind] = (
-                subprocess.Popen([sys.executable, __file__, "serve", kind, str(port)]),
+            procs[name] = (
+                subprocess.Popen([sys.executable, __file__, "serve", kind, str(port), loop, root]),
                 port,
             )
         for proc, port in procs.values():
@@ -260,9 +270,12 @@ def compare(seconds: float, rounds: int) -> None:
             proc.wait(10)
     rate = {k: statistics.median(r for r, _ in v) for k, v in samples.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
-    print(f"\nsmall JSON POST ({len(REQUEST)} B request, keep-alive), median of {rounds} rounds")
+    print(
+        f"\nsmall JSON POST ({len(REQUEST)} B request, keep-alive), {loop} loop,"
+        f" median of {rounds} rounds"
+    )
     print(f"{'server':<20}{'req/s c=1':>11}{'c=32':>8}   server CPU µs/request c=1, c=32")
-    for kind in SERVERS:
+    for kind in servers:
         print(
             f"{kind:<20}{rate[kind, 1]:>11.0f}{rate[kind, 32]:>8.0f}"
             f"   {cpu[kind, 1]:>8.0f}{cpu[kind, 32]:>8.0f}"
@@ -275,19 +288,25 @@ def compare(seconds: float, rounds: int) -> None:
         )
 
 
+def _default_loop() -> str:
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="compare", choices=["compare", "serve", "load"])
     parser.add_argument("args", nargs="*")
     parser.add_argument("--seconds", type=float, default=1.2, help="per load run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default=_default_loop())
+    parser.add_argument("--against", help="another checkout whose transport runs beside ours")
     ns = parser.parse_args()
     if ns.mode == "serve":
-        serve(ns.args[0], int(ns.args[1]))
+        serve(ns.args[0], int(ns.args[1]), *ns.args[2:])
     elif ns.mode == "load":
         load(int(ns.args[0]), int(ns.args[1]), float(ns.args[2]))
     else:
-        compare(ns.seconds, ns.rounds)
+        compare(ns.seconds, ns.rounds, ns.loop, ns.against)
 
 
 if __name__ == "__main__":

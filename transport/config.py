@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = ["ServerConfig"]
+
+_FIELD_VALUE = re.compile(r"[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,5 +55,7 @@ class ServerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0")
+        if not _FIELD_VALUE.fullmatch(self.server_header):  # written as is, every response
+            raise ValueError("ServerConfig.server_header must be a valid header value")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together")

@@ -157,6 +157,7 @@ class Request:
         "_body",
         "_cached",
         "_on_first_pull",
+        "_on_watch",
         "client",
         "_disconnected",
         "disconnect_reason",
@@ -189,6 +190,8 @@ class Request:
         self._body = body
         self._cached: bytes | None = None if body is not None else b""
         self._on_first_pull: Callable[[], Awaitable[None]] | None = None
+        # Set by the connection: the first look at ``disconnected`` starts its watcher.
+        self._on_watch: Callable[[Request], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Request {self.method} {self.path!r}>"
@@ -200,6 +203,8 @@ class Request:
     def disconnected(self) -> anyio.Event:
         if self._disconnected is None:
             self._disconnected = anyio.Event()
+            if self._on_watch is not None:
+                self._on_watch(self)
         return self._disconnected
 
     def is_disconnected(self) -> bool:
@@ -209,7 +214,9 @@ class Request:
         """Record why the client is gone (first reason wins) and wake whoever waits."""
         if self.disconnect_reason is None:
             self.disconnect_reason = reason
-        self.disconnected.set()
+        if self._disconnected is None:  # not via the property: nobody needs a watcher now
+            self._disconnected = anyio.Event()
+        self._disconnected.set()
 
     async def stream(self) -> AsyncIterator[bytes]:
         if self._cached is not None:

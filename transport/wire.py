@@ -18,6 +18,7 @@ __all__ = [
     "close_stream",
     "error_response",
     "http_date",
+    "preamble",
     "reason",
     "response_headers",
     "scan_head",
@@ -43,6 +44,19 @@ def http_date() -> bytes:
         _date_cache[0] = now
         _date_cache[1] = formatdate(now, usegmt=True).encode("ascii")
     return _date_cache[1]
+
+
+_preambles: dict[str, tuple[bytes, bytes]] = {}
+
+
+def preamble(server: str) -> bytes:
+    """The Date and Server header lines every response starts with, built once a second."""
+    date = http_date()
+    entry = _preambles.get(server)
+    if entry is None or entry[0] is not date:
+        entry = (date, b"date: " + date + b"\r\nserver: " + server.encode("latin-1") + b"\r\n")
+        _preambles[server] = entry
+    return entry[1]
 
 
 def response_headers(
