@@ -27,7 +27,9 @@ class ServerConfig:
     uds: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    max_connections: int = 1000
+    # Sized so that 1,000 slowloris connections still leave room for real clients; the
+    # server raises the process's open-file soft limit to fit (see Server.serve).
+    max_connections: int = 4096
     max_header_bytes: int = 16384
     max_body_bytes: int = 8 * 1024 * 1024
     header_timeout: float = 10.0

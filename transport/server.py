@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import resource
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -66,6 +67,7 @@ class Server:
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        _fit_open_file_limit(self.config.max_connections)
         listener = await self._open_listener()
         try:
             async with anyio.create_task_group() as connections:
@@ -144,6 +146,17 @@ class Server:
             self._connections.discard(conn)
             if self.draining and not self._connections:
                 self._all_closed.set()
+
+
+def _fit_open_file_limit(max_connections: int) -> None:
+    """Raise the soft RLIMIT_NOFILE (within the hard one) so the connection limit, not
+    accept() failing with EMFILE, is what refuses clients."""
+    want = max_connections + 256  # listeners, the worker socket, logs, files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _client(stream: anyio.abc.ByteStream) -> tuple[str, int] | None:
