@@ -272,7 +272,7 @@ class PagedKVCache:
         vc.index_copy_(1, lay.slots, v.transpose(0, 1))
         outs = []
         if lay.dec_blocks is not None and lay.dec_bias is not None:
-            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay))
+            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay.dec_blocks, lay.dec_bias))
         for row, n, index, mask in lay.prefills:
             if mask is None:  # nothing cached before the chunk: its own k/v are all the keys
                 keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
@@ -290,7 +290,7 @@ class PagedKVCache:
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, kc: Tensor, vc: Tensor, q: Tensor, lay: _Layout) -> Tensor:
+    def _decode(self, kc: Tensor, vc: Tensor, q: Tensor, blocks: Tensor, bias: Tensor) -> Tensor:
         """One query per sequence, GQA folded into ``baddbmm``/``bmm``.
 
         The G query heads sharing a kv head are G rows against its keys (no kv
@@ -300,11 +300,11 @@ class PagedKVCache:
         d, h, hd = q.shape
         kv, bs = self.n_kv_heads, self.block_size
         shape = (kv * d, -1, hd)
-        keys = kc.view(kv, self.num_blocks, bs * hd).index_select(1, lay.dec_blocks)
-        vals = vc.view(kv, self.num_blocks, bs * hd).index_select(1, lay.dec_blocks)
+        keys = kc.view(kv, self.num_blocks, bs * hd).index_select(1, blocks)
+        vals = vc.view(kv, self.num_blocks, bs * hd).index_select(1, blocks)
         keys, vals = keys.view(shape), vals.view(shape)
         qg = q.view(d, kv, h // kv, hd).transpose(0, 1).reshape(kv * d, h // kv, hd)
-        scores = torch.baddbmm(lay.dec_bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
         probs = scores.softmax(-1, dtype=torch.float32).to(vals.dtype)  # fp32 as HF does
         out = torch.bmm(probs, vals)
         return out.view(kv, d, h // kv, hd).transpose(0, 1).reshape(d, h, hd)
