@@ -9,13 +9,18 @@ idle machine. ``python bench/model_step.py [THREADS]``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
+# As the worker does (gpu/worker.py): idle OpenMP threads sleep instead of spinning,
+# which on a shared CPU otherwise stalls every op's barrier.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
