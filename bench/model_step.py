@@ -2,25 +2,30 @@
 
 Prints prefill tokens/s for a 512-token prompt, decode step time at batch 1/8/32/64
 (independent sequences, ~128 tokens of context each), and the same matmul shapes timed
-bare (``F.linear`` with the model's weight shapes at those row counts) so the gap
-between the model and its matmul floor is visible. Runs in well under a minute on an
+bare (the model's packed projections at those row counts, and plain ``F.linear`` on the
+same weights) so the gap between the model and its matmul floor is visible. Runs in well under a minute on an
 idle machine. ``python bench/model_step.py [THREADS]``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
+# As the worker does (gpu/worker.py): idle OpenMP threads sleep instead of spinning,
+# which on a shared CPU otherwise stalls every op's barrier.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.model import DenseKVCache  # noqa: E402
+from gpu.model import DenseKVCache, PackedLinear  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 128
@@ -66,19 +71,26 @@ def decode_ms(lm: LoadedModel, cache: DenseKVCache, batch: int) -> float:
     return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
 
 
-def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
-    """(one layer's four projections x n_layers, the LM head) at ``rows`` rows."""
+def bare_matmul_ms(lm: LoadedModel, rows: int, packed: bool) -> tuple[float, float]:
+    """(one layer's four projections x n_layers, the LM head) at ``rows`` rows.
+
+    ``packed``: through the model's ``PackedLinear`` (what the forward runs), else
+    plain ``F.linear`` on the same weights, for comparison.
+    """
     layer = lm.model.layers[0]
-    weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
-    xs = [torch.randn(rows, w.shape[1]) for w in weights]
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    xs = [torch.randn(rows, lin.weight.shape[1]) for lin in linears]
     head_x = torch.randn(rows, lm.config.hidden)
 
+    def run(lin: PackedLinear, x: torch.Tensor) -> object:
+        return lin(x) if packed else F.linear(x, lin.weight)
+
     def layer_mm() -> None:
-        for x, w in zip(xs, weights, strict=True):
-            F.linear(x, w)
+        for x, lin in zip(xs, linears, strict=True):
+            run(lin, x)
 
     per_layer = median_ms(layer_mm, runs=15, warmup=3)
-    head = median_ms(lambda: F.linear(head_x, lm.model.lm_head), runs=7)
+    head = median_ms(lambda: run(lm.model.head, head_x), runs=7)
     return per_layer * lm.config.n_layers, head
 
 
@@ -94,14 +106,14 @@ def main() -> int:
         print(f"prefill {PROMPT} tokens: {ms:.0f} ms = {PROMPT / ms * 1e3:.0f} tok/s")
         cache = DenseKVCache(lm.config, max(BATCHES), CONTEXT + 1)
         print(f"decode step, context {CONTEXT} per sequence, logits for every row:")
-        print(
-            f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} {'+ head)':>8}"
-        )
+        print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} "
+              f"{'+ head)':>8} {'F.linear ms':>12}")  # fmt: skip
         for b in BATCHES:
             step = decode_ms(lm, cache, b)
-            layers, head = bare_matmul_ms(lm, b)
+            layers, head = bare_matmul_ms(lm, b, packed=True)
+            plain = sum(bare_matmul_ms(lm, b, packed=False))
             print(f"{b:>5} {step:>8.1f} {b / step * 1e3:>7.0f} {layers + head:>11.1f} "
-                  f"{layers:>8.1f} {head:>8.1f}")  # fmt: skip
+                  f"{layers:>8.1f} {head:>8.1f} {plain:>12.1f}")  # fmt: skip
     return 0
 
 

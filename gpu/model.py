@@ -7,6 +7,11 @@ the KV cache; the model itself is stateless between steps.
 Per-step op count matters on CPU (~2 us of dispatch per op, 30 layers), hence fused
 QKV and gate/up projections, one ``addcmul`` for RoPE on q and k together, and a
 precomputed cos/sin table indexed once per step.
+
+On CPU in fp32 every projection and the LM head run through oneDNN with weights
+reordered once at construction (``PackedLinear``): torch's default path (MKL sgemm)
+re-packs the whole weight on every call, which at decode row counts (1-64) cost about
+as much as the arithmetic itself.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ __all__ = [
     "DenseKVCache",
     "Llama",
     "LlamaWeights",
+    "PackedLinear",
     "rope_tables",
     "unpermute_rope_rows",
 ]
@@ -71,6 +77,35 @@ def rope_tables(
     return emb.cos(), sin
 
 
+class PackedLinear:
+    """``F.linear(x, weight)`` without bias, through a pre-reordered oneDNN weight on CPU.
+
+    Measured on the 2-core Zen 2 CPU (one thread, CPU time, SmolLM2 shapes): the 30
+    layers' four projections plus the LM head at 32 rows cost 114-117 ms against 184-188
+    ms with ``F.linear`` (which spends ~25 % of it copying weights into MKL's panel
+    format); 25 vs 35 ms at 1 row, 40 vs 82 ms at 8 rows, 1.46 vs 2.06 s at 512 rows.
+    Elsewhere (CUDA, half precision, no oneDNN) it is plain ``F.linear``. The packed
+    copy is a second tensor: the plain weight stays the model's parameter.
+    """
+
+    __slots__ = ("packed", "weight")
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.packed: Tensor | None = None
+        if (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+        ):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
 class LlamaWeights(nn.Module):
     """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused."""
 
@@ -90,6 +125,10 @@ class LlamaWeights(nn.Module):
         self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
         self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
         self.w_down = nn.Parameter(w_down, requires_grad=False)
+        self.qkv = PackedLinear(self.wqkv)
+        self.o = PackedLinear(self.wo)
+        self.gate_up = PackedLinear(self.w_gate_up)
+        self.down = PackedLinear(self.w_down)
 
 
 class Llama(nn.Module):
@@ -111,6 +150,7 @@ class Llama(nn.Module):
         self.norm = nn.Parameter(norm, requires_grad=False)
         # Tied embeddings share the tensor: no second 49152x576 copy.
         self.lm_head = self.embed if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.head = PackedLinear(self.lm_head)
         cos, sin = rope_tables(config.head_dim, config.rope_theta, config.context_length)
         self.register_buffer("rope_cos", cos.to(embed.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(embed.device), persistent=False)
@@ -138,7 +178,7 @@ class Llama(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         h = F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
-        logits = F.linear(h, self.lm_head).float()
+        logits = self.head(h).float()
         return (logits, h) if return_hidden else logits
 
     def _layer(
@@ -147,12 +187,12 @@ class Llama(nn.Module):
         c = self.config
         t = x.shape[0]
         h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
-        qkv = F.linear(h, w.wqkv)
+        qkv = w.qkv(h)
         qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
         qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         o = attn(i, qk[:, : c.n_heads], qk[:, c.n_heads :], v)
-        x = x + F.linear(o.reshape(t, c.n_heads * c.head_dim), w.wo)
+        x = x + w.o(o.reshape(t, c.n_heads * c.head_dim))
         h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
-        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = w.gate_up(h).chunk(2, dim=-1)
+        return x + w.down(F.silu(gate) * up)
