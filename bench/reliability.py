@@ -382,18 +382,19 @@ async def fig_burst(b: Bench, max_new: int) -> None:
 
 async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
     full = args.full
-    print("invalid requests ...", flush=True)
-    await fig_invalid(b, 10_000 if full else 2_000, vocab)
-    print("disconnects ...", flush=True)
-    await fig_disconnects(b, 1_000 if full else 200, args.tokens)
-    print("worker kill ...", flush=True)
-    await fig_worker_kill(b, MAX_PENDING, args.tokens)
-    print("stalled reader ...", flush=True)
-    await fig_stalled_reader(b, args.tokens // 2)
-    print("slowloris ...", flush=True)
-    await fig_slowloris(b, 1_000 if full else 300)
-    print("burst ...", flush=True)
-    await fig_burst(b, 8)
+    figures = {
+        "invalid": lambda: fig_invalid(b, 10_000 if full else 2_000, vocab),
+        "disconnects": lambda: fig_disconnects(b, 1_000 if full else 200, args.tokens),
+        "worker-kill": lambda: fig_worker_kill(b, MAX_PENDING, args.tokens),
+        "stalled-reader": lambda: fig_stalled_reader(b, args.tokens // 2),
+        "slowloris": lambda: fig_slowloris(b, 1_000 if full else 300),
+        "burst": lambda: fig_burst(b, 8),
+    }
+    for name, figure in figures.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"{name} ...", flush=True)
+        await figure()
 
 
 def main() -> int:
@@ -401,6 +402,12 @@ def main() -> int:
     p.add_argument("--full", action="store_true", help="the issue's counts")
     p.add_argument("--scripted", action="store_true", help="scripted worker, no model")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens of long requests")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=["invalid", "disconnects", "worker-kill", "stalled-reader", "slowloris", "burst"],
+        help="run just this figure (repeatable)",
+    )
     args = p.parse_args()
     port = free_port()
     cmd = [
