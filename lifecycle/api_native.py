@@ -57,6 +57,22 @@ async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
+async def run_unary(call: GenerateCall, request: Request) -> Response | None:
+    """Run ``call`` to its end unless the client leaves first (watched without writing).
+
+    None when the call ended; otherwise the call is closed with the cause the transport
+    reported and the 499 that nobody will read is returned.
+    """
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+        await call.run_to_end()
+        tg.cancel_scope.cancel()
+    if not call.done:
+        call.close(*_gone_cause(request))
+        return Response(b"", 499)
+    return None
+
+
 async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
     yield orjson.dumps(cause.body(message))
     yield b"[DONE]"
@@ -131,13 +147,8 @@ class NativeAPI:
 
     async def _unary(self, call: GenerateCall, request: Request) -> Response:
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-                await call.run_to_end()
-                tg.cancel_scope.cancel()
-            if not call.done:
-                call.close(*_gone_cause(request))
-                return Response(b"", 499)
+            if (gone := await run_unary(call, request)) is not None:
+                return gone
             err = call.error()
             if err is not None:
                 cause, message = err

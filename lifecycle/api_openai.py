@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-import anyio
 import orjson
 
-from lifecycle.api_native import _cancel_on_disconnect, _gone_cause
+from lifecycle.api_native import _gone_cause, run_unary
 from lifecycle.errors import RequestError
 from lifecycle.frontend import Frontend, GenerateCall, ServeError
 from lifecycle.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
@@ -202,13 +201,8 @@ class OpenAIAPI:
         ids: ReplyIds,
     ) -> Response:
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-                await call.run_to_end()
-                tg.cancel_scope.cancel()
-            if not call.done:
-                call.close(*_gone_cause(request))
-                return Response(b"", 499)
+            if (gone := await run_unary(call, request)) is not None:
+                return gone
             err = call.error()
             if err is not None:
                 cause, message = err
