@@ -23,6 +23,7 @@ from lifecycle.errors import RequestError
 from lifecycle.frontend import Frontend, GenerateCall, ServeError
 from lifecycle.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from lifecycle.params import GenerateRequest
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 
 if TYPE_CHECKING:
@@ -125,17 +126,29 @@ class OpenAIAPI:
     async def chat_completions(self, request: Request) -> Response:
         try:
             oreq, messages = parse_chat(await self._body(request), **self._opts())
-            if self.template is None:
-                raise OpenAIError("This model has no chat template; use /v1/completions.")
-            try:
-                text = self.template.render(messages, add_generation_prompt=True)
-            except ValueError as exc:  # ChatTemplateError: the template refused the messages
-                raise OpenAIError(str(exc), param="messages") from None
+            ids = await self._chat_prompt(messages)
         except OpenAIError as exc:
             return openai_error(exc)
-        # The template writes its own special tokens (BOS included, when it wants one).
-        ids = (await self.fe.codec.encode([text], add_special_tokens=False))[0]
         return await self._generate(request, oreq, [ids], [""], "messages")
+
+    async def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.template is None:
+            raise OpenAIError("This model has no chat template; use /v1/completions.")
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:  # ChatTemplateError: the template refused the messages
+            raise OpenAIError(str(exc), param="messages") from None
+        # The template writes its own special tokens (BOS included, when it wants one).
+        return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
+
+    async def native_request(self, api: str, body: Any) -> GenerateRequest:
+        """An OpenAI ``completions`` or ``chat`` body as the native request (for the
+        WebSocket route); raises ``OpenAIError``."""
+        if api == "completions":
+            oreq = parse_completion(body, **self._opts())
+            return oreq.generate_request(oreq.prompts)
+        oreq, messages = parse_chat(body, **self._opts())
+        return oreq.generate_request([await self._chat_prompt(messages)])
 
     async def _generate(
         self,

@@ -25,9 +25,11 @@ import cbor2
 import orjson
 
 from lifecycle.api_native import NativeAPI
+from lifecycle.api_openai import OpenAIAPI
 from lifecycle.errors import RequestError
 from lifecycle.frontend import GenerateCall, ServeError
-from lifecycle.params import parse_generate
+from lifecycle.openai_params import OpenAIError
+from lifecycle.params import GenerateRequest, parse_generate
 from lifecycle.states import Cause
 from transport import Request, Response, Router, WebSocket, WebSocketClosed, WebSocketResponse
 from transport.websocket import handshake_problem
@@ -96,9 +98,15 @@ def _error(mid: Any, cause: Cause, message: str) -> dict[str, Any]:
 
 
 class WebSocketAPI:
-    def __init__(self, native: NativeAPI, config: StreamConfig = StreamConfig()) -> None:
+    def __init__(
+        self,
+        native: NativeAPI,
+        config: StreamConfig = StreamConfig(),
+        openai: OpenAIAPI | None = None,  # enables `completions` and `chat` messages
+    ) -> None:
         self.native = native
         self.config = config
+        self.openai = openai
 
     def install(self, router: Router) -> None:
         router.add("GET", WS_PATH, self.upgrade)
@@ -121,6 +129,7 @@ class StreamSession:
     def __init__(self, api: WebSocketAPI, ws: WebSocket, codec: MessageCodec) -> None:
         self.api = api
         self.native = api.native
+        self.openai = api.openai
         self.ws = ws
         self.codec = codec
         self.live: dict[Any, anyio.CancelScope] = {}
@@ -153,18 +162,22 @@ class StreamSession:
         mid, kind = msg.get("id"), msg.get("type")
         if isinstance(mid, bool) or not isinstance(mid, (str, int)):
             await self.send(_error(None, Cause.INVALID, "id must be a string or an integer"))
-        elif kind == "generate":
-            await self._start(mid, msg.get("body"))
+        elif kind in ("generate", "completions", "chat"):
+            await self._start(mid, msg.get("body"), kind)
         elif kind == "cancel":
             scope = self.live.get(mid)
             if scope is not None:  # an id that already ended: nothing to do (a race, not an error)
                 scope.cancel()
         else:
             await self.send(
-                _error(mid, Cause.INVALID, f"type must be 'generate' or 'cancel', got {kind!r}")
+                _error(
+                    mid,
+                    Cause.INVALID,
+                    f"type must be 'generate', 'completions', 'chat' or 'cancel', got {kind!r}",
+                )
             )
 
-    async def _start(self, mid: Any, body: Any) -> None:
+    async def _start(self, mid: Any, body: Any, kind: str) -> None:
         if mid in self.live:
             await self.send(_error(mid, Cause.INVALID, f"id {mid!r} is already streaming"))
             return
@@ -182,12 +195,14 @@ class StreamSession:
             return
         scope = self.live[mid] = anyio.CancelScope()
         assert self._tg is not None
-        self._tg.start_soon(self._generation, mid, body, scope)
+        self._tg.start_soon(self._generation, mid, body, kind, scope)
 
     # -- one generation --------------------------------------------------------------------
-    async def _generation(self, mid: Any, body: dict[str, Any], scope: anyio.CancelScope) -> None:
+    async def _generation(
+        self, mid: Any, body: dict[str, Any], kind: str, scope: anyio.CancelScope
+    ) -> None:
         try:
-            final = await self._generate(mid, body, scope)
+            final = await self._generate(mid, body, kind, scope)
             self._forget(mid, scope)  # before the terminal message: the id may be reused
             await self.send(final)
         except WebSocketClosed:
@@ -201,14 +216,27 @@ class StreamSession:
         if self.live.get(mid) is scope:
             del self.live[mid]
 
+    async def _request(self, body: dict[str, Any], kind: str) -> GenerateRequest:
+        """The native request for a ``generate`` (native body) or ``completions``/``chat``
+        (OpenAI body) message; raises RequestError."""
+        if kind == "generate":
+            body = {k: v for k, v in body.items() if k not in _HTTP_ONLY_FIELDS}
+            return parse_generate(body, vocab_size=self.native.fe.model_config.vocab_size)
+        if self.openai is None:
+            raise RequestError(f"'{kind}' messages need the OpenAI API, which is not installed")
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        try:
+            return await self.openai.native_request(kind, body)
+        except OpenAIError as exc:
+            raise RequestError(exc.message, exc.status) from None
+
     async def _generate(
-        self, mid: Any, body: dict[str, Any], scope: anyio.CancelScope
+        self, mid: Any, body: dict[str, Any], kind: str, scope: anyio.CancelScope
     ) -> dict[str, Any]:
         """Run one generation; returns its terminal message."""
         fe = self.native.fe
-        body = {k: v for k, v in body.items() if k not in _HTTP_ONLY_FIELDS}
         try:
-            req = parse_generate(body, vocab_size=fe.model_config.vocab_size)
+            req = await self._request(body, kind)
         except RequestError as exc:
             return _error(mid, Cause.INVALID, exc.message)
         call = fe.generate(req)

@@ -203,10 +203,9 @@ async def _serve_app(
             router = AppRouter(auth, metrics)
             api.install(router)
             model_id = cfg.served_model_name or model_config.name
-            OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api).install(
-                router
-            )
-            WebSocketAPI(api).install(router)
+            openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api)
+            openai.install(router)
+            WebSocketAPI(api, openai=openai).install(router)
             metrics.install(router)
             tracer = tracing.start(router, frontend, supervisor, tg)
             handler[0] = router

@@ -288,3 +288,22 @@ async def test_batch_and_n_samples_are_indexed_like_generate(url: str) -> None:
     assert [by_index[i] for i in range(4)] == [u["output_ids"] for u in unary]
     metas = got.final["b"]["meta_info"]
     assert [m["finish_reason"] for m in metas] == [u["meta_info"]["finish_reason"] for u in unary]
+
+
+async def test_openai_style_bodies_stream_like_their_http_routes(url: str) -> None:
+    completion = {"model": "default", "prompt": "hello there", "max_tokens": 5, "stream": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with connect(ws_url(url)) as ws:
+        await ws.send(json.dumps({"type": "completions", "id": "c", "body": completion}))
+        await ws.send(json.dumps({"type": "chat", "id": "h", "body": chat}))
+        await ws.send(json.dumps({"type": "chat", "id": "bad", "body": {"messages": []}}))
+        got = await collect(ws, 3)
+    assert got.final["c"]["type"] == "done" and len(got.ids("c")) == 5
+    unary = httpx.post(url + "/v1/completions", json={**completion, "stream": False}, timeout=30)
+    assert got.text("c") == unary.json()["choices"][0]["text"]
+    assert got.final["h"]["type"] == "done" and len(got.ids("h")) == 3
+    reply = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).json()
+    assert got.text("h") == reply["choices"][0]["message"]["content"]
+    assert got.final["bad"]["type"] == "error"
+    assert got.final["bad"]["error"]["message"] == "messages must be a non-empty list."
+    wait_idle(url)
