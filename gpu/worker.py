@@ -52,6 +52,7 @@ from wire import (  # noqa: E402
     encode_frame,
     frame_bytes,
 )
+from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
@@ -266,18 +267,15 @@ def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
     return end == "shutdown"
 
 
-def _listen(address: str) -> socket.socket:
-    kind, _, rest = address.partition(":")
-    if kind == "unix":
-        if os.path.exists(rest):
-            os.unlink(rest)
+def _listen(text: str) -> socket.socket:
+    address = parse_address(text)
+    if address.kind == "unix":
+        if os.path.exists(address.path):
+            os.unlink(address.path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(rest)
-    elif kind == "tcp":
-        host, _, port = rest.rpartition(":")
-        s = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False)
+        s.bind(address.path)
     else:
-        raise ValueError(f"listen address must be unix:PATH or tcp:HOST:PORT, got {address!r}")
+        s = socket.create_server((address.host, address.port), reuse_port=False)
     s.listen(1)
     return s
 

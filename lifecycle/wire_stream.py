@@ -6,38 +6,16 @@ as TCP), the same spelling the worker's ``--listen`` takes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import anyio
 import anyio.abc
 
 from wire import Frame, FrameBuffer, decode_frame, encode_frame, frame_bytes
+from wire.address import Address, parse_address
 from wire.faults import Fault, fault_point
 
 __all__ = ["Address", "FrameStream", "connect", "listen", "parse_address"]
 
 _READ_SIZE = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    kind: str  # "unix" | "tcp"
-    path: str = ""
-    host: str = ""
-    port: int = 0
-
-    def __str__(self) -> str:
-        return f"unix:{self.path}" if self.kind == "unix" else f"tcp:{self.host}:{self.port}"
-
-
-def parse_address(text: str) -> Address:
-    if text.startswith("unix:"):
-        return Address("unix", path=text[5:])
-    rest = text[4:] if text.startswith("tcp:") else text
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"bad worker address {text!r}: use unix:/path or tcp:HOST:PORT")
-    return Address("tcp", host=host.strip("[]") or "127.0.0.1", port=int(port))
 
 
 async def connect(address: Address) -> FrameStream:

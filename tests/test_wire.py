@@ -134,3 +134,26 @@ def test_step_whose_first_entry_is_terminal_validates(finish) -> None:
     # Regression: with `finish` written as one array of group choices, pycddl rejected a
     # terminal entry in first position; the spec now spells finish as a choice of arrays.
     validate_frame(encode_frame(Step(1, [StepEntry(1, pack_ids([3]), finish, None)])))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("unix:/tmp/w.sock", "unix:/tmp/w.sock"),
+        ("tcp:127.0.0.1:9000", "tcp:127.0.0.1:9000"),
+        ("10.0.0.5:9000", "tcp:10.0.0.5:9000"),  # a bare HOST:PORT is TCP (worker --listen too)
+        ("tcp::9000", "tcp:127.0.0.1:9000"),
+    ],
+)
+def test_one_address_spelling_for_worker_and_frontend(text: str, expected: str) -> None:
+    from wire.address import parse_address
+
+    assert str(parse_address(text)) == expected
+
+
+@pytest.mark.parametrize("text", ["nowhere", "tcp:host:port", "udp"])
+def test_bad_addresses_are_refused(text: str) -> None:
+    from wire.address import parse_address
+
+    with pytest.raises(ValueError, match="bad worker address"):
+        parse_address(text)
