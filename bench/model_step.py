@@ -9,20 +9,20 @@ idle machine. ``python bench/model_step.py [THREADS]``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
-# As the worker does (gpu/worker.py): idle OpenMP threads sleep instead of spinning,
-# which on a shared CPU otherwise stalls every op's barrier.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+
+# As the worker does (gpu/worker.py): bounded OpenMP spin, big temporaries kept in the heap.
+from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+
+tune_cpu_runtime()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.model import DenseKVCache, PackedLinear  # noqa: E402

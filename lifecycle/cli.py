@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
+        from gpu.cpu_runtime import tune_cpu_runtime
+
+        tune_cpu_runtime()  # before gpu.generate imports torch
         from gpu.generate import run_generate
 
         return run_generate(

@@ -1,0 +1,54 @@
+"""Process-wide CPU settings for a torch worker, applied before torch is imported.
+
+Two costs dominate a decode step on a small shared VM besides the matmuls themselves,
+and neither is visible in torch's own profile as anything but slower ops:
+
+* **OpenMP wake-ups.** libgomp's pool threads either spin or sleep between parallel
+  regions. Spinning forever (``OMP_WAIT_POLICY=ACTIVE``) starves the thread each op's
+  barrier waits for when the CPU is shared with the frontend or other processes
+  (measured 3-8x slower decode under load). Sleeping at once (``PASSIVE``) pays a
+  wake-up, a VM exit on this kind of machine, at each of the ~200 parallel regions of
+  a step: batch-32 decode 206-224 tokens/s against 265-310 with a bounded spin. About
+  0.3 ms of spin (libgomp counts ~100,000 spins per ms) covers the gaps inside a
+  forward and still sleeps between steps and when idle (idle CPU stays 0 %).
+* **Page faults on large temporaries.** glibc serves big allocations (KV gathers,
+  activations) with ``mmap`` and trims freed heap back to the OS, so every step
+  faults the same tens of MB in again. Fixing the mmap threshold at its maximum and
+  raising the trim threshold keeps that memory in the heap: 3.5k fewer page faults per
+  batch-32 step, and the decode attention at 256 tokens of context 2.5-3.5x faster.
+
+An environment that already sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+__all__ = ["SPIN_COUNT", "TRIM_THRESHOLD", "tune_cpu_runtime"]
+
+SPIN_COUNT = "30000"
+MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+TRIM_THRESHOLD = 512 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def tune_cpu_runtime() -> dict[str, object]:
+    """Apply both settings; returns what was set (for the worker's log)."""
+    applied: dict[str, object] = {}
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        if "torch" not in sys.modules:  # libgomp reads it once, when torch loads it
+            os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+            applied["GOMP_SPINCOUNT"] = SPIN_COUNT
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            if libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1:
+                applied["mmap_threshold"] = MMAP_THRESHOLD
+            if libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
+                applied["trim_threshold"] = TRIM_THRESHOLD
+        except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep defaults
+            pass
+    return applied

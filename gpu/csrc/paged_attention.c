@@ -1,0 +1,199 @@
+/* Decode attention straight from the paged KV cache: one query token per sequence.
+ *
+ * The torch path (gpu/kv_cache.py, PagedKVCache._decode) gathers every sequence's
+ * blocks into a contiguous copy and runs batched matmuls of 3 x head_dim rows on it:
+ * the KV is read from DRAM, written, read again, and each tiny matmul pays its own
+ * setup. This kernel reads each key and value once, from where they lie.
+ *
+ * Layout (fp32, row-major, as PagedKVCache stores one layer):
+ *   q      [D, H, HD]       the step's queries, RoPE applied; sequence s starts at
+ *                           q + s * q_stride (the rows may be a strided slice)
+ *   kc, vc [KV, ROWS, HD]   cache rows; row = block * BS + offset
+ *   tables [D, MAXNB]       int32 block table of each sequence
+ *   lens   [D]              int32 keys per sequence (context including the new token)
+ *   out    [D, H, HD]
+ * Query head i reads kv head i / (H / KV) (grouped-query attention).
+ * Softmax in fp32 with the maximum subtracted, as torch computes it. Each (sequence,
+ * kv head) pair is computed the same way whatever else is in the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static void softmax_rows(float *restrict scores, int32_t g, int32_t len) {
+    for (int32_t j = 0; j < g; j++) {
+        float *sc = scores + (int64_t)j * len;
+        float m = sc[0];
+        for (int32_t p = 1; p < len; p++) m = sc[p] > m ? sc[p] : m;
+        float sum = 0.0f;
+        for (int32_t p = 0; p < len; p++) {
+            sc[p] = expf(sc[p] - m);
+            sum += sc[p];
+        }
+        float inv = 1.0f / sum;
+        for (int32_t p = 0; p < len; p++) sc[p] *= inv;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Horizontal sums of eight vectors, as one vector [sum(a0), ..., sum(a7)]. */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                           __m256 a6, __m256 a7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Ask for a whole block (bs rows of 64 floats) ahead of use: each block starts a new
+ * 4 KiB page, where the hardware prefetcher would start cold. */
+static inline void prefetch_block(const float *p, int32_t bs) {
+    for (int32_t i = 0; i < bs * 64; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}
+
+/* head_dim 64: eight keys' dot products per query at a time, one horizontal reduction
+ * for all eight; the weighted sum of values keeps the 64 outputs in registers. */
+static void one_pair64(const float *restrict q, const float *restrict kbase,
+                       const float *restrict vbase, const int32_t *restrict table, int32_t len,
+                       int32_t bs, int32_t g, float scale, float *restrict scores,
+                       float *restrict out) {
+    enum { HD = 64 };
+    int32_t nb = (len + bs - 1) / bs;
+    __m256 vscale = _mm256_set1_ps(scale);
+    for (int32_t b = 0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *kb = kbase + (int64_t)table[b] * bs * HD;
+        if (b + 1 < nb) prefetch_block(kbase + (int64_t)table[b + 1] * bs * HD, bs);
+        else prefetch_block(vbase + (int64_t)table[0] * bs * HD, bs);
+        int32_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            const float *k = kb + (int64_t)t * HD;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * HD;
+                __m256 a[8];
+                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+                for (int d = 0; d < HD; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qj + d);
+                    for (int r = 0; r < 8; r++)
+                        a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * HD + d), a[r]);
+                }
+                __m256 sums = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+                _mm256_storeu_ps(scores + (int64_t)j * len + b * bs + t, _mm256_mul_ps(sums, vscale));
+            }
+        }
+        for (; t < n; t++) {
+            const float *k = kb + (int64_t)t * HD;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * HD;
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < HD; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                h = _mm_hadd_ps(h, h);
+                h = _mm_hadd_ps(h, h);
+                scores[(int64_t)j * len + b * bs + t] = _mm_cvtss_f32(h) * scale;
+            }
+        }
+    }
+    softmax_rows(scores, g, len);
+    for (int32_t j = 0; j < g; j++) {
+        const float *sc = scores + (int64_t)j * len;
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int32_t b = 0; b < nb; b++) {
+            int32_t n = len - b * bs < bs ? len - b * bs : bs;
+            const float *vb = vbase + (int64_t)table[b] * bs * HD;
+            if (j == 0 && b + 1 < nb) prefetch_block(vbase + (int64_t)table[b + 1] * bs * HD, bs);
+            for (int32_t t = 0; t < n; t++) {
+                __m256 w = _mm256_broadcast_ss(sc + b * bs + t);
+                const float *v = vb + (int64_t)t * HD;
+                for (int r = 0; r < 8; r++)
+                    a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
+            }
+        }
+        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + (int64_t)j * HD + r * 8, a[r]);
+    }
+}
+#endif
+
+/* Any head_dim: plain loops the compiler vectorizes. */
+static void one_pair(const float *restrict q, const float *restrict kc, const float *restrict vc,
+                     const int32_t *restrict table, int32_t len, int64_t rows, int32_t bs,
+                     int32_t g, int32_t hd, int32_t kvh, float scale, float *restrict scores,
+                     float *restrict acc, float *restrict out) {
+    const float *kbase = kc + (int64_t)kvh * rows * hd;
+    const float *vbase = vc + (int64_t)kvh * rows * hd;
+    int32_t nb = (len + bs - 1) / bs;
+    for (int32_t b = 0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *kb = kbase + (int64_t)table[b] * bs * hd;
+        for (int32_t t = 0; t < n; t++) {
+            const float *k = kb + (int64_t)t * hd;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * hd;
+                float s = 0.0f;
+                for (int32_t d = 0; d < hd; d++) s += qj[d] * k[d];
+                scores[(int64_t)j * len + b * bs + t] = s * scale;
+            }
+        }
+    }
+    softmax_rows(scores, g, len);
+    for (int32_t d = 0; d < g * hd; d++) acc[d] = 0.0f;
+    for (int32_t b = 0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *vb = vbase + (int64_t)table[b] * bs * hd;
+        for (int32_t t = 0; t < n; t++) {
+            const float *v = vb + (int64_t)t * hd;
+            for (int32_t j = 0; j < g; j++) {
+                float w = scores[(int64_t)j * len + b * bs + t];
+                float *a = acc + (int64_t)j * hd;
+                for (int32_t d = 0; d < hd; d++) a[d] += w * v[d];
+            }
+        }
+    }
+    for (int32_t j = 0; j < g * hd; j++) out[j] = acc[j];
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then unset). */
+int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
+                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                           int32_t maxnb, float scale, int32_t threads) {
+    int32_t g = h / kv;
+    int32_t maxlen = 1;
+    for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
+    if (threads < 1) threads = 1;
+    size_t per_thread = (size_t)g * maxlen + (size_t)g * hd;
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (!scratch) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < (int64_t)d * kv; i++) {
+#ifdef _OPENMP
+        float *scores = scratch + per_thread * (size_t)omp_get_thread_num();
+#else
+        float *scores = scratch;
+#endif
+        int32_t s = (int32_t)(i / kv), kvh = (int32_t)(i % kv);
+        const float *qs = q + (int64_t)s * q_stride + (int64_t)kvh * g * hd;
+        float *os = out + ((int64_t)s * h + (int64_t)kvh * g) * hd;
+        if (lens[s] < 1) {
+            for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
+            continue;
+        }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (hd == 64) {
+            one_pair64(qs, kc + (int64_t)kvh * rows * hd, vc + (int64_t)kvh * rows * hd,
+                       tables + (int64_t)s * maxnb, lens[s], bs, g, scale, scores, os);
+            continue;
+        }
+#endif
+        one_pair(qs, kc, vc, tables + (int64_t)s * maxnb, lens[s], rows, bs, g, hd, kvh, scale,
+                 scores, scores + (size_t)g * maxlen, os);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,186 @@
+"""Small C kernels for the CPU path, compiled on first use with the system C compiler.
+
+Only what torch cannot do well with its own ops lives here: decode attention read
+straight from the paged KV cache (``gpu/csrc/paged_attention.c``). The library is built
+once per source, compiler and flag set into a cache directory
+(``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
+``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
+No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
+(same results to rounding, slower at long contexts), with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["NativeKernels", "kernel_cache_dir", "load_kernels", "native_enabled"]
+
+log = logging.getLogger("gpu.native")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffast-math", "-fopenmp", "-std=c11")
+
+_lock = threading.Lock()
+_loaded: dict[str, NativeKernels | None] = {}
+
+
+def native_enabled() -> bool:
+    return os.environ.get("LIFECYCLE_NATIVE", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def kernel_cache_dir() -> Path:
+    if d := os.environ.get("LIFECYCLE_KERNEL_CACHE"):
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lifecycle" / "kernels"
+
+
+def _cpu_flags() -> tuple[str, ...]:
+    """-mavx2 -mfma where /proc/cpuinfo lists both (x86 Linux), else the compiler's default."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return ("-mavx2", "-mfma") if {"avx2", "fma"} <= flags else ()
+    return ()
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.paged_decode_attention
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            p,
+            p,
+            p,
+            p,
+            i32,
+            i32,
+            i32,
+            i32,
+            i64,
+            i32,
+            i32,
+            ctypes.c_float,
+            i32,
+        ]
+        fn.restype = ctypes.c_int
+        self._decode = fn
+
+    def paged_decode_attention(
+        self,
+        q: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        tables: Tensor,
+        lens: Tensor,
+        block_size: int,
+        scale: float,
+    ) -> Tensor:
+        """``q [D, H, HD]`` (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous,
+        ``tables [D, MAXNB]`` and ``lens [D]`` int32: returns ``[D, H, HD]``."""
+        d, h, hd = q.shape
+        kv, rows, _ = kc.shape
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
+        rc = self._decode(
+            q.data_ptr(),
+            q.stride(0),
+            kc.data_ptr(),
+            vc.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            out.data_ptr(),
+            d,
+            h,
+            kv,
+            hd,
+            rows,
+            block_size,
+            tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged_decode_attention: scratch allocation failed")
+        return out
+
+
+def _build(cache: Path) -> Path:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(shlex.split(cc)[0]) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    flags = (*BASE_FLAGS, *_cpu_flags())
+    version = subprocess.run(
+        [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()
+    ).hexdigest()[:16]
+    target = cache / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent workers never load a partial file.
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        r = subprocess.run(
+            [*shlex.split(cc), *flags, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_kernels() -> NativeKernels | None:
+    """The kernels, built if needed; None (logged once) when disabled or unavailable."""
+    if not native_enabled():
+        return None
+    cache = kernel_cache_dir()
+    with _lock:
+        if str(cache) in _loaded:
+            return _loaded[str(cache)]
+        kernels: NativeKernels | None = None
+        try:
+            kernels = NativeKernels(_build(cache))
+            log.info("native CPU kernels loaded from %s", kernels.path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        _loaded[str(cache)] = kernels
+        return kernels

@@ -1,0 +1,128 @@
+"""The C decode-attention kernel (gpu/native.py) against the torch path it replaces.
+
+Both run through ``PagedKVCache`` on the same cache contents and block tables: the
+AVX2 head_dim-64 path (the default model's shape) and the generic loops (any other
+head_dim), short and long contexts, partial last blocks, strided query rows, and
+batch invariance (a sequence's output does not depend on its neighbours).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu import native
+from gpu.kv_cache import PagedKVCache
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="no C compiler here: the torch path is what runs"
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int = 2
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+
+
+def caches(shape: Shape, num_blocks: int, block_size: int) -> tuple[PagedKVCache, PagedKVCache]:
+    ref = PagedKVCache(shape, num_blocks, block_size, native=False)  # type: ignore[arg-type]
+    nat = PagedKVCache(shape, num_blocks, block_size, native=True)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(1)
+    ref.k.copy_(torch.randn(ref.k.shape, generator=g))
+    ref.v.copy_(torch.randn(ref.v.shape, generator=g))
+    nat.k.copy_(ref.k)
+    nat.v.copy_(ref.v)
+    return ref, nat
+
+
+def decode_batch(
+    rng: random.Random, num_blocks: int, block_size: int, lens: list[int]
+) -> list[tuple[list[int], int]]:
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    out = []
+    for n in lens:
+        nb = -(-n // block_size)
+        out.append(([free.pop() for _ in range(nb)], n))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shape", "block_size"),
+    [(Shape(), 16), (Shape(), 5), (Shape(n_heads=4, n_kv_heads=2, head_dim=24), 16)],
+    ids=["hd64-bs16", "hd64-bs5", "hd24-generic"],
+)
+def test_native_decode_matches_the_torch_path(shape: Shape, block_size: int) -> None:
+    rng = random.Random(0)
+    num_blocks = 16384 // block_size  # room for 24 sequences of up to 300 tokens
+    ref, nat = caches(shape, num_blocks, block_size)
+    assert nat.kernels is not None and ref.kernels is None
+    for lens in ([1], [7, 1, 33], [17] * 8, [rng.randrange(1, 300) for _ in range(24)]):
+        decodes = decode_batch(rng, num_blocks, block_size, lens)
+        ref.prepare(decodes, [])
+        nat.prepare(decodes, [])
+        d, h, kv, hd = len(lens), shape.n_heads, shape.n_kv_heads, shape.head_dim
+        # q as the model passes it: a slice of the fused q|k rows (strided, not contiguous)
+        qk = torch.randn(d, h + kv, hd)
+        q, k, v = qk[:, :h], qk[:, h:], torch.randn(d, kv, hd)
+        assert d == 1 or not q.is_contiguous()
+        for layer in range(shape.n_layers):
+            want, got = ref(layer, q, k, v), nat(layer, q, k, v)
+            assert got.shape == want.shape == (d, h, hd)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_native_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
+    rng = random.Random(3)
+    _, nat = caches(Shape(), 128, 16)
+    decodes = decode_batch(rng, 128, 16, [40, 90, 5, 130])
+    q, k, v = torch.randn(4, 9, 64), torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    nat.prepare(decodes, [])
+    together = nat(0, q, k, v)
+    for i in range(4):
+        nat.prepare([decodes[i]], [])
+        alone = nat(0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
+        assert torch.equal(alone[0], together[i])
+
+
+def test_build_failure_or_opt_out_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="gpu.native"):
+        assert native.load_kernels() is None
+    assert "no C compiler" in caplog.text
+    cache = PagedKVCache(Shape(), 8, 16)  # type: ignore[arg-type]
+    assert cache.kernels is None
+    with pytest.raises(RuntimeError, match="unavailable"):
+        PagedKVCache(Shape(), 8, 16, native=True)  # type: ignore[arg-type]
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("LIFECYCLE_NATIVE", "0")
+    assert native.load_kernels() is None
+
+
+def test_built_library_is_cached_by_source_and_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path))
+    first = native.load_kernels()
+    assert first is not None and first.path.parent == tmp_path
+    built = first.path.stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", {})
+    again = native.load_kernels()
+    assert again is not None and again.path == first.path
+    assert again.path.stat().st_mtime_ns == built  # loaded, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no temp files left
