@@ -3,7 +3,9 @@
 Prints aggregate decode tokens/s at batch 1, 8, 32 and 64 (greedy, ignore_eos; timed from
 the first step that decodes every sequence to the last), prefill tokens/s for a
 512-token prompt, the batch-32 / batch-1 ratio, and the worker's CPU % while idle.
-Runs in about a minute on a quiet 2-core machine.
+Then, unless ``--no-baseline``, the same on a second worker configured as before the CPU
+tuning and the C decode attention (passive OpenMP, torch attention), and a table of both
+side by side with their ratio. About two minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -85,36 +87,65 @@ def decode_rate(marks: list[tuple[float, int]], batch: int) -> float:
     return toks / (marks[-1][0] - marks[start][0])
 
 
-def main() -> int:
+# The configuration before the worker's CPU tuning (gpu/cpu_runtime.py) and the C decode
+# attention (gpu/native.py): the baseline run next to the current one.
+BASELINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "LIFECYCLE_NATIVE": "0"}
+
+
+def measure(env: dict[str, str], label: str) -> dict[str, float]:
+    """Start a worker with ``env``, run the whole measurement, shut it down."""
     path = os.path.join(tempfile.mkdtemp(), "w.sock")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpu.worker", "--listen", f"unix:{path}"],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
         stderr=subprocess.DEVNULL,
     )
+    out: dict[str, float] = {}
     try:
         c = Client(path)
         c.run(1, [[1, 2, 3]], 4)  # warm-up
-        rates = {}
         rid = 100
         for b in BATCHES:
             prompts = [[1] + [1000 + 37 * i + j for j in range(15)] for i in range(b)]
-            rates[b] = decode_rate(c.run(rid, prompts, DECODE_TOKENS), b)
+            out[f"decode batch {b}"] = decode_rate(c.run(rid, prompts, DECODE_TOKENS), b)
             rid += b
-            print(f"decode batch {b:3d}: {rates[b]:7.1f} tokens/s aggregate", flush=True)
+            print(
+                f"[{label}] decode batch {b:3d}: {out[f'decode batch {b}']:7.1f} tokens/s",
+                flush=True,
+            )
         marks = c.run(rid, [[1] + [2000 + j for j in range(PROMPT - 1)]], 1)
-        print(f"prefill {PROMPT} tokens: {PROMPT / (marks[-1][0] - marks[0][0]):7.1f} tokens/s")
-        print(f"batch-32 / batch-1 ratio: {rates[32] / rates[1]:.1f}")
+        out[f"prefill {PROMPT}"] = PROMPT / (marks[-1][0] - marks[0][0])
+        out["batch-32 / batch-1"] = out["decode batch 32"] / out["decode batch 1"]
         p = psutil.Process(proc.pid)
         p.cpu_percent(None)
         time.sleep(2.0)
-        print(f"idle CPU: {p.cpu_percent(None):.1f} % of one core")
+        out["idle CPU %"] = p.cpu_percent(None)
         c.sock.sendall(frame_bytes(encode_frame(Shutdown())))
-        return proc.wait(timeout=30)
+        proc.wait(timeout=30)
+        return out
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def main() -> int:
+    baseline = "--no-baseline" not in sys.argv[1:]
+    runs = {"current": measure({}, "current")}
+    if baseline:
+        runs["baseline"] = measure(BASELINE_ENV, "baseline")
+    print()
+    print("figure                      " + "".join(f"{k:>12}" for k in runs), end="")
+    print(f"{'ratio':>8}" if baseline else "")
+    for key in runs["current"]:
+        unit = "" if key.endswith(("%", "batch-1")) else " tok/s"
+        row = f"{key + unit:<28}" + "".join(f"{r[key]:12.1f}" for r in runs.values())
+        if baseline and runs["baseline"][key]:
+            row += f"{runs['current'][key] / runs['baseline'][key]:8.2f}"
+        print(row)
+    if baseline:
+        print(f"baseline = {' '.join(f'{k}={v}' for k, v in BASELINE_ENV.items())}")
+    return 0
 
 
 if __name__ == "__main__":
