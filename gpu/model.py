@@ -8,10 +8,10 @@ Per-step op count matters on CPU (~2 us of dispatch per op, 30 layers), hence fu
 QKV and gate/up projections, one ``addcmul`` for RoPE on q and k together, and a
 precomputed cos/sin table indexed once per step.
 
-On CPU in fp32 every projection and the LM head run through oneDNN with weights
-reordered once at construction (``PackedLinear``): torch's default path (MKL sgemm)
-re-packs the whole weight on every call, which at decode row counts (1-64) cost about
-as much as the arithmetic itself.
+On CPU in fp32 every projection and the LM head run through ``PackedLinear``: oneDNN with
+weights reordered once at construction (torch's default path, MKL sgemm, re-packs the
+whole weight on every call, which at decode row counts cost about as much as the
+arithmetic itself), and at one or two rows a C kernel streaming a row-interleaved copy.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from gpu.config import ModelConfig
 from gpu.dense_cache import DenseKVCache
+from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 
 __all__ = [
     "AttentionBackend",
@@ -78,29 +79,41 @@ def rope_tables(
 
 
 class PackedLinear:
-    """``F.linear(x, weight)`` without bias, through a pre-reordered oneDNN weight on CPU.
+    """``F.linear(x, weight)`` without bias, through the fastest path for the row count.
 
-    Measured on the 2-core Zen 2 CPU (one thread, CPU time, SmolLM2 shapes): the 30
-    layers' four projections plus the LM head at 32 rows cost 114-117 ms against 184-188
-    ms with ``F.linear`` (which spends ~25 % of it copying weights into MKL's panel
-    format); 25 vs 35 ms at 1 row, 40 vs 82 ms at 8 rows, 1.46 vs 2.06 s at 512 rows.
-    Elsewhere (CUDA, half precision, no oneDNN) it is plain ``F.linear``. The packed
-    copy is a second tensor: the plain weight stays the model's parameter.
+    On CPU in fp32: at one or two rows (decode at batch 1-2) the C kernel of
+    ``gpu/native.py`` over a row-interleaved copy of the weight (a pass over the weights
+    at memory speed: the 30 layers and the LM head at one row in 17-22 ms against 33-39
+    ms through oneDNN); above that oneDNN with the weight reordered once at construction
+    (the 30 layers' four projections plus the LM head at 32 rows cost 114-117 ms against
+    184-188 ms with ``F.linear``, which spends ~25 % of it copying weights into MKL's
+    panel format; 1.46 vs 2.06 s at 512 rows). Elsewhere (CUDA, half precision, no
+    oneDNN) it is plain ``F.linear``. The packed and interleaved copies are extra
+    tensors: the plain weight stays the model's parameter.
     """
 
-    __slots__ = ("packed", "weight")
+    __slots__ = ("interleaved", "kernels", "packed", "weight")
 
     def __init__(self, weight: Tensor) -> None:
         self.weight = weight
         self.packed: Tensor | None = None
-        if (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-        ):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.interleaved: Tensor | None = None
+        self.kernels: NativeKernels | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            if torch.backends.mkldnn.is_available():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if weight.shape[0] % 8 == 0 and (kernels := load_kernels()) is not None:
+                self.kernels = kernels
+                self.interleaved = kernels.interleave(weight)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if (
+            self.interleaved is not None
+            and self.kernels is not None
+            and x.dim() == 2
+            and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+        ):
+            return self.kernels.small_linear(x, self.interleaved)
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

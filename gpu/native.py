@@ -1,8 +1,9 @@
 """Small C kernels for the CPU path, compiled on first use with the system C compiler.
 
 Only what torch cannot do well with its own ops lives here: decode attention read
-straight from the paged KV cache (``gpu/csrc/paged_attention.c``). The library is built
-once per source, compiler and flag set into a cache directory
+straight from the paged KV cache (``gpu/csrc/paged_attention.c``), and linear layers at
+one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``). The
+library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
 ``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
 No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
@@ -25,11 +26,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["NativeKernels", "kernel_cache_dir", "load_kernels", "native_enabled"]
+__all__ = [
+    "SMALL_LINEAR_MAX_ROWS",
+    "NativeKernels",
+    "kernel_cache_dir",
+    "load_kernels",
+    "native_enabled",
+]
 
 log = logging.getLogger("gpu.native")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_attention.c", CSRC / "small_linear.c")
+SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffast-math", "-fopenmp", "-std=c11")
 
 _lock = threading.Lock()
@@ -93,6 +102,27 @@ class NativeKernels:
         ]
         fn.restype = ctypes.c_int
         self._decode = fn
+        lin = lib.small_linear
+        lin.argtypes = [p, p, p, i32, i64, i64, i32]
+        lin.restype = None
+        self._small_linear = lin
+
+    @staticmethod
+    def interleave(weight: Tensor) -> Tensor:
+        """``[N, K]`` -> ``[N/8, K, 8]``: the layout ``small_linear`` reads (N % 8 == 0)."""
+        n, k = weight.shape
+        return weight.detach().view(n // 8, 8, k).transpose(1, 2).contiguous()
+
+    def small_linear(self, x: Tensor, w8: Tensor) -> Tensor:
+        """``x [M, K] @ w^T`` for M <= a few rows, ``w8`` from ``interleave``."""
+        x = x.contiguous()
+        m, k = x.shape
+        n = w8.shape[0] * 8
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        self._small_linear(
+            x.data_ptr(), w8.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
+        )
+        return y
 
     def paged_decode_attention(
         self,
@@ -142,10 +172,10 @@ def _build(cache: Path) -> Path:
     version = subprocess.run(
         [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()
-    ).hexdigest()[:16]
-    target = cache / f"paged_attention-{key}.so"
+    digest = hashlib.sha256(version.encode() + " ".join(flags).encode())
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    target = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -154,7 +184,7 @@ def _build(cache: Path) -> Path:
     os.close(fd)
     try:
         r = subprocess.run(
-            [*shlex.split(cc), *flags, "-o", tmp, str(SOURCE), "-lm"],
+            [*shlex.split(cc), *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,

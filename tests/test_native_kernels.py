@@ -126,3 +126,44 @@ def test_built_library_is_cached_by_source_and_flags(
     assert again is not None and again.path == first.path
     assert again.path.stat().st_mtime_ns == built  # loaded, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no temp files left
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (8, 3), (48, 77)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_small_linear_matches_f_linear(n: int, k: int, rows: int) -> None:
+    kernels = native.load_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(n * k + rows)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    got = kernels.small_linear(x, kernels.interleave(w))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    # a strided x (a row slice of a wider tensor) gives the same result
+    wide = torch.randn(rows, k + 5, generator=g)
+    torch.testing.assert_close(
+        kernels.small_linear(wide[:, :k], kernels.interleave(w)),
+        torch.nn.functional.linear(wide[:, :k], w),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+def test_packed_linear_uses_the_kernel_at_one_or_two_rows_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpu.model import PackedLinear
+
+    lin = PackedLinear(torch.randn(64, 32))
+    assert lin.interleaved is not None and lin.kernels is not None
+    calls: list[int] = []
+    real = type(lin.kernels).small_linear
+    monkeypatch.setattr(
+        type(lin.kernels),
+        "small_linear",
+        lambda self, x, w8: calls.append(x.shape[0]) or real(self, x, w8),
+    )
+    for rows in (1, 2, 3, 32):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-4)
+    assert calls == [1, 2]
+    assert PackedLinear(torch.randn(60, 32)).interleaved is None  # rows not a multiple of 8
