@@ -91,6 +91,15 @@ class LevelResult:
     client_cpu_s: float = 0.0
     foreign_cpu_s: float = 0.0
     rep_tok_s: list[float] = field(default_factory=list)
+    # Frontend mode: the same requests with a longer output, for the marginal token cost.
+    long_cpu_s: float = 0.0
+    long_tokens: int = 0
+    long_requests: int = 0
+
+    def add_long(self, res: LoadResult, server_cpu_s: float) -> None:
+        self.long_cpu_s += server_cpu_s
+        self.long_tokens += sum(o.output_len for o in res.outputs if o.success)
+        self.long_requests += len(res.outputs)
 
     def add(self, res: LoadResult, server_cpu_s: float, foreign_cpu_s: float) -> None:
         self.outputs += res.outputs
@@ -117,8 +126,25 @@ class LevelResult:
             "e2e_p50_ms": m.e2e_latency_ms.median,
             "server_cpu_us_per_request": 1e6 * self.server_cpu_s / max(self.requests_sent, 1),
             "server_cpu_us_per_token": 1e6 * self.server_cpu_s / tokens,
+            **self._marginal(m.total_output),
             "client_cpu_pct": 100 * self.client_cpu_s / max(self.duration_s, 1e-9),
             "foreign_cpu_pct": 100 * self.foreign_cpu_s / max(self.duration_s, 1e-9),
+        }
+
+    def _marginal(self, tokens: int) -> dict[str, float]:
+        """CPU per streamed token as the slope between the two output lengths, and per
+        request as what is left at zero tokens (a least-squares line through two points)."""
+        if not self.long_requests or not self.requests_sent:
+            return {}
+        short_req, long_req = tokens / self.requests_sent, self.long_tokens / self.long_requests
+        short_cpu = self.server_cpu_s / self.requests_sent
+        long_cpu = self.long_cpu_s / self.long_requests
+        if long_req <= short_req:
+            return {}
+        per_token = (long_cpu - short_cpu) / (long_req - short_req)
+        return {
+            "marginal_cpu_us_per_token": 1e6 * per_token,
+            "fixed_cpu_us_per_request": 1e6 * (short_cpu - per_token * short_req),
         }
 
 
@@ -271,16 +297,24 @@ def compare(contenders: list[Contender], args: argparse.Namespace) -> dict[int, 
                 foreign = busy_cpu_seconds() - busy0 - (c.proc.tree_cpu_seconds() - tree0)
                 foreign = max(0.0, foreign - res.client_cpu_s)
                 level[c.label].add(res, c.proc.cpu_seconds() - cpu0, foreign)
+                if args.mode == "frontend" and args.long_output_len > args.output_len:
+                    print(f"   same, {args.long_output_len} output tokens", flush=True)
+                    long_prompts = _prompts(args, n, seed=1 + rep, output_len=args.long_output_len)
+                    cpu0 = c.proc.cpu_seconds()
+                    res = run_load_sync(c.target, c.spec, long_prompts, cfg)
+                    level[c.label].add_long(res, c.proc.cpu_seconds() - cpu0)
     return {conc: {k: v.summary() for k, v in lv.items()} for conc, lv in results.items()}
 
 
-def _prompts(args: argparse.Namespace, n: int, seed: int) -> list[Any]:
+def _prompts(
+    args: argparse.Namespace, n: int, seed: int, output_len: int | None = None
+) -> list[Any]:
     return make_workload(
         WorkloadConfig(
             kind="text",
             num_requests=n,
             input_len=args.input_len,
-            output_len=args.output_len,
+            output_len=output_len or args.output_len,
             seed=seed,
         )
     )
@@ -300,8 +334,10 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
     ]
     if frontend:
         cols += [
-            ("server_cpu_us_per_request", "CPU us/req", 0),
-            ("server_cpu_us_per_token", "CPU us/tok", 1),
+            ("server_cpu_us_per_request", "CPU us/req (all of it)", 0),
+            ("server_cpu_us_per_token", "CPU us/tok (all of it / tokens)", 1),
+            ("fixed_cpu_us_per_request", "CPU us per request (fixed part)", 0),
+            ("marginal_cpu_us_per_token", "CPU us per streamed token (marginal)", 1),
         ]
     a, b = (labels + [""])[:2]
     for key, title, digits in cols:
@@ -309,7 +345,7 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
         head = f"{'conc':>5} " + " ".join(f"{lb:>12}" for lb in labels)
         print(head + (f" {a + '/' + b:>14}" if b else ""))
         for conc, row in summary.items():
-            vals = [row[lb][key] for lb in labels]
+            vals = [row[lb].get(key, float("nan")) for lb in labels]
             line = f"{conc:>5} " + " ".join(f"{v:>12.{digits}f}" for v in vals)
             print(line + (f" {_fmt_ratio(vals[0], vals[1]):>14}" if b else ""))
 
@@ -344,6 +380,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=2, help="A B alternations per level")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--input-len", type=int, default=64)
+    p.add_argument(
+        "--long-output-len",
+        type=int,
+        default=256,
+        help="frontend mode: each run is repeated at this output length; the CPU slope "
+        "between the two lengths is the cost per streamed token",
+    )
     p.add_argument(
         "--api",
         choices=("generate", "completions"),

@@ -413,6 +413,7 @@ def test_compare_alternates_and_pools_reps(capsys: pytest.CaptureFixture[str]) -
             quiet=True,
             input_len=4,
             output_len=6,
+            long_output_len=12,
         )
         summary = compare(contenders, args)
     finally:
@@ -426,9 +427,14 @@ def test_compare_alternates_and_pools_reps(capsys: pytest.CaptureFixture[str]) -
             assert (row["completed"], row["failed"]) == (8, 0)  # 4 requests x 2 reps, pooled
             assert len(row["rep_output_tok_s"]) == 2 and row["output_tok_s"] > 0
             assert row["server_cpu_us_per_request"] > 0
+            # the second output length ran: a slope and an intercept exist (their values
+            # are noise at 6 vs 12 tokens)
+            assert math.isfinite(row["marginal_cpu_us_per_token"])
+            assert math.isfinite(row["fixed_cpu_us_per_request"])
     print_table(summary, ["A", "B"], frontend=True)
     table = capsys.readouterr().out
     assert "A/B" in table and "CPU us/tok" in table and "c=3: A 8/0, B 8/0" in table
+    assert "per streamed token (marginal)" in table
 
 
 def test_stale_keep_alive_connection_is_retried_once() -> None:
