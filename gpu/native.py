@@ -39,7 +39,11 @@ log = logging.getLogger("gpu.native")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "small_linear.c")
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffast-math", "-fopenmp", "-std=c11")
+# -ffast-math only when compiling: it lets loops reassociate (vectorized reductions) and
+# use glibc's vector expf. It must not reach the link step, where gcc would add
+# crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
+COMPILE_FLAGS = ("-O3", "-fPIC", "-ffast-math", "-fopenmp", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 _lock = threading.Lock()
 _loaded: dict[str, NativeKernels | None] = {}
@@ -168,11 +172,11 @@ def _build(cache: Path) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(shlex.split(cc)[0]) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    flags = (*BASE_FLAGS, *_cpu_flags())
+    flags = (*COMPILE_FLAGS, *_cpu_flags())
     version = subprocess.run(
         [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    digest = hashlib.sha256(version.encode() + " ".join(flags).encode())
+    digest = hashlib.sha256(version.encode() + " ".join((*flags, *LINK_FLAGS)).encode())
     for src in SOURCES:
         digest.update(src.read_bytes())
     target = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -182,20 +186,25 @@ def _build(cache: Path) -> Path:
     # Build beside the target and rename: concurrent workers never load a partial file.
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
     os.close(fd)
-    try:
-        r = subprocess.run(
-            [*shlex.split(cc), *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=cache) as objdir:
+        try:
+            objects = []
+            for src in SOURCES:
+                obj = os.path.join(objdir, src.stem + ".o")
+                _run([*shlex.split(cc), *flags, "-c", "-o", obj, str(src)], cc)
+                objects.append(obj)
+            _run([*shlex.split(cc), *LINK_FLAGS, "-o", tmp, *objects, "-lm"], cc)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
+
+
+def _run(cmd: list[str], cc: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
 
 
 def load_kernels() -> NativeKernels | None:

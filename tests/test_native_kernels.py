@@ -167,3 +167,16 @@ def test_packed_linear_uses_the_kernel_at_one_or_two_rows_only(
         torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-4)
     assert calls == [1, 2]
     assert PackedLinear(torch.randn(60, 32)).interleaved is None  # rows not a multiple of 8
+
+
+def test_loading_the_library_leaves_subnormal_floats_alone() -> None:
+    """Regression: linking with -ffast-math pulls in crtfastmath.o, whose constructor
+    sets flush-to-zero / denormals-are-zero for the whole process when the library
+    loads (hypothesis then refused to generate floats in unrelated tests)."""
+    import numpy as np
+
+    assert native.load_kernels() is not None
+    tiny = np.float32(1e-40)  # subnormal in fp32
+    assert tiny * np.float32(1.0) != 0 and float(tiny) * 1.0 != 0
+    x = torch.tensor([1e-40], dtype=torch.float32)
+    assert (x * 1.0).item() != 0
