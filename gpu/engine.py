@@ -40,6 +40,7 @@ class EngineConfig:
     max_running: int = 64
     max_pending: int = 256
     step_tokens: int = 512
+    mixed_prefill_tokens: int = 512
 
 
 def _declared_n(e: SubmitEntry) -> int:
@@ -59,7 +60,8 @@ class Engine:
             self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype
         )
         self.scheduler = Scheduler(
-            self.blocks, SchedulerConfig(config.max_running, config.step_tokens)
+            self.blocks,
+            SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
         )
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent

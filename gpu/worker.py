@@ -73,6 +73,7 @@ class WorkerConfig:
     max_running: int = 64
     max_pending: int = 256
     step_tokens: int = 512
+    mixed_prefill_tokens: int = 512  # prompt tokens per step while others decode
     threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
 
 
@@ -301,6 +302,12 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--max-pending", type=int, default=d.max_pending)
     p.add_argument("--step-tokens", type=int, default=d.step_tokens)
+    p.add_argument(
+        "--mixed-prefill-tokens",
+        type=int,
+        default=d.mixed_prefill_tokens,
+        help="prompt tokens per step while other requests decode (bounds their ITL)",
+    )
     p.add_argument("--threads", type=int, default=d.threads)
     return WorkerConfig(**vars(p.parse_args(argv)))
 
@@ -317,7 +324,12 @@ def build_engine(config: WorkerConfig) -> Engine:
     return Engine(
         lm,
         EngineConfig(
-            blocks, config.block_size, config.max_running, config.max_pending, config.step_tokens
+            blocks,
+            config.block_size,
+            config.max_running,
+            config.max_pending,
+            config.step_tokens,
+            config.mixed_prefill_tokens,
         ),
     )
 

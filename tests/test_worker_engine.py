@@ -331,3 +331,38 @@ def test_abort_mid_prefill_frees_its_blocks(lm: LoadedModel) -> None:
         entry.finish == ["abort", "aborted by the frontend"] and entry.extra["prompt_tokens"] == 40
     )
     assert engine.blocks.num_free == 64 and engine.check() == [] and not engine.has_work
+
+
+def test_prompt_chunks_shrink_while_others_decode(lm: LoadedModel) -> None:
+    """A long prompt arriving while a request decodes is fed in chunks of at most
+    ``mixed_prefill_tokens`` (the decoding request's gap stays short); alone it gets the
+    whole step budget. Outputs are the same either way."""
+    cfg = EngineConfig(kv_blocks=400, block_size=4, step_tokens=64, mixed_prefill_tokens=8)
+    v = lm.config.vocab_size
+    short, long_ = prompts(1, v, seed=5, lo=5, hi=6)[0], prompts(1, v, seed=6, lo=40, hi=41)[0]
+    sampling = {**GREEDY, "max_new_tokens": 12}
+
+    alone = Engine(lm, cfg)
+    batches: list[list[tuple[int, int]]] = []
+    schedule = alone.scheduler.schedule
+
+    def recording() -> list:
+        batch = schedule()
+        batches.append([(seq.rid, n) for seq, n in batch])
+        return batch
+
+    alone.scheduler.schedule = recording  # type: ignore[method-assign]
+    want = ids_of(run(alone, [(2, long_, sampling, {})])[2])
+    assert batches[0] == [(2, 40)]  # nothing decoding: one 40-token chunk
+
+    mixed = Engine(lm, cfg)
+    batches.clear()
+    schedule = mixed.scheduler.schedule
+    mixed.scheduler.schedule = recording  # type: ignore[method-assign]
+    mixed.submit([SubmitEntry(1, pack_ids(short), {**GREEDY, "max_new_tokens": 30}, {})])
+    mixed.step()  # request 1 prefilled and decoding from here on
+    got = run(mixed, [(2, long_, sampling, {})])
+    chunks = [n for batch in batches for rid, n in batch if rid == 2 and n > 1]
+    assert chunks == [8, 8, 8, 8, 8], batches[:8]
+    assert all((1, 1) in batch for batch in batches[1:6])  # request 1 decoded every step
+    assert ids_of(got[2]) == want
