@@ -128,7 +128,12 @@ async def _devtools_port(profile: Path, proc: subprocess.Popen[bytes]) -> tuple[
 @asynccontextmanager
 async def chromium_page(binary: str) -> AsyncIterator[Page]:
     """A fresh headless Chromium (own profile dir) with one attached blank page."""
-    with tempfile.TemporaryDirectory(prefix="lifecycle-chromium-") as tmp:
+    # Chromium's helper processes can outlive the browser process by a moment and still
+    # write into the profile (seen once in CI: "Directory not empty: 'Default'"):
+    # clean up with retries, and never fail the test over a leftover temp file.
+    with tempfile.TemporaryDirectory(
+        prefix="lifecycle-chromium-", ignore_cleanup_errors=True
+    ) as tmp:
         profile = Path(tmp)
         proc = subprocess.Popen(
             [binary, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0"],
@@ -157,3 +162,11 @@ async def chromium_page(binary: str) -> AsyncIterator[Page]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            for _ in range(50):
+                try:
+                    shutil.rmtree(profile)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    await anyio.sleep(0.1)
