@@ -224,8 +224,8 @@ class PagedKVCache:
         self.kernels: NativeKernels | None = None
         if native is not False and self.device.type == "cpu" and dtype == torch.float32:
             self.kernels = load_kernels()
-            if native and self.kernels is None:
-                raise RuntimeError("native kernels were asked for but are unavailable")
+        if native and self.kernels is None:
+            raise RuntimeError("native kernels were asked for but are unavailable")
 
     def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
         bs = self.block_size
@@ -240,19 +240,19 @@ class PagedKVCache:
             slots.extend(self._slots(table, ctx - 1, ctx))
         dec_rows = dec_bias = dec_tables = dec_lens = None
         dec_len = 0
-        if decodes and self.kernels is not None:
+        if decodes:
+            # Each table cut or padded (with block 0) to the longest context's blocks.
             nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
-            dec_tables = torch.tensor(
-                [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes], dtype=torch.int32
-            )
+            tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
+        if decodes and self.kernels is not None:
+            dec_tables = torch.tensor(tables, dtype=torch.int32)
             dec_lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int32)
         elif decodes:
             # Keys are whole blocks (L a multiple of block_size): the gather is then
-            # already contiguous for bmm, where a sliced view measured 4x slower. Short
-            # tables are padded with block 0; the bias masks every key past a context.
-            nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
+            # already contiguous for bmm, where a sliced view measured 4x slower. The
+            # bias masks every key past a context, padding blocks included.
             dec_len = nb * self.block_size
-            blocks = [b for t, _ in decodes for b in (*t[:nb], *[0] * (nb - len(t[:nb])))]
+            blocks = [b for t in tables for b in t]
             # Rows of the cache seen as [n_kv * num_blocks, block_size * head_dim]: a
             # dim-0 gather of whole contiguous rows is a memcpy each (2x faster than the
             # same gather along dim 1), and comes out in (kv head, sequence, block) order.

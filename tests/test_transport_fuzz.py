@@ -50,11 +50,17 @@ def make_router() -> Router:
 
 
 async def exchange(data: bytes) -> bytes:
+    return (await exchange_timed(data, CONFIG))[0]
+
+
+async def exchange_timed(data: bytes, config: ServerConfig) -> tuple[bytes, float]:
+    """Send ``data``, read until the server closes; (what came back, seconds to the close)."""
     left, right = socket.socketpair()
     server = await anyio.abc.SocketStream.from_socket(left)
     client = await anyio.abc.SocketStream.from_socket(right)
-    conn = HTTPConnection(server, make_router(), CONFIG)
+    conn = HTTPConnection(server, make_router(), config)
     received = b""
+    start = anyio.current_time()
     with anyio.fail_after(5):  # "never a hang"
         async with anyio.create_task_group() as tg:
             tg.start_soon(conn.run)  # an exception here fails the test: "never a crash"
@@ -66,7 +72,7 @@ async def exchange(data: bytes) -> bytes:
                 pass
             finally:
                 await client.aclose()
-    return received
+    return received, anyio.current_time() - start
 
 
 mutated = st.builds(
@@ -88,28 +94,6 @@ def test_any_input_ends_in_a_response_or_a_close(data: bytes) -> None:
     # 501 is h11's (and RFC 9112 section 6.1's) answer to a transfer coding it does not
     # implement; any other 5xx would be the server failing.
     assert all(s < 500 or s == 501 for s in statuses), received[:300]
-
-
-async def exchange_timed(data: bytes, config: ServerConfig) -> tuple[bytes, float]:
-    """Like ``exchange`` with long timeouts: how long until the server closed."""
-    left, right = socket.socketpair()
-    server = await anyio.abc.SocketStream.from_socket(left)
-    client = await anyio.abc.SocketStream.from_socket(right)
-    conn = HTTPConnection(server, make_router(), config)
-    received = b""
-    start = anyio.current_time()
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(conn.run)
-            try:
-                await client.send(data)
-                while True:
-                    received += await client.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
-                pass
-            finally:
-                await client.aclose()
-    return received, anyio.current_time() - start
 
 
 @pytest.mark.parametrize("coding", [b"gzip", b"chunked, gzip", b"br", b""])

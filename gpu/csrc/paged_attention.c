@@ -121,12 +121,10 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
 #endif
 
 /* Any head_dim: plain loops the compiler vectorizes. */
-static void one_pair(const float *restrict q, const float *restrict kc, const float *restrict vc,
-                     const int32_t *restrict table, int32_t len, int64_t rows, int32_t bs,
-                     int32_t g, int32_t hd, int32_t kvh, float scale, float *restrict scores,
-                     float *restrict acc, float *restrict out) {
-    const float *kbase = kc + (int64_t)kvh * rows * hd;
-    const float *vbase = vc + (int64_t)kvh * rows * hd;
+static void one_pair(const float *restrict q, const float *restrict kbase,
+                     const float *restrict vbase, const int32_t *restrict table, int32_t len,
+                     int32_t bs, int32_t g, int32_t hd, float scale, float *restrict scores,
+                     float *restrict out) {
     int32_t nb = (len + bs - 1) / bs;
     for (int32_t b = 0; b < nb; b++) {
         int32_t n = len - b * bs < bs ? len - b * bs : bs;
@@ -142,7 +140,7 @@ static void one_pair(const float *restrict q, const float *restrict kc, const fl
         }
     }
     softmax_rows(scores, g, len);
-    for (int32_t d = 0; d < g * hd; d++) acc[d] = 0.0f;
+    for (int32_t d = 0; d < g * hd; d++) out[d] = 0.0f;
     for (int32_t b = 0; b < nb; b++) {
         int32_t n = len - b * bs < bs ? len - b * bs : bs;
         const float *vb = vbase + (int64_t)table[b] * bs * hd;
@@ -150,12 +148,11 @@ static void one_pair(const float *restrict q, const float *restrict kc, const fl
             const float *v = vb + (int64_t)t * hd;
             for (int32_t j = 0; j < g; j++) {
                 float w = scores[(int64_t)j * len + b * bs + t];
-                float *a = acc + (int64_t)j * hd;
-                for (int32_t d = 0; d < hd; d++) a[d] += w * v[d];
+                float *o = out + (int64_t)j * hd;
+                for (int32_t d = 0; d < hd; d++) o[d] += w * v[d];
             }
         }
     }
-    for (int32_t j = 0; j < g * hd; j++) out[j] = acc[j];
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then unset). */
@@ -167,7 +164,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, co
     int32_t maxlen = 1;
     for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
     if (threads < 1) threads = 1;
-    size_t per_thread = (size_t)g * maxlen + (size_t)g * hd;
+    size_t per_thread = (size_t)g * maxlen; /* one pair's scores */
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -180,19 +177,19 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, co
         int32_t s = (int32_t)(i / kv), kvh = (int32_t)(i % kv);
         const float *qs = q + (int64_t)s * q_stride + (int64_t)kvh * g * hd;
         float *os = out + ((int64_t)s * h + (int64_t)kvh * g) * hd;
+        const float *kb = kc + (int64_t)kvh * rows * hd, *vb = vc + (int64_t)kvh * rows * hd;
+        const int32_t *table = tables + (int64_t)s * maxnb;
         if (lens[s] < 1) {
             for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
             continue;
         }
 #if defined(__AVX2__) && defined(__FMA__)
         if (hd == 64) {
-            one_pair64(qs, kc + (int64_t)kvh * rows * hd, vc + (int64_t)kvh * rows * hd,
-                       tables + (int64_t)s * maxnb, lens[s], bs, g, scale, scores, os);
+            one_pair64(qs, kb, vb, table, lens[s], bs, g, scale, scores, os);
             continue;
         }
 #endif
-        one_pair(qs, kc, vc, tables + (int64_t)s * maxnb, lens[s], rows, bs, g, hd, kvh, scale,
-                 scores, scores + (size_t)g * maxlen, os);
+        one_pair(qs, kb, vb, table, lens[s], bs, g, hd, scale, scores, os);
     }
     free(scratch);
     return 0;
