@@ -12,11 +12,22 @@ import ctypes
 import os
 import runpy
 import signal
+import subprocess
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "stop_process"]
 
 _PR_SET_PDEATHSIG = 1
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:  # type: ignore[type-arg]
+    """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL and reap."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 
+from lifecycle.child import stop_process
 from wire.faults import ENV_VAR, FaultPlan, FaultRule
 
 __all__ = [
@@ -219,12 +220,7 @@ def start_server(
             time.sleep(0.05)
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 class RawClients:

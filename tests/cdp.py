@@ -21,6 +21,8 @@ from typing import Any
 import anyio
 import websockets
 
+from lifecycle.child import stop_process
+
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -156,12 +158,7 @@ async def chromium_page(binary: str) -> AsyncIterator[Page]:
                     yield page
                     tg.cancel_scope.cancel()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
             for _ in range(50):
                 try:
                     shutil.rmtree(profile)

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from lifecycle.child import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,9 +71,4 @@ def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
