@@ -14,7 +14,9 @@ from source (about 7 minutes on 2 cores), so when ``llama_cpp`` cannot be import
 ``--mode frontend`` puts no model anywhere: our server drives a scripted instant worker
 (``python -m lifecycle.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
 same scripted work (``bench/baseline_fastapi.py``), and the table adds each server
-process's CPU microseconds per request and per streamed token.
+process's CPU microseconds per request and per streamed token. ``--pace-ms`` spaces the
+tokens in both stacks alike (the scripted worker's step delay, the baseline's token
+delay), as a model would, instead of all at once.
 """
 
 from __future__ import annotations
@@ -245,6 +247,8 @@ def start_frontend_contenders(
     worker_addr = f"127.0.0.1:{wport}"
     try:
         worker_cmd = _cmd(args.worker_cmd, python=sys.executable, worker=worker_addr)
+        if args.pace_ms:
+            worker_cmd += ["--step-delay", str(args.pace_ms / 1e3)]
         wproc = subprocess.Popen(worker_cmd, cwd=ROOT, start_new_session=True)
         procs.append(ServerProcess("scripted-worker", wproc, "127.0.0.1", wport, Path("/dev/null")))
         _wait_listening(wproc, wport, 30.0)
@@ -258,7 +262,7 @@ def start_frontend_contenders(
             procs.append(ours)
     except (OSError, RuntimeError, TimeoutError, psutil.Error) as exc:
         print(f"scripted worker did not start, leaving our server out: {exc}", file=sys.stderr)
-    extra = ["--http", args.baseline_http]
+    extra = ["--http", args.baseline_http, "--token-delay-ms", str(args.pace_ms)]
     base = _try_start("fastapi", lambda: ServerProcess.start_baseline(sys.executable, ROOT, extra))
     if base:
         out.append(Contender("fastapi", base, spec))
@@ -406,6 +410,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ours-frontend-cmd", default=OURS_FRONTEND_CMD)
     p.add_argument("--worker-cmd", default=SCRIPTED_WORKER_CMD)
     p.add_argument("--baseline-http", choices=("auto", "h11", "httptools"), default="auto")
+    p.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="frontend mode: space tokens this far apart in both stacks (the scripted "
+        "worker's step delay, the baseline's token delay); 0 = instant",
+    )
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--output-file", default=None, help="write the summary as JSON")
     p.add_argument("--quiet", action="store_true")

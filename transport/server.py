@@ -16,6 +16,7 @@ from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSListener
 
 from . import wire
+from .aio import wrap_listener
 from .config import ServerConfig
 from .errors import error_body
 from .http11 import HTTPConnection, watch_deadlines
@@ -123,6 +124,7 @@ class Server:
                 for sub in tcp.listeners
             ]
             listener = tcp
+        listener = wrap_listener(listener)
         if cfg.ssl_certfile is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)

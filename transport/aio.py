@@ -1,0 +1,274 @@
+"""Socket streams for the asyncio backend that cost one event-loop pass per read.
+
+anyio's asyncio socket stream re-arms the socket with epoll on every ``receive`` (it
+pauses reading in between) and yields to the loop once more after every ``send``. On a
+stream that carries a token per write, that is two extra system calls and one extra loop
+pass per token. The stream here keeps reading up to a high-water mark (then pauses: the
+peer still meets backpressure), hands over everything buffered in one ``receive``, and
+returns from ``send`` without yielding when the kernel took the bytes at once; when it
+did not, ``send`` waits until the write buffer is empty, as anyio's does.
+
+``wrap_listener`` turns the listeners of ``anyio.create_tcp_listener`` /
+``create_unix_listener`` into listeners of these streams. On any other backend (trio)
+it returns the listener unchanged, so callers never branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+from anyio.abc import SocketAttribute
+from anyio.streams.stapled import MultiListener
+
+__all__ = ["AsyncioSocketListener", "AsyncioSocketStream", "wrap_listener"]
+
+HIGH_WATER = 256 * 1024  # bytes read ahead of the consumer before reading pauses
+
+
+class _Protocol(asyncio.Protocol):
+    __slots__ = (
+        "transport",
+        "chunks",
+        "size",
+        "eof",
+        "lost",
+        "exc",
+        "paused",
+        "_read_waiter",
+        "_write_waiter",
+        "_write_paused",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.chunks: deque[bytes] = deque()
+        self.size = 0
+        self.eof = False
+        self.lost = False
+        self.exc: BaseException | None = None
+        self.paused = False
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._write_paused = False
+
+    # -- asyncio callbacks --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(0)  # send() returns once the kernel has it all
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake_reader()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake_reader()
+        return True  # keep the write side open (half-close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.exc = exc
+        self._wake_reader()
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    # -- for the stream -----------------------------------------------------------------
+    def _wake_reader(self) -> None:
+        w = self._read_waiter
+        if w is not None:
+            self._read_waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _wake_writer(self) -> None:
+        w = self._write_waiter
+        if w is not None:
+            self._write_waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def wait_readable(self) -> None:
+        assert self.transport is not None
+        self._read_waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._read_waiter = None
+
+    async def wait_drained(self) -> None:
+        while self._write_paused and not self.lost:
+            self._write_waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._write_waiter = None
+
+    def take(self, max_bytes: int) -> bytes:
+        chunks = self.chunks
+        data = chunks.popleft()
+        if chunks and len(data) < max_bytes:
+            parts = [data]
+            n = len(data)
+            while chunks and n + len(chunks[0]) <= max_bytes:
+                part = chunks.popleft()
+                parts.append(part)
+                n += len(part)
+            data = b"".join(parts)
+        if len(data) > max_bytes:
+            chunks.appendleft(data[max_bytes:])
+            data = data[:max_bytes]
+        self.size -= len(data)
+        if self.paused and self.size <= HIGH_WATER // 2 and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+
+class AsyncioSocketStream(anyio.abc.SocketStream):
+    """An anyio socket stream over an asyncio transport (see the module's text)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._closed = False
+
+    @classmethod
+    async def from_socket(cls, sock: socket.socket) -> AsyncioSocketStream:
+        """Take over a connected socket (TCP or UNIX)."""
+        loop = asyncio.get_running_loop()
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport, protocol = await loop.connect_accepted_socket(_Protocol, sock)
+        return cls(transport, protocol)
+
+    @property
+    def _raw_socket(self) -> socket.socket:
+        return self._transport.get_extra_info("socket")  # type: ignore[no-any-return]
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be a positive integer")
+        p = self._protocol
+        if not p.chunks:
+            self._check_readable()
+            await p.wait_readable()
+            if not p.chunks:
+                self._check_readable()
+                raise anyio.EndOfStream  # woken with nothing: the connection ended
+        return p.take(max_bytes)
+
+    def _check_readable(self) -> None:
+        p = self._protocol
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if p.exc is not None:
+            raise anyio.BrokenResourceError from p.exc
+        if p.eof or p.lost:
+            raise anyio.EndOfStream
+
+    async def send(self, item: bytes) -> None:
+        p = self._protocol
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if p.lost or self._transport.is_closing():
+            raise anyio.BrokenResourceError from p.exc
+        self._transport.write(item)
+        if p._write_paused:
+            await p.wait_drained()
+            if self._closed:
+                raise anyio.ClosedResourceError
+            if p.lost:
+                raise anyio.BrokenResourceError from p.exc
+
+    async def send_eof(self) -> None:
+        try:
+            self._transport.write_eof()
+        except OSError:
+            pass
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._transport.abort()
+        self._protocol._wake_reader()
+        self._protocol._wake_writer()
+        await anyio.lowlevel.checkpoint()
+
+
+class AsyncioSocketListener(anyio.abc.SocketListener):
+    """Accepts on the listening socket of an anyio listener, yielding our streams."""
+
+    def __init__(self, inner: anyio.abc.SocketListener) -> None:
+        self._inner = inner
+        self._sock: socket.socket = inner.extra(SocketAttribute.raw_socket)
+        self._accept_scope: anyio.CancelScope | None = None
+        self._closed = False
+
+    @property
+    def _raw_socket(self) -> socket.socket:
+        return self._sock
+
+    async def accept(self) -> AsyncioSocketStream:
+        if self._closed:
+            raise anyio.ClosedResourceError
+        loop = asyncio.get_running_loop()
+        client = None
+        with anyio.CancelScope() as self._accept_scope:
+            try:
+                client, _addr = await loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                _remove_reader(loop, self._sock)  # https://bugs.python.org/issue41317
+                raise
+            finally:
+                self._accept_scope = None
+        if client is None:  # aclose() cancelled the accept
+            raise anyio.ClosedResourceError
+        return await AsyncioSocketStream.from_socket(client)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+        await self._inner.aclose()
+
+
+def _remove_reader(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    try:
+        loop.remove_reader(sock)
+    except (ValueError, NotImplementedError):
+        pass
+
+
+def wrap_listener(listener: anyio.abc.Listener[Any]) -> anyio.abc.Listener[Any]:
+    """Our streams for what ``listener`` accepts, on asyncio; elsewhere ``listener`` itself."""
+    if not _on_asyncio():
+        return listener
+    if isinstance(listener, MultiListener):
+        return MultiListener([wrap_listener(sub) for sub in listener.listeners])
+    if isinstance(listener, anyio.abc.SocketListener):
+        return AsyncioSocketListener(listener)
+    return listener
+
+
+def _on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio, or no loop at all
+        return False
+    return True
