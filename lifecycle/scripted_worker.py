@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle.wire_stream import FrameStream, listen, parse_address
+from lifecycle.wire_stream import FrameStream, parse_address, serve
 from wire import (
     Abort,
     Fatal,
@@ -329,18 +329,16 @@ async def _serve(config: ScriptConfig) -> None:
     address = parse_address(config.listen)
     if address.kind == "unix" and os.path.exists(address.path):
         os.unlink(address.path)
-    listener = await listen(address)
     one_at_a_time = anyio.Lock()
 
-    async def handle(stream: Any) -> None:
+    async def handle(out: FrameStream) -> None:
         async with one_at_a_time:
-            out = FrameStream(stream, side="worker")
             try:
                 await worker.serve_connection(out)
             finally:
                 await out.aclose()
 
-    await listener.serve(handle)
+    await serve(address, handle, side="worker")
 
 
 def main(argv: list[str] | None = None) -> int:

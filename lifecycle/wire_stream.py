@@ -13,7 +13,9 @@ frames wait unread, so a worker that outruns the frontend still meets backpressu
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -23,7 +25,7 @@ from wire import Frame, FrameBuffer, decode_frame, encode_frame, frame_bytes
 from wire.address import Address, parse_address
 from wire.faults import Fault, fault_point
 
-__all__ = ["Address", "FrameStream", "connect", "listen", "parse_address"]
+__all__ = ["Address", "FrameStream", "connect", "listen", "parse_address", "serve"]
 
 _READ_SIZE = 1 << 20
 _MAX_READY = 4096  # frames received and not yet taken before reading pauses
@@ -53,10 +55,43 @@ async def listen(address: Address) -> anyio.abc.Listener[anyio.abc.ByteStream]:
     return await anyio.create_tcp_listener(local_host=address.host, local_port=address.port)
 
 
+async def serve(
+    address: Address, handler: Callable[[FrameStream], Awaitable[None]], side: str = "worker"
+) -> None:
+    """Accept connections at ``address`` until cancelled; ``handler`` gets each one as a
+    ``FrameStream``, in a task of its own."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # another backend (trio): through an anyio listener
+        listener = await listen(address)
+
+        async def on_stream(stream: anyio.abc.ByteStream) -> None:
+            await handler(FrameStream(stream, side=side))
+
+        await listener.serve(on_stream)
+        return
+    accepted, arrivals = anyio.create_memory_object_stream[_FrameConnection](math.inf)
+
+    def factory() -> _FrameConnection:
+        return _FrameConnection(on_made=accepted.send_nowait)
+
+    if address.kind == "unix":
+        server = await loop.create_unix_server(factory, address.path)
+    else:
+        server = await loop.create_server(factory, address.host, address.port)
+    try:
+        async with anyio.create_task_group() as tg, arrivals:
+            async for conn in arrivals:
+                tg.start_soon(handler, FrameStream(conn, side=side))
+    finally:
+        server.close()
+
+
 class _FrameConnection(asyncio.Protocol):
     """One socket on asyncio: complete frame payloads in, encoded frames out."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_made: Callable[[_FrameConnection], object] | None = None) -> None:
+        self._on_made = on_made
         self.transport: asyncio.Transport | None = None
         self.buf = FrameBuffer()
         self.ready: deque[bytes] = deque()
@@ -71,6 +106,8 @@ class _FrameConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         transport.set_write_buffer_limits(0)  # a send returns once the kernel has it all
+        if self._on_made is not None:
+            self._on_made(self)
 
     def data_received(self, data: bytes) -> None:
         try:

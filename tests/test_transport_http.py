@@ -78,6 +78,14 @@ def make_router() -> Router:
 
         return StreamResponse(chunks(), content_type="text/plain")
 
+    @router.route("GET", "/stream-gaps")
+    async def stream_gaps(request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            for part in (b"a", b"", b"bc", b"", b"d" * 300):
+                yield part
+
+        return StreamResponse(chunks(), content_type="text/plain")
+
     return router
 
 
@@ -208,6 +216,35 @@ async def test_streaming_response_is_chunked() -> None:
         response, body = await client.response()
         assert (b"transfer-encoding", b"chunked") in response.headers
         assert body == b"chunk0;chunk1;chunk2;chunk3;chunk4;"
+
+
+async def _read_until_closed(stream: anyio.abc.SocketStream) -> bytes:
+    data = b""
+    with anyio.fail_after(5):
+        try:
+            while chunk := await stream.receive():
+                data += chunk
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    return data
+
+
+async def test_stream_chunk_framing_on_the_wire() -> None:
+    """Chunks are framed as h11 frames them; an empty item never ends the body early;
+    an HTTP/1.0 client gets the raw body, ended by the close."""
+    async with running(make_router()) as (_, port):
+        async with await connect(port) as stream:
+            await stream.send(request_bytes("GET", "/stream-gaps", connection="close"))
+            wire = await _read_until_closed(stream)
+        head, _, body = wire.partition(b"\r\n\r\n")
+        assert b"Transfer-Encoding: chunked" in head
+        assert body == b"1\r\na\r\n2\r\nbc\r\n12c\r\n" + b"d" * 300 + b"\r\n0\r\n\r\n"
+        async with await connect(port) as stream:
+            await stream.send(b"GET /stream-gaps HTTP/1.0\r\n\r\n")
+            wire = await _read_until_closed(stream)
+        head, _, body = wire.partition(b"\r\n\r\n")
+        assert b"chunked" not in head.lower()
+        assert body == b"abc" + b"d" * 300
 
 
 async def test_sse_framing_and_idle_pings() -> None:

@@ -136,9 +136,17 @@ class ResponseWriter:
         else:
             sse = isinstance(response, SSEResponse)
             ping = self.config.sse_ping_interval if sse else math.inf
+            chunked = _is_chunked(head)
 
             async def write_data(data: bytes) -> None:
-                await self._write(request, conn.send(h11.Data(data=data)))
+                # h11 keeps no state for a chunk of a chunked body: frame it here (what
+                # its ChunkedWriter writes) and save its event machinery per chunk.
+                if not data:  # an empty chunk would end the body
+                    return
+                if chunked:
+                    await self._write(request, b"%x\r\n%b\r\n" % (len(data), data))
+                else:
+                    await self._write(request, conn.send(h11.Data(data=data)))
 
             try:
                 ok = await pump(request, response.chunks, write_data, sse, ping)
@@ -200,3 +208,12 @@ class ResponseWriter:
             raise ClientGone from None
         finally:
             self._send_since = None
+
+
+def _is_chunked(head: bytes) -> bool:
+    """Whether h11 framed the body of the response ``head`` as chunked."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"transfer-encoding":
+            return value.strip().lower() == b"chunked"
+    return False
