@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -56,7 +57,9 @@ async def listen(address: Address) -> anyio.abc.Listener[anyio.abc.ByteStream]:
 
 
 async def serve(
-    address: Address, handler: Callable[[FrameStream], Awaitable[None]], side: str = "worker"
+    address: Address,
+    handler: Callable[[FrameStream], Coroutine[Any, Any, None]],
+    side: str = "worker",
 ) -> None:
     """Accept connections at ``address`` until cancelled; ``handler`` gets each one as a
     ``FrameStream``, in a task of its own."""
@@ -85,6 +88,7 @@ async def serve(
                 tg.start_soon(handler, FrameStream(conn, side=side))
     finally:
         server.close()
+        accepted.close()
 
 
 class _FrameConnection(asyncio.Protocol):

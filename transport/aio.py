@@ -150,7 +150,7 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         self._closed = False
 
     @classmethod
-    async def from_socket(cls, sock: socket.socket) -> AsyncioSocketStream:
+    async def adopt(cls, sock: socket.socket) -> AsyncioSocketStream:
         """Take over a connected socket (TCP or UNIX)."""
         loop = asyncio.get_running_loop()
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -239,7 +239,7 @@ class AsyncioSocketListener(anyio.abc.SocketListener):
                 self._accept_scope = None
         if client is None:  # aclose() cancelled the accept
             raise anyio.ClosedResourceError
-        return await AsyncioSocketStream.from_socket(client)
+        return await AsyncioSocketStream.adopt(client)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -1,0 +1,219 @@
+"""The asyncio socket stream and listener (``transport/aio.py``) and the worker side's
+frame connection (``lifecycle/wire_stream.py``), over real sockets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import anyio
+import anyio.abc
+import pytest
+
+from lifecycle.wire_stream import _MAX_READY, FrameStream, connect, parse_address, serve
+from transport import aio
+from wire import Probe, Stats, encode_frame
+from wire.framing import frame_bytes
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _pair() -> tuple[anyio.abc.SocketStream, anyio.abc.SocketStream, anyio.abc.Listener]:
+    """(our accepted stream, the client's plain anyio stream, the listener)."""
+    listener = aio.wrap_listener(await anyio.create_tcp_listener(local_host="127.0.0.1"))
+    assert isinstance(listener, anyio.abc.Listener)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as tg:
+        accepted: list[anyio.abc.SocketStream] = []
+
+        async def accept() -> None:
+            inner = listener.listeners[0] if hasattr(listener, "listeners") else listener
+            accepted.append(await inner.accept())
+
+        tg.start_soon(accept)
+        client = await anyio.connect_tcp("127.0.0.1", port)
+    return accepted[0], client, listener
+
+
+async def test_listener_yields_our_streams_with_socket_attributes() -> None:
+    ours, client, listener = await _pair()
+    async with ours, client, listener:
+        assert isinstance(ours, aio.AsyncioSocketStream)
+        assert ours.extra(anyio.abc.SocketAttribute.remote_address) == client.extra(
+            anyio.abc.SocketAttribute.local_address
+        )
+        sock = ours.extra(anyio.abc.SocketAttribute.raw_socket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+async def test_receive_respects_max_bytes_and_keeps_order() -> None:
+    ours, client, listener = await _pair()
+    async with ours, client, listener:
+        payload = bytes(range(256)) * 64  # 16 KiB
+        for i in range(0, len(payload), 1000):
+            await client.send(payload[i : i + 1000])
+        got = b""
+        with anyio.fail_after(5):
+            while len(got) < len(payload):
+                part = await ours.receive(777)
+                assert 0 < len(part) <= 777
+                got += part
+        assert got == payload
+        with pytest.raises(ValueError):
+            await ours.receive(0)
+
+
+async def test_reading_pauses_above_the_high_water_mark_then_resumes() -> None:
+    ours, client, listener = await _pair()
+    async with ours, client, listener:
+        assert isinstance(ours, aio.AsyncioSocketStream)
+        total = 4 * aio.HIGH_WATER
+        blob = bytes(i % 251 for i in range(total))
+
+        async def write_all() -> None:
+            await client.send(blob)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_all)
+            with anyio.fail_after(5):
+                while not ours._protocol.paused:
+                    await anyio.sleep(0.01)
+            # Paused: the read-ahead is bounded (one more chunk may land after the mark).
+            assert ours._protocol.size <= aio.HIGH_WATER + 512 * 1024
+            got = b""
+            with anyio.fail_after(10):
+                while len(got) < total:
+                    got += await ours.receive(65536)
+        assert got == blob and not ours._protocol.paused
+
+
+async def test_eof_after_the_data_then_end_of_stream_and_closed_errors() -> None:
+    ours, client, listener = await _pair()
+    async with listener:
+        await client.send(b"last words")
+        await client.aclose()
+        with anyio.fail_after(5):
+            assert await ours.receive() == b"last words"
+            with pytest.raises(anyio.EndOfStream):
+                await ours.receive()
+        await ours.aclose()
+        with pytest.raises(anyio.ClosedResourceError):
+            await ours.receive()
+        with pytest.raises(anyio.ClosedResourceError):
+            await ours.send(b"x")
+
+
+async def test_send_to_a_reset_peer_raises_broken_resource() -> None:
+    ours, client, listener = await _pair()
+    async with ours, listener:
+        sock = client.extra(anyio.abc.SocketAttribute.raw_socket)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()  # RST
+        with anyio.fail_after(5), pytest.raises(anyio.BrokenResourceError):
+            while True:
+                await ours.send(b"x" * 65536)
+
+
+async def test_send_waits_for_a_slow_reader() -> None:
+    """A reader that does not read makes send() wait (backpressure), not buffer forever."""
+    ours, client, listener = await _pair()
+    async with ours, client, listener:
+        sent = 0
+        with anyio.move_on_after(1.0) as scope:
+            while True:
+                await ours.send(b"y" * 65536)
+                sent += 65536
+        assert scope.cancelled_caught
+        assert sent < 64 * 1024 * 1024  # kernel buffers only, nothing piling up here
+        assert ours._transport.get_write_buffer_size() <= 65536
+
+
+async def test_closing_the_listener_ends_a_pending_accept() -> None:
+    listener = aio.wrap_listener(await anyio.create_tcp_listener(local_host="127.0.0.1"))
+    inner = listener.listeners[0]  # type: ignore[attr-defined]
+    assert isinstance(inner, aio.AsyncioSocketListener)
+    outcome: list[BaseException] = []
+
+    async def accept() -> None:
+        try:
+            await inner.accept()
+        except anyio.ClosedResourceError as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(accept)
+        await anyio.sleep(0.05)
+        await inner.aclose()
+    assert len(outcome) == 1
+
+
+# -- the worker connection's frame protocol ------------------------------------------------
+async def test_frame_connection_pauses_on_unread_frames_and_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    address = parse_address(f"unix:{tmp_path}/w.sock")
+    frame = frame_bytes(encode_frame(Stats(7, {"pad": "x" * 1000})))
+    count = 3 * _MAX_READY
+    served = anyio.Event()
+
+    async def flood(out: FrameStream) -> None:
+        assert out._conn is not None
+        await out._conn.send(frame * count)
+        served.set()
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, address, flood)
+        with anyio.fail_after(5):
+            while True:
+                try:
+                    frames = await connect(address)
+                    break
+                except OSError:
+                    await anyio.sleep(0.02)
+        conn = frames._conn
+        assert conn is not None
+        with anyio.fail_after(5):
+            while not conn.paused:
+                await anyio.sleep(0.01)
+        # Bounded: at most one socket read (256 KiB) of frames past the mark.
+        assert len(conn.ready) <= _MAX_READY + 256 * 1024 // len(frame) + 1
+        with anyio.fail_after(10):
+            for _ in range(count):
+                assert await frames.receive() == Stats(7, {"pad": "x" * 1000})
+        assert not conn.paused
+        await frames.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_frame_connection_reports_a_bad_length_after_the_good_frames(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    address = parse_address(f"unix:{tmp_path}/w.sock")
+    good = frame_bytes(encode_frame(Probe(1)))
+
+    async def bad(out: FrameStream) -> None:
+        assert out._conn is not None
+        await out._conn.send(good)
+        await anyio.sleep(0.2)  # two reads: the good frame is whole before the bad length
+        await out._conn.send(struct.pack(">I", 0xFFFFFFFF) + b"junk")
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, address, bad)
+        with anyio.fail_after(5):
+            while True:
+                try:
+                    frames = await connect(address)
+                    break
+                except OSError:
+                    await anyio.sleep(0.02)
+        with anyio.fail_after(5):
+            assert await frames.receive() == Probe(1)
+            with pytest.raises(ValueError, match="exceeds"):
+                await frames.receive()
+        await frames.aclose()
+        with pytest.raises(anyio.BrokenResourceError):
+            await frames.send(Probe(2))
+        tg.cancel_scope.cancel()
