@@ -32,11 +32,16 @@ _READ_SIZE = 1 << 20
 _MAX_READY = 4096  # frames received and not yet taken before reading pauses
 
 
-async def connect(address: Address) -> FrameStream:
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop; None on another backend (trio: the byte-stream path)."""
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # another backend (trio): the generic byte-stream path
-        loop = None
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def connect(address: Address) -> FrameStream:
+    loop = _asyncio_loop()
     if loop is not None:
         if address.kind == "unix":
             _, conn = await loop.create_unix_connection(_FrameConnection, address.path)
@@ -63,9 +68,8 @@ async def serve(
 ) -> None:
     """Accept connections at ``address`` until cancelled; ``handler`` gets each one as a
     ``FrameStream``, in a task of its own."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # another backend (trio): through an anyio listener
+    loop = _asyncio_loop()
+    if loop is None:  # through an anyio listener
         listener = await listen(address)
 
         async def on_stream(stream: anyio.abc.ByteStream) -> None:

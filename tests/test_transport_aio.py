@@ -10,7 +10,14 @@ import anyio
 import anyio.abc
 import pytest
 
-from lifecycle.wire_stream import _MAX_READY, FrameStream, connect, parse_address, serve
+from lifecycle.wire_stream import (
+    _MAX_READY,
+    Address,
+    FrameStream,
+    connect,
+    parse_address,
+    serve,
+)
 from transport import aio
 from wire import Probe, Stats, encode_frame
 from wire.framing import frame_bytes
@@ -153,27 +160,29 @@ async def test_closing_the_listener_ends_a_pending_accept() -> None:
 
 
 # -- the worker connection's frame protocol ------------------------------------------------
+async def _connect_when_listening(address: Address) -> FrameStream:
+    """Connect once the ``serve`` task started beside the test is listening."""
+    with anyio.fail_after(5):
+        while True:
+            try:
+                return await connect(address)
+            except OSError:
+                await anyio.sleep(0.02)
+
+
 async def test_frame_connection_pauses_on_unread_frames_and_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     address = parse_address(f"unix:{tmp_path}/w.sock")
     frame = frame_bytes(encode_frame(Stats(7, {"pad": "x" * 1000})))
     count = 3 * _MAX_READY
-    served = anyio.Event()
 
     async def flood(out: FrameStream) -> None:
         assert out._conn is not None
         await out._conn.send(frame * count)
-        served.set()
         await anyio.sleep_forever()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve, address, flood)
-        with anyio.fail_after(5):
-            while True:
-                try:
-                    frames = await connect(address)
-                    break
-                except OSError:
-                    await anyio.sleep(0.02)
+        frames = await _connect_when_listening(address)
         conn = frames._conn
         assert conn is not None
         with anyio.fail_after(5):
@@ -202,13 +211,7 @@ async def test_frame_connection_reports_a_bad_length_after_the_good_frames(tmp_p
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve, address, bad)
-        with anyio.fail_after(5):
-            while True:
-                try:
-                    frames = await connect(address)
-                    break
-                except OSError:
-                    await anyio.sleep(0.02)
+        frames = await _connect_when_listening(address)
         with anyio.fail_after(5):
             assert await frames.receive() == Probe(1)
             with pytest.raises(ValueError, match="exceeds"):

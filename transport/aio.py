@@ -41,8 +41,7 @@ class _Protocol(asyncio.Protocol):
         "exc",
         "paused",
         "_read_waiter",
-        "_write_waiter",
-        "_write_paused",
+        "drained",
     )
 
     def __init__(self) -> None:
@@ -54,8 +53,8 @@ class _Protocol(asyncio.Protocol):
         self.exc: BaseException | None = None
         self.paused = False
         self._read_waiter: asyncio.Future[None] | None = None
-        self._write_waiter: asyncio.Future[None] | None = None
-        self._write_paused = False
+        self.drained = asyncio.Event()  # clear while the transport holds unsent bytes
+        self.drained.set()
 
     # -- asyncio callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -80,27 +79,19 @@ class _Protocol(asyncio.Protocol):
         self.lost = True
         self.exc = exc
         self._wake_reader()
-        self._wake_writer()
+        self.drained.set()
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.drained.clear()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        self._wake_writer()
+        self.drained.set()
 
     # -- for the stream -----------------------------------------------------------------
     def _wake_reader(self) -> None:
         w = self._read_waiter
         if w is not None:
             self._read_waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    def _wake_writer(self) -> None:
-        w = self._write_waiter
-        if w is not None:
-            self._write_waiter = None
             if not w.done():
                 w.set_result(None)
 
@@ -111,14 +102,6 @@ class _Protocol(asyncio.Protocol):
             await waiter
         finally:
             self._read_waiter = None
-
-    async def wait_drained(self) -> None:
-        while self._write_paused and not self.lost:
-            self._write_waiter = waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._write_waiter = None
 
     def take(self, max_bytes: int) -> bytes:
         chunks = self.chunks
@@ -190,8 +173,8 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         if p.lost or self._transport.is_closing():
             raise anyio.BrokenResourceError from p.exc
         self._transport.write(item)
-        if p._write_paused:
-            await p.wait_drained()
+        if not p.drained.is_set():
+            await p.drained.wait()
             if self._closed:
                 raise anyio.ClosedResourceError
             if p.lost:
@@ -205,9 +188,7 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
 
     async def aclose(self) -> None:
         self._closed = True
-        self._transport.abort()
-        self._protocol._wake_reader()
-        self._protocol._wake_writer()
+        self._transport.abort()  # connection_lost follows and wakes any waiter
         await anyio.lowlevel.checkpoint()
 
 
