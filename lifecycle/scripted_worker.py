@@ -7,7 +7,12 @@ request starts ``i`` tokens further on), so the expected output of any request i
 function of its prompt. It keeps worker-like books (waiting and running queues, KV blocks
 held per sequence) so the frontend's release guarantees can be checked through STATS.
 
-    python -m lifecycle.scripted_worker --listen unix:/tmp/w.sock [--step-delay 0.01] ...
+With no ``--step-delay`` its steps cost nothing, as an infinitely fast model's would: up to
+``--burst`` (16) of them run back to back and their STEP frames go out in one write, one
+frame per step as always. ``--burst 1`` writes each step on its own, as a model's steps
+come; a step delay implies it.
+
+    python -m lifecycle.scripted_worker --listen unix:/tmp/w.sock [--step-delay 0.01] [--burst 16] ...
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from wire import (
     Fatal,
     Flush,
     FlushReply,
+    Frame,
     Hello,
     Probe,
     ProbeReply,
@@ -51,6 +57,7 @@ __all__ = ["ScriptConfig", "ScriptedWorker", "main"]
 class ScriptConfig:
     listen: str = "unix:/tmp/lifecycle-scripted.sock"
     step_delay: float = 0.0  # seconds per scheduler step
+    burst: int = 16  # undelayed steps run back to back and sent in one write
     prefill_delay: float = 0.0  # extra seconds in the step that admits a sequence
     max_running: int = 64
     max_pending: int = 256
@@ -243,14 +250,24 @@ class ScriptedWorker:
             if c.hang_after_steps and self.steps >= c.hang_after_steps:
                 await anyio.sleep_forever()
             delay = c.step_delay + (c.prefill_delay if self.waiting else 0.0)
-            await anyio.sleep(delay)
-            if (f := fault_point("worker.forward")) is not None:
-                await f.apply_async()
-            frame = self.step()
-            if frame is not None:
-                await out.send(frame)
-            if c.die_after_steps and self.steps >= c.die_after_steps:
-                os._exit(3)
+            await anyio.sleep(delay)  # with no delay, still a checkpoint: SUBMITs and ABORTs get in
+            # Undelayed steps cost nothing, so up to `burst` of them run back to back and
+            # go out in one write, as an instant model's would; a delayed step goes alone.
+            frames: list[Frame] = []
+            for _ in range(max(1, c.burst) if delay == 0 else 1):
+                if (f := fault_point("worker.forward")) is not None:
+                    await f.apply_async()
+                frame = self.step()
+                if frame is None:
+                    break
+                frames.append(frame)
+                if c.die_after_steps and self.steps >= c.die_after_steps:
+                    await out.send_many(frames)
+                    os._exit(3)
+                if c.hang_after_steps and self.steps >= c.hang_after_steps:
+                    break
+            if frames:
+                await out.send_many(frames)
 
     # -- one frontend connection --------------------------------------------------------
     async def serve_connection(self, out: FrameStream) -> None:

@@ -209,10 +209,19 @@ class FrameStream:
         self._recv_point = f"{side}.frame_recv"
 
     async def send(self, frame: Frame) -> None:
-        data = frame_bytes(encode_frame(frame))
-        if (f := fault_point(self._send_point)) is not None:
-            data = await self._inject(await f.apply_async(), data)
-        if self._conn is not None:  # one write call per frame: never interleaved
+        await self.send_many([frame])
+
+    async def send_many(self, frames: list[Frame]) -> None:
+        """Frames in order, in one write call (never interleaved with another task's);
+        the send fault point applies to each frame."""
+        parts = []
+        for frame in frames:
+            data = frame_bytes(encode_frame(frame))
+            if (f := fault_point(self._send_point)) is not None:
+                data = await self._inject(await f.apply_async(), data)
+            parts.append(data)
+        data = b"".join(parts)
+        if self._conn is not None:
             await self._conn.send(data)
             return
         assert self._stream is not None

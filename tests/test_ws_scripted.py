@@ -192,6 +192,10 @@ STALL_ARGS = (
     "128",
     "--send-timeout",
     "6",
+    # One step per write, as a model's steps come: the frontend then sends small deltas,
+    # whose ~10 MB the kernel buffers cannot hold (bursts coalesce them into far fewer).
+    "--worker-args",
+    "--burst 1",
 )
 
 
