@@ -159,6 +159,57 @@ async def test_closing_the_listener_ends_a_pending_accept() -> None:
     assert len(outcome) == 1
 
 
+async def test_writes_of_one_loop_pass_leave_in_one_call_in_order() -> None:
+    ours, client, listener = await _pair()
+    async with ours, client, listener:
+        assert isinstance(ours, aio.AsyncioSocketStream)
+        calls: list[bytes] = []
+        write = ours._transport.write
+
+        def counting_write(data: bytes) -> None:  # type: ignore[override]
+            calls.append(bytes(data))
+            write(data)
+
+        ours._transport.write = counting_write  # type: ignore[method-assign]
+        for part in (b"head;", b"event;", b"done;", b"end"):
+            await ours.send(part)  # no yield in between: one pass of the loop
+        assert calls == []  # held until the end of the pass
+        await anyio.sleep(0)
+        assert calls == [b"head;event;done;end"]
+        big = b"z" * aio.FLUSH_BYTES
+        await ours.send(big)  # past FLUSH_BYTES: handed over at once, not at the pass's end
+        assert calls[1:] == [big]
+        got = b""
+        with anyio.fail_after(5):
+            while len(got) < 19 + len(big):
+                got += await client.receive()
+        assert got == b"head;event;done;end" + big
+
+
+async def test_pending_writes_go_out_before_eof_and_close() -> None:
+    ours, client, listener = await _pair()
+    async with client, listener:
+        await ours.send(b"last ")
+        await ours.send_eof()  # the half-close follows the bytes
+        with pytest.raises(anyio.ClosedResourceError):
+            await ours.send(b"never")  # the write side is closed
+        got = b""
+        with anyio.fail_after(5):
+            try:
+                while True:
+                    got += await client.receive()
+            except anyio.EndOfStream:
+                pass
+        assert got == b"last "
+        await ours.aclose()
+    ours2, client2, listener2 = await _pair()
+    async with client2, listener2:
+        await ours2.send(b"bye")
+        await ours2.aclose()  # flushed first: the kernel takes it before the abort
+        with anyio.fail_after(5):
+            assert await client2.receive() == b"bye"
+
+
 # -- the worker connection's frame protocol ------------------------------------------------
 async def _connect_when_listening(address: Address) -> FrameStream:
     """Connect once the ``serve`` task started beside the test is listening."""
@@ -219,4 +270,26 @@ async def test_frame_connection_reports_a_bad_length_after_the_good_frames(tmp_p
         await frames.aclose()
         with pytest.raises(anyio.BrokenResourceError):
             await frames.send(Probe(2))
+        tg.cancel_scope.cancel()
+
+
+async def test_send_many_writes_frames_in_order_in_one_write(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    address = parse_address(f"unix:{tmp_path}/w.sock")
+    sent = [Probe(1), Stats(2, {"a": 1}), Probe(3)]
+
+    async def burst(out: FrameStream) -> None:
+        assert out._conn is not None and out._conn.transport is not None
+        writes: list[bytes] = []
+        write = out._conn.transport.write
+        out._conn.transport.write = lambda d: (writes.append(bytes(d)), write(d))[1]  # type: ignore[method-assign]
+        await out.send_many(sent)
+        assert writes == [b"".join(frame_bytes(encode_frame(f)) for f in sent)]
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, address, burst)
+        frames = await _connect_when_listening(address)
+        with anyio.fail_after(5):
+            assert [await frames.receive() for _ in sent] == sent
+        await frames.aclose()
         tg.cancel_scope.cancel()

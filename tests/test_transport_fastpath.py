@@ -14,7 +14,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from transport import Request, Response, Router, ServerConfig, wire
-from transport.fastpath import NEED_BODY, NEED_MORE, FastRequest, encode_response, parse_request
+from transport.fastpath import (
+    LAST_CHUNK,
+    NEED_BODY,
+    NEED_MORE,
+    FastRequest,
+    encode_response,
+    encode_stream_head,
+    parse_request,
+)
 from transport.http11 import HTTPConnection
 
 from .transport_helpers import RawClient, request_bytes
@@ -178,6 +186,37 @@ def test_the_fast_writer_writes_what_h11_writes(
     assert fast == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    status=st.sampled_from([200, 201, 404, 418, 503, 599]),
+    headers=st.lists(st.sampled_from(_RESPONSE_HEADERS), max_size=3),
+    chunks=st.lists(st.binary(min_size=1, max_size=40), max_size=4),
+    close=st.booleans(),
+)
+def test_the_fast_stream_writer_writes_what_h11_writes(
+    status: int, headers: list[tuple[str, str]], chunks: list[bytes], close: bool
+) -> None:
+    """A streamed body to a client that may have asked to close: head, chunks, last chunk."""
+    reason = wire.reason(status)
+    date = b"Wed, 02 Dec 2026 12:00:00 GMT"
+    preamble = b"date: " + date + b"\r\nserver: lifecycle\r\n"
+    head = encode_stream_head(status, reason, preamble, headers, close)
+    assert head is not None
+    fast = head + b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks) + LAST_CHUNK
+    conn = h11.Connection(h11.SERVER)
+    extra = b"connection: close\r\n" if close else b""
+    conn.receive_data(b"GET / HTTP/1.1\r\nhost: a\r\n%s\r\n" % extra)
+    while type(conn.next_event()) is not h11.EndOfMessage:
+        pass
+    pairs = [(b"date", date), (b"server", b"lifecycle")]
+    pairs += [(name.encode(), value.encode()) for name, value in headers]
+    expected = conn.send(h11.Response(status_code=status, headers=pairs, reason=reason))
+    for c in chunks:
+        expected += conn.send(h11.Data(data=c))
+    expected += conn.send(h11.EndOfMessage())
+    assert fast == expected
+
+
 def test_headers_the_fast_writer_leaves_to_h11() -> None:
     preamble = wire.preamble("lifecycle")
     for header in [
@@ -188,7 +227,10 @@ def test_headers_the_fast_writer_leaves_to_h11() -> None:
         ("transfer-encoding", "chunked"),
     ]:
         assert encode_response(200, b"OK", preamble, [header], b"", False, False) is None
+        assert encode_stream_head(200, b"OK", preamble, [header], False) is None
     assert encode_response(101, b"", preamble, [], b"", False, False) is None
+    for status in (101, 204, 304):  # no body, so no chunked framing: h11 decides
+        assert encode_stream_head(status, b"", preamble, [], False) is None
 
 
 # ------------------------------------------------------------------------- driver

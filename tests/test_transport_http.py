@@ -14,6 +14,7 @@ import pytest
 import trustme
 
 from transport import (
+    Headers,
     HTTPError,
     JSONResponse,
     Request,
@@ -418,3 +419,18 @@ async def test_body_exactly_at_the_limit_is_accepted() -> None:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             assert (await http.post("/echo", content=b"k" * 1000)).status_code == 200
             assert (await http.post("/echo", content=b"k" * 1001)).status_code == 413
+
+
+async def test_on_disconnect_calls_back_once_at_once_or_never_after_removal() -> None:
+    request = Request("GET", "/", Headers([]))
+    calls: list[str] = []
+    forget_a = request.on_disconnect(lambda: calls.append("a"))
+    forget_b = request.on_disconnect(lambda: calls.append("b"))
+    forget_b()
+    request.mark_disconnected("client_gone")
+    request.mark_disconnected("send_stall")  # a second reason: no second call
+    assert calls == ["a"]
+    assert request.disconnect_reason == "client_gone"
+    forget_a()  # harmless after the fact
+    request.on_disconnect(lambda: calls.append("late"))  # already gone: called at once
+    assert calls == ["a", "late"]

@@ -5,8 +5,11 @@ pauses reading in between) and yields to the loop once more after every ``send``
 stream that carries a token per write, that is two extra system calls and one extra loop
 pass per token. The stream here keeps reading up to a high-water mark (then pauses: the
 peer still meets backpressure), hands over everything buffered in one ``receive``, and
-returns from ``send`` without yielding when the kernel took the bytes at once; when it
-did not, ``send`` waits until the write buffer is empty, as anyio's does.
+returns from ``send`` without yielding. What one pass of the event loop writes goes out
+in one system call at the end of the pass (up to ``FLUSH_BYTES``, then at once): a
+response head, its last SSE event, ``[DONE]`` and the end of its chunked body usually
+leave together. When the kernel did not take a flush whole, the next ``send`` waits
+until the write buffer is empty, as anyio's does.
 
 ``wrap_listener`` turns the listeners of ``anyio.create_tcp_listener`` /
 ``create_unix_listener`` into listeners of these streams. On any other backend (trio)
@@ -29,6 +32,7 @@ from anyio.streams.stapled import MultiListener
 __all__ = ["AsyncioSocketListener", "AsyncioSocketStream", "wrap_listener"]
 
 HIGH_WATER = 256 * 1024  # bytes read ahead of the consumer before reading pauses
+FLUSH_BYTES = 64 * 1024  # writes held for the end of the loop pass, at most
 
 
 class _Protocol(asyncio.Protocol):
@@ -131,6 +135,9 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         self._transport = transport
         self._protocol = protocol
         self._closed = False
+        self._eof_sent = False
+        self._pending: list[bytes] = []  # written in this loop pass, flushed at its end
+        self._pending_size = 0
 
     @classmethod
     async def adopt(cls, sock: socket.socket) -> AsyncioSocketStream:
@@ -168,11 +175,16 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
 
     async def send(self, item: bytes) -> None:
         p = self._protocol
-        if self._closed:
+        if self._closed or self._eof_sent:
             raise anyio.ClosedResourceError
         if p.lost or self._transport.is_closing():
             raise anyio.BrokenResourceError from p.exc
-        self._transport.write(item)
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(item)
+        self._pending_size += len(item)
+        if self._pending_size >= FLUSH_BYTES:
+            self._flush()
         if not p.drained.is_set():
             await p.drained.wait()
             if self._closed:
@@ -180,13 +192,26 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
             if p.lost:
                 raise anyio.BrokenResourceError from p.exc
 
+    def _flush(self) -> None:
+        """Hand what this loop pass wrote to the transport: one system call for all of it."""
+        if not self._pending:
+            return
+        data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending.clear()
+        self._pending_size = 0
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
     async def send_eof(self) -> None:
+        self._flush()
+        self._eof_sent = True
         try:
             self._transport.write_eof()
         except OSError:
             pass
 
     async def aclose(self) -> None:
+        self._flush()  # what the kernel takes now still goes out, as if written at once
         self._closed = True
         self._transport.abort()  # connection_lost follows and wakes any waiter
         await anyio.lowlevel.checkpoint()

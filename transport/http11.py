@@ -34,6 +34,7 @@ from .errors import HTTPError
 from .request import BodyQueue, Headers, Request
 from .respond import ClientGone, ResponseWriter
 from .responses import Response
+from .streaming import StreamGate
 
 __all__ = ["HTTPConnection", "ServerState", "watch_deadlines"]
 
@@ -105,6 +106,7 @@ class HTTPConnection(ResponseWriter):
         self._deadline = time.monotonic() + config.header_timeout
         self._read_scope: anyio.CancelScope | None = None
         self._send_since: float | None = None
+        self._stream_gate: StreamGate | None = None  # a streamed body being written
         self._body: BodyQueue | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         # The reader task: started by the first request that needs it, then it reads for
@@ -366,6 +368,9 @@ class HTTPConnection(ResponseWriter):
                 self.current.mark_disconnected("send_stall")
             self._graceful = False
             self.scope.cancel()
+        gate = self._stream_gate
+        if gate is not None and self._tg is not None and gate.ping_due(now):
+            self._tg.start_soon(gate.ping)
 
     # ----------------------------------------------------------------- reader
     def _want_watch(self, request: Request) -> None:
@@ -444,7 +449,11 @@ class HTTPConnection(ResponseWriter):
 
 def watchdog_interval(config: ServerConfig) -> float:
     shortest = min(
-        config.header_timeout, config.body_timeout, config.keepalive_timeout, config.send_timeout
+        config.header_timeout,
+        config.body_timeout,
+        config.keepalive_timeout,
+        config.send_timeout,
+        config.sse_ping_interval,  # a ping is due within a quarter interval of its time
     )
     return min(1.0, max(0.005, shortest / 4))
 

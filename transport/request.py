@@ -158,6 +158,7 @@ class Request:
         "_cached",
         "_on_first_pull",
         "_on_watch",
+        "_on_gone",
         "client",
         "_disconnected",
         "disconnect_reason",
@@ -192,6 +193,7 @@ class Request:
         self._on_first_pull: Callable[[], Awaitable[None]] | None = None
         # Set by the connection: the first look at ``disconnected`` starts its watcher.
         self._on_watch: Callable[[Request], None] | None = None
+        self._on_gone: list[Callable[[], object]] | None = None
 
     def __repr__(self) -> str:
         return f"<Request {self.method} {self.path!r}>"
@@ -217,6 +219,28 @@ class Request:
         if self._disconnected is None:  # not via the property: nobody needs a watcher now
             self._disconnected = anyio.Event()
         self._disconnected.set()
+        callbacks, self._on_gone = self._on_gone, None
+        for callback in callbacks or ():
+            callback()
+
+    def on_disconnect(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` (sync, once) when the client goes away; at once if it has.
+
+        What waiting on ``disconnected`` in a task of its own does, without the task (e.g.
+        ``on_disconnect(scope.cancel)``). Returns a function that takes the callback back.
+        """
+        if self.disconnected.is_set():  # the property also starts the connection's watcher
+            callback()
+            return _nothing
+        if self._on_gone is None:
+            self._on_gone = []
+        self._on_gone.append(callback)
+
+        def remove() -> None:
+            if self._on_gone is not None and callback in self._on_gone:
+                self._on_gone.remove(callback)
+
+        return remove
 
     async def stream(self) -> AsyncIterator[bytes]:
         if self._cached is not None:
@@ -242,3 +266,7 @@ class Request:
             return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise HTTPError(400, f"Invalid JSON: {exc}") from None
+
+
+def _nothing() -> None:
+    pass

@@ -21,7 +21,7 @@ from .config import ServerConfig
 from .errors import HTTPError
 from .request import Headers, Request
 from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
-from .streaming import discard, pump
+from .streaming import StreamGate, discard, pump
 
 if TYPE_CHECKING:
     from .http11 import ServerState
@@ -53,6 +53,7 @@ class ResponseWriter:
     _upgraded: bool
     _graceful: bool
     _send_since: float | None
+    _stream_gate: StreamGate | None
 
     def _replay(self) -> None: ...
     def _go_live(self) -> None: ...
@@ -120,11 +121,24 @@ class ResponseWriter:
         await self._write(request, data)
 
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
-        self._replay()
         conn = self.h11
-        headers = wire.response_headers(response.headers, self.config, self.server.draining)
         reason = wire.reason(response.status)
-        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))
+        head = None
+        if not self._live and request.method != "HEAD":  # a fast request: h11 not needed
+            closing = self._close_after or self.server.draining
+            preamble = wire.preamble(self.config.server_header)
+            head = fastpath.encode_stream_head(
+                response.status, reason, preamble, response.headers, closing
+            )
+            if head is not None:
+                self._close_after = closing
+        fast = head is not None
+        if head is None:
+            self._replay()
+            headers = wire.response_headers(response.headers, self.config, self.server.draining)
+            head = conn.send(
+                h11.Response(status_code=response.status, headers=headers, reason=reason)
+            )
         try:
             await self._write(request, head)
         except ClientGone:
@@ -135,8 +149,7 @@ class ResponseWriter:
             ok = True
         else:
             sse = isinstance(response, SSEResponse)
-            ping = self.config.sse_ping_interval if sse else math.inf
-            chunked = _is_chunked(head)
+            chunked = fast or _is_chunked(head)
 
             async def write_data(data: bytes) -> None:
                 # h11 keeps no state for a chunk of a chunked body: frame it here (what
@@ -148,14 +161,18 @@ class ResponseWriter:
                 else:
                     await self._write(request, conn.send(h11.Data(data=data)))
 
+            gate = StreamGate(write_data, self.config.sse_ping_interval if sse else math.inf)
+            self._stream_gate = gate  # the watchdog starts its pings (check_deadlines)
             try:
-                ok = await pump(request, response.chunks, write_data, sse, ping)
+                ok = await pump(request, response.chunks, gate, sse)
             except ClientGone:
                 ok = False
+            finally:
+                self._stream_gate = None
         if not ok:
             self._graceful = False  # an unterminated chunked body tells the client it is cut
             return False
-        await self._write(request, conn.send(h11.EndOfMessage()))
+        await self._write(request, fastpath.LAST_CHUNK if fast else conn.send(h11.EndOfMessage()))
         return True
 
     async def _upgrade(self, request: Request, response: WebSocketResponse) -> bool:

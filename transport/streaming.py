@@ -1,11 +1,12 @@
 """Writing what a response producer yields, in the task that serves the connection.
 
 The handler's async iterator is pulled and its items written in the same task, so a
-streamed item costs no hand-off between tasks. Two helpers run beside it: one cancels
-the stream when the client goes away, and for SSE a pinger writes a comment line when
-nothing was written for ``ping_interval``. Writes are serialised by ``_WriteGate``: the
-pinger never writes into the middle of an item, and never while an item's write waits
-on a slow client.
+streamed item costs no hand-off between tasks, and no helper task runs beside it: the
+client going away cancels the stream through a callback (``Request.on_disconnect``),
+and SSE keep-alive pings are one more deadline the connection's watchdog checks
+(``StreamGate.ping_due``): when nothing was written for ``ping_interval`` it starts one
+``ping`` write. Writes are serialised by the ``StreamGate``: a ping never goes into the
+middle of an item, nor while an item's write waits on a slow client.
 """
 
 from __future__ import annotations
@@ -21,27 +22,32 @@ import anyio
 from .request import Request
 from .sse import PING, frame_event
 
-__all__ = ["discard", "pump"]
+__all__ = ["StreamGate", "discard", "pump"]
 
 log = logging.getLogger("transport")
 
 _ACLOSE_TIMEOUT = 5.0  # a producer's cleanup should be quick; never let it wedge a connection
 
 
-class _WriteGate:
-    """One write at a time, and when the last one ended (the pinger's clock)."""
+class StreamGate:
+    """One write at a time for a streamed body, when the last one ended, and its pings."""
 
-    __slots__ = ("_write", "_free", "busy", "last", "failure")
+    __slots__ = ("_write", "_free", "busy", "last", "failure", "ping_interval", "_pinging", "scope")
 
-    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(
+        self, write: Callable[[bytes], Awaitable[None]], ping_interval: float = math.inf
+    ) -> None:
         self._write = write
         self._free: anyio.Event | None = None
         self.busy = False
         self.last = time.monotonic()
         self.failure: Exception | None = None
+        self.ping_interval = ping_interval
+        self._pinging = False
+        self.scope: anyio.CancelScope | None = None  # the stream's, while it runs
 
     async def write(self, data: bytes) -> None:
-        while self.busy:  # the pinger's write is waiting on the client
+        while self.busy:  # a ping's write is waiting on the client
             self._free = free = anyio.Event()
             await free.wait()
         self.busy = True
@@ -54,43 +60,70 @@ class _WriteGate:
                 self._free.set()
                 self._free = None
 
+    def ping_due(self, now: float) -> bool:
+        """Whether the stream has been silent for ``ping_interval`` and a ping may start
+        (not while a write is stalled on the client: the send timeout deals with that)."""
+        return (
+            self.scope is not None
+            and not self.busy
+            and not self._pinging
+            and now - self.last >= self.ping_interval
+        )
 
-async def pump(
-    request: Request,
-    source: AsyncIterable[Any],
-    write: Callable[[bytes], Awaitable[None]],
-    sse: bool,
-    ping_interval: float,
-) -> bool:
-    """Write what ``source`` produces, one item at a time, until it ends.
+    async def ping(self) -> None:
+        """Write one keep-alive comment; a failed write ends the stream with its error."""
+        if not self.ping_due(time.monotonic()):
+            return
+        self._pinging = True
+        try:
+            await self.write(PING)
+        except Exception as exc:
+            self.failure = exc
+            if self.scope is not None:
+                self.scope.cancel()
+        finally:
+            self._pinging = False
 
-    The stream is cancelled when the client goes away (``request.disconnected``) or a
-    write fails; a write failure is re-raised here, a failure of the source is logged
-    and ends the stream. Whatever ends it, an async generator is closed with
+    async def settle(self) -> None:
+        """Stop pinging and wait for a ping's write in flight to end (it is bounded by
+        the send timeout), so whatever the caller writes next is not interleaved."""
+        self.scope = None
+        while self.busy:
+            self._free = free = anyio.Event()
+            await free.wait()
+
+
+async def pump(request: Request, source: AsyncIterable[Any], gate: StreamGate, sse: bool) -> bool:
+    """Write what ``source`` produces through ``gate``, one item at a time, until it ends.
+
+    The stream is cancelled when the client goes away (``request.on_disconnect``) or a
+    ping's write fails; a write failure is re-raised here, a failure of the source is
+    logged and ends the stream. Whatever ends it, an async generator is closed with
     ``aclose()`` (shielded, bounded), so its ``finally:`` runs while its owner still knows
     why it stopped. True when the source ended normally and every item was written.
     """
     iterator = aiter(source)
-    gate = _WriteGate(write)
     ended = False
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-            if sse and math.isfinite(ping_interval):
-                tg.start_soon(_pinger, gate, ping_interval, tg.cancel_scope)
+        with anyio.CancelScope() as scope:
+            gate.scope = scope
+            forget = request.on_disconnect(scope.cancel)
             try:
                 ended = await _write_items(iterator, gate, sse)
-            except Exception as exc:  # re-raised bare, not wrapped in an exception group
-                gate.failure = exc
-            tg.cancel_scope.cancel()
+            finally:
+                forget()
     finally:
-        await _aclose(iterator)
+        try:
+            await _aclose(iterator)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await gate.settle()
     if gate.failure is not None:
         raise gate.failure
     return ended and not request.is_disconnected()
 
 
-async def _write_items(iterator: AsyncIterator[Any], gate: _WriteGate, sse: bool) -> bool:
+async def _write_items(iterator: AsyncIterator[Any], gate: StreamGate, sse: bool) -> bool:
     """Pull and write until the source ends (True) or fails (False, logged)."""
     while True:
         try:
@@ -103,25 +136,6 @@ async def _write_items(iterator: AsyncIterator[Any], gate: _WriteGate, sse: bool
         data = frame_event(item) if sse else item
         if data:
             await gate.write(data)
-
-
-async def _pinger(gate: _WriteGate, interval: float, scope: anyio.CancelScope) -> None:
-    """A comment line whenever nothing was written for ``interval``: keeps proxies and
-    clients from timing out an idle stream."""
-    while True:
-        due = gate.last + interval - time.monotonic()
-        if due > 0:
-            await anyio.sleep(due)
-            continue
-        if gate.busy:  # an item's write is stalled: the send timeout deals with that
-            await anyio.sleep(interval)
-            continue
-        try:
-            await gate.write(PING)
-        except Exception as exc:
-            gate.failure = exc
-            scope.cancel()
-            return
 
 
 async def _aclose(source: Any) -> None:
@@ -142,8 +156,3 @@ async def discard(source: AsyncIterable[Any]) -> None:
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + _ACLOSE_TIMEOUT
             await aclose()
-
-
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    await request.disconnected.wait()
-    scope.cancel()
