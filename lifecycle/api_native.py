@@ -52,21 +52,18 @@ def _gone_cause(request: Request) -> tuple[Cause, str]:
     return Cause.INTERNAL, "handler ended early"
 
 
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    await request.disconnected.wait()
-    scope.cancel()
-
-
 async def run_unary(call: GenerateCall, request: Request) -> Response | None:
     """Run ``call`` to its end unless the client leaves first (watched without writing).
 
     None when the call ended; otherwise the call is closed with the cause the transport
     reported and the 499 that nobody will read is returned.
     """
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-        await call.run_to_end()
-        tg.cancel_scope.cancel()
+    with anyio.CancelScope() as scope:
+        forget = request.on_disconnect(scope.cancel)  # no watcher task per request
+        try:
+            await call.run_to_end()
+        finally:
+            forget()
     if not call.done:
         call.close(*_gone_cause(request))
         return Response(b"", 499)
