@@ -110,6 +110,32 @@ async def test_keepalive_and_pipelined_requests_answered_in_order() -> None:
         assert fourth.status_code == 200 and b"again" in body4
 
 
+async def test_streams_on_a_kept_alive_connection_with_pipelining_then_close() -> None:
+    """A stream answered on the fast path leaves the connection as a whole response does:
+    pipelined requests behind it are answered in order, and a client's Connection: close
+    is honoured in the stream's head and by closing after it."""
+    async with running(make_router()) as (_, port), await connect(port) as stream:
+        client = RawClient(stream)
+        await client.send(
+            request_bytes("GET", "/stream")
+            + request_bytes("GET", "/hello/b")
+            + request_bytes("GET", "/stream")
+        )
+        first, body1 = await client.response()
+        second, body2 = await client.response()
+        third, body3 = await client.response()
+        assert (first.status_code, second.status_code, third.status_code) == (200, 200, 200)
+        assert body1 == body3 == b"chunk0;chunk1;chunk2;chunk3;chunk4;"
+        assert body2 == b'{"hello":"b","q":{}}'
+        assert (b"transfer-encoding", b"chunked") in first.headers
+        await client.send(request_bytes("GET", "/stream", connection="close"))
+        last, body4 = await client.response()
+        assert (b"connection", b"close") in last.headers
+        assert body4 == body1
+        closed, _ = await client.response()
+        assert isinstance(closed, h11.ConnectionClosed)
+
+
 async def test_chunked_request_body_in_pieces() -> None:
     async with running(make_router()) as (_, port), await connect(port) as stream:
         client = RawClient(stream)
