@@ -22,6 +22,8 @@ from transport import aio
 from wire import Probe, Stats, encode_frame
 from wire.framing import frame_bytes
 
+from .transport_helpers import read_until_closed
+
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
@@ -193,14 +195,7 @@ async def test_pending_writes_go_out_before_eof_and_close() -> None:
         await ours.send_eof()  # the half-close follows the bytes
         with pytest.raises(anyio.ClosedResourceError):
             await ours.send(b"never")  # the write side is closed
-        got = b""
-        with anyio.fail_after(5):
-            try:
-                while True:
-                    got += await client.receive()
-            except anyio.EndOfStream:
-                pass
-        assert got == b"last "
+        assert await read_until_closed(client) == b"last "
         await ours.aclose()
     ours2, client2, listener2 = await _pair()
     async with client2, listener2:

@@ -28,7 +28,7 @@ from transport import (
 )
 from transport.http11 import HTTPConnection
 
-from .transport_helpers import RawClient, connect, request_bytes, running
+from .transport_helpers import RawClient, connect, read_until_closed, request_bytes, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -245,30 +245,19 @@ async def test_streaming_response_is_chunked() -> None:
         assert body == b"chunk0;chunk1;chunk2;chunk3;chunk4;"
 
 
-async def _read_until_closed(stream: anyio.abc.SocketStream) -> bytes:
-    data = b""
-    with anyio.fail_after(5):
-        try:
-            while chunk := await stream.receive():
-                data += chunk
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
-    return data
-
-
 async def test_stream_chunk_framing_on_the_wire() -> None:
     """Chunks are framed as h11 frames them; an empty item never ends the body early;
     an HTTP/1.0 client gets the raw body, ended by the close."""
     async with running(make_router()) as (_, port):
         async with await connect(port) as stream:
             await stream.send(request_bytes("GET", "/stream-gaps", connection="close"))
-            wire = await _read_until_closed(stream)
+            wire = await read_until_closed(stream)
         head, _, body = wire.partition(b"\r\n\r\n")
         assert b"Transfer-Encoding: chunked" in head
         assert body == b"1\r\na\r\n2\r\nbc\r\n12c\r\n" + b"d" * 300 + b"\r\n0\r\n\r\n"
         async with await connect(port) as stream:
             await stream.send(b"GET /stream-gaps HTTP/1.0\r\n\r\n")
-            wire = await _read_until_closed(stream)
+            wire = await read_until_closed(stream)
         head, _, body = wire.partition(b"\r\n\r\n")
         assert b"chunked" not in head.lower()
         assert body == b"abc" + b"d" * 300
@@ -322,13 +311,7 @@ async def test_exact_bytes_over_a_socketpair(monkeypatch: pytest.MonkeyPatch) ->
     async with anyio.create_task_group() as tg:
         tg.start_soon(conn.run)
         await client.send(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        data = b""
-        with anyio.fail_after(5):
-            try:
-                while True:
-                    data += await client.receive()
-            except anyio.EndOfStream:
-                pass
+        data = await read_until_closed(client)
         await client.aclose()
     assert data == (
         b"HTTP/1.1 200 OK\r\ndate: Thu, 01 Jan 2026 00:00:00 GMT\r\nserver: lifecycle\r\n"

@@ -42,6 +42,18 @@ def request_bytes(method: str = "GET", path: str = "/", body: bytes = b"", **hea
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+async def read_until_closed(stream: anyio.abc.SocketStream) -> bytes:
+    """Every byte the peer sends until it closes (or resets) the connection."""
+    data = b""
+    with anyio.fail_after(5):
+        try:
+            while chunk := await stream.receive():
+                data += chunk
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    return data
+
+
 class RawClient:
     """A client that writes exact bytes and parses responses with h11."""
 

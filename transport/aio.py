@@ -196,7 +196,7 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         """Hand what this loop pass wrote to the transport: one system call for all of it."""
         if not self._pending:
             return
-        data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+        data = b"".join(self._pending)  # one bytes item: itself, no copy
         self._pending.clear()
         self._pending_size = 0
         if not self._transport.is_closing():

@@ -46,10 +46,13 @@ class StreamGate:
         self._pinging = False
         self.scope: anyio.CancelScope | None = None  # the stream's, while it runs
 
-    async def write(self, data: bytes) -> None:
-        while self.busy:  # a ping's write is waiting on the client
+    async def _wait_free(self) -> None:
+        while self.busy:  # the other writer's write is waiting on the client
             self._free = free = anyio.Event()
             await free.wait()
+
+    async def write(self, data: bytes) -> None:
+        await self._wait_free()
         self.busy = True
         try:
             await self._write(data)
@@ -88,9 +91,7 @@ class StreamGate:
         """Stop pinging and wait for a ping's write in flight to end (it is bounded by
         the send timeout), so whatever the caller writes next is not interleaved."""
         self.scope = None
-        while self.busy:
-            self._free = free = anyio.Event()
-            await free.wait()
+        await self._wait_free()
 
 
 async def pump(request: Request, source: AsyncIterable[Any], gate: StreamGate, sse: bool) -> bool:
