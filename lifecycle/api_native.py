@@ -18,14 +18,13 @@ import anyio
 import orjson
 
 from lifecycle.errors import RequestError
-from lifecycle.frontend import Frontend, GenerateCall, ServeError
+from lifecycle.frontend import ExitCause, Frontend, GenerateCall, ServeError
 from lifecycle.params import parse_generate
-from lifecycle.states import Cause
-from lifecycle.supervisor import generate_probe
+from lifecycle.states import DRAIN, Cause
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from wire.faults import fault_point
 
-__all__ = ["NativeAPI", "error_response"]
+__all__ = ["NativeAPI", "error_response", "gone_cause", "run_unary"]
 
 log = logging.getLogger("lifecycle.api")
 
@@ -41,33 +40,32 @@ def _serve_error(exc: ServeError) -> Response:
     return error_response(exc.cause.status, exc.message, exc.cause.retry_after)
 
 
-def _gone_cause(request: Request) -> tuple[Cause, str]:
-    reason = request.disconnect_reason
-    if reason == "send_stall":
-        return Cause.CLIENT_STALLED, "the client stopped reading"
-    if reason == "shutdown":
-        return Cause.INTERNAL, "server shutdown"
-    if request.disconnected.is_set():
-        return Cause.CLIENT_GONE, "client disconnected"
-    return Cause.INTERNAL, "handler ended early"
+def gone_cause(request: Request) -> ExitCause:
+    """Why a call owned by the handler of ``request`` ended early (its ``exit_cause``)."""
+
+    def cause() -> tuple[Cause, str]:
+        reason = request.disconnect_reason
+        if reason == "send_stall":
+            return Cause.CLIENT_STALLED, "the client stopped reading"
+        if reason == "shutdown":
+            return Cause.SHUTTING_DOWN, "server shutdown"
+        if request.is_disconnected():
+            return Cause.CLIENT_GONE, "client disconnected"
+        return Cause.INTERNAL, "handler ended early"
+
+    return cause
 
 
-async def run_unary(call: GenerateCall, request: Request) -> Response | None:
-    """Run ``call`` to its end unless the client leaves first (watched without writing).
-
-    None when the call ended; otherwise the call is closed with the cause the transport
-    reported and the 499 that nobody will read is returned.
-    """
+async def run_unary(call: GenerateCall, request: Request) -> bool:
+    """Run ``call`` to its end unless the client leaves first (watched without writing);
+    False when the client left (the call's scope then closes it with the cause)."""
     with anyio.CancelScope() as scope:
         forget = request.on_disconnect(scope.cancel)  # no watcher task per request
         try:
             await call.run_to_end()
         finally:
             forget()
-    if not call.done:
-        call.close(*_gone_cause(request))
-        return Response(b"", 499)
-    return None
+    return call.done
 
 
 async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
@@ -86,7 +84,6 @@ class NativeAPI:
     def __init__(self, frontend: Frontend, server_args: dict[str, Any]) -> None:
         self.fe = frontend
         self.server_args = server_args
-        self.calls: dict[int, tuple[GenerateCall, Any]] = {}  # record id -> (call, run)
 
     def install(self, router: Router) -> None:
         router.add(["POST", "PUT"], "/generate", self.generate)
@@ -115,85 +112,62 @@ class NativeAPI:
                 return SSEResponse(_error_events(exc.message, Cause.INVALID))
             return error_response(exc.status, exc.message)
         incremental = self.fe.config.incremental_streaming_output or per_request is True
-        call = self.fe.generate(req)
-        try:
-            await call.start()
-        except RequestError as exc:
-            call.close(Cause.INVALID, exc.message)
+        async with self.fe.call(req, gone_cause(request)) as call:
+            try:
+                await call.start()
+            except RequestError as exc:
+                if req.stream:
+                    return SSEResponse(_error_events(exc.message, Cause.INVALID))
+                return error_response(exc.status, exc.message)
+            except ServeError as exc:
+                return _serve_error(exc)
             if req.stream:
-                return SSEResponse(_error_events(exc.message, Cause.INVALID))
-            return error_response(exc.status, exc.message)
-        except ServeError as exc:
-            call.close(exc.cause, exc.message)
-            return _serve_error(exc)
-        except BaseException:
-            call.close(*_gone_cause(request))
-            raise
-        self._track(call)
-        if req.stream:
-            return SSEResponse(self._stream(call, request, incremental))
-        return await self._unary(call, request)
-
-    def _track(self, call: GenerateCall) -> None:
-        for run in call.runs:
-            self.calls[run.rec.id] = (call, run)
-
-    def _untrack(self, call: GenerateCall) -> None:
-        for run in call.runs:
-            self.calls.pop(run.rec.id, None)
+                return await request.respond(SSEResponse(self._events(call, incremental)))
+            return await self._unary(call, request)
 
     async def _unary(self, call: GenerateCall, request: Request) -> Response:
-        try:
-            if (gone := await run_unary(call, request)) is not None:
-                return gone
-            err = call.error()
-            if err is not None:
-                cause, message = err
-                return error_response(cause.status, message, cause.retry_after)
+        if not await run_unary(call, request):
+            return Response(b"", 499)  # nobody reads it; the scope closes the call
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            return error_response(cause.status, message, cause.retry_after)
+        if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+            await _client_write_fault(f)
+        results = [s.result(call.e2e()) for s in call.samples()]
+        call.close()  # done: the rid is free before the client reads the reply
+        multi = call.req.is_batch or len(results) > 1
+        return JSONResponse(results if multi else results[0])
+
+    async def _events(self, call: GenerateCall, incremental: bool) -> AsyncIterator[bytes]:
+        """The stream's events; owns nothing (the handler's call scope does)."""
+        multi = call.req.is_batch or len(call.samples()) > 1
+        async for index, _sample, frame in call.frames(incremental):
+            if multi:
+                frame["index"] = index
             if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
                 await _client_write_fault(f)
-            results = [s.result(call.e2e()) for s in call.samples()]
-            multi = call.req.is_batch or len(results) > 1
-            return JSONResponse(results if multi else results[0])
-        finally:
-            call.close(*_gone_cause(request))
-            self._untrack(call)
-
-    async def _stream(
-        self, call: GenerateCall, request: Request, incremental: bool
-    ) -> AsyncIterator[bytes]:
-        multi = call.req.is_batch or len(call.samples()) > 1
-        try:
-            async for index, _sample, frame in call.frames(incremental):
-                if multi:
-                    frame["index"] = index
-                if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
-                    await _client_write_fault(f)
-                yield orjson.dumps(frame)
-            err = call.error()
-            if err is not None:
-                cause, message = err
-                yield orjson.dumps(cause.body(message))
-            call.close()
-            yield b"[DONE]"
-        finally:
-            call.close(*_gone_cause(request))
-            self._untrack(call)
+            yield orjson.dumps(frame)
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            yield orjson.dumps(cause.body(message))
+        call.close()  # ended: the rid is free before the client sees [DONE]
+        yield b"[DONE]"
 
     # -- health ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        if self.fe.draining:
+            return error_response(DRAIN.health_status, "shutting down", DRAIN.refused.retry_after)
         if not self.fe.supervisor.ready:
             return error_response(503, f"not ready ({self.fe.supervisor.status})", 5)
         return Response(b"")
 
     async def health_generate(self, request: Request) -> Response:
         try:
-            client = self.fe.ready_client()
+            ok, detail = await self.fe.probe(HEALTH_PROBE_TIMEOUT)
         except ServeError as exc:
             return _serve_error(exc)
-        ok, detail = False, "timed out"
-        with anyio.move_on_after(HEALTH_PROBE_TIMEOUT):
-            ok, detail = await generate_probe(client)
         if not ok:
             log.error("health probe failed: %s", detail)
             return error_response(503, f"health probe failed: {detail}", 5)
@@ -259,15 +233,10 @@ class NativeAPI:
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
         rid, abort_all = body.get("rid"), body.get("abort_all") is True
-        targets = list(self.calls.values())
-        if not abort_all:
-            if not isinstance(rid, str) or not rid:
-                return Response(b"")  # SGLang ignores an empty rid without abort_all
-            rec = self.fe.registry.by_client_rid(rid)
-            targets = [self.calls[rec.id]] if rec is not None and rec.id in self.calls else []
-        for call, run in targets:
-            if call.client is not None and run.rids:
-                call.client.abort(run.rids, message="Abort by the /abort_request API")
+        if abort_all:
+            self.fe.abort(abort_all=True)
+        elif isinstance(rid, str) and rid:  # SGLang ignores an empty rid without abort_all
+            self.fe.abort(rid)
         return Response(b"")
 
     async def flush_cache(self, request: Request) -> Response:

@@ -18,7 +18,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from lifecycle.api_native import _gone_cause, run_unary
+from lifecycle.api_native import gone_cause, run_unary
 from lifecycle.errors import RequestError
 from lifecycle.frontend import Frontend, GenerateCall, ServeError
 from lifecycle.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
@@ -28,7 +28,6 @@ from transport import HTTPError, JSONResponse, Request, Response, Router, SSERes
 
 if TYPE_CHECKING:
     from gpu.chat import ChatTemplate
-    from lifecycle.api_native import NativeAPI
 
 __all__ = ["OpenAIAPI", "openai_error"]
 
@@ -48,7 +47,6 @@ class OpenAIAPI:
         *,
         model_id: str,
         model_path: str | None = None,
-        native: NativeAPI | None = None,
     ) -> None:
         from lifecycle import __version__
 
@@ -59,7 +57,6 @@ class OpenAIAPI:
         if model_path:
             aliases |= {model_path, model_path.rsplit("/", 1)[-1].removesuffix(".gguf")}
         self.model_names = frozenset(aliases)
-        self.native = native  # shares its table of calls, so /abort_request reaches ours
         self.created = int(time.time())
         self.fingerprint = fingerprint(__version__, model_path or model_id)
         self.texts = TokenTexts(frontend.tokenizer)
@@ -158,27 +155,21 @@ class OpenAIAPI:
         echo: list[str],
         prompt_param: str,
     ) -> Response:
-        call = self.fe.generate(oreq.generate_request(prompts))
-        try:
-            await call.start()
-        except RequestError as exc:
-            call.close(exc.cause, exc.message)
-            return openai_error(OpenAIError.from_cause(exc.cause, exc.message, prompt_param))
-        except ServeError as exc:
-            call.close(exc.cause, exc.message)
-            return openai_error(
-                OpenAIError.from_cause(exc.cause, exc.message), exc.cause.retry_after
-            )
-        except BaseException:
-            call.close(*_gone_cause(request))
-            raise
-        if self.native is not None:
-            self.native._track(call)
-        choices = self._choices(call, oreq, echo)
-        ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
-        if oreq.stream:
-            return SSEResponse(self._stream(call, request, oreq, choices, ids))
-        return await self._unary(call, request, oreq, choices, ids)
+        async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
+            try:
+                await call.start()
+            except RequestError as exc:
+                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, prompt_param))
+            except ServeError as exc:
+                return openai_error(
+                    OpenAIError.from_cause(exc.cause, exc.message), exc.cause.retry_after
+                )
+            choices = self._choices(call, oreq, echo)
+            ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
+            if oreq.stream:
+                events = self._events(call, oreq, choices, ids)
+                return await request.respond(SSEResponse(events))
+            return await self._unary(call, request, oreq, choices, ids)
 
     def _choices(
         self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str]
@@ -200,11 +191,6 @@ class OpenAIAPI:
             sum(s.cached_tokens for s in firsts),
         )
 
-    def _end(self, call: GenerateCall, request: Request) -> None:
-        call.close(*_gone_cause(request))
-        if self.native is not None:
-            self.native._untrack(call)
-
     async def _unary(
         self,
         call: GenerateCall,
@@ -213,46 +199,41 @@ class OpenAIAPI:
         choices: list[ChoiceState],
         ids: ReplyIds,
     ) -> Response:
-        try:
-            if (gone := await run_unary(call, request)) is not None:
-                return gone
-            err = call.error()
-            if err is not None:
-                cause, message = err
-                return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
-            e2e = call.e2e()
-            body = ids.envelope("chat.completion" if oreq.chat else "text_completion")
-            body["choices"] = sorted((c.result(e2e) for c in choices), key=lambda c: c["index"])
-            body["usage"] = self._usage(call)
-            return JSONResponse(body)
-        finally:
-            self._end(call, request)
+        if not await run_unary(call, request):
+            return Response(b"", 499)  # nobody reads it; the scope closes the call
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+        e2e = call.e2e()
+        body = ids.envelope("chat.completion" if oreq.chat else "text_completion")
+        body["choices"] = sorted((c.result(e2e) for c in choices), key=lambda c: c["index"])
+        body["usage"] = self._usage(call)
+        call.close()  # done: the rid is free before the client reads the reply
+        return JSONResponse(body)
 
-    async def _stream(
+    async def _events(
         self,
         call: GenerateCall,
-        request: Request,
         oreq: OpenAIRequest,
         choices: list[ChoiceState],
         ids: ReplyIds,
     ) -> AsyncIterator[bytes]:
+        """The stream's chunks; owns nothing (the handler's call scope does)."""
         obj = "chat.completion.chunk" if oreq.chat else "text_completion"
-        try:
-            async for index, _sample, frame in call.frames(True):
-                choice = choices[index].chunk_choice(frame)
-                if choice is None:
-                    continue
-                chunk = {**ids.envelope(obj), "choices": [choice]}
-                if oreq.include_usage:
-                    chunk["usage"] = None
-                yield orjson.dumps(chunk)
-            err = call.error()
-            if err is not None:
-                cause, message = err
-                yield orjson.dumps(OpenAIError.from_cause(cause, message).body())
-            elif oreq.include_usage:
-                yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": self._usage(call)})
-            call.close()
-            yield b"[DONE]"
-        finally:
-            self._end(call, request)
+        async for index, _sample, frame in call.frames(True):
+            choice = choices[index].chunk_choice(frame)
+            if choice is None:
+                continue
+            chunk = {**ids.envelope(obj), "choices": [choice]}
+            if oreq.include_usage:
+                chunk["usage"] = None
+            yield orjson.dumps(chunk)
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            yield orjson.dumps(OpenAIError.from_cause(cause, message).body())
+        elif oreq.include_usage:
+            yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": self._usage(call)})
+        call.close()  # ended: the rid is free before the client sees [DONE]
+        yield b"[DONE]"

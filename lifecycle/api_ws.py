@@ -239,25 +239,18 @@ class StreamSession:
             req = await self._request(body, kind)
         except RequestError as exc:
             return _error(mid, Cause.INVALID, exc.message)
-        call = fe.generate(req)
-        try:
+        async with fe.call(req, self._gone) as call:
             with scope:
                 try:
                     await call.start()
                 except RequestError as exc:
-                    call.close(Cause.INVALID, exc.message)
                     return _error(mid, Cause.INVALID, exc.message)
                 except ServeError as exc:
-                    call.close(exc.cause, exc.message)
                     return _error(mid, exc.cause, exc.message)
-                self.native._track(call)  # /abort_request reaches WebSocket generations too
                 return await self._pump(mid, call)
             # Only a cancel message gets here: the session's own cancellation propagates.
             call.close(Cause.ABORTED, "cancelled by the client")
             return _error(mid, Cause.ABORTED, "cancelled by the client")
-        finally:
-            call.close(*self._gone())  # no-op when closed above
-            self.native._untrack(call)
 
     async def _pump(self, mid: Any, call: GenerateCall) -> dict[str, Any]:
         multi = call.req.is_batch or len(call.samples()) > 1
@@ -279,5 +272,5 @@ class StreamSession:
         if reason == "send_stall":
             return Cause.CLIENT_STALLED, "the client stopped reading"
         if reason == "shutdown":
-            return Cause.INTERNAL, "server shutdown"
+            return Cause.SHUTTING_DOWN, "server shutdown"
         return Cause.CLIENT_GONE, "the WebSocket closed"

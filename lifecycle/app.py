@@ -2,6 +2,7 @@
 
 The listener binds early; ``/health`` answers 503 and generation requests get 503 until
 the worker said HELLO and one warm-up generation came back (``Supervisor``).
+``App.drain`` is the graceful stop (SIGTERM/SIGINT; ``DRAIN`` in ``lifecycle.states``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lifecycle.debug import install_debug
 from lifecycle.frontend import Frontend, FrontendConfig
 from lifecycle.metrics import Metrics
 from lifecycle.routes import AppRouter
+from lifecycle.states import DRAIN
 from lifecycle.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing import TraceConfig, Tracer, worker_probe
 from transport import Handler, Request, Response, Router, Server, ServerConfig
@@ -48,6 +50,7 @@ class AppConfig:
     incremental_streaming_output: bool = False
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
+    drain_timeout: float = DRAIN.timeout_s  # SIGTERM: in-flight requests finish until then
     restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
     api_keys: tuple[str, ...] = ()
@@ -62,6 +65,7 @@ class AppConfig:
 
 # Never echoed by /server_info: secrets, and what is not a server argument.
 _UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys"})
+_CUT_GRACE = 2.0  # seconds of the drain kept for cut requests to send their error
 
 
 def worker_args(cfg: AppConfig) -> tuple[str, ...]:
@@ -98,6 +102,24 @@ class App:
     @property
     def port(self) -> int:
         return _port(self.server)
+
+    async def drain(self) -> int:
+        """The graceful stop, within ``drain_timeout``: /health and new requests get 503
+        at once, in-flight requests run on, those still open near the deadline end with
+        an explicit error (an SSE error event then [DONE], a WebSocket error, a 503),
+        then the listener closes. Returns how many requests were cut."""
+        fe, timeout = self.frontend, self.config.drain_timeout
+        grace = min(_CUT_GRACE, timeout / 5)  # for the cut requests' owners to answer
+        fe.begin_drain()
+        self.server.begin_drain()
+        log.info("draining: %d live calls, up to %.1fs", len(fe.live_calls()), timeout)
+        cut = 0
+        if not await fe.wait_drained(timeout - grace):
+            cut = fe.cut_all(DRAIN.cut, "the server is shutting down")
+            log.warning("drain timeout: %d requests ended with an error", cut)
+            await fe.wait_drained(grace / 2)
+        await self.server.shutdown(grace / 2)
+        return cut
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
@@ -162,6 +184,7 @@ async def _serve_app(
         worker_args=worker_args(cfg),
         hung_timeout=cfg.hung_timeout,
         warmup=cfg.warmup,
+        max_queued=cfg.max_queued + 8,  # every admitted request fits, plus the warm-up
     )
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)
@@ -203,7 +226,7 @@ async def _serve_app(
             router = AppRouter(auth, metrics)
             api.install(router)
             model_id = cfg.served_model_name or model_config.name
-            openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, native=api)
+            openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
             openai.install(router)
             WebSocketAPI(api, openai=openai).install(router)
             metrics.install(router)

@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 
+from lifecycle.states import DRAIN
 from lifecycle.trace_cli import add_serve_options, add_trace_parser, run_trace, serve_options
 
 __all__ = ["main"]
@@ -54,6 +55,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--send-timeout", type=float, default=30.0)
     srv.add_argument("--hung-timeout", type=float, default=60.0)
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN.timeout_s,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take before they are ended",
+    )
     srv.add_argument(
         "--scripted-worker",
         action="store_true",
@@ -126,7 +133,7 @@ def _edge_options(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     import anyio
 
-    from lifecycle.app import AppConfig, serve_app
+    from lifecycle.app import App, AppConfig, serve_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -150,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         incremental_streaming_output=args.incremental_streaming_output,
         send_timeout=args.send_timeout,
         hung_timeout=args.hung_timeout,
+        drain_timeout=args.drain_timeout,
         restart_backoff=(
             tuple(float(x) for x in args.restart_backoff.split(","))
             if args.restart_backoff
@@ -160,13 +168,25 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     async def run() -> None:
-        # SIGTERM/SIGINT cancel the app, so the worker gets SHUTDOWN and is reaped.
+        # The first SIGTERM/SIGINT drains (App.drain), a second one stops at once; either
+        # way the app is then cancelled, so the worker gets SHUTDOWN and is reaped.
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_app, cfg)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    break
+            apps: list[App] = []
+
+            async def stop_after_drain() -> None:
+                await apps[0].drain()
+                tg.cancel_scope.cancel()
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        if not apps or apps[0].frontend.draining:
+                            tg.cancel_scope.cancel()
+                            return
+                        tg.start_soon(stop_after_drain)
+
+            tg.start_soon(watch_signals)
+            apps.append(await tg.start(serve_app, cfg))
 
     anyio.run(run)
     return 0

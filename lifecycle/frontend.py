@@ -1,12 +1,23 @@
 """The request path between an API handler and the worker, without HTTP.
 
-``Frontend`` holds the process-wide parts (registry of live requests, admission queue,
-tokenizer, the supervised worker). ``GenerateCall`` is one generate call: one
-``RequestRecord`` per prompt (a batch has several), ``n`` samples each, every sample with
-its own ``OutputBuffer``. The caller owns the call in one task scope and must ``close``
-it on every exit: close drives each record to exactly one terminal state, aborts what the
-worker still holds (the record stays a tombstone in the registry until the worker's
-terminal entry confirms release) and returns the admission slot.
+``Frontend`` holds the process-wide parts (registry of live requests and of the calls
+that own them, admission queue, tokenizer, the supervised worker, the drain).
+``GenerateCall`` is one generate call: one ``RequestRecord`` per prompt (a batch has
+several), ``n`` samples each, every sample with its own ``OutputBuffer``.
+
+A call is the one owner of its requests, and its scope is entered before anything can
+fail::
+
+    async with frontend.call(req, exit_cause=...) as call:
+        await call.start()
+        ...
+
+Leaving that scope for any reason (finish, error, the client leaving, cancellation, a
+bug that raises) closes the call: every record reaches exactly one terminal state, what
+the worker still holds is aborted (the record stays a tombstone in the registry until
+the worker's terminal entry confirms release), the admission slot is returned and the
+call leaves the registry of live calls. Nothing depends on a generator having started
+or a callback having been registered in time.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -26,12 +38,12 @@ from lifecycle.errors import RequestError
 from lifecycle.fsm import Registry, RequestRecord, admit, new_request
 from lifecycle.outputs import OutputOptions, SampleOutput
 from lifecycle.params import GenerateItem, GenerateRequest, check_lengths
-from lifecycle.states import Cause, Event, State
-from lifecycle.supervisor import Supervisor
-from lifecycle.worker_client import WorkerClient, WorkerFailure
+from lifecycle.states import DRAIN, Cause, Event, State
+from lifecycle.supervisor import Supervisor, generate_probe
+from lifecycle.worker_client import Submission, WorkerClient, WorkerFailure
 from wire import pack_ids
 
-__all__ = ["Frontend", "FrontendConfig", "GenerateCall", "ServeError"]
+__all__ = ["ExitCause", "Frontend", "FrontendConfig", "GenerateCall", "ServeError"]
 
 log = logging.getLogger("lifecycle.frontend")
 
@@ -39,7 +51,16 @@ _FAILURE_CAUSE = {
     "worker_lost": Cause.WORKER_LOST,
     "too_long": Cause.TOO_LONG,
     "invalid": Cause.INVALID,
+    "overloaded": Cause.OVERLOADED,
+    **{c.value: c for c in (Cause.SHUTTING_DOWN, Cause.CLIENT_STALLED, Cause.DEADLINE)},
 }
+
+# Why the owner left a call that had not ended: asked when its scope exits.
+ExitCause = Callable[[], tuple[Cause, str]]
+
+
+def _owner_left() -> tuple[Cause, str]:
+    return Cause.INTERNAL, "the call's owner left before it ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +97,24 @@ class Frontend:
         self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
+        self.draining = False
+        self._calls: dict[int, GenerateCall] = {}  # record id -> the call that owns it
+        self._no_calls: anyio.Event | None = None
         # Called once per call, after close() has driven every record to its terminal state
         # (metrics count there, never per token).
         self.close_observers: list[Callable[[GenerateCall], None]] = []
 
     def ready_client(self) -> WorkerClient:
+        if self.draining:
+            raise ServeError(DRAIN.refused, "The server is shutting down; retry elsewhere.")
         client = self.supervisor.client
         if not self.supervisor.ready or client is None:
             raise ServeError(Cause.NOT_READY, "The server is not ready yet; retry later.")
         return client
 
-    def generate(self, req: GenerateRequest) -> GenerateCall:
-        return GenerateCall(self, req)
+    def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
+        """A new call for ``req``; enter it with ``async with`` before starting it."""
+        return GenerateCall(self, req, exit_cause or _owner_left)
 
     def count(self, rec: RequestRecord) -> None:
         if rec.state is State.DONE:
@@ -95,48 +122,107 @@ class Frontend:
         elif rec.cause is not None:
             self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
 
+    # -- the live calls: one registry, asked by the API modules ----------------------------
+    def live_calls(self) -> list[GenerateCall]:
+        return list({id(c): c for c in self._calls.values()}.values())
+
+    def find(self, client_rid: str) -> GenerateCall | None:
+        rec = self.registry.by_client_rid(client_rid)
+        return None if rec is None else self._calls.get(rec.id)
+
+    def abort(self, client_rid: str | None = None, *, abort_all: bool = False) -> int:
+        """``/abort_request``: end the request named by its client rid, or every live one.
+        Each ends with finish_reason abort (its partial output); returns how many."""
+        message = "Abort by the /abort_request API"
+        if abort_all:
+            calls = self.live_calls()
+            for call in calls:
+                call.abort(message)
+            return len(calls)
+        rec = self.registry.by_client_rid(client_rid) if client_rid else None
+        call = self._calls.get(rec.id) if rec is not None else None
+        if call is None or rec is None:
+            return 0
+        call.abort(message, rec.id)
+        return 1
+
+    def _track(self, rec: RequestRecord, call: GenerateCall) -> None:
+        self._calls[rec.id] = call
+
+    def _untrack(self, rec: RequestRecord) -> None:
+        self._calls.pop(rec.id, None)
+        if not self._calls and self._no_calls is not None:
+            self._no_calls.set()
+
+    # -- health and drain ------------------------------------------------------------------
+    async def probe(self, timeout: float) -> tuple[bool, str]:
+        """One real generation through admission (``/health_generate``)."""
+        client = self.ready_client()
+        if not self.admission.try_admit():
+            raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
+        try:
+            with anyio.move_on_after(timeout):
+                return await generate_probe(client)
+            return False, "timed out"
+        finally:
+            self.admission.release()
+
+    def begin_drain(self) -> None:
+        """From now on every new call is refused (503 + Retry-After); live ones go on."""
+        self.draining = True
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait until no call is live, at most ``timeout`` seconds; True if none is."""
+        with anyio.move_on_after(timeout):
+            while self._calls:
+                self._no_calls = anyio.Event()
+                await self._no_calls.wait()
+        return not self._calls
+
+    def cut_all(self, cause: Cause, message: str) -> int:
+        """End every live call with an explicit error its owner then sends (the drain
+        timeout); returns how many were cut."""
+        calls = self.live_calls()
+        for call in calls:
+            call.interrupt(cause, message)
+        return len(calls)
+
 
 class _Sink:
-    """One sample's wire sink: its buffer plus the call's wake-up and release books."""
+    """One sample's wire sink: its buffer plus the call's wake-up and token counter."""
 
-    __slots__ = ("buffer", "run", "call", "dropped")
+    __slots__ = ("buffer", "rec", "call")
 
-    def __init__(self, buffer: OutputBuffer, run: _ItemRun, call: GenerateCall) -> None:
-        self.buffer, self.run, self.call, self.dropped = buffer, run, call, False
+    def __init__(self, buffer: OutputBuffer, rec: RequestRecord, call: GenerateCall) -> None:
+        self.buffer, self.rec, self.call = buffer, rec, call
 
     def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
-        if not self.dropped:
-            self.buffer.append(ids, extra)
-            self.run.rec.tokens += len(ids)
-            self.call.wake()
+        self.buffer.append(ids, extra)
+        self.rec.tokens += len(ids)
+        self.call.wake()
 
     def finish(self, reason: Any) -> None:
         self.buffer.finish(reason)
-        run = self.run
-        run.open_samples -= 1
-        if run.open_samples == 0:  # the worker holds nothing more for this record
-            self.call.frontend.registry.worker_released(run.rec.id)
         self.call.wake()
 
 
 class _ItemRun:
-    __slots__ = ("rec", "item", "samples", "buffers", "sinks", "rids", "open_samples", "admitted")
+    __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted")
 
     def __init__(self, rec: RequestRecord, item: GenerateItem) -> None:
         self.rec = rec
         self.item = item
         self.samples: list[SampleOutput] = []
         self.buffers: list[OutputBuffer] = []
-        self.sinks: list[_Sink] = []
-        self.rids: list[int] = []
-        self.open_samples = 0
+        self.sub: Submission | None = None  # what the worker holds: asked, never copied
         self.admitted = False
 
 
 class GenerateCall:
-    def __init__(self, frontend: Frontend, req: GenerateRequest) -> None:
+    def __init__(self, frontend: Frontend, req: GenerateRequest, exit_cause: ExitCause) -> None:
         self.frontend = frontend
         self.req = req
+        self.exit_cause = exit_cause
         self.runs: list[_ItemRun] = []
         self.client: WorkerClient | None = None
         self._wake = anyio.Event()
@@ -146,14 +232,49 @@ class GenerateCall:
     def wake(self) -> None:
         self._wake.set()
 
+    # -- the owner's scope -----------------------------------------------------------------
+    async def __aenter__(self) -> GenerateCall:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.closed:
+            return
+        if isinstance(exc, RequestError):
+            self.close(request_error_cause(exc), exc.message)
+        elif isinstance(exc, ServeError):
+            self.close(exc.cause, exc.message)
+        else:  # returned early, cancelled, the connection went away, or a bug raised
+            cause, detail = self.exit_cause()
+            if isinstance(exc, Exception) and cause is Cause.INTERNAL:
+                log.error("request handler failed: %r", exc)  # a bug: ends internal, no leak
+                detail = f"handler failed: {type(exc).__name__}"
+            self.close(cause, detail)
+
     # -- start: validate, admit, tokenize, submit -------------------------------------------
     async def start(self) -> None:
-        """Raises RequestError (400) or ServeError; the caller closes the call either way."""
+        """Raises RequestError (400) or ServeError; the records are failed with their
+        cause before it propagates (the scope's exit then only tidies up)."""
+        try:
+            await self._start()
+        except RequestError as exc:
+            self.close(request_error_cause(exc), exc.message)
+            raise
+        except ServeError as exc:
+            self.close(exc.cause, exc.message)
+            raise
+
+    async def _start(self) -> None:
         fe = self.frontend
         for item in self.req.items:
             rec = new_request(item.client_rid)
             fe.registry.add(rec)  # DuplicateRid: 400 with SGLang's message
             fe.received += 1
+            fe._track(rec, self)
             self.runs.append(_ItemRun(rec, item))
             rec.fire(Event.VALIDATE)
         self.client = fe.ready_client()
@@ -185,17 +306,22 @@ class GenerateCall:
             no_stop_trim=sp.no_stop_trim,
         )
         base_id = item.client_rid or uuid.uuid4().hex
+        sinks = []
         for j in range(sp.n):
             rid = base_id if sp.n == 1 else f"{base_id}_{j}"
             run.samples.append(SampleOutput(fe.tokenizer, opts, prompt, rid))
             buf = OutputBuffer(max_new + fe.config.output_margin)
             run.buffers.append(buf)
-            run.sinks.append(_Sink(buf, run, self))
-        run.open_samples = sp.n
-        options = _wire_options(item)
+            sinks.append(_Sink(buf, run.rec, self))
         assert self.client is not None
-        run.rids = self.client.submit(
-            prompt, sp.to_wire(max_new), options, list(run.sinks), lambda: self._dispatched(run)
+        rec_id = run.rec.id
+        run.sub = run.rec.submission = self.client.submit(
+            prompt,
+            sp.to_wire(max_new),
+            _wire_options(item),
+            sinks,
+            on_dispatch=lambda: self._dispatched(run),
+            on_release=lambda: fe.registry.worker_released(rec_id),
         )
 
     def _dispatched(self, run: _ItemRun) -> None:
@@ -207,6 +333,26 @@ class GenerateCall:
         if run.admitted:
             run.admitted = False
             self.frontend.admission.release()
+
+    # -- ending it from elsewhere ----------------------------------------------------------
+    def abort(self, message: str, rec_id: int | None = None) -> None:
+        """End the call's requests (or the one ``rec_id``) with finish_reason abort: the
+        owner still reads their partial output and sends it."""
+        for run in self.runs:
+            if (rec_id is None or run.rec.id == rec_id) and run.sub is not None:
+                if self.client is not None:
+                    self.client.abort(run.sub, message=message)
+
+    def interrupt(self, cause: Cause, message: str) -> None:
+        """End every sample that has not ended with an explicit error the owner sends
+        (an error event, a 503, a WebSocket error), and stop what the worker does."""
+        failure = WorkerFailure(cause.value, message)
+        for run in self.runs:
+            for buf in run.buffers:
+                buf.finish(failure)  # the first end wins: a finished sample keeps its own
+            if run.sub is not None and self.client is not None:
+                self.client.abort(run.sub, forget=True, message=message)
+        self.wake()
 
     # -- progress --------------------------------------------------------------------------
     def poll(self) -> list[tuple[int, SampleOutput]]:
@@ -243,9 +389,8 @@ class GenerateCall:
         error, never the handler or the stream without one; the worker is told to stop."""
         log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
         run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
-        run.sinks[j].dropped = True
-        if not run.buffers[j].ended and self.client is not None and j < len(run.rids):
-            self.client.abort([run.rids[j]], message="invalid output")
+        if run.sub is not None and self.client is not None:
+            self.client.abort_sample(run.sub, j, "invalid output")
 
     def _item_ended(self, run: _ItemRun) -> None:
         rec = run.rec
@@ -305,6 +450,8 @@ class GenerateCall:
 
     # -- every exit ------------------------------------------------------------------------
     def close(self, cause: Cause = Cause.INTERNAL, detail: str | None = None) -> None:
+        """The one exit (idempotent): terminal state, abort what the worker holds, return
+        the admission slot, leave the registries. ``cause`` applies to records still live."""
         if self.closed:
             return
         self.closed = True
@@ -314,13 +461,11 @@ class GenerateCall:
             rec = run.rec
             if not rec.terminal:
                 rec.fail(cause, detail)
-            live = [r for r, b in zip(run.rids, run.buffers, strict=False) if not b.ended]
-            for s in run.sinks:
-                s.dropped = True
-            if live and self.client is not None:
-                self.client.abort(live, message=detail or cause.value)
+            if run.sub is not None and self.client is not None:
+                self.client.abort(run.sub, forget=True, message=detail or cause.value)
             self._release_admission(run)
             fe.registry.remove(rec)  # stays a tombstone while the worker holds it
+            fe._untrack(rec)
             fe.count(rec)
         for observe in fe.close_observers:
             try:

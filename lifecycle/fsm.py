@@ -25,15 +25,16 @@ from transitions import Machine
 from lifecycle.errors import RequestError
 from lifecycle.states import (
     CAUSE_TABLE,
+    DRAIN,
     EDGES,
     GUARDS,
-    HOLDS_WORKER,
+    HOLD_EDGES,
     INITIAL,
-    RELEASES_WORKER,
     TERMINAL,
     Cause,
     Event,
     State,
+    WorkerHold,
 )
 
 __all__ = [
@@ -133,23 +134,24 @@ if COMPILED != {(e.src, e.event): (e.dst, e.guard) for e in EDGES} or set(GUARDS
 ):  # pragma: no cover - the table and the machine were built from each other
     raise AssertionError("compiled state table disagrees with lifecycle.states.EDGES")
 
-# The hot path: (state, event) -> (dst, guard, worker hold after the edge or None).
-_Hot = tuple[State, Guard | None, bool | None]
-
-
-def _hold_after(event: Event) -> bool | None:
-    return True if event in HOLDS_WORKER else False if event in RELEASES_WORKER else None
-
+# The hot path: (state, event) -> (dst, guard).
+_Hot = tuple[State, Guard | None]
 
 _HOT: dict[tuple[State, Event], _Hot] = {
-    key: (dst, GUARD_FUNCS[g] if g else None, _hold_after(key[1]))
-    for key, (dst, g) in COMPILED.items()
+    key: (dst, GUARD_FUNCS[g] if g else None) for key, (dst, g) in COMPILED.items()
 }
 _FAIL: dict[State, _Hot] = {src: edge for (src, ev), edge in _HOT.items() if ev is Event.FAIL}
 _next_id = itertools.count(1)
 
 # (t_ns, src, dst, event, detail): one trace entry as the record stores it.
 RawEntry = tuple[int, State, State, Event, Any]
+
+
+class HoldRecord(Protocol):
+    """What the worker holds for a request (``lifecycle.worker_client.Submission``)."""
+
+    @property
+    def hold(self) -> WorkerHold: ...
 
 
 class TransitionObserver(Protocol):
@@ -173,7 +175,8 @@ def set_observer(observer: TransitionObserver | None) -> TransitionObserver | No
 
 
 class RequestRecord:
-    """One request's lifecycle: its state, error cause, trace and what the worker holds.
+    """One request's lifecycle: its state, error cause, trace, and where to ask what the
+    worker holds for it (its ``submission``; the record keeps no copy of that fact).
 
     The trace is kept as plain tuples and turned into TraceEntry objects when read:
     it is written on every edge and read only when someone looks (a frozen dataclass
@@ -187,7 +190,7 @@ class RequestRecord:
         "cause",
         "detail",
         "_trace",
-        "held_by_worker",
+        "submission",
         "created_ns",
         "tokens",
     )
@@ -199,7 +202,7 @@ class RequestRecord:
         self.cause: Cause | None = None
         self.detail: str | None = None
         self._trace: list[tuple[int, State, State, Event, Any]] = []
-        self.held_by_worker = False
+        self.submission: HoldRecord | None = None
         self.created_ns = monotonic_ns()
         # Output tokens received so far, all samples together: progress is a counter the
         # request path bumps, never an edge (the debug routes and traces report it).
@@ -215,6 +218,17 @@ class RequestRecord:
         return self.state in TERMINAL
 
     @property
+    def hold(self) -> WorkerHold:
+        sub = self.submission
+        return WorkerHold.NONE if sub is None else sub.hold
+
+    @property
+    def held_by_worker(self) -> bool:
+        """Whether the worker may still hold KV blocks for this request (asks the hold)."""
+        sub = self.submission
+        return sub is not None and sub.hold is WorkerHold.RUNNING
+
+    @property
     def trace(self) -> list[TraceEntry]:
         """Every transition so far, oldest first (a fresh list on each read)."""
         return [TraceEntry(*entry) for entry in self._trace]
@@ -225,7 +239,7 @@ class RequestRecord:
         edge = _HOT.get((src, event))
         if edge is None:
             raise IllegalTransition(f"request {self.id}: no {event.value!r} from {src.value!r}")
-        dst, guard, hold = edge
+        dst, guard = edge
         if guard is not None and not guard(self, detail):
             raise GuardRefused(
                 f"request {self.id}: guard refused {event.value!r} from {src.value!r}"
@@ -233,8 +247,6 @@ class RequestRecord:
         entry = (monotonic_ns(), src, dst, event, detail)
         self._trace.append(entry)
         self.state = dst
-        if hold is not None:
-            self.held_by_worker = hold
         if _observer is not None:
             _observer.transition(self, entry)
 
@@ -257,9 +269,8 @@ class RequestRecord:
         return True
 
     def worker_released(self) -> None:
-        """The worker confirmed it holds nothing more for this request."""
-        was_held, self.held_by_worker = self.held_by_worker, False
-        if was_held and _observer is not None:
+        """Tell the observer that the hold ended (the submission said so)."""
+        if _observer is not None:
             _observer.released(self)
 
 
@@ -282,8 +293,8 @@ class Registry:
     """The live requests of this process, plus tombstones the worker still holds.
 
     ``remove`` on a record the worker still holds (an error after dispatch) keeps it as a
-    tombstone until ``worker_released(id)``: its output must still be recognised and
-    dropped, and its KV blocks are not free until then.
+    tombstone until ``worker_released(id)``: its KV blocks are not free until then. Whether
+    it is held is asked of the record's submission, never copied here.
     """
 
     __slots__ = ("_live", "_by_rid", "_tombstones")
@@ -314,21 +325,12 @@ class Registry:
             self._tombstones[rec.id] = rec
 
     def worker_released(self, id: int) -> RequestRecord | None:
-        """The worker's terminal entry for ``id`` arrived: it holds nothing more."""
+        """The hold of request ``id`` ended (its submission is released): a tombstone is
+        forgotten now."""
         rec = self._tombstones.pop(id, None) or self._live.get(id)
         if rec is not None:
             rec.worker_released()
         return rec
-
-    def worker_lost(self) -> list[RequestRecord]:
-        """The worker is gone and holds nothing: clear every hold, return the live ones."""
-        for rec in self._tombstones.values():
-            rec.worker_released()
-        self._tombstones.clear()
-        held = [r for r in self._live.values() if r.held_by_worker]
-        for rec in held:
-            rec.worker_released()
-        return held
 
     def get(self, id: int) -> RequestRecord | None:
         return self._live.get(id)
@@ -373,8 +375,11 @@ def spec_dict() -> dict[str, Any]:
             for e in EDGES
         ],
         "worker_hold": {
-            "acquired_on": sorted(e.value for e in HOLDS_WORKER),
-            "released_on": sorted(e.value for e in RELEASES_WORKER),
+            "states": [h.value for h in WorkerHold],
+            "initial": WorkerHold.NONE.value,
+            "edges": [
+                {"src": e.src.value, "event": e.event, "dst": e.dst.value} for e in HOLD_EDGES
+            ],
         },
         "causes": {
             c.value: {
@@ -384,5 +389,13 @@ def spec_dict() -> dict[str, Any]:
                 "retryable": i.retryable,
             }
             for c, i in CAUSE_TABLE.items()
+        },
+        "drain": {
+            "signals": list(DRAIN.signals),
+            "health_status": DRAIN.health_status,
+            "refused": DRAIN.refused.value,
+            "timeout_s": DRAIN.timeout_s,
+            "cut": DRAIN.cut.value,
+            "exit_code": DRAIN.exit_code,
         },
     }

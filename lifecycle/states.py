@@ -22,18 +22,21 @@ from typing import Any
 
 __all__ = [
     "CAUSE_TABLE",
+    "DRAIN",
     "EDGES",
     "GUARDS",
-    "HOLDS_WORKER",
+    "HOLD_EDGES",
     "INITIAL",
     "LIVE",
-    "RELEASES_WORKER",
     "TERMINAL",
     "Cause",
     "CauseInfo",
+    "DrainPolicy",
     "Edge",
     "Event",
+    "HoldEdge",
     "State",
+    "WorkerHold",
 ]
 
 
@@ -92,11 +95,37 @@ EDGES: tuple[Edge, ...] = (
 
 # What the worker holds for a request, because cleanup differs: a request the worker never
 # saw is dropped locally; one it holds is aborted and its tombstone kept until the worker
-# confirms release. Dispatch hands it to the worker; the worker's terminal step entry (the
-# one that finishes it) is also its confirmation of release (specs/wire.cddl). A failure
-# releases nothing by itself: only the worker's reply to the abort does.
-HOLDS_WORKER: frozenset[Event] = frozenset({Event.DISPATCH})
-RELEASES_WORKER: frozenset[Event] = frozenset({Event.FINISH})
+# confirms release. The hold is a machine of its own, recorded in one place (the worker
+# client's ``Submission``, one per prompt with all its samples) that the dispatcher, the
+# abort lane and the egress all move and read; a record only asks it. The worker's
+# terminal step entry for a sample (the one that finishes it, after an abort too) is its
+# confirmation of release (specs/wire.cddl); a failure releases nothing by itself.
+
+
+class WorkerHold(enum.Enum):
+    NONE = "none"  # not submitted yet
+    QUEUED = "queued"  # in the frontend's dispatch queue: ends locally, no abort needed
+    RUNNING = "running"  # handed to the worker: it may hold KV blocks until it says not
+    RELEASED = "released"  # the worker confirmed every sample ended, or never had it
+
+
+@dataclass(frozen=True, slots=True)
+class HoldEdge:
+    src: WorkerHold
+    event: str
+    dst: WorkerHold
+
+
+HOLD_EDGES: tuple[HoldEdge, ...] = (
+    HoldEdge(WorkerHold.NONE, "submit", WorkerHold.QUEUED),
+    # Refused before queueing: the worker connection is closed, or n exceeds its capacity.
+    HoldEdge(WorkerHold.NONE, "refuse", WorkerHold.RELEASED),
+    HoldEdge(WorkerHold.QUEUED, "dispatch", WorkerHold.RUNNING),
+    # Aborted or failed while still queued here: the worker never saw it.
+    HoldEdge(WorkerHold.QUEUED, "drop", WorkerHold.RELEASED),
+    # The worker's terminal entry for the last open sample, or the connection lost.
+    HoldEdge(WorkerHold.RUNNING, "release", WorkerHold.RELEASED),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +147,7 @@ class Cause(enum.Enum):
     CLIENT_STALLED = "client_stalled"
     ABORTED = "aborted"
     WORKER_LOST = "worker_lost"
+    SHUTTING_DOWN = "shutting_down"
     DEADLINE = "deadline"
     INTERNAL = "internal"
 
@@ -162,6 +192,30 @@ CAUSE_TABLE: dict[Cause, CauseInfo] = {
     Cause.CLIENT_STALLED: CauseInfo(408, "timeout_error", None, False),
     Cause.ABORTED: CauseInfo(200, "aborted", None, False),
     Cause.WORKER_LOST: CauseInfo(503, "server_error", 2, True),
+    # The server is draining (SIGTERM/SIGINT): refused at once, or cut at the drain timeout.
+    Cause.SHUTTING_DOWN: CauseInfo(503, "unavailable_error", 5, True),
     Cause.DEADLINE: CauseInfo(504, "timeout_error", None, True),
     Cause.INTERNAL: CauseInfo(500, "server_error", None, False),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class DrainPolicy:
+    """What SIGTERM or SIGINT does (docs/lifecycle.md "Graceful drain")."""
+
+    signals: tuple[str, ...]
+    health_status: int  # /health from the first signal on
+    refused: Cause  # a request that arrives while draining
+    timeout_s: float  # default --drain-timeout: in-flight requests may finish until then
+    cut: Cause  # a request still open at the timeout ends with this explicit error
+    exit_code: int
+
+
+DRAIN = DrainPolicy(
+    signals=("SIGTERM", "SIGINT"),
+    health_status=503,
+    refused=Cause.SHUTTING_DOWN,
+    timeout_s=30.0,
+    cut=Cause.SHUTTING_DOWN,
+    exit_code=0,
+)

@@ -24,7 +24,7 @@ import anyio.abc
 
 from lifecycle.buffers import OutputBuffer
 from lifecycle.wire_stream import FrameStream, connect, parse_address
-from lifecycle.worker_client import WorkerClient, WorkerFailure
+from lifecycle.worker_client import DEFAULT_MAX_QUEUED, WorkerClient, WorkerFailure
 from wire import WireError
 
 __all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed"]
@@ -41,6 +41,7 @@ class SupervisorConfig:
     warmup: bool = True
     warmup_timeout: float = 300.0
     hung_timeout: float = 60.0  # has work, no frame for this long: hung
+    max_queued: int = DEFAULT_MAX_QUEUED  # the dispatch queue's bound (WorkerClient)
     watchdog_interval: float = 0.5
     backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
     stable_after: float = 30.0  # a life this long resets the back-off
@@ -123,7 +124,7 @@ class Supervisor:
             try:
                 frames = await self._connect(address, proc)
                 with anyio.fail_after(self.config.hello_timeout):
-                    client = await WorkerClient.handshake(frames)
+                    client = await WorkerClient.handshake(frames, self.config.max_queued)
                 self.worker_pid = client.pid or (proc.pid if proc else None)
                 await self._serve(client)
             finally:
@@ -204,10 +205,11 @@ class Supervisor:
 
 
 async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple[bool, str]:
-    """One real generation that bypasses admission; passes only on its own output."""
+    """One real generation; passes only on its own output. Admission is the caller's
+    (``Frontend.probe``); the warm-up runs before any request is admitted."""
     buf = OutputBuffer(max_new_tokens)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    rids = client.submit([0], sampling, {}, [buf])
+    sub = client.submit([0], sampling, {}, [buf])
     try:
         got = 0
         while True:
@@ -217,7 +219,7 @@ async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple
                 break
     finally:
         if not buf.ended:
-            client.abort(rids, forget=True)
+            client.abort(sub, forget=True)
     end = chunk.end
     if isinstance(end, WorkerFailure):
         return False, f"{end.code}: {end.message}"

@@ -2,13 +2,17 @@
 
 - Credits: the worker's HELLO announces ``capacity.max_pending``, the number of rids the
   frontend may have submitted and not yet seen terminate. Requests beyond that wait
-  here, in submission order; everything that fits goes out in ONE Submit frame.
+  here, in submission order, in a queue bounded by ``max_queued`` (a submission past it
+  is refused as overloaded); everything that fits goes out in ONE Submit frame.
+- What the worker holds for each submission (``WorkerHold``: queued here, running there,
+  released) is recorded here, in its ``Submission``, and nowhere else.
 - The abort lane: aborts are sent before any submit and are never held back by credits.
 - Egress: every STEP entry is appended to its rid's sink (an ``OutputBuffer``) without
   awaiting, one frame per scheduler step.
-- Tombstones: a request whose owner left is aborted and its rid kept (sink ``None``)
+- Tombstones: a request whose owner left is aborted and its rids kept (output dropped)
   until the worker's terminal entry confirms it released everything; only then is the
-  credit returned. Nothing is freed on the frontend's word alone.
+  credit returned and the submission released. Nothing is freed on the frontend's word
+  alone.
 
 Knows nothing of HTTP; usable by any in-process caller.
 """
@@ -19,11 +23,13 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
 
+from lifecycle.states import HOLD_EDGES, WorkerHold
 from lifecycle.wire_stream import FrameStream
 from wire import (
     Abort,
@@ -46,7 +52,14 @@ from wire import (
 )
 from wire.faults import fault_point
 
-__all__ = ["Sink", "WorkerClient", "WorkerFailure", "finish_reason"]
+__all__ = [
+    "DEFAULT_MAX_QUEUED",
+    "Sink",
+    "Submission",
+    "WorkerClient",
+    "WorkerFailure",
+    "finish_reason",
+]
 
 log = logging.getLogger("lifecycle.worker")
 
@@ -79,15 +92,70 @@ def finish_reason(finish: list[Any]) -> dict[str, Any]:
     return {"type": "abort", "message": str(value)}
 
 
-@dataclass(slots=True)
-class _Queued:
-    entry: SubmitEntry
-    sinks: list[Sink]
-    on_dispatch: Any  # Callable[[], None] | None
+_HOLD_MOVES = {(e.src, e.event): e.dst for e in HOLD_EDGES}
+DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control probes
+
+
+class Submission:
+    """One submitted prompt with its ``n`` samples: what the worker holds for it.
+
+    The one record of that fact (``hold``, moved only along ``HOLD_EDGES``); the request
+    record, the registry's tombstones, the abort lane and the egress all ask it. The
+    samples' wire rids are ``rid .. rid + n - 1``; ``sinks[i]`` is None once sample ``i``
+    ended or its output is to be dropped.
+    """
+
+    __slots__ = ("rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release")
+
+    def __init__(
+        self,
+        rid: int,
+        sinks: list[Sink],
+        entry: SubmitEntry | None,
+        on_dispatch: Callable[[], None] | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.n = len(sinks)
+        self.entry = entry
+        self.sinks: list[Sink | None] = list(sinks)
+        self.hold = WorkerHold.NONE
+        self.open = self.n  # samples the worker has not ended yet
+        self.on_dispatch = on_dispatch
+        self.on_release = on_release
+
+    @property
+    def rids(self) -> list[int]:
+        return list(range(self.rid, self.rid + self.n))
+
+    @property
+    def dropping(self) -> bool:
+        """Held, but nobody reads its output any more (a tombstone)."""
+        return self.hold is WorkerHold.RUNNING and all(s is None for s in self.sinks)
+
+    def move(self, event: str) -> None:
+        dst = _HOLD_MOVES.get((self.hold, event))
+        if dst is None:
+            raise RuntimeError(f"submission {self.rid}: no {event!r} from {self.hold.value!r}")
+        src, self.hold = self.hold, dst
+        callback = self.on_dispatch if event == "dispatch" else None
+        if src is WorkerHold.RUNNING:  # only a hold the worker had ends in a release
+            callback = self.on_release
+        if callback is not None:
+            callback()
+
+    def end_all(self, reason: Any) -> None:
+        """Finish every sample that has not ended yet with ``reason``."""
+        for i, sink in enumerate(self.sinks):
+            if sink is not None:
+                self.sinks[i] = None
+                sink.finish(reason)
 
 
 class WorkerClient:
-    def __init__(self, frames: FrameStream, hello: Hello) -> None:
+    def __init__(
+        self, frames: FrameStream, hello: Hello, max_queued: int = DEFAULT_MAX_QUEUED
+    ) -> None:
         self._frames = frames
         self.model: dict[str, Any] = hello.model
         self.capacity: dict[str, Any] = hello.capacity
@@ -95,8 +163,9 @@ class WorkerClient:
         self.pid = int(hello.model.get("pid", 0))
         self._rids = itertools.count(1)
         self._nonces = itertools.count(1)
-        self._queue: deque[_Queued] = deque()
-        self._sinks: dict[int, Sink | None] = {}  # rid -> sink; None = tombstone
+        self.max_queued = max_queued
+        self._queue: deque[Submission] = deque()  # never longer than max_queued
+        self._held: dict[int, tuple[Submission, int]] = {}  # wire rid -> (submission, sample)
         self._in_flight = 0
         self._abort_lane: list[int] = []
         self._replies: dict[int, list[Any]] = {}  # nonce -> [Event, reply]
@@ -105,11 +174,13 @@ class WorkerClient:
         self.last_progress_ns = time.monotonic_ns()
 
     @classmethod
-    async def handshake(cls, frames: FrameStream) -> WorkerClient:
+    async def handshake(
+        cls, frames: FrameStream, max_queued: int = DEFAULT_MAX_QUEUED
+    ) -> WorkerClient:
         frame = await frames.receive()
         if not isinstance(frame, Hello):
             raise WireError(f"expected HELLO first, got {type(frame).__name__}")
-        return cls(frames, frame)
+        return cls(frames, frame, max_queued)
 
     # -- what the request handlers call (never blocks) ------------------------------------
     def submit(
@@ -118,48 +189,68 @@ class WorkerClient:
         sampling: dict[str, Any],
         options: dict[str, Any],
         sinks: list[Sink],
-        on_dispatch: Any = None,
-    ) -> list[int]:
-        """Queue one request with ``len(sinks)`` samples; returns its wire rids."""
+        on_dispatch: Callable[[], None] | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> Submission:
+        """Queue one request with ``len(sinks)`` samples. A refusal (closed connection,
+        ``n`` over the worker's capacity, the queue full) finishes its sinks at once."""
         n = len(sinks)
         base = next(self._rids)
         for _ in range(n - 1):
             next(self._rids)
-        rids = list(range(base, base + n))
-        if self.closed:
-            for s in sinks:
-                s.finish(WorkerFailure("worker_lost", "the worker is not connected"))
-            return rids
-        if n > self.max_pending:
-            msg = f"n={n} exceeds the worker's capacity of {self.max_pending} sequences"
-            for s in sinks:
-                s.finish(WorkerFailure("invalid", msg))
-            return rids
         if n > 1:
             sampling = {**sampling, "n": n}
-        entry = SubmitEntry(base, pack_ids(prompt), sampling, options)
-        self._queue.append(_Queued(entry, sinks, on_dispatch))
+        sub = Submission(base, sinks, SubmitEntry(base, pack_ids(prompt), sampling, options))
+        sub.on_dispatch, sub.on_release = on_dispatch, on_release
+        refusal = None
+        if self.closed:
+            refusal = WorkerFailure("worker_lost", "the worker is not connected")
+        elif n > self.max_pending:
+            msg = f"n={n} exceeds the worker's capacity of {self.max_pending} sequences"
+            refusal = WorkerFailure("invalid", msg)
+        elif len(self._queue) >= self.max_queued:
+            refusal = WorkerFailure("overloaded", "the dispatch queue is full; retry later")
+        if refusal is not None:
+            sub.end_all(refusal)
+            sub.move("refuse")
+            return sub
+        sub.move("submit")
+        self._queue.append(sub)
         self._wake.set()
-        return rids
+        return sub
 
-    def abort(self, rids: list[int], *, forget: bool = False, message: str = "aborted") -> None:
-        """End these rids. ``forget``: the owner is gone, drop output from now on."""
-        wanted = set(rids)
-        for q in list(self._queue):
-            if q.entry.rid in wanted:  # never reached the worker: ends here
-                self._queue.remove(q)
-                for s in q.sinks:
-                    s.finish({"type": "abort", "message": message})
-        held = [r for r in rids if r in self._sinks]
+    def abort(self, sub: Submission, *, forget: bool = False, message: str = "aborted") -> None:
+        """End ``sub``: at once if it is still queued here, else through the abort lane
+        (the worker's terminal entries release it). ``forget``: its owner is gone, drop
+        its output from now on."""
+        if sub.hold is WorkerHold.QUEUED:
+            self._queue.remove(sub)
+            sub.end_all({"type": "abort", "message": message})
+            sub.move("drop")
+            return
+        if sub.hold is not WorkerHold.RUNNING:
+            return
+        live = [sub.rid + i for i, s in enumerate(sub.sinks) if s is not None or forget]
+        live = [r for r in live if r in self._held]
         if forget:
-            for r in held:
-                self._sinks[r] = None
-        if held:
-            self._abort_lane.extend(held)
+            sub.sinks = [None] * sub.n
+        if live:
+            self._abort_lane.extend(live)
+            self._wake.set()
+
+    def abort_sample(self, sub: Submission, index: int, message: str) -> None:
+        """Stop one sample the frontend gave up on (its output was malformed)."""
+        sub.sinks[index] = None
+        rid = sub.rid + index
+        if rid in self._held:
+            self._abort_lane.append(rid)
             self._wake.set()
 
     def abort_all(self) -> None:
-        self.abort([q.entry.rid for q in self._queue] + list(self._sinks))
+        for sub in list(self._queue):
+            self.abort(sub)
+        for sub in {id(s): s for s, _ in self._held.values()}.values():
+            self.abort(sub)
 
     @property
     def in_flight(self) -> int:
@@ -168,7 +259,8 @@ class WorkerClient:
 
     @property
     def tombstones(self) -> int:
-        return sum(1 for s in self._sinks.values() if s is None)
+        """Rids the worker holds whose output nobody reads any more."""
+        return sum(1 for sub, i in self._held.values() if sub.sinks[i] is None)
 
     @property
     def queued(self) -> int:
@@ -253,19 +345,19 @@ class WorkerClient:
     def _take_ready(self) -> list[SubmitEntry]:
         batch: list[SubmitEntry] = []
         while self._queue:
-            q = self._queue[0]
-            n = len(q.sinks)
-            if self._in_flight + n > self.max_pending:
+            sub = self._queue[0]
+            if self._in_flight + sub.n > self.max_pending:
                 break
             self._queue.popleft()
             if not self._in_flight:  # idle until now: the hung-worker clock starts here
                 self.last_progress_ns = time.monotonic_ns()
-            for i, s in enumerate(q.sinks):
-                self._sinks[q.entry.rid + i] = s
-            self._in_flight += n
-            batch.append(q.entry)
-            if q.on_dispatch is not None:
-                q.on_dispatch()
+            for i in range(sub.n):
+                self._held[sub.rid + i] = (sub, i)
+            self._in_flight += sub.n
+            assert sub.entry is not None
+            batch.append(sub.entry)
+            sub.entry = None  # the prompt is the worker's now
+            sub.move("dispatch")
         return batch
 
     async def _reader(self) -> str:
@@ -294,43 +386,54 @@ class WorkerClient:
                     return f"unexpected frame from the worker: {type(frame).__name__}"
 
     def _on_step(self, frame: Step) -> None:
-        sinks = self._sinks
+        held = self._held
         for e in frame.entries:
-            if e.rid not in sinks:
+            found = held.get(e.rid)
+            if found is None:
                 log.warning("output for unknown rid %d ignored", e.rid)
                 continue
-            sink = sinks[e.rid]
+            sub, i = found
+            sink = sub.sinks[i]
             if sink is not None and (e.new_ids or e.extra):
                 try:
                     sink.append(ids_to_list(e.new_ids), e.extra)
                 except Exception as exc:  # e.g. OutputOverflow: a worker bug, end this rid
                     log.error("rid %d: bad output from the worker: %s", e.rid, exc)
-                    sinks[e.rid] = None
+                    self.abort_sample(sub, i, "invalid output")
                     sink.finish(WorkerFailure("internal", "the worker sent invalid output"))
-                    self.abort([e.rid])
             if e.finish is not None:
                 self._end(e.rid, finish_reason(e.finish))
 
     def _end(self, rid: int, reason: Any) -> None:
-        if rid not in self._sinks:
+        found = self._held.pop(rid, None)
+        if found is None:
             return
-        sink = self._sinks.pop(rid)
+        sub, i = found
         self._in_flight -= 1
+        sink, sub.sinks[i] = sub.sinks[i], None
         if sink is not None:
             sink.finish(reason)
+        sub.open -= 1
+        if sub.open == 0:  # the worker holds nothing more for this submission
+            sub.move("release")
         if self._queue:
             self._wake.set()
 
     def _fail_all(self, reason: str) -> None:
         self.closed = True
         lost = WorkerFailure("worker_lost", f"worker lost: {reason}")
-        sinks = [s for s in self._sinks.values() if s is not None]
-        sinks += [s for q in self._queue for s in q.sinks]
-        self._sinks.clear()
+        held = list({id(s): s for s, _ in self._held.values()}.values())
+        queued = list(self._queue)
+        self._held.clear()
         self._queue.clear()
         self._in_flight = 0
-        for s in sinks:
-            s.finish(lost)
+        for sub in held:
+            sub.end_all(lost)
+            sub.open = 0
+            sub.move("release")
+        for sub in queued:
+            sub.end_all(lost)
+            sub.move("drop")
         for slot in self._replies.values():
             slot[0].set()
 

@@ -52,20 +52,20 @@ class _Owner:
 
 
 async def _own(owner: _Owner) -> None:
-    """What an HTTP handler does with its call: start, run, close on every exit."""
-    call, cause, detail = owner.call, Cause.INTERNAL, None
+    """What an HTTP handler does with its call: own it in one scope, start, run."""
+    call = owner.call
     with anyio.CancelScope() as owner.scope:
-        try:
-            await call.start()
-            await call.run_to_end()
-        except RequestError as exc:
-            cause, detail = Cause.INVALID, exc.message
-        except ServeError as exc:
-            cause, detail = exc.cause, exc.message
-    if owner.scope.cancel_called:
-        cause, detail = Cause.CLIENT_GONE, "client disconnected"
-    call.close(cause, detail)
+        async with call:
+            try:
+                await call.start()
+                await call.run_to_end()
+            except (RequestError, ServeError):
+                pass  # the call failed its records with their cause before raising
     owner.ended = True
+
+
+def _client_gone() -> tuple[Cause, str]:
+    return Cause.CLIENT_GONE, "client disconnected"
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ class FrontendMachine(RuleBasedStateMachine):
             "sampling_params": {"max_new_tokens": max_new, "n": n, "ignore_eos": True},
         }
         req = parse_generate(body, vocab_size=self.h.fe.model_config.vocab_size)
-        owner = _Owner(self.h.fe.generate(req))
+        owner = _Owner(self.h.fe.call(req, _client_gone))
         self.h.owners.append(owner)
         self.h.portal.start_task_soon(_own, owner)
 
@@ -117,10 +117,7 @@ class FrontendMachine(RuleBasedStateMachine):
         def go() -> None:
             live = [o for o in self.h.owners if not o.ended and o.call.client is not None]
             if live:
-                call = live[i % len(live)].call
-                for run in call.runs:
-                    if run.rids and call.client is not None:
-                        call.client.abort(run.rids, message="Abort by the /abort_request API")
+                live[i % len(live)].call.abort("Abort by the /abort_request API")
 
         self.h.portal.call(go)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from transitions import MachineError
 
-from lifecycle.buffers import AdmissionQueue
+from lifecycle.buffers import AdmissionQueue, OutputBuffer
 from lifecycle.errors import RequestError
 from lifecycle.fsm import (
     COMPILED,
@@ -27,7 +27,18 @@ from lifecycle.fsm import (
     new_request,
     spec_dict,
 )
-from lifecycle.states import EDGES, LIVE, TERMINAL, Cause, Event, State
+from lifecycle.states import (
+    EDGES,
+    HOLD_EDGES,
+    LIVE,
+    TERMINAL,
+    Cause,
+    Event,
+    HoldEdge,
+    State,
+    WorkerHold,
+)
+from lifecycle.worker_client import Submission
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = json.loads((ROOT / "specs" / "lifecycle.json").read_text())
@@ -179,21 +190,56 @@ def test_admission_guard_takes_a_slot_or_refuses() -> None:
     assert c.state is State.QUEUED and queue.depth == 1
 
 
-def test_worker_hold_follows_dispatch_finish_and_release() -> None:
+_TO_HOLD = {
+    WorkerHold.NONE: [],
+    WorkerHold.QUEUED: ["submit"],
+    WorkerHold.RUNNING: ["submit", "dispatch"],
+    WorkerHold.RELEASED: ["submit", "dispatch", "release"],
+}
+
+
+def holding(rec: RequestRecord, hold: WorkerHold, released: list[int] | None = None) -> Submission:
+    """Give ``rec`` a submission (the one record of what the worker holds) in ``hold``."""
+    sub = Submission(rec.id, [OutputBuffer(4)], None)
+    if released is not None:
+        sub.on_release = lambda: released.append(rec.id)
+    for event in _TO_HOLD[hold]:
+        sub.move(event)
+    rec.submission = sub
+    return sub
+
+
+def test_worker_hold_is_asked_of_the_submission() -> None:
     rec = record_in(State.QUEUED)
-    assert not rec.held_by_worker
+    assert rec.hold is WorkerHold.NONE and not rec.held_by_worker
+    released: list[int] = []
+    sub = holding(rec, WorkerHold.QUEUED, released)
+    assert rec.hold is WorkerHold.QUEUED and not rec.held_by_worker
     rec.fire(Event.DISPATCH)
+    assert not rec.held_by_worker  # the FSM edge alone says nothing of the worker
+    sub.move("dispatch")
     assert rec.held_by_worker
-    rec.fire(Event.FINISH)
-    assert not rec.held_by_worker  # the terminal step entry is the release
-    failed = record_in(State.STREAMING)
-    failed.fail(Cause.CLIENT_GONE)
-    assert failed.held_by_worker  # still holds KV: needs an abort and its echo
-    failed.worker_released()
-    assert not failed.held_by_worker
-    early = record_in(State.QUEUED)
-    early.fail(Cause.CLIENT_GONE)
-    assert not early.held_by_worker  # never dispatched: dropped locally
+    rec.fail(Cause.CLIENT_GONE)
+    assert rec.held_by_worker  # still holds KV: needs an abort and its echo
+    sub.move("release")
+    assert not rec.held_by_worker and rec.hold is WorkerHold.RELEASED and released == [rec.id]
+    with pytest.raises(RuntimeError):
+        sub.move("dispatch")  # no edge out of released
+    early = holding(record_in(State.QUEUED), WorkerHold.QUEUED, released)
+    early.move("drop")  # never dispatched: dropped locally, no release to wait for
+    assert early.hold is WorkerHold.RELEASED and released == [rec.id]
+
+
+@pytest.mark.parametrize("edge", HOLD_EDGES, ids=lambda e: f"{e.src.value}-{e.event}")
+def test_every_hold_edge_is_legal_and_nothing_else(edge: HoldEdge) -> None:
+    sub = Submission(1, [OutputBuffer(1)], None)
+    sub.hold = edge.src
+    sub.move(edge.event)
+    assert sub.hold is edge.dst
+    for other in {e.event for e in HOLD_EDGES} - {e.event for e in HOLD_EDGES if e.src is edge.src}:
+        sub.hold = edge.src
+        with pytest.raises(RuntimeError):
+            sub.move(other)
 
 
 def test_trace_is_monotonic_and_complete() -> None:
@@ -250,6 +296,7 @@ def test_registry_remove_of_a_live_request_ends_it() -> None:
     reg.remove(rec)
     assert (rec.state, rec.cause) == (State.ERROR, Cause.INTERNAL) and reg.tombstones == 0
     held = record_in(State.RUNNING)
+    holding(held, WorkerHold.RUNNING)
     reg.add(held)
     reg.remove(held)
     assert held.state is State.ERROR and reg.tombstone(held.id) is held
@@ -258,28 +305,15 @@ def test_registry_remove_of_a_live_request_ends_it() -> None:
 def test_registry_keeps_tombstone_until_worker_releases() -> None:
     reg = Registry()
     rec = record_in(State.RUNNING)
+    sub = holding(rec, WorkerHold.RUNNING)
+    sub.on_release = lambda: reg.worker_released(rec.id)
     reg.add(rec)
     rec.fail(Cause.CLIENT_GONE)
     reg.remove(rec)
     assert len(reg) == 0 and reg.tombstones == 1 and reg.tombstone(rec.id) is rec
-    assert reg.worker_released(rec.id) is rec
+    sub.move("release")
     assert reg.tombstones == 0 and not rec.held_by_worker
     assert reg.worker_released(rec.id) is None  # a late duplicate echo is harmless
-
-
-def test_registry_worker_lost_clears_every_hold() -> None:
-    reg = Registry()
-    live, queued, dead = (
-        record_in(State.STREAMING),
-        record_in(State.QUEUED),
-        record_in(State.RUNNING),
-    )
-    for r in (live, queued, dead):
-        reg.add(r)
-    dead.fail(Cause.CLIENT_GONE)
-    reg.remove(dead)
-    assert reg.worker_lost() == [live]
-    assert reg.tombstones == 0 and not live.held_by_worker and not dead.held_by_worker
 
 
 def test_no_leak_after_10000_lifecycles() -> None:

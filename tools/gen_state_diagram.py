@@ -42,6 +42,17 @@ def _causes(spec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _drain(d: dict[str, Any]) -> list[str]:
+    return [
+        f"On {' or '.join(d['signals'])}: `/health` answers {d['health_status']} at once and a",
+        f"new request ends `error({d['refused']})`; in-flight requests run on for up to",
+        f"`--drain-timeout` (default {d['timeout_s']:g} s), less a short grace in which those",
+        f"still open end `error({d['cut']})` with an explicit error (an SSE error event then",
+        "`[DONE]`, a WebSocket `error` message, a 503 for a unary request). The process then",
+        f"exits {d['exit_code']}. A second signal stops at once.",
+    ]
+
+
 def render(spec: dict[str, Any]) -> str:
     hold = spec["worker_hold"]
     out = [
@@ -60,14 +71,25 @@ def render(spec: dict[str, Any]) -> str:
         "",
         "## What the worker holds",
         "",
-        f"The worker holds a request from {', '.join(hold['acquired_on'])} until "
-        f"{', '.join(hold['released_on'])} (its terminal step entry). A request that fails",
-        "while held is aborted and kept as a tombstone until the worker confirms release; one",
-        "the worker never saw is dropped locally.",
+        "Recorded once per submitted prompt (all its samples), in the dispatcher's",
+        "`Submission`; the request record, the registry's tombstones, the abort lane and",
+        "the egress ask it. A request that fails while `running` there is aborted and kept",
+        "as a tombstone until the worker's terminal entries confirm release; one still",
+        "`queued` in the frontend is dropped locally.",
+        "",
+        "```mermaid",
+        "stateDiagram-v2",
+        f"    [*] --> {hold['initial']}",
+        *(f"    {e['src']} --> {e['dst']}: {e['event']}" for e in hold["edges"]),
+        "```",
         "",
         "## Error causes",
         "",
         *_causes(spec),
+        "",
+        "## Graceful drain",
+        "",
+        *_drain(spec["drain"]),
         "",
     ]
     return "\n".join(out)

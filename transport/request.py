@@ -151,6 +151,11 @@ class Request:
 
     ``disconnected`` is set by the connection's reader when the client goes away (EOF or
     reset), so a handler waiting on something else learns of it without writing.
+
+    A handler either returns its response, or sends it itself with ``await
+    request.respond(response)`` and then returns that same response: a stream is then
+    written while the handler's own scopes (``async with``, cancel scopes) are still open,
+    so whatever it owns is released when it leaves them, however the stream ended.
     """
 
     __slots__ = (
@@ -159,6 +164,8 @@ class Request:
         "_on_first_pull",
         "_on_watch",
         "_on_gone",
+        "_responder",
+        "responded",
         "client",
         "_disconnected",
         "disconnect_reason",
@@ -194,6 +201,9 @@ class Request:
         # Set by the connection: the first look at ``disconnected`` starts its watcher.
         self._on_watch: Callable[[Request], None] | None = None
         self._on_gone: list[Callable[[], object]] | None = None
+        # Set by the connection: writes a response from inside the handler (``respond``).
+        self._responder: Callable[[Request, Any], Awaitable[bool]] | None = None
+        self.responded: Any = None  # the response ``respond`` sent, if any
 
     def __repr__(self) -> str:
         return f"<Request {self.method} {self.path!r}>"
@@ -241,6 +251,18 @@ class Request:
                 self._on_gone.remove(callback)
 
         return remove
+
+    async def respond(self, response: Any) -> Any:
+        """Send ``response`` now, from inside the handler, and return it once it is written
+        to the end (or the client is gone: ``is_disconnected()`` then says so). The handler
+        returns it afterwards; a request can be answered once."""
+        if self.responded is not None:
+            raise RuntimeError(f"{self!r} was already answered")
+        if self._responder is None:
+            raise RuntimeError("respond() needs a connection (the transport sets it)")
+        self.responded = response
+        await self._responder(self, response)
+        return response
 
     async def stream(self) -> AsyncIterator[bytes]:
         if self._cached is not None:

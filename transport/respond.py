@@ -61,23 +61,45 @@ class ResponseWriter:
     def _set_body_deadline(self) -> None: ...
 
     async def _respond(self, request: Request) -> bool:
+        """Run the handler and write its response; False when the connection must close."""
+        sent: list[bool] = []
+
+        async def responder(req: Request, response: Response) -> bool:
+            ok = await self._send_response(req, response)
+            sent.append(ok)
+            return ok
+
+        request._responder = responder
         try:
             response = await self.app(request)
             if not isinstance(response, Response):
                 raise TypeError(f"handler returned {type(response).__name__}, not a Response")
         except HTTPError as exc:
             response = wire.error_response(exc)
+        except ClientGone:
+            raise
         except Exception:
             log.exception("unhandled error in handler for %s %s", request.method, request.path)
             response = wire.error_response(HTTPError(500, "Internal Server Error"))
+        finally:
+            request._responder = None
+        if request.responded is not None:  # the handler sent it (or began to) itself
+            return bool(sent and sent[0])
+        return await self._send_response(request, response)
+
+    async def _send_response(self, request: Request, response: Response) -> bool:
         if request.is_disconnected():
             self._graceful = False
             return False
-        if isinstance(response, WebSocketResponse):
-            return await self._upgrade(request, response)
-        if isinstance(response, StreamResponse):
-            return await self._send_stream(request, response)
-        await self._send_whole(request, response)
+        try:
+            if isinstance(response, WebSocketResponse):
+                return await self._upgrade(request, response)
+            if isinstance(response, StreamResponse):
+                return await self._send_stream(request, response)
+            await self._send_whole(request, response)
+        except ClientGone:
+            self._graceful = False
+            return False
         return True
 
     async def _send_whole(self, request: Request, response: Response) -> None:

@@ -48,7 +48,10 @@ class Server:
     ``await server.serve(task_status=...)`` binds, reports the bound addresses through
     ``task_status.started`` and serves until ``await server.shutdown()`` (graceful: stop
     accepting, let in-flight responses finish up to ``shutdown_timeout``, then cancel
-    them) or until the enclosing scope is cancelled (immediate).
+    them) or until the enclosing scope is cancelled (immediate). ``begin_drain()`` first
+    lets an app finish its own work while the listener still answers: new connections
+    get 503 with Retry-After, idle keep-alive ones are closed, and every response from
+    then on closes its connection.
     """
 
     def __init__(self, app: Handler, config: ServerConfig = DEFAULT_CONFIG) -> None:
@@ -60,6 +63,7 @@ class Server:
         self._accept_scope: anyio.CancelScope | None = None
         self._all_closed = anyio.Event()
         self._stopped = anyio.Event()
+        self._shutdown_timeout = config.shutdown_timeout
 
     @property
     def connection_count(self) -> int:
@@ -86,9 +90,19 @@ class Server:
                     _unlink(self.config.uds)
             self._stopped.set()
 
-    async def shutdown(self) -> None:
-        """Stop accepting, drain in-flight responses, then return once serve() has ended."""
+    def begin_drain(self) -> None:
+        """Refuse new connections (503 + Retry-After) and close idle ones; in-flight
+        responses go on, and their connections close when they end."""
         self.draining = True
+        for conn in list(self._connections):
+            conn.close_idle()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting, let in-flight responses finish for ``timeout`` seconds (default
+        ``shutdown_timeout``), cancel what is left, and return once serve() has ended."""
+        self.draining = True
+        if timeout is not None:
+            self._shutdown_timeout = timeout
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             await self._stopped.wait()
@@ -102,7 +116,7 @@ class Server:
         for conn in list(self._connections):
             conn.close_idle()
         if self._connections:
-            with anyio.move_on_after(self.config.shutdown_timeout):
+            with anyio.move_on_after(self._shutdown_timeout):
                 await self._all_closed.wait()
         for conn in list(self._connections):
             conn.abort("shutdown")
@@ -135,8 +149,11 @@ class Server:
         return listener
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        if len(self._connections) >= self.config.max_connections or self.draining:
-            await _reject(stream)
+        if self.draining:
+            await _reject(stream, _SHUTTING_DOWN_BODY)
+            return
+        if len(self._connections) >= self.config.max_connections:
+            await _reject(stream, _OVERLOADED_BODY)
             return
         conn = HTTPConnection(stream, self.app, self.config, _client(stream), self)
         self._connections.add(conn)
@@ -169,23 +186,24 @@ def _client(stream: anyio.abc.ByteStream) -> tuple[str, int] | None:
 
 
 _OVERLOADED_BODY = error_body("Server overloaded: too many connections")
+_SHUTTING_DOWN_BODY = error_body("Server shutting down; retry elsewhere")
 
 
-async def _reject(stream: anyio.abc.ByteStream) -> None:
+async def _reject(stream: anyio.abc.ByteStream, body: bytes) -> None:
     """Answer 503 and close without parsing: the cheapest way to say "not now"."""
     head = (
         b"HTTP/1.1 503 Service Unavailable\r\ndate: "
         + wire.http_date()
         + b"\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
         + b"content-length: "
-        + str(len(_OVERLOADED_BODY)).encode()
+        + str(len(body)).encode()
         + b"\r\n\r\n"
     )
     try:
         with anyio.move_on_after(_REJECT_READ_SECONDS):
             await stream.receive(65536)
         with anyio.fail_after(_REJECT_READ_SECONDS):
-            await stream.send(head + _OVERLOADED_BODY)
+            await stream.send(head + body)
     except (
         anyio.EndOfStream,
         anyio.BrokenResourceError,
