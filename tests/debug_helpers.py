@@ -14,10 +14,12 @@ from typing import Any
 
 import anyio
 
+from lifecycle.buffers import OutputBuffer
 from lifecycle.debug import Auth, install_debug
 from lifecycle.fsm import Registry, RequestRecord, new_request
 from lifecycle.states import Cause, Event
 from lifecycle.tracing import TraceConfig, Tracer
+from lifecycle.worker_client import Submission
 from transport import Router, Server, ServerConfig
 
 TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)
@@ -34,10 +36,17 @@ class DebugServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, rid: str | None = None, upto: int = len(TO_STREAMING)) -> RequestRecord:
-        """A new request, registered and moved ``upto`` edges along the happy path."""
+        """A new request, registered and moved ``upto`` edges along the happy path; from
+        dispatch on the worker holds it (a submission, as the dispatcher keeps one)."""
         rec = new_request(rid)
         self.registry.add(rec)
         for ev in TO_STREAMING[:upto]:
+            if ev is Event.DISPATCH:
+                sub = Submission(rec.id, [OutputBuffer(1)], None)
+                sub.on_release = lambda: self.registry.worker_released(rec.id)
+                sub.move("submit")
+                sub.move("dispatch")
+                rec.submission = sub
             rec.fire(ev)
         return rec
 
@@ -48,7 +57,8 @@ class DebugServer:
         else:
             rec.fail(cause, f"ended with {cause.value}")
         self.registry.remove(rec)
-        self.registry.worker_released(rec.id)
+        if rec.held_by_worker:
+            rec.submission.move("release")  # type: ignore[union-attr]
 
 
 @asynccontextmanager

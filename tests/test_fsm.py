@@ -54,12 +54,28 @@ PATH_TO = {
 }
 
 
+def drive(rec: RequestRecord, events: list[Event]) -> None:
+    """Fire ``events`` as the request path does: from dispatch on the worker holds the
+    request (a submission), and its terminal step entry releases it before FINISH."""
+    for event in events:
+        if event is Event.DISPATCH and rec.submission is None:
+            holding(rec, WorkerHold.RUNNING)
+        if event is Event.FINISH:
+            release(rec)
+        rec.fire(event)
+
+
+def release(rec: RequestRecord) -> None:
+    """The worker's terminal entry for a held request (no-op when nothing is held)."""
+    if rec.held_by_worker:
+        rec.submission.move("release")  # type: ignore[union-attr]
+
+
 def record_in(state: State) -> RequestRecord:
     rec = new_request()
     if state is State.ERROR:
         rec.fail(Cause.INTERNAL)
-    for event in PATH_TO.get(state, []):
-        rec.fire(event)
+    drive(rec, PATH_TO.get(state, []))
     assert rec.state is state
     return rec
 
@@ -201,6 +217,7 @@ _TO_HOLD = {
 def holding(rec: RequestRecord, hold: WorkerHold, released: list[int] | None = None) -> Submission:
     """Give ``rec`` a submission (the one record of what the worker holds) in ``hold``."""
     sub = Submission(rec.id, [OutputBuffer(4)], None)
+    sub.on_release = rec.worker_released
     if released is not None:
         sub.on_release = lambda: released.append(rec.id)
     for event in _TO_HOLD[hold]:

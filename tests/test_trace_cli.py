@@ -17,6 +17,7 @@ from lifecycle.states import Cause, Event
 from lifecycle.trace_query import parse_time, percentile
 from lifecycle.tracing import TraceConfig, Tracer
 from tests.debug_helpers import debug_server
+from tests.test_fsm import drive, release
 
 ROOT = Path(__file__).resolve().parent.parent
 HAPPY = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)
@@ -28,13 +29,13 @@ def _send(rid: str, upto: int, cause: Cause | None = None, dwell: dict[int, floa
     rec = new_request(rid)
     for i, ev in enumerate(HAPPY[:upto]):
         time.sleep((dwell or {}).get(i, 0))
-        rec.fire(ev)
+        drive(rec, [ev])
     time.sleep((dwell or {}).get(upto, 0))
     if cause is None:
-        rec.fire(Event.FINISH)
+        drive(rec, [Event.FINISH])
     else:
         rec.fail(cause, f"{rid} failed")
-    rec.worker_released()
+    release(rec)
     return rec
 
 

@@ -16,6 +16,7 @@ from lifecycle.states import EDGES, INITIAL, LIVE, TERMINAL, Cause, Event, State
 from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, read_log
 from lifecycle.tracing import TraceConfig, Tracer
 from tests.test_fsm import PATH_TO as FSM_PATH_TO
+from tests.test_fsm import drive, release
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "specs" / "trace.schema.json").read_text())
@@ -62,8 +63,7 @@ def check_trace(trace: dict, events: list[Event]) -> None:
 def test_done_paths(tracer: Tracer, name: str) -> None:
     rec = new_request(f"rid-{name}")
     tracer.registry.add(rec)  # type: ignore[union-attr]
-    for ev in DONE_PATHS[name]:
-        rec.fire(ev)
+    drive(rec, DONE_PATHS[name])
     tracer.registry.remove(rec)  # type: ignore[union-attr]
     trace = tracer.lookup(str(rec.id))
     assert trace is not None and trace == tracer.lookup(f"rid-{name}")
@@ -72,20 +72,20 @@ def test_done_paths(tracer: Tracer, name: str) -> None:
     handoffs = trace["handoffs"]
     assert handoffs["admitted"]["t_ns"] == trace["transitions"][1]["t_ns"]
     assert handoffs["dispatched"]["t_ns"] == trace["transitions"][2]["t_ns"]
-    # FINISH is the worker's release (its terminal step entry).
-    assert handoffs["worker_released"]["t_ns"] == trace["finished_ns"]
+    # The worker's terminal step entry released it just before FINISH fired.
+    assert handoffs["dispatched"]["t_ns"] < handoffs["worker_released"]["t_ns"]
+    assert handoffs["worker_released"]["t_ns"] <= trace["finished_ns"]
     assert (handoffs["first_token"] is None) == (name == "done_from_running")
 
 
 @pytest.mark.parametrize(("state", "cause"), FAIL_PATHS, ids=lambda v: v.value)
 def test_fail_paths(tracer: Tracer, state: State, cause: Cause) -> None:
     rec = new_request()
-    for ev in PATH_TO[state]:
-        rec.fire(ev)
+    drive(rec, PATH_TO[state])
     rec.fail(cause, f"because {cause.value}")
     if rec.held_by_worker:  # after dispatch: logged once the worker lets go
         assert tracer.logged == 0
-        rec.worker_released()
+        release(rec)
     tracer.close()
     (line,) = read_log(tracer.config.log_path)  # type: ignore[arg-type]
     check_trace(line, PATH_TO[state] + [Event.FAIL])
@@ -98,9 +98,8 @@ def test_fail_paths(tracer: Tracer, state: State, cause: Cause) -> None:
 
 def test_release_before_terminal_is_kept(tracer: Tracer) -> None:
     rec = new_request()
-    for ev in PATH_TO[State.STREAMING]:
-        rec.fire(ev)
-    rec.worker_released()  # the worker's last step entry came before the error
+    drive(rec, PATH_TO[State.STREAMING])
+    release(rec)  # the worker's last step entry came before the error
     rec.fail(Cause.CLIENT_STALLED)
     assert tracer.logged == 1
     trace = tracer.ring.get(rec.id).to_json(tracer.offset_ns)  # type: ignore[union-attr]
@@ -137,12 +136,11 @@ def test_observer_hook_is_one_slot() -> None:
     assert fsm.set_observer(probe) is None
     try:
         rec = new_request()
-        for ev in PATH_TO[State.RUNNING]:
-            rec.fire(ev)
+        drive(rec, PATH_TO[State.RUNNING])
         rec.fail(Cause.DEADLINE)
         rec.fail(Cause.DEADLINE)  # already terminal: no edge, no call
-        rec.worker_released()
-        rec.worker_released()  # nothing held any more: no call
+        release(rec)
+        release(rec)  # nothing held any more: no call
     finally:
         assert fsm.set_observer(None) is probe
     events = ["validate", "admit", "dispatch", "fail", "released"]
@@ -212,8 +210,7 @@ def test_tracer_log_lines_validate(tmp_path: Path) -> None:
     with Tracer(TraceConfig(log_path=str(path), log_max_bytes=30_000, log_backups=5)) as t:
         for i in range(60):
             rec = new_request(f"req-{i}")
-            for ev in DONE_PATHS["done_from_streaming"]:
-                rec.fire(ev)
+            drive(rec, DONE_PATHS["done_from_streaming"])
         t.tick()  # flushes
         assert path.stat().st_size > 0
     lines = read_log(path)
@@ -229,10 +226,9 @@ def test_feed_batches_transitions(tracer: Tracer) -> None:
     stream = tracer.subscribe()
     snapshot = orjson.loads(stream.receive_nowait())
     assert snapshot["type"] == "snapshot" and snapshot["requests"] == []
-    for ev in (Event.ADMIT, Event.DISPATCH):
-        rec.fire(ev)
+    drive(rec, (Event.ADMIT, Event.DISPATCH))
     rec.fail(Cause.ABORTED)
-    rec.worker_released()
+    release(rec)
     assert tracer.tick() == 4
     msg = orjson.loads(stream.receive_nowait())
     assert msg["type"] == "batch" and not msg["resync"]
@@ -273,8 +269,7 @@ def test_awaiting_release_is_bounded_and_flushed_on_close(tmp_path: Path) -> Non
         held = []
         for i in range(5):  # failed after dispatch: the worker never answers the abort
             rec = new_request(f"held-{i}")
-            for ev in PATH_TO[State.RUNNING]:
-                rec.fire(ev)
+            drive(rec, PATH_TO[State.RUNNING])
             rec.fail(Cause.WORKER_LOST)
             held.append(rec)
         assert len(t._awaiting) == 3 and t.logged == 2  # the oldest two went out

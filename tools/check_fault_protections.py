@@ -16,19 +16,19 @@ MUTS = [
     (
         "test_zombie_decode_after_disconnect",
         "lifecycle/frontend.py",
-        "            if live and self.client is not None:\n                self.client.abort(live, message=detail or cause.value)\n",
+        "            if run.sub is not None and self.client is not None:\n                self.client.abort(run.sub, forget=True, message=detail or cause.value)\n",
         "            pass\n",
     ),
     (
         "test_abort_does_not_kill_other_clients_decode",
-        "lifecycle/api_native.py",
-        "            targets = [self.calls[rec.id]] if rec is not None and rec.id in self.calls else []\n",
-        "            targets = list(self.calls.values())  # process-global stop\n",
+        "lifecycle/frontend.py",
+        "        call.abort(message, rec.id)\n",
+        "        for other in self.live_calls():\n            other.abort(message)  # process-global stop\n",
     ),
     (
         "test_kv_not_leaked_on_abort_during_handoff",
         "lifecycle/worker_client.py",
-        "            self._abort_lane.extend(held)\n",
+        "            self._abort_lane.extend(live)\n",
         "            pass\n",
     ),
     (
@@ -46,8 +46,8 @@ MUTS = [
     (
         "test_truncated_stream_never_ends_with_done",
         "lifecycle/api_native.py",
-        "                yield orjson.dumps(cause.body(message))\n            call.close()\n",
-        "                pass\n            call.close()\n",
+        "            yield orjson.dumps(cause.body(message))\n        call.close()  # ended",
+        "            pass\n        call.close()  # ended",
     ),
     (
         "test_malformed_logprob_field_does_not_kill_scheduler",
