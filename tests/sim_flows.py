@@ -21,7 +21,7 @@ from tests.sim_clients import Cut, HttpExchange, RawConn, SseEvents, WsClient, r
 __all__ = ["Expect", "Outcome", "http_flow", "ws_flow", "expected_ids"]
 
 _CAUSES = frozenset(c.value for c in Cause)
-STALL_SLEEP = 0.5  # beyond the server's send_timeout (simulation.SEND_TIMEOUT)
+STALL_SLEEP = 1.0  # twice the server's send_timeout (simulation.SEND_TIMEOUT)
 # Leave points that end a client before it read anything.
 EARLY = frozenset({"after_send", "while_queued", "during_prefill", "rid_first"})
 
@@ -61,8 +61,13 @@ def _native_items(items: list[dict[str, Any]], e: Expect, ids_key: str = "output
         return [f"{len(items)} samples, wanted {len(want)}"]
     out = []
     for i, (item, ids) in enumerate(zip(items, want, strict=True)):
-        if item.get(ids_key) != ids:
-            out.append(f"sample {i}: output_ids {item.get(ids_key)} != {ids}")
+        got = item.get(ids_key)
+        if got != ids:
+            at = next(
+                (j for j, (a, b) in enumerate(zip(got or [], ids, strict=False)) if a != b), None
+            )
+            where = f"first differs at {at}" if at is not None else "lengths differ"
+            out.append(f"sample {i}: {len(got or [])} ids, wanted {len(ids)}; {where}")
         finish = (item.get("meta_info") or {}).get("finish_reason") or {}
         if finish.get("type") != "length":
             out.append(f"sample {i}: finish_reason {finish}")
@@ -109,7 +114,10 @@ def check_ws(deltas: list[dict[str, Any]], done: dict[str, Any], e: Expect) -> l
         return [f"deltas for indices {sorted(by_index)}, wanted {e.samples}"]
     if e.prompts is not None:
         items = [
-            {"output_ids": [t for d in ds for t in d["output_ids"]], "meta_info": ds[-1]["meta_info"]}
+            {
+                "output_ids": [t for d in ds for t in d["output_ids"]],
+                "meta_info": ds[-1]["meta_info"],
+            }
             for _, ds in sorted(by_index.items())
         ]
         return _native_items(items, e)
@@ -185,7 +193,9 @@ async def _http(
 
 def _stream_outcome(sse: SseEvents, status: int, e: Expect) -> Outcome:
     if not sse.done:
-        return Outcome([f"stream ended without [DONE] after {len(sse.events)} events"], status=status)
+        return Outcome(
+            [f"stream ended without [DONE] after {len(sse.events)} events"], status=status
+        )
     errs = [ev["error"] for ev in sse.events if "error" in ev]
     if errs:
         problem = _error_problem(errs[0], None, e)

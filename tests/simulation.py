@@ -60,7 +60,7 @@ FAULT_WEIGHTS = (80, 5, 5, 5, 5)
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven", "blue", "why")
 
 SEND_TIMEOUT = 0.5
-HUNG_TIMEOUT = 1.5
+HUNG_TIMEOUT = 1.0
 MAX_PENDING, MAX_RUNNING, MAX_QUEUED = 8, 4, 64
 WORKER_ARGS = ("--step-delay", "0.002", "--prefill-delay", "0.005")
 SETTLE = 3.0  # seconds a group may take to settle once its clients are done
@@ -108,7 +108,7 @@ class Scenario:
             behaviour=behaviour,
             rst=r.random() < 0.5,
             fault=r.choices(FAULTS, weights=FAULT_WEIGHTS)[0],
-            max_new=256 if behaviour == "stall" else r.randint(4, 64),
+            max_new=128 if behaviour == "stall" else r.randint(4, 64),
             prompts=tuple(
                 tuple(r.randint(10, 4000) for _ in range(r.randint(1, 5))) for _ in range(batch)
             ),
@@ -146,6 +146,8 @@ class Scenario:
             ids = [list(p) for p in self.prompts]
             sampling = {"max_new_tokens": self.max_new, "ignore_eos": True, "n": n}
             body = {"input_ids": ids if many else ids[0], "sampling_params": sampling}
+            if self.behaviour == "stall":  # cumulative logprob frames: megabytes, not kilobytes
+                body.update(return_logprob=True, top_logprobs_num=20)
         else:
             body = {"max_tokens": self.max_new, "ignore_eos": True, "n": n}
             if self.kind == "completions":
@@ -195,6 +197,7 @@ class SimReport:
     restarts: int = 0  # fresh servers started after leaks made the old one unusable
     seconds: float = 0.0
     groups: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # seeds, seconds
+    causes: Counter[str] = field(default_factory=Counter)  # the server's failed requests
 
     def summary(self) -> str:
         return (
@@ -278,7 +281,9 @@ class _Sim:
         }
         mine = sc.expect()  # the scenario's fault reaches its blockers too
         e = Expect("native", False, [[11 + i, 12 + i]], 1, 24, 1, mine.allowed, mine.cut_ok)
-        outcome = await http_flow(self.app.port, "/generate", body, e, "complete", 0, 0.0, rst=False)
+        outcome = await http_flow(
+            self.app.port, "/generate", body, e, "complete", 0, 0.0, rst=False
+        )
         for problem in outcome.problems:
             self.broken(sc.seed, f"blocker {i}: {problem}")
 
@@ -403,6 +408,7 @@ async def run_scenarios(
                     if progress is not None:
                         progress(report)
             finally:
+                report.causes.update(app.frontend.failed)
                 set_observer(counter.previous)
                 tg.cancel_scope.cancel()
     report.seconds = time.monotonic() - started
@@ -421,6 +427,7 @@ def kinds(report: SimReport) -> Counter[str]:
 def print_report(report: SimReport, *, limit: int = 50) -> None:
     print(report.summary())
     print(f"({report.seconds:.1f} s, {report.restarts} server restarts)")
+    print("requests failed by cause: " + ", ".join(f"{c} {n}" for c, n in report.causes.items()))
     slowest = sorted(report.groups, key=lambda g: -g[1])[:5]
     print("slowest groups: " + ", ".join(f"{list(s)} {t:.2f} s" for s, t in slowest))
     for kind, count in kinds(report).most_common():
