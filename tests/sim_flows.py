@@ -21,7 +21,7 @@ from tests.sim_clients import Cut, HttpExchange, RawConn, SseEvents, WsClient, r
 __all__ = ["Expect", "Outcome", "http_flow", "ws_flow", "expected_ids"]
 
 _CAUSES = frozenset(c.value for c in Cause)
-STALL_SLEEP = 1.0  # twice the server's send_timeout (simulation.SEND_TIMEOUT)
+STALL_SLEEP = 0.9  # the server's send_timeout (0.5 s) and the time to fill its buffers
 # Leave points that end a client before it read anything.
 EARLY = frozenset({"after_send", "while_queued", "during_prefill", "rid_first"})
 
