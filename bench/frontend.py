@@ -6,6 +6,9 @@ The server (``lifecycle serve --scripted-worker``) runs as its own process; its 
 not counted. The worker answers every step at once, so what is measured is the frontend.
 
     python bench/frontend.py [--requests 400] [--concurrency 32] [--tokens 64]
+    python bench/frontend.py --baseline 46c348b   # side by side, A B A B, medians
+
+Each cell is the median over the rounds, with every round's figure after it.
 """
 
 from __future__ import annotations
@@ -88,28 +91,15 @@ def _fsm_us(rounds: int = 20000) -> float:
     return (time.perf_counter() - t0) / rounds * 1e6
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--tokens", type=int, default=64)
-    args = p.parse_args()
+def _measure(root: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One server from the tree at ``root``: CPU per request and per streamed token."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "lifecycle", "serve", "--scripted-worker", "--port", str(port)]
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lifecycle",
-            "serve",
-            "--scripted-worker",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [*argv, "--log-level", "warning"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
     )
     try:
         deadline = time.monotonic() + 120
@@ -134,23 +124,77 @@ def main() -> int:
         cpu_s, wall_s = _phase(proc, url, n_s, args.concurrency, streamed, True)
     finally:
         server.terminate()
-        server.wait(10)
+        server.wait(60)
     per_req_us = cpu_u / args.requests * 1e6
-    per_tok_us = max(0.0, cpu_s / n_s * 1e6 - per_req_us) / args.tokens
-    fsm = _fsm_us()
-    print(f"frontend CPU per request (unary, 1 token):   {per_req_us:8.0f} us")
-    print(f"frontend CPU per streamed token (beyond req): {per_tok_us:8.1f} us")
-    print(
-        f"requests/s (unary, concurrency {args.concurrency}):        {args.requests / wall_u:8.0f}"
+    return {
+        "req_us": per_req_us,
+        "tok_us": max(0.0, cpu_s / n_s * 1e6 - per_req_us) / args.tokens,
+        "rps": args.requests / wall_u,
+        "tps": n_s * args.tokens / wall_s,
+    }
+
+
+def _checkout(ref: str, into: Path) -> Path:
+    """The tree of commit ``ref`` (git archive), to serve the baseline from."""
+    archive = subprocess.run(
+        ["git", "archive", ref], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a git ref to measure side by side (A B A B), e.g. the commit before a change",
     )
-    print(
-        f"streamed tokens/s ({args.tokens}-token streams):          {n_s * args.tokens / wall_s:8.0f}"
-    )
-    print(
-        f"state machine per request lifecycle:          {fsm:8.1f} us "
-        f"({fsm / per_req_us * 100:.1f}% of the request's frontend CPU)"
-    )
+    p.add_argument("--reps", type=int, default=2, help="A B rounds when --baseline is given")
+    args = p.parse_args()
+    if args.baseline is None:
+        results = {"this tree": [_measure(ROOT, args)]}
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="lc-baseline-") as tmp:
+            base = _checkout(args.baseline, Path(tmp))
+            results = {"this tree": [], f"baseline {args.baseline}": []}
+            for _ in range(args.reps):
+                results["this tree"].append(_measure(ROOT, args))
+                results[f"baseline {args.baseline}"].append(_measure(base, args))
+    _report(results, args)
     return 0
+
+
+def _report(results: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    import statistics
+
+    rows = [
+        ("frontend CPU per request (unary, 1 token), us", "req_us", "{:.0f}"),
+        ("frontend CPU per streamed token (beyond req), us", "tok_us", "{:.1f}"),
+        (f"requests/s (unary, concurrency {args.concurrency})", "rps", "{:.0f}"),
+        (f"streamed tokens/s ({args.tokens}-token streams)", "tps", "{:.0f}"),
+    ]
+    names = list(results)
+    print("figure".ljust(52) + "".join(n.rjust(28) for n in names))
+    for label, key, fmt in rows:
+        cells = []
+        for n in names:
+            values = [r[key] for r in results[n]]
+            med = fmt.format(statistics.median(values))
+            spread = "/".join(fmt.format(v) for v in values)
+            cells.append(f"{med} ({spread})".rjust(28))
+        print(label.ljust(52) + "".join(cells))
+    per_req = statistics.median(r["req_us"] for r in results["this tree"])
+    fsm = _fsm_us()
+    print(
+        f"state machine per request lifecycle: {fsm:.1f} us "
+        f"({fsm / per_req * 100:.1f}% of the request's frontend CPU)"
+    )
 
 
 if __name__ == "__main__":

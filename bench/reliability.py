@@ -10,7 +10,10 @@ returned), worker killed mid-batch (time to every client's error, time to recove
 silent losses), a stalled SSE reader among 31 normal streams (their inter-token latency
 against a run without it, the stalled one's outcome), slowloris connections (a normal
 client's latency), a burst at 10x capacity (503 share with Retry-After, RSS growth, time
-to recover). The counts used are printed with each figure.
+to recover), the issue's random disconnects (bench/disconnects.py: leaked requests,
+KV blocks, reused rids) and the seeded simulation (tests/simulation.py: scenarios run,
+leaks found, broken invariants; 10,000 with --full). The counts used are printed with
+each figure.
 """
 
 from __future__ import annotations
@@ -380,6 +383,32 @@ async def fig_burst(b: Bench, max_new: int) -> None:
     row("burst 10x: time to recover", counts, f"{recover:.3f} s", "-")
 
 
+async def fig_simulation(seeds: int) -> None:
+    """The seeded client/worker simulation (tests/simulation.py), in-process server of its
+    own: scenarios run, leaks found, broken invariants."""
+    from tests.simulation import run_scenarios
+
+    t0 = time.monotonic()
+    report = await run_scenarios(range(seeds))
+    counts = f"{report.scenarios} seeded scenarios, {time.monotonic() - t0:.0f} s"
+    row("simulation: leaks found", counts, str(report.leaks), "0")
+    row("simulation: broken invariants", counts, str(len(report.broken)), "0")
+    for seed, problem in report.broken[:10]:
+        print(f"    seed {seed}: {problem} (replay: python -m tests.simulation --seed {seed})")
+
+
+async def fig_random_disconnects(b: Bench, clients: int, max_new: int) -> None:
+    """The issue's scenario (bench/disconnects.py) against this run's server."""
+    from bench.disconnects import random_disconnects
+
+    r = await random_disconnects(b.url, clients, max_new, 1, server_pid=b.srv.popen.pid)
+    counts = f"{clients} clients leaving at random, {max_new} tokens"
+    row("random disconnects: leaked after 5 s", counts, str(r["leaked_at_5s"]), "0")
+    row("random disconnects: KV blocks not returned", counts, str(r["kv_not_returned_at_5s"]), "0")
+    refused = sum(1 for _rid, _how, status, _msg in r["reused_rids"] if status != 200)
+    row("random disconnects: reused rids refused", counts, str(refused), "0")
+
+
 async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
     full = args.full
     figures = {
@@ -389,6 +418,8 @@ async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
         "stalled-reader": lambda: fig_stalled_reader(b, args.tokens // 2),
         "slowloris": lambda: fig_slowloris(b, 1_000 if full else 300),
         "burst": lambda: fig_burst(b, 8),
+        "random-disconnects": lambda: fig_random_disconnects(b, 1_000 if full else 300, 256),
+        "simulation": lambda: fig_simulation(args.scenarios or (10_000 if full else 1_000)),
     }
     for name, figure in figures.items():
         if args.only and name not in args.only:
@@ -405,9 +436,19 @@ def main() -> int:
     p.add_argument(
         "--only",
         action="append",
-        choices=["invalid", "disconnects", "worker-kill", "stalled-reader", "slowloris", "burst"],
+        choices=[
+            "invalid",
+            "disconnects",
+            "worker-kill",
+            "stalled-reader",
+            "slowloris",
+            "burst",
+            "random-disconnects",
+            "simulation",
+        ],
         help="run just this figure (repeatable)",
     )
+    p.add_argument("--scenarios", type=int, default=0, help="simulation seeds (default 1,000)")
     args = p.parse_args()
     port = free_port()
     cmd = [
