@@ -40,7 +40,7 @@ from lifecycle.outputs import OutputOptions, SampleOutput
 from lifecycle.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.states import DRAIN, Cause, Event, State
 from lifecycle.supervisor import Supervisor, generate_probe
-from lifecycle.worker_client import Submission, WorkerClient, WorkerFailure
+from lifecycle.worker_client import Sink, Submission, WorkerClient, WorkerFailure
 from wire import pack_ids
 
 __all__ = ["ExitCause", "Frontend", "FrontendConfig", "GenerateCall", "ServeError"]
@@ -136,8 +136,8 @@ class Frontend:
         message = "Abort by the /abort_request API"
         if abort_all:
             calls = self.live_calls()
-            for call in calls:
-                call.abort(message)
+            for each in calls:
+                each.abort(message)
             return len(calls)
         rec = self.registry.by_client_rid(client_rid) if client_rid else None
         call = self._calls.get(rec.id) if rec is not None else None
@@ -306,7 +306,7 @@ class GenerateCall:
             no_stop_trim=sp.no_stop_trim,
         )
         base_id = item.client_rid or uuid.uuid4().hex
-        sinks = []
+        sinks: list[Sink] = []
         for j in range(sp.n):
             rid = base_id if sp.n == 1 else f"{base_id}_{j}"
             run.samples.append(SampleOutput(fe.tokenizer, opts, prompt, rid))
@@ -321,7 +321,7 @@ class GenerateCall:
             _wire_options(item),
             sinks,
             on_dispatch=lambda: self._dispatched(run),
-            on_release=lambda: fe.registry.worker_released(rec_id),
+            on_release=lambda: _ignore(fe.registry.worker_released(rec_id)),
         )
 
     def _dispatched(self, run: _ItemRun) -> None:
@@ -472,6 +472,10 @@ class GenerateCall:
                 observe(self)
             except Exception:  # an observer's bug must not leak the request
                 log.exception("close observer failed")
+
+
+def _ignore(_: object) -> None:
+    pass
 
 
 def _wire_options(item: GenerateItem) -> dict[str, Any]:
