@@ -71,10 +71,11 @@ class Chunk:
 
 
 class OutputBuffer:
-    """Append-only output of one request, drained by its client writer.
+    """Append-only output of one sample, drained by its client writer.
 
-    ``limit`` is the most tokens the request may ever produce (``max_new_tokens * n``
-    plus a margin); exceeding it raises OutputOverflow rather than growing without bound.
+    ``limit`` is the most tokens the sample may ever produce (its ``max_new_tokens``
+    plus ``FrontendConfig.output_margin``; each of ``n`` samples has a buffer of its own);
+    exceeding it raises OutputOverflow rather than growing without bound.
     The terminal marker (a finish-reason dict or a Cause) is delivered only with or after
     the last data, so a reader never sees the end before all tokens.
     """
