@@ -368,11 +368,15 @@ class WorkerClient:
                 return "the worker closed the connection"
             except (WireError, ValueError) as exc:
                 return f"corrupt frame from the worker: {exc}"
-            self.last_progress_ns = time.monotonic_ns()
             match frame:
                 case Step():
+                    # Only work counts as progress for the hung-worker watchdog: a worker
+                    # that answers STATS and PROBE but never steps a held request (one
+                    # lost on the way, say) is still hung.
+                    self.last_progress_ns = time.monotonic_ns()
                     self._on_step(frame)
                 case ReqError(errors):
+                    self.last_progress_ns = time.monotonic_ns()
                     for rid, code, message in errors:
                         self._end(rid, WorkerFailure(code, message))
                 case ProbeReply(nonce) | Stats(nonce) | FlushReply(nonce):

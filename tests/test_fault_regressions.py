@@ -195,6 +195,35 @@ def test_health_503_while_engine_hung(srv: LiveServer) -> None:
     srv.assert_invariants()
 
 
+def test_lost_dispatch_is_hung_even_while_stats_are_polled(srv: LiveServer) -> None:
+    """Found by the simulation (seed 729): a submission lost on the way to the worker
+    (fault ``frontend.dispatch`` drop) stayed a tombstone for as long as anyone polled
+    ``/server_info``, because every STATS reply counted as progress and the hung-worker
+    watchdog never fired. Protection: only STEP and REQ-ERROR frames count as progress
+    (``WorkerClient._reader``)."""
+    srv.replan_frontend([FaultRule("frontend.dispatch", "drop", nth=1)])
+    try:
+        stop = threading.Event()
+
+        def poll() -> None:  # what a dashboard or a load balancer's check does
+            while not stop.is_set():
+                srv.info()
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            r = httpx.post(srv.url + "/generate", json={"input_ids": [3, 4], **LONG}, timeout=30)
+        finally:
+            stop.set()
+            poller.join(10)
+        assert r.status_code == 503 and r.json()["error"]["message"].startswith("worker lost")
+    finally:
+        srv.replan_frontend([])
+    srv.wait_ready(timeout=10)
+    srv.assert_invariants()
+
+
 def test_truncated_stream_never_ends_with_done(srv: LiveServer) -> None:
     """A stream cut short (here: the worker killed mid-decode) must never look like
     success: no finish_reason, and an explicit error event before ``[DONE]``

@@ -44,6 +44,12 @@ MUTS = [
         "        limit_ns = 10**15\n",
     ),
     (
+        "test_lost_dispatch_is_hung_even_while_stats_are_polled",
+        "lifecycle/worker_client.py",
+        "                    self._on_step(frame)\n",
+        "                    self._on_step(frame)\n                case ProbeReply() | Stats() | FlushReply():\n                    self.last_progress_ns = time.monotonic_ns()\n                    slot = self._replies.get(frame.nonce)\n                    if slot is not None:\n                        slot[1] = frame\n                        slot[0].set()\n",
+    ),
+    (
         "test_truncated_stream_never_ends_with_done",
         "lifecycle/api_native.py",
         "            yield orjson.dumps(cause.body(message))\n        call.close()  # ended",
