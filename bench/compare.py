@@ -12,7 +12,7 @@ from source (about 7 minutes on 2 cores), so when ``llama_cpp`` cannot be import
 ``--peer-python`` the peer is skipped with a note.
 
 ``--mode frontend`` puts no model anywhere: our server drives a scripted instant worker
-(``python -m lifecycle.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
+(``python -m lifecycle.testing.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
 same scripted work (``bench/baseline_fastapi.py``), and the table adds each server
 process's CPU microseconds per request and per streamed token. ``--pace-ms`` spaces the
 tokens in both stacks alike (the scripted worker's step delay, the baseline's token
@@ -47,7 +47,7 @@ __all__ = ["Contender", "LevelResult", "compare", "default_model_path", "main"]
 ROOT = Path(__file__).resolve().parent.parent
 OURS_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --model {model}"
 OURS_FRONTEND_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --worker {worker}"
-SCRIPTED_WORKER_CMD = "{python} -m lifecycle.scripted_worker --listen {worker}"
+SCRIPTED_WORKER_CMD = "{python} -m lifecycle.testing.scripted_worker --listen {worker}"
 # Flags from the measured peer set-up: without --interrupt_requests False, concurrent
 # streams break; --logits_all False is its faster setting; 2 threads = the machine.
 PEER_CMD = (

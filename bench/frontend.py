@@ -72,9 +72,9 @@ def _phase(
 
 
 def _fsm_us(rounds: int = 20000) -> float:
-    from lifecycle.buffers import AdmissionQueue
-    from lifecycle.fsm import Registry, admit, new_request
-    from lifecycle.states import Event
+    from lifecycle.core.buffers import AdmissionQueue
+    from lifecycle.core.fsm import Registry, admit, new_request
+    from lifecycle.core.states import Event
 
     reg, q = Registry(), AdmissionQueue(10)
     t0 = time.perf_counter()

@@ -29,9 +29,9 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lifecycle.fsm import new_request  # noqa: E402
-from lifecycle.states import Event  # noqa: E402
-from lifecycle.tracing import TraceConfig, Tracer  # noqa: E402
+from lifecycle.core.fsm import new_request  # noqa: E402
+from lifecycle.core.states import Event  # noqa: E402
+from lifecycle.tracing.tracer import TraceConfig, Tracer  # noqa: E402
 
 PATH = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN, Event.FINISH)
 N = 5_000

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpu.config import ModelConfig
+from modelfile.config import ModelConfig
 
 __all__ = ["DenseKVCache"]
 

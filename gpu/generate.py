@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+from gpu.cpu_runtime import tune_cpu_runtime
 
-from gpu.gguf_file import ModelFileError
-from gpu.loader import LoadedModel, load_model
-from gpu.model import DenseKVCache
+tune_cpu_runtime()  # before torch is imported
+
+import torch  # noqa: E402
+
+from gpu.loader import LoadedModel, load_model  # noqa: E402
+from gpu.model import DenseKVCache  # noqa: E402
+from modelfile.gguf_file import ModelFileError  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
 

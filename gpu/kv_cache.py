@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpu.config import ModelConfig
 from gpu.native import NativeKernels, load_kernels
+from modelfile.config import ModelConfig
 
 __all__ = ["BlockManager", "NoFreeBlocks", "PagedKVCache", "PrefillChunk", "block_hash"]
 

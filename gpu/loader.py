@@ -13,13 +13,14 @@ import numpy as np
 import psutil
 import torch
 
-from gpu.chat import ChatTemplate, ChatTemplateError
-from gpu.config import ModelConfig, config_from_gguf
-from gpu.gguf_file import GGUFFile, ModelFileError, default_model_path
 from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
-from gpu.tokenizer import Tokenizer, tokenizer_from_gguf
+from modelfile.chat import ChatTemplate
+from modelfile.config import ModelConfig
+from modelfile.gguf_file import GGUFFile, ModelFileError, default_model_path
+from modelfile.tokenizer import Tokenizer
+from modelfile.vocab import vocab_parts
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "resolve_device"]
+__all__ = ["LoadedModel", "load_model", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device,
     return dev, names[dtype]
 
 
-def load_tokenizer(
-    path: str | pathlib.Path | None = None,
-) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
-    """Tokenizer, chat template and config without reading any weights."""
-    f = GGUFFile(path or default_model_path())
-    return _vocab_parts(f)
-
-
 def load_model(
     path: str | pathlib.Path | None = None,
     *,
@@ -74,7 +67,7 @@ def load_model(
     t0 = time.perf_counter()
     f = GGUFFile(path or default_model_path())
     t_open = time.perf_counter()
-    tokenizer, chat, config = _vocab_parts(f)
+    tokenizer, chat, config = vocab_parts(f)
     t_vocab = time.perf_counter()
     f.check_tensor_types()
     with torch.inference_mode():
@@ -94,21 +87,6 @@ def load_model(
         psutil.Process().memory_info().rss / 2**20,
     )
     return LoadedModel(config, model, tokenizer, chat, f.path, dev, dt)
-
-
-def _vocab_parts(f: GGUFFile) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
-    tokens = f.strings("tokenizer.ggml.tokens")
-    config = config_from_gguf(f, tokens)
-    tokenizer = tokenizer_from_gguf(f, eog_ids=config.eog_ids)
-    source = f.get("tokenizer.chat_template")
-    chat = None
-    if source:
-        bos = tokens[config.bos_id] if config.bos_id is not None else ""
-        try:
-            chat = ChatTemplate(source, bos_token=bos, eos_token=tokens[config.eos_id])
-        except ChatTemplateError as exc:
-            raise ModelFileError(f.path, str(exc)) from None
-    return tokenizer, chat, config
 
 
 def _build_model(

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.config import ModelConfig
 from gpu.dense_cache import DenseKVCache
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
+from modelfile.config import ModelConfig
 
 __all__ = [
     "AttentionBackend",

@@ -2,7 +2,7 @@
 
 The listener binds early; ``/health`` answers 503 and generation requests get 503 until
 the worker said HELLO and one warm-up generation came back (``Supervisor``).
-``App.drain`` is the graceful stop (SIGTERM/SIGINT; ``DRAIN`` in ``lifecycle.states``).
+``App.drain`` is the graceful stop (SIGTERM/SIGINT; ``DRAIN`` in ``lifecycle.core.states``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from lifecycle.api_native import NativeAPI, error_response
-from lifecycle.api_openai import OpenAIAPI
-from lifecycle.api_ws import WebSocketAPI
-from lifecycle.auth import DEFAULT_PUBLIC_ROUTES, Auth, AuthConfig
-from lifecycle.debug import install_debug
-from lifecycle.frontend import Frontend, FrontendConfig
-from lifecycle.metrics import Metrics
-from lifecycle.routes import AppRouter
-from lifecycle.states import DRAIN
-from lifecycle.supervisor import Supervisor, SupervisorConfig
-from lifecycle.tracing import TraceConfig, Tracer, worker_probe
+from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES, Auth, AuthConfig
+from lifecycle.api.metrics import Metrics
+from lifecycle.api.native import NativeAPI, error_response
+from lifecycle.api.openai import OpenAIAPI
+from lifecycle.api.routes import AppRouter
+from lifecycle.api.websocket import WebSocketAPI
+from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.states import DRAIN
+from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.tracing.debug import install_debug
+from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
 from transport import Handler, Request, Response, Router, Server, ServerConfig
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
@@ -123,8 +123,8 @@ class App:
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
-    from gpu.gguf_file import default_model_path
-    from gpu.loader import load_tokenizer
+    from modelfile.gguf_file import default_model_path
+    from modelfile.vocab import load_tokenizer
 
     path = str(model or default_model_path())
     tokenizer, chat, model_config = load_tokenizer(path)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import runpy
 import shlex
 import signal
 import sys
 
-from lifecycle.states import DRAIN
-from lifecycle.trace_cli import add_serve_options, add_trace_parser, run_trace, serve_options
+from lifecycle.core.states import DRAIN
+from lifecycle.tracing.cli import add_serve_options, add_trace_parser, run_trace, serve_options
 
 __all__ = ["main"]
 
@@ -115,7 +117,7 @@ def _add_edge_flags(srv: argparse.ArgumentParser) -> None:
 
 
 def _edge_options(args: argparse.Namespace) -> dict[str, object]:
-    from lifecycle.auth import DEFAULT_PUBLIC_ROUTES, read_key_file
+    from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES, read_key_file
 
     keys = list(args.api_key)
     if args.api_key_file:
@@ -146,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         served_model_name=args.served_model_name,
         worker=args.worker,
-        worker_module="lifecycle.scripted_worker" if args.scripted_worker else "gpu.worker",
+        worker_module="lifecycle.testing.scripted_worker" if args.scripted_worker else "gpu.worker",
         worker_extra_args=tuple(shlex.split(args.worker_args)),
         device=args.device,
         dtype=args.dtype,
@@ -212,30 +214,39 @@ def _install_faults(path: str) -> None:
     signal.signal(signal.SIGHUP, reload)
 
 
+def run_worker_module(module: str, argv: list[str]) -> int:
+    """Run a ``gpu`` entry point (``gpu.worker``, ``gpu.generate``) by module name, so that
+    this package never imports the worker: ``python -m module argv``, in this process."""
+    if importlib.util.find_spec("torch") is None:
+        print(
+            f"error: {module} needs torch, which this install lacks; "
+            "install the worker extra: pip install 'lifecycle[worker]'",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = _build_parser().parse_known_args(argv)
     if args.command == "worker":
-        from gpu.worker import main as worker_main
-
-        return worker_main(["--listen", args.listen, *rest])
+        return run_worker_module("gpu.worker", ["--listen", args.listen, *rest])
     if rest:
         print(f"unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
         return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
-        from gpu.cpu_runtime import tune_cpu_runtime
-
-        tune_cpu_runtime()  # before gpu.generate imports torch
-        from gpu.generate import run_generate
-
-        return run_generate(
-            args.prompt,
-            model=args.model,
-            max_new_tokens=args.max_new_tokens,
-            chat=args.chat,
-            device=args.device,
-        )
+        gen = [args.prompt, "--max-new-tokens", str(args.max_new_tokens)]
+        gen += ["--model", args.model] if args.model else []
+        gen += ["--device", args.device] if args.device else []
+        gen += ["--chat"] if args.chat else []
+        return run_worker_module("gpu.generate", gen)
     if args.command == "trace":
         return run_trace(args)
     print(f"unknown command {args.command}", file=sys.stderr)

@@ -8,10 +8,10 @@ import pytest
 
 from tests.tiny_gguf import TinyModel, write_tiny_gguf
 
-# The package's own plugin (lifecycle/pytest_plugin.py); loaded here when the installed
+# The package's own plugin (lifecycle/testing/pytest_plugin.py); loaded here when the installed
 # copy predates its pytest11 entry point.
-if not any(ep.value == "lifecycle.pytest_plugin" for ep in entry_points(group="pytest11")):
-    pytest_plugins = ["lifecycle.pytest_plugin"]
+if not any(ep.value == "lifecycle.testing.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["lifecycle.testing.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,12 @@ from typing import Any
 
 import anyio
 
-from lifecycle.buffers import OutputBuffer
-from lifecycle.debug import Auth, install_debug
-from lifecycle.fsm import Registry, RequestRecord, new_request
-from lifecycle.states import Cause, Event
-from lifecycle.tracing import TraceConfig, Tracer
-from lifecycle.worker_client import Submission
+from lifecycle.core.buffers import OutputBuffer
+from lifecycle.core.fsm import Registry, RequestRecord, new_request
+from lifecycle.core.states import Cause, Event
+from lifecycle.core.worker_client import Submission
+from lifecycle.tracing.debug import Auth, install_debug
+from lifecycle.tracing.tracer import TraceConfig, Tracer
 from transport import Router, Server, ServerConfig
 
 TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)

@@ -1,4 +1,4 @@
-"""Helpers to run the scripted worker (``lifecycle.scripted_worker``) as a real process."""
+"""Helpers to run the scripted worker (``lifecycle.testing.scripted_worker``) as a real process."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lifecycle.child import stop_process
+from lifecycle.core.child import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def scripted_worker_argv(address: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "lifecycle.scripted_worker", "--listen", address, *args]
+    return [sys.executable, "-m", "lifecycle.testing.scripted_worker", "--listen", address, *args]
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 A flow drives one client through one scenario (``tests/simulation.py``): it sends, then
 either reads to the end or leaves at the scenario's point, and returns the problems it
 saw. What a complete reply must hold comes from the scripted worker's contract
-(``lifecycle/scripted_worker.py``): sample ``j`` of a prompt ``P`` is ``P`` repeated
+(``lifecycle/testing/scripted_worker.py``): sample ``j`` of a prompt ``P`` is ``P`` repeated
 cyclically from ``j`` on, ``max_new_tokens`` ids long (``ignore_eos``).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle.states import Cause
+from lifecycle.core.states import Cause
 from tests.sim_clients import Cut, HttpExchange, RawConn, SseEvents, WsClient, request_head
 
 __all__ = ["Expect", "Outcome", "http_flow", "ws_flow", "expected_ids"]

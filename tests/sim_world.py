@@ -1,6 +1,6 @@
 """What the simulation reads from the server between groups: the books (registry,
 tombstones, worker credits, the worker's own load) and the terminal transitions of every
-record, seen through the state machine's observer hook (``lifecycle.fsm.set_observer``).
+record, seen through the state machine's observer hook (``lifecycle.core.fsm.set_observer``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 
 from lifecycle.app import App
-from lifecycle.fsm import RawEntry, RequestRecord, TransitionObserver
-from lifecycle.states import TERMINAL
+from lifecycle.core.fsm import RawEntry, RequestRecord, TransitionObserver
+from lifecycle.core.states import TERMINAL
 
 __all__ = ["Books", "TerminalCounter", "books", "settle"]
 

@@ -34,8 +34,8 @@ from typing import Any
 import anyio
 
 from lifecycle.app import App, AppConfig, serve_app
-from lifecycle.fsm import RequestRecord, set_observer
-from lifecycle.states import TERMINAL
+from lifecycle.core.fsm import RequestRecord, set_observer
+from lifecycle.core.states import TERMINAL
 from tests.sim_flows import Expect, Outcome, http_flow, ws_flow
 from tests.sim_world import Books, TerminalCounter, books, settle
 from wire.faults import FaultPlan, FaultRule, installed
@@ -376,7 +376,7 @@ def groups(scenarios: Iterable[Scenario], concurrency: int) -> Iterable[list[Sce
 def sim_config() -> AppConfig:
     return AppConfig(
         port=0,
-        worker_module="lifecycle.scripted_worker",
+        worker_module="lifecycle.testing.scripted_worker",
         worker_extra_args=WORKER_ARGS,
         max_pending=MAX_PENDING,
         max_running=MAX_RUNNING,

@@ -1,6 +1,6 @@
 """The SGLang-native API end to end: real HTTP (httpx, raw sockets) to a real server
 process driving the scripted worker process (outputs echo the prompt ids, see
-``lifecycle.scripted_worker``)."""
+``lifecycle.testing.scripted_worker``)."""
 
 from __future__ import annotations
 

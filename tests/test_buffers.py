@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from lifecycle.buffers import AdmissionQueue, Chunk, OutputBuffer, OutputOverflow
-from lifecycle.states import Cause
+from lifecycle.core.buffers import AdmissionQueue, Chunk, OutputBuffer, OutputOverflow
+from lifecycle.core.states import Cause
 
 pytestmark = pytest.mark.timeout(20)
 

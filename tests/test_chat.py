@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.chat import ChatTemplate, ChatTemplateError
 from gpu.loader import LoadedModel
+from modelfile.chat import ChatTemplate, ChatTemplateError
 
 SMOLLM2_HI = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

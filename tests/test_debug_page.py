@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.states import Cause, Event
+from lifecycle.core.states import Cause, Event
 from tests.cdp import chromium_page, chromium_path
 from tests.debug_helpers import debug_server
 

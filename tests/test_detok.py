@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from gpu.loader import load_tokenizer
-from lifecycle.detok import SampleText, TextCodec
+from lifecycle.core.detok import SampleText, TextCodec
+from modelfile.vocab import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Graceful drain (``DRAIN`` in lifecycle/states.py, docs/lifecycle.md): SIGTERM during
+"""Graceful drain (``DRAIN`` in lifecycle/core/states.py, docs/lifecycle.md): SIGTERM during
 32 live streams, a unary request and a WebSocket generation, against a real
 ``lifecycle serve`` process on the scripted worker.
 
@@ -22,8 +22,8 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from lifecycle.child import stop_process
-from lifecycle.states import DRAIN
+from lifecycle.core.child import stop_process
+from lifecycle.core.states import DRAIN
 from tests.scripted import ROOT, free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
+from lifecycle.api.auth import Auth, AuthConfig, read_key_file
 from lifecycle.app import App, AppConfig, serve_app
-from lifecycle.auth import Auth, AuthConfig, read_key_file
 from lifecycle.cli import _build_parser, _edge_options
 from transport import Headers, Request
 
@@ -98,7 +98,7 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def running_app(**kw: object) -> AsyncIterator[App]:
-    cfg = AppConfig(port=0, worker_module="lifecycle.scripted_worker", **kw)  # type: ignore[arg-type]
+    cfg = AppConfig(port=0, worker_module="lifecycle.testing.scripted_worker", **kw)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         app: App = await tg.start(serve_app, cfg)
         with anyio.fail_after(60):

@@ -29,7 +29,7 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from lifecycle.pytest_plugin import LiveServer, RawClients, start_server
+from lifecycle.testing.pytest_plugin import LiveServer, RawClients, start_server
 from wire.faults import FaultRule
 
 SERVER_ARGS = (

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from lifecycle.pytest_plugin import LiveServer, RawClients, start_server
+from lifecycle.testing.pytest_plugin import LiveServer, RawClients, start_server
 from wire.faults import FaultRule
 
 # 2 running, 4 credits, 8 admitted-and-undispatched; 128 KV blocks of 16 tokens.

@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lifecycle.errors import RequestError
-from lifecycle.frontend import Frontend, FrontendConfig, GenerateCall, ServeError
-from lifecycle.params import parse_generate
-from lifecycle.states import Cause
-from lifecycle.supervisor import Supervisor, SupervisorConfig
+from lifecycle.core.errors import RequestError
+from lifecycle.core.frontend import Frontend, FrontendConfig, GenerateCall, ServeError
+from lifecycle.core.params import parse_generate
+from lifecycle.core.states import Cause
+from lifecycle.core.supervisor import Supervisor, SupervisorConfig
 
 SUPERVISOR = SupervisorConfig(
-    worker_module="lifecycle.scripted_worker",
+    worker_module="lifecycle.testing.scripted_worker",
     worker_args=("--max-pending", "4", "--max-running", "2", "--step-delay", "0.005"),
     hung_timeout=2.0,
     backoff=(0.05,),

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from transitions import MachineError
 
-from lifecycle.buffers import AdmissionQueue, OutputBuffer
-from lifecycle.errors import RequestError
-from lifecycle.fsm import (
+from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
+from lifecycle.core.errors import RequestError
+from lifecycle.core.fsm import (
     COMPILED,
     MACHINE,
     DuplicateRid,
@@ -27,7 +27,7 @@ from lifecycle.fsm import (
     new_request,
     spec_dict,
 )
-from lifecycle.states import (
+from lifecycle.core.states import (
     EDGES,
     HOLD_EDGES,
     LIVE,
@@ -38,7 +38,7 @@ from lifecycle.states import (
     State,
     WorkerHold,
 )
-from lifecycle.worker_client import Submission
+from lifecycle.core.worker_client import Submission
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = json.loads((ROOT / "specs" / "lifecycle.json").read_text())

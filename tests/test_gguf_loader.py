@@ -12,9 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu.gguf_file import ModelFileError, default_model_path
-from gpu.loader import load_model, load_tokenizer, resolve_device
+from gpu.loader import load_model, resolve_device
 from gpu.model import unpermute_rope_rows
+from modelfile.gguf_file import ModelFileError, default_model_path
+from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel, TinySpec, hf_permute, write_tiny_gguf
 
 

@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from lifecycle.fsm import TraceEntry
-from lifecycle.metrics import record_timings
-from lifecycle.states import Event, State
+from lifecycle.api.metrics import record_timings
+from lifecycle.core.fsm import TraceEntry
+from lifecycle.core.states import Event, State
 
 from .scripted import lifecycle_server
 from .ws_helpers import Collected, echo_body, gen_msg, wait_idle

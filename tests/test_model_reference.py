@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.gguf_file import default_model_path
 from gpu.loader import LoadedModel
 from gpu.model import DenseKVCache
+from modelfile.gguf_file import default_model_path
 
 # The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
 # 2-core machine, several times that when the cores are shared.

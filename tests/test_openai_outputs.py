@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from gpu.gguf_file import default_model_path
-from gpu.loader import load_tokenizer
-from lifecycle.buffers import Chunk
-from lifecycle.openai_outputs import TokenTexts
-from lifecycle.outputs import OutputOptions, SampleOutput
+from lifecycle.api.openai_outputs import TokenTexts
+from lifecycle.core.buffers import Chunk
+from lifecycle.core.outputs import OutputOptions, SampleOutput
+from modelfile.gguf_file import default_model_path
+from modelfile.vocab import load_tokenizer
 from wire import pack_f32s
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.openai_params import OpenAIError, parse_chat, parse_completion
+from lifecycle.api.openai_params import OpenAIError, parse_chat, parse_completion
 
 OPTS: dict[str, Any] = {
     "vocab_size": 100,

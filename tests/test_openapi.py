@@ -7,10 +7,10 @@ from typing import Any
 
 import yaml
 
-from lifecycle.api_native import NativeAPI
-from lifecycle.api_openai import OpenAIAPI
-from lifecycle.api_ws import WebSocketAPI
-from lifecycle.metrics import Metrics
+from lifecycle.api.metrics import Metrics
+from lifecycle.api.native import NativeAPI
+from lifecycle.api.openai import OpenAIAPI
+from lifecycle.api.websocket import WebSocketAPI
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifecycle.params import (
+from lifecycle.core.params import (
     GenerateRequest,
     RequestError,
     SamplingParams,
@@ -18,7 +18,7 @@ from lifecycle.params import (
     parse_generate,
     parse_sampling_params,
 )
-from lifecycle.states import Cause
+from lifecycle.core.states import Cause
 
 V = 49152  # SmolLM2's vocabulary size
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.pytest_plugin import LiveServer
+from lifecycle.testing.pytest_plugin import LiveServer
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 pytest.importorskip("schemathesis")

@@ -1,5 +1,5 @@
 """Readiness, worker death, hung worker and overload, through real HTTP to a real server
-process whose scripted worker is told to misbehave (``lifecycle.scripted_worker`` knobs)."""
+process whose scripted worker is told to misbehave (``lifecycle.testing.scripted_worker`` knobs)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.loader import LoadedModel, load_tokenizer
-from gpu.tokenizer import Tokenizer, build_tokenizer
+from gpu.loader import LoadedModel
+from modelfile.tokenizer import Tokenizer, build_tokenizer
+from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel
 
 

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from gpu.gguf_file import default_model_path
-from gpu.loader import load_tokenizer
-from gpu.tokenizer import Tokenizer
+from modelfile.gguf_file import default_model_path
+from modelfile.tokenizer import Tokenizer
+from modelfile.vocab import load_tokenizer
 
 pytestmark = pytest.mark.model
 

@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 
 from lifecycle.cli import main
-from lifecycle.states import EDGES
-from lifecycle.trace_store import read_log
+from lifecycle.core.states import EDGES
+from lifecycle.tracing.store import read_log
 
 from .scripted import lifecycle_server
 

@@ -12,10 +12,10 @@ import anyio
 import pytest
 
 from lifecycle.cli import main
-from lifecycle.fsm import new_request
-from lifecycle.states import Cause, Event
-from lifecycle.trace_query import parse_time, percentile
-from lifecycle.tracing import TraceConfig, Tracer
+from lifecycle.core.fsm import new_request
+from lifecycle.core.states import Cause, Event
+from lifecycle.tracing.query import parse_time, percentile
+from lifecycle.tracing.tracer import TraceConfig, Tracer
 from tests.debug_helpers import debug_server
 from tests.test_fsm import drive, release
 

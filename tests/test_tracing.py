@@ -10,11 +10,11 @@ import jsonschema
 import orjson
 import pytest
 
-from lifecycle import fsm
-from lifecycle.fsm import Registry, RequestRecord, new_request
-from lifecycle.states import EDGES, INITIAL, LIVE, TERMINAL, Cause, Event, State
-from lifecycle.trace_store import FinishedTrace, TraceLog, TraceRing, read_log
-from lifecycle.tracing import TraceConfig, Tracer
+from lifecycle.core import fsm
+from lifecycle.core.fsm import Registry, RequestRecord, new_request
+from lifecycle.core.states import EDGES, INITIAL, LIVE, TERMINAL, Cause, Event, State
+from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, read_log
+from lifecycle.tracing.tracer import TraceConfig, Tracer
 from tests.test_fsm import PATH_TO as FSM_PATH_TO
 from tests.test_fsm import drive, release
 

@@ -7,8 +7,8 @@ from typing import Any
 import anyio
 import pytest
 
-from lifecycle.wire_stream import connect, parse_address
-from lifecycle.worker_client import WorkerClient, WorkerFailure
+from lifecycle.core.wire_stream import connect, parse_address
+from lifecycle.core.worker_client import WorkerClient, WorkerFailure
 
 from .scripted import scripted_worker
 

@@ -1,6 +1,6 @@
 """Generate docs/lifecycle.md (a mermaid state diagram and tables) from specs/lifecycle.json.
 
-The diagram is never drawn by hand: edit the spec (and lifecycle/states.py, which a test
+The diagram is never drawn by hand: edit the spec (and lifecycle/core/states.py, which a test
 holds equal to it), then run ``python tools/gen_state_diagram.py``. ``--check`` exits 1
 when the committed document is stale.
 """

@@ -1,0 +1,212 @@
+"""Prometheus metrics (``GET /metrics``), every name prefixed ``lifecycle_``; docs/metrics.md.
+
+Nothing here runs per token. Counters and histograms move once per HTTP request (the
+route wrapper calls ``observe_http``) and once per generation record when its call is
+closed (``observe_call``, a ``Frontend`` close observer: the one place every request
+reaches its terminal state). Gauges are read at scrape time from the registry, the
+admission queue, the supervisor and one STATS round trip to the worker.
+
+The registry is our own ``CollectorRegistry``, never the process-global one, so several
+apps (tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from lifecycle.core.fsm import TraceEntry
+from lifecycle.core.states import Cause, Event, State
+from transport import Request, Response, Router
+
+if TYPE_CHECKING:
+    from lifecycle.core.frontend import Frontend, GenerateCall
+
+__all__ = ["PREFIX", "Metrics", "record_timings"]
+
+log = logging.getLogger("lifecycle.api.metrics")
+
+PREFIX = "lifecycle"
+STATS_TIMEOUT = 1.0
+
+# Seconds. Fine at the low end (a 135M model on a GPU answers in milliseconds), up to the
+# minutes a long generation on a CPU takes.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.2, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
+def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]:
+    """Queue time, time to first token and end-to-end latency (seconds) from a record's trace.
+
+    queue: from admission (QUEUED) to dispatch (RUNNING); ttft: from arrival to the first
+    token reaching the frontend; e2e: from arrival to the terminal state.
+    """
+    t: dict[Event, int] = {}
+    end_ns = created_ns
+    for entry in trace:
+        t.setdefault(entry.event, entry.t_ns)
+        end_ns = entry.t_ns
+    out: dict[str, float] = {"e2e": (end_ns - created_ns) / 1e9}
+    if Event.ADMIT in t and Event.DISPATCH in t:
+        out["queue"] = (t[Event.DISPATCH] - t[Event.ADMIT]) / 1e9
+    if Event.FIRST_TOKEN in t:
+        out["ttft"] = (t[Event.FIRST_TOKEN] - created_ns) / 1e9
+        out["decode"] = (end_ns - t[Event.FIRST_TOKEN]) / 1e9
+    return out
+
+
+class Metrics:
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._load: dict[str, Any] = {}
+        r, p = self.registry, PREFIX
+        self.http_requests = Counter(
+            f"{p}_http_requests", "HTTP requests by route and status.",
+            ["endpoint", "method", "status"], registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            f"{p}_requests", "Generation requests that reached a terminal state, by outcome "
+            "(done, or the error cause).", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            f"{p}_request_errors", "Generation requests that ended in error, by cause.",
+            ["cause"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{p}_generation_tokens", "Tokens generated (all samples).", registry=r
+        )
+        self.cache_hit_tokens = Counter(
+            f"{p}_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.ttft = _latency(r, "time_to_first_token_seconds", "Arrival to first token.")
+        self.e2e = _latency(r, "e2e_request_latency_seconds", "Arrival to terminal state.")
+        self.queue = _latency(r, "queue_time_seconds", "Admission to dispatch.")
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Mean time between output tokens, one observation per sample.",
+            registry=r, buckets=_ITL_BUCKETS,
+        )  # fmt: skip
+        self.registry.register(_LiveCollector(self))
+        frontend.close_observers.append(self.observe_call)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def observe_http(self, endpoint: str, method: str, status: int) -> None:
+        self.http_requests.labels(endpoint, method, str(status)).inc()
+
+    def observe_call(self, call: GenerateCall) -> None:
+        """One observation per record of a closed call (each has reached its terminal state)."""
+        for run in call.runs:
+            rec = run.rec
+            outcome = rec.state.value if rec.state is State.DONE else _cause(rec.cause)
+            self.requests.labels(outcome).inc()
+            if rec.state is not State.DONE:
+                self.errors.labels(outcome).inc()
+            timings = record_timings(rec.trace, rec.created_ns)
+            self.e2e.observe(timings["e2e"])
+            if "queue" in timings:
+                self.queue.observe(timings["queue"])
+            if "ttft" in timings:
+                self.ttft.observe(timings["ttft"])
+            if run.samples:
+                self.prompt_tokens.inc(run.samples[0].prompt_tokens)
+            for sample in run.samples:
+                n = len(sample.ids)
+                self.generation_tokens.inc(n)
+                self.cache_hit_tokens.inc(sample.cached_tokens)
+                if n > 1 and "decode" in timings:
+                    self.itl.observe(timings["decode"] / (n - 1))
+
+    # -- scrape ---------------------------------------------------------------------------
+    def install(self, router: Router) -> None:
+        router.add("GET", "/metrics", self.scrape)
+
+    async def scrape(self, request: Request) -> Response:
+        body, content_type = await self.render()
+        return Response(body, 200, content_type=content_type)
+
+    async def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, after one STATS call to the worker."""
+        client = self.fe.supervisor.client
+        self._load = {}
+        if client is not None:
+            try:
+                self._load = await client.stats(timeout=STATS_TIMEOUT)
+            except (TimeoutError, ConnectionError) as exc:
+                log.debug("metrics: worker stats unavailable: %s", exc)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _latency(registry: CollectorRegistry, name: str, help_text: str) -> Histogram:
+    return Histogram(f"{PREFIX}_{name}", help_text, registry=registry, buckets=_LATENCY_BUCKETS)
+
+
+def _cause(cause: Cause | None) -> str:
+    return cause.value if cause is not None else Cause.INTERNAL.value
+
+
+class _LiveCollector(Collector):
+    """Gauges read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the families below are created fresh on every collect
+
+    def collect(self) -> Iterator[Metric]:
+        fe, p = self.m.fe, PREFIX
+        states = GaugeMetricFamily(
+            f"{p}_requests_in_state", "Live requests in each lifecycle state.", labels=["state"]
+        )
+        for state, count in fe.registry.counts_by_state().items():
+            states.add_metric([state], count)
+        yield states
+        yield _gauge("tombstones", "Ended requests the worker has not released yet.",
+                     fe.registry.tombstones)  # fmt: skip
+        yield _gauge("admission_queue_depth", "Requests admitted and not yet dispatched.",
+                     fe.admission.depth)  # fmt: skip
+        yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
+                     fe.admission.capacity)  # fmt: skip
+        sup = fe.supervisor
+        yield _gauge("worker_restarts", "Worker restarts since start-up.", sup.restarts)
+        yield _gauge("worker_ready", "1 when the worker is ready to serve.", int(sup.ready))
+        client = sup.client
+        if client is not None:
+            yield _gauge("dispatch_queue_depth", "Requests waiting for worker credits.",
+                         client.queued)  # fmt: skip
+            yield _gauge("worker_in_flight", "Requests the worker holds.", client.in_flight)
+        load = self.m._load
+        for key, help_text in (
+            ("running", "Sequences the worker is running."),
+            ("waiting", "Sequences waiting in the worker's scheduler."),
+            ("kv_blocks_total", "KV cache blocks in all."),
+            ("kv_blocks_free", "KV cache blocks free."),
+            ("kv_blocks_cached", "Free KV blocks holding a reusable prefix."),
+        ):
+            if isinstance(load.get(key), int):
+                yield _gauge(f"worker_{key}", help_text, load[key])
+        if isinstance(load.get("kv_blocks_total"), int) and isinstance(
+            load.get("kv_blocks_free"), int
+        ):
+            used = load["kv_blocks_total"] - load["kv_blocks_free"]
+            yield _gauge("worker_kv_blocks_used", "KV cache blocks in use.", used)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)

@@ -1,0 +1,289 @@
+"""The SGLang-native HTTP API (reference/sglang.md §1.1, §4, §5): handlers on the transport.
+
+Shapes follow SGLang: unary errors are ``{"error": {"message": ...}}`` with the status;
+once stream headers are out an error is an event ``{"error": {message, type, code,
+retryable}}`` followed by ``[DONE]``; a stream never ends early without one. Streams are
+cumulative by default (``text``/``output_ids`` so far, as bench_serving expects) and
+incremental with ``--incremental-streaming-output`` or ``"incremental_streaming_output":
+true`` in the request body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import orjson
+
+from lifecycle.core.errors import RequestError
+from lifecycle.core.frontend import ExitCause, Frontend, GenerateCall, ServeError
+from lifecycle.core.params import parse_generate
+from lifecycle.core.states import DRAIN, Cause
+from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
+from wire.faults import fault_point
+
+__all__ = ["NativeAPI", "error_response", "gone_cause", "run_unary"]
+
+log = logging.getLogger("lifecycle.api")
+
+HEALTH_PROBE_TIMEOUT = 20.0
+
+
+def error_response(status: int, message: str, retry_after: int | None = None) -> Response:
+    headers = [("retry-after", str(retry_after))] if retry_after else None
+    return JSONResponse({"error": {"message": message}}, status, headers)
+
+
+def _serve_error(exc: ServeError) -> Response:
+    return error_response(exc.cause.status, exc.message, exc.cause.retry_after)
+
+
+def gone_cause(request: Request) -> ExitCause:
+    """Why a call owned by the handler of ``request`` ended early (its ``exit_cause``)."""
+
+    def cause() -> tuple[Cause, str]:
+        reason = request.disconnect_reason
+        if reason == "send_stall":
+            return Cause.CLIENT_STALLED, "the client stopped reading"
+        if reason == "shutdown":
+            return Cause.SHUTTING_DOWN, "server shutdown"
+        if request.is_disconnected():
+            return Cause.CLIENT_GONE, "client disconnected"
+        return Cause.INTERNAL, "handler ended early"
+
+    return cause
+
+
+async def run_unary(call: GenerateCall, request: Request) -> bool:
+    """Run ``call`` to its end unless the client leaves first (watched without writing);
+    False when the client left (the call's scope then closes it with the cause)."""
+    with anyio.CancelScope() as scope:
+        forget = request.on_disconnect(scope.cancel)  # no watcher task per request
+        try:
+            await call.run_to_end()
+        finally:
+            forget()
+    return call.done
+
+
+async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
+    yield orjson.dumps(cause.body(message))
+    yield b"[DONE]"
+
+
+async def _client_write_fault(fault: Any) -> None:
+    """Fault point ``frontend.client_write``: drop and corrupt both cut the connection
+    (the transport ends a response whose producer fails without a clean end)."""
+    if await fault.apply_async() is not None:
+        raise anyio.BrokenResourceError(fault.message)
+
+
+class NativeAPI:
+    def __init__(self, frontend: Frontend, server_args: dict[str, Any]) -> None:
+        self.fe = frontend
+        self.server_args = server_args
+
+    def install(self, router: Router) -> None:
+        router.add(["POST", "PUT"], "/generate", self.generate)
+        router.add("GET", "/health", self.health)
+        router.add("GET", "/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            router.add("GET", path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            router.add("GET", path, self.server_info)
+        router.add("POST", "/abort_request", self.abort_request)
+        router.add(["GET", "POST"], "/flush_cache", self.flush_cache)
+        for prefix in ("", "/v1"):
+            router.add("POST", prefix + "/tokenize", self.tokenize)
+            router.add("POST", prefix + "/detokenize", self.detokenize)
+
+    # -- /generate -------------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        stream = isinstance(body, dict) and body.get("stream") is True
+        # Ours, not SGLang's: taken out before SGLang's validation sees the body.
+        per_request = body.pop("incremental_streaming_output", None) if stream else None
+        try:
+            req = parse_generate(body, vocab_size=self.fe.model_config.vocab_size)
+        except RequestError as exc:
+            if stream:
+                return SSEResponse(_error_events(exc.message, Cause.INVALID))
+            return error_response(exc.status, exc.message)
+        incremental = self.fe.config.incremental_streaming_output or per_request is True
+        async with self.fe.call(req, gone_cause(request)) as call:
+            try:
+                await call.start()
+            except RequestError as exc:
+                if req.stream:
+                    return SSEResponse(_error_events(exc.message, Cause.INVALID))
+                return error_response(exc.status, exc.message)
+            except ServeError as exc:
+                return _serve_error(exc)
+            if req.stream:
+                return await request.respond(SSEResponse(self._events(call, incremental)))
+            return await self._unary(call, request)
+
+    async def _unary(self, call: GenerateCall, request: Request) -> Response:
+        if not await run_unary(call, request):
+            return Response(b"", 499)  # nobody reads it; the scope closes the call
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            return error_response(cause.status, message, cause.retry_after)
+        if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+            await _client_write_fault(f)
+        results = [s.result(call.e2e()) for s in call.samples()]
+        call.close()  # done: the rid is free before the client reads the reply
+        multi = call.req.is_batch or len(results) > 1
+        return JSONResponse(results if multi else results[0])
+
+    async def _events(self, call: GenerateCall, incremental: bool) -> AsyncIterator[bytes]:
+        """The stream's events; owns nothing (the handler's call scope does)."""
+        multi = call.req.is_batch or len(call.samples()) > 1
+        async for index, _sample, frame in call.frames(incremental):
+            if multi:
+                frame["index"] = index
+            if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+                await _client_write_fault(f)
+            yield orjson.dumps(frame)
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            yield orjson.dumps(cause.body(message))
+        call.close()  # ended: the rid is free before the client sees [DONE]
+        yield b"[DONE]"
+
+    # -- health ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.fe.draining:
+            return error_response(DRAIN.health_status, "shutting down", DRAIN.refused.retry_after)
+        if not self.fe.supervisor.ready:
+            return error_response(503, f"not ready ({self.fe.supervisor.status})", 5)
+        return Response(b"")
+
+    async def health_generate(self, request: Request) -> Response:
+        try:
+            ok, detail = await self.fe.probe(HEALTH_PROBE_TIMEOUT)
+        except ServeError as exc:
+            return _serve_error(exc)
+        if not ok:
+            log.error("health probe failed: %s", detail)
+            return error_response(503, f"health probe failed: {detail}", 5)
+        return Response(b"")
+
+    # -- info --------------------------------------------------------------------------------
+    async def model_info(self, request: Request) -> Response:
+        cfg = self.fe.model_config
+        path = self.server_args.get("model_path")
+        return JSONResponse(
+            {
+                "model_path": path,
+                "tokenizer_path": path,
+                "served_model_name": self.server_args.get("served_model_name") or cfg.name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "model_type": getattr(cfg, "arch", None),
+                "architectures": [getattr(cfg, "arch", "llama")],
+                "max_model_len": cfg.context_length,
+                "vocab_size": cfg.vocab_size,
+            }
+        )
+
+    async def server_info(self, request: Request) -> Response:
+        fe, sup = self.fe, self.fe.supervisor
+        state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
+        client = sup.client
+        if client is not None:
+            try:
+                load = await client.stats(timeout=2.0)
+                state.update(
+                    {
+                        k: load.get(k)
+                        for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
+                    }
+                )
+                state["worker_load"] = load
+            except (TimeoutError, ConnectionError) as exc:
+                state["stats_error"] = str(exc) or type(exc).__name__
+            state.update(
+                in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
+            )
+        return JSONResponse(
+            {
+                **self.server_args,
+                "version": _version(),
+                "status": sup.status,
+                "live_requests": len(fe.registry),
+                "tombstones": fe.registry.tombstones,
+                "requests_by_state": fe.registry.counts_by_state(),
+                "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
+                "received_requests": fe.received,
+                "finished_requests": fe.finished,
+                "failed_requests": dict(fe.failed),
+                "internal_states": [state],
+            }
+        )
+
+    # -- control -----------------------------------------------------------------------------
+    async def abort_request(self, request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object")
+        rid, abort_all = body.get("rid"), body.get("abort_all") is True
+        if abort_all:
+            self.fe.abort(abort_all=True)
+        elif isinstance(rid, str) and rid:  # SGLang ignores an empty rid without abort_all
+            self.fe.abort(rid)
+        return Response(b"")
+
+    async def flush_cache(self, request: Request) -> Response:
+        try:
+            client = self.fe.ready_client()
+            ok, message = await client.flush()
+        except ServeError as exc:
+            return _serve_error(exc)
+        except (TimeoutError, ConnectionError) as exc:
+            return error_response(503, f"flush failed: {exc}")
+        if not ok:
+            return error_response(400, message)
+        return Response(f"Cache flushed.\n{message}\n".encode())
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        add_special = body.get("add_special_tokens", True) if isinstance(body, dict) else True
+        single = isinstance(prompt, str)
+        if not (single or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))):
+            raise HTTPError(
+                400, {"error": {"message": "prompt must be a string or a list of strings"}}
+            )
+        if not isinstance(add_special, bool):
+            raise HTTPError(400, {"error": {"message": "add_special_tokens must be a boolean"}})
+        texts: list[str] = [prompt] if isinstance(prompt, str) else list(prompt or [])
+        ids = await self.fe.codec.encode(texts, add_special)
+        ctx = self.fe.model_config.context_length
+        if single:
+            return JSONResponse({"tokens": ids[0], "count": len(ids[0]), "max_model_len": ctx})
+        return JSONResponse({"tokens": ids, "count": [len(t) for t in ids], "max_model_len": ctx})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await request.json()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.fe.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < vocab for t in tokens
+        ):
+            raise HTTPError(
+                400, {"error": {"message": f"tokens must be a list of integers in [0, {vocab})"}}
+            )
+        skip = body.get("skip_special_tokens", True) is not False
+        return JSONResponse({"prompt": self.fe.codec.decode(tokens, skip)})
+
+
+def _version() -> str:
+    from lifecycle import __version__
+
+    return __version__

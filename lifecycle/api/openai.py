@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Bodies are mapped onto the native request (``openai_params``) and run through the same
+``Frontend`` as ``/generate``: one state machine, one admission queue, one disconnect and
+error path. Everything refused before the stream starts is an OpenAI error body with its
+status (400 bad input, 404 ``model_not_found``, 503 not ready or overloaded); once SSE
+headers are out, an error is a ``data: {"error": {...}}`` chunk followed by
+``data: [DONE]``, so a truncated stream never looks like success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import orjson
+
+from lifecycle.api.native import gone_cause, run_unary
+from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
+from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from lifecycle.core.errors import RequestError
+from lifecycle.core.frontend import Frontend, GenerateCall, ServeError
+from lifecycle.core.params import GenerateRequest
+from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
+
+if TYPE_CHECKING:
+    from modelfile.chat import ChatTemplate
+
+__all__ = ["OpenAIAPI", "openai_error"]
+
+log = logging.getLogger("lifecycle.api.openai")
+
+
+def openai_error(exc: OpenAIError, retry_after: int | None = None) -> Response:
+    headers = [("retry-after", str(retry_after))] if retry_after else None
+    return JSONResponse(exc.body(), exc.status, headers)
+
+
+class OpenAIAPI:
+    def __init__(
+        self,
+        frontend: Frontend,
+        chat_template: ChatTemplate | None,
+        *,
+        model_id: str,
+        model_path: str | None = None,
+    ) -> None:
+        from lifecycle import __version__
+
+        self.fe = frontend
+        self.template = chat_template
+        self.model_id = model_id
+        aliases = {model_id, "default"}
+        if model_path:
+            aliases |= {model_path, model_path.rsplit("/", 1)[-1].removesuffix(".gguf")}
+        self.model_names = frozenset(aliases)
+        self.created = int(time.time())
+        self.fingerprint = fingerprint(__version__, model_path or model_id)
+        self.texts = TokenTexts(frontend.tokenizer)
+
+    def install(self, router: Router) -> None:
+        router.add("POST", "/v1/completions", self.completions)
+        router.add("POST", "/v1/chat/completions", self.chat_completions)
+        router.add("GET", "/v1/models", self.models)
+        router.add("GET", "/v1/models/{model:path}", self.model)
+
+    # -- models ------------------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "lifecycle",
+            "root": self.model_id,
+            "parent": None,
+            "max_model_len": self.fe.model_config.context_length,
+        }
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = unquote(request.path_params.get("model", ""))
+        if name not in self.model_names:
+            return openai_error(
+                OpenAIError(
+                    f"The model `{name}` does not exist.",
+                    404,
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return JSONResponse(self._card())
+
+    # -- generation --------------------------------------------------------------------------
+    async def _body(self, request: Request) -> Any:
+        try:
+            return await request.json()
+        except HTTPError as exc:  # invalid JSON (400), a body over the limit (413)
+            raise OpenAIError(exc.message, exc.status) from None
+
+    def _opts(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.fe.model_config.vocab_size,
+            "model_names": self.model_names,
+            "default_model": self.model_id,
+        }
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            oreq = parse_completion(await self._body(request), **self._opts())
+        except OpenAIError as exc:
+            return openai_error(exc)
+        echo = [
+            (p if isinstance(p, str) else self.fe.codec.decode(p)) if oreq.echo else ""
+            for p in oreq.prompts
+        ]
+        return await self._generate(request, oreq, oreq.prompts, echo, "prompt")
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            oreq, messages = parse_chat(await self._body(request), **self._opts())
+            ids = await self._chat_prompt(messages)
+        except OpenAIError as exc:
+            return openai_error(exc)
+        return await self._generate(request, oreq, [ids], [""], "messages")
+
+    async def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.template is None:
+            raise OpenAIError("This model has no chat template; use /v1/completions.")
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:  # ChatTemplateError: the template refused the messages
+            raise OpenAIError(str(exc), param="messages") from None
+        # The template writes its own special tokens (BOS included, when it wants one).
+        return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
+
+    async def native_request(self, api: str, body: Any) -> GenerateRequest:
+        """An OpenAI ``completions`` or ``chat`` body as the native request (for the
+        WebSocket route); raises ``OpenAIError``."""
+        if api == "completions":
+            oreq = parse_completion(body, **self._opts())
+            return oreq.generate_request(oreq.prompts)
+        oreq, messages = parse_chat(body, **self._opts())
+        return oreq.generate_request([await self._chat_prompt(messages)])
+
+    async def _generate(
+        self,
+        request: Request,
+        oreq: OpenAIRequest,
+        prompts: list[str | list[int]],
+        echo: list[str],
+        prompt_param: str,
+    ) -> Response:
+        async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
+            try:
+                await call.start()
+            except RequestError as exc:
+                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, prompt_param))
+            except ServeError as exc:
+                return openai_error(
+                    OpenAIError.from_cause(exc.cause, exc.message), exc.cause.retry_after
+                )
+            choices = self._choices(call, oreq, echo)
+            ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
+            if oreq.stream:
+                events = self._events(call, oreq, choices, ids)
+                return await request.respond(SSEResponse(events))
+            return await self._unary(call, request, oreq, choices, ids)
+
+    def _choices(
+        self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str]
+    ) -> list[ChoiceState]:
+        """One state per sample, in the frontend's order (``GenerateCall.samples``); the
+        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``."""
+        n, runs = oreq.sampling.n, call.runs
+        return [
+            ChoiceState(i * n + j, runs[i].samples[j], self.texts, chat=oreq.chat, echo=echo[i])
+            for j in range(n)
+            for i in range(len(runs))
+        ]
+
+    def _usage(self, call: GenerateCall) -> dict[str, Any]:
+        firsts = [run.samples[0] for run in call.runs if run.samples]
+        return usage(
+            sum(s.prompt_tokens for s in firsts),
+            sum(len(s.ids) for s in call.samples()),
+            sum(s.cached_tokens for s in firsts),
+        )
+
+    async def _unary(
+        self,
+        call: GenerateCall,
+        request: Request,
+        oreq: OpenAIRequest,
+        choices: list[ChoiceState],
+        ids: ReplyIds,
+    ) -> Response:
+        if not await run_unary(call, request):
+            return Response(b"", 499)  # nobody reads it; the scope closes the call
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+        e2e = call.e2e()
+        body = ids.envelope("chat.completion" if oreq.chat else "text_completion")
+        body["choices"] = sorted((c.result(e2e) for c in choices), key=lambda c: c["index"])
+        body["usage"] = self._usage(call)
+        call.close()  # done: the rid is free before the client reads the reply
+        return JSONResponse(body)
+
+    async def _events(
+        self,
+        call: GenerateCall,
+        oreq: OpenAIRequest,
+        choices: list[ChoiceState],
+        ids: ReplyIds,
+    ) -> AsyncIterator[bytes]:
+        """The stream's chunks; owns nothing (the handler's call scope does)."""
+        obj = "chat.completion.chunk" if oreq.chat else "text_completion"
+        async for index, _sample, frame in call.frames(True):
+            choice = choices[index].chunk_choice(frame)
+            if choice is None:
+                continue
+            chunk = {**ids.envelope(obj), "choices": [choice]}
+            if oreq.include_usage:
+                chunk["usage"] = None
+            yield orjson.dumps(chunk)
+        err = call.error()
+        if err is not None:
+            cause, message = err
+            yield orjson.dumps(OpenAIError.from_cause(cause, message).body())
+        elif oreq.include_usage:
+            yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": self._usage(call)})
+        call.close()  # ended: the rid is free before the client sees [DONE]
+        yield b"[DONE]"

@@ -1,0 +1,205 @@
+"""OpenAI reply shapes: completion and chat objects, stream chunks, usage, logprobs.
+
+``ChoiceState`` turns one ``SampleOutput``'s frames into OpenAI choices: the legacy
+completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)
+or chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``. Token strings are the
+token's decoded text; a token that is part of a multi-byte character reads
+``bytes:\\xNN`` as OpenAI writes it, and ``bytes`` always holds the exact UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from typing import Any
+
+from lifecycle.core.detok import TokenizerLike
+from lifecycle.core.outputs import SampleOutput
+
+__all__ = ["ChoiceState", "ReplyIds", "TokenTexts", "fingerprint", "finish_reason", "usage"]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: vocabulary character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_BYTES = _byte_decoder()
+
+
+class TokenTexts:
+    """Per-token text and bytes for logprobs, computed once per token id."""
+
+    def __init__(self, tokenizer: TokenizerLike) -> None:
+        self.tok = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        self._piece = getattr(backend, "id_to_token", None)
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._compute(token_id)
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tok.token_text(token_id)
+        piece = self._piece(token_id) if self._piece is not None else None
+        if "\ufffd" in text and piece and all(c in _BYTES for c in piece):
+            raw = bytes(_BYTES[c] for c in piece)
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+        return text, list(text.encode())
+
+
+def finish_reason(finish: Any) -> str | None:
+    if not isinstance(finish, dict):
+        return None
+    # The native types are OpenAI's names already: stop, length (and abort, ours).
+    return str(finish.get("type"))
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class ReplyIds:
+    """``id``, ``created`` and ``system_fingerprint`` shared by a reply and its chunks."""
+
+    def __init__(self, chat: bool, model: str, fingerprint: str) -> None:
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+
+    def envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+
+def fingerprint(*parts: str) -> str:
+    """Stable for one server build and model (``fp_`` + 10 hex digits, as OpenAI)."""
+    return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
+def _entry_lp(entry: list[Any]) -> float | None:
+    return entry[0]
+
+
+class ChoiceState:
+    """One OpenAI choice fed from one sample; keeps what the stream has sent so far."""
+
+    def __init__(
+        self, index: int, sample: SampleOutput, texts: TokenTexts, *, chat: bool, echo: str
+    ) -> None:
+        self.index = index
+        self.sample = sample
+        self.texts = texts
+        self.chat = chat
+        self.echo = echo  # prompt text to show first ("" unless completions echo)
+        self.offset = 0  # text_offset of the next token (legacy logprobs)
+        self.started = False
+
+    # -- logprobs ----------------------------------------------------------------------
+    def _tops(self, row: Any) -> list[tuple[str, list[int], float | None]]:
+        return [(*self.texts.get(e[1]), _entry_lp(e)) for e in row or ()]
+
+    def _legacy(self, meta: dict[str, Any], first: bool) -> dict[str, Any]:
+        entries = meta.get("output_token_logprobs", [])
+        tops = meta.get("output_top_logprobs") or [None] * len(entries)
+        if first and meta.get("input_token_logprobs"):  # echo: the prompt comes first
+            entries = meta["input_token_logprobs"] + entries
+            tops = (meta.get("input_top_logprobs") or [None] * len(entries)) + tops
+        out: dict[str, Any] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry, row in zip(entries, tops, strict=False):
+            text, _ = self.texts.get(entry[1])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_entry_lp(entry))
+            top = {t: lp for t, _, lp in self._tops(row)}
+            if not top and entry[0] is not None:
+                top = {text: entry[0]}
+            out["top_logprobs"].append(top if entry[0] is not None else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(self.texts.tok.token_text(entry[1]))
+        return out
+
+    def _chat(self, meta: dict[str, Any]) -> dict[str, Any]:
+        entries = meta.get("output_token_logprobs", [])
+        tops = meta.get("output_top_logprobs") or [None] * len(entries)
+        content = []
+        for entry, row in zip(entries, tops, strict=False):
+            text, raw = self.texts.get(entry[1])
+            content.append(
+                {
+                    "token": text,
+                    "logprob": _entry_lp(entry),
+                    "bytes": raw,
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": b} for t, b, lp in self._tops(row)
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def logprobs(self, meta: dict[str, Any], first: bool) -> dict[str, Any] | None:
+        if not self.sample.opts.return_logprob:
+            return None
+        return self._chat(meta) if self.chat else self._legacy(meta, first)
+
+    # -- replies -----------------------------------------------------------------------
+    def _tail(self) -> dict[str, Any]:
+        finish = self.sample.finish
+        out: dict[str, Any] = {"finish_reason": finish_reason(finish)}
+        if isinstance(finish, dict) and finish.get("type") == "stop":
+            out["matched_stop"] = finish.get("matched")
+        return out
+
+    def result(self, e2e: float) -> dict[str, Any]:
+        """The choice of a unary reply."""
+        res = self.sample.result(e2e)
+        self.offset = 0
+        lp = self.logprobs(res["meta_info"], True)
+        if self.chat:
+            message = {"role": "assistant", "content": res["text"], "tool_calls": None}
+            return {"index": self.index, "message": message, "logprobs": lp, **self._tail()}
+        text = self.echo + res["text"]
+        return {"index": self.index, "text": text, "logprobs": lp, **self._tail()}
+
+    def chunk_choice(self, frame: dict[str, Any]) -> dict[str, Any] | None:
+        """The choice of a stream chunk for ``frame`` (an incremental frame); None when
+        the frame carries nothing to show (no text, no token, not the end)."""
+        ended = self.sample.finish is not None
+        if self.started and not ended and not frame["text"] and not frame["output_ids"]:
+            return None
+        first, self.started = not self.started, True
+        lp = self.logprobs(frame["meta_info"], first)
+        tail = self._tail() if ended else {"finish_reason": None}
+        if self.chat:
+            delta: dict[str, Any] = {"content": frame["text"]}
+            if first:
+                delta["role"] = "assistant"
+            return {"index": self.index, "delta": delta, "logprobs": lp, **tail}
+        text = (self.echo if first else "") + frame["text"]
+        return {"index": self.index, "text": text, "logprobs": lp, **tail}

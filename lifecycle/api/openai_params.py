@@ -1,0 +1,343 @@
+"""OpenAI ``/v1/completions`` and ``/v1/chat/completions`` bodies, validated once at the edge.
+
+OpenAI fields are renamed onto SGLang's ``sampling_params`` and checked by the same
+``parse_sampling_params`` as ``/generate`` (one set of rules, one set of messages); only
+what exists in OpenAI alone (``max_tokens``, ``logprobs``, ``echo``, ``messages``,
+``stream_options``) is checked here. Errors carry OpenAI's shape (``param`` names the
+OpenAI field) and status: 400 for bad input, 404 ``model_not_found``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lifecycle.core.errors import RequestError
+from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
+from lifecycle.core.sampling import SamplingParams, parse_sampling_params
+from lifecycle.core.states import Cause
+
+__all__ = ["OpenAIError", "OpenAIRequest", "chat_messages", "parse_chat", "parse_completion"]
+
+COMPLETION_MAX_TOKENS = 16  # SGLang's CompletionRequest default; chat: up to the context
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs; used for completions too
+
+# OpenAI name -> SGLang sampling_params name (identical where absent).
+_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
+    # SGLang extras
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+}
+_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "rid", *_SAMPLING})
+# Accepted and ignored: bookkeeping that changes nothing about the output.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT |= {"response_format", "tools", "tool_choice"}
+# OpenAI chat features we do not implement: accepted only when null (or the text default).
+_CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
+_CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options"}
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class OpenAIError(Exception):
+    """A request that ends before generation, with OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.err_type = err_type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_cause(cls, cause: Cause, message: str, param: str | None = None) -> OpenAIError:
+        if cause is Cause.TOO_LONG:
+            return cls(message, cause.status, param=param, code="context_length_exceeded")
+        return cls(message, cause.status, code=cause.value)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One validated OpenAI call; ``prompts`` are texts or token ids (chat: one text)."""
+
+    chat: bool
+    model: str
+    prompts: list[str | list[int]]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top logprobs per position; None: no logprobs at all
+    echo: bool = False
+    rid: str | None = None  # SGLang's extra: names the request for /abort_request
+
+    def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
+        """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
+        prompts = prompts if prompts is not None else self.prompts
+        rids = [self.rid if len(prompts) == 1 else f"{self.rid}_{i}" for i in range(len(prompts))]
+        items = [
+            GenerateItem(
+                index=i,
+                text=p if isinstance(p, str) else None,
+                input_ids=None if isinstance(p, str) else p,
+                sampling=self.sampling,
+                client_rid=rids[i] if self.rid else None,
+                return_logprob=self.logprobs is not None,
+                # echo + logprobs scores the prompt too (legacy completions)
+                logprob_start_len=0 if self.echo and self.logprobs is not None else -1,
+                top_logprobs_num=self.logprobs or 0,
+                token_ids_logprob=None,
+                return_text_in_logprobs=False,
+                return_hidden_states=False,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return GenerateRequest(items, is_batch=len(items) > 1, stream=self.stream)
+
+
+def _bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, param=param)
+
+
+def _check_keys(body: dict[str, Any], known: frozenset[str]) -> None:
+    for key in body:
+        if key not in known and key not in _IGNORED:
+            raise _bad(f"Unrecognized request argument supplied: {key}", key)
+
+
+def _model(body: dict[str, Any], names: frozenset[str], default: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return default
+    if not isinstance(model, str):
+        raise _bad("model must be a string.", "model")
+    if model not in names:
+        raise OpenAIError(
+            f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
+        )
+    return default
+
+
+def _int_field(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise _bad(f"{name} must be an integer {bound}, got {v!r}.", name)
+    return v
+
+
+def _bool_field(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"{name} must be a boolean, got {v!r}.", name)
+    return v
+
+
+def _rid(body: dict[str, Any]) -> str | None:
+    rid = body.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise _bad("rid must be a non-empty string.", "rid")
+    return rid
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _bool_field(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise _bad("stream_options must be an object with include_usage.", "stream_options")
+    return stream, _bool_field(opts, "include_usage")
+
+
+def _unsupported(body: dict[str, Any], name: str, allowed: tuple[Any, ...] = (None,)) -> None:
+    if body.get(name) not in allowed:
+        raise _bad(f"{name} is not supported by this server.", name)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> SamplingParams:
+    raw = {sg: body[oa] for oa, sg in _SAMPLING.items() if oa in body}
+    raw["max_new_tokens"] = max_tokens
+    try:
+        return parse_sampling_params(raw, vocab_size=vocab_size)
+    except RequestError as exc:
+        message = exc.message.replace("max_new_tokens", "max_tokens").replace(
+            "min_new_tokens", "min_tokens"
+        )
+        first = message.split(" ", 1)[0].split("[", 1)[0]
+        param = first if first in _SAMPLING or first == "max_tokens" else None
+        raise _bad(message, param) from None
+
+
+def _common(
+    body: Any, known: frozenset[str], names: frozenset[str], default_model: str
+) -> tuple[str, bool, bool]:
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.")
+    _check_keys(body, known)
+    model = _model(body, names, default_model)
+    stream, include_usage = _stream(body)
+    return model, stream, include_usage
+
+
+def _check_size(prompts: int, sp: SamplingParams) -> None:
+    if prompts * sp.n > MAX_SEQUENCES:
+        raise _bad(f"The request asks for {prompts * sp.n} sequences; at most {MAX_SEQUENCES}.")
+
+
+def _completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    def ids(seq: Any) -> list[int]:
+        if not seq or not all(type(t) is int and 0 <= t < vocab_size for t in seq):
+            raise _bad(f"Token ids must be a non-empty list of integers in [0, {vocab_size}).")
+        return list(seq)
+
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [ids(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        prompts = [ids(prompt)]
+    else:
+        raise _bad(
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of lists of token ids.",
+            "prompt",
+        )
+    if any(p == "" for p in prompts):
+        raise _bad("prompt must not be empty.", "prompt")
+    return prompts
+
+
+def parse_completion(
+    body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
+) -> OpenAIRequest:
+    """A ``/v1/completions`` body; raises OpenAIError."""
+    model, stream, include_usage = _common(body, _COMPLETION, model_names, default_model)
+    prompts = _completion_prompts(body.get("prompt"), vocab_size)
+    _unsupported(body, "suffix", (None, ""))
+    max_tokens = _int_field(body, "max_tokens", 1)
+    sp = _sampling(body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, vocab_size)
+    if body.get("best_of") not in (None, sp.n):
+        raise _bad("best_of other than n is not supported by this server.", "best_of")
+    _check_size(len(prompts), sp)
+    return OpenAIRequest(
+        chat=False,
+        model=model,
+        prompts=prompts,
+        sampling=sp,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=_int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        echo=_bool_field(body, "echo"),
+        rid=_rid(body),
+    )
+
+
+def _content(message: dict[str, Any], i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _bad(f"messages[{i}].content: only text parts are supported.", "messages")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"messages[{i}].content: a text part needs a string text.", "messages")
+            texts.append(text)
+        return "".join(texts)
+    raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
+
+
+def chat_messages(raw: Any) -> list[dict[str, str]]:
+    """The messages as the chat template expects them (role + text content)."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty list.", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(
+                f"messages[{i}] must be an object with a role in {sorted(_ROLES)}.", "messages"
+            )
+        role = "system" if role == "developer" else role
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def parse_chat(
+    body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
+) -> tuple[OpenAIRequest, list[dict[str, str]]]:
+    """A ``/v1/chat/completions`` body and its messages; the caller renders the prompt."""
+    model, stream, include_usage = _common(body, _CHAT, model_names, default_model)
+    messages = chat_messages(body.get("messages"))
+    _unsupported(body, "tools", (None, []))
+    for name in _CHAT_NULL_ONLY:
+        _unsupported(body, name)
+    _unsupported(body, "modalities", (None, ["text"]))
+    _unsupported(body, "web_search_options")
+    _unsupported(body, "tool_choice", (None, "none", "auto"))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format other than text is not supported.", "response_format")
+    limit = _int_field(body, "max_completion_tokens", 1)
+    if limit is None:
+        limit = _int_field(body, "max_tokens", 1)
+    sp = _sampling(body, limit, vocab_size)  # None: up to the context end
+    _check_size(1, sp)
+    top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    want = _bool_field(body, "logprobs")
+    if top is not None and not want:
+        raise _bad("top_logprobs requires logprobs to be true.", "top_logprobs")
+    req = OpenAIRequest(
+        chat=True,
+        model=model,
+        prompts=[],
+        sampling=sp,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=(top or 0) if want else None,
+        rid=_rid(body),
+    )
+    return req, messages

@@ -1,0 +1,206 @@
+"""One output sample in SGLang's shapes (reference/sglang.md §4): ids, text, logprobs, meta.
+
+A ``SampleOutput`` consumes the chunks of its ``OutputBuffer`` and renders either a unary
+reply item or a stream frame, cumulative or incremental. Logprob entries are
+``[logprob, token_id, text|null]``; text only with ``return_text_in_logprobs``. Token
+text for logprobs is decoded once per token, never again per frame.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lifecycle.core.buffers import Chunk
+from lifecycle.core.detok import SampleText, TokenizerLike
+from wire import f32s_to_list, ids_to_list
+
+__all__ = ["OutputOptions", "SampleOutput"]
+
+Entry = list[Any]  # [logprob | None, token_id, text | None]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+    return_text_in_logprobs: bool = False
+    return_hidden_states: bool = False
+    skip_special_tokens: bool = True
+    stops: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+
+
+def _lp(v: float) -> float | None:
+    return None if math.isnan(v) else v
+
+
+class SampleOutput:
+    def __init__(
+        self, tokenizer: TokenizerLike, opts: OutputOptions, prompt: list[int], rid: str
+    ) -> None:
+        self.tok = tokenizer
+        self.opts = opts
+        self.prompt = prompt
+        self.rid = rid
+        self.text = SampleText(
+            tokenizer,
+            skip_special_tokens=opts.skip_special_tokens,
+            stops=opts.stops,
+            no_stop_trim=opts.no_stop_trim,
+        )
+        self.ids: list[int] = []
+        self.finish: Any = None  # finish_reason dict once ended
+        self.failure: Any = None  # WorkerFailure / Cause when it ended without one
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens = 0
+        self.num_retractions = 0
+        self.lp: dict[str, list[Any]] = {}
+        self.hidden: list[list[float]] = []
+        self.sent_ids = 0
+        self.sent_chars = 0
+        self.final_text: str | None = None
+        self._lp_pos = 0  # output position of the next logprob entry while consuming
+
+    # -- input ---------------------------------------------------------------------------
+    def consume(self, chunk: Chunk) -> None:
+        # A chunk may hold several appends (steps); each extra describes the ids of its
+        # own append, so logprobs are matched to ids from the chunk's start, in order.
+        self._lp_pos = len(self.ids)
+        if chunk.ids:
+            self.ids += chunk.ids
+            self.text.feed(chunk.ids)
+        for extra in chunk.extras:
+            self._extra(extra)
+
+    def _extra(self, extra: dict[str, Any]) -> None:
+        self.prompt_tokens = extra.get("prompt_tokens", self.prompt_tokens)
+        self.cached_tokens = extra.get("cached_tokens", self.cached_tokens)
+        self.num_retractions = extra.get("num_retractions", self.num_retractions)
+        if not self.opts.return_logprob:
+            if "hidden_states" in extra:
+                self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
+            return
+        # Output positions these extras describe: the ids appended with them.
+        if "logprobs" in extra:
+            values = f32s_to_list(extra["logprobs"])
+            ids = self.ids[self._lp_pos : self._lp_pos + len(values)]
+            self._lp_pos += len(values)
+            self._add(
+                "output_token_logprobs",
+                [self._entry(v, i) for v, i in zip(values, ids, strict=False)],
+            )
+            if "top_ids" in extra:
+                self._add(
+                    "output_top_logprobs", self._tops(extra["top_ids"], extra["top_logprobs"])
+                )
+            if "ids_logprobs" in extra and self.opts.token_ids_logprob:
+                self._add("output_token_ids_logprobs", self._given(extra["ids_logprobs"]))
+        if "prompt_logprobs" in extra:
+            start = max(self.opts.logprob_start_len, 0)
+            values = f32s_to_list(extra["prompt_logprobs"])
+            ids = self.prompt[start : start + len(values)]
+            self._add(
+                "input_token_logprobs",
+                [self._entry(v, i) for v, i in zip(values, ids, strict=False)],
+            )
+            if "prompt_top_ids" in extra:
+                self._add(
+                    "input_top_logprobs",
+                    self._tops(extra["prompt_top_ids"], extra["prompt_top_logprobs"]),
+                )
+            if "prompt_ids_logprobs" in extra and self.opts.token_ids_logprob:
+                self._add("input_token_ids_logprobs", self._given(extra["prompt_ids_logprobs"]))
+        if "hidden_states" in extra:
+            self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
+
+    def _add(self, key: str, entries: list[Any]) -> None:
+        self.lp.setdefault(key, []).extend(entries)
+
+    def _entry(self, v: float, token_id: int) -> Entry:
+        text = self.tok.token_text(token_id) if self.opts.return_text_in_logprobs else None
+        return [_lp(v), token_id, text]
+
+    def _tops(self, ids_rows: list[bytes], lp_rows: list[bytes]) -> list[Any]:
+        return [
+            [self._entry(v, i) for v, i in zip(f32s_to_list(lps), ids_to_list(ids), strict=False)]
+            or None
+            for ids, lps in zip(ids_rows, lp_rows, strict=False)
+        ]
+
+    def _given(self, rows: list[bytes]) -> list[Any]:
+        given = self.opts.token_ids_logprob or ()
+        return [
+            [self._entry(v, i) for v, i in zip(f32s_to_list(r), given, strict=False)] for r in rows
+        ]
+
+    # -- output --------------------------------------------------------------------------
+    def end(self, finish: Any) -> None:
+        self.finish = finish
+        self.final_text = self.text.final(finish, self.sent_chars)
+
+    def meta(self, e2e: float | None) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": self.cached_tokens,
+            "num_retractions": self.num_retractions,
+        }
+        if e2e is not None:
+            m["e2e_latency"] = e2e
+        return m
+
+    def result(self, e2e: float) -> dict[str, Any]:
+        """The unary reply item."""
+        meta = self.meta(e2e)
+        if self.opts.return_logprob:
+            meta.update(self._lp_fields(0))
+            meta["output_token_logprobs_length"] = len(self.lp.get("output_token_logprobs", ()))
+        if self.opts.return_hidden_states:
+            meta["hidden_states"] = self.hidden
+        text = self.final_text if self.final_text is not None else self.text.raw
+        return {"text": text, "output_ids": list(self.ids), "meta_info": meta}
+
+    def frame(self, incremental: bool, e2e: float | None) -> dict[str, Any]:
+        """A stream frame covering everything since the previous frame."""
+        ended = self.finish is not None
+        text = (
+            self.final_text
+            if ended and self.final_text is not None
+            else self.text.visible(self.sent_chars)
+        )
+        meta = self.meta(e2e if ended else None)
+        if incremental:
+            out_text, out_ids = text[self.sent_chars :], self.ids[self.sent_ids :]
+            lp_from = self.sent_ids
+        else:
+            out_text, out_ids = text, list(self.ids)
+            lp_from = 0
+        if self.opts.return_logprob:
+            meta.update(self._lp_fields(lp_from))
+        if self.opts.return_hidden_states and ended:
+            meta["hidden_states"] = self.hidden
+        self.sent_chars = max(self.sent_chars, len(text))
+        self.sent_ids = len(self.ids)
+        return {"text": out_text, "output_ids": out_ids, "meta_info": meta}
+
+    def _lp_fields(self, out_from: int) -> dict[str, Any]:
+        o = self.opts
+        fields: dict[str, Any] = {
+            "input_token_logprobs": self.lp.get("input_token_logprobs", []),
+            "output_token_logprobs": self.lp.get("output_token_logprobs", [])[out_from:],
+        }
+        if o.top_logprobs_num:
+            fields["input_top_logprobs"] = self.lp.get("input_top_logprobs", [])
+            fields["output_top_logprobs"] = self.lp.get("output_top_logprobs", [])[out_from:]
+        if o.token_ids_logprob:
+            fields["input_token_ids_logprobs"] = self.lp.get("input_token_ids_logprobs", [])
+            fields["output_token_ids_logprobs"] = self.lp.get("output_token_ids_logprobs", [])[
+                out_from:
+            ]
+        return fields

@@ -1,0 +1,284 @@
+"""SGLang ``sampling_params``: parsed once at the edge, with SGLang's rules and messages.
+
+The rules and their order follow SGLang's ``SamplingParams.__post_init__`` and
+``verify()`` (``python/sglang/srt/sampling/sampling_params.py``; sglang.md §3): an explicit
+``null`` means the default, ``0 <= temperature < 1e-6`` becomes greedy (temperature 1.0,
+top_k 1), ``top_k == -1`` means the whole vocabulary, and every range error reads
+``"<name> must be in [..], got <v>."`` with the value as the client sent it. Where SGLang
+would fail with a TypeError (a 500), we answer 400 with a clear message instead: unknown
+keys, wrong JSON types, and fields this server does not implement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lifecycle.core.errors import RequestError
+
+__all__ = ["GREEDY_EPS", "SamplingParams", "parse_sampling_params"]
+
+GREEDY_EPS = 1e-6  # SGLang _SAMPLING_EPS
+_INT64 = 1 << 63
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1
+
+    def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
+        """The ``sampling`` map of ``specs/wire.cddl``: the effective max_new_tokens plus
+        every field that differs from its default. Detokenizer options stay frontend-side."""
+        out: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        for name in _WIRE_SCALARS:
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                out[name] = value
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
+
+
+_DEFAULTS: dict[str, Any] = {
+    name: getattr(SamplingParams(), name) for name in SamplingParams.__dataclass_fields__
+}
+_WIRE_SCALARS = (
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "no_stop_trim",
+    "n",
+)
+
+# SGLang fields we do not implement: a non-null value is a 400, never silently ignored.
+UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
+# Accepted and ignored: it only changes how often SGLang flushes a stream, and our
+# streams already send whatever is ready on each client write.
+IGNORED = ("stream_interval",)
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(message, 400)
+
+
+def _number(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad(f"{name} must be a number, got {v!r}.")
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond any float (Python's json accepts them)
+        raise _bad(f"{name} is out of range, got {v}.") from None
+
+
+def _integer(name: str, v: Any) -> int:
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"{name} must be an integer, got {v!r}.")
+    return v
+
+
+def _boolean(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(f"{name} must be a boolean, got {v!r}.")
+    return v
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad(f"stop must be a string or a list of strings, got {v!r}.")
+    if any(s == "" for s in items):
+        raise _bad("stop strings must not be empty.")
+    return tuple(items)
+
+
+def _stop_token_ids(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise _bad(f"stop_token_ids must be a list of integers, got {v!r}.")
+    # SGLang drops null entries and keeps a set.
+    ids = [_integer("stop_token_ids", t) for t in v if t is not None]
+    if any(t < 0 for t in ids):
+        raise _bad("stop_token_ids must be non-negative integers.")
+    return tuple(sorted(set(ids)))
+
+
+def _logit_bias(v: Any, vocab_size: int) -> dict[int, float]:
+    if not isinstance(v, dict):
+        raise _bad(f"logit_bias must be an object mapping token ids to numbers, got {v!r}.")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise _bad(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+        value = _number(f"logit_bias[{key}]", bias)
+        if not math.isfinite(value):
+            raise _bad(f"logit_bias[{key}] must be a finite number, got {value}.")
+        out[token] = value
+    return out
+
+
+def _seed(name: str, v: Any) -> int:
+    seed = _integer(name, v)
+    if not -_INT64 <= seed < _INT64:
+        raise _bad(f"{name} must fit in a signed 64-bit integer, got {seed}.")
+    return seed
+
+
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_INTEGERS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_BOOLEANS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+KNOWN = frozenset(
+    (*_NUMBERS, *_INTEGERS, *_BOOLEANS, "stop", "stop_token_ids", "logit_bias", "seed")
+    + ("sampling_seed", *UNSUPPORTED, *IGNORED)
+)
+
+
+def _check_fields(obj: dict[str, Any]) -> None:
+    for key in obj:
+        if key not in KNOWN:
+            raise _bad(f"Unknown sampling parameter: {key!r}.")
+    grammars = [obj.get(k) for k in ("json_schema", "regex", "ebnf")]
+    if sum(g is not None for g in grammars) > 1:
+        raise _bad("Only one of regex, json_schema, or ebnf can be set.")
+    for key in UNSUPPORTED:
+        if obj.get(key) is not None:
+            raise _bad(f"{key} is not supported by this server")
+    if obj.get("seed") is not None and obj.get("sampling_seed") is not None:
+        raise _bad("Set only one of sampling_seed and seed.")
+
+
+def _convert(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """-> (typed values, raw values as sent) for every non-null field."""
+    raw = {k: v for k, v in obj.items() if v is not None and k not in UNSUPPORTED + IGNORED}
+    kw: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _NUMBERS:
+            kw[key] = _number(key, value)
+        elif key in _INTEGERS:
+            kw[key] = _integer(key, value)
+        elif key in _BOOLEANS:
+            kw[key] = _boolean(key, value)
+        elif key == "stop":
+            kw[key] = _stop(value)
+        elif key == "stop_token_ids":
+            kw[key] = _stop_token_ids(value)
+        elif key == "logit_bias":
+            continue  # checked after the ranges, in SGLang's order
+        else:  # seed / sampling_seed
+            kw["seed"] = _seed(key, value)
+    return kw, raw
+
+
+def _shown(raw: dict[str, Any], key: str, value: Any) -> Any:
+    # SGLang prints the value it holds, i.e. the one the client sent (int stays int).
+    return raw.get(key, value)
+
+
+def _verify(kw: dict[str, Any], raw: dict[str, Any]) -> None:
+    """SGLang verify(), same order, same messages."""
+    t = kw.get("temperature", 1.0)
+    if not math.isfinite(t) or t < 0.0:
+        raise _bad(
+            f"temperature must be a non-negative finite number, got {_shown(raw, 'temperature', t)}."
+        )
+    checks = (
+        ("top_p", 1.0, lambda x: 0.0 < x <= 1.0, "top_p must be in (0, 1]"),
+        ("min_p", 0.0, lambda x: 0.0 <= x <= 1.0, "min_p must be in [0, 1]"),
+        ("top_k", -1, lambda x: x == -1 or x >= 1, "top_k must be -1 (disable) or at least 1"),
+        (
+            "frequency_penalty",
+            0.0,
+            lambda x: -2.0 <= x <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+        ),
+        (
+            "presence_penalty",
+            0.0,
+            lambda x: -2.0 <= x <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+        ),
+        (
+            "repetition_penalty",
+            1.0,
+            lambda x: 0.0 < x <= 2.0,
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty)",
+        ),
+    )
+    for key, default, ok, text in checks:
+        value = kw.get(key, default)
+        if not ok(value):
+            raise _bad(f"{text}, got {_shown(raw, key, value)}.")
+    lo, hi = kw.get("min_new_tokens", 0), kw.get("max_new_tokens", 128)
+    if lo < 0:
+        raise _bad(f"min_new_tokens must be in [0, max_new_tokens], got {lo}.")
+    if hi is not None and hi < 0:
+        raise _bad(f"max_new_tokens must be at least 0, got {hi}.")
+    if hi is not None and lo > hi:
+        raise _bad(f"min_new_tokens must be in [0, max_new_tokens({hi})], got {lo}.")
+    n = kw.get("n", 1)
+    if n < 1:
+        raise _bad(f"n must be at least 1, got {n}.")
+
+
+def parse_sampling_params(obj: Any, *, vocab_size: int) -> SamplingParams:
+    """Validate one ``sampling_params`` object; raises RequestError with SGLang's message."""
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        raise _bad(f"sampling_params must be an object, got {type(obj).__name__}.")
+    _check_fields(obj)
+    kw, raw = _convert(obj)
+    if "max_new_tokens" in obj and obj["max_new_tokens"] is None:
+        kw["max_new_tokens"] = None  # explicit null: generate until the context ends
+    t = kw.get("temperature", 1.0)
+    if 0.0 <= t < GREEDY_EPS:
+        kw["temperature"], kw["top_k"] = 1.0, 1  # greedy, exactly as SGLang encodes it
+    _verify(kw, raw)
+    if "logit_bias" in raw:
+        kw["logit_bias"] = _logit_bias(raw["logit_bias"], vocab_size) or None
+    return SamplingParams(**kw)

@@ -1,0 +1,238 @@
+"""Supervision: start the worker, wait for HELLO, warm up, report ready, restart on loss.
+
+One ``Supervisor`` owns one worker connection at a time. Readiness is a fact of this
+process (SGLang §5.3, §6.5.3): it turns true only after the worker's HELLO *and* one real
+generation have come back through the same path clients use, and false the moment the
+connection is lost or the worker stops making progress while it has work (hung).
+
+Knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from lifecycle.core.buffers import OutputBuffer
+from lifecycle.core.wire_stream import FrameStream, connect, parse_address
+from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient, WorkerFailure
+from wire import WireError
+
+__all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed"]
+
+log = logging.getLogger("lifecycle.core.supervisor")
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    worker: str | None = None  # address of a worker started elsewhere; None: spawn one
+    worker_module: str = "gpu.worker"  # spawned as: python -m <module> --listen unix:...
+    worker_args: tuple[str, ...] = ()  # e.g. ("--model", path, "--device", "cpu")
+    hello_timeout: float = 300.0  # loading a model takes a while
+    warmup: bool = True
+    warmup_timeout: float = 300.0
+    hung_timeout: float = 60.0  # has work, no frame for this long: hung
+    max_queued: int = DEFAULT_MAX_QUEUED  # the dispatch queue's bound (WorkerClient)
+    watchdog_interval: float = 0.5
+    backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+    stable_after: float = 30.0  # a life this long resets the back-off
+
+
+class WarmupFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig = SupervisorConfig()) -> None:
+        self.config = config
+        self.client: WorkerClient | None = None
+        self.ready = False
+        self.status = "starting"  # starting | ready | restarting | hung | stopped
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.worker_pid: int | None = None
+        self.on_ready: list[Callable[[WorkerClient], None]] = []
+        self._ready_event = anyio.Event()
+        self._stopping = False
+        self._life_scope: anyio.CancelScope | None = None
+
+    async def wait_ready(self) -> WorkerClient:
+        while not (self.ready and self.client is not None):
+            await self._ready_event.wait()
+        return self.client
+
+    async def run(self) -> None:
+        """Keep a worker connected and ready until cancelled or ``stop()``."""
+        attempt = 0
+        try:
+            while not self._stopping:
+                started = time.monotonic()
+                try:
+                    await self._one_life()
+                except (OSError, TimeoutError, WireError, WarmupFailed, anyio.EndOfStream) as exc:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.error("worker failed: %s", self.last_error)
+                except Exception as exc:  # a bug of ours: logged, and the server stays up
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("supervising the worker failed")
+                self._set_ready(False)
+                if self._stopping:
+                    break
+                if time.monotonic() - started > self.config.stable_after:
+                    attempt = 0
+                delay = self.config.backoff[min(attempt, len(self.config.backoff) - 1)]
+                attempt += 1
+                self.restarts += 1
+                self.status = "restarting"
+                log.warning("restarting the worker in %.1fs (restart %d)", delay, self.restarts)
+                await anyio.sleep(delay)
+        finally:
+            self.status = "stopped"
+            self._set_ready(False)
+
+    async def stop(self) -> None:
+        """Ask the worker to shut down and end ``run``."""
+        self._stopping = True
+        client = self.client
+        if client is not None:
+            client.abort_all()
+            await client.shutdown()
+        if self._life_scope is not None:
+            self._life_scope.cancel()
+
+    # -- one worker's life ---------------------------------------------------------------
+    async def _one_life(self) -> None:
+        self.status = "starting" if not self.restarts else "restarting"
+        with (
+            anyio.CancelScope() as self._life_scope,
+            tempfile.TemporaryDirectory(prefix="lifecycle-") as tmp,
+        ):
+            proc: anyio.abc.Process | None = None
+            address = self.config.worker
+            if address is None:
+                address = f"unix:{os.path.join(tmp, 'worker.sock')}"
+                proc = await self._spawn(address)
+            try:
+                frames = await self._connect(address, proc)
+                with anyio.fail_after(self.config.hello_timeout):
+                    client = await WorkerClient.handshake(frames, self.config.max_queued)
+                self.worker_pid = client.pid or (proc.pid if proc else None)
+                await self._serve(client)
+            finally:
+                self.client = None
+                if proc is not None:
+                    await _reap(proc, grace=3.0 if self._stopping else 0.0)
+
+    async def _spawn(self, address: str) -> anyio.abc.Process:
+        argv = [sys.executable, "-m", "lifecycle.core.child", self.config.worker_module]
+        argv += ["--listen", address]
+        argv += list(self.config.worker_args)
+        log.info("starting worker: %s", " ".join(argv))
+        return await anyio.open_process(argv, stdin=None, stdout=None, stderr=None)
+
+    async def _connect(self, address: str, proc: anyio.abc.Process | None) -> FrameStream:
+        addr = parse_address(address)
+        with anyio.fail_after(self.config.hello_timeout):
+            while True:
+                if proc is not None and proc.returncode is not None:
+                    raise OSError(f"the worker exited with status {proc.returncode} at start-up")
+                try:
+                    return await connect(addr)
+                except OSError:
+                    await anyio.sleep(0.05)
+
+    async def _serve(self, client: WorkerClient) -> None:
+        self.client = client
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._warm_up, client)
+            tg.start_soon(self._watchdog, client)
+            reason = await client.run()
+            tg.cancel_scope.cancel()
+        self.last_error = reason
+        if not self._stopping:
+            log.error("worker connection ended: %s", reason)
+
+    async def _warm_up(self, client: WorkerClient) -> None:
+        if self.config.warmup:
+            with anyio.fail_after(self.config.warmup_timeout):
+                ok, detail = await generate_probe(client)
+            if not ok:
+                self.last_error = f"warm-up failed: {detail}"
+                log.error(self.last_error)
+                await client.close()
+                return
+        self.status = "ready"
+        self._set_ready(True)
+        for callback in self.on_ready:
+            callback(client)
+
+    async def _watchdog(self, client: WorkerClient) -> None:
+        limit_ns = int(self.config.hung_timeout * 1e9)
+        while True:
+            await anyio.sleep(self.config.watchdog_interval)
+            if client.busy and time.monotonic_ns() - client.last_progress_ns > limit_ns:
+                self.status = "hung"
+                self.last_error = f"no progress for {self.config.hung_timeout:.1f}s with work held"
+                log.error("worker hung: %s; restarting it", self.last_error)
+                self._set_ready(False)
+                await client.close()
+                return
+
+    def _set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        if ready:
+            self._ready_event.set()
+        elif self._ready_event.is_set():
+            self._ready_event = anyio.Event()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "ready": self.ready,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "pid": self.worker_pid,
+        }
+
+
+async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple[bool, str]:
+    """One real generation; passes only on its own output. Admission is the caller's
+    (``Frontend.probe``); the warm-up runs before any request is admitted."""
+    buf = OutputBuffer(max_new_tokens)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    sub = client.submit([0], sampling, {}, [buf])
+    try:
+        got = 0
+        while True:
+            chunk = await buf.take()
+            got += len(chunk.ids)
+            if chunk.end is not None:
+                break
+    finally:
+        if not buf.ended:
+            client.abort(sub, forget=True)
+    end = chunk.end
+    if isinstance(end, WorkerFailure):
+        return False, f"{end.code}: {end.message}"
+    if got != max_new_tokens:
+        return False, f"expected {max_new_tokens} tokens, got {got} ({end})"
+    return True, "ok"
+
+
+async def _reap(proc: anyio.abc.Process, grace: float) -> None:
+    with anyio.CancelScope(shield=True):
+        if proc.returncode is None and grace:
+            with anyio.move_on_after(grace):
+                await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

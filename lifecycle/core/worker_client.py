@@ -1,0 +1,453 @@
+"""The dispatcher: one connection to one worker (``specs/wire.cddl``).
+
+- Credits: the worker's HELLO announces ``capacity.max_pending``, the number of rids the
+  frontend may have submitted and not yet seen terminate. Requests beyond that wait
+  here, in submission order, in a queue bounded by ``max_queued`` (a submission past it
+  is refused as overloaded); everything that fits goes out in ONE Submit frame.
+- What the worker holds for each submission (``WorkerHold``: queued here, running there,
+  released) is recorded here, in its ``Submission``, and nowhere else.
+- The abort lane: aborts are sent before any submit and are never held back by credits.
+- Egress: every STEP entry is appended to its rid's sink (an ``OutputBuffer``) without
+  awaiting, one frame per scheduler step.
+- Tombstones: a request whose owner left is aborted and its rids kept (output dropped)
+  until the worker's terminal entry confirms it released everything; only then is the
+  credit returned and the submission released. Nothing is freed on the frontend's word
+  alone.
+
+Knows nothing of HTTP; usable by any in-process caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from lifecycle.core.states import HOLD_EDGES, WorkerHold
+from lifecycle.core.wire_stream import FrameStream
+from wire import (
+    Abort,
+    Fatal,
+    Flush,
+    FlushReply,
+    Hello,
+    Probe,
+    ProbeReply,
+    ReqError,
+    Shutdown,
+    Stats,
+    StatsReq,
+    Step,
+    Submit,
+    SubmitEntry,
+    WireError,
+    ids_to_list,
+    pack_ids,
+)
+from wire.faults import fault_point
+
+__all__ = [
+    "DEFAULT_MAX_QUEUED",
+    "Sink",
+    "Submission",
+    "WorkerClient",
+    "WorkerFailure",
+    "finish_reason",
+]
+
+log = logging.getLogger("lifecycle.worker")
+
+
+class Sink(Protocol):
+    """Where one sample's output goes (``lifecycle.core.buffers.OutputBuffer`` fits)."""
+
+    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> object: ...
+
+    def finish(self, reason: Any) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """Terminal reason when the worker refused a request or the connection was lost.
+
+    ``code``: "invalid" | "too_long" | "internal" (REQ-ERROR codes) or "worker_lost"."""
+
+    code: str
+    message: str
+
+
+def finish_reason(finish: list[Any]) -> dict[str, Any]:
+    """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object."""
+    kind, value = finish
+    if kind == "stop":
+        return {"type": "stop", "matched": value}
+    if kind == "length":
+        return {"type": "length", "length": value}
+    return {"type": "abort", "message": str(value)}
+
+
+_HOLD_MOVES = {(e.src, e.event): e.dst for e in HOLD_EDGES}
+DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control probes
+
+
+class Submission:
+    """One submitted prompt with its ``n`` samples: what the worker holds for it.
+
+    The one record of that fact (``hold``, moved only along ``HOLD_EDGES``); the request
+    record, the registry's tombstones, the abort lane and the egress all ask it. The
+    samples' wire rids are ``rid .. rid + n - 1``; ``sinks[i]`` is None once sample ``i``
+    ended or its output is to be dropped.
+    """
+
+    __slots__ = ("rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release")
+
+    def __init__(
+        self,
+        rid: int,
+        sinks: list[Sink],
+        entry: SubmitEntry | None,
+        on_dispatch: Callable[[], None] | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.n = len(sinks)
+        self.entry = entry
+        self.sinks: list[Sink | None] = list(sinks)
+        self.hold = WorkerHold.NONE
+        self.open = self.n  # samples the worker has not ended yet
+        self.on_dispatch = on_dispatch
+        self.on_release = on_release
+
+    @property
+    def rids(self) -> list[int]:
+        return list(range(self.rid, self.rid + self.n))
+
+    @property
+    def dropping(self) -> bool:
+        """Held, but nobody reads its output any more (a tombstone)."""
+        return self.hold is WorkerHold.RUNNING and all(s is None for s in self.sinks)
+
+    def move(self, event: str) -> None:
+        dst = _HOLD_MOVES.get((self.hold, event))
+        if dst is None:
+            raise RuntimeError(f"submission {self.rid}: no {event!r} from {self.hold.value!r}")
+        src, self.hold = self.hold, dst
+        callback = self.on_dispatch if event == "dispatch" else None
+        if src is WorkerHold.RUNNING:  # only a hold the worker had ends in a release
+            callback = self.on_release
+        if callback is not None:
+            callback()
+
+    def end_all(self, reason: Any) -> None:
+        """Finish every sample that has not ended yet with ``reason``."""
+        for i, sink in enumerate(self.sinks):
+            if sink is not None:
+                self.sinks[i] = None
+                sink.finish(reason)
+
+
+class WorkerClient:
+    def __init__(
+        self, frames: FrameStream, hello: Hello, max_queued: int = DEFAULT_MAX_QUEUED
+    ) -> None:
+        self._frames = frames
+        self.model: dict[str, Any] = hello.model
+        self.capacity: dict[str, Any] = hello.capacity
+        self.max_pending = max(1, int(hello.capacity.get("max_pending", 1)))
+        self.pid = int(hello.model.get("pid", 0))
+        self._rids = itertools.count(1)
+        self._nonces = itertools.count(1)
+        self.max_queued = max_queued
+        self._queue: deque[Submission] = deque()  # never longer than max_queued
+        self._held: dict[int, tuple[Submission, int]] = {}  # wire rid -> (submission, sample)
+        self._in_flight = 0
+        self._abort_lane: list[int] = []
+        self._replies: dict[int, list[Any]] = {}  # nonce -> [Event, reply]
+        self._wake = anyio.Event()
+        self.closed = False
+        self.last_progress_ns = time.monotonic_ns()
+
+    @classmethod
+    async def handshake(
+        cls, frames: FrameStream, max_queued: int = DEFAULT_MAX_QUEUED
+    ) -> WorkerClient:
+        frame = await frames.receive()
+        if not isinstance(frame, Hello):
+            raise WireError(f"expected HELLO first, got {type(frame).__name__}")
+        return cls(frames, frame, max_queued)
+
+    # -- what the request handlers call (never blocks) ------------------------------------
+    def submit(
+        self,
+        prompt: list[int],
+        sampling: dict[str, Any],
+        options: dict[str, Any],
+        sinks: list[Sink],
+        on_dispatch: Callable[[], None] | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> Submission:
+        """Queue one request with ``len(sinks)`` samples. A refusal (closed connection,
+        ``n`` over the worker's capacity, the queue full) finishes its sinks at once."""
+        n = len(sinks)
+        base = next(self._rids)
+        for _ in range(n - 1):
+            next(self._rids)
+        if n > 1:
+            sampling = {**sampling, "n": n}
+        sub = Submission(base, sinks, SubmitEntry(base, pack_ids(prompt), sampling, options))
+        sub.on_dispatch, sub.on_release = on_dispatch, on_release
+        refusal = None
+        if self.closed:
+            refusal = WorkerFailure("worker_lost", "the worker is not connected")
+        elif n > self.max_pending:
+            msg = f"n={n} exceeds the worker's capacity of {self.max_pending} sequences"
+            refusal = WorkerFailure("invalid", msg)
+        elif len(self._queue) >= self.max_queued:
+            refusal = WorkerFailure("overloaded", "the dispatch queue is full; retry later")
+        if refusal is not None:
+            sub.end_all(refusal)
+            sub.move("refuse")
+            return sub
+        sub.move("submit")
+        self._queue.append(sub)
+        self._wake.set()
+        return sub
+
+    def abort(self, sub: Submission, *, forget: bool = False, message: str = "aborted") -> None:
+        """End ``sub``: at once if it is still queued here, else through the abort lane
+        (the worker's terminal entries release it). ``forget``: its owner is gone, drop
+        its output from now on."""
+        if sub.hold is WorkerHold.QUEUED:
+            self._queue.remove(sub)
+            sub.end_all({"type": "abort", "message": message})
+            sub.move("drop")
+            return
+        if sub.hold is not WorkerHold.RUNNING:
+            return
+        live = [sub.rid + i for i, s in enumerate(sub.sinks) if s is not None or forget]
+        live = [r for r in live if r in self._held]
+        if forget:
+            sub.sinks = [None] * sub.n
+        if live:
+            self._abort_lane.extend(live)
+            self._wake.set()
+
+    def abort_sample(self, sub: Submission, index: int, message: str) -> None:
+        """Stop one sample the frontend gave up on (its output was malformed)."""
+        sub.sinks[index] = None
+        rid = sub.rid + index
+        if rid in self._held:
+            self._abort_lane.append(rid)
+            self._wake.set()
+
+    def abort_all(self) -> None:
+        for sub in list(self._queue):
+            self.abort(sub)
+        for sub in {id(s): s for s, _ in self._held.values()}.values():
+            self.abort(sub)
+
+    @property
+    def in_flight(self) -> int:
+        """Rids the worker holds (tombstones included)."""
+        return self._in_flight
+
+    @property
+    def tombstones(self) -> int:
+        """Rids the worker holds whose output nobody reads any more."""
+        return sum(1 for sub, i in self._held.values() if sub.sinks[i] is None)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    # -- control round trips -------------------------------------------------------------
+    async def _call(self, frame_cls: Any, timeout: float) -> Any:
+        nonce = next(self._nonces)
+        slot: list[Any] = [anyio.Event(), None]
+        self._replies[nonce] = slot
+        try:
+            with anyio.fail_after(timeout):
+                await self._frames.send(frame_cls(nonce))
+                await slot[0].wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            # The worker was just lost (or closed as hung): a caller sees one error type.
+            raise ConnectionError("the worker connection closed") from exc
+        finally:
+            self._replies.pop(nonce, None)
+        if slot[1] is None:
+            raise ConnectionError("the worker connection closed")
+        return slot[1]
+
+    async def probe(self, timeout: float = 5.0) -> dict[str, Any]:
+        reply: ProbeReply = await self._call(Probe, timeout)
+        return reply.load
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        reply: Stats = await self._call(StatsReq, timeout)
+        return reply.load
+
+    async def flush(self, timeout: float = 30.0) -> tuple[bool, str]:
+        reply: FlushReply = await self._call(Flush, timeout)
+        return reply.ok, reply.message
+
+    async def close(self) -> None:
+        """Drop the connection: ``run`` returns and everything held fails worker_lost."""
+        await self._frames.aclose()
+
+    async def shutdown(self) -> None:
+        with anyio.move_on_after(2), anyio.CancelScope(shield=True):
+            try:
+                await self._frames.send(Shutdown())
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+    # -- the connection's two loops --------------------------------------------------------
+    async def run(self) -> str:
+        """Serve the connection until it ends; returns why. Every request still held is
+        then finished with ``WorkerFailure("worker_lost")``."""
+        reason = "connection closed"
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._writer)
+                reason = await self._reader()
+                tg.cancel_scope.cancel()
+        finally:
+            self._fail_all(reason)
+            await self._frames.aclose()
+        return reason
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                if self._abort_lane:
+                    rids, self._abort_lane = self._abort_lane, []
+                    await self._frames.send(Abort(rids))
+                batch = self._take_ready()
+                if batch:
+                    batch = await _dispatch_faults(batch)
+                if batch:
+                    await self._frames.send(Submit(batch))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self._frames.aclose()  # the reader sees EOF and ends the connection
+
+    def _take_ready(self) -> list[SubmitEntry]:
+        batch: list[SubmitEntry] = []
+        while self._queue:
+            sub = self._queue[0]
+            if self._in_flight + sub.n > self.max_pending:
+                break
+            self._queue.popleft()
+            if not self._in_flight:  # idle until now: the hung-worker clock starts here
+                self.last_progress_ns = time.monotonic_ns()
+            for i in range(sub.n):
+                self._held[sub.rid + i] = (sub, i)
+            self._in_flight += sub.n
+            assert sub.entry is not None
+            batch.append(sub.entry)
+            sub.entry = None  # the prompt is the worker's now
+            sub.move("dispatch")
+        return batch
+
+    async def _reader(self) -> str:
+        while True:
+            try:
+                frame = await self._frames.receive()
+            except anyio.EndOfStream:
+                return "the worker closed the connection"
+            except (WireError, ValueError) as exc:
+                return f"corrupt frame from the worker: {exc}"
+            match frame:
+                case Step():
+                    # Only work counts as progress for the hung-worker watchdog: a worker
+                    # that answers STATS and PROBE but never steps a held request (one
+                    # lost on the way, say) is still hung.
+                    self.last_progress_ns = time.monotonic_ns()
+                    self._on_step(frame)
+                case ReqError(errors):
+                    self.last_progress_ns = time.monotonic_ns()
+                    for rid, code, message in errors:
+                        self._end(rid, WorkerFailure(code, message))
+                case ProbeReply(nonce) | Stats(nonce) | FlushReply(nonce):
+                    slot = self._replies.get(nonce)
+                    if slot is not None:
+                        slot[1] = frame
+                        slot[0].set()
+                case Fatal(message):
+                    return f"the worker reported a protocol error: {message}"
+                case _:
+                    return f"unexpected frame from the worker: {type(frame).__name__}"
+
+    def _on_step(self, frame: Step) -> None:
+        held = self._held
+        for e in frame.entries:
+            found = held.get(e.rid)
+            if found is None:
+                log.warning("output for unknown rid %d ignored", e.rid)
+                continue
+            sub, i = found
+            sink = sub.sinks[i]
+            if sink is not None and (e.new_ids or e.extra):
+                try:
+                    sink.append(ids_to_list(e.new_ids), e.extra)
+                except Exception as exc:  # e.g. OutputOverflow: a worker bug, end this rid
+                    log.error("rid %d: bad output from the worker: %s", e.rid, exc)
+                    self.abort_sample(sub, i, "invalid output")
+                    sink.finish(WorkerFailure("internal", "the worker sent invalid output"))
+            if e.finish is not None:
+                self._end(e.rid, finish_reason(e.finish))
+
+    def _end(self, rid: int, reason: Any) -> None:
+        found = self._held.pop(rid, None)
+        if found is None:
+            return
+        sub, i = found
+        self._in_flight -= 1
+        sink, sub.sinks[i] = sub.sinks[i], None
+        if sink is not None:
+            sink.finish(reason)
+        sub.open -= 1
+        if sub.open == 0:  # the worker holds nothing more for this submission
+            sub.move("release")
+        if self._queue:
+            self._wake.set()
+
+    def _fail_all(self, reason: str) -> None:
+        self.closed = True
+        lost = WorkerFailure("worker_lost", f"worker lost: {reason}")
+        held = list({id(s): s for s, _ in self._held.values()}.values())
+        queued = list(self._queue)
+        self._held.clear()
+        self._queue.clear()
+        self._in_flight = 0
+        for sub in held:
+            sub.end_all(lost)
+            sub.open = 0
+            sub.move("release")
+        for sub in queued:
+            sub.end_all(lost)
+            sub.move("drop")
+        for slot in self._replies.values():
+            slot[0].set()
+
+
+async def _dispatch_faults(batch: list[SubmitEntry]) -> list[SubmitEntry]:
+    """Fault point ``frontend.dispatch``: "drop" loses an entry on the way to the worker
+    (what a dispatcher bug would do; the hung-worker watchdog must still end it)."""
+    kept = []
+    for entry in batch:
+        f = fault_point("frontend.dispatch", entry.rid)
+        if f is None or await f.apply_async() is None:
+            kept.append(entry)
+    return kept

@@ -1,0 +1,379 @@
+"""A scripted worker: a real process speaking the real wire protocol, with instant outputs.
+
+It stands in for ``gpu.worker`` where a test or a benchmark needs a peer whose timing and
+faults are under control and whose outputs are known in advance. It runs no model: each
+sample echoes its prompt ids cyclically, one token per step (sample ``i`` of an n > 1
+request starts ``i`` tokens further on), so the expected output of any request is a pure
+function of its prompt. It keeps worker-like books (waiting and running queues, KV blocks
+held per sequence) so the frontend's release guarantees can be checked through STATS.
+
+With no ``--step-delay`` its steps cost nothing, as an infinitely fast model's would: up to
+``--burst`` (16) of them run back to back and their STEP frames go out in one write, one
+frame per step as always. ``--burst 1`` writes each step on its own, as a model's steps
+come; a step delay implies it.
+
+    python -m lifecycle.testing.scripted_worker --listen unix:/tmp/w.sock [--step-delay 0.01] [--burst 16] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from lifecycle.core.wire_stream import FrameStream, parse_address, serve
+from wire import (
+    Abort,
+    Fatal,
+    Flush,
+    FlushReply,
+    Frame,
+    Hello,
+    Probe,
+    ProbeReply,
+    ReqError,
+    Shutdown,
+    Stats,
+    StatsReq,
+    Step,
+    StepEntry,
+    Submit,
+    WireError,
+    ids_to_list,
+    pack_f32s,
+    pack_ids,
+)
+from wire.faults import fault_point
+
+__all__ = ["ScriptConfig", "ScriptedWorker", "main"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptConfig:
+    listen: str = "unix:/tmp/lifecycle-scripted.sock"
+    step_delay: float = 0.0  # seconds per scheduler step
+    burst: int = 16  # undelayed steps run back to back and sent in one write
+    prefill_delay: float = 0.0  # extra seconds in the step that admits a sequence
+    max_running: int = 64
+    max_pending: int = 256
+    kv_blocks: int = 4096
+    block_size: int = 16
+    vocab_size: int = 49152
+    context_length: int = 8192
+    eos_id: int = 2
+    die_after_steps: int = 0  # > 0: the process exits abruptly after that many steps
+    hang_after_steps: int = 0  # > 0: the step loop stops for good (probes still answered)
+    startup_delay: float = 0.0
+
+
+@dataclass(slots=True)
+class _Seq:
+    rid: int
+    prompt: list[int]
+    offset: int  # sample index: where the echo starts
+    max_new: int
+    stop_ids: frozenset[int]
+    options: dict[str, Any]
+    blocks: int = 0
+    generated: int = 0
+    started: bool = False
+    aborted: bool = False
+    out: list[int] = field(default_factory=list)
+
+
+class ScriptedWorker:
+    def __init__(self, config: ScriptConfig) -> None:
+        self.config = config
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.free_blocks = config.kv_blocks
+        self.steps = 0
+        self._wake = anyio.Event()
+        self._errors: list[tuple[int, str, str]] = []
+
+    # -- books ------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        held = sum(s.blocks for s in self.running)
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_total": self.config.kv_blocks,
+            "kv_blocks_free": self.free_blocks,
+            "integrity_ok": held + self.free_blocks == self.config.kv_blocks,
+            "steps": self.steps,
+        }
+
+    def hello(self) -> Hello:
+        c = self.config
+        model = {
+            "name": "scripted",
+            "path": "",
+            "arch": "scripted",
+            "vocab_size": c.vocab_size,
+            "context_length": c.context_length,
+            "eos_id": c.eos_id,
+            "eog_ids": [c.eos_id],
+            "device": "cpu",
+            "dtype": "none",
+            "pid": os.getpid(),
+        }
+        capacity = {
+            "max_running": c.max_running,
+            "max_pending": c.max_pending,
+            "kv_blocks": c.kv_blocks,
+            "block_size": c.block_size,
+            "max_context": c.context_length,
+        }
+        return Hello(model, capacity)
+
+    def reset(self) -> None:
+        self.waiting.clear()
+        self.running.clear()
+        self.free_blocks = self.config.kv_blocks
+        self._errors.clear()
+
+    def submit(self, frame: Submit) -> None:
+        c = self.config
+        for e in frame.entries:
+            prompt = ids_to_list(e.prompt)
+            s = e.sampling
+            max_new = int(s.get("max_new_tokens", 128))
+            n = int(s.get("n", 1))
+            if not prompt or any(t < 0 or t >= c.vocab_size for t in prompt):
+                self._errors += [
+                    (e.rid + i, "invalid", "prompt ids out of range") for i in range(n)
+                ]
+                continue
+            if len(prompt) + max_new > c.context_length:
+                msg = f"{len(prompt) + max_new} tokens exceed the context of {c.context_length}"
+                self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                continue
+            need = math.ceil((len(prompt) + max_new) / c.block_size)
+            if need > c.kv_blocks:  # could never be admitted: refuse now, never wait forever
+                msg = f"{len(prompt) + max_new} tokens exceed the KV cache of {c.kv_blocks * c.block_size}"
+                self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                continue
+            stops = set(s.get("stop_token_ids", ()))
+            if not s.get("ignore_eos"):
+                stops.add(c.eos_id)
+            for i in range(n):
+                seq = _Seq(e.rid + i, prompt, i, max_new, frozenset(stops), e.options)
+                self.waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, rids: list[int]) -> None:
+        wanted = set(rids)
+        for seq in (*self.waiting, *self.running):
+            if seq.rid in wanted:
+                seq.aborted = True
+        self._wake.set()
+
+    # -- one scheduler step -------------------------------------------------------------
+    def _admit(self) -> bool:
+        admitted = False
+        bs = self.config.block_size
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            need = math.ceil((len(seq.prompt) + seq.max_new) / bs) if not seq.aborted else 0
+            if need > self.free_blocks:
+                break
+            self.waiting.popleft()
+            seq.blocks, self.free_blocks = need, self.free_blocks - need
+            self.running.append(seq)
+            admitted = True
+        return admitted
+
+    def _advance(self, seq: _Seq) -> StepEntry:
+        extra: dict[str, Any] = {}
+        if not seq.started:
+            seq.started = True
+            extra = {"prompt_tokens": len(seq.prompt), "cached_tokens": 0}
+            _prompt_logprobs(seq, extra)
+        if seq.aborted:
+            return self._end(seq, [], ["abort", "aborted by request"], extra)
+        if seq.max_new == 0:
+            return self._end(seq, [], ["length", 0], extra)
+        tok = seq.prompt[(seq.generated + seq.offset) % len(seq.prompt)]
+        seq.generated += 1
+        _token_logprobs(seq, tok, extra)
+        if (f := fault_point("worker.sample", seq.rid)) is not None:
+            _sample_fault(f.apply(), extra)
+        if tok in seq.stop_ids:
+            return self._end(seq, [tok], ["stop", tok], extra)
+        if seq.generated >= seq.max_new:
+            return self._end(seq, [tok], ["length", seq.max_new], extra)
+        return StepEntry(seq.rid, pack_ids([tok]), None, extra or None)
+
+    def _end(
+        self, seq: _Seq, ids: list[int], finish: list[Any], extra: dict[str, Any]
+    ) -> StepEntry:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        extra["num_retractions"] = 0
+        return StepEntry(seq.rid, pack_ids(ids), finish, extra)
+
+    def step(self) -> Step | None:
+        # Aborted waiting sequences end without ever running.
+        gone = [s for s in self.waiting if s.aborted]
+        for s in gone:
+            self.waiting.remove(s)
+        entries = [self._end(s, [], ["abort", "aborted while waiting"], {}) for s in gone]
+        self._admit()
+        for seq in self.running:
+            entries.append(self._advance(seq))
+        self.running = [
+            s for s, e in zip(self.running, entries[len(gone) :], strict=True) if e.finish is None
+        ]
+        if not entries:
+            return None
+        self.steps += 1
+        return Step(self.steps, entries)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._errors)
+
+    async def step_loop(self, out: FrameStream) -> None:
+        c = self.config
+        while True:
+            if not self.has_work():
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            if self._errors:
+                errors, self._errors = self._errors, []
+                await out.send(ReqError(errors))
+            if c.hang_after_steps and self.steps >= c.hang_after_steps:
+                await anyio.sleep_forever()
+            delay = c.step_delay + (c.prefill_delay if self.waiting else 0.0)
+            await anyio.sleep(delay)  # with no delay, still a checkpoint: SUBMITs and ABORTs get in
+            # Undelayed steps cost nothing, so up to `burst` of them run back to back and
+            # go out in one write, as an instant model's would; a delayed step goes alone.
+            frames: list[Frame] = []
+            for _ in range(max(1, c.burst) if delay == 0 else 1):
+                if (f := fault_point("worker.forward")) is not None:
+                    await f.apply_async()
+                frame = self.step()
+                if frame is None:
+                    break
+                frames.append(frame)
+                if c.die_after_steps and self.steps >= c.die_after_steps:
+                    await out.send_many(frames)
+                    os._exit(3)
+                if c.hang_after_steps and self.steps >= c.hang_after_steps:
+                    break
+            if frames:
+                await out.send_many(frames)
+
+    # -- one frontend connection --------------------------------------------------------
+    async def serve_connection(self, out: FrameStream) -> None:
+        await out.send(self.hello())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.step_loop, out)
+            try:
+                while True:
+                    frame = await out.receive()
+                    if not await self._handle(frame, out):
+                        break
+            except anyio.EndOfStream:
+                pass
+            except (WireError, ValueError) as exc:
+                await out.send(Fatal(str(exc)))
+            tg.cancel_scope.cancel()
+        self.reset()
+
+    async def _handle(self, frame: Any, out: FrameStream) -> bool:
+        match frame:
+            case Submit():
+                self.submit(frame)
+            case Abort(rids):
+                self.abort(rids)
+            case Probe(nonce):
+                await out.send(ProbeReply(nonce, self.load()))
+            case StatsReq(nonce):
+                await out.send(Stats(nonce, self.load()))
+            case Flush(nonce):
+                await out.send(FlushReply(nonce, True, "Cache flushed."))
+            case Shutdown():
+                os._exit(0)
+            case _:
+                raise WireError(f"unexpected frame {type(frame).__name__}")
+        return True
+
+
+def _token_logprobs(seq: _Seq, tok: int, extra: dict[str, Any]) -> None:
+    o = seq.options
+    if not o.get("return_logprob"):
+        return
+    lp = -0.1 * (1 + seq.generated % 7)
+    extra["logprobs"] = pack_f32s([lp])
+    k = int(o.get("top_logprobs_num", 0))
+    if k:
+        extra["top_ids"] = [pack_ids([tok + i for i in range(k)])]
+        extra["top_logprobs"] = [pack_f32s([lp - i for i in range(k)])]
+    given = o.get("token_ids_logprob")
+    if given:
+        extra["ids_logprobs"] = [pack_f32s([-1.0] * (len(given) // 4))]
+
+
+def _sample_fault(fault: Any, extra: dict[str, Any]) -> None:
+    """corrupt: a logprob field of the wrong length; nan: a NaN logprob (what NaN logits give)."""
+    if fault is None:
+        return
+    extra["logprobs"] = b"\x01\x02\x03" if fault.action == "corrupt" else pack_f32s([math.nan])
+
+
+def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
+    o = seq.options
+    start = int(o.get("logprob_start_len", -1))
+    if not o.get("return_logprob") or start < 0 or start >= len(seq.prompt):
+        return
+    values = [-0.5] * (len(seq.prompt) - start)
+    if start == 0:
+        values[0] = math.nan
+    extra["prompt_logprobs"] = pack_f32s(values)
+
+
+async def _serve(config: ScriptConfig) -> None:
+    await anyio.sleep(config.startup_delay)
+    if (f := fault_point("worker.start")) is not None:
+        await f.apply_async()
+    worker = ScriptedWorker(config)
+    address = parse_address(config.listen)
+    if address.kind == "unix" and os.path.exists(address.path):
+        os.unlink(address.path)
+    one_at_a_time = anyio.Lock()
+
+    async def handle(out: FrameStream) -> None:
+        async with one_at_a_time:
+            try:
+                await worker.serve_connection(out)
+            finally:
+                await out.aclose()
+
+    await serve(address, handle, side="worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lifecycle.testing.scripted_worker", description=__doc__)
+    p.add_argument("--listen", required=True)
+    for name in ScriptConfig.__dataclass_fields__:
+        if name == "listen":
+            continue
+        default = getattr(ScriptConfig(), name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    args = p.parse_args(argv)
+    config = ScriptConfig(**vars(args))
+    try:
+        anyio.run(_serve, config)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

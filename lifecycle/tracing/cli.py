@@ -1,0 +1,204 @@
+"""``lifecycle trace``: questions about finished requests, from a trace log or a live server.
+
+::
+
+    lifecycle trace summary  --log traces.jsonl            # p50/p99 ms spent in each state
+    lifecycle trace timeline 42 --log traces.jsonl         # one request, by id or client rid
+    lifecycle trace slowest -n 10 --by queued --url http://127.0.0.1:30000
+    lifecycle trace errors deadline --log traces.jsonl --since 15m
+    lifecycle trace list --status 503 --since 2026-12-02T12:00:00Z --until 5m
+
+``--log`` reads the file and its rotated backups (``PATH.1`` ...); ``--url`` reads the
+ring of a running server (``/debug/traces``; ``--key`` for the admin key). ``--json``
+prints machine-readable answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import UTC, datetime
+from typing import Any
+
+from lifecycle.tracing.query import (
+    Trace,
+    filter_traces,
+    find,
+    parse_time,
+    slowest,
+    state_summary,
+    timeline,
+    with_cause,
+)
+
+__all__ = ["add_serve_options", "add_trace_parser", "load_traces", "run_trace", "serve_options"]
+
+
+def add_serve_options(srv: argparse.ArgumentParser) -> None:
+    """``lifecycle serve``'s tracing and debug options (docs/tracing.md)."""
+    g = srv.add_argument_group("traces and debug routes")
+    g.add_argument("--trace-log", default=None, help="write one JSON line per finished request")
+    g.add_argument("--trace-log-max-bytes", type=int, default=64 << 20, help="rotate past this")
+    g.add_argument("--trace-log-backups", type=int, default=3, help="rotated files kept")
+    g.add_argument("--trace-ring-size", type=int, default=1000, help="finished traces kept")
+    g.add_argument("--disable-debug-routes", action="store_true", help="no /debug routes")
+
+
+def serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``AppConfig`` keyword arguments from the options ``add_serve_options`` added."""
+    from lifecycle.tracing.tracer import TraceConfig
+
+    trace = TraceConfig(
+        ring_size=args.trace_ring_size,
+        log_path=args.trace_log,
+        log_max_bytes=args.trace_log_max_bytes,
+        log_backups=args.trace_log_backups,
+    )
+    return {
+        "trace": trace,
+        "debug_routes": not args.disable_debug_routes,
+    }
+
+
+def add_trace_parser(sub: Any) -> None:
+    """Add the ``trace`` subcommand to the CLI's subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    src = common.add_argument_group("source (one of)")
+    src.add_argument("--log", help="a trace log written by serve --trace-log")
+    src.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000")
+    src.add_argument("--key", default=None, help="admin key for --url")
+    src.add_argument("--no-rotated", action="store_true", help="skip the log's .N backups")
+    flt = common.add_argument_group("filters")
+    flt.add_argument("--since", help="finished at or after: unix s, ISO 8601, or an age (15m)")
+    flt.add_argument("--until", help="finished at or before (same forms)")
+    flt.add_argument("--status", help="done | error | an error cause | an HTTP status")
+    common.add_argument("--json", action="store_true", help="print JSON")
+
+    trace = sub.add_parser("trace", help="inspect finished request traces")
+    actions = trace.add_subparsers(dest="trace_action", required=True)
+    actions.add_parser("summary", parents=[common], help="p50/p99 ms spent in each state")
+    actions.add_parser("list", parents=[common], help="every matching request, one line each")
+    tl = actions.add_parser("timeline", parents=[common], help="one request's timeline")
+    tl.add_argument("request", help="internal id or client rid")
+    sl = actions.add_parser("slowest", parents=[common], help="the slowest requests")
+    sl.add_argument("-n", type=int, default=10)
+    sl.add_argument("--by", default="total", help="total, or a state (e.g. queued)")
+    er = actions.add_parser("errors", parents=[common], help="requests that ended in a cause")
+    er.add_argument("cause")
+
+
+def _fetch(url: str, key: str | None) -> Any:
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def load_traces(args: argparse.Namespace) -> list[Trace]:
+    if bool(args.log) == bool(args.url):
+        raise SystemExit("lifecycle trace: give exactly one of --log PATH or --url URL")
+    if args.log:
+        from lifecycle.tracing.store import read_log  # the FSM import is not needed for --url
+
+        return read_log(args.log, rotated=not args.no_rotated)
+    return list(_fetch(args.url.rstrip("/") + "/debug/traces", args.key)["traces"])
+
+
+def _lookup_live(args: argparse.Namespace, key: str) -> Trace | None:
+    url = f"{args.url.rstrip('/')}/debug/requests/{urllib.parse.quote(key, safe='')}"
+    try:
+        return dict(_fetch(url, args.key))
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _ended(t: Trace) -> str:
+    return t["state"] if t["cause"] is None else f"error({t['cause']})"
+
+
+def _line(t: Trace, extra: str = "") -> str:
+    rid = t["rid"] or "-"
+    return (
+        f"{t['id']:>8} {rid:<24.24} {_when(t['created'])} {t['total_ms']:>10.2f} ms "
+        f"{t['status']:>4} {_ended(t)}{extra}"
+    )
+
+
+def _print_timeline(t: Trace) -> None:
+    print(f"request {t['id']} rid={t['rid'] or '-'} {_ended(t)} status={t['status']}")
+    if t.get("message"):
+        print(f"  message: {t['message']}")
+    for row in timeline(t):
+        detail = "" if row["detail"] is None else f"  ({row['detail']})"
+        leave = f" -{row['event']}->" if row["event"] else ""
+        print(f"  {_when(row['entered'])} {row['state']:<10} {row['ms']:>10.3f} ms{leave}{detail}")
+    for name, at in t["handoffs"].items():
+        print(f"  {name:<16} {_when(at['time']) if at else '-'}")
+
+
+def _filtered(args: argparse.Namespace) -> list[Trace]:
+    try:
+        since = parse_time(args.since) if args.since else None
+        until = parse_time(args.until) if args.until else None
+        return filter_traces(load_traces(args), since=since, until=until, status=args.status)
+    except ValueError as exc:
+        raise SystemExit(f"lifecycle trace: {exc}") from None
+
+
+def _answer(args: argparse.Namespace) -> tuple[Any, list[Trace] | None]:
+    """(JSON answer, traces to print one per line or None)."""
+    action = args.trace_action
+    if action == "timeline":
+        found = find(_filtered(args), args.request)
+        if found is None and args.url:
+            found = _lookup_live(args, args.request)
+        if found is None:
+            raise SystemExit(f"lifecycle trace: no request {args.request!r}")
+        return found, None
+    traces = _filtered(args)
+    try:
+        if action == "summary":
+            return state_summary(traces), None
+        if action == "slowest":
+            picked = slowest(traces, args.n, args.by)
+        elif action == "errors":
+            picked = with_cause(traces, args.cause)
+        else:
+            picked = traces
+    except ValueError as exc:
+        raise SystemExit(f"lifecycle trace: {exc}") from None
+    return picked, picked
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    answer, rows = _answer(args)
+    if args.json:
+        json.dump(answer, sys.stdout, indent=1)
+        print()
+    elif args.trace_action == "timeline":
+        _print_timeline(answer)
+    elif args.trace_action == "summary":
+        print(f"{'state':<10} {'count':>7} {'p50 ms':>10} {'p99 ms':>10} {'max ms':>10}")
+        for state, s in answer.items():
+            print(
+                f"{state:<10} {s['count']:>7} {s['p50_ms']:>10.3f} {s['p99_ms']:>10.3f} "
+                f"{s['max_ms']:>10.3f}"
+            )
+    else:
+        by = getattr(args, "by", "total")
+        for t in rows or []:
+            extra = f"  {by}={t['states_ms'].get(by, 0):.2f} ms" if by != "total" else ""
+            print(_line(t, extra))
+        print(f"({len(rows or [])} requests)")
+    return 0

@@ -1,0 +1,311 @@
+"""The tracer: the ring of finished traces, the trace log and the live transition feed.
+
+``Tracer`` is the process's transition observer (``lifecycle.core.fsm.set_observer``). On each
+edge it does almost nothing: when a request reaches a terminal state it goes into the
+ring (and, once the worker holds nothing for it, into the log); when someone watches the
+feed, the edge is appended to one pending list. ``run()`` is the driver: every
+``feed_interval`` it turns the pending list into one JSON message for all subscribers
+(a few hundred live requests make one message per tick, not one per edge) and flushes
+the log.
+
+Usage::
+
+    tracer = Tracer(TraceConfig(log_path="traces.jsonl"), registry=registry)
+    with tracer:                      # installs the observer; uninstalls and closes the log
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tracer.run)
+            ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from lifecycle.core import fsm
+from lifecycle.core.fsm import RawEntry, Registry, RequestRecord
+from lifecycle.core.states import TERMINAL, Event, State
+from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
+
+__all__ = ["Probe", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
+
+_DONE, _ERROR, _DISPATCH = State.DONE, State.ERROR, Event.DISPATCH
+assert frozenset({_DONE, _ERROR}) == TERMINAL
+
+# What the tracer asks about a request beyond its record: {"tokens": int, "worker": str}.
+Probe = Callable[[RequestRecord], dict[str, Any]]
+
+
+def worker_probe(worker: Callable[[], str | None]) -> Probe:
+    """A probe reporting the record's token counter and ``worker()`` as the worker: for a
+    live request while the worker holds it, for a finished one if it was ever dispatched."""
+
+    def probe(rec: RequestRecord) -> dict[str, Any]:
+        # DONE implies it was dispatched: only an error needs the (short) trace scanned.
+        state = rec.state
+        served = (
+            rec.held_by_worker
+            or state is _DONE
+            or (state is _ERROR and any(e[3] is _DISPATCH for e in rec._trace))
+        )
+        return {"tokens": rec.tokens, "worker": worker() if served else None}
+
+    return probe
+
+
+default_probe: Probe = worker_probe(lambda: "worker")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    ring_size: int = 1000  # finished traces readable from /debug/requests/{id}
+    log_path: str | None = None  # one JSON line per finished request; None: no log
+    log_max_bytes: int = 64 << 20  # rotate past this size
+    log_backups: int = 3  # rotated files kept (path.1 .. path.N)
+    feed_interval: float = 0.1  # seconds between feed messages
+    feed_max_pending: int = 50_000  # edges held for the next message; past it: resync
+    subscriber_queue: int = 32  # messages a slow feed client may lag; past it: resync
+    max_awaiting_release: int = 10_000  # terminal and still held (or live and released)
+
+
+class Tracer:
+    """Observer of every transition; owner of the ring, the log and the feed subscribers."""
+
+    def __init__(
+        self,
+        config: TraceConfig = TraceConfig(),
+        *,
+        registry: Registry | None = None,
+        probe: Probe = default_probe,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.probe = probe
+        self.ring = TraceRing(config.ring_size)
+        self.log = (
+            TraceLog(config.log_path, config.log_max_bytes, config.log_backups)
+            if config.log_path
+            else None
+        )
+        # Monotonic trace times + offset = wall-clock time (measured once: one clock pair).
+        self.offset_ns = time.time_ns() - time.monotonic_ns()
+        self._subscribers: list[_Subscriber] = []
+        self._pending: list[list[Any]] = []
+        self._overflow = False
+        self._awaiting: dict[int, FinishedTrace] = {}  # terminal, worker still holds it
+        self._released_early: dict[int, int] = {}  # released while live: id -> t_ns
+        self.finished = 0
+        self.failed = 0
+        self.logged = 0
+
+    # -- installation --------------------------------------------------------------------
+    def install(self) -> None:
+        fsm.set_observer(self)
+
+    def uninstall(self) -> None:
+        if fsm._observer is self:
+            fsm.set_observer(None)
+
+    def close(self) -> None:
+        self.uninstall()
+        for ft in list(self._awaiting.values()):
+            self._write(ft)  # the worker never confirmed; log what we have
+        self._awaiting.clear()
+        if self.log is not None:
+            self.log.close()
+        for sub in self._subscribers:
+            sub.send.close()
+
+    def __enter__(self) -> Tracer:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the observer (hot path) ---------------------------------------------------------
+    def transition(self, rec: RequestRecord, entry: RawEntry) -> None:
+        # Identity tests and ``_value_``: hashing an Enum member or reading ``.value``
+        # runs Python-level code, and this runs on every edge of every request.
+        dst = entry[2]
+        if self._subscribers:
+            self._feed(rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_, entry[4])
+        if dst is _DONE or dst is _ERROR:
+            self._finish(rec, entry[0])
+
+    def released(self, rec: RequestRecord) -> None:
+        now = time.monotonic_ns()
+        if self._subscribers:
+            state = rec.state._value_
+            self._feed(rec, now, state, state, "worker_released", None)
+        ft = self._awaiting.pop(rec.id, None)
+        if ft is not None:
+            ft.released_ns = now
+            self._write(ft)
+        elif not rec.terminal:
+            early = self._released_early
+            if len(early) >= self.config.max_awaiting_release:
+                del early[next(iter(early))]  # a record dropped without ending: forget it
+            early[rec.id] = now
+
+    def _feed(
+        self, rec: RequestRecord, t_ns: int, src: str, dst: str, event: str, detail: Any
+    ) -> None:
+        if len(self._pending) >= self.config.feed_max_pending:
+            self._overflow = True
+            return
+        self._pending.append([rec.id, rec.client_rid, t_ns, src, dst, event, detail_json(detail)])
+
+    def _finish(self, rec: RequestRecord, t_ns: int) -> None:
+        self.finished += 1
+        if rec.cause is not None:
+            self.failed += 1
+        ft = FinishedTrace(rec, t_ns, self.probe(rec))
+        self.ring.add(ft)
+        early = self._released_early.pop(rec.id, None)
+        if early is not None:
+            ft.released_ns = early
+        if rec.held_by_worker:
+            if len(self._awaiting) >= self.config.max_awaiting_release:
+                oldest = next(iter(self._awaiting))
+                self._write(self._awaiting.pop(oldest))
+            self._awaiting[rec.id] = ft
+        else:
+            self._write(ft)
+
+    def _write(self, ft: FinishedTrace) -> None:
+        if self.log is not None:
+            self.log.write(ft.to_json(self.offset_ns))
+            self.logged += 1
+
+    # -- reading -------------------------------------------------------------------------
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        """One request's trace by internal id or client rid: live, tombstoned or finished."""
+        rec = self._find_live(key)
+        if rec is not None:
+            if rec.terminal:
+                ft = self.ring.get(rec.id)
+                if ft is not None:
+                    return ft.to_json(self.offset_ns)
+            return self._live_trace(rec)
+        ft = self.ring.get(int(key)) if key.isdigit() else None
+        ft = ft or self.ring.by_rid(key)
+        return ft.to_json(self.offset_ns) if ft is not None else None
+
+    def _find_live(self, key: str) -> RequestRecord | None:
+        reg = self.registry
+        if reg is None:
+            return None
+        if key.isdigit():
+            rec = reg.get(int(key)) or reg.tombstone(int(key))
+            if rec is not None:
+                return rec
+        return reg.by_client_rid(key)
+
+    def _live_trace(self, rec: RequestRecord) -> dict[str, Any]:
+        now = time.monotonic_ns()
+        ft = FinishedTrace(rec, now, self.probe(rec))
+        ft.released_ns = self._released_early.get(rec.id)
+        out = ft.to_json(self.offset_ns)
+        out["finished_ns"] = None
+        out["live"] = live_summary(rec, now, ft.extra)
+        return out
+
+    def live(self) -> list[dict[str, Any]]:
+        now = time.monotonic_ns()
+        recs = list(self.registry) if self.registry is not None else []
+        return [live_summary(r, now, self.probe(r)) for r in recs]
+
+    def counts(self) -> dict[str, int]:
+        """Live requests per state; for done and error, how many ended there so far."""
+        counts = self.registry.counts_by_state() if self.registry is not None else {}
+        counts["done"] = self.finished - self.failed
+        counts["error"] = self.failed
+        return counts
+
+    def finished_traces(self) -> list[dict[str, Any]]:
+        return [ft.to_json(self.offset_ns) for ft in self.ring.all()]
+
+    # -- the feed ------------------------------------------------------------------------
+    def subscribe(self) -> MemoryObjectReceiveStream[bytes]:
+        """A stream of feed messages (JSON bytes), starting with a snapshot of live requests.
+
+        Close it to unsubscribe. A subscriber that falls ``subscriber_queue`` messages
+        behind loses messages and gets ``"resync": true`` on the next one it receives.
+        """
+        send, recv = anyio.create_memory_object_stream[bytes](self.config.subscriber_queue)
+        sub = _Subscriber(send)
+        self._subscribers.append(sub)
+        sub.offer(self._message("snapshot", [], resync=False))
+        return recv
+
+    def tick(self) -> int:
+        """Send every edge since the last tick as one message; returns the edges sent."""
+        for gone in [s for s in self._subscribers if s.closed]:
+            gone.send.close()
+            self._subscribers.remove(gone)
+        if self.log is not None:
+            self.log.flush()
+        if not self._subscribers:
+            self._pending.clear()
+            return 0
+        batch, self._pending = self._pending, []
+        overflow, self._overflow = self._overflow, False
+        if batch or overflow:
+            message = self._message("batch", batch, resync=overflow)
+            for sub in self._subscribers:
+                sub.offer(message)
+        return len(batch)
+
+    def _message(self, kind: str, batch: list[list[Any]], *, resync: bool) -> bytes:
+        body: dict[str, Any] = {
+            "type": kind,
+            "now_ns": time.monotonic_ns(),
+            "offset_ns": self.offset_ns,
+            "counts": self.counts(),
+            "transitions": batch,
+            "resync": resync,
+        }
+        if kind == "snapshot":
+            body["requests"] = self.live()
+        return orjson.dumps(body)
+
+    async def run(self) -> None:
+        """The driver: tick every ``feed_interval`` until cancelled."""
+        while True:
+            await anyio.sleep(self.config.feed_interval)
+            self.tick()
+
+    @property
+    def subscribers(self) -> int:
+        return sum(1 for s in self._subscribers if not s.closed)
+
+
+class _Subscriber:
+    __slots__ = ("send", "lagging")
+
+    def __init__(self, send: MemoryObjectSendStream[bytes]) -> None:
+        self.send = send
+        self.lagging = False
+
+    @property
+    def closed(self) -> bool:
+        return self.send.statistics().open_receive_streams == 0
+
+    def offer(self, message: bytes) -> None:
+        if self.lagging:
+            # Tell the client it missed messages: it re-reads /debug/requests.
+            message = message.replace(b'"resync":false', b'"resync":true', 1)
+        try:
+            self.send.send_nowait(message)
+            self.lagging = False
+        except anyio.WouldBlock:
+            self.lagging = True
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
