@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from transport import Request, Response, Router, ServerConfig, wire
+from transport import Request, Response, Router, ServerConfig, http_util
 from transport.fastpath import (
     LAST_CHUNK,
     NEED_BODY,
@@ -166,7 +166,7 @@ _RESPONSE_HEADERS = [
 def test_the_fast_writer_writes_what_h11_writes(
     status: int, headers: list[tuple[str, str]], body: bytes, head: bool, close: bool
 ) -> None:
-    reason = wire.reason(status)
+    reason = http_util.reason(status)
     date = b"Wed, 02 Dec 2026 12:00:00 GMT"  # one value for both: the clock may tick between
     preamble = b"date: " + date + b"\r\nserver: lifecycle\r\n"
     fast = encode_response(status, reason, preamble, headers, body, head, close)
@@ -197,7 +197,7 @@ def test_the_fast_stream_writer_writes_what_h11_writes(
     status: int, headers: list[tuple[str, str]], chunks: list[bytes], close: bool
 ) -> None:
     """A streamed body to a client that may have asked to close: head, chunks, last chunk."""
-    reason = wire.reason(status)
+    reason = http_util.reason(status)
     date = b"Wed, 02 Dec 2026 12:00:00 GMT"
     preamble = b"date: " + date + b"\r\nserver: lifecycle\r\n"
     head = encode_stream_head(status, reason, preamble, headers, close)
@@ -218,7 +218,7 @@ def test_the_fast_stream_writer_writes_what_h11_writes(
 
 
 def test_headers_the_fast_writer_leaves_to_h11() -> None:
-    preamble = wire.preamble("lifecycle")
+    preamble = http_util.preamble("lifecycle")
     for header in [
         ("x-bad", "a\r\nb"),
         ("bad name", "x"),
@@ -291,7 +291,7 @@ async def test_plain_requests_need_no_second_task() -> None:
             await client.send(request_bytes("POST", "/echo", b"n%d" % i))
             head, body = await client.response(method="POST")
             assert (head.status_code, body) == (200, b"n%d" % i)
-        assert not conn._watching and not conn._live
+        assert not conn.reader.watching and not conn.channel.live
 
 
 @pytest.mark.anyio
@@ -304,7 +304,7 @@ async def test_reader_task_starts_on_first_look_and_serves_the_rest() -> None:
             await client.send(request_bytes("POST", "/echo", b"after"))
             assert (await client.response())[1] == b"here"
             assert (await client.response(method="POST"))[1] == b"after"
-        assert conn._watching  # started by the first /peek, reading ever since
+        assert conn.reader.watching  # started by the first /peek, reading ever since
         await client.send(request_bytes("GET", "/wait"))
         await anyio.sleep(0.05)
         sock = client.stream.extra(anyio.abc.SocketAttribute.raw_socket)
@@ -325,7 +325,7 @@ async def test_h11_and_fast_requests_interleave_on_one_connection() -> None:
         await client.send(request_bytes("POST", "/echo", b"three"))
         bodies = [(await client.response(method="POST"))[1] for _ in range(3)]
         assert bodies == [b"one", b"mid", b"three"]
-        assert not conn._live  # h11 was idle and empty again: back on the fast path
+        assert not conn.channel.live  # h11 was idle and empty again: back on the fast path
 
 
 @pytest.mark.anyio
@@ -355,7 +355,7 @@ async def test_head_and_body_written_apart_stay_on_the_fast_path() -> None:
         await anyio.sleep(0.02)
         await client.send(data[-5:])
         assert (await client.response(method="POST"))[1] == b"later"
-        assert not conn._live
+        assert not conn.channel.live
 
 
 @pytest.mark.anyio

@@ -24,7 +24,7 @@ from transport import (
     ServerConfig,
     SSEResponse,
     StreamResponse,
-    wire,
+    http_util,
 )
 from transport.http11 import HTTPConnection
 
@@ -299,7 +299,7 @@ async def test_protocol_garbage_gets_400_and_close() -> None:
 
 
 async def test_exact_bytes_over_a_socketpair(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "http_date", lambda: b"Thu, 01 Jan 2026 00:00:00 GMT")
+    monkeypatch.setattr(http_util, "http_date", lambda: b"Thu, 01 Jan 2026 00:00:00 GMT")
     left, right = socket.socketpair()
 
     async def app(request: Request) -> Response:

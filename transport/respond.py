@@ -1,66 +1,51 @@
-"""The writing half of an HTTP/1.1 connection: handler call, responses, upgrades.
+"""The writing half of an HTTP/1.1 connection: the handler call, responses, upgrades.
 
-Split from ``http11`` (the reading half and the driver) only to keep modules short;
-``HTTPConnection`` combines the two. Every write is bounded by ``send_timeout`` through
-the connection's watchdog deadline.
+``ResponseWriter`` runs the handler (or lets it send its own response from inside, with
+``Request.respond``) and writes what it returns: a whole body, a chunked stream, SSE, or
+the 101 that hands the socket to a WebSocket. A response the fast path can frame skips
+h11; anything else is written by h11, after it has replayed the request. Every write
+goes through ``Channel.write``, bounded by ``send_timeout`` through the connection's
+watchdog.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
-import anyio.abc
 import h11
 
-from . import fastpath, wire
-from .config import ServerConfig
+from . import fastpath, http_util
+from .channel import App, Channel, ClientGone
 from .errors import HTTPError
 from .request import Headers, Request
 from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
 from .streaming import StreamGate, discard, pump
 
-if TYPE_CHECKING:
-    from .http11 import ServerState
-
-__all__ = ["ClientGone", "ResponseWriter"]
+__all__ = ["ResponseWriter"]
 
 log = logging.getLogger("transport")
 
-_STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
-
-
-class ClientGone(Exception):
-    """A write failed or stalled; the connection is finished."""
-
 
 class ResponseWriter:
-    """Runs the handler for a request and writes what it returns."""
+    """Writes one connection's responses.
 
-    stream: anyio.abc.ByteStream
-    app: Callable[[Request], Awaitable[Response]]
-    config: ServerConfig
-    client: tuple[str, int] | None
-    server: ServerState
-    h11: h11.Connection
-    current: Request | None
-    _live: bool
-    _close_after: bool
-    _watching: bool
-    _upgraded: bool
-    _graceful: bool
-    _send_since: float | None
-    _stream_gate: StreamGate | None
+    ``hand_over`` stops the connection's reading for good, before a WebSocket takes the
+    socket; ``stream_gate`` is the streamed body being written, if any, whose pings the
+    watchdog starts.
+    """
 
-    def _replay(self) -> None: ...
-    def _go_live(self) -> None: ...
-    async def _stop_watching(self) -> None: ...
-    def _set_body_deadline(self) -> None: ...
+    def __init__(
+        self, channel: Channel, app: App, hand_over: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.ch = channel
+        self.config = channel.config
+        self.app = app
+        self._hand_over = hand_over
+        self.stream_gate: StreamGate | None = None
 
-    async def _respond(self, request: Request) -> bool:
+    async def respond(self, request: Request) -> bool:
         """Run the handler and write its response; False when the connection must close."""
         sent: list[bool] = []
 
@@ -75,21 +60,33 @@ class ResponseWriter:
             if not isinstance(response, Response):
                 raise TypeError(f"handler returned {type(response).__name__}, not a Response")
         except HTTPError as exc:
-            response = wire.error_response(exc)
+            response = http_util.error_response(exc)
         except ClientGone:
             raise
         except Exception:
             log.exception("unhandled error in handler for %s %s", request.method, request.path)
-            response = wire.error_response(HTTPError(500, "Internal Server Error"))
+            response = http_util.error_response(HTTPError(500, "Internal Server Error"))
         finally:
             request._responder = None
         if request.responded is not None:  # the handler sent it (or began to) itself
             return bool(sent and sent[0])
         return await self._send_response(request, response)
 
+    async def send_error(self, status: int, message: str) -> None:
+        """Answer a request that could not be parsed; the connection closes after."""
+        ch = self.ch
+        if not ch.live:
+            ch.go_live()  # a partial head h11 has not seen: h11 writes the error
+        if ch.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        response = http_util.error_response(HTTPError(status, message))
+        response.headers.append(("connection", "close"))
+        request = Request("GET", "/", Headers([]), ch.client)
+        await self._send_whole(request, response)
+
     async def _send_response(self, request: Request, response: Response) -> bool:
         if request.is_disconnected():
-            self._graceful = False
+            self.ch.graceful = False
             return False
         try:
             if isinstance(response, WebSocketResponse):
@@ -98,30 +95,46 @@ class ResponseWriter:
                 return await self._send_stream(request, response)
             await self._send_whole(request, response)
         except ClientGone:
-            self._graceful = False
+            self.ch.graceful = False
             return False
         return True
 
+    # ------------------------------------------------------------ whole bodies
     async def _send_whole(self, request: Request, response: Response) -> None:
-        if not self._live:  # a fast request: answer without h11 when the response allows
-            closing = self._close_after or self.server.draining
-            data = fastpath.encode_response(
-                response.status,
-                wire.reason(response.status),
-                wire.preamble(self.config.server_header),
-                response.headers,
-                response.body,
-                request.method == "HEAD",
-                closing,
-            )
+        ch = self.ch
+        if not ch.live:  # a fast request: answer without h11 when the response allows
+            data = self._fast_whole(request, response)
             if data is not None:
-                self._close_after = closing
-                await self._write(request, data)
+                await ch.write(request, data)
                 return
-            self._replay()
-        conn = self.h11
+            ch.replay()
+        data = self._h11_whole(request, response)
+        if data is not None:
+            await ch.write(request, data)
+
+    def _fast_whole(self, request: Request, response: Response) -> bytes | None:
+        """The whole response as the fast path frames it; None where only h11 can."""
+        ch = self.ch
+        closing = ch.close_after or ch.server.draining
+        data = fastpath.encode_response(
+            response.status,
+            http_util.reason(response.status),
+            http_util.preamble(self.config.server_header),
+            response.headers,
+            response.body,
+            request.method == "HEAD",
+            closing,
+        )
+        if data is not None:
+            ch.close_after = closing
+        return data
+
+    def _h11_whole(self, request: Request, response: Response) -> bytes | None:
+        """The whole response as h11 frames it; None (and a reset) if h11 refuses it."""
+        ch = self.ch
+        conn = ch.h11
         body = response.body
-        headers = wire.response_headers(response.headers, self.config, self.server.draining)
+        headers = http_util.response_headers(response.headers, self.config, ch.server.draining)
         bodiless = response.status < 200 or response.status in (204, 304)
         if not bodiless:
             headers.append((b"content-length", str(len(body)).encode()))
@@ -130,7 +143,7 @@ class ResponseWriter:
                 h11.Response(
                     status_code=response.status,
                     headers=headers,
-                    reason=wire.reason(response.status),
+                    reason=http_util.reason(response.status),
                 )
             )
             if body and not bodiless and request.method != "HEAD":
@@ -138,31 +151,16 @@ class ResponseWriter:
             data += conn.send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             log.exception("invalid response from handler for %s %s", request.method, request.path)
-            self._graceful = False
-            return
-        await self._write(request, data)
+            ch.graceful = False
+            return None
+        return data
 
+    # ----------------------------------------------------------------- streams
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
-        conn = self.h11
-        reason = wire.reason(response.status)
-        head = None
-        if not self._live and request.method != "HEAD":  # a fast request: h11 not needed
-            closing = self._close_after or self.server.draining
-            preamble = wire.preamble(self.config.server_header)
-            head = fastpath.encode_stream_head(
-                response.status, reason, preamble, response.headers, closing
-            )
-            if head is not None:
-                self._close_after = closing
-        fast = head is not None
-        if head is None:
-            self._replay()
-            headers = wire.response_headers(response.headers, self.config, self.server.draining)
-            head = conn.send(
-                h11.Response(status_code=response.status, headers=headers, reason=reason)
-            )
+        ch = self.ch
+        head, fast = self._stream_head(request, response)
         try:
-            await self._write(request, head)
+            await ch.write(request, head)
         except ClientGone:
             await discard(response.chunks)
             raise
@@ -170,83 +168,81 @@ class ResponseWriter:
             await discard(response.chunks)
             ok = True
         else:
-            sse = isinstance(response, SSEResponse)
-            chunked = fast or _is_chunked(head)
-
-            async def write_data(data: bytes) -> None:
-                # h11 keeps no state for a chunk of a chunked body: frame it here (what
-                # its ChunkedWriter writes) and save its event machinery per chunk.
-                if not data:  # an empty chunk would end the body
-                    return
-                if chunked:
-                    await self._write(request, b"%x\r\n%b\r\n" % (len(data), data))
-                else:
-                    await self._write(request, conn.send(h11.Data(data=data)))
-
-            gate = StreamGate(write_data, self.config.sse_ping_interval if sse else math.inf)
-            self._stream_gate = gate  # the watchdog starts its pings (check_deadlines)
-            try:
-                ok = await pump(request, response.chunks, gate, sse)
-            except ClientGone:
-                ok = False
-            finally:
-                self._stream_gate = None
+            ok = await self._stream_body(request, response, fast or _is_chunked(head))
         if not ok:
-            self._graceful = False  # an unterminated chunked body tells the client it is cut
+            ch.graceful = False  # an unterminated chunked body tells the client it is cut
             return False
-        await self._write(request, fastpath.LAST_CHUNK if fast else conn.send(h11.EndOfMessage()))
+        await ch.write(request, fastpath.LAST_CHUNK if fast else ch.h11.send(h11.EndOfMessage()))
         return True
 
+    def _stream_head(self, request: Request, response: StreamResponse) -> tuple[bytes, bool]:
+        """The stream's response head, and whether the fast path framed it (h11 not needed)."""
+        ch = self.ch
+        reason = http_util.reason(response.status)
+        if not ch.live and request.method != "HEAD":
+            closing = ch.close_after or ch.server.draining
+            preamble = http_util.preamble(self.config.server_header)
+            head = fastpath.encode_stream_head(
+                response.status, reason, preamble, response.headers, closing
+            )
+            if head is not None:
+                ch.close_after = closing
+                return head, True
+        ch.replay()
+        headers = http_util.response_headers(response.headers, self.config, ch.server.draining)
+        head = ch.h11.send(
+            h11.Response(status_code=response.status, headers=headers, reason=reason)
+        )
+        return head, False
+
+    async def _stream_body(self, request: Request, response: StreamResponse, chunked: bool) -> bool:
+        """Write the stream's items as they come; False when it ended early."""
+        ch = self.ch
+        conn = ch.h11
+        sse = isinstance(response, SSEResponse)
+
+        async def write_data(data: bytes) -> None:
+            # h11 keeps no state for a chunk of a chunked body: frame it here (what
+            # its ChunkedWriter writes) and save its event machinery per chunk.
+            if not data:  # an empty chunk would end the body
+                return
+            if chunked:
+                await ch.write(request, b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                await ch.write(request, conn.send(h11.Data(data=data)))
+
+        gate = StreamGate(write_data, self.config.sse_ping_interval if sse else math.inf)
+        self.stream_gate = gate  # the watchdog starts its pings (check_deadlines)
+        try:
+            return await pump(request, response.chunks, gate, sse)
+        except ClientGone:
+            return False
+        finally:
+            self.stream_gate = None
+
+    # ---------------------------------------------------------------- upgrades
     async def _upgrade(self, request: Request, response: WebSocketResponse) -> bool:
         from . import websocket
 
-        self._replay()
+        ch = self.ch
+        ch.replay()
         problem = websocket.handshake_problem(request)
         if problem is not None:
-            await self._send_whole(request, wire.error_response(problem))
+            await self._send_whole(request, http_util.error_response(problem))
             return True
-        self._upgraded = True  # the WebSocket takes over the socket's read side
-        if self._watching:
-            await self._stop_watching()
+        await self._hand_over()  # the WebSocket takes over the socket's read side
         accept = websocket.accept_headers(request, response.subprotocol, self.config)
-        await self._write(
+        await ch.write(
             request,
-            self.h11.send(
+            ch.h11.send(
                 h11.InformationalResponse(
                     status_code=101, headers=accept, reason=b"Switching Protocols"
                 )
             ),
         )
-        trailing = self.h11.trailing_data[0]
-        await websocket.run_session(self.stream, request, response.session, self.config, trailing)
+        trailing = ch.h11.trailing_data[0]
+        await websocket.run_session(ch.stream, request, response.session, self.config, trailing)
         return False
-
-    async def _send_continue(self) -> None:
-        if self.h11.they_are_waiting_for_100_continue and self.current is not None:
-            data = self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
-            await self._write(self.current, data)
-            self._set_body_deadline()
-
-    async def _send_error(self, status: int, message: str) -> None:
-        if not self._live:
-            self._go_live()  # a partial head h11 has not seen: h11 writes the error
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        response = wire.error_response(HTTPError(status, message))
-        response.headers.append(("connection", "close"))
-        request = Request("GET", "/", Headers([]), self.client)
-        await self._send_whole(request, response)
-
-    async def _write(self, request: Request, data: bytes) -> None:
-        # A write that outlives send_timeout cancels the whole connection (check_deadlines).
-        self._send_since = time.monotonic()
-        try:
-            await self.stream.send(data)
-        except _STREAM_ERRORS:
-            request.mark_disconnected("client_gone")
-            raise ClientGone from None
-        finally:
-            self._send_since = None
 
 
 def _is_chunked(head: bytes) -> bool:

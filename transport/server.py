@@ -15,7 +15,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSListener
 
-from . import wire
+from . import http_util
 from .aio import wrap_listener
 from .config import ServerConfig
 from .errors import error_body
@@ -193,7 +193,7 @@ async def _reject(stream: anyio.abc.ByteStream, body: bytes) -> None:
     """Answer 503 and close without parsing: the cheapest way to say "not now"."""
     head = (
         b"HTTP/1.1 503 Service Unavailable\r\ndate: "
-        + wire.http_date()
+        + http_util.http_date()
         + b"\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
         + b"content-length: "
         + str(len(body)).encode()
@@ -214,7 +214,7 @@ async def _reject(stream: anyio.abc.ByteStream, body: bytes) -> None:
         await anyio.aclose_forcefully(stream)
         return
     with anyio.CancelScope(shield=True):
-        await wire.close_stream(stream, graceful=True)
+        await http_util.close_stream(stream, graceful=True)
 
 
 def _unlink(path: str) -> None:

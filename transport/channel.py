@@ -1,0 +1,98 @@
+"""What the two halves of an HTTP/1.1 connection share: the socket and its protocol state.
+
+The reading half (``reader``) and the writing half (``respond``) each hold their
+connection's one ``Channel`` and never each other, so neither module imports the other;
+``http11`` builds all three and drives them.
+
+Bytes wait in ``buf`` for the fast path (``fastpath``) while h11 is idle and has seen
+nothing. Once a request needs h11, every byte held goes to it (``go_live``) and h11 keeps
+the connection's state until it is idle and empty again. ``raw`` keeps the bytes of the
+current fast request, so that h11 can still answer it (``replay``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import anyio
+import anyio.abc
+import h11
+
+from .config import ServerConfig
+from .request import Request
+from .responses import Response
+
+__all__ = ["STREAM_ERRORS", "App", "Channel", "ClientGone", "ServerState"]
+
+App = Callable[[Request], Awaitable[Response]]
+STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+class ServerState(Protocol):
+    draining: bool
+
+
+class ClientGone(Exception):
+    """A write failed or stalled; the connection is finished."""
+
+
+class Channel:
+    """One connection's socket, h11 state and fast-path buffer, and the request in flight."""
+
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        config: ServerConfig,
+        client: tuple[str, int] | None,
+        server: ServerState,
+    ) -> None:
+        self.stream = stream
+        self.config = config
+        self.client = client
+        self.server = server
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=config.max_header_bytes)
+        self.current: Request | None = None
+        self.buf = b""  # bytes for the fast path, while h11 is not live
+        self.live = False  # h11 holds the connection's state: every byte goes to it
+        self.raw = b""  # the current fast request's bytes: h11 replays them if needed
+        self.close_after = False  # the current fast request asked for Connection: close
+        self.graceful = True  # close with FIN and linger, not a reset
+        self.send_since: float | None = None  # when the write in progress began
+
+    def go_live(self) -> None:
+        """Hand every byte held so far to h11, which keeps the connection's state from here."""
+        self.live = True
+        data, self.raw, self.buf = self.raw + self.buf, b"", b""
+        if data:
+            self.h11.receive_data(data)
+
+    def replay(self) -> None:
+        """Let h11 catch up on the current fast request, to answer it through h11."""
+        replaying = bool(self.raw)
+        self.go_live()
+        for _ in range(4) if replaying else ():  # Request, Data, EndOfMessage
+            if type(self.h11.next_event()) is h11.EndOfMessage:
+                return
+        if replaying:
+            raise RuntimeError("h11 did not parse a request the fast path accepted")
+
+    def held(self) -> int:
+        """How many received bytes wait for a later request."""
+        return len(self.h11.trailing_data[0]) if self.live else len(self.buf)
+
+    def has_pending(self) -> bool:
+        """Whether bytes of a next request have arrived (h11 or the fast-path buffer)."""
+        return bool(self.buf or self.h11.trailing_data[0])
+
+    async def write(self, request: Request, data: bytes) -> None:
+        # A write that outlives send_timeout cancels the whole connection (check_deadlines).
+        self.send_since = time.monotonic()
+        try:
+            await self.stream.send(data)
+        except STREAM_ERRORS:
+            request.mark_disconnected("client_gone")
+            raise ClientGone from None
+        finally:
+            self.send_since = None
