@@ -19,7 +19,7 @@ from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
-from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
+from wire import MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_ids
 from wire.faults import fault_point
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
@@ -46,7 +46,7 @@ class EngineConfig:
 def _declared_n(e: SubmitEntry) -> int:
     """The entry's n when it is a usable count (else 1): how many rids an error covers."""
     n = e.sampling.get("n", 1) if isinstance(e.sampling, dict) else 1
-    return n if type(n) is int and 1 <= n <= 64 else 1
+    return n if type(n) is int and 1 <= n <= MAX_N else 1
 
 
 class Engine:

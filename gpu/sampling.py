@@ -1,11 +1,12 @@
-"""Per-request sampling parameters (validated once, at the edge) and the batched sampler.
+"""The batched sampler, and the worker's reading of a SUBMIT entry's two maps.
 
-Rules follow SGLang's ``SamplingParams.verify``: temperature below 1e-6 or top_k 1 is
-greedy; penalties follow vLLM/SGLang (frequency/presence over output tokens, repetition
-over prompt + output). Seeded requests draw from their own ``torch.Generator``, one
-fixed-size draw per step, so a seed gives the same tokens whatever shares the batch.
-Logprobs are of the distribution sampled from (after penalties, bias and temperature,
-before top-k/top-p/min-p), as SGLang reports them.
+What a request's sampling means (its fields, defaults, the greedy rule, the wire map)
+is defined once, in ``wire/sampling.py``; this module only applies it. Penalties follow
+vLLM/SGLang (frequency/presence over output tokens, repetition over prompt + output).
+Seeded requests draw from their own ``torch.Generator``, one fixed-size draw per step,
+so a seed gives the same tokens whatever shares the batch. Logprobs are of the
+distribution sampled from (after penalties, bias and temperature, before
+top-k/top-p/min-p), as SGLang reports them.
 """
 
 from __future__ import annotations
@@ -15,55 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from wire.sampling import SamplingParams, get_bool, get_int, token_ids
+
 __all__ = [
     "RequestOptions",
-    "SamplingParams",
     "SampleRow",
     "SampleResult",
     "parse_request",
     "sample",
 ]
 
-_GREEDY_EPS = 1e-6
 # Prompt logprobs travel in one STEP entry; frames are capped at 64 MiB (wire.cddl).
 PROMPT_LOGPROB_BYTES = 16 * 2**20
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    n: int = 1
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS or self.top_k == 1
-
-    @property
-    def needs_logit_processing(self) -> bool:
-        return bool(
-            self.logit_bias
-            or self.min_new_tokens
-            or self.frequency_penalty
-            or self.presence_penalty
-            or self.repetition_penalty != 1.0
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,110 +42,18 @@ class RequestOptions:
     return_hidden_states: bool = False
 
 
-_NUM = (int, float)
-
-
-def _num(
-    d: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, _NUM) or not math.isfinite(v):
-        raise ValueError(f"{key} must be a finite number, got {v!r}.")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise ValueError(f"{key} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}.")
-    return float(v)
-
-
-def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if type(v) is not int or not lo <= v <= hi:
-        raise ValueError(f"{key} must be an integer in [{lo}, {hi}], got {v!r}.")
-    return v
-
-
-def _bool(d: dict[str, Any], key: str) -> bool:
-    v = d.get(key, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ValueError(f"{key} must be a boolean, got {v!r}.")
-    return v
-
-
-def _token_ids(v: Any, key: str, vocab: int) -> tuple[int, ...]:
-    if isinstance(v, bytes):
-        if len(v) % 4:
-            raise ValueError(f"{key} must hold whole int32 ids.")
-        ids = np.frombuffer(v, dtype="<i4").tolist()
-    elif isinstance(v, list) and all(type(i) is int for i in v):
-        ids = v
-    else:
-        raise ValueError(f"{key} must be a list of token ids.")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"{key} has ids outside [0, {vocab - 1}]: {bad[:5]}.")
-    return tuple(ids)
-
-
-def _sampling(s: dict[str, Any], vocab: int) -> SamplingParams:
-    max_new = _int(s, "max_new_tokens", 128, 0, 1 << 30)
-    min_new = _int(s, "min_new_tokens", 0, 0, max_new)
-    top_k = _int(s, "top_k", -1, -1, 1 << 30)
-    if top_k == 0:
-        raise ValueError("top_k must be -1 (disable), or at least 1, got 0.")
-    stop = s.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
-        raise ValueError("stop must be a list of non-empty strings.")
-    bias_in = s.get("logit_bias") or {}
-    if not isinstance(bias_in, dict):
-        raise ValueError("logit_bias must be a map of token id to number.")
-    bias = []
-    for k, v in bias_in.items():
-        if type(k) is not int or not 0 <= k < vocab:
-            raise ValueError(f"logit_bias must has keys in [0, {vocab - 1}], got {k!r}.")
-        bias.append((k, _num({"b": v}, "b", 0.0, -1e9, 1e9)))
-    seed = s.get("seed")
-    if seed is not None and (type(seed) is not int or abs(seed) >= 1 << 63):
-        raise ValueError(f"seed must be a 64-bit integer, got {seed!r}.")
-    return SamplingParams(
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
-        temperature=_num(s, "temperature", 1.0, 0.0, 1e6),
-        top_p=_num(s, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=top_k,
-        min_p=_num(s, "min_p", 0.0, 0.0, 1.0),
-        frequency_penalty=_num(s, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_num(s, "presence_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_num(s, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-        stop=tuple(stop),
-        stop_token_ids=frozenset(
-            _token_ids(s.get("stop_token_ids") or [], "stop_token_ids", vocab)
-        ),
-        ignore_eos=_bool(s, "ignore_eos"),
-        seed=seed,
-        logit_bias=tuple(bias),
-        n=_int(s, "n", 1, 1, 64),
-    )
-
-
 def parse_request(
     sampling: dict[str, Any], options: dict[str, Any], vocab: int, prompt_len: int
 ) -> tuple[SamplingParams, RequestOptions]:
     """Validate one SUBMIT entry's maps; ``ValueError`` carries a user-facing message."""
-    params = _sampling(sampling, vocab)
+    params = SamplingParams.from_wire(sampling, vocab)
     tids = options.get("token_ids_logprob")
     opts = RequestOptions(
-        return_logprob=_bool(options, "return_logprob"),
-        logprob_start_len=_int(options, "logprob_start_len", -1, -1, max(prompt_len - 1, 0)),
-        top_logprobs_num=_int(options, "top_logprobs_num", 0, 0, min(vocab, 1024)),
-        token_ids_logprob=() if tids is None else _token_ids(tids, "token_ids_logprob", vocab),
-        return_hidden_states=_bool(options, "return_hidden_states"),
+        return_logprob=get_bool(options, "return_logprob"),
+        logprob_start_len=get_int(options, "logprob_start_len", -1, -1, max(prompt_len - 1, 0)),
+        top_logprobs_num=get_int(options, "top_logprobs_num", 0, 0, min(vocab, 1024)),
+        token_ids_logprob=() if tids is None else token_ids(tids, "token_ids_logprob", vocab),
+        return_hidden_states=get_bool(options, "return_hidden_states"),
     )
     if opts.return_logprob and opts.logprob_start_len >= 0:
         per_pos = 1 + 2 * opts.top_logprobs_num + len(opts.token_ids_logprob)
@@ -190,6 +65,17 @@ def parse_request(
                 "or ask for fewer"
             )
     return params, opts
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    """Whether the row's logits change before temperature (bias, penalties, EOG mask)."""
+    return bool(
+        p.logit_bias
+        or p.min_new_tokens
+        or p.frequency_penalty
+        or p.presence_penalty
+        or p.repetition_penalty != 1.0
+    )
 
 
 @dataclass(slots=True)
@@ -215,7 +101,7 @@ def _process(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     dev = logits.device
     for i, r in enumerate(rows):
         p = r.params
-        if not p.needs_logit_processing:
+        if not _needs_processing(p):
             continue
         if p.logit_bias:
             ids = torch.tensor([k for k, _ in p.logit_bias], device=dev)
@@ -248,8 +134,9 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
         probs, idx = probs.sort(dim=-1, descending=True)
         v = probs.shape[1]
         dev = probs.device
+        # top_k may exceed the vocabulary (the wire allows any int64): that is all of it.
         top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else v for r in rows], device=dev
+            [min(r.params.top_k, v) if r.params.top_k > 0 else v for r in rows], device=dev
         )
         top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=probs.dtype)
         min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=probs.dtype)
@@ -269,7 +156,7 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
 
 def sample(logits: Tensor, rows: Sequence[SampleRow], want_logprobs: bool = False) -> SampleResult:
     """One token per row of ``logits`` [K, V] (fp32)."""
-    if any(r.params.needs_logit_processing for r in rows):
+    if any(_needs_processing(r.params) for r in rows):
         logits = _process(logits, rows)
     greedy = [r.params.greedy for r in rows]
     temps = None

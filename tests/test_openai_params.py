@@ -21,8 +21,8 @@ USER = [{"role": "user", "content": "hi"}]
 
 def test_completion_defaults_and_mapping() -> None:
     r = parse_completion({"prompt": ["a", "b"], "n": 2, "min_tokens": 3, "top_k": 5}, **OPTS)
-    assert r.sampling.max_new_tokens == 16 and r.sampling.min_new_tokens == 3
-    assert (r.sampling.n, r.sampling.top_k, r.model) == (2, 5, "m")
+    assert r.sampling.max_new_tokens == 16 and r.sampling.params.min_new_tokens == 3
+    assert (r.sampling.n, r.sampling.params.top_k, r.model) == (2, 5, "m")
     req = r.generate_request()
     assert [i.text for i in req.items] == ["a", "b"] and req.is_batch
     assert not req.items[0].return_logprob

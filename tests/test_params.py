@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -12,18 +13,22 @@ from hypothesis import strategies as st
 from lifecycle.core.params import (
     GenerateRequest,
     RequestError,
-    SamplingParams,
+    SamplingRequest,
     check_lengths,
     expand_samples,
     parse_generate,
     parse_sampling_params,
 )
+from lifecycle.core.sampling import FIELDS as SAMPLING_FIELDS
 from lifecycle.core.states import Cause
+from wire import SamplingParams, Submit, SubmitEntry, encode_frame, pack_ids
+
+from .wire_schema import validate_frame
 
 V = 49152  # SmolLM2's vocabulary size
 
 
-def sp(**kw: Any) -> SamplingParams:
+def sp(**kw: Any) -> SamplingRequest:
     return parse_sampling_params(kw, vocab_size=V)
 
 
@@ -86,6 +91,10 @@ def message_of(fn: Any, *args: Any, cause: Cause = Cause.INVALID) -> str:
         ({"stop_regex": "x"}, "stop_regex is not supported by this server"),
         ({"custom_params": {"a": 1}}, "custom_params is not supported by this server"),
         ({"n": 0}, "n must be at least 1, got 0."),
+        # The worker's limits, which SGLang lacks: refused here, never by the worker.
+        ({"n": 65}, "n must be at most 64, got 65."),
+        ({"stop_token_ids": [1, V]}, f"stop_token_ids must be in [0, {V - 1}], got {V}."),
+        ({"logit_bias": {"5": 2e9}}, "logit_bias[5] must be in [-1e9, 1e9], got 2000000000.0."),
     ],
 )
 def test_sampling_rule_messages(kw: dict[str, Any], message: str) -> None:
@@ -129,18 +138,18 @@ def test_sampling_type_errors_are_400_not_500(kw: dict[str, Any], message: str) 
 
 
 def test_sampling_defaults_and_explicit_null_is_default() -> None:
-    assert sp() == SamplingParams()
-    nulls = {k: None for k in SamplingParams.__dataclass_fields__ if k != "max_new_tokens"}
-    assert sp(**nulls) == SamplingParams()
+    assert sp() == SamplingRequest()
+    nulls = {k: None for k in SAMPLING_FIELDS if k != "max_new_tokens"}
+    assert sp(**nulls) == SamplingRequest()
     assert sp(max_new_tokens=None).max_new_tokens is None  # Optional: null = to the context end
-    assert sp(stream_interval=4) == SamplingParams()  # accepted, no effect
-    assert sp(regex=None, json_schema=None) == SamplingParams()
+    assert sp(stream_interval=4) == SamplingRequest()  # accepted, no effect
+    assert sp(regex=None, json_schema=None) == SamplingRequest()
 
 
 @pytest.mark.parametrize("t", [0, 0.0, 1e-7, 9.99e-7])
 def test_tiny_temperature_is_greedy(t: float) -> None:
     p = sp(temperature=t, top_k=0)  # SGLang overwrites top_k before verify: no error
-    assert (p.temperature, p.top_k, p.greedy) == (1.0, 1, True)
+    assert (p.params.temperature, p.params.top_k, p.greedy) == (1.0, 1, True)
 
 
 def test_sampling_values_are_converted() -> None:
@@ -156,15 +165,16 @@ def test_sampling_values_are_converted() -> None:
         n=3,
         skip_special_tokens=False,
     )
-    assert p.temperature == 0.7 and isinstance(p.top_p, float) and p.top_k == -1
-    assert p.max_new_tokens == 16 and p.stop == ("</s>",) and p.stop_token_ids == (1, 2)
-    assert p.logit_bias == {5: 2.0, 7: -1.5} and p.seed == 42 and p.n == 3
-    assert sp(seed=7).seed == 7
-    assert sp(logit_bias={}).logit_bias is None
+    w = p.params
+    assert w.temperature == 0.7 and isinstance(w.top_p, float) and w.top_k == -1
+    assert p.max_new_tokens == 16 and p.stop == ("</s>",) and w.stop_token_ids == (1, 2)
+    assert w.logit_bias == ((5, 2.0), (7, -1.5)) and w.seed == 42 and p.n == 3
+    assert sp(seed=7).params.seed == 7
+    assert sp(logit_bias={}).params.logit_bias == ()
 
 
 def test_to_wire_carries_only_non_defaults() -> None:
-    assert SamplingParams().to_wire(128) == {"max_new_tokens": 128}
+    assert SamplingRequest().to_wire(128) == {"max_new_tokens": 128}
     p = sp(temperature=0, stop=["x"], stop_token_ids=[3], logit_bias={"1": 1}, seed=-5, n=2)
     assert p.to_wire(10) == {
         "max_new_tokens": 10,
@@ -176,6 +186,35 @@ def test_to_wire_carries_only_non_defaults() -> None:
         "seed": -5,
     }
     assert "skip_special_tokens" not in sp(skip_special_tokens=False).to_wire(1)
+
+
+def test_detokenizer_options_stay_in_the_frontend() -> None:
+    # Regression (issue 16): no_stop_trim travelled on the wire and the worker never read
+    # it. The worker's half (wire.SamplingParams) has no such field; the frontend keeps it.
+    p = sp(no_stop_trim=True, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert (p.no_stop_trim, p.skip_special_tokens, p.spaces_between_special_tokens) == (
+        True,
+        False,
+        False,
+    )
+    assert p.to_wire(4) == {"max_new_tokens": 4} and p.params == SamplingParams()
+    assert not {"no_stop_trim", "skip_special_tokens"} & {f.name for f in fields(SamplingParams)}
+
+
+def test_length_is_settled_per_prompt() -> None:
+    p = sp(max_new_tokens=None, min_new_tokens=50)
+    assert p.max_new_tokens is None and p.to_context_end
+    # What the context leaves (check_lengths) goes in; a larger minimum is capped to it.
+    assert p.to_wire(10) == {"max_new_tokens": 10, "min_new_tokens": 10}
+    assert sp(max_new_tokens=20, min_new_tokens=5).to_wire(20) == {
+        "max_new_tokens": 20,
+        "min_new_tokens": 5,
+    }
+
+
+def test_top_k_beyond_the_vocabulary_is_the_whole_vocabulary() -> None:
+    assert sp(top_k=V).params.top_k == -1 and sp(top_k=10**30).params.top_k == -1
+    assert sp(top_k=V - 1).params.top_k == V - 1
 
 
 # -- /generate bodies ----------------------------------------------------------------------
@@ -305,7 +344,7 @@ def test_to_wire_carries_only_non_defaults() -> None:
             f"token_ids_logprob contains out-of-vocabulary token id -3; valid range is [0, {V}).",
         ),
         (
-            {"text": ["a"] * 3, "sampling_params": {"n": 400}},
+            {"text": ["a"] * 20, "sampling_params": {"n": 60}},
             "The request asks for 1200 sequences; at most 1024 are allowed.",
         ),
         (
@@ -323,7 +362,7 @@ def test_single_text_defaults() -> None:
     assert not req.is_batch and not req.stream and len(req.items) == 1
     item = req.items[0]
     assert (item.index, item.text, item.input_ids, item.client_rid) == (0, "hello", None, None)
-    assert item.sampling == SamplingParams()
+    assert item.sampling == SamplingRequest()
     assert (item.return_logprob, item.logprob_start_len, item.top_logprobs_num) == (False, -1, 0)
     assert item.token_ids_logprob is None and not item.return_hidden_states
 
@@ -351,7 +390,7 @@ def test_bench_serving_body_is_accepted() -> None:
         req.stream
         and item.input_ids == [1, 2, 3]
         and item.sampling.greedy
-        and item.sampling.ignore_eos
+        and item.sampling.params.ignore_eos
     )
 
 
@@ -370,7 +409,7 @@ def test_single_prompt_with_n_becomes_a_batch_and_fans_out_by_repetition() -> No
     req = gen({"text": ["p0", "p1"], "sampling_params": [{"n": 2, "top_k": 5}, {"n": 2}]})
     order = [(item.text, k) for item, k in expand_samples(req)]
     assert order == [("p0", 0), ("p1", 0), ("p0", 1), ("p1", 1)]
-    assert req.items[0].sampling.top_k == 5 and req.items[1].sampling.top_k == -1
+    assert req.items[0].sampling.params.top_k == 5 and req.items[1].sampling.params.top_k == -1
 
 
 def test_logprob_options_broadcast_or_per_prompt() -> None:
@@ -447,7 +486,7 @@ FIELDS = [
     "image_data",
     "log_metrics",
 ]
-SAMPLING_KEYS = list(SamplingParams.__dataclass_fields__) + [
+SAMPLING_KEYS = list(SAMPLING_FIELDS) + [
     "sampling_seed",
     "regex",
     "json_schema",
@@ -479,7 +518,7 @@ def test_random_bodies_raise_only_request_error(body: Any) -> None:
     except RequestError as err:
         assert err.status == 400 and err.message
         return
-    assert req.items and all(isinstance(i.sampling, SamplingParams) for i in req.items)
+    assert req.items and all(isinstance(i.sampling, SamplingRequest) for i in req.items)
     for item in req.items:
         item.sampling.to_wire(1)  # whatever validated can be put on the wire
 
@@ -491,5 +530,48 @@ def test_random_sampling_params_raise_only_request_error(obj: dict[str, Any]) ->
         p = parse_sampling_params(obj, vocab_size=V)
     except RequestError:
         return
-    assert p.top_k == -1 or p.top_k >= 1
-    assert 0.0 < p.top_p <= 1.0 and p.n >= 1
+    assert p.params.top_k == -1 or p.params.top_k >= 1
+    assert 0.0 < p.params.top_p <= 1.0 and p.n >= 1
+
+
+valid_sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_new_tokens": st.none() | st.integers(0, 5000),
+        "min_new_tokens": st.integers(0, 6000),
+        "temperature": st.floats(0, 1e6) | st.integers(0, 3) | st.sampled_from([0.0, 1e-7]),
+        "top_p": st.floats(1e-9, 1.0),
+        "top_k": st.sampled_from([-1, 1]) | st.integers(1, 2 * V) | st.just(10**30),
+        "min_p": st.floats(0, 1),
+        "frequency_penalty": st.floats(-2, 2),
+        "presence_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(1e-9, 2),
+        "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1), max_size=3),
+        "stop_token_ids": st.lists(st.none() | st.integers(0, V - 1), max_size=4),
+        "ignore_eos": st.booleans(),
+        "no_stop_trim": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "seed": st.integers(-(2**63), 2**63 - 1),
+        "logit_bias": st.dictionaries(
+            st.integers(0, V - 1).map(str), st.floats(-1e9, 1e9) | st.integers(-100, 100)
+        ),
+        "n": st.integers(1, 64),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_sampling | sampling_dicts, st.integers(1, 4000))
+def test_whatever_the_frontend_accepts_the_worker_reads_back(
+    obj: dict[str, Any], prompt_len: int
+) -> None:
+    """The two halves of one contract agree: the frontend's 400s cover every limit the
+    worker's ``from_wire`` has, and what it sends is on spec (``specs/wire.cddl``)."""
+    try:
+        p = parse_sampling_params(obj, vocab_size=V)
+        max_new = check_lengths(prompt_len, p.max_new_tokens, context_length=8192)
+    except RequestError:
+        return
+    sent = p.to_wire(max_new)
+    validate_frame(encode_frame(Submit([SubmitEntry(1, pack_ids([1] * prompt_len), sent, {})])))
+    assert SamplingParams.from_wire(sent, vocab_size=V) == p.for_prompt(max_new)

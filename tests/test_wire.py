@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import fields
 from pathlib import Path
 
 import cbor2
@@ -20,6 +22,7 @@ from wire import (
     Probe,
     ProbeReply,
     ReqError,
+    SamplingParams,
     Shutdown,
     Stats,
     StatsReq,
@@ -41,27 +44,56 @@ from .wire_schema import RULE_BY_KIND, validate_frame
 
 EXAMPLES = [
     Hello(
-        {"name": "m", "path": "/x.gguf", "arch": "llama", "vocab_size": 10, "context_length": 64,
-         "eos_id": 2, "eog_ids": [0, 2], "device": "cpu", "dtype": "float32", "pid": 7},
+        {
+            "name": "m",
+            "path": "/x.gguf",
+            "arch": "llama",
+            "vocab_size": 10,
+            "context_length": 64,
+            "eos_id": 2,
+            "eog_ids": [0, 2],
+            "device": "cpu",
+            "dtype": "float32",
+            "pid": 7,
+        },
         {"max_running": 4, "max_pending": 16, "kv_blocks": 32, "block_size": 16, "max_context": 64},
     ),
-    Submit([
-        SubmitEntry(1, pack_ids([5, 6, 7]), {"max_new_tokens": 4, "temperature": 0.5, "stop": ["x"],
-                                              "logit_bias": {3: -1.5}}, {"return_logprob": True,
-                                              "token_ids_logprob": pack_ids([1, 2])}),
-        SubmitEntry(2, pack_ids([5]), {}, {}),
-    ]),
+    Submit(
+        [
+            SubmitEntry(
+                1,
+                pack_ids([5, 6, 7]),
+                {"max_new_tokens": 4, "temperature": 0.5, "stop": ["x"], "logit_bias": {3: -1.5}},
+                {"return_logprob": True, "token_ids_logprob": pack_ids([1, 2])},
+            ),
+            SubmitEntry(2, pack_ids([5]), {}, {}),
+        ]
+    ),
     Abort([1, 2]),
-    Step(3, [StepEntry(1, pack_ids([9]), None, {"prompt_tokens": 3, "cached_tokens": 0,
-                                                "logprobs": pack_f32s([-0.5])}),
-             StepEntry(2, pack_ids([]), ["length", 4], {"num_retractions": 0}),
-             StepEntry(4, pack_ids([2]), ["stop", 2], None),
-             StepEntry(5, pack_ids([]), ["abort", "aborted"], None)]),
+    Step(
+        3,
+        [
+            StepEntry(
+                1,
+                pack_ids([9]),
+                None,
+                {"prompt_tokens": 3, "cached_tokens": 0, "logprobs": pack_f32s([-0.5])},
+            ),
+            StepEntry(2, pack_ids([]), ["length", 4], {"num_retractions": 0}),
+            StepEntry(4, pack_ids([2]), ["stop", 2], None),
+            StepEntry(5, pack_ids([]), ["abort", "aborted"], None),
+        ],
+    ),
     Step(0, []),
     ReqError([(9, "too_long", "prompt too long")]),
-    Probe(1), ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
-    StatsReq(2), Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
-    Flush(3), FlushReply(3, True, "flushed"), Shutdown(), Fatal("bad frame"),
+    Probe(1),
+    ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
+    StatsReq(2),
+    Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
+    Flush(3),
+    FlushReply(3, True, "flushed"),
+    Shutdown(),
+    Fatal("bad frame"),
 ]
 
 
@@ -97,8 +129,19 @@ def test_frame_buffer_refuses_oversized_length() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [[], [99], [4, 1], [2, []], [2, [[1, b"abc", {}, {}]]], [4, -1, []], [3, []], "x", 5,
-     [4, 0, [[1, b"", ["stop"], None]]], [1, 1, [], {}]],
+    [
+        [],
+        [99],
+        [4, 1],
+        [2, []],
+        [2, [[1, b"abc", {}, {}]]],
+        [4, -1, []],
+        [3, []],
+        "x",
+        5,
+        [4, 0, [[1, b"", ["stop"], None]]],
+        [1, 1, [], {}],
+    ],
 )
 def test_malformed_frames_raise_wire_error(value) -> None:
     with pytest.raises(WireError):
@@ -124,12 +167,55 @@ def test_spec_names_every_frame_kind() -> None:
         assert f"\n{rule} = [" in text
 
 
+SPEC_TEXT = (Path(__file__).resolve().parent.parent / "specs" / "wire.cddl").read_text()
+
+
+def test_spec_sampling_map_names_exactly_the_contract_fields() -> None:
+    """``sampling`` in the spec and ``wire.SamplingParams`` list the same fields: what
+    the worker reads, no more (no detokenizer options)."""
+    block = re.search(r"\nsampling = \{(.*?)\n\}", SPEC_TEXT, re.S)
+    assert block is not None
+    keys = set(re.findall(r'"(\w+)":', block.group(1)))
+    assert keys == {f.name for f in fields(SamplingParams)}
+    assert "no_stop_trim" not in keys
+
+
+def test_every_sampling_field_is_on_spec_and_reads_back() -> None:
+    full = SamplingParams(
+        max_new_tokens=9,
+        min_new_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        min_p=0.1,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.5,
+        stop=("a", "bc"),
+        stop_token_ids=(3, 4),
+        ignore_eos=True,
+        seed=-(2**63),
+        logit_bias=((1, -2.0), (5, 1.5)),
+        n=64,
+    )
+    sent = full.to_wire()
+    assert set(sent) == {f.name for f in fields(SamplingParams)}  # none at its default
+    frame = Submit([SubmitEntry(1, pack_ids([5]), sent, {})])
+    validate_frame(encode_frame(frame))
+    received = decode_frame(encode_frame(frame))
+    assert isinstance(received, Submit)
+    assert SamplingParams.from_wire(received.entries[0].sampling, vocab_size=10) == full
+    assert SamplingParams().to_wire() == {"max_new_tokens": 128}
+
+
 def test_schema_rejects_off_spec_frames() -> None:
     with pytest.raises(pycddl.ValidationError):
         validate_frame(cbor2.dumps([4, 0, [[1, [1, 2], None, None]]]))  # ids as an int list
 
 
-@pytest.mark.parametrize("finish", [["stop", 2], ["stop", "</s>"], ["length", 4], ["abort", "gone"]])
+@pytest.mark.parametrize(
+    "finish", [["stop", 2], ["stop", "</s>"], ["length", 4], ["abort", "gone"]]
+)
 def test_step_whose_first_entry_is_terminal_validates(finish) -> None:
     # Regression: with `finish` written as one array of group choices, pycddl rejected a
     # terminal entry in first position; the spec now spells finish as a choice of arrays.

@@ -1,4 +1,4 @@
-"""The batched sampler and parameter validation on hand-made logits (no model)."""
+"""The batched sampler and the worker's reading of SUBMIT maps, on hand-made logits (no model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gpu.sampling import SampleRow, SamplingParams, parse_request, sample
+from gpu.sampling import SampleRow, parse_request, sample
+from wire import SamplingParams, is_greedy
 
 V = 50
 
@@ -31,6 +32,20 @@ def test_greedy_forms_pick_the_argmax() -> None:
     x = logits_with_peak(7, 8)
     for kw in ({"temperature": 0.0}, {"top_k": 1}, {"temperature": 1e-7}):
         assert sample(x, [row(**kw)]).tokens == [7]
+
+
+def test_one_greedy_rule_for_both_encodings() -> None:
+    # The frontend sends SGLang's form (top_k 1, temperature 1.0); a peer may send
+    # temperature 0. Both are the same rule, defined once in wire/sampling.py.
+    assert SamplingParams(top_k=1).greedy and SamplingParams(temperature=0.0).greedy
+    assert is_greedy(1e-7, -1) and not is_greedy(1e-6, -1) and not SamplingParams().greedy
+
+
+def test_top_k_beyond_the_vocabulary_samples_the_whole_of_it() -> None:
+    x = torch.randn(1, V)
+    huge = [sample(x, [row(seed=s, top_k=10**12)]).tokens[0] for s in range(50)]
+    assert huge == [sample(x, [row(seed=s, top_k=V)]).tokens[0] for s in range(50)]
+    assert len(set(huge)) > 5
 
 
 def test_min_new_tokens_masks_eog_until_reached() -> None:
@@ -104,6 +119,10 @@ def test_logprobs_are_of_the_sampling_distribution() -> None:
         ({"stop": [""]}, {}, "stop must be a list of non-empty strings"),
         ({"seed": 1.5}, {}, "seed must be a 64-bit integer"),
         ({"ignore_eos": 1}, {}, "ignore_eos must be a boolean"),
+        ({"n": 65}, {}, "n must be an integer in [1, 64]"),
+        ({"temperature": -1}, {}, "temperature must be at least 0, got -1."),
+        ({"logit_bias": {1: 1e10}}, {}, "logit_bias[1] must be in [-1e+09, 1e+09]"),
+        ({"stop_token_ids": [V]}, {}, "stop_token_ids has ids outside [0, 49]"),
         ({}, {"token_ids_logprob": [V]}, "token_ids_logprob has ids outside [0, 49]"),
         ({}, {"logprob_start_len": 3}, "logprob_start_len must be an integer in [-1, 2]"),
     ],
@@ -119,6 +138,30 @@ def test_invalid_fields_have_actionable_messages(
 def test_defaults_and_nulls() -> None:
     p, o = parse_request({"temperature": None, "stop": "x"}, {}, V, 3)
     assert p == SamplingParams(stop=("x",)) and o.logprob_start_len == -1
+
+
+def test_what_the_frontend_may_send_is_read() -> None:
+    # The bounds are the frontend's, never stricter (tests/test_params.py checks all of it).
+    p, _ = parse_request({"seed": -(2**63), "temperature": 1e7, "no_stop_trim": True}, {}, V, 3)
+    assert (p.seed, p.temperature) == (-(2**63), 1e7)  # an unknown key is ignored
+    full = SamplingParams(
+        max_new_tokens=9,
+        min_new_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        min_p=0.1,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.5,
+        stop=("a", "bc"),
+        stop_token_ids=(3, 4),
+        ignore_eos=True,
+        seed=-3,
+        logit_bias=((1, -2.0), (5, 1.5)),
+        n=3,
+    )
+    assert SamplingParams.from_wire(full.to_wire(), V) == full
 
 
 def test_prompt_logprobs_beyond_the_frame_budget_are_refused() -> None:

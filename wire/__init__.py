@@ -1,4 +1,5 @@
-"""The frontend <-> worker wire protocol (``specs/wire.cddl``): frames and framing.
+"""The frontend <-> worker wire protocol (``specs/wire.cddl``): frames, framing, and the
+sampling contract both sides build and read (``SamplingParams``).
 
 Imported by both ``lifecycle`` and ``gpu``; depends on neither.
 """
@@ -30,10 +31,22 @@ from wire.frames import (
     pack_ids,
 )
 from wire.framing import MAX_FRAME_BYTES, FrameBuffer, frame_bytes
+from wire.sampling import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GREEDY_EPS,
+    LOGIT_BIAS_LIMIT,
+    MAX_N,
+    SamplingParams,
+    is_greedy,
+)
 
 __all__ = [
-    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "GREEDY_EPS",
+    "LOGIT_BIAS_LIMIT",
     "MAX_FRAME_BYTES",
+    "MAX_N",
+    "PROTOCOL_VERSION",
     "Abort",
     "Fatal",
     "Flush",
@@ -44,6 +57,7 @@ __all__ = [
     "Probe",
     "ProbeReply",
     "ReqError",
+    "SamplingParams",
     "Shutdown",
     "Stats",
     "StatsReq",
@@ -57,6 +71,7 @@ __all__ = [
     "f32s_to_list",
     "frame_bytes",
     "ids_to_list",
+    "is_greedy",
     "pack_f32s",
     "pack_ids",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 from lifecycle.core.errors import RequestError
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
-from lifecycle.core.sampling import SamplingParams, parse_sampling_params
+from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
 
 __all__ = ["OpenAIError", "OpenAIRequest", "chat_messages", "parse_chat", "parse_completion"]
@@ -94,7 +94,7 @@ class OpenAIRequest:
     chat: bool
     model: str
     prompts: list[str | list[int]]
-    sampling: SamplingParams
+    sampling: SamplingRequest
     stream: bool
     include_usage: bool
     logprobs: int | None  # top logprobs per position; None: no logprobs at all
@@ -191,7 +191,7 @@ def _unsupported(body: dict[str, Any], name: str, allowed: tuple[Any, ...] = (No
         raise _bad(f"{name} is not supported by this server.", name)
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> SamplingRequest:
     raw = {sg: body[oa] for oa, sg in _SAMPLING.items() if oa in body}
     raw["max_new_tokens"] = max_tokens
     try:
@@ -216,7 +216,7 @@ def _common(
     return model, stream, include_usage
 
 
-def _check_size(prompts: int, sp: SamplingParams) -> None:
+def _check_size(prompts: int, sp: SamplingRequest) -> None:
     if prompts * sp.n > MAX_SEQUENCES:
         raise _bad(f"The request asks for {prompts * sp.n} sequences; at most {MAX_SEQUENCES}.")
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifecycle.core.errors import RequestError
-from lifecycle.core.sampling import SamplingParams, parse_sampling_params
+from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
 
 __all__ = [
     "GenerateItem",
     "GenerateRequest",
     "RequestError",
-    "SamplingParams",
+    "SamplingRequest",
     "check_lengths",
     "expand_samples",
     "parse_generate",
@@ -116,7 +116,7 @@ class GenerateItem:
     index: int
     text: str | None
     input_ids: list[int] | None
-    sampling: SamplingParams
+    sampling: SamplingRequest
     client_rid: str | None
     return_logprob: bool
     logprob_start_len: int
@@ -202,7 +202,7 @@ def _prompts(body: dict[str, Any], vocab_size: int) -> tuple[list[Any], bool, bo
     return [_token_list(ids, vocab_size)], False, False
 
 
-def _sampling(raw: Any, batch: int, is_batch: bool, vocab_size: int) -> list[SamplingParams]:
+def _sampling(raw: Any, batch: int, is_batch: bool, vocab_size: int) -> list[SamplingRequest]:
     if raw is None or isinstance(raw, dict):
         return [parse_sampling_params(raw, vocab_size=vocab_size)] * batch
     if not isinstance(raw, list) or not all(isinstance(p, dict) for p in raw):

@@ -6,83 +6,80 @@ The rules and their order follow SGLang's ``SamplingParams.__post_init__`` and
 top_k 1), ``top_k == -1`` means the whole vocabulary, and every range error reads
 ``"<name> must be in [..], got <v>."`` with the value as the client sent it. Where SGLang
 would fail with a TypeError (a 500), we answer 400 with a clear message instead: unknown
-keys, wrong JSON types, and fields this server does not implement.
+keys, wrong JSON types, and fields this server does not implement. So do the few limits
+the worker has and SGLang lacks (``n``, stop ids and logit bias inside the vocabulary and
+range), so that nothing accepted here is refused by the worker.
+
+What the worker samples with is the wire contract, ``wire.SamplingParams``, built here;
+``SamplingRequest`` adds what only the frontend reads (the length as asked, the
+detokenizer's options).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lifecycle.core.errors import RequestError
+from wire.sampling import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GREEDY_EPS,
+    LOGIT_BIAS_LIMIT,
+    MAX_N,
+    SamplingParams,
+)
 
-__all__ = ["GREEDY_EPS", "SamplingParams", "parse_sampling_params"]
+__all__ = ["FIELDS", "SamplingRequest", "parse_sampling_params"]
 
-GREEDY_EPS = 1e-6  # SGLang _SAMPLING_EPS
 _INT64 = 1 << 63
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+class SamplingRequest:
+    """One validated ``sampling_params``.
+
+    ``params`` is what the worker samples with; its ``max_new_tokens`` is the count the
+    client asked for, unless ``to_context_end`` (the client sent ``null``): the count is
+    then what the context leaves, known once the prompt is tokenized (``check_lengths``),
+    and ``for_prompt`` puts it in.
+    """
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    to_context_end: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    n: int = 1
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return None if self.to_context_end else self.params.max_new_tokens
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.params.stop
 
     @property
     def greedy(self) -> bool:
-        return self.top_k == 1
+        return self.params.greedy
+
+    def for_prompt(self, max_new_tokens: int) -> SamplingParams:
+        """The worker's parameters once the effective ``max_new_tokens`` is known. A
+        ``min_new_tokens`` above it is capped: generation ends there either way."""
+        return replace(
+            self.params,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min(self.params.min_new_tokens, max_new_tokens),
+        )
 
     def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
-        """The ``sampling`` map of ``specs/wire.cddl``: the effective max_new_tokens plus
-        every field that differs from its default. Detokenizer options stay frontend-side."""
-        out: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        for name in _WIRE_SCALARS:
-            value = getattr(self, name)
-            if value != _DEFAULTS[name]:
-                out[name] = value
-        if self.stop:
-            out["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        if self.logit_bias:
-            out["logit_bias"] = dict(self.logit_bias)
-        if self.seed is not None:
-            out["seed"] = self.seed
-        return out
+        """The SUBMIT entry's ``sampling`` map (``specs/wire.cddl``)."""
+        return self.for_prompt(max_new_tokens).to_wire()
 
-
-_DEFAULTS: dict[str, Any] = {
-    name: getattr(SamplingParams(), name) for name in SamplingParams.__dataclass_fields__
-}
-_WIRE_SCALARS = (
-    "min_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "no_stop_trim",
-    "n",
-)
 
 # SGLang fields we do not implement: a non-null value is a 400, never silently ignored.
 UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
@@ -127,17 +124,20 @@ def _stop(v: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _stop_token_ids(v: Any) -> tuple[int, ...]:
+def _stop_token_ids(v: Any, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise _bad(f"stop_token_ids must be a list of integers, got {v!r}.")
     # SGLang drops null entries and keeps a set.
     ids = [_integer("stop_token_ids", t) for t in v if t is not None]
     if any(t < 0 for t in ids):
         raise _bad("stop_token_ids must be non-negative integers.")
+    for t in ids:
+        if t >= vocab_size:
+            raise _bad(f"stop_token_ids must be in [0, {vocab_size - 1}], got {t}.")
     return tuple(sorted(set(ids)))
 
 
-def _logit_bias(v: Any, vocab_size: int) -> dict[int, float]:
+def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if not isinstance(v, dict):
         raise _bad(f"logit_bias must be an object mapping token ids to numbers, got {v!r}.")
     out: dict[int, float] = {}
@@ -151,8 +151,10 @@ def _logit_bias(v: Any, vocab_size: int) -> dict[int, float]:
         value = _number(f"logit_bias[{key}]", bias)
         if not math.isfinite(value):
             raise _bad(f"logit_bias[{key}] must be a finite number, got {value}.")
+        if abs(value) > LOGIT_BIAS_LIMIT:
+            raise _bad(f"logit_bias[{key}] must be in [-1e9, 1e9], got {value}.")
         out[token] = value
-    return out
+    return tuple(sorted(out.items()))
 
 
 def _seed(name: str, v: Any) -> int:
@@ -171,11 +173,12 @@ _NUMBERS = (
     "repetition_penalty",
 )
 _INTEGERS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
-_BOOLEANS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-KNOWN = frozenset(
-    (*_NUMBERS, *_INTEGERS, *_BOOLEANS, "stop", "stop_token_ids", "logit_bias", "seed")
-    + ("sampling_seed", *UNSUPPORTED, *IGNORED)
-)
+# The detokenizer's options: the frontend's alone, never sent to the worker.
+_TEXT_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_BOOLEANS = ("ignore_eos", *_TEXT_OPTIONS)
+# Every sampling_params key this server implements.
+FIELDS = (*_NUMBERS, *_INTEGERS, *_BOOLEANS, "stop", "stop_token_ids", "logit_bias", "seed")
+KNOWN = frozenset(FIELDS + ("sampling_seed", *UNSUPPORTED, *IGNORED))
 
 
 def _check_fields(obj: dict[str, Any]) -> None:
@@ -192,7 +195,7 @@ def _check_fields(obj: dict[str, Any]) -> None:
         raise _bad("Set only one of sampling_seed and seed.")
 
 
-def _convert(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _convert(obj: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> (typed values, raw values as sent) for every non-null field."""
     raw = {k: v for k, v in obj.items() if v is not None and k not in UNSUPPORTED + IGNORED}
     kw: dict[str, Any] = {}
@@ -206,7 +209,7 @@ def _convert(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         elif key == "stop":
             kw[key] = _stop(value)
         elif key == "stop_token_ids":
-            kw[key] = _stop_token_ids(value)
+            kw[key] = _stop_token_ids(value, vocab_size)
         elif key == "logit_bias":
             continue  # checked after the ranges, in SGLang's order
         else:  # seed / sampling_seed
@@ -253,7 +256,7 @@ def _verify(kw: dict[str, Any], raw: dict[str, Any]) -> None:
         value = kw.get(key, default)
         if not ok(value):
             raise _bad(f"{text}, got {_shown(raw, key, value)}.")
-    lo, hi = kw.get("min_new_tokens", 0), kw.get("max_new_tokens", 128)
+    lo, hi = kw.get("min_new_tokens", 0), kw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if lo < 0:
         raise _bad(f"min_new_tokens must be in [0, max_new_tokens], got {lo}.")
     if hi is not None and hi < 0:
@@ -263,22 +266,30 @@ def _verify(kw: dict[str, Any], raw: dict[str, Any]) -> None:
     n = kw.get("n", 1)
     if n < 1:
         raise _bad(f"n must be at least 1, got {n}.")
+    if n > MAX_N:  # the worker's limit (wire.MAX_N); SGLang has none
+        raise _bad(f"n must be at most {MAX_N}, got {n}.")
 
 
-def parse_sampling_params(obj: Any, *, vocab_size: int) -> SamplingParams:
+def parse_sampling_params(obj: Any, *, vocab_size: int) -> SamplingRequest:
     """Validate one ``sampling_params`` object; raises RequestError with SGLang's message."""
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
         raise _bad(f"sampling_params must be an object, got {type(obj).__name__}.")
     _check_fields(obj)
-    kw, raw = _convert(obj)
-    if "max_new_tokens" in obj and obj["max_new_tokens"] is None:
+    kw, raw = _convert(obj, vocab_size)
+    to_context_end = "max_new_tokens" in obj and obj["max_new_tokens"] is None
+    if to_context_end:
         kw["max_new_tokens"] = None  # explicit null: generate until the context ends
     t = kw.get("temperature", 1.0)
     if 0.0 <= t < GREEDY_EPS:
         kw["temperature"], kw["top_k"] = 1.0, 1  # greedy, exactly as SGLang encodes it
     _verify(kw, raw)
     if "logit_bias" in raw:
-        kw["logit_bias"] = _logit_bias(raw["logit_bias"], vocab_size) or None
-    return SamplingParams(**kw)
+        kw["logit_bias"] = _logit_bias(raw["logit_bias"], vocab_size)
+    if kw.get("top_k", -1) >= vocab_size:
+        kw["top_k"] = -1  # the whole vocabulary either way, and the wire's int64 holds it
+    if to_context_end:
+        del kw["max_new_tokens"]
+    text = {k: kw.pop(k) for k in _TEXT_OPTIONS if k in kw}
+    return SamplingRequest(SamplingParams(**kw), to_context_end, **text)

@@ -1,0 +1,197 @@
+"""The sampling contract of a SUBMIT entry (``specs/wire.cddl`` ``sampling``): one definition.
+
+The frontend validates a client's ``sampling_params`` once, with SGLang's messages
+(``lifecycle/core/sampling.py``), builds a ``SamplingParams`` and sends ``to_wire()``; the
+worker reads the map back with ``from_wire`` and samples with it (``gpu/sampling.py``).
+``from_wire`` checks again, because a worker trusts no peer: a bad field is a REQ-ERROR
+``invalid`` for that rid, never a failed step. Its bounds are never stricter than the
+frontend's, and a test holds them to that (whatever the frontend accepts, the worker
+reads back unchanged). Only what the worker reads travels: the detokenizer's options
+(``skip_special_tokens``, ``no_stop_trim``, ...) stay in the frontend. Stop strings do
+travel, because the worker ends a sequence on them; trimming them off the text is the
+frontend's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "GREEDY_EPS",
+    "LOGIT_BIAS_LIMIT",
+    "MAX_N",
+    "SamplingParams",
+    "get_bool",
+    "get_int",
+    "is_greedy",
+    "token_ids",
+]
+
+GREEDY_EPS = 1e-6  # SGLang _SAMPLING_EPS
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_N = 64  # samples of one request: the worker holds rids rid .. rid+n-1
+# A bias this large already forces or bans a token; far larger ones overflow fp32 logits.
+LOGIT_BIAS_LIMIT = 1e9
+_INT64 = 1 << 63
+_MAX_TOKENS = 1 << 30
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    """The one greedy rule. SGLang's edge rewrites temperature < 1e-6 as top_k 1 (with
+    temperature 1.0); a peer that sends temperature 0 as it is means the same."""
+    return top_k == 1 or temperature < GREEDY_EPS
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the worker samples one request: every field of the wire's ``sampling`` map."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # the effective count (prompt length known)
+    min_new_tokens: int = 0  # EOG and stop ids are masked until this many
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()  # the worker ends the sequence on these strings
+    stop_token_ids: tuple[int, ...] = ()  # ascending, distinct
+    ignore_eos: bool = False
+    seed: int | None = None  # None: the worker draws one
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ascending ids
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature, self.top_k)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``sampling`` map: ``max_new_tokens`` always, then every field that differs
+        from its default (the map is small on the common path)."""
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "max_new_tokens" or value == f.default:
+                continue
+            if f.name == "logit_bias":
+                value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, s: dict[str, Any], vocab_size: int) -> SamplingParams:
+        """Read a ``sampling`` map; ``ValueError`` carries a message for REQ-ERROR.
+
+        Absent and null fields take their defaults; keys outside the schema are ignored
+        (an older frontend may still send them)."""
+        max_new = get_int(s, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0, _MAX_TOKENS)
+        top_k = get_int(s, "top_k", -1, -1, _INT64 - 1)
+        if top_k == 0:
+            raise ValueError("top_k must be -1 (disable), or at least 1, got 0.")
+        temperature = _number(s, "temperature", 1.0, 0.0, math.inf)
+        return cls(
+            max_new_tokens=max_new,
+            min_new_tokens=get_int(s, "min_new_tokens", 0, 0, max_new),
+            temperature=temperature,
+            top_p=_number(s, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=top_k,
+            min_p=_number(s, "min_p", 0.0, 0.0, 1.0),
+            frequency_penalty=_number(s, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=_number(s, "presence_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_number(s, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+            stop=_stop(s.get("stop")),
+            stop_token_ids=tuple(
+                sorted(set(token_ids(s.get("stop_token_ids") or [], "stop_token_ids", vocab_size)))
+            ),
+            ignore_eos=get_bool(s, "ignore_eos"),
+            seed=_seed(s.get("seed")),
+            logit_bias=_logit_bias(s.get("logit_bias"), vocab_size),
+            n=get_int(s, "n", 1, 1, MAX_N),
+        )
+
+
+# -- readers for the maps of a SUBMIT entry (the worker's options use them too) ------------
+
+
+def get_int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"{key} must be an integer in [{lo}, {hi}], got {v!r}.")
+    return v
+
+
+def get_bool(d: dict[str, Any], key: str) -> bool:
+    v = d.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ValueError(f"{key} must be a boolean, got {v!r}.")
+    return v
+
+
+def token_ids(v: Any, key: str, vocab_size: int) -> tuple[int, ...]:
+    """Token ids as raw int32 bytes (``ids``) or a list, each in ``[0, vocab_size)``."""
+    if isinstance(v, bytes):
+        if len(v) % 4:
+            raise ValueError(f"{key} must hold whole int32 ids.")
+        ids = np.frombuffer(v, dtype="<i4").tolist()
+    elif isinstance(v, list) and all(type(i) is int for i in v):
+        ids = v
+    else:
+        raise ValueError(f"{key} must be a list of token ids.")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{key} has ids outside [0, {vocab_size - 1}]: {bad[:5]}.")
+    return tuple(ids)
+
+
+def _number(
+    d: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{key} must be a finite number, got {v!r}.")
+    if v < lo or v > hi or (lo_open and v == lo):
+        if hi == math.inf:
+            raise ValueError(f"{key} must be at least {lo:g}, got {v!r}.")
+        raise ValueError(f"{key} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}.")
+    return float(v)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    stop = [v] if isinstance(v, str) else v or []
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise ValueError("stop must be a list of non-empty strings.")
+    return tuple(stop)
+
+
+def _seed(v: Any) -> int | None:
+    if v is not None and (type(v) is not int or not -_INT64 <= v < _INT64):
+        raise ValueError(f"seed must be a 64-bit integer, got {v!r}.")
+    return v
+
+
+def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise ValueError("logit_bias must be a map of token id to number.")
+    out = []
+    for k, bias in v.items():
+        if type(k) is not int or not 0 <= k < vocab_size:
+            raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {k!r}.")
+        name, lim = f"logit_bias[{k}]", LOGIT_BIAS_LIMIT
+        out.append((k, _number({name: bias}, name, 0.0, -lim, lim)))
+    return tuple(sorted(out))
