@@ -1,0 +1,143 @@
+"""The frontend never loads torch (docs: README "Installing"): ``lifecycle serve`` on the
+scripted worker, after it answered /health and one /generate, has imported no ``torch``
+module and mapped no torch library.
+
+Two witnesses, each of which sees lazy imports too, not only the ones at start-up:
+``python -X importtime`` writes one stderr line for every module the process imports, at
+the moment it imports it, and ``/proc/PID/maps`` lists every shared object the running
+process has loaded (torch's ``_C`` extension, ``libtorch*``, ``libc10``). The control test
+runs both on a process that does import torch, so a witness that went blind fails."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lifecycle.core.child import stop_process
+
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["Served", "generate_once", "serve_process", "torch_imports", "torch_libraries"]
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/PID/maps"),
+]
+
+# "import time:   self [us] | cumulative |   module" (python -X importtime, nested names
+# indented); a torch submodule counts as much as torch itself.
+_IMPORT_LINE = re.compile(r"^import time:\s*\d+\s*\|\s*\d+\s*\|\s*(\S+)\s*$", re.M)
+# What the torch wheel maps: torch/_C*.so, torch/lib/libtorch*.so and libc10*.so, and the
+# vendored libraries in torch.libs/.
+_TORCH_LIBRARY = re.compile(r"/torch/|/torch\.libs/|libtorch|libc10")
+_LISTENING = re.compile(r"listening on http://[^:\s]+:(\d+)")
+
+
+def torch_imports(stderr: str) -> list[str]:
+    """The torch modules a ``-X importtime`` log shows were imported."""
+    names = _IMPORT_LINE.findall(stderr)
+    return [n for n in names if n == "torch" or n.startswith("torch.")]
+
+
+def torch_libraries(pid: int) -> list[str]:
+    """torch's shared objects mapped into the process ``pid`` now."""
+    paths = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+    return sorted(p for p in paths if p.startswith("/") and _TORCH_LIBRARY.search(p))
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def serve_process(
+    argv: Sequence[str], log: Path, *, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> Iterator[Served]:
+    """Run a ``lifecycle serve ... --port 0`` command line, its stdout and stderr into
+    ``log``; yields once the port it logged answers /health with 200."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = _wait_healthy(proc, log, deadline=time.monotonic() + 90)
+        yield Served(proc, url, log)
+    finally:
+        stop_process(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], log: Path, deadline: float) -> str:
+    url = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        if url is None and (m := _LISTENING.search(log.read_text(errors="replace"))):
+            url = f"http://127.0.0.1:{m.group(1)}"
+        if url is not None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError(f"server not healthy in time:\n{log.read_text(errors='replace')}")
+
+
+def generate_once(url: str, text: str = "hello world") -> dict[str, object]:
+    r = httpx.post(
+        url + "/generate",
+        timeout=30,
+        json={"text": text, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["meta_info"]["completion_tokens"] == 4, body
+    return body
+
+
+def test_serving_frontend_imports_and_maps_no_torch(tmp_path: Path) -> None:
+    argv = [sys.executable, "-X", "importtime", "-m", "lifecycle", "serve"]
+    argv += ["--scripted-worker", "--port", "0"]
+    with serve_process(argv, tmp_path / "serve.log") as served:
+        generate_once(served.url)
+        assert httpx.get(served.url + "/v1/models", timeout=10).status_code == 200
+        libraries = torch_libraries(served.proc.pid)
+        log = served.log_text()
+    assert len(_IMPORT_LINE.findall(log)) > 100, "no -X importtime log: the witness is blind"
+    assert "lifecycle.app" in _IMPORT_LINE.findall(log)
+    assert torch_imports(log) == []
+    assert libraries == []
+
+
+@pytest.mark.skipif(find_spec("torch") is None, reason="torch not installed (the control)")
+def test_control_both_witnesses_see_a_process_that_imports_torch(tmp_path: Path) -> None:
+    script = "import sys, torch; print('ready', flush=True); sys.stdin.read()"
+    log = tmp_path / "importtime.log"
+    with open(log, "wb") as err:  # a file: torch's import log overfills a pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        libraries = torch_libraries(proc.pid)
+    finally:
+        proc.communicate(b"", timeout=30)
+    assert "torch" in torch_imports(log.read_text())
+    assert any("_C" in p for p in libraries) and any("libtorch" in p for p in libraries)
