@@ -1,7 +1,8 @@
 """Model step costs on the default model: prefill, batched decode, and bare matmuls.
 
 Prints prefill tokens/s for a 512-token prompt, decode step time at batch 1/8/32/64
-(independent sequences, ~128 tokens of context each), and the same matmul shapes timed
+(independent sequences, ~128 tokens of context each) on the worker's paged KV cache (its
+decode attention kernel included, as the engine runs it), and the same matmul shapes timed
 bare (the model's packed projections at those row counts, and plain ``F.linear`` on the
 same weights) so the gap between the model and its matmul floor is visible. Runs in well under a minute on an
 idle machine. ``python bench/model_step.py [THREADS]``.
@@ -24,12 +25,14 @@ tune_cpu_runtime()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.model import DenseKVCache, PackedLinear  # noqa: E402
+from gpu.model import PackedLinear  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 128
 PROMPT = 512
+BLOCK_SIZE = 16
 
 
 def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
@@ -43,29 +46,35 @@ def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
     return statistics.median(times) * 1e3
 
 
+def paged_cache(lm: LoadedModel, seqs: int, length: int) -> tuple[PagedKVCache, list[list[int]]]:
+    """A paged cache holding ``seqs`` sequences of ``length`` positions, and their tables."""
+    per = -(-length // BLOCK_SIZE)
+    cache = PagedKVCache(lm.config, seqs * per, BLOCK_SIZE, lm.device, lm.dtype)
+    return cache, [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
+
+
 def prefill_ms(lm: LoadedModel) -> float:
     ids = torch.randint(100, 40000, (PROMPT,), generator=torch.Generator().manual_seed(0))
     last = torch.tensor([PROMPT - 1])
-    cache = DenseKVCache(lm.config, 1, PROMPT)
+    cache, (table,) = paged_cache(lm, 1, PROMPT)
     positions = torch.arange(PROMPT)
 
     def step() -> None:
-        cache.reset(0)
-        cache.prepare([0], [PROMPT])
+        cache.prepare([], [PrefillChunk(table, 0, PROMPT)])
         lm.model(ids, positions, cache, logits_indices=last)
 
     return median_ms(step, runs=2)
 
 
-def decode_ms(lm: LoadedModel, cache: DenseKVCache, batch: int) -> float:
-    seqs = list(range(batch))
+def decode_ms(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]], batch: int) -> float:
+    """One new token per sequence after CONTEXT positions (attention cost does not depend
+    on what the cached rows hold, so they are never computed)."""
     ids = torch.full((batch,), 1000, dtype=torch.int64)
+    positions = torch.full((batch,), CONTEXT, dtype=torch.int64)
+    decodes = [(tables[s], CONTEXT + 1) for s in range(batch)]
 
     def step() -> None:
-        for s in seqs:
-            cache.set_length(s, CONTEXT)
-        positions = cache.positions(seqs, [1] * batch)
-        cache.prepare(seqs, [1] * batch)
+        cache.prepare(decodes, [])
         lm.model(ids, positions, cache)
 
     return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
@@ -104,12 +113,12 @@ def main() -> int:
     with torch.inference_mode():
         ms = prefill_ms(lm)
         print(f"prefill {PROMPT} tokens: {ms:.0f} ms = {PROMPT / ms * 1e3:.0f} tok/s")
-        cache = DenseKVCache(lm.config, max(BATCHES), CONTEXT + 1)
+        cache, tables = paged_cache(lm, max(BATCHES), CONTEXT + 1)
         print(f"decode step, context {CONTEXT} per sequence, logits for every row:")
         print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} "
               f"{'+ head)':>8} {'F.linear ms':>12}")  # fmt: skip
         for b in BATCHES:
-            step = decode_ms(lm, cache, b)
+            step = decode_ms(lm, cache, tables, b)
             layers, head = bare_matmul_ms(lm, b, packed=True)
             plain = sum(bare_matmul_ms(lm, b, packed=False))
             print(f"{b:>5} {step:>8.1f} {b / step * 1e3:>7.0f} {layers + head:>11.1f} "

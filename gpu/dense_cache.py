@@ -1,9 +1,17 @@
-"""A contiguous per-sequence KV cache: the simple ``AttentionBackend``.
+"""A contiguous per-sequence KV cache: the simple ``AttentionBackend``, kept as an oracle.
 
-For tests, the offline CLI and benchmarks. Each sequence slot owns ``max_len`` rows per
-layer, stored ``[layer, slot, kv_head, pos, head_dim]`` so a slot's keys are already in
-the ``[B, H, L, D]`` layout SDPA wants (a view, not a copy, for one sequence or a run
-of adjacent slots).
+Nothing that serves or generates uses it: the worker and ``python -m gpu.generate`` both
+run the engine on the paged cache (``gpu/kv_cache.py``). It stays as the independent
+"run alone" implementation the paged path is checked against (``tests/test_worker_engine.py``:
+logits of both backends, and engine tokens against greedy runs on this one;
+``tests/test_model.py`` and ``tests/test_model_reference.py`` check the model itself
+through it). It shares no code with the paged cache: one contiguous slot per sequence,
+its own masks, no block tables, gathers or C kernel, so a bug in any of those cannot
+hide in both. See docs/worker.md.
+
+Each sequence slot owns ``max_len`` rows per layer, stored ``[layer, slot, kv_head, pos,
+head_dim]`` so a slot's keys are already in the ``[B, H, L, D]`` layout SDPA wants (a
+view, not a copy, for one sequence or a run of adjacent slots).
 """
 
 from __future__ import annotations

@@ -1,27 +1,36 @@
-"""Offline greedy generation: ``python -m gpu.generate "prompt" [--chat]``."""
+"""Offline greedy generation: ``python -m gpu.generate "prompt" [--chat]``.
+
+It runs the worker's own code, the step ``Engine`` on the paged KV cache, with one
+request in memory (no socket): what it prints is what a server would generate for the
+same greedy request.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Iterator
 
 from gpu.cpu_runtime import tune_cpu_runtime
 
-tune_cpu_runtime()  # before torch is imported
+tune_cpu_runtime()  # before torch is imported (gpu.engine imports it)
 
-import torch  # noqa: E402
-
+from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.model import DenseKVCache  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
+from wire import SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
+
+BLOCK_SIZE = 16
 
 
 def greedy_generate(
     lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, stream: bool = False
 ) -> list[int]:
-    """Greedy continuation of ``prompt_ids``, stopping at an end-of-generation id.
+    """Greedy continuation of ``prompt_ids``, stopping at an end-of-generation id (not
+    returned) or after ``max_new_tokens``, capped by what the context leaves.
 
     With ``stream``, text is written to stdout as it is decoded.
     """
@@ -32,32 +41,39 @@ def greedy_generate(
         raise ValueError(
             f"prompt of {len(prompt_ids)} tokens fills the {lm.config.context_length}-token context"
         )
-    max_new_tokens = min(max_new_tokens, room)
-    cache = DenseKVCache(
-        lm.config, 1, len(prompt_ids) + max_new_tokens, device=lm.device, dtype=lm.dtype
-    )
     decoder = lm.tokenizer.decode_stream(skip_special_tokens=True)
     out: list[int] = []
-    ids = prompt_ids
-    with torch.inference_mode():
-        while len(out) < max_new_tokens:
-            positions = cache.positions([0], [len(ids)])
-            cache.prepare([0], [len(ids)])
-            x = torch.tensor(ids, dtype=torch.int64, device=lm.device)
-            last = torch.tensor([len(ids) - 1], device=lm.device)
-            logits = lm.model(x, positions, cache, logits_indices=last)
-            token = int(logits[0].argmax())
-            if token in lm.tokenizer.eog_ids:
-                break
-            out.append(token)
-            if stream:
-                sys.stdout.write(decoder.step(token))
-                sys.stdout.flush()
-            ids = [token]
+    for token in _engine_tokens(lm, prompt_ids, min(max_new_tokens, room)):
+        out.append(token)
+        if stream:
+            sys.stdout.write(decoder.step(token))
+            sys.stdout.flush()
     if stream:
         sys.stdout.write(decoder.flush() + "\n")
         sys.stdout.flush()
     return out
+
+
+def _engine_tokens(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+    """The request's tokens as the engine steps; a matched end-of-generation id ends it."""
+    blocks = max(1, math.ceil((len(prompt_ids) + max(max_new_tokens, 0)) / BLOCK_SIZE))
+    engine = Engine(lm, EngineConfig(kv_blocks=blocks, block_size=BLOCK_SIZE, max_running=1))
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, top_k=1).to_wire()
+    errors, done = engine.submit([SubmitEntry(0, pack_ids(prompt_ids), sampling, {})])
+    if errors:
+        raise ValueError(errors[0][2])
+    entries = done
+    while True:
+        for e in entries:
+            new = ids_to_list(e.new_ids)
+            if e.finish is not None and e.finish[0] == "stop":
+                new = new[:-1]  # the end-of-generation id itself is not part of the text
+            yield from new
+            if e.finish is not None:
+                return
+        if not engine.has_work:
+            raise RuntimeError("the engine went idle before the request finished")
+        entries = engine.step()
 
 
 def run_generate(

@@ -22,13 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.dense_cache import DenseKVCache
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
 __all__ = [
     "AttentionBackend",
-    "DenseKVCache",
     "Llama",
     "LlamaWeights",
     "PackedLinear",

@@ -22,6 +22,17 @@ def test_cli_prints_a_continuation(tiny_gguf: TinyModel) -> None:
     assert done.stdout.endswith("\n") and len(done.stdout) > 1
 
 
+def test_generate_and_the_worker_run_the_engine_not_the_dense_oracle() -> None:
+    # One inference path (issue 16): offline generation is the worker's engine on the
+    # paged cache; the dense cache is only the tests' oracle.
+    code = (
+        "import sys, gpu.generate, gpu.worker; "
+        "assert 'gpu.engine' in sys.modules and 'gpu.dense_cache' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_same_prompt_same_output(tiny_gguf: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_generate("hello world", model=str(tiny_gguf.path), max_new_tokens=5) == 0
     first = capsys.readouterr().out

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.dense_cache import DenseKVCache
 from gpu.generate import greedy_generate
 from gpu.loader import LoadedModel, load_model
-from gpu.model import DenseKVCache, Llama
+from gpu.model import Llama
 from tests.tiny_gguf import TinyModel
 
 

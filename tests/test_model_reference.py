@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.dense_cache import DenseKVCache
 from gpu.loader import LoadedModel
-from gpu.model import DenseKVCache
 from modelfile.gguf_file import default_model_path
 
 # The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
