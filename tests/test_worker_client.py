@@ -7,8 +7,10 @@ from typing import Any
 import anyio
 import pytest
 
+from lifecycle.core.submission import WorkerFailure
+from lifecycle.core.supervisor import generate_probe
 from lifecycle.core.wire_stream import connect, parse_address
-from lifecycle.core.worker_client import WorkerClient, WorkerFailure
+from lifecycle.core.worker_client import WorkerClient
 
 from .scripted import scripted_worker
 
@@ -135,3 +137,35 @@ async def test_req_error_is_terminal_for_its_rid_only() -> None:
             assert good.ids == [3, 3]
             assert client.in_flight == 0
             tg.cancel_scope.cancel()
+
+
+async def test_generate_probe_passes_on_its_own_output_and_wakes_on_an_end_without_one() -> None:
+    """The warm-up and ``/health_generate`` probe passes only on its own tokens; a sample
+    that ends without any (the connection lost while it waits, or refused at submit)
+    wakes it at once with the reason."""
+    with scripted_worker("--prefill-delay", "30") as slow, scripted_worker() as quick:
+        client = await _client(quick)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run)
+            with anyio.fail_after(10):
+                assert await generate_probe(client) == (True, "ok")
+                assert await generate_probe(client, max_new_tokens=3) == (True, "ok")
+            tg.cancel_scope.cancel()
+
+        stuck = await _client(slow)
+        got: list[tuple[bool, str]] = []
+
+        async def probe() -> None:
+            got.append(await generate_probe(stuck))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stuck.run)
+                tg.start_soon(probe)
+                while not stuck.busy:  # handed to the worker, which sits in its prefill
+                    await anyio.sleep(0.01)
+                await stuck.close()  # the connection ends: run() fails what it held
+        ((ok, detail),) = got
+        assert not ok and detail.startswith("worker_lost: ")
+        ok, detail = await generate_probe(stuck)  # closed now: refused at submit
+        assert (ok, detail) == (False, "worker_lost: the worker is not connected")

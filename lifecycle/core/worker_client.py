@@ -5,7 +5,8 @@
   here, in submission order, in a queue bounded by ``max_queued`` (a submission past it
   is refused as overloaded); everything that fits goes out in ONE Submit frame.
 - What the worker holds for each submission (``WorkerHold``: queued here, running there,
-  released) is recorded here, in its ``Submission``, and nowhere else.
+  released) is recorded in its ``Submission`` (``lifecycle.core.submission``), which
+  only this client moves, and nowhere else.
 - The abort lane: aborts are sent before any submit and are never held back by credits.
 - Egress: every STEP entry is appended to its rid's sink (an ``OutputBuffer``) without
   awaiting, one frame per scheduler step.
@@ -24,12 +25,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 
-from lifecycle.core.states import HOLD_EDGES, WorkerHold
+from lifecycle.core.states import WorkerHold
+from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_reason
 from lifecycle.core.wire_stream import FrameStream
 from wire import (
     Abort,
@@ -52,104 +53,12 @@ from wire import (
 )
 from wire.faults import fault_point
 
-__all__ = [
-    "DEFAULT_MAX_QUEUED",
-    "Sink",
-    "Submission",
-    "WorkerClient",
-    "WorkerFailure",
-    "finish_reason",
-]
+__all__ = ["DEFAULT_MAX_QUEUED", "WorkerClient"]
 
 log = logging.getLogger("lifecycle.worker")
 
 
-class Sink(Protocol):
-    """Where one sample's output goes (``lifecycle.core.buffers.OutputBuffer`` fits)."""
-
-    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> object: ...
-
-    def finish(self, reason: Any) -> object: ...
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerFailure:
-    """Terminal reason when the worker refused a request or the connection was lost.
-
-    ``code``: "invalid" | "too_long" | "internal" (REQ-ERROR codes) or "worker_lost"."""
-
-    code: str
-    message: str
-
-
-def finish_reason(finish: list[Any]) -> dict[str, Any]:
-    """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object."""
-    kind, value = finish
-    if kind == "stop":
-        return {"type": "stop", "matched": value}
-    if kind == "length":
-        return {"type": "length", "length": value}
-    return {"type": "abort", "message": str(value)}
-
-
-_HOLD_MOVES = {(e.src, e.event): e.dst for e in HOLD_EDGES}
 DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control probes
-
-
-class Submission:
-    """One submitted prompt with its ``n`` samples: what the worker holds for it.
-
-    The one record of that fact (``hold``, moved only along ``HOLD_EDGES``); the request
-    record, the registry's tombstones, the abort lane and the egress all ask it. The
-    samples' wire rids are ``rid .. rid + n - 1``; ``sinks[i]`` is None once sample ``i``
-    ended or its output is to be dropped.
-    """
-
-    __slots__ = ("rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release")
-
-    def __init__(
-        self,
-        rid: int,
-        sinks: list[Sink],
-        entry: SubmitEntry | None,
-        on_dispatch: Callable[[], None] | None = None,
-        on_release: Callable[[], None] | None = None,
-    ) -> None:
-        self.rid = rid
-        self.n = len(sinks)
-        self.entry = entry
-        self.sinks: list[Sink | None] = list(sinks)
-        self.hold = WorkerHold.NONE
-        self.open = self.n  # samples the worker has not ended yet
-        self.on_dispatch = on_dispatch
-        self.on_release = on_release
-
-    @property
-    def rids(self) -> list[int]:
-        return list(range(self.rid, self.rid + self.n))
-
-    @property
-    def dropping(self) -> bool:
-        """Held, but nobody reads its output any more (a tombstone)."""
-        return self.hold is WorkerHold.RUNNING and all(s is None for s in self.sinks)
-
-    def move(self, event: str) -> None:
-        dst = _HOLD_MOVES.get((self.hold, event))
-        if dst is None:
-            raise RuntimeError(f"submission {self.rid}: no {event!r} from {self.hold.value!r}")
-        src, self.hold = self.hold, dst
-        callback = self.on_dispatch if event == "dispatch" else None
-        if src is WorkerHold.RUNNING:  # only a hold the worker had ends in a release
-            callback = self.on_release
-        if callback is not None:
-            callback()
-
-    def end_all(self, reason: Any) -> None:
-        """Finish every sample that has not ended yet with ``reason``."""
-        for i, sink in enumerate(self.sinks):
-            if sink is not None:
-                self.sinks[i] = None
-                sink.finish(reason)
 
 
 class WorkerClient:
@@ -200,8 +109,8 @@ class WorkerClient:
             next(self._rids)
         if n > 1:
             sampling = {**sampling, "n": n}
-        sub = Submission(base, sinks, SubmitEntry(base, pack_ids(prompt), sampling, options))
-        sub.on_dispatch, sub.on_release = on_dispatch, on_release
+        entry = SubmitEntry(base, pack_ids(prompt), sampling, options)
+        sub = Submission(base, sinks, entry, on_dispatch, on_release)
         refusal = None
         if self.closed:
             refusal = WorkerFailure("worker_lost", "the worker is not connected")

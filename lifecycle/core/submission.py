@@ -1,0 +1,96 @@
+"""What the worker holds for one submitted prompt, and where its samples' output goes.
+
+A ``Submission`` is the one record of that fact (``WorkerHold``, moved only along
+``states.HOLD_EDGES``). The dispatcher (``lifecycle.core.worker_client``) moves it; the
+request record, the registry's tombstones, the abort lane and the egress ask it. Each
+sample's output goes to a ``Sink``; a sample that ends without a finish reason of the
+worker's ends with a ``WorkerFailure``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lifecycle.core.states import HOLD_EDGES, WorkerHold
+from wire import SubmitEntry
+
+__all__ = ["Sink", "Submission", "WorkerFailure", "finish_reason"]
+
+
+class Sink(Protocol):
+    """Where one sample's output goes (``lifecycle.core.buffers.OutputBuffer`` fits)."""
+
+    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> object: ...
+
+    def finish(self, reason: Any) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """Terminal reason when the worker refused a request or the connection was lost.
+
+    ``code``: "invalid" | "too_long" | "internal" (REQ-ERROR codes) or "worker_lost"."""
+
+    code: str
+    message: str
+
+
+def finish_reason(finish: list[Any]) -> dict[str, Any]:
+    """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object."""
+    kind, value = finish
+    if kind == "stop":
+        return {"type": "stop", "matched": value}
+    if kind == "length":
+        return {"type": "length", "length": value}
+    return {"type": "abort", "message": str(value)}
+
+
+_HOLD_MOVES = {(e.src, e.event): e.dst for e in HOLD_EDGES}
+
+
+class Submission:
+    """One submitted prompt with its ``n`` samples: what the worker holds for it.
+
+    The samples' wire rids are ``rid .. rid + n - 1``; ``sinks[i]`` is None once sample
+    ``i`` ended or its output is to be dropped. ``on_dispatch`` runs when the prompt is
+    handed to the worker, ``on_release`` when a hold the worker had ends.
+    """
+
+    __slots__ = ("rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release")
+
+    def __init__(
+        self,
+        rid: int,
+        sinks: list[Sink],
+        entry: SubmitEntry | None,
+        on_dispatch: Callable[[], None] | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.n = len(sinks)
+        self.entry = entry
+        self.sinks: list[Sink | None] = list(sinks)
+        self.hold = WorkerHold.NONE
+        self.open = self.n  # samples the worker has not ended yet
+        self.on_dispatch = on_dispatch
+        self.on_release = on_release
+
+    def move(self, event: str) -> None:
+        dst = _HOLD_MOVES.get((self.hold, event))
+        if dst is None:
+            raise RuntimeError(f"submission {self.rid}: no {event!r} from {self.hold.value!r}")
+        src, self.hold = self.hold, dst
+        callback = self.on_dispatch if event == "dispatch" else None
+        if src is WorkerHold.RUNNING:  # only a hold the worker had ends in a release
+            callback = self.on_release
+        if callback is not None:
+            callback()
+
+    def end_all(self, reason: Any) -> None:
+        """Finish every sample that has not ended yet with ``reason``."""
+        for i, sink in enumerate(self.sinks):
+            if sink is not None:
+                self.sinks[i] = None
+                sink.finish(reason)
