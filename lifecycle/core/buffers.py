@@ -1,17 +1,17 @@
 """Handoff buffers: admission (handler -> dispatcher) and egress (dispatcher -> client writer).
 
-Both are in-memory and sans-IO apart from one ``anyio.Event`` to wake the writer. The
-dispatcher side is synchronous and never blocks: a slow client does not slow the worker
-or other requests, it only receives fewer, larger chunks (one per wake-up, holding
-everything appended since its last read), and never a gap.
+Both are in-memory and sans-IO: no awaiting, no clock, no event. Whoever reads a
+buffer is woken by its own means (a ``GenerateCall`` by the sink that wraps the buffer,
+``lifecycle.core.call``). The dispatcher side is synchronous and never blocks: a slow
+client does not slow the worker or other requests, it only receives fewer, larger
+chunks (one per wake-up, holding everything appended since its last read), and never a
+gap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 __all__ = ["AdmissionQueue", "Chunk", "OutputBuffer", "OutputOverflow"]
 
@@ -58,7 +58,7 @@ class OutputOverflow(RuntimeError):
 
 @dataclass(slots=True)
 class Chunk:
-    """Everything appended since the previous ``take``; ``end`` once the terminal is reached.
+    """Everything appended since the previous read; ``end`` once the terminal is reached.
 
     ``start`` is the output position of ``ids[0]``; ``extras`` are the non-empty
     ``extra`` maps in append order, each as given for its own append.
@@ -80,7 +80,7 @@ class OutputBuffer:
     the last data, so a reader never sees the end before all tokens.
     """
 
-    __slots__ = ("limit", "total", "_ids", "_extras", "_end", "_delivered_end", "_wake", "_taken")
+    __slots__ = ("limit", "total", "_ids", "_extras", "_end", "_delivered_end", "_taken")
 
     def __init__(self, limit: int) -> None:
         if limit < 0:
@@ -91,7 +91,6 @@ class OutputBuffer:
         self._extras: list[dict[str, Any]] = []
         self._end: Any | None = None
         self._delivered_end = False
-        self._wake: anyio.Event | None = None
         self._taken = 0
 
     @property
@@ -119,7 +118,6 @@ class OutputBuffer:
         self.total += len(ids)
         if extra:
             self._extras.append(extra)
-        self._notify()
         return True
 
     def finish(self, reason: Any) -> bool:
@@ -129,7 +127,6 @@ class OutputBuffer:
         if self._end is not None:
             return False
         self._end = reason
-        self._notify()
         return True
 
     def take_nowait(self) -> Chunk | None:
@@ -143,22 +140,3 @@ class OutputBuffer:
         if self._end is not None:
             self._delivered_end = True
         return Chunk(ids, extras, self._end, start)
-
-    async def take(self) -> Chunk:
-        """Wait until there is new data or the end, then return all of it at once."""
-        while True:
-            chunk = self.take_nowait()
-            if chunk is not None:
-                return chunk
-            # One reader is the design (the client writer); sharing the event keeps a
-            # second one from stranding the first.
-            wake = self._wake
-            if wake is None:
-                wake = self._wake = anyio.Event()
-            await wake.wait()
-
-    def _notify(self) -> None:
-        wake = self._wake
-        if wake is not None:
-            self._wake = None
-            wake.set()

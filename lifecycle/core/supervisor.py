@@ -23,8 +23,9 @@ import anyio
 import anyio.abc
 
 from lifecycle.core.buffers import OutputBuffer
+from lifecycle.core.submission import WorkerFailure
 from lifecycle.core.wire_stream import FrameStream, connect, parse_address
-from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient, WorkerFailure
+from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 
 __all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed"]
@@ -204,23 +205,38 @@ class Supervisor:
         }
 
 
+class _ProbeSink:
+    """The probe's one sample: an ``OutputBuffer`` (its bound is the probe's length)
+    that wakes the probe when the sample ends."""
+
+    __slots__ = ("buffer", "ended")
+
+    def __init__(self, limit: int) -> None:
+        self.buffer = OutputBuffer(limit)
+        self.ended = anyio.Event()
+
+    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
+        self.buffer.append(ids, extra)
+
+    def finish(self, reason: Any) -> None:
+        self.buffer.finish(reason)
+        self.ended.set()
+
+
 async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple[bool, str]:
     """One real generation; passes only on its own output. Admission is the caller's
     (``Frontend.probe``); the warm-up runs before any request is admitted."""
-    buf = OutputBuffer(max_new_tokens)
+    sink = _ProbeSink(max_new_tokens)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    sub = client.submit([0], sampling, {}, [buf])
+    sub = client.submit([0], sampling, {}, [sink])
     try:
-        got = 0
-        while True:
-            chunk = await buf.take()
-            got += len(chunk.ids)
-            if chunk.end is not None:
-                break
+        await sink.ended.wait()
     finally:
-        if not buf.ended:
+        if not sink.buffer.ended:
             client.abort(sub, forget=True)
-    end = chunk.end
+    chunk = sink.buffer.take_nowait()
+    assert chunk is not None  # the sample ended: its end is there to take
+    got, end = len(chunk.ids), chunk.end
     if isinstance(end, WorkerFailure):
         return False, f"{end.code}: {end.message}"
     if got != max_new_tokens:
