@@ -73,7 +73,8 @@ def _phase(
 
 def _fsm_us(rounds: int = 20000) -> float:
     from lifecycle.core.buffers import AdmissionQueue
-    from lifecycle.core.fsm import Registry, admit, new_request
+    from lifecycle.core.fsm import admit, new_request
+    from lifecycle.core.registry import Registry
     from lifecycle.core.states import Event
 
     reg, q = Registry(), AdmissionQueue(10)

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transitions import Machine  # noqa: E402
 
-from lifecycle.core.fsm import Registry, new_request  # noqa: E402
+from lifecycle.core.fsm import new_request  # noqa: E402
+from lifecycle.core.registry import Registry  # noqa: E402
 from lifecycle.core.states import EDGES, INITIAL, Event, State  # noqa: E402
 
 PATH = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN, Event.FINISH)

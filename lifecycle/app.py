@@ -112,12 +112,12 @@ class App:
         grace = min(_CUT_GRACE, timeout / 5)  # for the cut requests' owners to answer
         fe.begin_drain()
         self.server.begin_drain()
-        log.info("draining: %d live calls, up to %.1fs", len(fe.live_calls()), timeout)
+        log.info("draining: %d live calls, up to %.1fs", len(fe.calls), timeout)
         cut = 0
-        if not await fe.wait_drained(timeout - grace):
-            cut = fe.cut_all(DRAIN.cut, "the server is shutting down")
+        if not await fe.calls.wait_drained(timeout - grace):
+            cut = fe.calls.cut_all(DRAIN.cut, "the server is shutting down")
             log.warning("drain timeout: %d requests ended with an error", cut)
-            await fe.wait_drained(grace / 2)
+            await fe.calls.wait_drained(grace / 2)
         await self.server.shutdown(grace / 2)
         return cut
 

@@ -15,9 +15,10 @@ from typing import Any
 import anyio
 
 from lifecycle.core.buffers import OutputBuffer
-from lifecycle.core.fsm import Registry, RequestRecord, new_request
+from lifecycle.core.fsm import RequestRecord, new_request
+from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause, Event
-from lifecycle.core.worker_client import Submission
+from lifecycle.core.submission import Submission
 from lifecycle.tracing.debug import Auth, install_debug
 from lifecycle.tracing.tracer import TraceConfig, Tracer
 from transport import Router, Server, ServerConfig

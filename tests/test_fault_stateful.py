@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lifecycle.core.errors import RequestError
-from lifecycle.core.frontend import Frontend, FrontendConfig, GenerateCall, ServeError
+from lifecycle.core.call import GenerateCall
+from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.params import parse_generate
 from lifecycle.core.states import Cause
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig

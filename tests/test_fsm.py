@@ -1,4 +1,8 @@
-"""The request state machine: table-driven edges, spec equality, registry, no leaks."""
+"""The request state machine: table-driven edges, spec equality, registry, no leaks.
+
+The ``transitions`` library is the oracle here: a machine built from
+``specs/lifecycle.json`` must agree, edge by edge, with the table the code runs
+(``lifecycle.core.fsm.EDGE_TABLE``, compiled from ``lifecycle/core/states.py``)."""
 
 from __future__ import annotations
 
@@ -6,27 +10,26 @@ import dataclasses
 import gc
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from transitions import MachineError
+from transitions import Machine, MachineError
 
 from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
 from lifecycle.core.errors import RequestError
 from lifecycle.core.fsm import (
-    COMPILED,
-    MACHINE,
-    DuplicateRid,
+    EDGE_TABLE,
     GuardRefused,
     IllegalTransition,
-    Registry,
     RequestRecord,
     admit,
     new_request,
     spec_dict,
 )
+from lifecycle.core.registry import DuplicateRid, Registry
 from lifecycle.core.states import (
     EDGES,
     HOLD_EDGES,
@@ -38,10 +41,35 @@ from lifecycle.core.states import (
     State,
     WorkerHold,
 )
-from lifecycle.core.worker_client import Submission
+from lifecycle.core.submission import Submission
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = json.loads((ROOT / "specs" / "lifecycle.json").read_text())
+
+
+def _oracle(spec: dict[str, Any]) -> Machine:
+    """A ``transitions`` machine for the spec's table, with no model of its own (tests
+    add one per check and remove it)."""
+    states = [{"name": s, "final": s in spec["terminal"]} for s in spec["states"]]
+    edges = [
+        {
+            "trigger": e["event"],
+            "source": e["src"],
+            "dest": e["dst"],
+            **({"conditions": e["guard"]} if e["guard"] else {}),
+        }
+        for e in spec["edges"]
+    ]
+    return Machine(
+        model=None,
+        states=states,
+        transitions=edges,
+        initial=spec["initial"],
+        auto_transitions=False,  # no to_<state>() back doors around the table
+    )
+
+
+MACHINE = _oracle(SPEC)
 
 # Shortest event path from RECEIVED to each state (FAIL excluded: ERROR is reached by fail()).
 PATH_TO = {
@@ -81,7 +109,7 @@ def record_in(state: State) -> RequestRecord:
 
 
 LEGAL = [(e.src, e.event, e.dst) for e in EDGES]
-ILLEGAL = [(s, ev) for s in State for ev in Event if (s, ev) not in COMPILED]
+ILLEGAL = [(s, ev) for s in State for ev in Event if (s, ev) not in EDGE_TABLE]
 
 
 # -- the table, the machine and the spec agree ---------------------------------------------
@@ -92,21 +120,21 @@ def test_spec_file_equals_code_table() -> None:
     assert spec == spec_dict()
 
 
-def test_compiled_table_equals_transitions_machine() -> None:
+def test_edge_table_equals_transitions_machine() -> None:
     from_machine = {}
     for name, event in MACHINE.events.items():
         for src, candidates in event.transitions.items():
             for tr in candidates:
                 guard = tr.conditions[0].func if tr.conditions else None
                 from_machine[(State(src), Event(name))] = (State(tr.dest), guard)
-    assert from_machine == COMPILED
+    assert from_machine == EDGE_TABLE
     assert {s for s in MACHINE.states} == {s.value for s in State}
     assert {s for s, st_ in MACHINE.states.items() if st_.final} == {s.value for s in TERMINAL}
 
 
 def test_error_reachable_from_every_live_state_and_terminals_have_no_exit() -> None:
-    assert {s for (s, ev) in COMPILED if ev is Event.FAIL} == set(LIVE)
-    assert not [k for k in COMPILED if k[0] in TERMINAL]
+    assert {s for (s, ev) in EDGE_TABLE if ev is Event.FAIL} == set(LIVE)
+    assert not [k for k in EDGE_TABLE if k[0] in TERMINAL]
 
 
 @pytest.mark.parametrize(("src", "event", "dst"), LEGAL, ids=lambda x: getattr(x, "value", x))
@@ -132,6 +160,8 @@ def test_every_illegal_edge(src: State, event: Event) -> None:
     before = list(rec.trace)
     with pytest.raises(IllegalTransition):
         rec.fire(event)
+    assert rec.state is src and rec.trace == before
+    assert rec.advance(event) is False  # the request path's form: refused, nothing moved
     assert rec.state is src and rec.trace == before
     model = type("M", (), {})()
     MACHINE.add_model(model, initial=src.value)
@@ -201,6 +231,8 @@ def test_admission_guard_takes_a_slot_or_refuses() -> None:
     with pytest.raises(GuardRefused):
         c.fire(Event.ADMIT, queue)
     assert c.state is State.VALIDATED and queue.depth == 1
+    assert c.advance(Event.ADMIT, queue) is False  # refused without taking a slot
+    assert c.state is State.VALIDATED and queue.depth == 1 and len(c.trace) == 1
     queue.release()
     c.fire(Event.ADMIT, queue)
     assert c.state is State.QUEUED and queue.depth == 1
@@ -380,9 +412,9 @@ class RandomLifecycles(RuleBasedStateMachine):
     @rule(event=st.sampled_from([e for e in Event if e is not Event.FAIL]))
     def fire(self, event: Event) -> None:
         src = self.rec.state
-        if (src, event) in COMPILED:
+        if (src, event) in EDGE_TABLE:
             self.rec.fire(event)
-            assert self.rec.state is COMPILED[(src, event)][0]
+            assert self.rec.state is EDGE_TABLE[(src, event)][0]
             self.terminal_entries += self.rec.state in TERMINAL
         else:
             with pytest.raises(IllegalTransition):

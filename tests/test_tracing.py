@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from lifecycle.core import fsm
-from lifecycle.core.fsm import Registry, RequestRecord, new_request
+from lifecycle.core.fsm import RequestRecord, new_request
+from lifecycle.core.registry import Registry
 from lifecycle.core.states import EDGES, INITIAL, LIVE, TERMINAL, Cause, Event, State
 from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, read_log
 from lifecycle.tracing.tracer import TraceConfig, Tracer

@@ -15,15 +15,15 @@ import sys
 MUTS = [
     (
         "test_zombie_decode_after_disconnect",
-        "lifecycle/core/frontend.py",
+        "lifecycle/core/call.py",
         "            if run.sub is not None and self.client is not None:\n                self.client.abort(run.sub, forget=True, message=detail or cause.value)\n",
         "            pass\n",
     ),
     (
         "test_abort_does_not_kill_other_clients_decode",
-        "lifecycle/core/frontend.py",
+        "lifecycle/core/live_calls.py",
         "        call.abort(message, rec.id)\n",
-        "        for other in self.live_calls():\n            other.abort(message)  # process-global stop\n",
+        "        for other in self.calls():\n            other.abort(message)  # process-global stop\n",
     ),
     (
         "test_kv_not_leaked_on_abort_during_handoff",
@@ -57,7 +57,7 @@ MUTS = [
     ),
     (
         "test_malformed_logprob_field_does_not_kill_scheduler",
-        "lifecycle/core/frontend.py",
+        "lifecycle/core/call.py",
         "                except (ValueError, TypeError, KeyError, IndexError) as exc:\n",
         "                except ZeroDivisionError as exc:\n",
     ),

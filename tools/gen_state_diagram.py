@@ -53,6 +53,26 @@ def _drain(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _how_it_runs() -> list[str]:
+    return [
+        "`lifecycle/core/states.py` holds the table (equal to `specs/lifecycle.json`);",
+        "`lifecycle/core/fsm.py` compiles it once into a dict, `(state, event) -> (dst,",
+        "guard)`, and that dict decides every edge. The request path never checks a state",
+        "before firing: `RequestRecord.advance` takes the edge or answers False (no edge",
+        "from here, or its guard refused) and the caller handles the refusal where it",
+        "fires: a first token while already `streaming` is no edge, a `finish` with no",
+        "edge ends the request `error(internal)`, a refused `admit` ends it",
+        "`error(overloaded)`. `fire` is the strict form, for edges that must exist.",
+        "",
+        "The `transitions` library is not used at run time. `tests/test_fsm.py` builds a",
+        "`transitions` machine from `specs/lifecycle.json` and uses it as an independent",
+        "oracle: driven edge by edge, every legal and every illegal one, it must agree",
+        "with the compiled dict. It is not run per request because a shared machine with",
+        "one model per request measured 27-56x the cost of the dict lifecycle and keeps",
+        "every model not removed (`bench/fsm.py`).",
+    ]
+
+
 def render(spec: dict[str, Any]) -> str:
     hold = spec["worker_hold"]
     out = [
@@ -68,6 +88,10 @@ def render(spec: dict[str, Any]) -> str:
         "## Guards",
         "",
         *(f"- `{name}`: {text}." for name, text in spec["guards"].items()),
+        "",
+        "## How the table is run",
+        "",
+        *_how_it_runs(),
         "",
         "## What the worker holds",
         "",

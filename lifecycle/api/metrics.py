@@ -26,7 +26,8 @@ from lifecycle.core.states import Cause, Event, State
 from transport import Request, Response, Router
 
 if TYPE_CHECKING:
-    from lifecycle.core.frontend import Frontend, GenerateCall
+    from lifecycle.core.call import GenerateCall
+    from lifecycle.core.frontend import Frontend
 
 __all__ = ["PREFIX", "Metrics", "record_timings"]
 

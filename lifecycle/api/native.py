@@ -17,8 +17,9 @@ from typing import Any
 import anyio
 import orjson
 
-from lifecycle.core.errors import RequestError
-from lifecycle.core.frontend import ExitCause, Frontend, GenerateCall, ServeError
+from lifecycle.core.call import ExitCause, GenerateCall
+from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
 from lifecycle.core.states import DRAIN, Cause
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
@@ -234,9 +235,9 @@ class NativeAPI:
             return error_response(400, "body must be a JSON object")
         rid, abort_all = body.get("rid"), body.get("abort_all") is True
         if abort_all:
-            self.fe.abort(abort_all=True)
+            self.fe.calls.abort(abort_all=True)
         elif isinstance(rid, str) and rid:  # SGLang ignores an empty rid without abort_all
-            self.fe.abort(rid)
+            self.fe.calls.abort(rid)
         return Response(b"")
 
     async def flush_cache(self, request: Request) -> Response:

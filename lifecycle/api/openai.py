@@ -21,8 +21,9 @@ import orjson
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
-from lifecycle.core.errors import RequestError
-from lifecycle.core.frontend import Frontend, GenerateCall, ServeError
+from lifecycle.core.call import GenerateCall
+from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import GenerateRequest
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 

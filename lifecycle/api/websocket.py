@@ -27,8 +27,8 @@ import orjson
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.openai_params import OpenAIError
-from lifecycle.core.errors import RequestError
-from lifecycle.core.frontend import GenerateCall, ServeError
+from lifecycle.core.call import GenerateCall
+from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.params import GenerateRequest, parse_generate
 from lifecycle.core.states import Cause
 from transport import Request, Response, Router, WebSocket, WebSocketClosed, WebSocketResponse

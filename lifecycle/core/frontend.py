@@ -1,66 +1,36 @@
-"""The request path between an API handler and the worker, without HTTP.
+"""The request path's process-wide parts, between the API handlers and the worker.
 
-``Frontend`` holds the process-wide parts (registry of live requests and of the calls
-that own them, admission queue, tokenizer, the supervised worker, the drain).
-``GenerateCall`` is one generate call: one ``RequestRecord`` per prompt (a batch has
-several), ``n`` samples each, every sample with its own ``OutputBuffer``.
-
-A call is the one owner of its requests, and its scope is entered before anything can
-fail::
-
-    async with frontend.call(req, exit_cause=...) as call:
-        await call.start()
-        ...
-
-Leaving that scope for any reason (finish, error, the client leaving, cancellation, a
-bug that raises) closes the call: every record reaches exactly one terminal state, what
-the worker still holds is aborted (the record stays a tombstone in the registry until
-the worker's terminal entry confirms release), the admission slot is returned and the
-call leaves the registry of live calls. Nothing depends on a generator having started
-or a callback having been registered in time.
+``Frontend`` holds the registry of live requests, the live calls that own them
+(``LiveCalls``), the admission queue, the tokenizer, the supervised worker, the drain
+and the books (received, finished, failed by cause). Each generate call is a
+``GenerateCall`` (``lifecycle.core.call``) made by ``Frontend.call``; the Frontend is
+its ``CallHost``. Knows nothing of HTTP.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import anyio
 
-from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
+from lifecycle.core.buffers import AdmissionQueue
+from lifecycle.core.call import ExitCause, GenerateCall, owner_left
 from lifecycle.core.detok import TextCodec, TokenizerLike
-from lifecycle.core.errors import RequestError
-from lifecycle.core.fsm import Registry, RequestRecord, admit, new_request
-from lifecycle.core.outputs import OutputOptions, SampleOutput
-from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
-from lifecycle.core.states import DRAIN, Cause, Event, State
+from lifecycle.core.errors import ServeError
+from lifecycle.core.fsm import RequestRecord
+from lifecycle.core.live_calls import LiveCalls
+from lifecycle.core.params import GenerateRequest
+from lifecycle.core.registry import Registry
+from lifecycle.core.states import DRAIN, Cause, State
 from lifecycle.core.supervisor import Supervisor, generate_probe
-from lifecycle.core.worker_client import Sink, Submission, WorkerClient, WorkerFailure
-from wire import pack_ids
+from lifecycle.core.worker_client import WorkerClient
 
-__all__ = ["ExitCause", "Frontend", "FrontendConfig", "GenerateCall", "ServeError"]
+__all__ = ["Frontend", "FrontendConfig"]
 
 log = logging.getLogger("lifecycle.core.frontend")
-
-_FAILURE_CAUSE = {
-    "worker_lost": Cause.WORKER_LOST,
-    "too_long": Cause.TOO_LONG,
-    "invalid": Cause.INVALID,
-    "overloaded": Cause.OVERLOADED,
-    **{c.value: c for c in (Cause.SHUTTING_DOWN, Cause.CLIENT_STALLED, Cause.DEADLINE)},
-}
-
-# Why the owner left a call that had not ended: asked when its scope exits.
-ExitCause = Callable[[], tuple[Cause, str]]
-
-
-def _owner_left() -> tuple[Cause, str]:
-    return Cause.INTERNAL, "the call's owner left before it ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +38,6 @@ class FrontendConfig:
     max_queued: int = 1024  # admitted and not yet dispatched; beyond: 503 + Retry-After
     incremental_streaming_output: bool = False
     output_margin: int = 8  # OutputBuffer limit = max_new_tokens + margin
-
-
-class ServeError(Exception):
-    """A request ended by the server side (not ready, overloaded, worker lost, ...)."""
-
-    def __init__(self, cause: Cause, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
-        self.message = message
 
 
 class Frontend:
@@ -92,17 +53,25 @@ class Frontend:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.registry = Registry()
+        self.calls: LiveCalls[GenerateCall] = LiveCalls(self.registry)
         self.admission = AdmissionQueue(config.max_queued)
         self.codec = TextCodec(tokenizer)
         self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
         self.draining = False
-        self._calls: dict[int, GenerateCall] = {}  # record id -> the call that owns it
-        self._no_calls: anyio.Event | None = None
         # Called once per call, after close() has driven every record to its terminal state
         # (metrics count there, never per token).
         self.close_observers: list[Callable[[GenerateCall], None]] = []
+
+    def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
+        """A new call for ``req``; enter it with ``async with`` before starting it."""
+        return GenerateCall(self, req, exit_cause or owner_left)
+
+    # -- what a call asks (CallHost) ---------------------------------------------------------
+    @property
+    def output_margin(self) -> int:
+        return self.config.output_margin
 
     def ready_client(self) -> WorkerClient:
         if self.draining:
@@ -112,47 +81,31 @@ class Frontend:
             raise ServeError(Cause.NOT_READY, "The server is not ready yet; retry later.")
         return client
 
-    def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
-        """A new call for ``req``; enter it with ``async with`` before starting it."""
-        return GenerateCall(self, req, exit_cause or _owner_left)
+    def opened(self, rec: RequestRecord, call: GenerateCall) -> None:
+        """A new record of ``call``: registered (DuplicateRid), live, counted received."""
+        self.registry.add(rec)
+        self.received += 1
+        self.calls.track(rec.id, call)
 
-    def count(self, rec: RequestRecord) -> None:
-        if rec.state is State.DONE:
-            self.finished += 1
-        elif rec.cause is not None:
-            self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
+    def worker_released(self, rec_id: int) -> None:
+        self.registry.worker_released(rec_id)
 
-    # -- the live calls: one registry, asked by the API modules ----------------------------
-    def live_calls(self) -> list[GenerateCall]:
-        return list({id(c): c for c in self._calls.values()}.values())
-
-    def find(self, client_rid: str) -> GenerateCall | None:
-        rec = self.registry.by_client_rid(client_rid)
-        return None if rec is None else self._calls.get(rec.id)
-
-    def abort(self, client_rid: str | None = None, *, abort_all: bool = False) -> int:
-        """``/abort_request``: end the request named by its client rid, or every live one.
-        Each ends with finish_reason abort (its partial output); returns how many."""
-        message = "Abort by the /abort_request API"
-        if abort_all:
-            calls = self.live_calls()
-            for each in calls:
-                each.abort(message)
-            return len(calls)
-        rec = self.registry.by_client_rid(client_rid) if client_rid else None
-        call = self._calls.get(rec.id) if rec is not None else None
-        if call is None or rec is None:
-            return 0
-        call.abort(message, rec.id)
-        return 1
-
-    def _track(self, rec: RequestRecord, call: GenerateCall) -> None:
-        self._calls[rec.id] = call
-
-    def _untrack(self, rec: RequestRecord) -> None:
-        self._calls.pop(rec.id, None)
-        if not self._calls and self._no_calls is not None:
-            self._no_calls.set()
+    def closed(self, call: GenerateCall) -> None:
+        """``call`` closed, every record terminal: they leave the registry (a tombstone
+        stays while the worker holds one) and the live calls, and are counted."""
+        for run in call.runs:
+            rec = run.rec
+            self.registry.remove(rec)
+            self.calls.untrack(rec.id)
+            if rec.state is State.DONE:
+                self.finished += 1
+            elif rec.cause is not None:
+                self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
+        for observe in self.close_observers:
+            try:
+                observe(call)
+            except Exception:  # an observer's bug must not leak the request
+                log.exception("close observer failed")
 
     # -- health and drain ------------------------------------------------------------------
     async def probe(self, timeout: float) -> tuple[bool, str]:
@@ -170,327 +123,3 @@ class Frontend:
     def begin_drain(self) -> None:
         """From now on every new call is refused (503 + Retry-After); live ones go on."""
         self.draining = True
-
-    async def wait_drained(self, timeout: float) -> bool:
-        """Wait until no call is live, at most ``timeout`` seconds; True if none is."""
-        with anyio.move_on_after(timeout):
-            while self._calls:
-                self._no_calls = anyio.Event()
-                await self._no_calls.wait()
-        return not self._calls
-
-    def cut_all(self, cause: Cause, message: str) -> int:
-        """End every live call with an explicit error its owner then sends (the drain
-        timeout); returns how many were cut."""
-        calls = self.live_calls()
-        for call in calls:
-            call.interrupt(cause, message)
-        return len(calls)
-
-
-class _Sink:
-    """One sample's wire sink: its buffer plus the call's wake-up and token counter."""
-
-    __slots__ = ("buffer", "rec", "call")
-
-    def __init__(self, buffer: OutputBuffer, rec: RequestRecord, call: GenerateCall) -> None:
-        self.buffer, self.rec, self.call = buffer, rec, call
-
-    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
-        self.buffer.append(ids, extra)
-        self.rec.tokens += len(ids)
-        self.call.wake()
-
-    def finish(self, reason: Any) -> None:
-        self.buffer.finish(reason)
-        self.call.wake()
-
-
-class _ItemRun:
-    __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted")
-
-    def __init__(self, rec: RequestRecord, item: GenerateItem) -> None:
-        self.rec = rec
-        self.item = item
-        self.samples: list[SampleOutput] = []
-        self.buffers: list[OutputBuffer] = []
-        self.sub: Submission | None = None  # what the worker holds: asked, never copied
-        self.admitted = False
-
-
-class GenerateCall:
-    def __init__(self, frontend: Frontend, req: GenerateRequest, exit_cause: ExitCause) -> None:
-        self.frontend = frontend
-        self.req = req
-        self.exit_cause = exit_cause
-        self.runs: list[_ItemRun] = []
-        self.client: WorkerClient | None = None
-        self._wake = anyio.Event()
-        self.started_ns = time.monotonic_ns()
-        self.closed = False
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    # -- the owner's scope -----------------------------------------------------------------
-    async def __aenter__(self) -> GenerateCall:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.closed:
-            return
-        if isinstance(exc, RequestError):
-            self.close(request_error_cause(exc), exc.message)
-        elif isinstance(exc, ServeError):
-            self.close(exc.cause, exc.message)
-        else:  # returned early, cancelled, the connection went away, or a bug raised
-            cause, detail = self.exit_cause()
-            if isinstance(exc, Exception) and cause is Cause.INTERNAL:
-                log.error("request handler failed: %r", exc)  # a bug: ends internal, no leak
-                detail = f"handler failed: {type(exc).__name__}"
-            self.close(cause, detail)
-
-    # -- start: validate, admit, tokenize, submit -------------------------------------------
-    async def start(self) -> None:
-        """Raises RequestError (400) or ServeError; the records are failed with their
-        cause before it propagates (the scope's exit then only tidies up)."""
-        try:
-            await self._start()
-        except RequestError as exc:
-            self.close(request_error_cause(exc), exc.message)
-            raise
-        except ServeError as exc:
-            self.close(exc.cause, exc.message)
-            raise
-
-    async def _start(self) -> None:
-        fe = self.frontend
-        for item in self.req.items:
-            rec = new_request(item.client_rid)
-            fe.registry.add(rec)  # DuplicateRid: 400 with SGLang's message
-            fe.received += 1
-            fe._track(rec, self)
-            self.runs.append(_ItemRun(rec, item))
-            rec.fire(Event.VALIDATE)
-        self.client = fe.ready_client()
-        for run in self.runs:
-            if not admit(run.rec, fe.admission):
-                raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
-            run.admitted = True
-        texts = [r.item.text or "" for r in self.runs if r.item.input_ids is None]
-        encoded = iter(await fe.codec.encode(texts) if texts else [])
-        for run in self.runs:
-            prompt = run.item.input_ids if run.item.input_ids is not None else next(encoded)
-            self._submit(run, list(prompt))
-
-    def _submit(self, run: _ItemRun, prompt: list[int]) -> None:
-        fe, item = self.frontend, run.item
-        sp = item.sampling
-        max_new = check_lengths(
-            len(prompt), sp.max_new_tokens, context_length=fe.model_config.context_length
-        )
-        opts = OutputOptions(
-            return_logprob=item.return_logprob,
-            logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=item.top_logprobs_num,
-            token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
-            return_text_in_logprobs=item.return_text_in_logprobs,
-            return_hidden_states=item.return_hidden_states,
-            skip_special_tokens=sp.skip_special_tokens,
-            stops=tuple(sp.stop),
-            no_stop_trim=sp.no_stop_trim,
-        )
-        base_id = item.client_rid or uuid.uuid4().hex
-        sinks: list[Sink] = []
-        for j in range(sp.n):
-            rid = base_id if sp.n == 1 else f"{base_id}_{j}"
-            run.samples.append(SampleOutput(fe.tokenizer, opts, prompt, rid))
-            buf = OutputBuffer(max_new + fe.config.output_margin)
-            run.buffers.append(buf)
-            sinks.append(_Sink(buf, run.rec, self))
-        assert self.client is not None
-        rec_id = run.rec.id
-        run.sub = run.rec.submission = self.client.submit(
-            prompt,
-            sp.to_wire(max_new),
-            _wire_options(item),
-            sinks,
-            on_dispatch=lambda: self._dispatched(run),
-            on_release=lambda: _ignore(fe.registry.worker_released(rec_id)),
-        )
-
-    def _dispatched(self, run: _ItemRun) -> None:
-        if run.rec.state is State.QUEUED:
-            run.rec.fire(Event.DISPATCH)
-        self._release_admission(run)
-
-    def _release_admission(self, run: _ItemRun) -> None:
-        if run.admitted:
-            run.admitted = False
-            self.frontend.admission.release()
-
-    # -- ending it from elsewhere ----------------------------------------------------------
-    def abort(self, message: str, rec_id: int | None = None) -> None:
-        """End the call's requests (or the one ``rec_id``) with finish_reason abort: the
-        owner still reads their partial output and sends it."""
-        for run in self.runs:
-            if (rec_id is None or run.rec.id == rec_id) and run.sub is not None:
-                if self.client is not None:
-                    self.client.abort(run.sub, message=message)
-
-    def interrupt(self, cause: Cause, message: str) -> None:
-        """End every sample that has not ended with an explicit error the owner sends
-        (an error event, a 503, a WebSocket error), and stop what the worker does."""
-        failure = WorkerFailure(cause.value, message)
-        for run in self.runs:
-            for buf in run.buffers:
-                buf.finish(failure)  # the first end wins: a finished sample keeps its own
-            if run.sub is not None and self.client is not None:
-                self.client.abort(run.sub, forget=True, message=message)
-        self.wake()
-
-    # -- progress --------------------------------------------------------------------------
-    def poll(self) -> list[tuple[int, SampleOutput]]:
-        """Drain every buffer; returns the samples that changed, with their batch index."""
-        changed = []
-        n_items = len(self.runs)
-        for i, run in enumerate(self.runs):
-            for j, (buf, sample) in enumerate(zip(run.buffers, run.samples, strict=True)):
-                if sample.finish is not None or sample.failure is not None:
-                    continue
-                chunk = buf.take_nowait()
-                if chunk is None:
-                    continue
-                try:
-                    sample.consume(chunk)
-                except (ValueError, TypeError, KeyError, IndexError) as exc:
-                    self._bad_output(run, j, exc)
-                    changed.append((j * n_items + i, sample))
-                    continue
-                if chunk.ids and run.rec.state is State.RUNNING:
-                    run.rec.fire(Event.FIRST_TOKEN)
-                if chunk.end is not None:
-                    if isinstance(chunk.end, dict):
-                        sample.end(chunk.end)
-                    else:
-                        sample.failure = chunk.end
-                changed.append((j * n_items + i, sample))
-            if run.samples and all(s.finish or s.failure for s in run.samples):
-                self._item_ended(run)
-        return changed
-
-    def _bad_output(self, run: _ItemRun, j: int, exc: Exception) -> None:
-        """A malformed output field (a worker bug) ends this sample with an explicit
-        error, never the handler or the stream without one; the worker is told to stop."""
-        log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
-        run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
-        if run.sub is not None and self.client is not None:
-            self.client.abort_sample(run.sub, j, "invalid output")
-
-    def _item_ended(self, run: _ItemRun) -> None:
-        rec = run.rec
-        if rec.terminal:
-            return
-        for s in run.samples:
-            if isinstance(s.failure, WorkerFailure):
-                rec.fail(_FAILURE_CAUSE.get(s.failure.code, Cause.INTERNAL), s.failure.message)
-                return
-        if any(s.finish.get("type") == "abort" for s in run.samples):
-            rec.fail(Cause.ABORTED, "aborted")
-        elif rec.state in (State.RUNNING, State.STREAMING):
-            rec.fire(Event.FINISH)
-        else:
-            rec.fail(Cause.INTERNAL, f"ended in state {rec.state.value}")
-
-    @property
-    def done(self) -> bool:
-        return all(r.rec.terminal for r in self.runs)
-
-    async def wait(self) -> list[tuple[int, SampleOutput]]:
-        """Wait for progress; returns what changed (empty only when the call is done)."""
-        while True:
-            changed = self.poll()
-            if changed or self.done:
-                return changed
-            await self._wake.wait()
-            self._wake = anyio.Event()
-
-    async def run_to_end(self) -> None:
-        while not self.done:
-            await self.wait()
-
-    def error(self) -> tuple[Cause, str] | None:
-        """The first failure that is not an abort (the whole call reports it)."""
-        for run in self.runs:
-            c = run.rec.cause
-            if c is not None and c is not Cause.ABORTED:
-                return c, run.rec.detail or c.value
-        return None
-
-    def samples(self) -> list[SampleOutput]:
-        """In SGLang's order: n copies of the batch, ``[p0, p1, ..., p0, p1, ...]``."""
-        n = max(len(r.samples) for r in self.runs) if self.runs else 0
-        return [r.samples[j] for j in range(n) for r in self.runs if j < len(r.samples)]
-
-    def e2e(self) -> float:
-        return (time.monotonic_ns() - self.started_ns) / 1e9
-
-    async def frames(
-        self, incremental: bool
-    ) -> AsyncIterator[tuple[int, SampleOutput, dict[str, Any]]]:
-        while not self.done:
-            for index, sample in await self.wait():
-                if sample.failure is None:
-                    yield index, sample, sample.frame(incremental, self.e2e())
-
-    # -- every exit ------------------------------------------------------------------------
-    def close(self, cause: Cause = Cause.INTERNAL, detail: str | None = None) -> None:
-        """The one exit (idempotent): terminal state, abort what the worker holds, return
-        the admission slot, leave the registries. ``cause`` applies to records still live."""
-        if self.closed:
-            return
-        self.closed = True
-        log.debug("close %s (%s: %s)", [r.rec for r in self.runs], cause.value, detail)
-        fe = self.frontend
-        for run in self.runs:
-            rec = run.rec
-            if not rec.terminal:
-                rec.fail(cause, detail)
-            if run.sub is not None and self.client is not None:
-                self.client.abort(run.sub, forget=True, message=detail or cause.value)
-            self._release_admission(run)
-            fe.registry.remove(rec)  # stays a tombstone while the worker holds it
-            fe._untrack(rec)
-            fe.count(rec)
-        for observe in fe.close_observers:
-            try:
-                observe(self)
-            except Exception:  # an observer's bug must not leak the request
-                log.exception("close observer failed")
-
-
-def _ignore(_: object) -> None:
-    pass
-
-
-def _wire_options(item: GenerateItem) -> dict[str, Any]:
-    o: dict[str, Any] = {}
-    if item.return_logprob:
-        o["return_logprob"] = True
-        o["logprob_start_len"] = item.logprob_start_len
-        if item.top_logprobs_num:
-            o["top_logprobs_num"] = item.top_logprobs_num
-        if item.token_ids_logprob:
-            o["token_ids_logprob"] = pack_ids(item.token_ids_logprob)
-    if item.return_hidden_states:
-        o["return_hidden_states"] = True
-    return o
-
-
-def request_error_cause(exc: RequestError) -> Cause:
-    return Cause.INVALID if exc.status == 400 else Cause.INTERNAL

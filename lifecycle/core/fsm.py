@@ -1,28 +1,31 @@
-"""The request state machine: one ``transitions`` definition per process, a dict on the hot path.
+"""The request state machine: the table in ``states.py`` compiled into one dict.
 
-The machine is built once, at import, from the table in ``states.py`` and checked
-against it; its transitions are then compiled into ``COMPILED[(state, event)] -> (dst,
-guard)``, which is all a request pays for. Measured with ``bench/fsm.py`` (all rows in one
-run, on a shared 2-core box under load): a shared ``transitions`` machine with
-``add_model``/``remove_model`` costs 311-315 us per lifecycle and leaks every model that is
-not removed; a RequestRecord lifecycle costs 5.5-11.6 us (27-56x less), about 1.8x a bare
-dict table with no trace, and holds no reference outside the request. The machine stays the definition the
-tests, the spec check and the diagram are held against.
+``EDGE_TABLE[(state, event)] -> (dst, guard)`` is built once, at import, straight from
+``states.EDGES`` and checked there (one edge per (state, event), every guard named in
+``states.GUARDS`` has a callable here). It is all a request pays for. The ``transitions``
+library is not used at run time: measured with ``bench/fsm.py`` (on a shared 2-core box
+under load), a shared ``transitions`` machine with ``add_model``/``remove_model`` costs
+311-315 us per lifecycle and leaks every model that is not removed; a RequestRecord
+lifecycle costs 5.5-11.6 us (27-56x less), about 1.8x a bare dict table with no trace,
+and holds no reference outside the request. ``tests/test_fsm.py`` drives a
+``transitions`` machine built from ``specs/lifecycle.json`` as an independent oracle:
+edge by edge, it must agree with this table.
 
-Fire the machine on lifecycle edges only; per-token progress is a counter elsewhere.
+The table decides every edge: the request path fires events with ``advance`` (False
+when the table has no edge from here, or its guard refused) and handles the refusal
+where it fires, never by checking the state first. ``fire`` is the strict form for edges
+that must exist. Fire on lifecycle edges only; per-token progress is a counter.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from time import monotonic_ns
+from types import MappingProxyType
 from typing import Any, Protocol
 
-from transitions import Machine
-
-from lifecycle.core.errors import RequestError
 from lifecycle.core.states import (
     CAUSE_TABLE,
     DRAIN,
@@ -38,12 +41,10 @@ from lifecycle.core.states import (
 )
 
 __all__ = [
-    "COMPILED",
-    "MACHINE",
-    "DuplicateRid",
+    "EDGE_TABLE",
     "GuardRefused",
     "IllegalTransition",
-    "Registry",
+    "RawEntry",
     "RequestRecord",
     "TraceEntry",
     "TransitionObserver",
@@ -60,14 +61,6 @@ class IllegalTransition(RuntimeError):
 
 class GuardRefused(IllegalTransition):
     """The edge exists but its guard said no; the state is unchanged."""
-
-
-class DuplicateRid(RequestError):
-    """The client's ``rid`` names a request that is still live (SGLang's message)."""
-
-    def __init__(self, rid: str) -> None:
-        super().__init__(f"Duplicate request ID detected: {rid}", 400)
-        self.rid = rid
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,54 +84,28 @@ Guard = Callable[["RequestRecord", Any], bool]
 GUARD_FUNCS: dict[str, Guard] = {"admission_has_room": _admission_has_room}
 
 
-def _build_machine() -> Machine:
-    states = [{"name": s.value, "final": s in TERMINAL} for s in State]
-    transitions = [
-        {
-            "trigger": e.event.value,
-            "source": e.src.value,
-            "dest": e.dst.value,
-            **({"conditions": e.guard} if e.guard else {}),
-        }
-        for e in EDGES
-    ]
-    # model=None: requests are never added as models (see the module docstring);
-    # auto_transitions=False: no to_<state>() back doors around the table.
-    return Machine(
-        model=None,
-        states=states,
-        transitions=transitions,
-        initial=INITIAL.value,
-        auto_transitions=False,
-    )
-
-
-def _compile(machine: Machine) -> dict[tuple[State, Event], tuple[State, str | None]]:
+def _compile() -> dict[tuple[State, Event], tuple[State, str | None]]:
     table: dict[tuple[State, Event], tuple[State, str | None]] = {}
-    for name, event in machine.events.items():
-        for src, candidates in event.transitions.items():
-            if len(candidates) != 1:
-                raise AssertionError(f"{src}-{name}: one edge per (state, event), got many")
-            (tr,) = candidates
-            guards = [str(c.func) for c in tr.conditions]
-            if len(guards) > 1 or any(g not in GUARD_FUNCS for g in guards):
-                raise AssertionError(f"{src}-{name}: unknown or multiple guards {guards}")
-            table[(State(src), Event(name))] = (State(tr.dest), guards[0] if guards else None)
+    for e in EDGES:
+        where = f"{e.src.value}-{e.event.value}"
+        if (e.src, e.event) in table:
+            raise AssertionError(f"{where}: one edge per (state, event), got several")
+        if e.guard is not None and e.guard not in GUARD_FUNCS:
+            raise AssertionError(f"{where}: guard {e.guard!r} has no callable in fsm.py")
+        table[(e.src, e.event)] = (e.dst, e.guard)
+    if set(GUARDS) != set(GUARD_FUNCS):
+        raise AssertionError(f"guards named {sorted(GUARDS)}, callables {sorted(GUARD_FUNCS)}")
     return table
 
 
-MACHINE: Machine = _build_machine()
-COMPILED = _compile(MACHINE)
-if COMPILED != {(e.src, e.event): (e.dst, e.guard) for e in EDGES} or set(GUARDS) != set(
-    GUARD_FUNCS
-):  # pragma: no cover - the table and the machine were built from each other
-    raise AssertionError("compiled state table disagrees with lifecycle.core.states.EDGES")
+# (state, event) -> (dst, guard name): the table as data, read-only (tests, the spec).
+EDGE_TABLE: Mapping[tuple[State, Event], tuple[State, str | None]] = MappingProxyType(_compile())
 
-# The hot path: (state, event) -> (dst, guard).
+# The hot path: (state, event) -> (dst, guard callable).
 _Hot = tuple[State, Guard | None]
 
 _HOT: dict[tuple[State, Event], _Hot] = {
-    key: (dst, GUARD_FUNCS[g] if g else None) for key, (dst, g) in COMPILED.items()
+    key: (dst, GUARD_FUNCS[g] if g else None) for key, (dst, g) in EDGE_TABLE.items()
 }
 _FAIL: dict[State, _Hot] = {src: edge for (src, ev), edge in _HOT.items() if ev is Event.FAIL}
 _next_id = itertools.count(1)
@@ -148,7 +115,7 @@ RawEntry = tuple[int, State, State, Event, Any]
 
 
 class HoldRecord(Protocol):
-    """What the worker holds for a request (``lifecycle.core.worker_client.Submission``)."""
+    """What the worker holds for a request (``lifecycle.core.submission.Submission``)."""
 
     @property
     def hold(self) -> WorkerHold: ...
@@ -201,7 +168,7 @@ class RequestRecord:
         self.state = INITIAL
         self.cause: Cause | None = None
         self.detail: str | None = None
-        self._trace: list[tuple[int, State, State, Event, Any]] = []
+        self._trace: list[RawEntry] = []
         self.submission: HoldRecord | None = None
         self.created_ns = monotonic_ns()
         # Output tokens received so far, all samples together: progress is a counter the
@@ -233,22 +200,36 @@ class RequestRecord:
         """Every transition so far, oldest first (a fresh list on each read)."""
         return [TraceEntry(*entry) for entry in self._trace]
 
-    def fire(self, event: Event, detail: Any = None) -> None:
-        """Take the edge ``(state, event)``; raise IllegalTransition if there is none."""
+    def advance(self, event: Event, detail: Any = None) -> bool:
+        """Take the edge ``(state, event)`` if the table has one and its guard allows it;
+        False, with the state and the trace unchanged, when it does not.
+
+        How the request path fires: an event that no longer applies (a first token
+        while already streaming, a dispatch after the request failed) is the table's
+        to refuse, and the caller handles the refusal where it fires."""
         src = self.state
         edge = _HOT.get((src, event))
         if edge is None:
-            raise IllegalTransition(f"request {self.id}: no {event.value!r} from {src.value!r}")
+            return False
         dst, guard = edge
         if guard is not None and not guard(self, detail):
-            raise GuardRefused(
-                f"request {self.id}: guard refused {event.value!r} from {src.value!r}"
-            )
+            return False
         entry = (monotonic_ns(), src, dst, event, detail)
         self._trace.append(entry)
         self.state = dst
         if _observer is not None:
             _observer.transition(self, entry)
+        return True
+
+    def fire(self, event: Event, detail: Any = None) -> None:
+        """``advance`` for an edge that must exist: IllegalTransition if the table has
+        none from here, GuardRefused if its guard said no (the state is unchanged)."""
+        if self.advance(event, detail):
+            return
+        where = f"request {self.id}: {event.value!r} from {self.state.value!r}"
+        if (self.state, event) in _HOT:
+            raise GuardRefused(f"{where}: guard refused")
+        raise IllegalTransition(f"{where}: no such edge")
 
     def fail(self, cause: Cause, detail: str | None = None) -> bool:
         """Move to ERROR with ``cause`` from any live state; False if already terminal.
@@ -287,78 +268,6 @@ def admit(rec: RequestRecord, queue: Any) -> bool:
         rec.fail(Cause.OVERLOADED, "the server is at capacity; retry later")
         return False
     return True
-
-
-class Registry:
-    """The live requests of this process, plus tombstones the worker still holds.
-
-    ``remove`` on a record the worker still holds (an error after dispatch) keeps it as a
-    tombstone until ``worker_released(id)``: its KV blocks are not free until then. Whether
-    it is held is asked of the record's submission, never copied here.
-    """
-
-    __slots__ = ("_live", "_by_rid", "_tombstones")
-
-    def __init__(self) -> None:
-        self._live: dict[int, RequestRecord] = {}
-        self._by_rid: dict[str, RequestRecord] = {}
-        self._tombstones: dict[int, RequestRecord] = {}
-
-    def add(self, rec: RequestRecord) -> None:
-        rid = rec.client_rid
-        if rid is not None:
-            if rid in self._by_rid:
-                raise DuplicateRid(rid)
-            self._by_rid[rid] = rec
-        self._live[rec.id] = rec
-
-    def remove(self, rec: RequestRecord) -> None:
-        """Forget a request; one that is not terminal yet is failed INTERNAL first, so
-        every request that leaves the registry has reached exactly one terminal state."""
-        if self._live.pop(rec.id, None) is None:
-            return
-        if rec.state not in TERMINAL:
-            rec.fail(Cause.INTERNAL, "removed from the registry while still live")
-        if rec.client_rid is not None:
-            self._by_rid.pop(rec.client_rid, None)
-        if rec.held_by_worker:
-            self._tombstones[rec.id] = rec
-
-    def worker_released(self, id: int) -> RequestRecord | None:
-        """The hold of request ``id`` ended (its submission is released): a tombstone is
-        forgotten now."""
-        rec = self._tombstones.pop(id, None) or self._live.get(id)
-        if rec is not None:
-            rec.worker_released()
-        return rec
-
-    def get(self, id: int) -> RequestRecord | None:
-        return self._live.get(id)
-
-    def tombstone(self, id: int) -> RequestRecord | None:
-        return self._tombstones.get(id)
-
-    @property
-    def tombstones(self) -> int:
-        return len(self._tombstones)
-
-    def by_client_rid(self, rid: str) -> RequestRecord | None:
-        return self._by_rid.get(rid)
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __iter__(self) -> Iterator[RequestRecord]:
-        return iter(list(self._live.values()))
-
-    def __contains__(self, rec: object) -> bool:
-        return isinstance(rec, RequestRecord) and self._live.get(rec.id) is rec
-
-    def counts_by_state(self) -> dict[str, int]:
-        counts = dict.fromkeys((s.value for s in State), 0)
-        for rec in self._live.values():
-            counts[rec.state.value] += 1
-        return counts
 
 
 def spec_dict() -> dict[str, Any]:

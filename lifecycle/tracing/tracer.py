@@ -29,7 +29,8 @@ import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lifecycle.core import fsm
-from lifecycle.core.fsm import RawEntry, Registry, RequestRecord
+from lifecycle.core.fsm import RawEntry, RequestRecord
+from lifecycle.core.registry import Registry
 from lifecycle.core.states import TERMINAL, Event, State
 from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 

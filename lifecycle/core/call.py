@@ -1,0 +1,384 @@
+"""One generate call, the one owner of its requests, from admission to its last chunk.
+
+A ``GenerateCall`` holds one ``RequestRecord`` per prompt (a batch has several), ``n``
+samples each, every sample with its own ``OutputBuffer``. Its scope is entered before
+anything can fail::
+
+    async with frontend.call(req, exit_cause=...) as call:
+        await call.start()
+        ...
+
+Leaving that scope for any reason (finish, error, the client leaving, cancellation, a
+bug that raises) closes the call: every record reaches exactly one terminal state, what
+the worker still holds is aborted (the record stays a tombstone in the registry until
+the worker's terminal entry confirms release), the admission slot is returned and the
+call leaves the live calls. Nothing depends on a generator having started or a callback
+having been registered in time. What a call needs of the process is its ``CallHost``
+(the ``Frontend``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio
+
+from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
+from lifecycle.core.detok import TextCodec, TokenizerLike
+from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.fsm import RequestRecord, admit, new_request
+from lifecycle.core.outputs import OutputOptions, SampleOutput
+from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
+from lifecycle.core.states import Cause, Event
+from lifecycle.core.submission import Sink, Submission, WorkerFailure
+from lifecycle.core.worker_client import WorkerClient
+from wire import pack_ids
+
+__all__ = ["CallHost", "ExitCause", "GenerateCall", "owner_left"]
+
+log = logging.getLogger("lifecycle.core.call")
+
+_FAILURE_CAUSE = {
+    "worker_lost": Cause.WORKER_LOST,
+    "too_long": Cause.TOO_LONG,
+    "invalid": Cause.INVALID,
+    "overloaded": Cause.OVERLOADED,
+    **{c.value: c for c in (Cause.SHUTTING_DOWN, Cause.CLIENT_STALLED, Cause.DEADLINE)},
+}
+
+# Why the owner left a call that had not ended: asked when its scope exits.
+ExitCause = Callable[[], tuple[Cause, str]]
+
+
+def owner_left() -> tuple[Cause, str]:
+    """The default ``ExitCause``: an owner that leaves without saying why is a bug."""
+    return Cause.INTERNAL, "the call's owner left before it ended"
+
+
+class CallHost(Protocol):
+    """What a call asks of the process around it (``lifecycle.core.frontend.Frontend``)."""
+
+    @property
+    def admission(self) -> AdmissionQueue: ...
+
+    @property
+    def codec(self) -> TextCodec: ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def model_config(self) -> Any: ...
+
+    @property
+    def output_margin(self) -> int: ...
+
+    def ready_client(self) -> WorkerClient: ...
+
+    def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
+
+    def worker_released(self, rec_id: int) -> None: ...
+
+    def closed(self, call: GenerateCall) -> None: ...
+
+
+class _Sink:
+    """One sample's wire sink: its buffer plus the call's wake-up and token counter."""
+
+    __slots__ = ("buffer", "rec", "call")
+
+    def __init__(self, buffer: OutputBuffer, rec: RequestRecord, call: GenerateCall) -> None:
+        self.buffer, self.rec, self.call = buffer, rec, call
+
+    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
+        self.buffer.append(ids, extra)
+        self.rec.tokens += len(ids)
+        self.call.wake()
+
+    def finish(self, reason: Any) -> None:
+        self.buffer.finish(reason)
+        self.call.wake()
+
+
+class _ItemRun:
+    __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted")
+
+    def __init__(self, rec: RequestRecord, item: GenerateItem) -> None:
+        self.rec = rec
+        self.item = item
+        self.samples: list[SampleOutput] = []
+        self.buffers: list[OutputBuffer] = []
+        self.sub: Submission | None = None  # what the worker holds: asked, never copied
+        self.admitted = False
+
+
+class GenerateCall:
+    def __init__(
+        self, host: CallHost, req: GenerateRequest, exit_cause: ExitCause = owner_left
+    ) -> None:
+        self.host = host
+        self.req = req
+        self.exit_cause = exit_cause
+        self.runs: list[_ItemRun] = []
+        self.client: WorkerClient | None = None
+        self._wake = anyio.Event()
+        self.started_ns = time.monotonic_ns()
+        self.closed = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the owner's scope -----------------------------------------------------------------
+    async def __aenter__(self) -> GenerateCall:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.closed:
+            return
+        if isinstance(exc, RequestError):
+            self.close(_request_error_cause(exc), exc.message)
+        elif isinstance(exc, ServeError):
+            self.close(exc.cause, exc.message)
+        else:  # returned early, cancelled, the connection went away, or a bug raised
+            cause, detail = self.exit_cause()
+            if isinstance(exc, Exception) and cause is Cause.INTERNAL:
+                log.error("request handler failed: %r", exc)  # a bug: ends internal, no leak
+                detail = f"handler failed: {type(exc).__name__}"
+            self.close(cause, detail)
+
+    # -- start: validate, admit, tokenize, submit -------------------------------------------
+    async def start(self) -> None:
+        """Raises RequestError (400) or ServeError; the records are failed with their
+        cause before it propagates (the scope's exit then only tidies up)."""
+        try:
+            await self._start()
+        except RequestError as exc:
+            self.close(_request_error_cause(exc), exc.message)
+            raise
+        except ServeError as exc:
+            self.close(exc.cause, exc.message)
+            raise
+
+    async def _start(self) -> None:
+        host = self.host
+        for item in self.req.items:
+            rec = new_request(item.client_rid)
+            host.opened(rec, self)  # DuplicateRid: 400 with SGLang's message
+            self.runs.append(_ItemRun(rec, item))
+            rec.fire(Event.VALIDATE)
+        self.client = host.ready_client()
+        for run in self.runs:
+            if not admit(run.rec, host.admission):
+                raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
+            run.admitted = True
+        texts = [r.item.text or "" for r in self.runs if r.item.input_ids is None]
+        encoded = iter(await host.codec.encode(texts) if texts else [])
+        for run in self.runs:
+            prompt = run.item.input_ids if run.item.input_ids is not None else next(encoded)
+            self._submit(run, list(prompt))
+
+    def _submit(self, run: _ItemRun, prompt: list[int]) -> None:
+        host, item = self.host, run.item
+        sp = item.sampling
+        max_new = check_lengths(
+            len(prompt), sp.max_new_tokens, context_length=host.model_config.context_length
+        )
+        opts = _output_options(item)
+        base_id = item.client_rid or uuid.uuid4().hex
+        sinks: list[Sink] = []
+        for j in range(sp.n):
+            rid = base_id if sp.n == 1 else f"{base_id}_{j}"
+            run.samples.append(SampleOutput(host.tokenizer, opts, prompt, rid))
+            buf = OutputBuffer(max_new + host.output_margin)
+            run.buffers.append(buf)
+            sinks.append(_Sink(buf, run.rec, self))
+        assert self.client is not None
+        rec_id = run.rec.id
+        run.sub = run.rec.submission = self.client.submit(
+            prompt,
+            sp.to_wire(max_new),
+            _wire_options(item),
+            sinks,
+            on_dispatch=lambda: self._dispatched(run),
+            on_release=lambda: host.worker_released(rec_id),
+        )
+
+    def _dispatched(self, run: _ItemRun) -> None:
+        run.rec.advance(Event.DISPATCH)  # refused once the request failed: nothing to do
+        self._release_admission(run)
+
+    def _release_admission(self, run: _ItemRun) -> None:
+        if run.admitted:
+            run.admitted = False
+            self.host.admission.release()
+
+    # -- ending it from elsewhere ----------------------------------------------------------
+    def abort(self, message: str, rec_id: int | None = None) -> None:
+        """End the call's requests (or the one ``rec_id``) with finish_reason abort: the
+        owner still reads their partial output and sends it."""
+        for run in self.runs:
+            if (rec_id is None or run.rec.id == rec_id) and run.sub is not None:
+                if self.client is not None:
+                    self.client.abort(run.sub, message=message)
+
+    def interrupt(self, cause: Cause, message: str) -> None:
+        """End every sample that has not ended with an explicit error the owner sends
+        (an error event, a 503, a WebSocket error), and stop what the worker does."""
+        failure = WorkerFailure(cause.value, message)
+        for run in self.runs:
+            for buf in run.buffers:
+                buf.finish(failure)  # the first end wins: a finished sample keeps its own
+            if run.sub is not None and self.client is not None:
+                self.client.abort(run.sub, forget=True, message=message)
+        self.wake()
+
+    # -- progress --------------------------------------------------------------------------
+    def poll(self) -> list[tuple[int, SampleOutput]]:
+        """Drain every buffer; returns the samples that changed, with their batch index."""
+        changed = []
+        n_items = len(self.runs)
+        for i, run in enumerate(self.runs):
+            for j, (buf, sample) in enumerate(zip(run.buffers, run.samples, strict=True)):
+                if sample.finish is not None or sample.failure is not None:
+                    continue
+                chunk = buf.take_nowait()
+                if chunk is None:
+                    continue
+                try:
+                    sample.consume(chunk)
+                except (ValueError, TypeError, KeyError, IndexError) as exc:
+                    self._bad_output(run, j, exc)
+                    changed.append((j * n_items + i, sample))
+                    continue
+                if chunk.ids:  # the table takes running -> streaming once, refuses after
+                    run.rec.advance(Event.FIRST_TOKEN)
+                if chunk.end is not None:
+                    if isinstance(chunk.end, dict):
+                        sample.end(chunk.end)
+                    else:
+                        sample.failure = chunk.end
+                changed.append((j * n_items + i, sample))
+            if run.samples and all(s.finish or s.failure for s in run.samples):
+                self._item_ended(run)
+        return changed
+
+    def _bad_output(self, run: _ItemRun, j: int, exc: Exception) -> None:
+        """A malformed output field (a worker bug) ends this sample with an explicit
+        error, never the handler or the stream without one; the worker is told to stop."""
+        log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
+        run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
+        if run.sub is not None and self.client is not None:
+            self.client.abort_sample(run.sub, j, "invalid output")
+
+    def _item_ended(self, run: _ItemRun) -> None:
+        rec = run.rec
+        if rec.terminal:
+            return
+        for s in run.samples:
+            if isinstance(s.failure, WorkerFailure):
+                rec.fail(_FAILURE_CAUSE.get(s.failure.code, Cause.INTERNAL), s.failure.message)
+                return
+        if any(s.finish.get("type") == "abort" for s in run.samples):
+            rec.fail(Cause.ABORTED, "aborted")
+        elif not rec.advance(Event.FINISH):
+            rec.fail(Cause.INTERNAL, f"finished in state {rec.state.value}")
+
+    @property
+    def done(self) -> bool:
+        return all(r.rec.terminal for r in self.runs)
+
+    async def wait(self) -> list[tuple[int, SampleOutput]]:
+        """Wait for progress; returns what changed (empty only when the call is done)."""
+        while True:
+            changed = self.poll()
+            if changed or self.done:
+                return changed
+            await self._wake.wait()
+            self._wake = anyio.Event()
+
+    async def run_to_end(self) -> None:
+        while not self.done:
+            await self.wait()
+
+    def error(self) -> tuple[Cause, str] | None:
+        """The first failure that is not an abort (the whole call reports it)."""
+        for run in self.runs:
+            c = run.rec.cause
+            if c is not None and c is not Cause.ABORTED:
+                return c, run.rec.detail or c.value
+        return None
+
+    def samples(self) -> list[SampleOutput]:
+        """In SGLang's order: n copies of the batch, ``[p0, p1, ..., p0, p1, ...]``."""
+        n = max(len(r.samples) for r in self.runs) if self.runs else 0
+        return [r.samples[j] for j in range(n) for r in self.runs if j < len(r.samples)]
+
+    def e2e(self) -> float:
+        return (time.monotonic_ns() - self.started_ns) / 1e9
+
+    async def frames(
+        self, incremental: bool
+    ) -> AsyncIterator[tuple[int, SampleOutput, dict[str, Any]]]:
+        while not self.done:
+            for index, sample in await self.wait():
+                if sample.failure is None:
+                    yield index, sample, sample.frame(incremental, self.e2e())
+
+    # -- every exit ------------------------------------------------------------------------
+    def close(self, cause: Cause = Cause.INTERNAL, detail: str | None = None) -> None:
+        """The one exit (idempotent): terminal state, abort what the worker holds, return
+        the admission slot, leave the registry and the live calls (``CallHost.closed``).
+        ``cause`` applies to records still live."""
+        if self.closed:
+            return
+        self.closed = True
+        log.debug("close %s (%s: %s)", [r.rec for r in self.runs], cause.value, detail)
+        for run in self.runs:
+            run.rec.fail(cause, detail)  # refused (False) for a record already ended
+            if run.sub is not None and self.client is not None:
+                self.client.abort(run.sub, forget=True, message=detail or cause.value)
+            self._release_admission(run)
+        self.host.closed(self)
+
+
+def _output_options(item: GenerateItem) -> OutputOptions:
+    sp = item.sampling
+    return OutputOptions(
+        return_logprob=item.return_logprob,
+        logprob_start_len=item.logprob_start_len,
+        top_logprobs_num=item.top_logprobs_num,
+        token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
+        return_text_in_logprobs=item.return_text_in_logprobs,
+        return_hidden_states=item.return_hidden_states,
+        skip_special_tokens=sp.skip_special_tokens,
+        stops=tuple(sp.stop),
+        no_stop_trim=sp.no_stop_trim,
+    )
+
+
+def _wire_options(item: GenerateItem) -> dict[str, Any]:
+    o: dict[str, Any] = {}
+    if item.return_logprob:
+        o["return_logprob"] = True
+        o["logprob_start_len"] = item.logprob_start_len
+        if item.top_logprobs_num:
+            o["top_logprobs_num"] = item.top_logprobs_num
+        if item.token_ids_logprob:
+            o["token_ids_logprob"] = pack_ids(item.token_ids_logprob)
+    if item.return_hidden_states:
+        o["return_hidden_states"] = True
+    return o
+
+
+def _request_error_cause(exc: RequestError) -> Cause:
+    return Cause.INVALID if exc.status == 400 else Cause.INTERNAL

@@ -1,0 +1,87 @@
+"""Which calls are live: the one record of it, for the API modules and the drain.
+
+A call is live from its first record's registration until it closes. ``LiveCalls``
+maps each record id to the call that owns it (a batch call owns several) and is what
+``/abort_request``, the drain's wait and its cut ask; nobody keeps a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+import anyio
+
+from lifecycle.core.registry import Registry
+from lifecycle.core.states import Cause
+
+__all__ = ["LiveCall", "LiveCalls"]
+
+
+class LiveCall(Protocol):
+    """What the live calls ask of a call (``lifecycle.core.call.GenerateCall``)."""
+
+    def abort(self, message: str, rec_id: int | None = None) -> None: ...
+
+    def interrupt(self, cause: Cause, message: str) -> None: ...
+
+
+C = TypeVar("C", bound=LiveCall)
+
+
+class LiveCalls(Generic[C]):
+    """Record id -> the call that owns it, for every record whose call has not closed."""
+
+    __slots__ = ("_registry", "_by_record", "_none_left")
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry  # client rid -> record, for ``abort``
+        self._by_record: dict[int, C] = {}
+        self._none_left: anyio.Event | None = None
+
+    def track(self, rec_id: int, call: C) -> None:
+        self._by_record[rec_id] = call
+
+    def untrack(self, rec_id: int) -> None:
+        self._by_record.pop(rec_id, None)
+        if not self._by_record and self._none_left is not None:
+            self._none_left.set()
+
+    def __len__(self) -> int:
+        """How many calls are live."""
+        return len(self.calls())
+
+    def calls(self) -> list[C]:
+        """Every live call once (a batch call owns several records)."""
+        return list({id(c): c for c in self._by_record.values()}.values())
+
+    def abort(self, client_rid: str | None = None, *, abort_all: bool = False) -> int:
+        """``/abort_request``: end the request named by its client rid, or every live one.
+        Each ends with finish_reason abort (its partial output); returns how many."""
+        message = "Abort by the /abort_request API"
+        if abort_all:
+            calls = self.calls()
+            for each in calls:
+                each.abort(message)
+            return len(calls)
+        rec = self._registry.by_client_rid(client_rid) if client_rid else None
+        call = self._by_record.get(rec.id) if rec is not None else None
+        if call is None or rec is None:
+            return 0
+        call.abort(message, rec.id)
+        return 1
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait until no call is live, at most ``timeout`` seconds; True if none is."""
+        with anyio.move_on_after(timeout):
+            while self._by_record:
+                self._none_left = anyio.Event()
+                await self._none_left.wait()
+        return not self._by_record
+
+    def cut_all(self, cause: Cause, message: str) -> int:
+        """End every live call with an explicit error its owner then sends (the drain
+        timeout); returns how many were cut."""
+        calls = self.calls()
+        for call in calls:
+            call.interrupt(cause, message)
+        return len(calls)
