@@ -178,28 +178,9 @@ async def serve_app(
 async def _serve_app(
     cfg: AppConfig, tracing: _Tracing, task_status: anyio.abc.TaskStatus[App]
 ) -> None:
-    sup_config = SupervisorConfig(
-        worker=cfg.worker,
-        worker_module=cfg.worker_module,
-        worker_args=worker_args(cfg),
-        hung_timeout=cfg.hung_timeout,
-        warmup=cfg.warmup,
-        max_queued=cfg.max_queued + 8,  # every admitted request fits, plus the warm-up
-    )
-    if cfg.restart_backoff:
-        sup_config = replace(sup_config, backoff=cfg.restart_backoff)
-    supervisor = Supervisor(sup_config)
+    supervisor = _supervisor(cfg)
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
-    server = Server(
-        lambda request: handler[0](request),
-        ServerConfig(
-            host=cfg.host,
-            port=cfg.port,
-            send_timeout=cfg.send_timeout,
-            ssl_certfile=cfg.ssl_certfile,
-            ssl_keyfile=cfg.ssl_keyfile,
-        ),
-    )
+    server = Server(lambda request: handler[0](request), _server_config(cfg))
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
         try:
@@ -218,27 +199,59 @@ async def _serve_app(
                     incremental_streaming_output=cfg.incremental_streaming_output,
                 ),
             )
-            server_args = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
-            server_args.update(cfg.extra, model_path=path)
-            api = NativeAPI(frontend, server_args)
-            metrics = Metrics(frontend)
-            auth = Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes))
-            router = AppRouter(auth, metrics)
-            api.install(router)
-            model_id = cfg.served_model_name or model_config.name
-            openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
-            openai.install(router)
-            WebSocketAPI(api, openai=openai).install(router)
-            metrics.install(router)
+            router, api, metrics, auth = _routes(cfg, frontend, chat, path)
             tracer = tracing.start(router, frontend, supervisor, tg)
             handler[0] = router
-            app = App(cfg, server, supervisor, frontend, api, metrics, auth, tracer)
-            task_status.started(app)
+            task_status.started(App(cfg, server, supervisor, frontend, api, metrics, auth, tracer))
             await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
                 await supervisor.stop()
             tg.cancel_scope.cancel()
+
+
+def _supervisor(cfg: AppConfig) -> Supervisor:
+    sup_config = SupervisorConfig(
+        worker=cfg.worker,
+        worker_module=cfg.worker_module,
+        worker_args=worker_args(cfg),
+        hung_timeout=cfg.hung_timeout,
+        warmup=cfg.warmup,
+        max_queued=cfg.max_queued + 8,  # every admitted request fits, plus the warm-up
+    )
+    if cfg.restart_backoff:
+        sup_config = replace(sup_config, backoff=cfg.restart_backoff)
+    return Supervisor(sup_config)
+
+
+def _server_config(cfg: AppConfig) -> ServerConfig:
+    return ServerConfig(
+        host=cfg.host,
+        port=cfg.port,
+        send_timeout=cfg.send_timeout,
+        ssl_certfile=cfg.ssl_certfile,
+        ssl_keyfile=cfg.ssl_keyfile,
+    )
+
+
+def _routes(
+    cfg: AppConfig, frontend: Frontend, chat: Any, path: str
+) -> tuple[AppRouter, NativeAPI, Metrics, Auth]:
+    """Every API on one router: native, OpenAI, WebSocket, metrics (the debug routes are
+    the tracer's)."""
+    server_args = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
+    server_args.update(cfg.extra, model_path=path)
+    api = NativeAPI(frontend, server_args)
+    metrics = Metrics(frontend)
+    auth = Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes))
+    router = AppRouter(auth, metrics)
+    api.install(router)
+    model_id = cfg.served_model_name or frontend.model_config.name
+    openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
+    openai.install(router)
+    WebSocketAPI(api, openai=openai).install(router)
+    metrics.install(router)
+    return router, api, metrics, auth
 
 
 async def _starting(request: Request) -> Response:

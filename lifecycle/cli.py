@@ -9,9 +9,13 @@ import runpy
 import shlex
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from lifecycle.core.states import DRAIN
 from lifecycle.tracing.cli import add_serve_options, add_trace_parser, run_trace, serve_options
+
+if TYPE_CHECKING:
+    from lifecycle.app import AppConfig
 
 __all__ = ["main"]
 
@@ -31,6 +35,26 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
+    _add_worker_flags(srv)
+    _add_request_flags(srv)
+    srv.add_argument(
+        "--faults",
+        default=None,
+        metavar="FILE",
+        help="fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
+    )
+    srv.add_argument("--log-level", default="info")
+    _add_edge_flags(srv)
+    add_serve_options(srv)
+
+    wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
+    wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
+    add_trace_parser(sub)
+    return parser
+
+
+def _add_worker_flags(srv: argparse.ArgumentParser) -> None:
+    """Which worker ``serve`` drives, and what it may hold."""
     srv.add_argument(
         "--worker", default=None, help="use a worker started elsewhere (unix:/path or HOST:PORT)"
     )
@@ -44,6 +68,25 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-running", type=int, default=None)
     srv.add_argument("--kv-cache-tokens", type=int, default=None)
+    srv.add_argument(
+        "--scripted-worker",
+        action="store_true",
+        help="spawn the scripted worker (no model; for benchmarks and tests)",
+    )
+    srv.add_argument(
+        "--worker-args",
+        default="",
+        help="extra options for the spawned worker, as one shell-quoted string",
+    )
+    srv.add_argument(
+        "--restart-backoff",
+        default=None,
+        help="seconds between worker restarts, comma-separated (the last one repeats)",
+    )
+
+
+def _add_request_flags(srv: argparse.ArgumentParser) -> None:
+    """Admission, streaming and the timeouts a request lives under."""
     srv.add_argument(
         "--max-queued",
         type=int,
@@ -63,35 +106,6 @@ def _build_parser() -> argparse.ArgumentParser:
         default=DRAIN.timeout_s,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take before they are ended",
     )
-    srv.add_argument(
-        "--scripted-worker",
-        action="store_true",
-        help="spawn the scripted worker (no model; for benchmarks and tests)",
-    )
-    srv.add_argument(
-        "--worker-args",
-        default="",
-        help="extra options for the spawned worker, as one shell-quoted string",
-    )
-    srv.add_argument(
-        "--restart-backoff",
-        default=None,
-        help="seconds between worker restarts, comma-separated (the last one repeats)",
-    )
-    srv.add_argument(
-        "--faults",
-        default=None,
-        metavar="FILE",
-        help="fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
-    )
-    srv.add_argument("--log-level", default="info")
-    _add_edge_flags(srv)
-    add_serve_options(srv)
-
-    wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
-    wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
-    add_trace_parser(sub)
-    return parser
 
 
 def _add_edge_flags(srv: argparse.ArgumentParser) -> None:
@@ -135,14 +149,19 @@ def _edge_options(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     import anyio
 
-    from lifecycle.app import App, AppConfig, serve_app
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     if args.faults:
         _install_faults(args.faults)
-    cfg = AppConfig(
+    anyio.run(_run_until_signalled, _app_config(args))
+    return 0
+
+
+def _app_config(args: argparse.Namespace) -> AppConfig:
+    from lifecycle.app import AppConfig
+
+    return AppConfig(
         host=args.host,
         port=args.port,
         model=args.model,
@@ -169,29 +188,31 @@ def _serve(args: argparse.Namespace) -> int:
         **serve_options(args),
     )
 
-    async def run() -> None:
-        # The first SIGTERM/SIGINT drains (App.drain), a second one stops at once; either
-        # way the app is then cancelled, so the worker gets SHUTDOWN and is reaped.
-        async with anyio.create_task_group() as tg:
-            apps: list[App] = []
 
-            async def stop_after_drain() -> None:
-                await apps[0].drain()
-                tg.cancel_scope.cancel()
+async def _run_until_signalled(cfg: AppConfig) -> None:
+    """Serve ``cfg``. The first SIGTERM/SIGINT drains (App.drain), a second one stops at
+    once; either way the app is then cancelled, so the worker gets SHUTDOWN and is reaped."""
+    import anyio
 
-            async def watch_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        if not apps or apps[0].frontend.draining:
-                            tg.cancel_scope.cancel()
-                            return
-                        tg.start_soon(stop_after_drain)
+    from lifecycle.app import App, serve_app
 
-            tg.start_soon(watch_signals)
-            apps.append(await tg.start(serve_app, cfg))
+    async with anyio.create_task_group() as tg:
+        apps: list[App] = []
 
-    anyio.run(run)
-    return 0
+        async def stop_after_drain() -> None:
+            await apps[0].drain()
+            tg.cancel_scope.cancel()
+
+        async def watch_signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    if not apps or apps[0].frontend.draining:
+                        tg.cancel_scope.cancel()
+                        return
+                    tg.start_soon(stop_after_drain)
+
+        tg.start_soon(watch_signals)
+        apps.append(await tg.start(serve_app, cfg))
 
 
 def _install_faults(path: str) -> None:
