@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from modelfile.gguf_file import GGUFFile, ModelFileError
+from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "config_from_gguf", "derive_eog_ids"]
 
@@ -93,7 +93,7 @@ def derive_eog_ids(
     return tuple(sorted(i for i in eog if 0 <= i < len(tokens)))
 
 
-def config_from_gguf(f: GGUFFile, tokens: Sequence[str]) -> ModelConfig:
+def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
     """Read the llama-family hyper-parameters; refuse what the torch model cannot run."""
     arch = f.require("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -132,7 +132,7 @@ def config_from_gguf(f: GGUFFile, tokens: Sequence[str]) -> ModelConfig:
 
 
 def _check_shape_support(
-    f: GGUFFile, arch: str, n_heads: int, n_kv_heads: int, head_dim: int
+    f: GGUFMetadata, arch: str, n_heads: int, n_kv_heads: int, head_dim: int
 ) -> None:
     if n_heads % n_kv_heads:
         raise ModelFileError(f.path, f"{n_heads} heads not divisible by {n_kv_heads} kv heads")

@@ -14,7 +14,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers.decoders import DecodeStream
 
-from modelfile.gguf_file import GGUFFile, ModelFileError
+from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 
 __all__ = [
     "SUPPORTED_PRE_TOKENIZERS",
@@ -201,7 +201,7 @@ def build_tokenizer(
     return Tokenizer(inner, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, special_ids=special)
 
 
-def tokenizer_from_gguf(f: GGUFFile, *, eog_ids: Sequence[int]) -> Tokenizer:
+def tokenizer_from_gguf(f: GGUFMetadata, *, eog_ids: Sequence[int]) -> Tokenizer:
     """The tokenizer described by ``f``'s ``tokenizer.ggml.*`` keys."""
     model = f.get("tokenizer.ggml.model")
     if model != "gpt2":

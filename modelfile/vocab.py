@@ -6,7 +6,8 @@ import pathlib
 
 from modelfile.chat import ChatTemplate, ChatTemplateError
 from modelfile.config import ModelConfig, config_from_gguf
-from modelfile.gguf_file import GGUFFile, ModelFileError, default_model_path
+from modelfile.gguf_file import default_model_path
+from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 from modelfile.tokenizer import Tokenizer, tokenizer_from_gguf
 
 __all__ = ["load_tokenizer", "vocab_parts"]
@@ -16,10 +17,10 @@ def load_tokenizer(
     path: str | pathlib.Path | None = None,
 ) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
     """Tokenizer, chat template and config without reading any weights."""
-    return vocab_parts(GGUFFile(path or default_model_path()))
+    return vocab_parts(GGUFMetadata(path or default_model_path()))
 
 
-def vocab_parts(f: GGUFFile) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
+def vocab_parts(f: GGUFMetadata) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
     tokens = f.strings("tokenizer.ggml.tokens")
     config = config_from_gguf(f, tokens)
     tokenizer = tokenizer_from_gguf(f, eog_ids=config.eog_ids)
