@@ -1,6 +1,9 @@
 """Request lifecycles: state machines, guarded handoffs, API handlers and wiring.
 
-Joins ``transport`` (HTTP/WebSocket) and ``gpu`` (the worker) through the wire contract.
+Joins ``transport`` (HTTP/WebSocket) and the worker (``gpu``, spawned by module name, never
+imported) through the wire contract; docs/architecture.md maps the rooms.
 """
 
-__version__ = "0.1.0"
+from lifecycle.core.version import __version__
+
+__all__ = ["__version__"]

@@ -80,3 +80,65 @@ def test_readme_quick_start_is_two_commands() -> None:
     text = (ROOT / "README.md").read_text()
     assert "make serve" in text and "make test" in text
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _load_layout_graph():  # tools/ is not a package: load the script as a module
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "layout_graph", ROOT / "tools" / "layout_graph.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of a directed graph as a path, or None when it is acyclic."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_rooms_import_one_way_and_the_picture_is_current() -> None:
+    graph = _load_layout_graph()
+    rooms: dict[str, set[str]] = {}
+    for src, dst in graph.arrows():
+        rooms.setdefault(src, set()).add(dst)
+    assert _cycle(rooms) is None, f"rooms import in a circle: {' -> '.join(_cycle(rooms) or [])}"
+    assert graph.main(["--check"]) == 0, "run python tools/layout_graph.py --write"
+
+
+def test_no_module_imports_in_a_circle() -> None:
+    graph = _load_layout_graph()
+    modules: dict[str, set[str]] = {}
+    for top in ("lifecycle", "transport", "gpu", "wire", "modelfile"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            name = graph._module_name(path)
+            known = {n for n in graph._imports(path, name) if n.split(".")[0] == top}
+            # "from pkg import mod" names a module; "from mod import Name" names its module
+            modules[name] = {
+                n if (ROOT / (n.replace(".", "/") + ".py")).exists() else n.rpartition(".")[0]
+                for n in known
+            } - {name}
+    for name in list(modules):  # a package's __init__ is not a step in a circle
+        modules[name] = {n for n in modules[name] if not (ROOT / n.replace(".", "/")).is_dir()}
+    found = _cycle(modules)
+    assert found is None, f"modules import in a circle: {' -> '.join(found or [])}"

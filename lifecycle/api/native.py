@@ -285,6 +285,6 @@ class NativeAPI:
 
 
 def _version() -> str:
-    from lifecycle import __version__
+    from lifecycle.core.version import __version__
 
     return __version__

@@ -49,7 +49,7 @@ class OpenAIAPI:
         model_id: str,
         model_path: str | None = None,
     ) -> None:
-        from lifecycle import __version__
+        from lifecycle.core.version import __version__
 
         self.fe = frontend
         self.template = chat_template
