@@ -46,7 +46,7 @@ bench-frontend: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy lifecycle transport gpu
+	$(PY) -m mypy lifecycle transport gpu wire modelfile
 
 # System packages some tests need; without them those tests skip. Chromium drives the
 # /debug page test (tests/test_debug_page.py) over the DevTools protocol.
