@@ -40,7 +40,7 @@ from wire import (
     pack_ids,
 )
 
-from .wire_schema import RULE_BY_KIND, validate_frame
+from .wire_schema import EVERY_SAMPLING_FIELD, RULE_BY_KIND, validate_frame
 
 EXAMPLES = [
     Hello(
@@ -181,23 +181,7 @@ def test_spec_sampling_map_names_exactly_the_contract_fields() -> None:
 
 
 def test_every_sampling_field_is_on_spec_and_reads_back() -> None:
-    full = SamplingParams(
-        max_new_tokens=9,
-        min_new_tokens=2,
-        temperature=0.5,
-        top_p=0.9,
-        top_k=7,
-        min_p=0.1,
-        frequency_penalty=0.5,
-        presence_penalty=-0.5,
-        repetition_penalty=1.5,
-        stop=("a", "bc"),
-        stop_token_ids=(3, 4),
-        ignore_eos=True,
-        seed=-(2**63),
-        logit_bias=((1, -2.0), (5, 1.5)),
-        n=64,
-    )
+    full = EVERY_SAMPLING_FIELD
     sent = full.to_wire()
     assert set(sent) == {f.name for f in fields(SamplingParams)}  # none at its default
     frame = Submit([SubmitEntry(1, pack_ids([5]), sent, {})])

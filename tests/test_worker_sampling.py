@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from gpu.sampling import SampleRow, parse_request, sample
+from tests.wire_schema import EVERY_SAMPLING_FIELD
 from wire import SamplingParams, is_greedy
 
 V = 50
@@ -144,23 +146,7 @@ def test_what_the_frontend_may_send_is_read() -> None:
     # The bounds are the frontend's, never stricter (tests/test_params.py checks all of it).
     p, _ = parse_request({"seed": -(2**63), "temperature": 1e7, "no_stop_trim": True}, {}, V, 3)
     assert (p.seed, p.temperature) == (-(2**63), 1e7)  # an unknown key is ignored
-    full = SamplingParams(
-        max_new_tokens=9,
-        min_new_tokens=2,
-        temperature=0.5,
-        top_p=0.9,
-        top_k=7,
-        min_p=0.1,
-        frequency_penalty=0.5,
-        presence_penalty=-0.5,
-        repetition_penalty=1.5,
-        stop=("a", "bc"),
-        stop_token_ids=(3, 4),
-        ignore_eos=True,
-        seed=-3,
-        logit_bias=((1, -2.0), (5, 1.5)),
-        n=3,
-    )
+    full = replace(EVERY_SAMPLING_FIELD, seed=-3, n=3)
     assert SamplingParams.from_wire(full.to_wire(), V) == full
 
 

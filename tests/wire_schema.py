@@ -13,6 +13,8 @@ from pathlib import Path
 import cbor2
 import pycddl
 
+from wire import SamplingParams
+
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "wire.cddl"
 
 RULE_BY_KIND = {
@@ -32,3 +34,23 @@ def validate_frame(data: bytes) -> None:
     value = cbor2.loads(data)
     assert isinstance(value, list) and value and value[0] in RULE_BY_KIND, f"unknown frame {value!r}"
     _schema(RULE_BY_KIND[value[0]]).validate_cbor(data)
+
+
+# One value of every sampling field, none at its default (the wire and worker tests).
+EVERY_SAMPLING_FIELD = SamplingParams(
+    max_new_tokens=9,
+    min_new_tokens=2,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=7,
+    min_p=0.1,
+    frequency_penalty=0.5,
+    presence_penalty=-0.5,
+    repetition_penalty=1.5,
+    stop=("a", "bc"),
+    stop_token_ids=(3, 4),
+    ignore_eos=True,
+    seed=-(2**63),
+    logit_bias=((1, -2.0), (5, 1.5)),
+    n=64,
+)
