@@ -88,7 +88,7 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
     assert delta(m0, m1, "lifecycle_http_requests_total",
                  endpoint="/v1/stream", method="GET", status="426") == 1  # fmt: skip
     assert delta(m0, m1, "lifecycle_requests_total", outcome="done") == 3
-    assert delta(m0, m1, "lifecycle_request_errors_total", cause="invalid") == 1
+    assert delta(m0, m1, "lifecycle_request_errors_total", cause="too_long") == 1
     assert delta(m0, m1, "lifecycle_prompt_tokens_total") == 9
     assert delta(m0, m1, "lifecycle_generation_tokens_total") == 5 + 6 + 7
     for hist in ("time_to_first_token", "e2e_request_latency", "queue_time"):

@@ -145,9 +145,7 @@ class GenerateCall:
     ) -> None:
         if self.closed:
             return
-        if isinstance(exc, RequestError):
-            self.close(_request_error_cause(exc), exc.message)
-        elif isinstance(exc, ServeError):
+        if isinstance(exc, (RequestError, ServeError)):
             self.close(exc.cause, exc.message)
         else:  # returned early, cancelled, the connection went away, or a bug raised
             cause, detail = self.exit_cause()
@@ -162,10 +160,7 @@ class GenerateCall:
         cause before it propagates (the scope's exit then only tidies up)."""
         try:
             await self._start()
-        except RequestError as exc:
-            self.close(_request_error_cause(exc), exc.message)
-            raise
-        except ServeError as exc:
+        except (RequestError, ServeError) as exc:
             self.close(exc.cause, exc.message)
             raise
 
@@ -379,9 +374,3 @@ def _wire_options(item: GenerateItem) -> dict[str, Any]:
         o["return_hidden_states"] = True
     return o
 
-
-def _request_error_cause(exc: RequestError) -> Cause:
-    # Not ``exc.cause`` yet: a prompt over the context length ends ``invalid`` rather
-    # than ``too_long``, as tests/test_metrics.py still counts it. Using ``exc.cause``
-    # (what RequestError carries it for) changes that count; the two go together.
-    return Cause.INVALID if exc.status == 400 else Cause.INTERNAL
