@@ -27,30 +27,9 @@ _CPU_TUNING = tune_cpu_runtime()
 
 import torch  # noqa: E402
 
+import wire  # noqa: E402
 from gpu.engine import Engine, EngineConfig, ProtocolError  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
-from wire import (  # noqa: E402
-    Abort,
-    Fatal,
-    Flush,
-    FlushReply,
-    Frame,
-    FrameBuffer,
-    Hello,
-    Probe,
-    ProbeReply,
-    ReqError,
-    Shutdown,
-    Stats,
-    StatsReq,
-    Step,
-    StepEntry,
-    Submit,
-    WireError,
-    decode_frame,
-    encode_frame,
-    frame_bytes,
-)
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
@@ -92,8 +71,8 @@ class _Connection:
         self.lock = threading.Lock()
         self.alive = True
 
-    def send(self, frame: Frame) -> None:
-        data = frame_bytes(encode_frame(frame))
+    def send(self, frame: wire.Frame) -> None:
+        data = wire.frame_bytes(wire.encode_frame(frame))
         if (f := fault_point("worker.frame_send")) is not None and f.apply() is not None:
             if f.action == "drop":
                 self.close()
@@ -109,7 +88,7 @@ class _Connection:
 
     def fatal(self, message: str) -> None:
         """Send FATAL; nothing more is sent on this connection."""
-        self.send(Fatal(message))
+        self.send(wire.Fatal(message))
         with self.lock:
             self.alive = False
 
@@ -124,7 +103,7 @@ class _Connection:
 
 
 def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None:
-    buf = FrameBuffer()
+    buf = wire.FrameBuffer()
     try:
         while True:
             data = conn.sock.recv(1 << 20)
@@ -135,14 +114,16 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
                     if f.action == "drop":
                         return
                     payload = b"\xff" * len(payload)
-                frame = decode_frame(payload)
-                if isinstance(frame, Probe):
-                    conn.send(ProbeReply(frame.nonce, engine.load()))
-                elif isinstance(frame, Submit | Abort | StatsReq | Flush | Shutdown):
+                frame = wire.decode_frame(payload)
+                if isinstance(frame, wire.Probe):
+                    conn.send(wire.ProbeReply(frame.nonce, engine.load()))
+                elif isinstance(
+                    frame, wire.Submit | wire.Abort | wire.StatsReq | wire.Flush | wire.Shutdown
+                ):
                     inbox.put(frame)
                 else:
-                    raise WireError(f"a frontend may not send {type(frame).__name__}")
-    except (WireError, ValueError) as exc:
+                    raise wire.WireError(f"a frontend may not send {type(frame).__name__}")
+    except (wire.WireError, ValueError) as exc:
         conn.fatal(f"protocol error: {exc}")
     except OSError:
         pass
@@ -150,7 +131,7 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
         inbox.put(_EOF)
 
 
-def _hello(engine: Engine) -> Hello:
+def _hello(engine: Engine) -> wire.Hello:
     lm, mc, c = engine.loaded, engine.mc, engine.config
     model = {
         "name": mc.name,
@@ -171,7 +152,7 @@ def _hello(engine: Engine) -> Hello:
         "block_size": c.block_size,
         "max_context": engine.max_context,
     }
-    return Hello(model, capacity)
+    return wire.Hello(model, capacity)
 
 
 def _stats(engine: Engine) -> dict[str, Any]:
@@ -187,27 +168,27 @@ def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
     """Apply one queued frame; returns "eof" or "shutdown" when the connection ends."""
     if frame is _EOF:
         return "eof"
-    if isinstance(frame, Shutdown):
+    if isinstance(frame, wire.Shutdown):
         return "shutdown"
-    if isinstance(frame, Submit):
+    if isinstance(frame, wire.Submit):
         try:
             errors, done = engine.submit(frame.entries)
         except ProtocolError as exc:
             conn.fatal(f"protocol error: {exc}")
             return "eof"
         if errors:
-            conn.send(ReqError(errors))
+            conn.send(wire.ReqError(errors))
         if done:
-            conn.send(Step(engine.step_no, done))
-    elif isinstance(frame, Abort):
+            conn.send(wire.Step(engine.step_no, done))
+    elif isinstance(frame, wire.Abort):
         entries = engine.abort(frame.rids)
         if entries:
-            conn.send(Step(engine.step_no, entries))
-    elif isinstance(frame, StatsReq):
-        conn.send(Stats(frame.nonce, _stats(engine)))
-    elif isinstance(frame, Flush):
+            conn.send(wire.Step(engine.step_no, entries))
+    elif isinstance(frame, wire.StatsReq):
+        conn.send(wire.Stats(frame.nonce, _stats(engine)))
+    elif isinstance(frame, wire.Flush):
         ok, message = engine.flush()
-        conn.send(FlushReply(frame.nonce, ok, message))
+        conn.send(wire.FlushReply(frame.nonce, ok, message))
     return None
 
 
@@ -222,17 +203,17 @@ def _step(engine: Engine, conn: _Connection) -> None:
             (e.rid, "internal", "the worker failed while running this request") for e in aborted
         ]
         if errs:
-            conn.send(ReqError(errs))
+            conn.send(wire.ReqError(errs))
         return
     if not entries:
         return
     try:
-        conn.send(Step(engine.step_no, entries))
+        conn.send(wire.Step(engine.step_no, entries))
     except ValueError as exc:  # over the frame size limit: those requests cannot be served
         log.error("step %d: %s", engine.step_no, exc)
         engine.abort([e.rid for e in entries if e.finish is None], "internal error")
         conn.send(
-            ReqError([(e.rid, "internal", "output too large for one frame") for e in entries])
+            wire.ReqError([(e.rid, "internal", "output too large for one frame") for e in entries])
         )
 
 
@@ -258,11 +239,11 @@ def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
                 break
         if end is None and engine.has_work:
             _step(engine, conn)
-    entries: list[StepEntry] = engine.abort_all(
+    entries: list[wire.StepEntry] = engine.abort_all(
         "worker shutting down" if end == "shutdown" else "connection lost"
     )
     if end == "shutdown" and entries:
-        conn.send(Step(engine.step_no, entries))
+        conn.send(wire.Step(engine.step_no, entries))
     conn.close()
     return end == "shutdown"
 

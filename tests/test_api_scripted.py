@@ -374,8 +374,11 @@ def test_bench_serving_client_reads_the_stream(url: str) -> None:
     """What SGLang's bench_serving sglang client does with each frame: strip ``data: ``,
     skip ``[DONE]``, take ``text`` as the whole text so far, split each inter-chunk gap
     by the ``completion_tokens`` delta."""
-    body = {"text": "Benchmarks read cumulative text", "stream": True,
-            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0}}
+    body = {
+        "text": "Benchmarks read cumulative text",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0},
+    }
     generated, last_count, itl_entries = "", 0, 0
     with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
         for chunk in r.iter_lines():

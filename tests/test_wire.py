@@ -12,38 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire import (
-    Abort,
-    Fatal,
-    Flush,
-    FlushReply,
-    FrameBuffer,
-    Hello,
-    Probe,
-    ProbeReply,
-    ReqError,
-    SamplingParams,
-    Shutdown,
-    Stats,
-    StatsReq,
-    Step,
-    StepEntry,
-    Submit,
-    SubmitEntry,
-    WireError,
-    decode_frame,
-    encode_frame,
-    f32s_to_list,
-    frame_bytes,
-    ids_to_list,
-    pack_f32s,
-    pack_ids,
-)
+import wire
 
 from .wire_schema import EVERY_SAMPLING_FIELD, RULE_BY_KIND, validate_frame
 
 EXAMPLES = [
-    Hello(
+    wire.Hello(
         {
             "name": "m",
             "path": "/x.gguf",
@@ -58,64 +32,64 @@ EXAMPLES = [
         },
         {"max_running": 4, "max_pending": 16, "kv_blocks": 32, "block_size": 16, "max_context": 64},
     ),
-    Submit(
+    wire.Submit(
         [
-            SubmitEntry(
+            wire.SubmitEntry(
                 1,
-                pack_ids([5, 6, 7]),
+                wire.pack_ids([5, 6, 7]),
                 {"max_new_tokens": 4, "temperature": 0.5, "stop": ["x"], "logit_bias": {3: -1.5}},
-                {"return_logprob": True, "token_ids_logprob": pack_ids([1, 2])},
+                {"return_logprob": True, "token_ids_logprob": wire.pack_ids([1, 2])},
             ),
-            SubmitEntry(2, pack_ids([5]), {}, {}),
+            wire.SubmitEntry(2, wire.pack_ids([5]), {}, {}),
         ]
     ),
-    Abort([1, 2]),
-    Step(
+    wire.Abort([1, 2]),
+    wire.Step(
         3,
         [
-            StepEntry(
+            wire.StepEntry(
                 1,
-                pack_ids([9]),
+                wire.pack_ids([9]),
                 None,
-                {"prompt_tokens": 3, "cached_tokens": 0, "logprobs": pack_f32s([-0.5])},
+                {"prompt_tokens": 3, "cached_tokens": 0, "logprobs": wire.pack_f32s([-0.5])},
             ),
-            StepEntry(2, pack_ids([]), ["length", 4], {"num_retractions": 0}),
-            StepEntry(4, pack_ids([2]), ["stop", 2], None),
-            StepEntry(5, pack_ids([]), ["abort", "aborted"], None),
+            wire.StepEntry(2, wire.pack_ids([]), ["length", 4], {"num_retractions": 0}),
+            wire.StepEntry(4, wire.pack_ids([2]), ["stop", 2], None),
+            wire.StepEntry(5, wire.pack_ids([]), ["abort", "aborted"], None),
         ],
     ),
-    Step(0, []),
-    ReqError([(9, "too_long", "prompt too long")]),
-    Probe(1),
-    ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
-    StatsReq(2),
-    Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
-    Flush(3),
-    FlushReply(3, True, "flushed"),
-    Shutdown(),
-    Fatal("bad frame"),
+    wire.Step(0, []),
+    wire.ReqError([(9, "too_long", "prompt too long")]),
+    wire.Probe(1),
+    wire.ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
+    wire.StatsReq(2),
+    wire.Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
+    wire.Flush(3),
+    wire.FlushReply(3, True, "flushed"),
+    wire.Shutdown(),
+    wire.Fatal("bad frame"),
 ]
 
 
 @pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
 def test_round_trip_and_schema(frame) -> None:
-    data = encode_frame(frame)
+    data = wire.encode_frame(frame)
     validate_frame(data)
-    assert decode_frame(data) == frame
+    assert wire.decode_frame(data) == frame
 
 
 def test_ids_and_floats_are_raw_little_endian() -> None:
-    assert pack_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
-    assert ids_to_list(pack_ids([0, 49151, -1])) == [0, 49151, -1]
-    assert f32s_to_list(pack_f32s([0.5, -2.0])) == [0.5, -2.0]
-    with pytest.raises(WireError):
-        ids_to_list(b"\x00\x01\x02")
+    assert wire.pack_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert wire.ids_to_list(wire.pack_ids([0, 49151, -1])) == [0, 49151, -1]
+    assert wire.f32s_to_list(wire.pack_f32s([0.5, -2.0])) == [0.5, -2.0]
+    with pytest.raises(wire.WireError):
+        wire.ids_to_list(b"\x00\x01\x02")
 
 
 def test_frame_buffer_splits_and_joins() -> None:
-    frames = [encode_frame(f) for f in EXAMPLES]
-    stream = b"".join(frame_bytes(f) for f in frames)
-    buf = FrameBuffer()
+    frames = [wire.encode_frame(f) for f in EXAMPLES]
+    stream = b"".join(wire.frame_bytes(f) for f in frames)
+    buf = wire.FrameBuffer()
     got: list[bytes] = []
     for i in range(0, len(stream), 7):  # arbitrary cuts across frame boundaries
         got += buf.feed(stream[i : i + 7])
@@ -124,7 +98,7 @@ def test_frame_buffer_splits_and_joins() -> None:
 
 def test_frame_buffer_refuses_oversized_length() -> None:
     with pytest.raises(ValueError):
-        FrameBuffer().feed(b"\xff\xff\xff\xff")
+        wire.FrameBuffer().feed(b"\xff\xff\xff\xff")
 
 
 @pytest.mark.parametrize(
@@ -144,16 +118,16 @@ def test_frame_buffer_refuses_oversized_length() -> None:
     ],
 )
 def test_malformed_frames_raise_wire_error(value) -> None:
-    with pytest.raises(WireError):
-        decode_frame(cbor2.dumps(value))
+    with pytest.raises(wire.WireError):
+        wire.decode_frame(cbor2.dumps(value))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_arbitrary_bytes_never_escape_as_other_errors(data: bytes) -> None:
     try:
-        decode_frame(data)
-    except WireError:
+        wire.decode_frame(data)
+    except wire.WireError:
         pass
 
 
@@ -176,20 +150,20 @@ def test_spec_sampling_map_names_exactly_the_contract_fields() -> None:
     block = re.search(r"\nsampling = \{(.*?)\n\}", SPEC_TEXT, re.S)
     assert block is not None
     keys = set(re.findall(r'"(\w+)":', block.group(1)))
-    assert keys == {f.name for f in fields(SamplingParams)}
+    assert keys == {f.name for f in fields(wire.SamplingParams)}
     assert "no_stop_trim" not in keys
 
 
 def test_every_sampling_field_is_on_spec_and_reads_back() -> None:
     full = EVERY_SAMPLING_FIELD
     sent = full.to_wire()
-    assert set(sent) == {f.name for f in fields(SamplingParams)}  # none at its default
-    frame = Submit([SubmitEntry(1, pack_ids([5]), sent, {})])
-    validate_frame(encode_frame(frame))
-    received = decode_frame(encode_frame(frame))
-    assert isinstance(received, Submit)
-    assert SamplingParams.from_wire(received.entries[0].sampling, vocab_size=10) == full
-    assert SamplingParams().to_wire() == {"max_new_tokens": 128}
+    assert set(sent) == {f.name for f in fields(wire.SamplingParams)}  # none at its default
+    frame = wire.Submit([wire.SubmitEntry(1, wire.pack_ids([5]), sent, {})])
+    validate_frame(wire.encode_frame(frame))
+    received = wire.decode_frame(wire.encode_frame(frame))
+    assert isinstance(received, wire.Submit)
+    assert wire.SamplingParams.from_wire(received.entries[0].sampling, vocab_size=10) == full
+    assert wire.SamplingParams().to_wire() == {"max_new_tokens": 128}
 
 
 def test_schema_rejects_off_spec_frames() -> None:
@@ -203,7 +177,9 @@ def test_schema_rejects_off_spec_frames() -> None:
 def test_step_whose_first_entry_is_terminal_validates(finish) -> None:
     # Regression: with `finish` written as one array of group choices, pycddl rejected a
     # terminal entry in first position; the spec now spells finish as a choice of arrays.
-    validate_frame(encode_frame(Step(1, [StepEntry(1, pack_ids([3]), finish, None)])))
+    validate_frame(
+        wire.encode_frame(wire.Step(1, [wire.StepEntry(1, wire.pack_ids([3]), finish, None)]))
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,19 @@ from wire import SamplingParams
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "wire.cddl"
 
 RULE_BY_KIND = {
-    1: "hello", 2: "submit", 3: "abort", 4: "step", 5: "req-error", 6: "probe",
-    7: "probe-reply", 8: "stats-req", 9: "stats", 10: "flush", 11: "flush-reply",
-    12: "shutdown", 13: "fatal",
+    1: "hello",
+    2: "submit",
+    3: "abort",
+    4: "step",
+    5: "req-error",
+    6: "probe",
+    7: "probe-reply",
+    8: "stats-req",
+    9: "stats",
+    10: "flush",
+    11: "flush-reply",
+    12: "shutdown",
+    13: "fatal",
 }
 
 
@@ -32,7 +42,9 @@ def _schema(rule: str) -> pycddl.Schema:
 def validate_frame(data: bytes) -> None:
     """Raise if ``data`` (one frame's CBOR, no length prefix) is not valid per the spec."""
     value = cbor2.loads(data)
-    assert isinstance(value, list) and value and value[0] in RULE_BY_KIND, f"unknown frame {value!r}"
+    assert isinstance(value, list) and value and value[0] in RULE_BY_KIND, (
+        f"unknown frame {value!r}"
+    )
     _schema(RULE_BY_KIND[value[0]]).validate_cbor(data)
 
 

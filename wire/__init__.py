@@ -4,74 +4,9 @@ sampling contract both sides build and read (``SamplingParams``).
 Imported by both ``lifecycle`` and ``gpu``; depends on neither.
 """
 
-from wire.frames import (
-    PROTOCOL_VERSION,
-    Abort,
-    Fatal,
-    Flush,
-    FlushReply,
-    Frame,
-    Hello,
-    Probe,
-    ProbeReply,
-    ReqError,
-    Shutdown,
-    Stats,
-    StatsReq,
-    Step,
-    StepEntry,
-    Submit,
-    SubmitEntry,
-    WireError,
-    decode_frame,
-    encode_frame,
-    f32s_to_list,
-    ids_to_list,
-    pack_f32s,
-    pack_ids,
-)
-from wire.framing import MAX_FRAME_BYTES, FrameBuffer, frame_bytes
-from wire.sampling import (
-    DEFAULT_MAX_NEW_TOKENS,
-    GREEDY_EPS,
-    LOGIT_BIAS_LIMIT,
-    MAX_N,
-    SamplingParams,
-    is_greedy,
-)
+from wire import frames, framing, sampling
+from wire.frames import *  # noqa: F403  (each module's __all__ is the package's)
+from wire.framing import *  # noqa: F403
+from wire.sampling import *  # noqa: F403
 
-__all__ = [
-    "DEFAULT_MAX_NEW_TOKENS",
-    "GREEDY_EPS",
-    "LOGIT_BIAS_LIMIT",
-    "MAX_FRAME_BYTES",
-    "MAX_N",
-    "PROTOCOL_VERSION",
-    "Abort",
-    "Fatal",
-    "Flush",
-    "FlushReply",
-    "Frame",
-    "FrameBuffer",
-    "Hello",
-    "Probe",
-    "ProbeReply",
-    "ReqError",
-    "SamplingParams",
-    "Shutdown",
-    "Stats",
-    "StatsReq",
-    "Step",
-    "StepEntry",
-    "Submit",
-    "SubmitEntry",
-    "WireError",
-    "decode_frame",
-    "encode_frame",
-    "f32s_to_list",
-    "frame_bytes",
-    "ids_to_list",
-    "is_greedy",
-    "pack_f32s",
-    "pack_ids",
-]
+__all__ = [*frames.__all__, *framing.__all__, *sampling.__all__]

@@ -373,4 +373,3 @@ def _wire_options(item: GenerateItem) -> dict[str, Any]:
     if item.return_hidden_states:
         o["return_hidden_states"] = True
     return o
-

@@ -29,28 +29,10 @@ from typing import Any
 
 import anyio
 
+import wire
 from lifecycle.core.states import WorkerHold
 from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_reason
 from lifecycle.core.wire_stream import FrameStream
-from wire import (
-    Abort,
-    Fatal,
-    Flush,
-    FlushReply,
-    Hello,
-    Probe,
-    ProbeReply,
-    ReqError,
-    Shutdown,
-    Stats,
-    StatsReq,
-    Step,
-    Submit,
-    SubmitEntry,
-    WireError,
-    ids_to_list,
-    pack_ids,
-)
 from wire.faults import fault_point
 
 __all__ = ["DEFAULT_MAX_QUEUED", "WorkerClient"]
@@ -63,7 +45,7 @@ DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control pro
 
 class WorkerClient:
     def __init__(
-        self, frames: FrameStream, hello: Hello, max_queued: int = DEFAULT_MAX_QUEUED
+        self, frames: FrameStream, hello: wire.Hello, max_queued: int = DEFAULT_MAX_QUEUED
     ) -> None:
         self._frames = frames
         self.model: dict[str, Any] = hello.model
@@ -87,8 +69,8 @@ class WorkerClient:
         cls, frames: FrameStream, max_queued: int = DEFAULT_MAX_QUEUED
     ) -> WorkerClient:
         frame = await frames.receive()
-        if not isinstance(frame, Hello):
-            raise WireError(f"expected HELLO first, got {type(frame).__name__}")
+        if not isinstance(frame, wire.Hello):
+            raise wire.WireError(f"expected HELLO first, got {type(frame).__name__}")
         return cls(frames, frame, max_queued)
 
     # -- what the request handlers call (never blocks) ------------------------------------
@@ -109,7 +91,7 @@ class WorkerClient:
             next(self._rids)
         if n > 1:
             sampling = {**sampling, "n": n}
-        entry = SubmitEntry(base, pack_ids(prompt), sampling, options)
+        entry = wire.SubmitEntry(base, wire.pack_ids(prompt), sampling, options)
         sub = Submission(base, sinks, entry, on_dispatch, on_release)
         refusal = None
         if self.closed:
@@ -198,15 +180,15 @@ class WorkerClient:
         return slot[1]
 
     async def probe(self, timeout: float = 5.0) -> dict[str, Any]:
-        reply: ProbeReply = await self._call(Probe, timeout)
+        reply: wire.ProbeReply = await self._call(wire.Probe, timeout)
         return reply.load
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        reply: Stats = await self._call(StatsReq, timeout)
+        reply: wire.Stats = await self._call(wire.StatsReq, timeout)
         return reply.load
 
     async def flush(self, timeout: float = 30.0) -> tuple[bool, str]:
-        reply: FlushReply = await self._call(Flush, timeout)
+        reply: wire.FlushReply = await self._call(wire.Flush, timeout)
         return reply.ok, reply.message
 
     async def close(self) -> None:
@@ -216,7 +198,7 @@ class WorkerClient:
     async def shutdown(self) -> None:
         with anyio.move_on_after(2), anyio.CancelScope(shield=True):
             try:
-                await self._frames.send(Shutdown())
+                await self._frames.send(wire.Shutdown())
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
 
@@ -242,17 +224,17 @@ class WorkerClient:
                 self._wake = anyio.Event()
                 if self._abort_lane:
                     rids, self._abort_lane = self._abort_lane, []
-                    await self._frames.send(Abort(rids))
+                    await self._frames.send(wire.Abort(rids))
                 batch = self._take_ready()
                 if batch:
                     batch = await _dispatch_faults(batch)
                 if batch:
-                    await self._frames.send(Submit(batch))
+                    await self._frames.send(wire.Submit(batch))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._frames.aclose()  # the reader sees EOF and ends the connection
 
-    def _take_ready(self) -> list[SubmitEntry]:
-        batch: list[SubmitEntry] = []
+    def _take_ready(self) -> list[wire.SubmitEntry]:
+        batch: list[wire.SubmitEntry] = []
         while self._queue:
             sub = self._queue[0]
             if self._in_flight + sub.n > self.max_pending:
@@ -275,30 +257,30 @@ class WorkerClient:
                 frame = await self._frames.receive()
             except anyio.EndOfStream:
                 return "the worker closed the connection"
-            except (WireError, ValueError) as exc:
+            except (wire.WireError, ValueError) as exc:
                 return f"corrupt frame from the worker: {exc}"
             match frame:
-                case Step():
+                case wire.Step():
                     # Only work counts as progress for the hung-worker watchdog: a worker
                     # that answers STATS and PROBE but never steps a held request (one
                     # lost on the way, say) is still hung.
                     self.last_progress_ns = time.monotonic_ns()
                     self._on_step(frame)
-                case ReqError(errors):
+                case wire.ReqError(errors):
                     self.last_progress_ns = time.monotonic_ns()
                     for rid, code, message in errors:
                         self._end(rid, WorkerFailure(code, message))
-                case ProbeReply(nonce) | Stats(nonce) | FlushReply(nonce):
+                case wire.ProbeReply(nonce) | wire.Stats(nonce) | wire.FlushReply(nonce):
                     slot = self._replies.get(nonce)
                     if slot is not None:
                         slot[1] = frame
                         slot[0].set()
-                case Fatal(message):
+                case wire.Fatal(message):
                     return f"the worker reported a protocol error: {message}"
                 case _:
                     return f"unexpected frame from the worker: {type(frame).__name__}"
 
-    def _on_step(self, frame: Step) -> None:
+    def _on_step(self, frame: wire.Step) -> None:
         held = self._held
         for e in frame.entries:
             found = held.get(e.rid)
@@ -309,7 +291,7 @@ class WorkerClient:
             sink = sub.sinks[i]
             if sink is not None and (e.new_ids or e.extra):
                 try:
-                    sink.append(ids_to_list(e.new_ids), e.extra)
+                    sink.append(wire.ids_to_list(e.new_ids), e.extra)
                 except Exception as exc:  # e.g. OutputOverflow: a worker bug, end this rid
                     log.error("rid %d: bad output from the worker: %s", e.rid, exc)
                     self.abort_sample(sub, i, "invalid output")
@@ -351,7 +333,7 @@ class WorkerClient:
             slot[0].set()
 
 
-async def _dispatch_faults(batch: list[SubmitEntry]) -> list[SubmitEntry]:
+async def _dispatch_faults(batch: list[wire.SubmitEntry]) -> list[wire.SubmitEntry]:
     """Fault point ``frontend.dispatch``: "drop" loses an entry on the way to the worker
     (what a dispatcher bug would do; the hung-worker watchdog must still end it)."""
     kept = []

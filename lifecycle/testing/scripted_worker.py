@@ -26,28 +26,8 @@ from typing import Any
 
 import anyio
 
+import wire
 from lifecycle.core.wire_stream import FrameStream, parse_address, serve
-from wire import (
-    Abort,
-    Fatal,
-    Flush,
-    FlushReply,
-    Frame,
-    Hello,
-    Probe,
-    ProbeReply,
-    ReqError,
-    Shutdown,
-    Stats,
-    StatsReq,
-    Step,
-    StepEntry,
-    Submit,
-    WireError,
-    ids_to_list,
-    pack_f32s,
-    pack_ids,
-)
 from wire.faults import fault_point
 
 __all__ = ["ScriptConfig", "ScriptedWorker", "main"]
@@ -108,7 +88,7 @@ class ScriptedWorker:
             "steps": self.steps,
         }
 
-    def hello(self) -> Hello:
+    def hello(self) -> wire.Hello:
         c = self.config
         model = {
             "name": "scripted",
@@ -129,7 +109,7 @@ class ScriptedWorker:
             "block_size": c.block_size,
             "max_context": c.context_length,
         }
-        return Hello(model, capacity)
+        return wire.Hello(model, capacity)
 
     def reset(self) -> None:
         self.waiting.clear()
@@ -137,10 +117,10 @@ class ScriptedWorker:
         self.free_blocks = self.config.kv_blocks
         self._errors.clear()
 
-    def submit(self, frame: Submit) -> None:
+    def submit(self, frame: wire.Submit) -> None:
         c = self.config
         for e in frame.entries:
-            prompt = ids_to_list(e.prompt)
+            prompt = wire.ids_to_list(e.prompt)
             s = e.sampling
             max_new = int(s.get("max_new_tokens", 128))
             n = int(s.get("n", 1))
@@ -188,7 +168,7 @@ class ScriptedWorker:
             admitted = True
         return admitted
 
-    def _advance(self, seq: _Seq) -> StepEntry:
+    def _advance(self, seq: _Seq) -> wire.StepEntry:
         extra: dict[str, Any] = {}
         if not seq.started:
             seq.started = True
@@ -207,17 +187,17 @@ class ScriptedWorker:
             return self._end(seq, [tok], ["stop", tok], extra)
         if seq.generated >= seq.max_new:
             return self._end(seq, [tok], ["length", seq.max_new], extra)
-        return StepEntry(seq.rid, pack_ids([tok]), None, extra or None)
+        return wire.StepEntry(seq.rid, wire.pack_ids([tok]), None, extra or None)
 
     def _end(
         self, seq: _Seq, ids: list[int], finish: list[Any], extra: dict[str, Any]
-    ) -> StepEntry:
+    ) -> wire.StepEntry:
         self.free_blocks += seq.blocks
         seq.blocks = 0
         extra["num_retractions"] = 0
-        return StepEntry(seq.rid, pack_ids(ids), finish, extra)
+        return wire.StepEntry(seq.rid, wire.pack_ids(ids), finish, extra)
 
-    def step(self) -> Step | None:
+    def step(self) -> wire.Step | None:
         # Aborted waiting sequences end without ever running.
         gone = [s for s in self.waiting if s.aborted]
         for s in gone:
@@ -232,7 +212,7 @@ class ScriptedWorker:
         if not entries:
             return None
         self.steps += 1
-        return Step(self.steps, entries)
+        return wire.Step(self.steps, entries)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._errors)
@@ -246,14 +226,14 @@ class ScriptedWorker:
                 continue
             if self._errors:
                 errors, self._errors = self._errors, []
-                await out.send(ReqError(errors))
+                await out.send(wire.ReqError(errors))
             if c.hang_after_steps and self.steps >= c.hang_after_steps:
                 await anyio.sleep_forever()
             delay = c.step_delay + (c.prefill_delay if self.waiting else 0.0)
             await anyio.sleep(delay)  # with no delay, still a checkpoint: SUBMITs and ABORTs get in
             # Undelayed steps cost nothing, so up to `burst` of them run back to back and
             # go out in one write, as an instant model's would; a delayed step goes alone.
-            frames: list[Frame] = []
+            frames: list[wire.Frame] = []
             for _ in range(max(1, c.burst) if delay == 0 else 1):
                 if (f := fault_point("worker.forward")) is not None:
                     await f.apply_async()
@@ -281,27 +261,27 @@ class ScriptedWorker:
                         break
             except anyio.EndOfStream:
                 pass
-            except (WireError, ValueError) as exc:
-                await out.send(Fatal(str(exc)))
+            except (wire.WireError, ValueError) as exc:
+                await out.send(wire.Fatal(str(exc)))
             tg.cancel_scope.cancel()
         self.reset()
 
     async def _handle(self, frame: Any, out: FrameStream) -> bool:
         match frame:
-            case Submit():
+            case wire.Submit():
                 self.submit(frame)
-            case Abort(rids):
+            case wire.Abort(rids):
                 self.abort(rids)
-            case Probe(nonce):
-                await out.send(ProbeReply(nonce, self.load()))
-            case StatsReq(nonce):
-                await out.send(Stats(nonce, self.load()))
-            case Flush(nonce):
-                await out.send(FlushReply(nonce, True, "Cache flushed."))
-            case Shutdown():
+            case wire.Probe(nonce):
+                await out.send(wire.ProbeReply(nonce, self.load()))
+            case wire.StatsReq(nonce):
+                await out.send(wire.Stats(nonce, self.load()))
+            case wire.Flush(nonce):
+                await out.send(wire.FlushReply(nonce, True, "Cache flushed."))
+            case wire.Shutdown():
                 os._exit(0)
             case _:
-                raise WireError(f"unexpected frame {type(frame).__name__}")
+                raise wire.WireError(f"unexpected frame {type(frame).__name__}")
         return True
 
 
@@ -310,21 +290,21 @@ def _token_logprobs(seq: _Seq, tok: int, extra: dict[str, Any]) -> None:
     if not o.get("return_logprob"):
         return
     lp = -0.1 * (1 + seq.generated % 7)
-    extra["logprobs"] = pack_f32s([lp])
+    extra["logprobs"] = wire.pack_f32s([lp])
     k = int(o.get("top_logprobs_num", 0))
     if k:
-        extra["top_ids"] = [pack_ids([tok + i for i in range(k)])]
-        extra["top_logprobs"] = [pack_f32s([lp - i for i in range(k)])]
+        extra["top_ids"] = [wire.pack_ids([tok + i for i in range(k)])]
+        extra["top_logprobs"] = [wire.pack_f32s([lp - i for i in range(k)])]
     given = o.get("token_ids_logprob")
     if given:
-        extra["ids_logprobs"] = [pack_f32s([-1.0] * (len(given) // 4))]
+        extra["ids_logprobs"] = [wire.pack_f32s([-1.0] * (len(given) // 4))]
 
 
 def _sample_fault(fault: Any, extra: dict[str, Any]) -> None:
     """corrupt: a logprob field of the wrong length; nan: a NaN logprob (what NaN logits give)."""
     if fault is None:
         return
-    extra["logprobs"] = b"\x01\x02\x03" if fault.action == "corrupt" else pack_f32s([math.nan])
+    extra["logprobs"] = b"\x01\x02\x03" if fault.action == "corrupt" else wire.pack_f32s([math.nan])
 
 
 def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
@@ -335,7 +315,7 @@ def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
     values = [-0.5] * (len(seq.prompt) - start)
     if start == 0:
         values[0] = math.nan
-    extra["prompt_logprobs"] = pack_f32s(values)
+    extra["prompt_logprobs"] = wire.pack_f32s(values)
 
 
 async def _serve(config: ScriptConfig) -> None:
