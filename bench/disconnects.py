@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import ServerProcess, free_port  # noqa: E402
+from bench.procs import ServerProcess, free_port, serve_argv  # noqa: E402
 
 __all__ = ["random_disconnects", "main"]
 
@@ -436,24 +436,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = p.parse_args()
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "lifecycle",
-        "serve",
-        "--port",
-        str(port),
-        "--max-running",
-        str(args.max_running),
-        "--max-pending",
-        str(args.max_pending),
-        "--log-level",
-        "warning",
-    ]
-    if args.scripted:
-        cmd += ["--scripted-worker", "--worker-args", f"--step-delay {args.step_delay}"]
-    else:
-        cmd += ["--device", "cpu", "--kv-cache-tokens", str(args.kv_cache_tokens)]
+    flags: dict[str, object] = {"max_running": args.max_running, "max_pending": args.max_pending}
+    if not args.scripted:
+        flags["kv_cache_tokens"] = args.kv_cache_tokens
+    cmd = serve_argv(port, scripted=args.scripted, step_delay=args.step_delay, **flags)
     t0 = time.monotonic()
     srv = ServerProcess.start("disconnects", cmd, port, "/health", timeout_s=600, cwd=ROOT)
     try:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -19,7 +20,21 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ServerProcess", "busy_cpu_seconds", "free_port", "http_status"]
+__all__ = ["ServerProcess", "busy_cpu_seconds", "free_port", "http_status", "serve_argv"]
+
+
+def serve_argv(
+    port: int, *, scripted: bool, step_delay: float = 0.02, **flags: object
+) -> list[str]:
+    """``lifecycle serve`` on ``port`` with warnings-only logs: the scripted worker
+    (stepping every ``step_delay`` s) or the real model on the CPU. ``flags`` become
+    options: ``max_running=16`` is ``--max-running 16``."""
+    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port)]
+    for name, value in {**flags, "log_level": "warning"}.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    if scripted:
+        return [*argv, "--scripted-worker", "--worker-args", f"--step-delay {step_delay}"]
+    return [*argv, "--device", "cpu"]
 
 
 def busy_cpu_seconds() -> float:

@@ -36,7 +36,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import ServerProcess, free_port  # noqa: E402
+from bench.procs import ServerProcess, free_port, serve_argv  # noqa: E402
 
 MAX_PENDING, MAX_QUEUED = 8, 16
 ROWS: list[tuple[str, str, str, str]] = []  # figure, counts, value, target
@@ -451,32 +451,16 @@ def main() -> int:
     p.add_argument("--scenarios", type=int, default=0, help="simulation seeds (default 1,000)")
     args = p.parse_args()
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "lifecycle",
-        "serve",
-        "--port",
-        str(port),
-        "--max-pending",
-        str(MAX_PENDING),
-        "--max-running",
-        str(MAX_PENDING),
-        "--max-queued",
-        str(MAX_QUEUED),
-        "--send-timeout",
-        "2",
-        "--hung-timeout",
-        "10",
-        "--restart-backoff",
-        "0.1",
-        "--log-level",
-        "warning",
-    ]
-    if args.scripted:
-        cmd += ["--scripted-worker", "--worker-args", "--step-delay 0.02"]
-    else:
-        cmd += ["--device", "cpu"]
+    cmd = serve_argv(
+        port,
+        scripted=args.scripted,
+        max_pending=MAX_PENDING,
+        max_running=MAX_PENDING,
+        max_queued=MAX_QUEUED,
+        send_timeout=2,
+        hung_timeout=10,
+        restart_backoff=0.1,
+    )
     srv = ServerProcess.start("reliability", cmd, port, "/health", timeout_s=600, cwd=ROOT)
     try:
         b = Bench(srv)
