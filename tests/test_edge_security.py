@@ -21,7 +21,8 @@ from websockets.asyncio.client import connect
 
 from lifecycle.api.auth import Auth, AuthConfig, read_key_file
 from lifecycle.app import App, AppConfig, serve_app
-from lifecycle.cli import _build_parser, _edge_options
+from lifecycle.cli import _build_parser
+from lifecycle.options import app_config, option_values
 from transport import Headers, Request
 
 from .ws_helpers import collect, echo_body, echo_ids, gen_msg
@@ -82,12 +83,12 @@ def test_cli_key_options(tmp_path: Path) -> None:
         ["serve", "--api-key", KEY, "--api-key-file", str(keyfile), "--admin-api-key", ADMIN,
          "--public-route", "/health", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"]
     )  # fmt: skip
-    opts = _edge_options(args)
-    assert opts["api_keys"] == (KEY, KEY2, WRONG) and opts["admin_api_keys"] == (ADMIN,)
-    assert opts["public_routes"] == ("/health",)
-    assert (opts["ssl_certfile"], opts["ssl_keyfile"]) == ("c.pem", "k.pem")
-    none = _edge_options(_build_parser().parse_args(["serve", "--no-public-routes"]))
-    assert none["public_routes"] == () and none["api_keys"] == ()
+    cfg = app_config(option_values(args))
+    assert cfg.api_keys == (KEY, KEY2, WRONG) and cfg.admin_api_keys == (ADMIN,)
+    assert cfg.public_routes == ("/health",)
+    assert (cfg.ssl_certfile, cfg.ssl_keyfile) == ("c.pem", "k.pem")
+    none = app_config(option_values(_build_parser().parse_args(["serve", "--no-public-routes"])))
+    assert none.public_routes == () and none.api_keys == ()
 
 
 # -- a real server -------------------------------------------------------------------------

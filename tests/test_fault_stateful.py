@@ -71,7 +71,7 @@ def _client_gone() -> tuple[Cause, str]:
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[_Harness]:
-    from lifecycle.app import _load_tokenizer
+    from lifecycle.runtime import _load_tokenizer
 
     tokenizer, _chat, model_config, _ = _load_tokenizer(None)
     with start_blocking_portal() as portal:

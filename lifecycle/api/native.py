@@ -21,11 +21,12 @@ from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
+from lifecycle.core.results import chunks, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from wire.faults import fault_point
 
-__all__ = ["NativeAPI", "error_response", "gone_cause", "run_unary"]
+__all__ = ["NativeAPI", "error_response", "gone_cause", "run_unary", "server_state"]
 
 log = logging.getLogger("lifecycle.api")
 
@@ -135,17 +136,13 @@ class NativeAPI:
             return error_response(cause.status, message, cause.retry_after)
         if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
             await _client_write_fault(f)
-        results = [s.result(call.e2e()) for s in call.samples()]
+        results = unary_results(call)
         call.close()  # done: the rid is free before the client reads the reply
-        multi = call.req.is_batch or len(results) > 1
-        return JSONResponse(results if multi else results[0])
+        return JSONResponse(results if is_multi(call) else results[0])
 
     async def _events(self, call: GenerateCall, incremental: bool) -> AsyncIterator[bytes]:
         """The stream's events; owns nothing (the handler's call scope does)."""
-        multi = call.req.is_batch or len(call.samples()) > 1
-        async for index, _sample, frame in call.frames(incremental):
-            if multi:
-                frame["index"] = index
+        async for frame in chunks(call, incremental):
             if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
                 await _client_write_fault(f)
             yield orjson.dumps(frame)
@@ -194,39 +191,7 @@ class NativeAPI:
         )
 
     async def server_info(self, request: Request) -> Response:
-        fe, sup = self.fe, self.fe.supervisor
-        state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
-        client = sup.client
-        if client is not None:
-            try:
-                load = await client.stats(timeout=2.0)
-                state.update(
-                    {
-                        k: load.get(k)
-                        for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
-                    }
-                )
-                state["worker_load"] = load
-            except (TimeoutError, ConnectionError) as exc:
-                state["stats_error"] = str(exc) or type(exc).__name__
-            state.update(
-                in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
-            )
-        return JSONResponse(
-            {
-                **self.server_args,
-                "version": _version(),
-                "status": sup.status,
-                "live_requests": len(fe.registry),
-                "tombstones": fe.registry.tombstones,
-                "requests_by_state": fe.registry.counts_by_state(),
-                "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
-                "received_requests": fe.received,
-                "finished_requests": fe.finished,
-                "failed_requests": dict(fe.failed),
-                "internal_states": [state],
-            }
-        )
+        return JSONResponse(await server_state(self.fe, self.server_args))
 
     # -- control -----------------------------------------------------------------------------
     async def abort_request(self, request: Request) -> Response:
@@ -282,6 +247,41 @@ class NativeAPI:
             )
         skip = body.get("skip_special_tokens", True) is not False
         return JSONResponse({"prompt": self.fe.codec.decode(tokens, skip)})
+
+
+async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, Any]:
+    """``/server_info``: the server's arguments, its books, and the worker's state."""
+    sup = fe.supervisor
+    state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
+    client = sup.client
+    if client is not None:
+        try:
+            load = await client.stats(timeout=2.0)
+            state.update(
+                {
+                    k: load.get(k)
+                    for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
+                }
+            )
+            state["worker_load"] = load
+        except (TimeoutError, ConnectionError) as exc:
+            state["stats_error"] = str(exc) or type(exc).__name__
+        state.update(
+            in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
+        )
+    return {
+        **server_args,
+        "version": _version(),
+        "status": sup.status,
+        "live_requests": len(fe.registry),
+        "tombstones": fe.registry.tombstones,
+        "requests_by_state": fe.registry.counts_by_state(),
+        "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
+        "received_requests": fe.received,
+        "finished_requests": fe.finished,
+        "failed_requests": dict(fe.failed),
+        "internal_states": [state],
+    }
 
 
 def _version() -> str:

@@ -21,7 +21,7 @@ import orjson
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
-from lifecycle.core.call import GenerateCall
+from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import GenerateRequest
@@ -206,12 +206,52 @@ class OpenAIAPI:
         if err is not None:
             cause, message = err
             return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+        body = self._reply(call, oreq, choices, ids)
+        call.close()  # done: the rid is free before the client reads the reply
+        return JSONResponse(body)
+
+    def _reply(
+        self, call: GenerateCall, oreq: OpenAIRequest, choices: list[ChoiceState], ids: ReplyIds
+    ) -> dict[str, Any]:
+        """The unary reply of a call that ended well."""
         e2e = call.e2e()
         body = ids.envelope("chat.completion" if oreq.chat else "text_completion")
         body["choices"] = sorted((c.result(e2e) for c in choices), key=lambda c: c["index"])
         body["usage"] = self._usage(call)
-        call.close()  # done: the rid is free before the client reads the reply
-        return JSONResponse(body)
+        return body
+
+    async def reply(self, url: str, body: Any, exit_cause: ExitCause) -> dict[str, Any]:
+        """A unary ``/v1/completions`` or ``/v1/chat/completions`` reply without HTTP (the
+        batch runner's lines); raises ``OpenAIError`` as the route answers it."""
+        if url not in ("/v1/completions", "/v1/chat/completions"):
+            raise OpenAIError(f"unsupported url {url!r}", 400, param="url")
+        if isinstance(body, dict) and body.get("stream"):
+            raise OpenAIError("stream is not supported here", 400, param="stream")
+        if url == "/v1/completions":
+            oreq = parse_completion(body, **self._opts())
+            prompts, param = oreq.prompts, "prompt"
+            echo = [
+                (p if isinstance(p, str) else self.fe.codec.decode(p)) if oreq.echo else ""
+                for p in prompts
+            ]
+        else:
+            oreq, messages = parse_chat(body, **self._opts())
+            prompts, param, echo = [await self._chat_prompt(messages)], "messages", [""]
+        async with self.fe.call(oreq.generate_request(prompts), exit_cause) as call:
+            try:
+                await call.start()
+            except (RequestError, ServeError) as exc:
+                raise OpenAIError.from_cause(exc.cause, exc.message, param) from None
+            choices = self._choices(call, oreq, echo)
+            await call.run_to_end()
+            err = call.error()
+            if err is not None:
+                raise OpenAIError.from_cause(*err)
+            reply = self._reply(
+                call, oreq, choices, ReplyIds(oreq.chat, oreq.model, self.fingerprint)
+            )
+            call.close()
+            return reply
 
     async def _events(
         self,

@@ -30,6 +30,7 @@ from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.params import GenerateRequest, parse_generate
+from lifecycle.core.results import chunks, is_multi
 from lifecycle.core.states import Cause
 from transport import Request, Response, Router, WebSocket, WebSocketClosed, WebSocketResponse
 from transport.websocket import handshake_problem
@@ -253,19 +254,15 @@ class StreamSession:
             return _error(mid, Cause.ABORTED, "cancelled by the client")
 
     async def _pump(self, mid: Any, call: GenerateCall) -> dict[str, Any]:
-        multi = call.req.is_batch or len(call.samples()) > 1
-        async for index, _sample, frame in call.frames(incremental=True):
-            msg = {"type": "delta", "id": mid, **frame}
-            if multi:
-                msg["index"] = index
-            await self.send(msg)
+        async for frame in chunks(call, incremental=True):
+            await self.send({"type": "delta", "id": mid, **frame})
         err = call.error()
         call.close()
         if err is not None:
             cause, message = err
             return _error(mid, cause, message)
         metas = [s.meta(call.e2e()) for s in call.samples()]
-        return {"type": "done", "id": mid, "meta_info": metas if multi else metas[0]}
+        return {"type": "done", "id": mid, "meta_info": metas if is_multi(call) else metas[0]}
 
     def _gone(self) -> tuple[Cause, str]:
         reason = self.ws.request.disconnect_reason

@@ -35,33 +35,7 @@ from lifecycle.tracing.query import (
     with_cause,
 )
 
-__all__ = ["add_serve_options", "add_trace_parser", "load_traces", "run_trace", "serve_options"]
-
-
-def add_serve_options(srv: argparse.ArgumentParser) -> None:
-    """``lifecycle serve``'s tracing and debug options (docs/tracing.md)."""
-    g = srv.add_argument_group("traces and debug routes")
-    g.add_argument("--trace-log", default=None, help="write one JSON line per finished request")
-    g.add_argument("--trace-log-max-bytes", type=int, default=64 << 20, help="rotate past this")
-    g.add_argument("--trace-log-backups", type=int, default=3, help="rotated files kept")
-    g.add_argument("--trace-ring-size", type=int, default=1000, help="finished traces kept")
-    g.add_argument("--disable-debug-routes", action="store_true", help="no /debug routes")
-
-
-def serve_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``AppConfig`` keyword arguments from the options ``add_serve_options`` added."""
-    from lifecycle.tracing.tracer import TraceConfig
-
-    trace = TraceConfig(
-        ring_size=args.trace_ring_size,
-        log_path=args.trace_log,
-        log_max_bytes=args.trace_log_max_bytes,
-        log_backups=args.trace_log_backups,
-    )
-    return {
-        "trace": trace,
-        "debug_routes": not args.disable_debug_routes,
-    }
+__all__ = ["add_trace_parser", "load_traces", "run_trace"]
 
 
 def add_trace_parser(sub: Any) -> None:

@@ -1,0 +1,197 @@
+"""The Engine's requests: Python arguments into ``/generate`` bodies, and the coroutines
+that run them on the ``Runtime`` in the Engine's event loop, under the same state
+machines, admission, dispatcher and ownership rules as an HTTP request."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+
+from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.frontend import Frontend
+from lifecycle.core.params import GenerateRequest, parse_generate
+from lifecycle.core.results import chunks, unary_results
+from lifecycle.core.states import Cause
+
+__all__ = ["EngineError", "Requests", "caller_left", "generate_bodies", "interleave"]
+
+log = logging.getLogger("lifecycle.engine")
+
+# Per-prompt fields of a /generate body (scalars broadcast, lists are per prompt).
+_PER_PROMPT = (
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "return_hidden_states",
+)
+_RETRY = frozenset({Cause.OVERLOADED, Cause.NOT_READY})  # an in-process caller waits
+_RETRY_FOR_S = 120.0
+
+
+class EngineError(Exception):
+    """A request that ended in error: ``cause`` is the state machine's error cause
+    (``invalid``, ``too_long``, ``worker_lost``, ...), ``status`` the HTTP status the
+    same error has on the server, ``message`` the same text."""
+
+    def __init__(self, cause: Cause, message: str) -> None:
+        super().__init__(f"{cause.value}: {message}")
+        self.cause = cause.value
+        self.status = cause.status
+        self.retryable = cause.retryable
+        self.message = message
+
+
+def caller_left() -> tuple[Cause, str]:
+    """The exit cause of an Engine call whose caller stopped waiting (the task was
+    cancelled, the iterator closed): the Engine's client disconnect."""
+    return Cause.CLIENT_GONE, "the caller stopped waiting"
+
+
+def generate_bodies(
+    prompt: str | Sequence[str] | None,
+    input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+    sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None,
+    fields: dict[str, Any],
+) -> tuple[list[dict[str, Any]], bool]:
+    """One ``/generate`` body per prompt, and whether the input was a batch."""
+    if (prompt is None) == (input_ids is None):
+        raise TypeError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        batch, key = not isinstance(prompt, str), "text"
+        items: list[Any] = list(prompt) if batch else [prompt]
+    else:
+        assert input_ids is not None
+        batch, key = bool(input_ids) and isinstance(input_ids[0], list | tuple), "input_ids"
+        ids: Any = input_ids
+        items = [list(x) for x in ids] if batch else [list(ids)]
+    n = len(items)
+    sps = _per_prompt("sampling_params", sampling_params, n, batch)
+    rid = fields.get("rid")
+    if isinstance(rid, list) and len(rid) != n:
+        raise ValueError(f"{len(rid)} rids for {n} prompts")
+    bodies = []
+    for i, item in enumerate(items):
+        body: dict[str, Any] = {key: item}
+        if sps[i] is not None:
+            body["sampling_params"] = sps[i]
+        for name in _PER_PROMPT:
+            if fields.get(name) is not None:
+                body[name] = _per_prompt(name, fields[name], n, batch)[i]
+        if fields.get("token_ids_logprob") is not None:
+            tl = fields["token_ids_logprob"]
+            nested = batch and bool(tl) and isinstance(tl[0], list)
+            body["token_ids_logprob"] = tl[i] if nested else tl
+        if rid is None:  # meta_info.id is then the rid: the trace is found by it
+            body["rid"] = uuid.uuid4().hex
+        else:
+            body["rid"] = (f"{rid}_{i}" if batch else rid) if isinstance(rid, str) else rid[i]
+        # A batch's prompt goes as a batch of one: ids and n copies as in the batch.
+        bodies.append({k: [v] for k, v in body.items()} if batch else body)
+    return bodies, batch
+
+
+def _per_prompt(name: str, value: Any, n: int, batch: bool) -> list[Any]:
+    if batch and isinstance(value, list | tuple):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+class Requests:
+    """The coroutines the Engine runs in its loop, over one ``Frontend``."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    def parse(self, body: dict[str, Any]) -> GenerateRequest:
+        try:
+            return parse_generate(dict(body), vocab_size=self.fe.model_config.vocab_size)
+        except RequestError as exc:
+            raise EngineError(exc.cause, exc.message) from None
+
+    async def run(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """One body to its end: its results in SGLang's order."""
+        req = self.parse(body)
+        deadline = anyio.current_time() + _RETRY_FOR_S
+        while True:
+            try:
+                return await self._run(req)
+            except EngineError as exc:
+                if Cause(exc.cause) not in _RETRY or anyio.current_time() > deadline:
+                    raise
+            await anyio.sleep(0.05)
+
+    async def _run(self, req: GenerateRequest) -> list[dict[str, Any]]:
+        try:
+            async with self.fe.call(req, caller_left) as call:
+                await call.start()
+                await call.run_to_end()
+                err = call.error()
+                if err is not None:
+                    raise EngineError(*err)
+                results = unary_results(call)
+                call.close()
+                return results
+        except (RequestError, ServeError) as exc:
+            raise EngineError(exc.cause, exc.message) from None
+
+    async def run_many(
+        self, bodies: list[dict[str, Any]], window: int, progress: Any = None
+    ) -> list[list[dict[str, Any]]]:
+        """Every body, at most ``window`` at a time (admission at the worker's pace, never
+        all at once); the results in input order. The first error cancels the rest."""
+        for body in bodies:
+            self.parse(body)  # every body is checked before any runs
+        out: list[list[dict[str, Any]]] = [[] for _ in bodies]
+        slots = anyio.Semaphore(max(1, window))
+        failed: list[EngineError] = []
+
+        async def one(i: int, body: dict[str, Any], scope: anyio.CancelScope) -> None:
+            try:
+                out[i] = await self.run(body)
+            except EngineError as exc:
+                failed.append(exc)
+                scope.cancel()  # the rest end as their caller left
+                return
+            finally:
+                slots.release()
+            if progress is not None:
+                progress.update(1)
+
+        async with anyio.create_task_group() as tg:
+            for i, body in enumerate(bodies):
+                await slots.acquire()
+                tg.start_soon(one, i, body, tg.cancel_scope)
+        if failed:
+            raise failed[0]
+        return out
+
+    async def stream(
+        self, body: dict[str, Any], incremental: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One body's stream chunks; an error after some chunks raises EngineError."""
+        req = self.parse(body)
+        try:
+            async with self.fe.call(req, caller_left) as call:
+                await call.start()
+                async for chunk in chunks(call, incremental):
+                    yield chunk
+                err = call.error()
+                if err is not None:
+                    raise EngineError(*err)
+                call.close()
+        except (RequestError, ServeError) as exc:
+            raise EngineError(exc.cause, exc.message) from None
+
+
+def interleave(per_body: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per-prompt results as one batch answer, in SGLang's order: with ``n > 1`` the n
+    copies of the batch, ``[p0, p1, ..., p0, p1, ...]`` (``GenerateCall.samples``)."""
+    n = max((len(r) for r in per_body), default=0)
+    return [r[j] for j in range(n) for r in per_body if j < len(r)]

@@ -1,0 +1,249 @@
+"""The options of ``lifecycle serve`` and of ``lifecycle.Engine``, defined once.
+
+Each ``Option`` is one command-line flag (``--max-running``) and one keyword of
+``Engine(...)`` (``max_running=``); ``app_config`` turns a full set of values (the
+parsed flags, or the Engine's keywords over the defaults) into the ``AppConfig`` both
+run on. Options marked ``server`` are about the HTTP listener and its clients (address,
+TLS, keys, timeouts of a socket): the Engine has none and refuses them by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lifecycle.core.states import DRAIN
+
+if TYPE_CHECKING:
+    from lifecycle.app import AppConfig
+
+__all__ = ["OPTIONS", "Option", "add_flags", "app_config", "engine_values", "option_values"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # the Engine keyword; the flag is --name-with-dashes
+    help: str
+    group: str
+    type: Callable[[str], Any] | None = str  # None: a switch (store_true)
+    default: Any = None
+    repeat: bool = False  # the flag may be given several times (a list)
+    server: bool = False  # the HTTP listener's: not an Engine option
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _o(name: str, help: str, group: str, **kw: Any) -> Option:
+    return Option(name, help, group, **kw)
+
+
+_MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
+    "model",
+    "the worker",
+    "requests",
+    "the HTTP server",
+    "traces and debug routes",
+)
+_SWITCH: dict[str, Any] = {"type": None, "default": False}
+
+OPTIONS: tuple[Option, ...] = (
+    _o("model", "GGUF file (default: the bundled SmolLM2-135M-Instruct)", _MODEL),
+    _o("served_model_name", "the model's name in the OpenAI API", _MODEL),
+    _o("worker", "use a worker started elsewhere (unix:/path or HOST:PORT)", _WORKER),
+    _o("device", "cpu | cuda (default: cuda when present)", _WORKER),
+    _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
+    _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
+    _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
+    _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
+    _o("scripted_worker", "spawn the scripted worker (no model; for tests)", _WORKER, **_SWITCH),
+    _o(
+        "worker_args",
+        "extra options for the spawned worker, as one shell-quoted string",
+        _WORKER,
+        default="",
+    ),
+    _o(
+        "restart_backoff",
+        "seconds between worker restarts, comma-separated (the last one repeats)",
+        _WORKER,
+    ),
+    _o(
+        "hung_timeout",
+        "seconds without progress before the worker counts as hung",
+        _WORKER,
+        type=float,
+        default=60.0,
+    ),  # fmt: skip
+    _o(
+        "faults",
+        "fault plan (JSON, wire.faults) for chaos runs; the spawned worker loads it too",
+        _WORKER,
+        metavar="FILE",
+    ),
+    _o(
+        "max_queued",
+        "requests admitted and not yet dispatched; beyond: 503",
+        _REQ,
+        type=int,
+        default=1024,
+    ),  # fmt: skip
+    _o("incremental_streaming_output", "stream deltas, not cumulative text", _REQ, **_SWITCH),
+    _o("host", "address to listen on", _HTTP, default="127.0.0.1", server=True),
+    _o("port", "port to listen on", _HTTP, type=int, default=30000, server=True),
+    _o(
+        "send_timeout",
+        "seconds a client may stall a send",
+        _HTTP,
+        type=float,
+        default=30.0,
+        server=True,
+    ),  # fmt: skip
+    _o(
+        "drain_timeout",
+        "on SIGTERM/SIGINT, seconds in-flight requests may take before they are ended",
+        _HTTP,
+        type=float,
+        default=DRAIN.timeout_s,
+        server=True,
+    ),
+    _o("log_level", "logging level", _HTTP, default="info", server=True),
+    _o("api_key", "accept this API key (repeatable)", _HTTP, repeat=True, server=True),
+    _o("api_key_file", "API keys, one per line", _HTTP, server=True),
+    _o(
+        "admin_api_key",
+        "key for the abort/flush/debug routes (repeatable; also valid everywhere)",
+        _HTTP,
+        repeat=True,
+        server=True,
+    ),
+    _o(
+        "public_route",
+        "a route that needs no key (repeatable; default: /health and /metrics)",
+        _HTTP,
+        repeat=True,
+        server=True,
+    ),
+    _o("no_public_routes", "every route needs a key", _HTTP, server=True, **_SWITCH),
+    _o("ssl_certfile", "TLS certificate (PEM)", _HTTP, server=True),
+    _o("ssl_keyfile", "TLS private key (PEM)", _HTTP, server=True),
+    _o("disable_debug_routes", "no /debug routes", _HTTP, server=True, **_SWITCH),
+    _o("trace_log", "write one JSON line per finished request", _TRACE),
+    _o("trace_log_max_bytes", "rotate past this", _TRACE, type=int, default=64 << 20),
+    _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3),
+    _o("trace_ring_size", "finished traces kept", _TRACE, type=int, default=1000),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def add_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """Every option as a flag of ``parser``, in its group (``server=False``: the
+    Engine's, without the HTTP listener's)."""
+    groups: dict[str, Any] = {}
+    for o in OPTIONS:
+        if o.server and not server:
+            continue
+        g = groups.get(o.group) or groups.setdefault(o.group, parser.add_argument_group(o.group))
+        if o.type is None:
+            g.add_argument(o.flag, action="store_true", help=o.help)
+        elif o.repeat:
+            g.add_argument(o.flag, action="append", default=None, type=o.type, help=o.help)
+        else:
+            g.add_argument(o.flag, type=o.type, default=o.default, help=o.help, metavar=o.metavar)
+
+
+def option_values(args: argparse.Namespace, *, server: bool = True) -> dict[str, Any]:
+    """The options' values from parsed flags (``server=False``: as ``add_flags``)."""
+    return {o.name: getattr(args, o.name) for o in OPTIONS if server or not o.server}
+
+
+def engine_values(model: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The Engine's keywords over the defaults; an unknown or server-only one is a
+    TypeError that names it (and the nearest option)."""
+    for name in kwargs:
+        o = _BY_NAME.get(name)
+        if o is None:
+            near = difflib.get_close_matches(name, list(_BY_NAME), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TypeError(f"Engine() got an unknown option {name!r}{hint}")
+        if o.server:
+            raise TypeError(f"{name!r} is an option of the HTTP server; the Engine has none")
+    values = {o.name: o.default for o in OPTIONS}
+    return {**values, **kwargs, "model": model if model is not None else kwargs.get("model")}
+
+
+def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
+    """The ``AppConfig`` for a full set of option values (``option_values`` or
+    ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
+    from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES, read_key_file
+    from lifecycle.app import AppConfig
+    from lifecycle.tracing.tracer import TraceConfig
+
+    v = dict(values)
+    keys = list(v["api_key"] or ())
+    if v["api_key_file"]:
+        keys += read_key_file(v["api_key_file"])
+    public = tuple(v["public_route"] or DEFAULT_PUBLIC_ROUTES)
+    fields: dict[str, Any] = dict(
+        **{k: v[k] for k in _PLAIN},
+        worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
+        worker_extra_args=tuple(_split_args(v["worker_args"])),
+        restart_backoff=_backoff(v["restart_backoff"]),
+        api_keys=tuple(keys),
+        admin_api_keys=tuple(v["admin_api_key"] or ()),
+        public_routes=() if v["no_public_routes"] else public,
+        trace=TraceConfig(
+            ring_size=v["trace_ring_size"],
+            log_path=v["trace_log"],
+            log_max_bytes=v["trace_log_max_bytes"],
+            log_backups=v["trace_log_backups"],
+        ),
+        debug_routes=not v["disable_debug_routes"],
+    )
+    return AppConfig(**{**fields, **fixed})
+
+
+# Options that are AppConfig fields of the same name and value.
+_PLAIN = (
+    "host",
+    "port",
+    "model",
+    "served_model_name",
+    "worker",
+    "device",
+    "dtype",
+    "max_pending",
+    "max_running",
+    "kv_cache_tokens",
+    "max_queued",
+    "incremental_streaming_output",
+    "send_timeout",
+    "hung_timeout",
+    "drain_timeout",
+    "ssl_certfile",
+    "ssl_keyfile",
+)
+
+
+def _split_args(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    if not value:
+        return []
+    return shlex.split(value) if isinstance(value, str) else list(value)
+
+
+def _backoff(
+    value: str | float | list[float] | tuple[float, ...] | None,
+) -> tuple[float, ...] | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return tuple(float(x) for x in value.split(","))
+    if isinstance(value, int | float):
+        return (float(value),)
+    return tuple(float(x) for x in value)

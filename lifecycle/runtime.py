@@ -1,0 +1,152 @@
+"""What serves requests, with HTTP or without: the supervised worker, the tokenizer and
+chat template, the frontend, the tracer and the metrics, built from one ``AppConfig``.
+
+``lifecycle.app`` puts the HTTP server and its routes in front of a ``Runtime``;
+``lifecycle.engine.Engine`` drives one from Python calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
+from lifecycle.api.metrics import Metrics
+from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.states import DRAIN
+from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
+
+__all__ = ["AppConfig", "Runtime", "worker_args"]
+
+
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model: str | None = None  # GGUF path; None: the bundled SmolLM2
+    served_model_name: str | None = None
+    worker: str | None = None  # address of a worker started elsewhere; None: spawn one
+    worker_module: str = "gpu.worker"
+    worker_extra_args: tuple[str, ...] = ()
+    device: str | None = None
+    dtype: str | None = None
+    max_pending: int | None = None  # worker credits (rids in flight)
+    max_running: int | None = None
+    kv_cache_tokens: int | None = None
+    max_queued: int = 1024  # admission bound in the frontend
+    incremental_streaming_output: bool = False
+    send_timeout: float = 30.0
+    hung_timeout: float = 60.0
+    drain_timeout: float = DRAIN.timeout_s  # SIGTERM: in-flight requests finish until then
+    restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
+    warmup: bool = True
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()  # also guard /debug/* (AppRouter treats it as admin)
+    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    trace: TraceConfig = TraceConfig()  # ring size, --trace-log and its rotation
+    debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def worker_args(cfg: AppConfig) -> tuple[str, ...]:
+    """The ``gpu.worker`` command-line options this configuration implies."""
+    args: list[str] = []
+    options: list[tuple[str, Any]] = [
+        ("--max-pending", cfg.max_pending),
+        ("--max-running", cfg.max_running),
+    ]
+    if cfg.worker_module == "gpu.worker":  # the scripted worker loads no model
+        options += [
+            ("--model", cfg.model),
+            ("--device", cfg.device),
+            ("--dtype", cfg.dtype),
+            ("--kv-cache-tokens", cfg.kv_cache_tokens),
+        ]
+    for flag, value in options:
+        if value is not None:
+            args += [flag, str(value)]
+    return (*args, *cfg.worker_extra_args)
+
+
+class Runtime:
+    """Built in two steps: ``Runtime(cfg)`` makes the supervisor (run it in a task group:
+    the worker loads its model meanwhile), ``await load(tg)`` the tokenizer, frontend,
+    tracer and metrics. ``close()`` after every request ended; ``stop()`` ends the worker."""
+
+    def __init__(self, cfg: AppConfig) -> None:
+        self.config = cfg
+        self.supervisor = _supervisor(cfg)
+        self.frontend: Frontend | None = None
+        self.tracer: Tracer | None = None
+        self.metrics: Metrics | None = None
+        self.chat: Any = None
+        self.model_path = ""
+
+    async def load(self, tg: anyio.abc.TaskGroup) -> Frontend:
+        cfg = self.config
+        tokenizer, chat, model_config, path = await anyio.to_thread.run_sync(
+            _load_tokenizer, cfg.model
+        )
+        fe = Frontend(
+            self.supervisor,
+            tokenizer,
+            model_config,
+            FrontendConfig(
+                max_queued=cfg.max_queued,
+                incremental_streaming_output=cfg.incremental_streaming_output,
+            ),
+        )
+        self.frontend, self.chat, self.model_path = fe, chat, path
+        self.metrics = Metrics(fe)
+        if cfg.debug_routes or cfg.trace.log_path:
+            self.tracer = self._tracer(fe)
+            tg.start_soon(self.tracer.run)
+        return fe
+
+    def _tracer(self, fe: Frontend) -> Tracer:
+        cfg, sup = self.config, self.supervisor
+
+        def worker() -> str:
+            return cfg.worker or f"local pid {getattr(sup, 'worker_pid', None)}"
+
+        tracer = Tracer(cfg.trace, registry=fe.registry, probe=worker_probe(worker))
+        tracer.install()
+        return tracer
+
+    def close(self) -> None:
+        """Logs the traces left and uninstalls the observer: after every request task
+        ended, so those cancelled at shutdown reach the log too."""
+        if self.tracer is not None:
+            self.tracer.close()
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+
+
+def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
+    from modelfile.gguf_file import default_model_path
+    from modelfile.vocab import load_tokenizer
+
+    path = str(model or default_model_path())
+    tokenizer, chat, model_config = load_tokenizer(path)
+    return tokenizer, chat, model_config, path
+
+
+def _supervisor(cfg: AppConfig) -> Supervisor:
+    sup_config = SupervisorConfig(
+        worker=cfg.worker,
+        worker_module=cfg.worker_module,
+        worker_args=worker_args(cfg),
+        hung_timeout=cfg.hung_timeout,
+        warmup=cfg.warmup,
+        max_queued=cfg.max_queued + 8,  # every admitted request fits, plus the warm-up
+    )
+    if cfg.restart_backoff:
+        sup_config = replace(sup_config, backoff=cfg.restart_backoff)
+    return Supervisor(sup_config)
