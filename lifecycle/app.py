@@ -77,36 +77,23 @@ async def serve_app(
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening."""
     rt = Runtime(cfg)
-    try:
-        await _serve_app(rt, task_status)
-    finally:
-        rt.close()
-
-
-async def _serve_app(rt: Runtime, task_status: anyio.abc.TaskStatus[App]) -> None:
-    cfg, supervisor = rt.config, rt.supervisor
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(supervisor.run)  # the worker loads its model meanwhile
-        try:
-            await tg.start(server.serve)  # bind early: /health says 503 until ready
-            scheme = "https" if cfg.ssl_certfile else "http"
-            log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
-            frontend = await rt.load(tg)
-            assert rt.metrics is not None
-            router, api, auth = _routes(cfg, frontend, rt.metrics, rt.chat, rt.model_path)
-            # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
-            if rt.tracer is not None:
-                install_debug(router, rt.tracer, enabled=cfg.debug_routes)
-            handler[0] = router
-            app = App(cfg, server, supervisor, frontend, api, rt.metrics, auth, rt.tracer)
-            task_status.started(app)
-            await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await rt.stop()
-            tg.cancel_scope.cancel()
+    async with rt.running() as tg:
+        await tg.start(server.serve)  # bind early: /health says 503 until ready
+        scheme = "https" if cfg.ssl_certfile else "http"
+        log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
+        frontend = await rt.load(tg)
+        assert rt.metrics is not None
+        router, api, auth = _routes(cfg, frontend, rt.metrics, rt.chat, rt.model_path)
+        # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
+        if rt.tracer is not None:
+            install_debug(router, rt.tracer, enabled=cfg.debug_routes)
+        handler[0] = router
+        task_status.started(
+            App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
+        )
+        await anyio.sleep_forever()
 
 
 def _server_config(cfg: AppConfig) -> ServerConfig:

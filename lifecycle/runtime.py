@@ -7,6 +7,8 @@ chat template, the frontend, the tracer and the metrics, built from one ``AppCon
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -87,6 +89,23 @@ class Runtime:
         self.metrics: Metrics | None = None
         self.chat: Any = None
         self.model_path = ""
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[anyio.abc.TaskGroup]:
+        """The supervisor running in a task group for the body (the worker loads its
+        model meanwhile); at the end, however it ends, the worker is stopped, the
+        group's tasks cancelled, then ``close()``."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.supervisor.run)
+                try:
+                    yield tg
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.stop()
+                    tg.cancel_scope.cancel()
+        finally:
+            self.close()
 
     async def load(self, tg: anyio.abc.TaskGroup) -> Frontend:
         cfg = self.config

@@ -70,25 +70,14 @@ class Engine:
         self, startup_timeout: float, *, task_status: anyio.abc.TaskStatus[Runtime]
     ) -> None:
         rt = Runtime(self.config)
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(rt.supervisor.run)
-                try:
-                    try:
-                        await rt.load(tg)
-                    except (OSError, ModelFileError) as exc:
-                        raise EngineError(
-                            Cause.NOT_READY, f"the model did not load: {exc}"
-                        ) from None
-                    await _wait_ready(rt, startup_timeout)
-                    task_status.started(rt)
-                    await anyio.sleep_forever()
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await rt.stop()
-                    tg.cancel_scope.cancel()
-        finally:
-            rt.close()
+        async with rt.running() as tg:
+            try:
+                await rt.load(tg)
+            except (OSError, ModelFileError) as exc:
+                raise EngineError(Cause.NOT_READY, f"the model did not load: {exc}") from None
+            await _wait_ready(rt, startup_timeout)
+            task_status.started(rt)
+            await anyio.sleep_forever()
 
     def shutdown(self) -> None:
         """End every live request (as a shutdown), stop the worker and the loop. Safe to
