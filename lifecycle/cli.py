@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
+_CONFIG_HELP = (
+    "options from a TOML (or YAML) file; LIFECYCLE_<OPTION> variables override it, flags both"
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,12 +35,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None)
 
     srv = sub.add_parser("serve", help="serve the SGLang-native and OpenAI HTTP APIs")
+    srv.add_argument("--config", default=None, metavar="FILE", help=_CONFIG_HELP)
     add_flags(srv)  # lifecycle/options.py: the same options as Engine(...)
 
     bat = sub.add_parser("batch", help="answer a JSONL file of requests (resumable)")
     bat.add_argument("input", help="JSONL: OpenAI batch-file lines or /generate bodies")
     bat.add_argument("output", help="JSONL results; rerun with the same file to resume")
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bat.add_argument("--config", default=None, metavar="FILE", help=_CONFIG_HELP)
     add_flags(bat, server=False)  # the Engine's options
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
@@ -135,8 +142,33 @@ def run_worker_module(module: str, argv: list[str]) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line over the config file and the environment (``lifecycle/config.py``):
+    for ``serve`` and ``batch`` their values become the flags' defaults, then the flags
+    are read again. Raises ``ConfigError``."""
+    import os
+
+    from lifecycle.config import layered
+
+    parser = _build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("serve", "batch"):
+        values = layered(args.config, os.environ, server=args.command == "serve")
+        if values:
+            sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr,index]
+            sub.set_defaults(**values)
+            args, rest = parser.parse_known_args(argv)
+    return args, rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, rest = _build_parser().parse_known_args(argv)
+    from lifecycle.config import ConfigError
+
+    try:
+        args, rest = parse_args(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "worker":
         return run_worker_module("gpu.worker", ["--listen", args.listen, *rest])
     if rest:

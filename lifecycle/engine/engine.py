@@ -40,13 +40,21 @@ Sampling = dict[str, Any] | Sequence[dict[str, Any]] | None
 
 class Engine:
     """``Engine(model=None, **options)``: the options of ``lifecycle serve`` (the
-    listener's own excepted) as keywords, e.g. ``Engine(max_running=16, device="cpu")``.
+    listener's own excepted) as keywords, e.g. ``Engine(max_running=16, device="cpu")``,
+    over those of a ``config`` file and of ``LIFECYCLE_*`` variables (``lifecycle/config.py``).
     Blocks until the worker is ready (``startup_timeout`` seconds at most)."""
 
     def __init__(
-        self, model: str | None = None, *, startup_timeout: float = 600.0, **options: Any
+        self,
+        model: str | None = None,
+        *,
+        config: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 600.0,
+        **options: Any,
     ) -> None:
-        values = engine_values(model, options)
+        from lifecycle.config import layered
+
+        values = engine_values(model, {**layered(config, os.environ, server=False), **options})
         self.config = app_config(values, debug_routes=True)
         self._faults(values.get("faults"))
         self._loop: EngineLoop | None = EngineLoop()
