@@ -138,6 +138,17 @@ OPTIONS: tuple[Option, ...] = (
     _o("trace_log_max_bytes", "rotate past this", _TRACE, type=int, default=64 << 20),
     _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3),
     _o("trace_ring_size", "finished traces kept", _TRACE, type=int, default=1000),
+    _o(
+        "otlp_traces_endpoint",
+        "export one OpenTelemetry span per request to this OTLP/HTTP endpoint "
+        "(e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra)",
+        _TRACE,
+    ),
+    _o(
+        "access_log", "one line per finished request: '-' (stderr) or a file", _HTTP, server=True
+    ),  # fmt: skip
+    _o("access_log_format", "json | common", _HTTP, default="json", server=True),
+    _o("log_requests", "put the prompt text in access log lines", _HTTP, server=True, **_SWITCH),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -228,6 +239,10 @@ _PLAIN = (
     "drain_timeout",
     "ssl_certfile",
     "ssl_keyfile",
+    "otlp_traces_endpoint",
+    "access_log",
+    "access_log_format",
+    "log_requests",
 )
 
 

@@ -53,6 +53,10 @@ class AppConfig:
     ssl_keyfile: str | None = None
     trace: TraceConfig = TraceConfig()  # ring size, --trace-log and its rotation
     debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP span export (docs/monitoring.md)
+    access_log: str | None = None  # "-": stderr; a path; None: off
+    access_log_format: str = "json"  # json | common
+    log_requests: bool = False  # the prompt text in access log lines
     extra: dict[str, Any] = field(default_factory=dict)
 
 
