@@ -63,10 +63,19 @@ class Frontend:
         # Called once per call, after close() has driven every record to its terminal state
         # (metrics count there, never per token).
         self.close_observers: list[Callable[[GenerateCall], None]] = []
+        # Called with each new call, in the task that made it (the access log and the
+        # OpenTelemetry export read the HTTP request's context there).
+        self.open_observers: list[Callable[[GenerateCall], None]] = []
 
     def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
         """A new call for ``req``; enter it with ``async with`` before starting it."""
-        return GenerateCall(self, req, exit_cause or owner_left)
+        call = GenerateCall(self, req, exit_cause or owner_left)
+        for observe in self.open_observers:
+            try:
+                observe(call)
+            except Exception:  # an observer's bug must not refuse the request
+                log.exception("open observer failed")
+        return call
 
     # -- what a call asks (CallHost) ---------------------------------------------------------
     @property
