@@ -19,7 +19,7 @@ from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
-from wire import MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_ids
+from wire import EMBED_FINISH, MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_f32s, pack_ids
 from wire.faults import fault_point
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
@@ -102,7 +102,7 @@ class Engine:
                 # Every rid the request would occupy gets its terminal entry.
                 errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + _declared_n(e))]
                 continue
-            if seq.params.max_new_tokens == 0:
+            if seq.params.max_new_tokens == 0 and seq.options.embed is None:
                 extra = {"prompt_tokens": seq.prompt_len}
                 done += [
                     StepEntry(r, b"", ["length", 0], extra)
@@ -126,7 +126,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= v:
             raise ValueError(f"prompt has token ids outside [0, {v - 1}]")
-        total = len(prompt) + params.max_new_tokens
+        total = len(prompt) + (0 if opts.embed is not None else params.max_new_tokens)
         if total > self.max_context:
             raise TooLong(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
@@ -142,6 +142,8 @@ class Engine:
         if opts.return_logprob and opts.logprob_start_len >= 0:
             # Positions whose logits score prompt tokens must be computed, not reused.
             seq.prefix_limit = max(opts.logprob_start_len - 1, 0)
+        if opts.embed is not None and opts.embed.pooling == "mean":
+            seq.prefix_limit = 0  # every position's hidden state is pooled: none is reused
         if params.stop:
             seq.stop_window = max(len(s) for s in params.stop) + 2
         return seq
@@ -197,6 +199,7 @@ class Engine:
         prefills: list[PrefillChunk] = []
         rows = LogprobRows()
         samplers: list[Sequence] = []
+        pooling: list[tuple[Sequence, int, int]] = []  # embed requests: seq, first row, rows
         for seq, n in batch:
             c, row = seq.num_computed, len(ids)
             ids += seq.tokens[c : c + n]
@@ -205,6 +208,9 @@ class Engine:
                 decodes.append((seq.block_table, c + 1))
             else:
                 prefills.append(PrefillChunk(seq.block_table, c, n))
+            if seq.options.embed is not None:
+                pooling.append((seq, row, n))  # prefill only: nothing is sampled
+                continue
             if not seq.started:
                 prompt_logprob_rows(seq, c, n, row, rows)
             if c + n == len(seq.tokens):
@@ -216,21 +222,56 @@ class Engine:
         fault = fault_point("worker.forward")
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
-        out = self.model(
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
-            self.cache,
-            logits_indices=torch.tensor(rows.indices, dtype=torch.int64, device=dev),
-            return_hidden=want_hidden,
+        x = self.model.trunk(
+            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache
         )
-        logits, hidden = out if isinstance(out, tuple) else (out, None)
-        if fault is not None and fault.action == "nan":
-            logits = torch.full_like(logits, float("nan"))
+        pooled = self._pool(x, pooling)
+        logits = hidden = None
+        if rows.indices:  # a step of embed prefills alone needs no LM head
+            idx = torch.tensor(rows.indices, dtype=torch.int64, device=dev)
+            out = self.model.logits(x, idx, want_hidden)
+            logits, hidden = out if isinstance(out, tuple) else (out, None)
+            if fault is not None and fault.action == "nan":
+                logits = torch.full_like(logits, float("nan"))
         for seq, n in batch:
             self.scheduler.computed(seq, n)
+        entries = [self._embedded(seq, vec) for seq, vec in pooled]
+        if logits is None:
+            return entries
         rows.collect_prompt(logits)
         hid = None if hidden is None else hidden[rows.sample_slice]
-        return self._finish_step(samplers, logits[rows.sample_slice], hid)
+        return entries + self._finish_step(samplers, logits[rows.sample_slice], hid)
+
+    def _pool(
+        self, x: torch.Tensor, pooling: list[tuple[Sequence, int, int]]
+    ) -> list[tuple[Sequence, torch.Tensor]]:
+        """Embed requests: pool this step's final hidden rows; the vectors of those whose
+        prefill this step completes. Mean pooling sums over the chunks, in fp32."""
+        done = []
+        for seq, row, n in pooling:
+            last = seq.num_computed + n == len(seq.tokens)
+            if seq.options.embed is None or seq.options.embed.pooling == "last":
+                if last:
+                    done.append((seq, self.model.final_norm(x[row + n - 1]).float()))
+                continue
+            part = self.model.final_norm(x[row : row + n]).float().sum(0)
+            seq.pooled = part if seq.pooled is None else seq.pooled + part
+            if last:
+                done.append((seq, seq.pooled / len(seq.tokens)))
+        return done
+
+    def _embedded(self, seq: Sequence, vec: torch.Tensor) -> StepEntry:
+        """An embed request's one STEP entry; its blocks are released now."""
+        assert seq.options.embed is not None
+        if seq.options.embed.normalize:
+            vec = vec / vec.norm().clamp_min(1e-12)
+        del self.seqs[seq.rid]
+        self.scheduler.remove(seq)
+        extra = {
+            "cached_tokens": seq.cached_tokens,
+            "embedding": pack_f32s(vec.cpu().numpy()),
+        }
+        return self._terminal(seq, b"", [EMBED_FINISH, vec.numel()], extra)
 
     def _finish_step(
         self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None

@@ -180,15 +180,28 @@ class Llama(nn.Module):
 
         The LM head runs only on those rows: it is the largest matmul of the model.
         """
+        return self.logits(self.trunk(input_ids, positions, attn), logits_indices, return_hidden)
+
+    def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """Every row's last-layer output ``[T, hidden]``, before the final norm."""
         x = F.embedding(input_ids, self.embed)
         # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
+        return x
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings)."""
+        return F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
+
+    def logits(
+        self, x: Tensor, logits_indices: Tensor | None = None, return_hidden: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         if logits_indices is not None:
             x = x[logits_indices]
-        h = F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
+        h = self.final_norm(x)
         logits = self.head(h).float()
         return (logits, h) if return_hidden else logits
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from wire.embed import EmbedOptions
 from wire.sampling import SamplingParams, get_bool, get_int, token_ids
 
 __all__ = [
@@ -40,6 +41,7 @@ class RequestOptions:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
     return_hidden_states: bool = False
+    embed: EmbedOptions | None = None  # prefill only: the pooled final hidden state
 
 
 def parse_request(
@@ -54,7 +56,10 @@ def parse_request(
         top_logprobs_num=get_int(options, "top_logprobs_num", 0, 0, min(vocab, 1024)),
         token_ids_logprob=() if tids is None else token_ids(tids, "token_ids_logprob", vocab),
         return_hidden_states=get_bool(options, "return_hidden_states"),
+        embed=None if options.get("embed") is None else EmbedOptions.from_wire(options["embed"]),
     )
+    if opts.embed is not None and (params.n != 1 or opts.return_logprob):
+        raise ValueError("an embed request samples nothing: n must be 1, without logprobs")
     if opts.return_logprob and opts.logprob_start_len >= 0:
         per_pos = 1 + 2 * opts.top_logprobs_num + len(opts.token_ids_logprob)
         if (prompt_len - opts.logprob_start_len) * per_pos * 4 > PROMPT_LOGPROB_BYTES:

@@ -58,6 +58,7 @@ class Sequence:
     prefix_limit: int = 1 << 62  # prompt tokens the prefix cache may supply
     stop_window: int = 0  # tokens of output to decode when checking stop strings
     prompt_logprobs: list[Any] = field(default_factory=list)  # rows gathered during prefill
+    pooled: Any = None  # embed, mean pooling: the sum of the final hidden rows so far
 
     @property
     def output(self) -> list[int]:
@@ -161,6 +162,7 @@ class Scheduler:
         seq.num_retractions += 1
         if not seq.started:
             seq.prompt_logprobs.clear()  # gathered again by the recompute
+            seq.pooled = None
         self.waiting.appendleft(seq)
 
     def computed(self, seq: Sequence, n: int) -> None:

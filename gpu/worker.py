@@ -144,6 +144,7 @@ def _hello(engine: Engine) -> wire.Hello:
         "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."),
         "pid": os.getpid(),
+        "hidden_size": mc.hidden,
     }
     capacity = {
         "max_running": c.max_running,

@@ -29,6 +29,7 @@ EXAMPLES = [
             "device": "cpu",
             "dtype": "float32",
             "pid": 7,
+            "hidden_size": 64,
         },
         {"max_running": 4, "max_pending": 16, "kv_blocks": 32, "block_size": 16, "max_context": 64},
     ),
@@ -59,6 +60,28 @@ EXAMPLES = [
         ],
     ),
     wire.Step(0, []),
+    # An embed request: prefill only, one terminal entry with its vector.
+    wire.Submit(
+        [
+            wire.SubmitEntry(
+                6,
+                wire.pack_ids([5, 6]),
+                {"max_new_tokens": 0},
+                {"embed": wire.EmbedOptions("mean", False).to_wire()},
+            )
+        ]
+    ),
+    wire.Step(
+        4,
+        [
+            wire.StepEntry(
+                6,
+                b"",
+                ["embed", 3],
+                {"prompt_tokens": 2, "num_retractions": 0, "embedding": wire.pack_f32s([1, 0, 0])},
+            )
+        ],
+    ),
     wire.ReqError([(9, "too_long", "prompt too long")]),
     wire.Probe(1),
     wire.ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
@@ -169,10 +192,20 @@ def test_every_sampling_field_is_on_spec_and_reads_back() -> None:
 def test_schema_rejects_off_spec_frames() -> None:
     with pytest.raises(pycddl.ValidationError):
         validate_frame(cbor2.dumps([4, 0, [[1, [1, 2], None, None]]]))  # ids as an int list
+    with pytest.raises(pycddl.ValidationError):  # a pooling the spec does not name
+        validate_frame(cbor2.dumps([2, [[1, b"\x01\0\0\0", {}, {"embed": {"pooling": "max"}}]]]))
+
+
+def test_embed_options_defaults_and_refusals() -> None:
+    assert wire.EmbedOptions.from_wire({}) == wire.EmbedOptions("last", True)
+    assert wire.EmbedOptions.from_wire(wire.EmbedOptions("mean", False).to_wire()).pooling == "mean"
+    for bad in ({"pooling": "max"}, {"normalize": 1}, []):
+        with pytest.raises(ValueError):
+            wire.EmbedOptions.from_wire(bad)
 
 
 @pytest.mark.parametrize(
-    "finish", [["stop", 2], ["stop", "</s>"], ["length", 4], ["abort", "gone"]]
+    "finish", [["stop", 2], ["stop", "</s>"], ["length", 4], ["embed", 576], ["abort", "gone"]]
 )
 def test_step_whose_first_entry_is_terminal_validates(finish) -> None:
     # Regression: with `finish` written as one array of group choices, pycddl rejected a

@@ -4,7 +4,9 @@ It stands in for ``gpu.worker`` where a test or a benchmark needs a peer whose t
 faults are under control and whose outputs are known in advance. It runs no model: each
 sample echoes its prompt ids cyclically, one token per step (sample ``i`` of an n > 1
 request starts ``i`` tokens further on), so the expected output of any request is a pure
-function of its prompt. It keeps worker-like books (waiting and running queues, KV blocks
+function of its prompt. An embed request (options ``"embed"``) ends in its first step
+with a vector that is a pure function of its prompt ids, its pooling and ``normalize``
+(``scripted_embedding``), of the ``hidden_size`` its HELLO advertises. It keeps worker-like books (waiting and running queues, KV blocks
 held per sequence) so the frontend's release guarantees can be checked through STATS.
 
 With no ``--step-delay`` its steps cost nothing, as an infinitely fast model's would: up to
@@ -30,7 +32,7 @@ import wire
 from lifecycle.core.wire_stream import FrameStream, parse_address, serve
 from wire.faults import fault_point
 
-__all__ = ["ScriptConfig", "ScriptedWorker", "main"]
+__all__ = ["ScriptConfig", "ScriptedWorker", "main", "scripted_embedding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class ScriptConfig:
     vocab_size: int = 49152
     context_length: int = 8192
     eos_id: int = 2
+    hidden_size: int = 576  # the length of an embed request's vector
     die_after_steps: int = 0  # > 0: the process exits abruptly after that many steps
     hang_after_steps: int = 0  # > 0: the step loop stops for good (probes still answered)
     startup_delay: float = 0.0
@@ -59,6 +62,7 @@ class _Seq:
     max_new: int
     stop_ids: frozenset[int]
     options: dict[str, Any]
+    embed: wire.EmbedOptions | None = None
     blocks: int = 0
     generated: int = 0
     started: bool = False
@@ -101,6 +105,7 @@ class ScriptedWorker:
             "device": "cpu",
             "dtype": "none",
             "pid": os.getpid(),
+            "hidden_size": c.hidden_size,
         }
         capacity = {
             "max_running": c.max_running,
@@ -137,6 +142,21 @@ class ScriptedWorker:
             if need > c.kv_blocks:  # could never be admitted: refuse now, never wait forever
                 msg = f"{len(prompt) + max_new} tokens exceed the KV cache of {c.kv_blocks * c.block_size}"
                 self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                continue
+            try:
+                embed = (
+                    None
+                    if e.options.get("embed") is None
+                    else wire.EmbedOptions.from_wire(e.options["embed"])
+                )
+            except ValueError as exc:
+                self._errors += [(e.rid + i, "invalid", str(exc)) for i in range(n)]
+                continue
+            if embed is not None:
+                if n != 1:
+                    self._errors += [(e.rid + i, "invalid", "embed with n > 1") for i in range(n)]
+                    continue
+                self.waiting.append(_Seq(e.rid, prompt, 0, 0, frozenset(), e.options, embed))
                 continue
             stops = set(s.get("stop_token_ids", ()))
             if not s.get("ignore_eos"):
@@ -176,6 +196,10 @@ class ScriptedWorker:
             _prompt_logprobs(seq, extra)
         if seq.aborted:
             return self._end(seq, [], ["abort", "aborted by request"], extra)
+        if seq.embed is not None:
+            vec = scripted_embedding(seq.prompt, seq.embed, self.config.hidden_size)
+            extra["embedding"] = wire.pack_f32s(vec)
+            return self._end(seq, [], [wire.EMBED_FINISH, len(vec)], extra)
         if seq.max_new == 0:
             return self._end(seq, [], ["length", 0], extra)
         tok = seq.prompt[(seq.generated + seq.offset) % len(seq.prompt)]
@@ -283,6 +307,25 @@ class ScriptedWorker:
             case _:
                 raise wire.WireError(f"unexpected frame {type(frame).__name__}")
         return True
+
+
+def scripted_embedding(prompt: list[int], embed: wire.EmbedOptions, size: int) -> list[float]:
+    """The scripted worker's embedding: position ``p`` of token ``t`` contributes
+    ``sin(0.1 (j + 1)(t + 1) + 0.7 p)`` to component ``j``; last pooling takes the last
+    position's, mean pooling the mean over every position."""
+
+    def row(t: int, p: int) -> list[float]:
+        return [math.sin(0.1 * (j + 1) * (t + 1) + 0.7 * p) for j in range(size)]
+
+    if embed.pooling == "last":
+        vec = row(prompt[-1], len(prompt) - 1)
+    else:
+        rows = [row(t, p) for p, t in enumerate(prompt)]
+        vec = [sum(col) / len(prompt) for col in zip(*rows, strict=True)]
+    if embed.normalize:
+        norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+        vec = [v / norm for v in vec]
+    return vec
 
 
 def _token_logprobs(seq: _Seq, tok: int, extra: dict[str, Any]) -> None:
