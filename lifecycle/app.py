@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI, error_response
@@ -85,15 +86,29 @@ async def serve_app(
         log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
         frontend = await rt.load(tg)
         assert rt.metrics is not None
-        router, api, auth = _routes(cfg, frontend, rt.metrics, rt.chat, rt.model_path)
-        # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
-        if rt.tracer is not None:
-            install_debug(router, rt.tracer, enabled=cfg.debug_routes)
-        handler[0] = router
-        task_status.started(
-            App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
-        )
-        await anyio.sleep_forever()
+        access = _access_log(cfg, frontend)
+        try:
+            router, api, auth = _routes(cfg, frontend, rt.metrics, rt.chat, rt.model_path)
+            router.access_log = access
+            # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
+            if rt.tracer is not None:
+                install_debug(router, rt.tracer, enabled=cfg.debug_routes)
+            handler[0] = router
+            task_status.started(
+                App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
+            )
+            await anyio.sleep_forever()
+        finally:
+            if access is not None:
+                access.close()
+
+
+def _access_log(cfg: AppConfig, frontend: Frontend) -> AccessLog | None:
+    if not cfg.access_log:
+        return None
+    where = "stderr" if cfg.access_log == "-" else cfg.access_log
+    log.info("access log (%s) to %s", cfg.access_log_format, where)
+    return AccessLog(frontend, cfg.access_log, cfg.access_log_format, cfg.log_requests)
 
 
 def _server_config(cfg: AppConfig) -> ServerConfig:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth
 from lifecycle.api.metrics import Metrics
-from transport import Handler, HTTPError, Request, Response, Router
+from transport import Handler, HTTPError, Request, Response, Router, WebSocketResponse
 
 __all__ = ["AppRouter", "UNMATCHED"]
 
@@ -19,10 +20,13 @@ UNMATCHED = "(unmatched)"  # the endpoint label of a request no route took (404,
 
 
 class AppRouter(Router):
-    def __init__(self, auth: Auth, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, auth: Auth, metrics: Metrics | None = None, access_log: AccessLog | None = None
+    ) -> None:
         super().__init__()
         self.auth = auth
         self.metrics = metrics
+        self.access_log = access_log
 
     def add(self, methods: str | Iterable[str], path: str, handler: Handler) -> None:
         super().add(methods, path, self._guard(path, handler))
@@ -33,19 +37,38 @@ class AppRouter(Router):
             if denied is not None:
                 self._observe(route, request, denied.status)
                 return denied
+            if self.access_log is None:
+                return await self._handle(route, handler, request)
+            access = self.access_log
+            token = access.begin(route, request)
+            status = 500
             try:
-                response = await handler(request)
+                response = await self._handle(route, handler, request)
+                status = response.status
+                if isinstance(response, WebSocketResponse):
+                    status = -1  # the session's own line comes when the socket closes
+                    response.session = access.session(route, request, response.session)
+                return response
             except HTTPError as exc:
-                exc.observed = True  # type: ignore[attr-defined]
-                self._observe(route, request, exc.status)
+                status = exc.status
                 raise
-            except Exception:
-                self._observe(route, request, 500)
-                raise
-            self._observe(route, request, response.status)
-            return response
+            finally:
+                access.end(token, status)
 
         return guarded
+
+    async def _handle(self, route: str, handler: Handler, request: Request) -> Response:
+        try:
+            response = await handler(request)
+        except HTTPError as exc:
+            exc.observed = True  # type: ignore[attr-defined]
+            self._observe(route, request, exc.status)
+            raise
+        except Exception:
+            self._observe(route, request, 500)
+            raise
+        self._observe(route, request, response.status)
+        return response
 
     def _observe(self, route: str, request: Request, status: int) -> None:
         if self.metrics is not None:
