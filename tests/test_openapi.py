@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
@@ -31,6 +32,7 @@ def test_every_installed_route_is_specified() -> None:
     recorder = RouteRecorder()
     NativeAPI.install(NativeAPI.__new__(NativeAPI), recorder)  # type: ignore[arg-type]
     OpenAIAPI.install(OpenAIAPI.__new__(OpenAIAPI), recorder)  # type: ignore[arg-type]
+    EmbeddingsAPI.install(EmbeddingsAPI.__new__(EmbeddingsAPI), recorder)  # type: ignore[arg-type]
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])

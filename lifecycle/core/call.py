@@ -186,7 +186,9 @@ class GenerateCall:
         host, item = self.host, run.item
         sp = item.sampling
         max_new = check_lengths(
-            len(prompt), sp.max_new_tokens, context_length=host.model_config.context_length
+            len(prompt),
+            0 if item.embed is not None else sp.max_new_tokens,
+            context_length=host.model_config.context_length,
         )
         opts = _output_options(item)
         base_id = item.client_rid or uuid.uuid4().hex
@@ -201,7 +203,7 @@ class GenerateCall:
         rec_id = run.rec.id
         run.sub = run.rec.submission = self.client.submit(
             prompt,
-            sp.to_wire(max_new),
+            {"max_new_tokens": 0} if item.embed is not None else sp.to_wire(max_new),
             _wire_options(item),
             sinks,
             on_dispatch=lambda: self._dispatched(run),
@@ -251,17 +253,16 @@ class GenerateCall:
                     continue
                 try:
                     sample.consume(chunk)
+                    if isinstance(chunk.end, dict):
+                        sample.end(chunk.end)
                 except (ValueError, TypeError, KeyError, IndexError) as exc:
                     self._bad_output(run, j, exc)
                     changed.append((j * n_items + i, sample))
                     continue
                 if chunk.ids:  # the table takes running -> streaming once, refuses after
                     run.rec.advance(Event.FIRST_TOKEN)
-                if chunk.end is not None:
-                    if isinstance(chunk.end, dict):
-                        sample.end(chunk.end)
-                    else:
-                        sample.failure = chunk.end
+                if chunk.end is not None and not isinstance(chunk.end, dict):
+                    sample.failure = chunk.end
                 changed.append((j * n_items + i, sample))
             if run.samples and all(s.finish or s.failure for s in run.samples):
                 self._item_ended(run)
@@ -372,4 +373,6 @@ def _wire_options(item: GenerateItem) -> dict[str, Any]:
             o["token_ids_logprob"] = pack_ids(item.token_ids_logprob)
     if item.return_hidden_states:
         o["return_hidden_states"] = True
+    if item.embed is not None:
+        o["embed"] = item.embed.to_wire()
     return o

@@ -14,7 +14,7 @@ from typing import Any
 
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.detok import SampleText, TokenizerLike
-from wire import f32s_to_list, ids_to_list
+from wire import EMBED_FINISH, f32s_to_list, ids_to_list
 
 __all__ = ["OutputOptions", "SampleOutput"]
 
@@ -60,6 +60,7 @@ class SampleOutput:
         self.num_retractions = 0
         self.lp: dict[str, list[Any]] = {}
         self.hidden: list[list[float]] = []
+        self.embedding: list[float] | None = None  # an embed request's pooled vector
         self.sent_ids = 0
         self.sent_chars = 0
         self.final_text: str | None = None
@@ -80,6 +81,8 @@ class SampleOutput:
         self.prompt_tokens = extra.get("prompt_tokens", self.prompt_tokens)
         self.cached_tokens = extra.get("cached_tokens", self.cached_tokens)
         self.num_retractions = extra.get("num_retractions", self.num_retractions)
+        if "embedding" in extra:
+            self.embedding = f32s_to_list(extra["embedding"])
         if not self.opts.return_logprob:
             if "hidden_states" in extra:
                 self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
@@ -139,6 +142,11 @@ class SampleOutput:
 
     # -- output --------------------------------------------------------------------------
     def end(self, finish: Any) -> None:
+        """The worker's finish; ValueError for an embed finish without its vector."""
+        if finish.get("type") == EMBED_FINISH and (
+            self.embedding is None or len(self.embedding) != finish.get("dimensions")
+        ):
+            raise ValueError("an embed finish without an embedding of its dimensions")
         self.finish = finish
         self.final_text = self.text.final(finish, self.sent_chars)
 

@@ -19,6 +19,7 @@ from typing import Any
 from lifecycle.core.errors import RequestError
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
+from wire import EmbedOptions
 
 __all__ = [
     "GenerateItem",
@@ -124,6 +125,9 @@ class GenerateItem:
     token_ids_logprob: list[int] | None
     return_text_in_logprobs: bool
     return_hidden_states: bool
+    # An embed request (``lifecycle.core.embed``): prefill only, the pooled final hidden
+    # state instead of tokens (n is 1, no logprobs).
+    embed: EmbedOptions | None = None
 
 
 @dataclass(frozen=True, slots=True)

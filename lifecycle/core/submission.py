@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lifecycle.core.states import HOLD_EDGES, WorkerHold
-from wire import SubmitEntry
+from wire import EMBED_FINISH, SubmitEntry
 
 __all__ = ["Sink", "Submission", "WorkerFailure", "finish_reason"]
 
@@ -44,6 +44,8 @@ def finish_reason(finish: list[Any]) -> dict[str, Any]:
         return {"type": "stop", "matched": value}
     if kind == "length":
         return {"type": "length", "length": value}
+    if kind == EMBED_FINISH:  # an embed request's end: its vector came with it
+        return {"type": EMBED_FINISH, "dimensions": value}
     return {"type": "abort", "message": str(value)}
 
 
