@@ -16,6 +16,7 @@ import anyio.abc
 
 from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth, AuthConfig
+from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI, error_response
 from lifecycle.api.openai import OpenAIAPI
@@ -135,6 +136,7 @@ def _routes(
     model_id = cfg.served_model_name or frontend.model_config.name
     openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
     openai.install(router)
+    EmbeddingsAPI(frontend, model_id=model_id, model_names=openai.model_names).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     metrics.install(router)
     return router, api, auth
