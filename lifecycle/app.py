@@ -20,6 +20,7 @@ from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI, error_response
 from lifecycle.api.openai import OpenAIAPI
+from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.routes import AppRouter
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
@@ -136,6 +137,7 @@ def _routes(
     model_id = cfg.served_model_name or frontend.model_config.name
     openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
     openai.install(router)
+    ResponsesAPI(openai).install(router)
     EmbeddingsAPI(frontend, model_id=model_id, model_names=openai.model_names).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     metrics.install(router)

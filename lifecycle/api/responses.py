@@ -1,0 +1,258 @@
+"""``POST /v1/responses``: the OpenAI Responses API, text in and text out, unary and
+streamed with its typed events (docs/api.md).
+
+A request becomes a chat request (``input`` a string or a list of messages,
+``instructions`` a system message first, ``max_output_tokens``, the sampling fields)
+checked by the same rules as ``/v1/chat/completions`` and run through the same chat
+template and call; the reply is a ``response`` object with one assistant message.
+Stored conversations (``previous_response_id``), tools and non-text formats are refused
+with a 400 that says so. A stream sends ``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``, the
+``response.output_text.delta`` events, then the ``.done`` events and
+``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); an
+error after the start is an ``error`` event, then ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from lifecycle.api.native import gone_cause, run_unary
+from lifecycle.api.openai import OpenAIAPI, openai_error
+from lifecycle.api.openai_outputs import ChoiceState
+from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
+from lifecycle.core.call import GenerateCall
+from lifecycle.core.errors import RequestError, ServeError
+from transport import JSONResponse, Request, Response, Router, SSEResponse
+
+__all__ = ["ResponsesAPI", "chat_body"]
+
+# Responses field -> chat completions field (same meaning).
+_SAME = ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
+         "stream", "top_k", "min_p", "repetition_penalty", "stop", "logit_bias")  # fmt: skip
+_ECHOED = ("metadata", "user", "parallel_tool_calls", "truncation", "store", "service_tier")
+_ACCEPTED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice",
+             "reasoning", "previous_response_id", "include", "background", "prompt_cache_key",
+             *_SAME, *_ECHOED}  # fmt: skip
+
+
+def _bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, param=param)
+
+
+def chat_body(body: Any) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` body a Responses request means; raises OpenAIError."""
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.")
+    for key in body:
+        if key not in _ACCEPTED:
+            raise _bad(f"Unrecognized request argument supplied: {key}", key)
+    if body.get("previous_response_id") is not None:
+        raise _bad("previous_response_id is not supported: responses are not stored.",
+                   "previous_response_id")  # fmt: skip
+    if body.get("background"):
+        raise _bad("background responses are not supported.", "background")
+    if body.get("tools"):
+        raise _bad("tools are not supported by this server.", "tools")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("Only the text format is supported.", "text.format")
+    messages = _messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("instructions must be a string.", "instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat: dict[str, Any] = {"messages": messages}
+    for key in _SAME:
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    return chat
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise _bad("input must be a string or a non-empty list of messages.", "input")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise _bad(f"input[{i}]: only messages are supported.", "input")
+        content = item.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("input_text", "output_text", "text"):
+                    raise _bad(f"input[{i}].content: only text parts are supported.", "input")
+                parts.append({"type": "text", "text": part.get("text")})
+            content = parts
+        out.append({"role": item.get("role"), "content": content})
+    return out
+
+
+class ResponsesAPI:
+    def __init__(self, openai: OpenAIAPI) -> None:
+        self.openai = openai
+        self.fe = openai.fe
+
+    def install(self, router: Router) -> None:
+        router.add("POST", "/v1/responses", self.create)
+
+    async def create(self, request: Request) -> Response:
+        o = self.openai
+        try:
+            body = await o._body(request)
+            oreq, messages = parse_chat(chat_body(body), **o._opts())
+            ids = await o._chat_prompt(messages)
+        except OpenAIError as exc:
+            return openai_error(exc)
+        reply = _Reply(body, oreq, o.model_id)
+        async with self.fe.call(oreq.generate_request([ids]), gone_cause(request)) as call:
+            try:
+                await call.start()
+            except RequestError as exc:
+                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, "input"))
+            except ServeError as exc:
+                err = OpenAIError.from_cause(exc.cause, exc.message)
+                return openai_error(err, exc.cause.retry_after)
+            choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="")
+            if oreq.stream:
+                return await request.respond(SSEResponse(self._events(call, choice, reply)))
+            if not await run_unary(call, request):
+                return Response(b"", 499)  # nobody reads it; the scope closes the call
+            failed = call.error()
+            if failed is not None:
+                cause, message = failed
+                return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+            result = choice.result(call.e2e())
+            out = reply.final(
+                result["message"]["content"], result["finish_reason"], self._usage(call)
+            )
+            call.close()  # done: the rid is free before the client reads the reply
+            return JSONResponse(out)
+
+    def _usage(self, call: GenerateCall) -> dict[str, Any]:
+        u = self.openai._usage(call)
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {
+            "input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"],
+        }
+
+    async def _events(
+        self, call: GenerateCall, choice: ChoiceState, reply: _Reply
+    ) -> AsyncIterator[bytes]:
+        """The typed events; owns nothing (the handler's call scope does)."""
+        yield reply.event("response.created", response=reply.envelope("in_progress"))
+        yield reply.event("response.in_progress", response=reply.envelope("in_progress"))
+        yield reply.event("response.output_item.added", output_index=0,
+                          item=reply.message("", "in_progress"))  # fmt: skip
+        yield reply.event("response.content_part.added", **reply.where(),
+                          part=_text_part(""))  # fmt: skip
+        text, finish = "", None
+        async for _index, _sample, frame in call.frames(True):
+            c = choice.chunk_choice(frame)
+            if c is None:
+                continue
+            delta = c["delta"].get("content") or ""
+            finish = c.get("finish_reason") or finish
+            if delta:
+                text += delta
+                yield reply.event("response.output_text.delta", **reply.where(), delta=delta,
+                                  logprobs=[])  # fmt: skip
+        failed = call.error()
+        if failed is not None:
+            cause, message = failed
+            err = OpenAIError.from_cause(cause, message).body()["error"]
+            yield reply.event("error", code=err.get("code") or cause.value,
+                              message=message, param=None)  # fmt: skip
+            yield reply.event("response.failed", response=reply.envelope("failed", error={
+                "code": "server_error", "message": message}))  # fmt: skip
+            call.close()
+            return
+        yield reply.event("response.output_text.done", **reply.where(), text=text, logprobs=[])
+        yield reply.event("response.content_part.done", **reply.where(), part=_text_part(text))
+        yield reply.event("response.output_item.done", output_index=0,
+                          item=reply.message(text, "completed"))  # fmt: skip
+        final = reply.final(text, finish, self._usage(call))
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        call.close()  # ended: the rid is free before the client sees the last event
+        yield reply.event(kind, response=final)
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class _Reply:
+    """The ``response`` object's fixed parts and the stream's numbering."""
+
+    def __init__(self, body: dict[str, Any], oreq: OpenAIRequest, model: str) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.body, self.oreq, self.model = body, oreq, model
+        self.seq = 0
+
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return orjson.dumps(event)
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [_text_part(text)] if status == "completed" else []
+        return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant",
+                "content": content}  # fmt: skip
+
+    def envelope(self, status: str, **extra: Any) -> dict[str, Any]:
+        b = self.body
+        text_format = b.get("text") if isinstance(b.get("text"), dict) else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": [],
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": [],
+            "text": text_format or {"format": {"type": "text"}},
+            "truncation": b.get("truncation", "disabled"),
+            "store": False,
+            "metadata": b.get("metadata") or {},
+            "user": b.get("user"),
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "error": None,
+            "incomplete_details": None,
+            "usage": None,
+            **extra,
+        }
+
+    def final(self, text: str, finish: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+        cut = finish == "length"
+        out = self.envelope("incomplete" if cut else "completed", usage=usage)
+        out["output"] = [self.message(text, "completed")]
+        if cut:
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out
