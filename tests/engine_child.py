@@ -30,6 +30,7 @@ def main() -> None:
             return text
 
         out["async_stream_text"] = asyncio.run(stream_text())
+        out["embedding"] = engine.encode(spec["text"])["embedding"]
         long = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
         n = 0
         for _chunk in engine.generate(spec["text"], long, stream=True, rid="broken-off"):

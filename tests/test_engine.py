@@ -68,6 +68,11 @@ def test_engine_answers_as_the_http_server_does(model_server: str) -> None:
                 last = json.loads(line[6:])
     assert last is not None and got["async_stream_text"] == last["text"]
 
+    emb = httpx.post(model_server + "/v1/embeddings", json={"input": TEXT}, timeout=60).json()
+    vec = emb["data"][0]["embedding"]
+    assert len(vec) == len(got["embedding"]) == 576
+    assert max(abs(a - b) for a, b in zip(vec, got["embedding"], strict=True)) < 1e-5
+
     assert got["chunks_before_break"] == 3
     after = got["after_break"]
     assert after["live_requests"] == 0
@@ -236,3 +241,19 @@ def test_shutdown_twice_and_no_requests_after() -> None:
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_encode_gives_encode_items_in_input_order(engine: Engine) -> None:
+    one = engine.encode("hello")
+    assert len(one["embedding"]) == 576 and one["meta_info"]["prompt_tokens"] > 0
+    assert abs(sum(x * x for x in one["embedding"]) - 1.0) < 1e-5  # L2-normalised
+    texts = [f"text number {i}" for i in range(40)]  # more than one embedding call
+    many = engine.encode(texts, progress=False)
+    assert len(many) == 40
+    assert many[7]["embedding"] == engine.encode(texts[7])["embedding"]
+    raw = engine.encode(input_ids=[5, 6, 7], normalize=False, pooling="mean")
+    assert abs(sum(x * x for x in raw["embedding"]) - 1.0) > 1e-3
+    with pytest.raises(EngineError) as err:
+        engine.encode(input_ids=[1] * engine.frontend.model_config.context_length)
+    assert err.value.cause == "too_long"
+    _idle(engine)

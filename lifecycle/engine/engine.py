@@ -180,6 +180,44 @@ class Engine:
         credits = client.capacity.get("max_pending", 64) if client is not None else 64
         return max(1, min(self.config.max_queued, 2 * int(credits)))
 
+    # -- embeddings ------------------------------------------------------------------------
+    def encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        input_ids: Ids = None,
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        progress: bool | None = None,
+    ) -> Any:
+        """SGLang's ``/encode``: the model's final hidden state pooled over each input
+        (``last`` token or ``mean``), L2-normalised unless ``normalize=False``; one input
+        gives ``{"embedding": [...], "meta_info": {...}}``, a list a list in input order."""
+        inputs, batch = _embed_inputs(prompt, input_ids)
+        bar = _progress_bar(len(inputs), progress) if batch and len(inputs) > 1 else None
+        try:
+            out = self._live.call(
+                self._requests.encode_many, inputs, pooling, normalize, self._window(), bar
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        return out if batch else out[0]
+
+    async def async_encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        input_ids: Ids = None,
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+    ) -> Any:
+        inputs, batch = _embed_inputs(prompt, input_ids)
+        out = await self._live.bridge(
+            self._requests.encode_many, inputs, pooling, normalize, self._window()
+        )
+        return out if batch else out[0]
+
     # -- chat ------------------------------------------------------------------------------
     def chat(
         self,
@@ -279,6 +317,15 @@ class Engine:
 
             faults.install(faults.load_plan(path))
             os.environ[faults.ENV_VAR] = os.path.abspath(path)
+
+
+def _embed_inputs(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
+    if (prompt is None) == (input_ids is None):
+        raise TypeError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        return ([prompt], False) if isinstance(prompt, str) else (list(prompt), True)
+    batch = bool(input_ids) and isinstance(input_ids[0], list | tuple)
+    return ([list(x) for x in input_ids], True) if batch else ([list(input_ids)], False)
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

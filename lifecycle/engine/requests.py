@@ -31,6 +31,7 @@ _PER_PROMPT = (
 )
 _RETRY = frozenset({Cause.OVERLOADED, Cause.NOT_READY})  # an in-process caller waits
 _RETRY_FOR_S = 120.0
+_EMBED_CHUNK = 16  # inputs per embedding call of a large encode
 
 
 class EngineError(Exception):
@@ -171,6 +172,45 @@ class Requests:
         if failed:
             raise failed[0]
         return out
+
+    async def encode_many(
+        self,
+        inputs: list[Any],
+        pooling: str,
+        normalize: bool,
+        window: int,
+        progress: Any = None,
+    ) -> list[dict[str, Any]]:
+        """Every input's embedding (SGLang's ``/encode`` items, input order), in calls of
+        ``_EMBED_CHUNK`` inputs, ``window`` inputs in flight at most."""
+        from lifecycle.core.embed import embed
+
+        parts = [inputs[i : i + _EMBED_CHUNK] for i in range(0, len(inputs), _EMBED_CHUNK)]
+        out: list[list[dict[str, Any]]] = [[] for _ in parts]
+        slots = anyio.Semaphore(max(1, window // _EMBED_CHUNK))
+        failed: list[EngineError] = []
+
+        async def one(k: int, scope: anyio.CancelScope) -> None:
+            try:
+                emb = await embed(self.fe, parts[k], pooling=pooling, normalize=normalize,
+                                  exit_cause=caller_left)  # fmt: skip
+                out[k] = emb.encode_results()
+            except (RequestError, ServeError) as exc:
+                failed.append(EngineError(exc.cause, exc.message))
+                scope.cancel()
+                return
+            finally:
+                slots.release()
+            if progress is not None:
+                progress.update(len(parts[k]))
+
+        async with anyio.create_task_group() as tg:
+            for k in range(len(parts)):
+                await slots.acquire()
+                tg.start_soon(one, k, tg.cancel_scope)
+        if failed:
+            raise failed[0]
+        return [item for part in out for item in part]
 
     async def stream(
         self, body: dict[str, Any], incremental: bool
