@@ -22,6 +22,7 @@ from lifecycle.api.native import NativeAPI, error_response
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.routes import AppRouter
+from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.states import DRAIN
@@ -138,6 +139,7 @@ def _routes(
     openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
     openai.install(router)
     ResponsesAPI(openai).install(router)
+    ScoreAPI(frontend, model_id).install(router)
     EmbeddingsAPI(frontend, model_id=model_id, model_names=openai.model_names).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     metrics.install(router)

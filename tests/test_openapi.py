@@ -12,6 +12,7 @@ from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
+from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
@@ -35,6 +36,7 @@ def test_every_installed_route_is_specified() -> None:
     OpenAIAPI.install(OpenAIAPI.__new__(OpenAIAPI), recorder)  # type: ignore[arg-type]
     EmbeddingsAPI.install(EmbeddingsAPI.__new__(EmbeddingsAPI), recorder)  # type: ignore[arg-type]
     ResponsesAPI.install(ResponsesAPI.__new__(ResponsesAPI), recorder)  # type: ignore[arg-type]
+    ScoreAPI.install(ScoreAPI.__new__(ScoreAPI), recorder)  # type: ignore[arg-type]
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
