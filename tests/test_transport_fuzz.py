@@ -92,8 +92,9 @@ def test_any_input_ends_in_a_response_or_a_close(data: bytes) -> None:
     statuses = [int(s) for s in STATUS.findall(received)]
     assert received == b"" or statuses, received[:200]
     # 501 is h11's (and RFC 9112 section 6.1's) answer to a transfer coding it does not
-    # implement; any other 5xx would be the server failing.
-    assert all(s < 500 or s == 501 for s in statuses), received[:300]
+    # implement, 505 RFC 9110 section 15.6.6's to a major version other than 1; both
+    # close at once (pinned below); any other 5xx would be the server failing.
+    assert all(s < 500 or s in (501, 505) for s in statuses), received[:300]
 
 
 @pytest.mark.parametrize("coding", [b"gzip", b"chunked, gzip", b"br", b""])
@@ -109,5 +110,17 @@ def test_unknown_transfer_coding_is_501_then_close_at_once(coding: bytes) -> Non
     data = b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: " + coding + b"\r\n\r\nhello"
     received, took = anyio.run(exchange_timed, data, slow)
     assert [int(s) for s in STATUS.findall(received)] == [501], received[:300]
+    assert b"connection: close" in received.lower()
+    assert took < 2.0, f"closed after {took:.1f}s: waited for a timeout instead of closing"
+
+
+@pytest.mark.parametrize("version", [b"2.0", b"0.9", b"3.1"])
+def test_a_major_version_other_than_1_is_505_then_close_at_once(version: bytes) -> None:
+    """The other 5xx the fuzz test allows: h11 parses any ``HTTP/d.d``; the transport
+    refuses a major version it does not speak (RFC 9110 section 15.6.6) and closes."""
+    slow = ServerConfig(header_timeout=30, body_timeout=30, keepalive_timeout=30)
+    data = b"GET / HTTP/" + version + b"\r\nHost: a\r\n\r\n"
+    received, took = anyio.run(exchange_timed, data, slow)
+    assert [int(s) for s in STATUS.findall(received)] == [505], received[:300]
     assert b"connection: close" in received.lower()
     assert took < 2.0, f"closed after {took:.1f}s: waited for a timeout instead of closing"

@@ -42,6 +42,10 @@ class ServerConfig:
     sse_ping_interval: float = 15.0
     server_header: str = "lifecycle"
     backlog: int = 2048
+    # False: every request goes through h11, none through the fast path (``fastpath``).
+    # The two must answer alike; the corpus test (tests/test_transport_corpus.py) runs
+    # every hostile input both ways to prove it.
+    fast_path: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_header_bytes", "max_body_bytes"):

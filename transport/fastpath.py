@@ -37,6 +37,10 @@ _FIELD_LINE = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")[ \t]*").
 _NAME_OK = re.compile(_TOKEN).fullmatch
 _VALUE_OK = re.compile(_VALUE).fullmatch
 _DIGITS = re.compile(rb"[0-9]{1,18}").fullmatch
+# A head h11 can already judge without CRLF CRLF: one ended by bare LFs (RFC 9112 section
+# 2.2 lets a recipient take LF for CRLF, and h11 does), or a first byte no request line
+# starts with (h11 answers 400 at once). Waiting for more would answer 408 instead.
+_H11_DECIDES = re.compile(rb"[\x00-\x20]|.*?\n\r?\n", re.S).match
 
 # Headers that change framing or the exchange: h11 handles any request carrying one.
 _DECLINE: Final = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te"))
@@ -67,7 +71,9 @@ def parse_request(buf: bytes, max_head: int, max_body: int) -> FastRequest | obj
     """
     end = buf.find(b"\r\n\r\n")
     if end < 0:
-        return NEED_MORE if len(buf) <= max_head else None
+        if len(buf) > max_head or _H11_DECIDES(buf):
+            return None
+        return NEED_MORE
     if end + 4 > max_head:
         return None
     lines = buf[:end].split(b"\r\n")

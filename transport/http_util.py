@@ -17,6 +17,8 @@ from .responses import Response
 __all__ = [
     "close_stream",
     "error_response",
+    "framing_problem",
+    "origin_form",
     "http_date",
     "preamble",
     "reason",
@@ -69,21 +71,66 @@ def response_headers(
     return out
 
 
-def scan_head(request: h11.Request) -> tuple[list[tuple[bytes, bytes]], int, int | None]:
+def scan_head(request: h11.Request) -> tuple[list[tuple[bytes, bytes]], int, int | None, bool]:
     """One pass over a parsed head: its (lower-cased name, value) pairs, its size in bytes
-    (give or take whitespace) and its declared Content-Length (h11 validated it)."""
+    (give or take whitespace), its declared Content-Length (h11 validated it) and whether
+    it carries Transfer-Encoding (h11 let only ``chunked`` through)."""
     items = getattr(request.headers, "_full_items", None)
     if items is not None:  # h11's own list: iterating the Sequence wrapper costs 3x more
         pairs = [(name, value) for _, name, value in items]
     else:
         pairs = list(request.headers)
-    size = len(request.target) + 16
+    size = len(request.method) + len(request.target) + len(request.http_version) + 8
     declared = None
+    coded = False
     for name, value in pairs:
         size += len(name) + len(value) + 4
         if name == b"content-length":
             declared = int(value)
-    return pairs, size, declared
+        elif name == b"transfer-encoding":
+            coded = True
+    return pairs, size, declared, coded
+
+
+def framing_problem(request: h11.Request, declared: int | None, coded: bool) -> str | None:
+    """Why a request's body framing cannot be trusted, or None (RFC 9112 section 6.3).
+
+    h11 frames a request carrying both Content-Length and Transfer-Encoding by the
+    latter, as section 6.3 rule 3 says, but the same rule says the connection must then
+    close: a proxy in front that framed it by Content-Length would take the chunked body
+    for a second request (request smuggling). We refuse such a request outright, and a
+    Transfer-Encoding on HTTP/1.0, which section 6.1 says must be treated as faulty
+    framing, the same way.
+    """
+    if not coded:
+        return None
+    if declared is not None:
+        return "Content-Length and Transfer-Encoding together (RFC 9112 section 6.3)"
+    if request.http_version == b"1.0":
+        return "Transfer-Encoding in an HTTP/1.0 request (RFC 9112 section 6.1)"
+    return None
+
+
+def origin_form(method: bytes, target: bytes) -> bytes | None:
+    """The origin-form target (path and query) a request is routed by, or None for a
+    target we do not serve (RFC 9112 section 3.2).
+
+    A server must accept the absolute form (section 3.2.2): it is routed by its path and
+    query. The authority form belongs to CONNECT, which this server does not tunnel, and
+    the asterisk form to OPTIONS (routed as ``*``); anything else is not a target.
+    """
+    if target[:1] == b"/":
+        return target
+    if target == b"*":
+        return target if method == b"OPTIONS" else None
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return None
+    cut = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+    if cut == 0:  # no authority: section 4.2.1 of RFC 9110 makes it invalid
+        return None
+    path = rest[cut:]
+    return path if path[:1] == b"/" else b"/" + path
 
 
 def error_response(error: HTTPError) -> Response:

@@ -60,6 +60,9 @@ class RequestReader:
         self.config = config
         self.tasks: anyio.abc.TaskGroup | None = None  # set while the connection runs
         self._fast_body = min(config.max_body_bytes, _FAST_BODY_BYTES)
+        self._fast_path = config.fast_path
+        if not config.fast_path:
+            channel.go_live()  # h11 from the first byte, and it never hands back
         self._eof = False
         self._failure: Failure | None = None
         self._phase = _Phase.HEAD
@@ -127,7 +130,7 @@ class RequestReader:
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return False  # an unread body or Connection: close; either way we are done
             conn.start_next_cycle()
-            if not conn.trailing_data[0]:
+            if not conn.trailing_data[0] and self._fast_path:
                 ch.live = False  # h11 is as good as new: back to the fast path
         elif ch.close_after:
             return False
@@ -164,21 +167,29 @@ class RequestReader:
                 return chunks, type(event) is h11.EndOfMessage
 
     def _on_request(self, event: h11.Request) -> Request | Failure:
+        pairs, head_size, declared, coded = http_util.scan_head(event)
+        if head_size > self.config.max_header_bytes:
+            # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
+            return Failure(431, "Request header fields too large")
+        if not event.http_version.startswith(b"1."):  # h11 parses any d.d (RFC 9110 15.6.6)
+            return Failure(505, f"HTTP/{event.http_version.decode()} is not supported")
+        target = http_util.origin_form(event.method, event.target)
+        if target is None:
+            return Failure(400, "Invalid request target (origin or absolute form expected)")
+        problem = http_util.framing_problem(event, declared, coded)
+        if problem is not None:  # 400 and close, before a byte of the body is read
+            return Failure(400, f"Ambiguous request framing: {problem}")
         try:  # most bodies arrive with their head: take them now, skip the body queue
             chunks, complete = self._body_already_here()
         except h11.RemoteProtocolError as exc:
             return Failure(exc.error_status_hint, str(exc))
-        pairs, head_size, declared = http_util.scan_head(event)
-        if head_size > self.config.max_header_bytes:
-            # h11 only bounds an *incomplete* head; a complete one can arrive in one read.
-            return Failure(431, "Request header fields too large")
         size = sum(map(len, chunks)) if chunks else 0
         limit = self.config.max_body_bytes
         if size > limit or (declared is not None and declared > limit):
             return Failure(413, f"Request body exceeds {limit} bytes")
         request = Request(
             event.method.decode("ascii"),
-            event.target.decode("latin-1"),
+            target.decode("latin-1"),
             Headers(pairs),
             self.ch.client,
             None,

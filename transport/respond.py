@@ -134,7 +134,7 @@ class ResponseWriter:
         ch = self.ch
         conn = ch.h11
         body = response.body
-        headers = http_util.response_headers(response.headers, self.config, ch.server.draining)
+        headers = http_util.response_headers(response.headers, self.config, self._closing())
         bodiless = response.status < 200 or response.status in (204, 304)
         if not bodiless:
             headers.append((b"content-length", str(len(body)).encode()))
@@ -154,6 +154,12 @@ class ResponseWriter:
             ch.graceful = False
             return None
         return data
+
+    def _closing(self) -> bool:
+        """Whether an h11 response must say ``Connection: close``: when draining, or when
+        the request's body is not all in (it timed out, failed, or was left unread), since
+        the connection then cannot carry another request (RFC 9112 section 9.6)."""
+        return self.ch.server.draining or self.ch.h11.their_state is h11.SEND_BODY
 
     # ----------------------------------------------------------------- streams
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
@@ -189,7 +195,7 @@ class ResponseWriter:
                 ch.close_after = closing
                 return head, True
         ch.replay()
-        headers = http_util.response_headers(response.headers, self.config, ch.server.draining)
+        headers = http_util.response_headers(response.headers, self.config, self._closing())
         head = ch.h11.send(
             h11.Response(status_code=response.status, headers=headers, reason=reason)
         )
