@@ -269,8 +269,15 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
         state.update(
             in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
         )
+    cap = client.capacity if client is not None else {}
+    blocks, block = cap.get("kv_blocks"), cap.get("block_size")
     return {
         **server_args,
+        # the keys SGLang clients read (page_size: the KV block's tokens)
+        "max_total_num_tokens": blocks * block if blocks and block else None,
+        "max_running_requests": cap.get("max_running"),
+        "page_size": block,
+        "context_length": fe.model_config.context_length,
         "version": _version(),
         "status": sup.status,
         "live_requests": len(fe.registry),

@@ -262,14 +262,22 @@ class OpenAIAPI:
     ) -> AsyncIterator[bytes]:
         """The stream's chunks; owns nothing (the handler's call scope does)."""
         obj = "chat.completion.chunk" if oreq.chat else "text_completion"
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            out = {**ids.envelope(obj), "choices": [choice]}
+            if oreq.continuous_usage:
+                out["usage"] = self._usage(call)  # so far
+            elif oreq.include_usage:
+                out["usage"] = None
+            return orjson.dumps(out)
+
+        if oreq.chat:
+            for state in sorted(choices, key=lambda c: c.index):
+                yield chunk(state.role_choice())
         async for index, _sample, frame in call.frames(True):
             choice = choices[index].chunk_choice(frame)
-            if choice is None:
-                continue
-            chunk = {**ids.envelope(obj), "choices": [choice]}
-            if oreq.include_usage:
-                chunk["usage"] = None
-            yield orjson.dumps(chunk)
+            if choice is not None:
+                yield chunk(choice)
         err = call.error()
         if err is not None:
             cause, message = err

@@ -171,10 +171,9 @@ class ChoiceState:
     # -- replies -----------------------------------------------------------------------
     def _tail(self) -> dict[str, Any]:
         finish = self.sample.finish
-        out: dict[str, Any] = {"finish_reason": finish_reason(finish)}
-        if isinstance(finish, dict) and finish.get("type") == "stop":
-            out["matched_stop"] = finish.get("matched")
-        return out
+        matched = finish.get("matched") if isinstance(finish, dict) else None
+        # SGLang sends matched_stop always: the matched id or text, else null
+        return {"finish_reason": finish_reason(finish), "matched_stop": matched}
 
     def result(self, e2e: float) -> dict[str, Any]:
         """The choice of a unary reply."""
@@ -187,6 +186,11 @@ class ChoiceState:
         text = self.echo + res["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **self._tail()}
 
+    def role_choice(self) -> dict[str, Any]:
+        """A chat stream's first chunk for this choice: the role alone, as OpenAI sends it."""
+        delta = {"role": "assistant", "content": ""}
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+
     def chunk_choice(self, frame: dict[str, Any]) -> dict[str, Any] | None:
         """The choice of a stream chunk for ``frame`` (an incremental frame); None when
         the frame carries nothing to show (no text, no token, not the end)."""
@@ -196,10 +200,8 @@ class ChoiceState:
         first, self.started = not self.started, True
         lp = self.logprobs(frame["meta_info"], first)
         tail = self._tail() if ended else {"finish_reason": None}
-        if self.chat:
-            delta: dict[str, Any] = {"content": frame["text"]}
-            if first:
-                delta["role"] = "assistant"
-            return {"index": self.index, "delta": delta, "logprobs": lp, **tail}
+        if self.chat:  # the role went alone first (role_choice)
+            return {"index": self.index, "delta": {"content": frame["text"]}, "logprobs": lp,
+                    **tail}  # fmt: skip
         text = (self.echo if first else "") + frame["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **tail}

@@ -100,6 +100,7 @@ class OpenAIRequest:
     logprobs: int | None  # top logprobs per position; None: no logprobs at all
     echo: bool = False
     rid: str | None = None  # SGLang's extra: names the request for /abort_request
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -174,16 +175,17 @@ def _rid(body: dict[str, Any]) -> str | None:
     return rid
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage``, ``.continuous_usage_stats``."""
     stream = _bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
         raise _bad("stream_options must be an object with include_usage.", "stream_options")
-    return stream, _bool_field(opts, "include_usage")
+    return stream, _bool_field(opts, "include_usage"), _bool_field(opts, "continuous_usage_stats")
 
 
 def _unsupported(body: dict[str, Any], name: str, allowed: tuple[Any, ...] = (None,)) -> None:
@@ -207,13 +209,12 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> 
 
 def _common(
     body: Any, known: frozenset[str], names: frozenset[str], default_model: str
-) -> tuple[str, bool, bool]:
+) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
     _check_keys(body, known)
     model = _model(body, names, default_model)
-    stream, include_usage = _stream(body)
-    return model, stream, include_usage
+    return (model, *_stream(body))
 
 
 def _check_size(prompts: int, sp: SamplingRequest) -> None:
@@ -250,7 +251,9 @@ def parse_completion(
     body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
 ) -> OpenAIRequest:
     """A ``/v1/completions`` body; raises OpenAIError."""
-    model, stream, include_usage = _common(body, _COMPLETION, model_names, default_model)
+    model, stream, include_usage, continuous = _common(
+        body, _COMPLETION, model_names, default_model
+    )
     prompts = _completion_prompts(body.get("prompt"), vocab_size)
     _unsupported(body, "suffix", (None, ""))
     max_tokens = _int_field(body, "max_tokens", 1)
@@ -265,6 +268,7 @@ def parse_completion(
         sampling=sp,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         logprobs=_int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS),
         echo=_bool_field(body, "echo"),
         rid=_rid(body),
@@ -310,7 +314,7 @@ def parse_chat(
     body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
 ) -> tuple[OpenAIRequest, list[dict[str, str]]]:
     """A ``/v1/chat/completions`` body and its messages; the caller renders the prompt."""
-    model, stream, include_usage = _common(body, _CHAT, model_names, default_model)
+    model, stream, include_usage, continuous = _common(body, _CHAT, model_names, default_model)
     messages = chat_messages(body.get("messages"))
     _unsupported(body, "tools", (None, []))
     for name in _CHAT_NULL_ONLY:
@@ -337,6 +341,7 @@ def parse_chat(
         sampling=sp,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
     )

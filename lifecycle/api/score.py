@@ -18,7 +18,7 @@ from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, parse_generate
-from transport import JSONResponse, Request, Response, Router
+from transport import HTTPError, JSONResponse, Request, Response, Router
 
 __all__ = ["ScoreAPI", "score_body"]
 
@@ -96,7 +96,10 @@ class ScoreAPI:
 
     async def score(self, request: Request) -> Response:
         try:
-            body = await request.json()
+            try:
+                body = await request.json()
+            except HTTPError as exc:  # invalid JSON (400), a body over the limit (413)
+                raise OpenAIError(exc.message, exc.status) from None
             gen, labels, softmax = score_body(body, self.fe.model_config.vocab_size)
             req = parse_generate(gen, vocab_size=self.fe.model_config.vocab_size)
         except RequestError as exc:
