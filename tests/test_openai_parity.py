@@ -89,3 +89,18 @@ def test_server_info_has_the_keys_sglang_clients_read(url: str) -> None:
         assert info["max_running_requests"] == cap["max_running"] == 4
         assert info["page_size"] == cap["block_size"]
         assert info["context_length"] > 0 and info["version"] and info["model_path"]
+
+
+def test_continue_final_message_leaves_the_last_turn_open(url: str) -> None:
+    convo = [{"role": "user", "content": "Write a haiku."},
+             {"role": "assistant", "content": "Autumn moonlight,"}]  # fmt: skip
+    cont = httpx.post(url + "/v1/chat/completions", json={
+        "messages": convo, "max_tokens": 2, "continue_final_message": True}).json()  # fmt: skip
+    closed = httpx.post(url + "/v1/chat/completions", json={
+        "messages": convo, "max_tokens": 2}).json()  # fmt: skip
+    # the open turn is the closed one without its end of turn and the next turn's header
+    assert 0 < cont["usage"]["prompt_tokens"] < closed["usage"]["prompt_tokens"]
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "messages": convo[:1], "continue_final_message": True})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "continue_final_message"

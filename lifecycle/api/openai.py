@@ -124,18 +124,29 @@ class OpenAIAPI:
     async def chat_completions(self, request: Request) -> Response:
         try:
             oreq, messages = parse_chat(await self._body(request), **self._opts())
-            ids = await self._chat_prompt(messages)
+            ids = await self._chat_prompt(messages, oreq.continue_final)
         except OpenAIError as exc:
             return openai_error(exc)
         return await self._generate(request, oreq, [ids], [""], "messages")
 
-    async def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    async def _chat_prompt(
+        self, messages: list[dict[str, str]], continue_final: bool = False
+    ) -> list[int]:
+        """The prompt ids; ``continue_final``: the last (assistant) message left open, so
+        the model continues it (rendered whole, then cut after that message's text)."""
         if self.template is None:
             raise OpenAIError("This model has no chat template; use /v1/completions.")
         try:
-            text = self.template.render(messages, add_generation_prompt=True)
+            text = self.template.render(messages, add_generation_prompt=not continue_final)
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None
+        if continue_final:
+            last = messages[-1]["content"]
+            end = text.rfind(last) if last else -1
+            if end < 0:
+                raise OpenAIError("The chat template does not end the last message with its "
+                                  "text; it cannot be continued.", param="messages")  # fmt: skip
+            text = text[: end + len(last)]
         # The template writes its own special tokens (BOS included, when it wants one).
         return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
 
@@ -146,7 +157,7 @@ class OpenAIAPI:
             oreq = parse_completion(body, **self._opts())
             return oreq.generate_request(oreq.prompts)
         oreq, messages = parse_chat(body, **self._opts())
-        return oreq.generate_request([await self._chat_prompt(messages)])
+        return oreq.generate_request([await self._chat_prompt(messages, oreq.continue_final)])
 
     async def _generate(
         self,
@@ -236,7 +247,11 @@ class OpenAIAPI:
             ]
         else:
             oreq, messages = parse_chat(body, **self._opts())
-            prompts, param, echo = [await self._chat_prompt(messages)], "messages", [""]
+            prompts, param, echo = (
+                [await self._chat_prompt(messages, oreq.continue_final)],
+                "messages",
+                [""],
+            )
         async with self.fe.call(oreq.generate_request(prompts), exit_cause) as call:
             try:
                 await call.start()

@@ -50,7 +50,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprob
 _CHAT |= {"response_format", "tools", "tool_choice"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
-_CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options"}
+_CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -101,6 +101,7 @@ class OpenAIRequest:
     echo: bool = False
     rid: str | None = None  # SGLang's extra: names the request for /abort_request
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
+    continue_final: bool = False  # chat: continue_final_message (the last turn left open)
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -332,6 +333,10 @@ def parse_chat(
     _check_size(1, sp)
     top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     want = _bool_field(body, "logprobs")
+    cont = _bool_field(body, "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise _bad("continue_final_message needs the last message to be the assistant's.",
+                   "continue_final_message")  # fmt: skip
     if top is not None and not want:
         raise _bad("top_logprobs requires logprobs to be true.", "top_logprobs")
     req = OpenAIRequest(
@@ -342,6 +347,7 @@ def parse_chat(
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
+        continue_final=cont,
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
     )
