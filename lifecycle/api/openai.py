@@ -301,3 +301,28 @@ class OpenAIAPI:
             yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": self._usage(call)})
         call.close()  # ended: the rid is free before the client sees [DONE]
         yield b"[DONE]"
+
+
+async def start_call(call: GenerateCall, param: str | None) -> Response | None:
+    """``call.start()``; the OpenAI error reply when it was refused (``param``: the field
+    a 4xx names), else None."""
+    try:
+        await call.start()
+    except RequestError as exc:
+        return openai_error(OpenAIError.from_cause(exc.cause, exc.message, param))
+    except ServeError as exc:
+        err = OpenAIError.from_cause(exc.cause, exc.message)
+        return openai_error(err, exc.cause.retry_after)
+    return None
+
+
+async def run_call(call: GenerateCall, request: Request) -> Response | None:
+    """Run a unary call to its end; the reply when it did not end well (499 when the
+    client left, the OpenAI error when it failed), else None."""
+    if not await run_unary(call, request):
+        return Response(b"", 499)  # nobody reads it; the scope closes the call
+    failed = call.error()
+    if failed is not None:
+        cause, message = failed
+        return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+    return None

@@ -22,12 +22,11 @@ from typing import Any
 
 import orjson
 
-from lifecycle.api.native import gone_cause, run_unary
-from lifecycle.api.openai import OpenAIAPI, openai_error
+from lifecycle.api.native import gone_cause
+from lifecycle.api.openai import OpenAIAPI, openai_error, run_call, start_call
 from lifecycle.api.openai_outputs import ChoiceState
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
-from lifecycle.core.errors import RequestError, ServeError
 from transport import JSONResponse, Request, Response, Router, SSEResponse
 
 __all__ = ["ResponsesAPI", "chat_body"]
@@ -117,22 +116,15 @@ class ResponsesAPI:
             return openai_error(exc)
         reply = _Reply(body, oreq, o.model_id)
         async with self.fe.call(oreq.generate_request([ids]), gone_cause(request)) as call:
-            try:
-                await call.start()
-            except RequestError as exc:
-                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, "input"))
-            except ServeError as exc:
-                err = OpenAIError.from_cause(exc.cause, exc.message)
-                return openai_error(err, exc.cause.retry_after)
+            refused = await start_call(call, "input")
+            if refused is not None:
+                return refused
             choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="")
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
-            if not await run_unary(call, request):
-                return Response(b"", 499)  # nobody reads it; the scope closes the call
-            failed = call.error()
-            if failed is not None:
-                cause, message = failed
-                return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+            refused = await run_call(call, request)
+            if refused is not None:
+                return refused
             result = choice.result(call.e2e())
             out = reply.final(
                 result["message"]["content"], result["finish_reason"], self._usage(call)

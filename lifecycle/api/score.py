@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lifecycle.api.native import gone_cause, run_unary
-from lifecycle.api.openai import openai_error
+from lifecycle.api.native import gone_cause
+from lifecycle.api.openai import openai_error, run_call, start_call
 from lifecycle.api.openai_params import OpenAIError
-from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.errors import RequestError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, parse_generate
 from transport import HTTPError, JSONResponse, Request, Response, Router
@@ -107,19 +107,9 @@ class ScoreAPI:
         except OpenAIError as exc:
             return openai_error(exc)
         async with self.fe.call(req, gone_cause(request)) as call:
-            try:
-                await call.start()
-            except RequestError as exc:
-                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, "items"))
-            except ServeError as exc:
-                err = OpenAIError.from_cause(exc.cause, exc.message)
-                return openai_error(err, exc.cause.retry_after)
-            if not await run_unary(call, request):
-                return Response(b"", 499)  # nobody reads it; the scope closes the call
-            failed = call.error()
-            if failed is not None:
-                cause, message = failed
-                return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+            refused = await start_call(call, "items") or await run_call(call, request)
+            if refused is not None:
+                return refused
             out, prompt_tokens = [], 0
             for run in call.runs:
                 sample = run.samples[0]
