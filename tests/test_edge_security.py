@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from lifecycle.api.auth import Auth, AuthConfig, read_key_file
+from lifecycle.api.auth import Auth, AuthConfig, Caller, read_key_file
 from lifecycle.app import App, AppConfig, serve_app
 from lifecycle.cli import _build_parser
 from lifecycle.options import app_config, option_values
@@ -57,7 +57,9 @@ def test_auth_matrix() -> None:
     denied = auth.check(_req("/flush_cache", *ok), admin=True)  # a user key on an admin route
     assert denied is not None and denied.status == 401
     assert "admin" in json.loads(denied.body)["error"]["message"]
-    assert auth.check(_req("/flush_cache", ("x-api-key", ADMIN)), admin=True) is None
+    admin = _req("/flush_cache", ("x-api-key", ADMIN))
+    assert auth.check(admin, admin=True) is None
+    assert isinstance(admin.user, Caller) and admin.user.admin
     assert auth.check_route(_req("/health"), "/health") is None
     assert auth.check_route(_req("/metrics"), "/metrics") is None
     assert auth.check_route(_req("/debug/requests"), "/debug/requests") is not None
@@ -65,7 +67,15 @@ def test_auth_matrix() -> None:
 
 def test_auth_without_admin_keys_and_disabled() -> None:
     users_only = Auth(AuthConfig(api_keys=(KEY,)))
-    assert users_only.check(_req("/abort_request", ("x-api-key", KEY)), admin=True) is None
+    closed = users_only.check(_req("/abort_request", ("x-api-key", KEY)), admin=True)
+    assert closed is not None and closed.status == 403  # closed by default (issue 23)
+    assert "--admin-api-key" in json.loads(closed.body)["error"]["message"]
+    denied = users_only.check(_req("/abort_request", ("x-api-key", WRONG)), admin=True)
+    assert denied is not None and denied.status == 401  # a wrong key is still a 401
+    opened = Auth(AuthConfig(api_keys=(KEY,), open_admin_routes=True))
+    request = _req("/abort_request", ("x-api-key", KEY))
+    assert opened.check(request, admin=True) is None
+    assert isinstance(request.user, Caller) and not request.user.admin
     assert Auth().check(_req("/abort_request"), admin=True) is None  # no keys: open
     admins_only = Auth(AuthConfig(admin_api_keys=(ADMIN,)))
     assert admins_only.check(_req("/generate"), admin=False) is None
@@ -151,6 +161,35 @@ async def test_keys_on_every_route_and_never_logged(caplog: pytest.LogCaptureFix
     assert "401" in logged  # the refusals were logged...
     for secret in (KEY, ADMIN, WRONG):
         assert secret not in logged  # ...without any key, right or wrong
+
+
+ADMIN_CALLS = (
+    ("POST", "/abort_request", {"abort_all": True}),
+    ("POST", "/flush_cache", None),
+    ("GET", "/flush_cache", None),
+    ("GET", "/debug/requests", None),
+)
+
+
+@pytest.mark.anyio
+async def test_admin_routes_are_closed_with_api_keys_and_no_admin_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 23: with --api-key alone, any key could abort everything, flush the cache and
+    read every request's trace. Now a valid key gets 403 naming --admin-api-key."""
+    caplog.set_level(logging.INFO, logger="lifecycle.api.auth")
+    async with running_app(api_keys=(KEY,)) as app:
+        base = f"http://127.0.0.1:{app.port}"
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            for method, path, body in ADMIN_CALLS:
+                r = await c.request(method, path, json=body, headers={"x-api-key": KEY})
+                assert r.status_code == 403, path
+                err = r.json()["error"]
+                assert err["code"] == "admin_routes_closed" and "--admin-api-key" in err["message"]
+                assert (await c.request(method, path, json=body)).status_code == 401
+            r = await c.post("/generate", json=echo_body(1, 3), headers={"x-api-key": KEY})
+            assert r.status_code == 200  # the other routes are as before
+    assert "admin routes (/abort_request, /flush_cache, /debug): closed" in caplog.text
 
 
 @pytest.mark.anyio

@@ -175,6 +175,7 @@ class Request:
         "path",
         "path_params",
         "query_string",
+        "user",
     )
 
     def __init__(
@@ -204,6 +205,8 @@ class Request:
         # Set by the connection: writes a response from inside the handler (``respond``).
         self._responder: Callable[[Request, Any], Awaitable[bool]] | None = None
         self.responded: Any = None  # the response ``respond`` sent, if any
+        # Who the app's authentication says sent this (the app sets it; the transport never).
+        self.user: Any = None
 
     def __repr__(self) -> str:
         return f"<Request {self.method} {self.path!r}>"

@@ -4,9 +4,13 @@ Keys arrive as ``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``. Every ca
 compared with ``hmac.compare_digest`` against the SHA-256 digest of every configured key,
 without an early exit, so neither a key's content nor its length shows in the timing.
 Admin routes (abort, flush, debug) need an admin key when one is configured; an admin key
-is also valid on every other route. With admin keys only, the other routes stay open. Public routes (``/health`` and ``/metrics`` by
-default) need nothing. Keys are never logged: the failure body and the log line name only
-the route.
+is also valid on every other route. With admin keys only, the other routes stay open.
+With user keys and no admin key, the admin routes are closed (403, naming
+``--admin-api-key``) unless ``open_admin_routes`` opens them to every key; with no keys
+at all everything is open. Public routes (``/health`` and ``/metrics`` by default) need
+nothing. A request let in with a key carries its ``Caller`` (``request.user``), so that a
+user key only ever aborts the requests it made. Keys are never logged: the failure body
+and the log line name only the route.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ __all__ = [
     "DEFAULT_PUBLIC_ROUTES",
     "Auth",
     "AuthConfig",
+    "Caller",
+    "forbidden",
+    "owner",
     "read_key_file",
     "unauthorized",
 ]
@@ -41,10 +48,40 @@ class AuthConfig:
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
     public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
+    # With user keys and no admin key: every key may use the admin routes (local use).
+    open_admin_routes: bool = False
 
     @property
     def enabled(self) -> bool:
         return bool(self.api_keys or self.admin_api_keys)
+
+    @property
+    def admin_policy(self) -> str:
+        """Who may use the admin routes, as start-up logs it."""
+        routes = "admin routes (/abort_request, /flush_cache, /debug)"
+        if self.admin_api_keys:
+            return f"{routes}: admin keys only"
+        if not self.api_keys:
+            return f"{routes}: open (no API keys configured)"
+        if self.open_admin_routes:
+            return f"{routes}: open to every API key (--open-admin-routes)"
+        return f"{routes}: closed (no --admin-api-key; --open-admin-routes opens them)"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request that came in with a valid key is: its key's digest, and whether
+    that key is an admin key. What ``request.user`` holds once ``Auth`` let it in."""
+
+    key: bytes
+    admin: bool
+
+
+def owner(request: Request) -> bytes | None:
+    """The owner to record on a call this request creates: its key's digest, or None
+    when the request came in without one (no keys configured)."""
+    caller = request.user
+    return caller.key if isinstance(caller, Caller) else None
 
 
 def read_key_file(path: str | Path) -> tuple[str, ...]:
@@ -81,6 +118,26 @@ def unauthorized(message: str) -> Response:
     return JSONResponse(body, 401, [("www-authenticate", 'Bearer realm="lifecycle"')])
 
 
+def forbidden(message: str) -> Response:
+    """403 in OpenAI's error shape: the key is right, the route is not for it."""
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "admin_routes_closed",
+        }
+    }
+    return JSONResponse(body, 403)
+
+
+_CLOSED = (
+    "This route is closed: the server has API keys but no admin key. Start it with "
+    "--admin-api-key KEY and call this route with that key (or, for local use only, "
+    "--open-admin-routes lets every API key call it)."
+)
+
+
 def presented_key(request: Request) -> str | None:
     auth = request.headers.get("authorization")
     if auth is not None:
@@ -104,6 +161,9 @@ class Auth:
         self._admin = tuple(_digest(k) for k in config.admin_api_keys)
         self._user = tuple(_digest(k) for k in config.api_keys) + self._admin
         self._public = frozenset(config.public_routes)
+        # Closed: user keys, no admin key, and nobody opened them.
+        self._closed = bool(config.api_keys) and not self._admin and not config.open_admin_routes
+        log.info("%s", config.admin_policy)  # one app builds one Auth, at start-up
 
     @property
     def enabled(self) -> bool:
@@ -117,10 +177,11 @@ class Auth:
         return path in ADMIN_ROUTES or path.startswith(ADMIN_PREFIXES)
 
     def check(self, request: Request, *, admin: bool) -> Response | None:
-        """None when the request may go on, else the 401 to answer with.
+        """None when the request may go on (``request.user`` then says who it is, when
+        it came with a key), else the 401 or 403 to answer with.
 
         ``admin``: the route is an admin route; it needs an admin key when any is
-        configured (otherwise any API key will do).
+        configured, and is closed to user keys unless ``open_admin_routes``.
         """
         need_admin = admin and bool(self._admin)
         if not (need_admin or self.config.api_keys):
@@ -133,6 +194,10 @@ class Auth:
             )
         digest = _digest(key)
         if _matches(digest, self._admin if need_admin else self._user):
+            if admin and self._closed:
+                log.info("403 %s %s: admin routes are closed", request.method, request.path)
+                return forbidden(_CLOSED)
+            request.user = Caller(digest, _matches(digest, self._admin))
             return None
         log.info("401 %s %s: wrong API key", request.method, request.path)
         if need_admin and _matches(digest, self._user):

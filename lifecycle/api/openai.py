@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import orjson
 
+from lifecycle.api.auth import owner
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
@@ -168,6 +169,7 @@ class OpenAIAPI:
         prompt_param: str,
     ) -> Response:
         async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
+            self.fe.calls.own(call, owner(request))
             try:
                 await call.start()
             except RequestError as exc:

@@ -24,6 +24,7 @@ import anyio
 import cbor2
 import orjson
 
+from lifecycle.api.auth import owner
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.openai_params import OpenAIError
@@ -241,6 +242,7 @@ class StreamSession:
         except RequestError as exc:
             return _error(mid, Cause.INVALID, exc.message)
         async with fe.call(req, self._gone) as call:
+            fe.calls.own(call, owner(self.ws.request))  # the key the socket opened with
             with scope:
                 try:
                     await call.start()

@@ -2,11 +2,14 @@
 
 A call is live from its first record's registration until it closes. ``LiveCalls``
 maps each record id to the call that owns it (a batch call owns several) and is what
-``/abort_request``, the drain's wait and its cut ask; nobody keeps a copy.
+``/abort_request``, the drain's wait and its cut ask; nobody keeps a copy. It also
+remembers who made a call (``own``: an opaque owner, the API key's digest), so that an
+abort on behalf of one owner never ends another's call.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Generic, Protocol, TypeVar
 
 import anyio
@@ -31,12 +34,19 @@ C = TypeVar("C", bound=LiveCall)
 class LiveCalls(Generic[C]):
     """Record id -> the call that owns it, for every record whose call has not closed."""
 
-    __slots__ = ("_registry", "_by_record", "_none_left")
+    __slots__ = ("_registry", "_by_record", "_none_left", "_owners")
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry  # client rid -> record, for ``abort``
         self._by_record: dict[int, C] = {}
         self._none_left: anyio.Event | None = None
+        # call -> who made it; weak, so a call that closes takes its entry along
+        self._owners: weakref.WeakKeyDictionary[C, object] = weakref.WeakKeyDictionary()
+
+    def own(self, call: C, owner: object) -> None:
+        """Record who made ``call`` (None: nobody in particular, no keys configured)."""
+        if owner is not None:
+            self._owners[call] = owner
 
     def track(self, rec_id: int, call: C) -> None:
         self._by_record[rec_id] = call
@@ -54,18 +64,23 @@ class LiveCalls(Generic[C]):
         """Every live call once (a batch call owns several records)."""
         return list({id(c): c for c in self._by_record.values()}.values())
 
-    def abort(self, client_rid: str | None = None, *, abort_all: bool = False) -> int:
-        """``/abort_request``: end the request named by its client rid, or every live one.
-        Each ends with finish_reason abort (its partial output); returns how many."""
+    def abort(
+        self, client_rid: str | None = None, *, abort_all: bool = False, owner: object = None
+    ) -> int:
+        """``/abort_request``: end the request named by its client rid, or every live one;
+        with ``owner``, only among the calls that owner made (another's rid is as good as
+        unknown). Each ends with finish_reason abort (its partial output); returns how many."""
         message = "Abort by the /abort_request API"
         if abort_all:
-            calls = self.calls()
+            calls = [c for c in self.calls() if owner is None or self._owners.get(c) == owner]
             for each in calls:
                 each.abort(message)
             return len(calls)
         rec = self._registry.by_client_rid(client_rid) if client_rid else None
         call = self._by_record.get(rec.id) if rec is not None else None
         if call is None or rec is None:
+            return 0
+        if owner is not None and self._owners.get(call) != owner:
             return 0
         call.abort(message, rec.id)
         return 1
