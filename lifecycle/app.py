@@ -25,6 +25,7 @@ from lifecycle.api.routes import AppRouter
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
+from lifecycle.core.pool import WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor
 from lifecycle.runtime import AppConfig, Runtime, worker_args
@@ -46,7 +47,7 @@ _CUT_GRACE = 2.0  # seconds of the drain kept for cut requests to send their err
 class App:
     config: AppConfig
     server: Server
-    supervisor: Supervisor
+    supervisor: Supervisor | WorkerPool
     frontend: Frontend
     api: NativeAPI
     metrics: Metrics

@@ -62,6 +62,19 @@ OPTIONS: tuple[Option, ...] = (
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
+    _o(
+        "dp",
+        "spawn this many workers, one router in front (data parallel)",
+        _WORKER,
+        type=int,
+        default=1,
+    ),  # fmt: skip
+    _o(
+        "router_policy",
+        "how a call picks its worker: round_robin | least_load | cache_aware",
+        _WORKER,
+        default="cache_aware",
+    ),  # fmt: skip
     _o("scripted_worker", "spawn the scripted worker (no model; for tests)", _WORKER, **_SWITCH),
     _o(
         "worker_args",
@@ -232,6 +245,8 @@ _PLAIN = (
     "max_pending",
     "max_running",
     "kv_cache_tokens",
+    "dp",
+    "router_policy",
     "max_queued",
     "incremental_streaming_output",
     "send_timeout",

@@ -18,6 +18,7 @@ import anyio.abc
 from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
 from lifecycle.api.metrics import Metrics
 from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
@@ -39,6 +40,8 @@ class AppConfig:
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
+    dp: int = 1  # workers spawned behind one router (lifecycle.core.pool)
+    router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
     max_queued: int = 1024  # admission bound in the frontend
     incremental_streaming_output: bool = False
     send_timeout: float = 30.0
@@ -161,7 +164,20 @@ def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
     return tokenizer, chat, model_config, path
 
 
-def _supervisor(cfg: AppConfig) -> Supervisor:
+def _supervisor(cfg: AppConfig) -> Supervisor | WorkerPool:
+    """One supervisor, or with ``dp > 1`` a pool of them behind the router."""
+    if cfg.dp < 1:
+        raise ValueError(f"dp must be at least 1, got {cfg.dp}")
+    if cfg.router_policy not in POLICIES:
+        raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}")
+    if cfg.dp == 1:
+        return _one_supervisor(cfg)
+    if cfg.worker is not None:
+        raise ValueError("dp > 1 spawns its workers; it does not go with --worker")
+    return WorkerPool([_one_supervisor(cfg) for _ in range(cfg.dp)], Router(cfg.router_policy))
+
+
+def _one_supervisor(cfg: AppConfig) -> Supervisor:
     sup_config = SupervisorConfig(
         worker=cfg.worker,
         worker_module=cfg.worker_module,

@@ -23,6 +23,7 @@ from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
 from lifecycle.core.results import chunks, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
+from lifecycle.core.supervisor import Supervisor
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from wire.faults import fault_point
 
@@ -250,8 +251,37 @@ class NativeAPI:
 
 
 async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, Any]:
-    """``/server_info``: the server's arguments, its books, and the worker's state."""
+    """``/server_info``: the server's arguments, its books, and each worker's state."""
     sup = fe.supervisor
+    states = [await _worker_state(member) for member in sup.members]
+    cap: dict[str, Any] = next((s["capacity"] for s in states if "capacity" in s), {})
+    blocks, block = cap.get("kv_blocks"), cap.get("block_size")
+    out = {
+        **server_args,
+        # the keys SGLang clients read (page_size: the KV block's tokens)
+        "max_total_num_tokens": blocks * block if blocks and block else None,  # per worker
+        "max_running_requests": cap.get("max_running"),
+        "page_size": block,
+        "context_length": fe.model_config.context_length,
+        "version": _version(),
+        "status": sup.status,
+        "live_requests": len(fe.registry),
+        "tombstones": fe.registry.tombstones,
+        "requests_by_state": fe.registry.counts_by_state(),
+        "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
+        "received_requests": fe.received,
+        "finished_requests": fe.finished,
+        "failed_requests": dict(fe.failed),
+        "internal_states": states,
+    }
+    router = getattr(sup, "router", None)
+    if router is not None:  # several workers (--dp)
+        out["router"] = {"policy": router.policy, "picks": list(router.picks),
+                         "affinity_hits": router.affinity_hits}  # fmt: skip
+    return out
+
+
+async def _worker_state(sup: Supervisor) -> dict[str, Any]:
     state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
     client = sup.client
     if client is not None:
@@ -269,26 +299,7 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
         state.update(
             in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
         )
-    cap = client.capacity if client is not None else {}
-    blocks, block = cap.get("kv_blocks"), cap.get("block_size")
-    return {
-        **server_args,
-        # the keys SGLang clients read (page_size: the KV block's tokens)
-        "max_total_num_tokens": blocks * block if blocks and block else None,
-        "max_running_requests": cap.get("max_running"),
-        "page_size": block,
-        "context_length": fe.model_config.context_length,
-        "version": _version(),
-        "status": sup.status,
-        "live_requests": len(fe.registry),
-        "tombstones": fe.registry.tombstones,
-        "requests_by_state": fe.registry.counts_by_state(),
-        "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
-        "received_requests": fe.received,
-        "finished_requests": fe.finished,
-        "failed_requests": dict(fe.failed),
-        "internal_states": [state],
-    }
+    return state
 
 
 def _version() -> str:

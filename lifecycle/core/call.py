@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -78,7 +78,7 @@ class CallHost(Protocol):
     @property
     def output_margin(self) -> int: ...
 
-    def ready_client(self) -> WorkerClient: ...
+    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient: ...
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
 
@@ -178,9 +178,14 @@ class GenerateCall:
             run.admitted = True
         texts = [r.item.text or "" for r in self.runs if r.item.input_ids is None]
         encoded = iter(await host.codec.encode(texts) if texts else [])
-        for run in self.runs:
-            prompt = run.item.input_ids if run.item.input_ids is not None else next(encoded)
-            self._submit(run, list(prompt))
+        prompts = [
+            list(r.item.input_ids if r.item.input_ids is not None else next(encoded))
+            for r in self.runs
+        ]
+        if prompts:  # the router sees the prompt (one worker for the whole call)
+            self.client = host.ready_client(prompts[0])
+        for run, prompt in zip(self.runs, prompts, strict=True):
+            self._submit(run, prompt)
 
     def _submit(self, run: _ItemRun, prompt: list[int]) -> None:
         host, item = self.host, run.item

@@ -10,7 +10,7 @@ its ``CallHost``. Knows nothing of HTTP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from lifecycle.core.errors import ServeError
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.live_calls import LiveCalls
 from lifecycle.core.params import GenerateRequest
+from lifecycle.core.pool import WorkerPool
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import DRAIN, Cause, State
 from lifecycle.core.supervisor import Supervisor, generate_probe
@@ -43,7 +44,7 @@ class FrontendConfig:
 class Frontend:
     def __init__(
         self,
-        supervisor: Supervisor,
+        supervisor: Supervisor | WorkerPool,
         tokenizer: TokenizerLike,
         model_config: Any,
         config: FrontendConfig = FrontendConfig(),
@@ -82,11 +83,13 @@ class Frontend:
     def output_margin(self) -> int:
         return self.config.output_margin
 
-    def ready_client(self) -> WorkerClient:
+    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient:
+        """A ready worker's client; with several (``WorkerPool``), the one the router
+        picks for ``prompt``."""
         if self.draining:
             raise ServeError(DRAIN.refused, "The server is shutting down; retry elsewhere.")
-        client = self.supervisor.client
-        if not self.supervisor.ready or client is None:
+        client = self.supervisor.pick(prompt)
+        if client is None:
             raise ServeError(Cause.NOT_READY, "The server is not ready yet; retry later.")
         return client
 

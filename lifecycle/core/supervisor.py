@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,15 @@ class Supervisor:
         self._ready_event = anyio.Event()
         self._stopping = False
         self._life_scope: anyio.CancelScope | None = None
+
+    @property
+    def members(self) -> list[Supervisor]:
+        """The supervisors behind this one (a ``WorkerPool`` has several)."""
+        return [self]
+
+    def pick(self, prompt: Sequence[int] | None = None) -> WorkerClient | None:
+        """The worker's client for a call (``prompt`` routes in a pool), when ready."""
+        return self.client if self.ready else None
 
     async def wait_ready(self) -> WorkerClient:
         while not (self.ready and self.client is not None):

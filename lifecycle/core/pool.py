@@ -1,0 +1,188 @@
+"""Several workers behind one frontend (``serve --dp N``): a ``WorkerPool`` of
+supervisors that the frontend uses as it uses one ``Supervisor``, and the router that
+picks a worker per call (docs/scaling.md).
+
+Each worker keeps its own supervisor, credits, abort lane and restarts: a worker lost
+fails only the calls it held, and the pool is ready while one of them is. The policy
+picks among the ready ones:
+
+- ``round_robin``: in turn.
+- ``least_load``: the fewest requests held (in flight at the worker plus queued for it).
+- ``cache_aware``: the worker that last served the longest prefix of this prompt (in
+  16-token blocks), while its load is within ``balance_abs`` requests and
+  ``balance_rel`` times the least loaded one's; otherwise the least loaded. The prefix
+  index is bounded (least recently used blocks go first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from lifecycle.core.supervisor import Supervisor
+from lifecycle.core.worker_client import WorkerClient
+
+__all__ = ["POLICIES", "Router", "WorkerPool"]
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+_BLOCK = 16  # tokens per prefix block, as the worker's KV blocks
+_MAX_BLOCKS = 64  # prefix blocks looked at per prompt
+_INDEX_SIZE = 100_000  # prefix blocks remembered
+
+
+def _load(client: WorkerClient) -> int:
+    return client.in_flight + client.queued
+
+
+class Router:
+    def __init__(self, policy: str, balance_abs: int = 8, balance_rel: float = 1.5) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._turn = itertools.count()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # prefix block -> worker
+        self.picks: list[int] = []  # calls routed to each worker
+        self._cached: list[int] = []  # prefix blocks the index gives each worker
+        self.affinity_hits = 0  # cache_aware picks that followed a prefix
+
+    def pick(self, ready: list[tuple[int, WorkerClient]], prompt: Sequence[int] | None) -> int:
+        """The index (in the pool) of the worker for a call with ``prompt``."""
+        while len(self.picks) < 1 + max(i for i, _ in ready):
+            self.picks.append(0)
+            self._cached.append(0)
+        if self.policy == "round_robin":
+            choice = ready[next(self._turn) % len(ready)][0]
+        elif self.policy == "least_load":  # ties: the one picked least so far
+            choice = min(ready, key=lambda r: (_load(r[1]), self.picks[r[0]], r[0]))[0]
+        else:  # a new prefix goes where the least is cached (SGLang's smallest tree)
+            least = min(ready, key=lambda r: (_load(r[1]), self._cached[r[0]], r[0]))
+            keys = _prefix_keys(prompt) if prompt else []
+            choice = self._follow(keys, ready, least) if keys else int(least[0])
+            for k in keys:
+                self._remember(k, choice)
+        self.picks[choice] += 1
+        return choice
+
+    def _follow(
+        self, keys: list[bytes], ready: list[tuple[int, WorkerClient]], least: tuple[int, Any]
+    ) -> int:
+        loads = dict((i, _load(c)) for i, c in ready)
+        floor = _load(least[1])
+        for key in reversed(keys):  # the longest prefix first
+            w = self._index.get(key)
+            if w is not None and w in loads:
+                if loads[w] <= max(floor + self.balance_abs, floor * self.balance_rel):
+                    self.affinity_hits += 1
+                    return w
+                break
+        return int(least[0])
+
+    def _remember(self, key: bytes, worker: int) -> None:
+        old = self._index.get(key)
+        if old is not None:
+            self._cached[old] -= 1
+        self._index[key] = worker
+        self._cached[worker] += 1
+        self._index.move_to_end(key)
+        while len(self._index) > _INDEX_SIZE:
+            _, gone = self._index.popitem(last=False)
+            self._cached[gone] -= 1
+
+
+def _prefix_keys(prompt: Sequence[int]) -> list[bytes]:
+    """One key per whole 16-token block of the prompt's start: a hash of all tokens up to
+    the block's end (so equal keys mean equal prefixes)."""
+    keys, h = [], hashlib.blake2b(digest_size=16)
+    n = min(len(prompt) // _BLOCK, _MAX_BLOCKS)
+    for b in range(n):
+        h.update(bytes(str(list(prompt[b * _BLOCK : (b + 1) * _BLOCK])), "ascii"))
+        keys.append(h.copy().digest())
+    return keys
+
+
+class WorkerPool:
+    """Supervisors that look like one to the frontend: ready while any is, ``pick`` routes."""
+
+    def __init__(self, members: list[Supervisor], router: Router) -> None:
+        self.members = members
+        self.router = router
+
+    # -- what the frontend and the routes read of a supervisor ----------------------------
+    @property
+    def ready(self) -> bool:
+        return any(s.ready for s in self.members)
+
+    @property
+    def status(self) -> str:
+        if self.ready:
+            return "ready"
+        return self.members[0].status
+
+    @property
+    def client(self) -> WorkerClient | None:
+        """A ready worker's client (for the probe and stats); None when none is ready."""
+        for s in self.members:
+            if s.ready and s.client is not None:
+                return s.client
+        return None
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.members[0].worker_pid
+
+    @property
+    def restarts(self) -> int:
+        return sum(s.restarts for s in self.members)
+
+    @property
+    def last_error(self) -> str | None:
+        return next((s.last_error for s in self.members if s.last_error), None)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "ready": self.ready,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "pid": self.worker_pid,
+            "router": self.router.policy,
+            "workers_ready": sum(s.ready for s in self.members),
+            "workers": len(self.members),
+        }
+
+    def pick(self, prompt: Sequence[int] | None = None) -> WorkerClient | None:
+        """The routed worker's client for a call with ``prompt``; without one, any ready
+        worker's (a readiness check: the router neither counts nor learns it)."""
+        if prompt is None:
+            return self.client
+        ready = [(i, s.client) for i, s in enumerate(self.members) if s.ready and s.client]
+        if not ready:
+            return None
+        i = self.router.pick(ready, prompt)  # type: ignore[arg-type]
+        return self.members[i].client
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for s in self.members:
+                tg.start_soon(s.run)
+
+    async def stop(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for s in self.members:
+                    tg.start_soon(s.stop)
+
+    async def wait_ready(self) -> WorkerClient:
+        while True:
+            client = self.client
+            if client is not None:
+                return client
+            with anyio.move_on_after(0.05):
+                await self.members[0].wait_ready()
