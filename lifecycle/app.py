@@ -133,7 +133,9 @@ def _routes(
     server_args = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
     server_args.update(cfg.extra, model_path=path)
     api = NativeAPI(frontend, server_args)
-    auth = Auth(AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes))
+    auth = Auth(
+        AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes, cfg.open_admin_routes)
+    )
     router = AppRouter(auth, metrics)
     api.install(router)
     model_id = cfg.served_model_name or frontend.model_config.name

@@ -147,6 +147,14 @@ OPTIONS: tuple[Option, ...] = (
     _o("ssl_certfile", "TLS certificate (PEM)", _HTTP, server=True),
     _o("ssl_keyfile", "TLS private key (PEM)", _HTTP, server=True),
     _o("disable_debug_routes", "no /debug routes", _HTTP, server=True, **_SWITCH),
+    _o(
+        "open_admin_routes",
+        "with --api-key and no --admin-api-key, let every key use the abort/flush/debug "
+        "routes (local use; they are closed otherwise)",
+        _HTTP,
+        server=True,
+        **_SWITCH,
+    ),
     _o("trace_log", "write one JSON line per finished request", _TRACE),
     _o("trace_log_max_bytes", "rotate past this", _TRACE, type=int, default=64 << 20),
     _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3),
@@ -255,6 +263,7 @@ _PLAIN = (
     "ssl_certfile",
     "ssl_keyfile",
     "otlp_traces_endpoint",
+    "open_admin_routes",
     "access_log",
     "access_log_format",
     "log_requests",

@@ -51,6 +51,7 @@ class AppConfig:
     warmup: bool = True
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()  # also guard /debug/* (AppRouter treats it as admin)
+    open_admin_routes: bool = False  # user keys and no admin key: admin routes open to all
     public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import orjson
 
+from lifecycle.api.auth import Caller, owner
 from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
@@ -116,6 +117,7 @@ class NativeAPI:
             return error_response(exc.status, exc.message)
         incremental = self.fe.config.incremental_streaming_output or per_request is True
         async with self.fe.call(req, gone_cause(request)) as call:
+            self.fe.calls.own(call, owner(request))
             try:
                 await call.start()
             except RequestError as exc:
@@ -200,10 +202,12 @@ class NativeAPI:
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
         rid, abort_all = body.get("rid"), body.get("abort_all") is True
+        caller = request.user  # a user key (open admin routes) aborts only its own
+        mine = caller.key if isinstance(caller, Caller) and not caller.admin else None
         if abort_all:
-            self.fe.calls.abort(abort_all=True)
+            self.fe.calls.abort(abort_all=True, owner=mine)
         elif isinstance(rid, str) and rid:  # SGLang ignores an empty rid without abort_all
-            self.fe.calls.abort(rid)
+            self.fe.calls.abort(rid, owner=mine)
         return Response(b"")
 
     async def flush_cache(self, request: Request) -> Response:
