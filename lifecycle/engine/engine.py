@@ -176,9 +176,11 @@ class Engine:
     def _window(self) -> int:
         """Requests in flight for a batch: enough to keep every worker credit busy with
         more queued behind, within admission's bound."""
-        client = self.runtime.supervisor.client
-        credits = client.capacity.get("max_pending", 64) if client is not None else 64
-        return max(1, min(self.config.max_queued, 2 * int(credits)))
+        credits = sum(
+            int(m.client.capacity.get("max_pending", 64)) if m.client is not None else 64
+            for m in self.runtime.supervisor.members  # every worker of a --dp pool
+        )
+        return max(1, min(self.config.max_queued, 2 * credits))
 
     # -- embeddings ------------------------------------------------------------------------
     def encode(
