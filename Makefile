@@ -49,9 +49,12 @@ lint: setup
 	$(PY) -m mypy lifecycle transport gpu wire modelfile
 
 # System packages some tests need; without them those tests skip. Chromium drives the
-# /debug page test (tests/test_debug_page.py) over the DevTools protocol.
+# /debug page test (tests/test_debug_page.py) over the DevTools protocol; promtool (in
+# Debian's prometheus package) checks /metrics and docs/monitoring/prometheus.yml
+# (tests/test_monitoring.py).
 ci-deps:
 	command -v chromium || (apt-get update && apt-get install -y chromium)
+	command -v promtool || (apt-get update && apt-get install -y prometheus)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

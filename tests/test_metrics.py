@@ -129,9 +129,10 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
         assert m3[("lifecycle_requests_in_state", (("state", state),))] == 0
     assert m3[("lifecycle_worker_kv_blocks_used", ())] == 0
     assert (
-        m3[("lifecycle_worker_kv_blocks_free", ())] == m3[("lifecycle_worker_kv_blocks_total", ())]
+        m3[("lifecycle_worker_kv_blocks_free", ())]
+        == m3[("lifecycle_worker_kv_blocks_capacity", ())]
     )
-    assert m3[("lifecycle_worker_restarts", ())] == 0
+    assert m3[("lifecycle_worker_restarts_total", ())] == 0
     assert m3[("lifecycle_worker_ready", ())] == 1
     assert m3[("lifecycle_admission_queue_depth", ())] == 0
     assert m3[("lifecycle_tombstones", ())] == 0
@@ -147,7 +148,10 @@ def test_worker_restarts_and_worker_lost_are_counted(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         m1 = scrape(url)
-        if delta(m0, m1, "lifecycle_worker_restarts") == 1 and m1[("lifecycle_worker_ready", ())]:
+        if (
+            delta(m0, m1, "lifecycle_worker_restarts_total") == 1
+            and m1[("lifecycle_worker_ready", ())]
+        ):
             break
         assert time.monotonic() < deadline, "the worker did not come back"
         time.sleep(0.1)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -185,7 +185,10 @@ class _LiveCollector(Collector):
         yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
                      fe.admission.capacity)  # fmt: skip
         sup = fe.supervisor
-        yield _gauge("worker_restarts", "Worker restarts since start-up.", sup.restarts)
+        # A counter (it only grows): increase() and rate() apply, and promtool wants _total.
+        yield CounterMetricFamily(
+            f"{p}_worker_restarts", "Worker restarts since start-up.", value=sup.restarts
+        )
         yield _gauge("worker_ready", "1 when the worker is ready to serve.", int(sup.ready))
         client = sup.client
         if client is not None:
@@ -193,15 +196,16 @@ class _LiveCollector(Collector):
                          client.queued)  # fmt: skip
             yield _gauge("worker_in_flight", "Requests the worker holds.", client.in_flight)
         load = self.m._load
-        for key, help_text in (
-            ("running", "Sequences the worker is running."),
-            ("waiting", "Sequences waiting in the worker's scheduler."),
-            ("kv_blocks_total", "KV cache blocks in all."),
-            ("kv_blocks_free", "KV cache blocks free."),
-            ("kv_blocks_cached", "Free KV blocks holding a reusable prefix."),
+        # (STATS key, gauge name): a gauge may not end in _total (promtool check metrics).
+        for key, name, help_text in (
+            ("running", "running", "Sequences the worker is running."),
+            ("waiting", "waiting", "Sequences waiting in the worker's scheduler."),
+            ("kv_blocks_total", "kv_blocks_capacity", "KV cache blocks in all."),
+            ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free."),
+            ("kv_blocks_cached", "kv_blocks_cached", "Free KV blocks holding a reusable prefix."),
         ):
             if isinstance(load.get(key), int):
-                yield _gauge(f"worker_{key}", help_text, load[key])
+                yield _gauge(f"worker_{name}", help_text, load[key])
         if isinstance(load.get("kv_blocks_total"), int) and isinstance(
             load.get("kv_blocks_free"), int
         ):
