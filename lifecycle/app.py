@@ -139,11 +139,14 @@ def _routes(
     router = AppRouter(auth, metrics)
     api.install(router)
     model_id = cfg.served_model_name or frontend.model_config.name
-    openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path)
+    strict = cfg.strict_model_name
+    openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, strict_model=strict)
     openai.install(router)
     ResponsesAPI(openai).install(router)
     ScoreAPI(frontend, model_id).install(router)
-    EmbeddingsAPI(frontend, model_id=model_id, model_names=openai.model_names).install(router)
+    EmbeddingsAPI(
+        frontend, model_id=model_id, model_names=openai.model_names, strict_model=strict
+    ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     metrics.install(router)
     return router, api, auth

@@ -56,6 +56,14 @@ _SWITCH: dict[str, Any] = {"type": None, "default": False}
 OPTIONS: tuple[Option, ...] = (
     _o("model", "GGUF file (default: the bundled SmolLM2-135M-Instruct)", _MODEL),
     _o("served_model_name", "the model's name in the OpenAI API", _MODEL),
+    _o(
+        "strict_model_name",
+        "another model name gets 404 model_not_found (default: the "
+        "one model serves any name, as SGLang)",
+        _MODEL,
+        server=True,
+        **_SWITCH,
+    ),  # fmt: skip
     _o("worker", "use a worker started elsewhere (unix:/path or HOST:PORT)", _WORKER),
     _o("device", "cpu | cuda (default: cuda when present)", _WORKER),
     _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
@@ -247,6 +255,7 @@ _PLAIN = (
     "port",
     "model",
     "served_model_name",
+    "strict_model_name",
     "worker",
     "device",
     "dtype",

@@ -32,6 +32,7 @@ class AppConfig:
     port: int = 30000
     model: str | None = None  # GGUF path; None: the bundled SmolLM2
     served_model_name: str | None = None
+    strict_model_name: bool = False  # another model name: 404 (default: served)
     worker: str | None = None  # address of a worker started elsewhere; None: spawn one
     worker_module: str = "gpu.worker"
     worker_extra_args: tuple[str, ...] = ()

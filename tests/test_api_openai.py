@@ -233,9 +233,11 @@ def test_bad_input_is_400_with_param(url: str, path: str, body: Any, param: str 
     assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param
 
 
-def test_unknown_model_and_bad_json(url: str, client: openai.OpenAI) -> None:
-    status, err = _error(url, "/v1/chat/completions", {"model": "gpt-x", "messages": []})
-    assert (status, err["code"], err["param"]) == (404, "model_not_found", "model")
+def test_any_model_name_is_served_and_bad_json(url: str, client: openai.OpenAI) -> None:
+    served = client.models.list().data[0].id
+    r = httpx.post(url + "/v1/chat/completions", json={  # SGLang's leniency (issue 22)
+        "model": "gpt-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 200 and r.json()["model"] == served
     r = httpx.post(url + "/v1/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:

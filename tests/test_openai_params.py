@@ -55,7 +55,6 @@ def test_chat_defaults_and_mapping() -> None:
         ({"prompt": "a", "min_tokens": 20, "max_tokens": 4}, "min_tokens", 400),
         ({"prompt": "a", "logit_bias": {"999": 1}}, "logit_bias", 400),
         ({"prompt": [1, 200]}, None, 400),
-        ({"prompt": "a", "model": "other"}, "model", 404),
         ({"prompt": "a", "best_of": 3}, "best_of", 400),
         ({"prompt": "a", "rid": 5}, "rid", 400),
     ],
@@ -64,6 +63,18 @@ def test_completion_refusals(body: dict[str, Any], param: str | None, status: in
     with pytest.raises(OpenAIError) as info:
         parse_completion(body, **OPTS)
     assert (info.value.param, info.value.status) == (param, status)
+
+
+def test_another_model_name_is_ours_unless_strict() -> None:
+    assert parse_completion({"prompt": "a", "model": "other"}, **OPTS).model == "m"
+    with pytest.raises(OpenAIError) as info:
+        parse_completion({"prompt": "a", "model": "other"}, **OPTS, strict_model=True)
+    assert (info.value.param, info.value.status, info.value.code) == ("model", 404,
+                                                                      "model_not_found")  # fmt: skip
+    assert (
+        parse_completion({"prompt": "a", "model": "default"}, **OPTS, strict_model=True).model
+        == "m"
+    )
 
 
 _json = st.recursive(

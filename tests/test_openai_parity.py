@@ -104,3 +104,18 @@ def test_continue_final_message_leaves_the_last_turn_open(url: str) -> None:
         "messages": convo[:1], "continue_final_message": True})  # fmt: skip
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_strict_model_name_keeps_the_404() -> None:
+    with lifecycle_server("--scripted-worker", "--strict-model-name") as base:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/embeddings", {"input": "hi"}),
+        ):
+            r = httpx.post(base + path, json={**body, "model": "gpt-x", "max_tokens": 2}
+                           if "embeddings" not in path else {**body, "model": "gpt-x"})  # fmt: skip
+            assert r.status_code == 404, (path, r.text)
+            assert r.json()["error"]["code"] == "model_not_found"
+            ok = httpx.post(base + path, json={**body, "model": "default"})
+            assert ok.status_code == 200, (path, ok.text)

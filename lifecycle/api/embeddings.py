@@ -87,12 +87,18 @@ def _encoded(vector: list[float], fmt: str) -> list[float] | str:
 
 class EmbeddingsAPI:
     def __init__(
-        self, frontend: Frontend, *, model_id: str, model_names: frozenset[str] | None = None
+        self,
+        frontend: Frontend,
+        *,
+        model_id: str,
+        model_names: frozenset[str] | None = None,
+        strict_model: bool = False,
     ) -> None:
         self.fe = frontend
         self.model_id = model_id
         # The names /v1/models answers to (``OpenAIAPI.model_names``), or these two.
         self.model_names = model_names or frozenset({model_id, "default"})
+        self.strict_model = strict_model  # as OpenAIAPI: any name is ours unless strict
 
     def install(self, router: Router) -> None:
         router.add("POST", "/v1/embeddings", self.embeddings)
@@ -156,7 +162,7 @@ class EmbeddingsAPI:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise OpenAIError("model must be a string.", param="model")
-        if model is not None and model not in self.model_names:
+        if self.strict_model and model is not None and model not in self.model_names:
             raise OpenAIError(
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )

@@ -49,6 +49,7 @@ class OpenAIAPI:
         *,
         model_id: str,
         model_path: str | None = None,
+        strict_model: bool = False,
     ) -> None:
         from lifecycle.core.version import __version__
 
@@ -59,6 +60,7 @@ class OpenAIAPI:
         if model_path:
             aliases |= {model_path, model_path.rsplit("/", 1)[-1].removesuffix(".gguf")}
         self.model_names = frozenset(aliases)
+        self.strict_model = strict_model  # another model name: 404, not our model
         self.created = int(time.time())
         self.fingerprint = fingerprint(__version__, model_path or model_id)
         self.texts = TokenTexts(frontend.tokenizer)
@@ -109,6 +111,7 @@ class OpenAIAPI:
             "vocab_size": self.fe.model_config.vocab_size,
             "model_names": self.model_names,
             "default_model": self.model_id,
+            "strict_model": self.strict_model,
         }
 
     async def completions(self, request: Request) -> Response:

@@ -137,13 +137,15 @@ def _check_keys(body: dict[str, Any], known: frozenset[str]) -> None:
             raise _bad(f"Unrecognized request argument supplied: {key}", key)
 
 
-def _model(body: dict[str, Any], names: frozenset[str], default: str) -> str:
+def _model(body: dict[str, Any], names: frozenset[str], default: str, strict: bool) -> str:
+    """The served name: any ``model`` is served by our one model, as SGLang does, unless
+    ``strict`` (``--strict-model-name``), where another name is a 404."""
     model = body.get("model")
     if model is None:
         return default
     if not isinstance(model, str):
         raise _bad("model must be a string.", "model")
-    if model not in names:
+    if strict and model not in names:
         raise OpenAIError(
             f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
         )
@@ -209,12 +211,12 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> 
 
 
 def _common(
-    body: Any, known: frozenset[str], names: frozenset[str], default_model: str
+    body: Any, known: frozenset[str], names: frozenset[str], default_model: str, strict: bool
 ) -> tuple[str, bool, bool, bool]:
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
     _check_keys(body, known)
-    model = _model(body, names, default_model)
+    model = _model(body, names, default_model, strict)
     return (model, *_stream(body))
 
 
@@ -249,11 +251,16 @@ def _completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
 
 
 def parse_completion(
-    body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
+    body: Any,
+    *,
+    vocab_size: int,
+    model_names: frozenset[str],
+    default_model: str,
+    strict_model: bool = False,
 ) -> OpenAIRequest:
     """A ``/v1/completions`` body; raises OpenAIError."""
     model, stream, include_usage, continuous = _common(
-        body, _COMPLETION, model_names, default_model
+        body, _COMPLETION, model_names, default_model, strict_model
     )
     prompts = _completion_prompts(body.get("prompt"), vocab_size)
     _unsupported(body, "suffix", (None, ""))
@@ -312,10 +319,17 @@ def chat_messages(raw: Any) -> list[dict[str, str]]:
 
 
 def parse_chat(
-    body: Any, *, vocab_size: int, model_names: frozenset[str], default_model: str
+    body: Any,
+    *,
+    vocab_size: int,
+    model_names: frozenset[str],
+    default_model: str,
+    strict_model: bool = False,
 ) -> tuple[OpenAIRequest, list[dict[str, str]]]:
     """A ``/v1/chat/completions`` body and its messages; the caller renders the prompt."""
-    model, stream, include_usage, continuous = _common(body, _CHAT, model_names, default_model)
+    model, stream, include_usage, continuous = _common(
+        body, _CHAT, model_names, default_model, strict_model
+    )
     messages = chat_messages(body.get("messages"))
     _unsupported(body, "tools", (None, []))
     for name in _CHAT_NULL_ONLY:
