@@ -8,6 +8,7 @@ one batched sampling pass, then per-sequence bookkeeping (stop checks, frees).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import EMBED_FINISH, MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_f32s, pack_ids
 from wire.faults import fault_point
+from wire.sampling import STOP_REGEX_WINDOW
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -43,6 +45,18 @@ class EngineConfig:
     mixed_prefill_tokens: int = 512
 
 
+def _prefills(seq: Sequence) -> bool:
+    """Whether a request must run its prompt: always unless it asks for no tokens, and
+    then still when it embeds or scores the prompt (SGLang's prompt logprobs with
+    ``max_new_tokens`` 0)."""
+    o = seq.options
+    return (
+        seq.params.max_new_tokens > 0
+        or o.embed is not None
+        or (o.return_logprob and o.logprob_start_len >= 0)
+    )
+
+
 def _declared_n(e: SubmitEntry) -> int:
     """The entry's n when it is a usable count (else 1): how many rids an error covers."""
     n = e.sampling.get("n", 1) if isinstance(e.sampling, dict) else 1
@@ -62,6 +76,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
+            self.cache.copy_rows,
         )
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
@@ -102,7 +117,7 @@ class Engine:
                 # Every rid the request would occupy gets its terminal entry.
                 errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + _declared_n(e))]
                 continue
-            if seq.params.max_new_tokens == 0 and seq.options.embed is None:
+            if seq.params.max_new_tokens == 0 and not _prefills(seq):
                 extra = {"prompt_tokens": seq.prompt_len}
                 done += [
                     StepEntry(r, b"", ["length", 0], extra)
@@ -146,6 +161,9 @@ class Engine:
             seq.prefix_limit = 0  # every position's hidden state is pooled: none is reused
         if params.stop:
             seq.stop_window = max(len(s) for s in params.stop) + 2
+        if params.stop_regex:  # checked by from_wire: bounded, valid
+            seq.stop_patterns = tuple(re.compile(p) for p in params.stop_regex)
+            seq.stop_window = max(seq.stop_window, STOP_REGEX_WINDOW)
         return seq
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
@@ -199,6 +217,7 @@ class Engine:
         prefills: list[PrefillChunk] = []
         rows = LogprobRows()
         samplers: list[Sequence] = []
+        scored: list[Sequence] = []  # max_new_tokens 0: prompt logprobs only, no sample
         pooling: list[tuple[Sequence, int, int]] = []  # embed requests: seq, first row, rows
         for seq, n in batch:
             c, row = seq.num_computed, len(ids)
@@ -213,7 +232,9 @@ class Engine:
                 continue
             if not seq.started:
                 prompt_logprob_rows(seq, c, n, row, rows)
-            if c + n == len(seq.tokens):
+            if c + n == len(seq.tokens) and seq.params.max_new_tokens == 0:
+                scored.append(seq)
+            elif c + n == len(seq.tokens):
                 rows.add_sample(row + n - 1)
                 samplers.append(seq)
         dev = self.cache.device
@@ -236,9 +257,11 @@ class Engine:
         for seq, n in batch:
             self.scheduler.computed(seq, n)
         entries = [self._embedded(seq, vec) for seq, vec in pooled]
-        if logits is None:
+        if logits is not None:
+            rows.collect_prompt(logits)
+        entries += [e for seq in scored for e in self._scored(seq)]
+        if logits is None or not samplers:
             return entries
-        rows.collect_prompt(logits)
         hid = None if hidden is None else hidden[rows.sample_slice]
         return entries + self._finish_step(samplers, logits[rows.sample_slice], hid)
 
@@ -272,6 +295,18 @@ class Engine:
             "embedding": pack_f32s(vec.cpu().numpy()),
         }
         return self._terminal(seq, b"", [EMBED_FINISH, vec.numel()], extra)
+
+    def _scored(self, seq: Sequence) -> list[StepEntry]:
+        """A ``max_new_tokens`` 0 request whose prompt is computed: its terminal entries,
+        with the prompt logprobs (one per rid when n > 1); its blocks are released now."""
+        del self.seqs[seq.rid]
+        self.scheduler.remove(seq)
+        extra = {"cached_tokens": seq.cached_tokens, **prompt_extra(seq)}
+        out = [self._terminal(seq, b"", ["length", 0], extra)]
+        for r in [r for r, p in self.reserved.items() if p is seq]:
+            del self.reserved[r]
+            out.append(self._terminal(seq, b"", ["length", 0], extra)._replace(rid=r))
+        return out
 
     def _finish_step(
         self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
@@ -335,6 +370,7 @@ class Engine:
             self._generator(seed),
             cached_tokens=parent.cached_tokens,
             stop_window=parent.stop_window,
+            stop_patterns=parent.stop_patterns,
             prefix_limit=parent.prefix_limit,
         )
         self.seqs[rid] = child
@@ -387,6 +423,10 @@ class Engine:
             for s in p.stop:
                 if s in tail:
                     return ["stop", s]
+            for pattern in seq.stop_patterns:
+                m = next((m for m in pattern.finditer(tail) if m.end() > m.start()), None)
+                if m is not None:
+                    return ["stop", m.group(0)]
         if seq.num_output >= p.max_new_tokens:
             return ["length", p.max_new_tokens]
         return None

@@ -3,8 +3,11 @@
 ``BlockManager`` is pure bookkeeping (no tensors): fixed-size blocks with reference
 counts; a full block whose KV has been written is registered under a hash of its tokens
 chained with its parent's hash, so a later request with the same prefix reuses it
-(``cached_tokens``). Unreferenced registered blocks stay cached in LRU order and are
-evicted only when the free list runs dry.
+(``cached_tokens``). The computed head of a sequence's last, partly filled block is
+published too when the sequence lets it go, so a prefix is matched to the token: a hit
+that ends inside a block copies that block's matched rows into one of the request's
+own (copy-on-write; partial blocks are never shared). Unreferenced published blocks stay
+cached in LRU order and are evicted only when the free list runs dry.
 
 ``PagedKVCache`` holds the tensors (per layer ``[n_kv, num_blocks * block_size,
 head_dim]``, kv head outermost) and implements the model's ``AttentionBackend``. A step
@@ -27,7 +30,14 @@ from torch import Tensor
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
-__all__ = ["BlockManager", "NoFreeBlocks", "PagedKVCache", "PrefillChunk", "block_hash"]
+__all__ = [
+    "BlockManager",
+    "NoFreeBlocks",
+    "PagedKVCache",
+    "PrefillChunk",
+    "PrefixHit",
+    "block_hash",
+]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -39,8 +49,26 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What ``match_prefix`` holds for a request: whole shared blocks, then maybe the
+    first ``partial_len`` tokens of one more published block, to be copied (its KV rows)
+    into a block of the request's own and then released."""
+
+    blocks: list[int]
+    hashes: list[int]
+    partial: int | None = None
+    partial_len: int = 0
+
+
 class BlockManager:
-    """Reference-counted blocks: free, held (ref > 0) or cached (ref 0, registered)."""
+    """Reference-counted blocks: free, held (ref > 0) or cached (ref 0, published).
+
+    A published block is indexed by its parent's hash and its first token, holding
+    either a full block (also under its own hash, shareable) or the computed head of a
+    sequence's last block, published when the sequence lets it go (never written again;
+    its rows are only ever copied).
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -48,11 +76,13 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks  # full published blocks only
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # published blocks
+        self._parent: list[int | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._by_hash: dict[int, int] = {}
+        self._children: dict[tuple[int | None, int], set[int]] = {}  # (parent, 1st token)
 
     @property
     def num_free(self) -> int:
@@ -91,32 +121,47 @@ class BlockManager:
                 raise ValueError(f"block {b} released more often than held")
             self.ref[b] = r
             if r == 0:
-                if self._hash[b] is not None:
+                if self._tokens[b] is not None:
                     self._cached[b] = None
                 else:
                     self._free.append(b)
 
-    def match_prefix(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Hold the longest cached run of full blocks that starts ``tokens``.
+    def _hold(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self._cached[b]
+        self.ref[b] += 1
 
-        Returns (blocks, their hashes); each block's reference count is raised.
+    def match_prefix(self, tokens: Sequence[int], max_tokens: int) -> PrefixHit:
+        """Hold the longest cached prefix of ``tokens[:max_tokens]``, to the token.
+
+        Whole published blocks first (their reference counts raised); where the chain
+        stops, the published block sharing the most next tokens, held until the caller
+        has copied its rows and released it.
         """
         bs, parent = self.block_size, None
+        limit = min(max_tokens, len(tokens))
         blocks: list[int] = []
         hashes: list[int] = []
-        for i in range(min(max_blocks, len(tokens) // bs)):
+        for i in range(limit // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             b = self._by_hash.get(h)
             if b is None or self._tokens[b] != chunk:
                 break
-            if self.ref[b] == 0:
-                del self._cached[b]
-            self.ref[b] += 1
+            self._hold(b)
             blocks.append(b)
             hashes.append(h)
             parent = h
-        return blocks, hashes
+        done = len(blocks) * bs
+        want = tuple(tokens[done : min(limit, done + bs)])
+        best, best_len = None, 0
+        for b in self._children.get((parent, want[0]), ()) if want else ():
+            m = _common(self._tokens[b] or (), want)
+            if m > best_len:
+                best, best_len = b, m
+        if best is not None:
+            self._hold(best)
+        return PrefixHit(blocks, hashes, best, best_len)
 
     def register(self, block: int, parent: int | None, tokens: Sequence[int]) -> int:
         """Publish a held full block whose KV is written; returns its hash.
@@ -125,11 +170,38 @@ class BlockManager:
         """
         chunk = tuple(tokens)
         h = block_hash(parent, chunk)
-        if self._hash[block] is None and h not in self._by_hash:
+        if self._tokens[block] is None and h not in self._by_hash:
             self._hash[block] = h
-            self._tokens[block] = chunk
             self._by_hash[h] = block
+            self._publish(block, parent, chunk)
         return h
+
+    def publish_partial(self, block: int, parent: int | None, tokens: Sequence[int]) -> None:
+        """Publish the computed head (``tokens``, shorter than a block) of a held last
+        block its only holder is about to release; skipped when a published block
+        already starts with the same tokens."""
+        head = tuple(tokens)
+        if not 0 < len(head) < self.block_size or self._tokens[block] is not None:
+            return
+        if self.ref[block] != 1:
+            return  # shared (never by our own rules): publishing it would let it be rewritten
+        for c in self._children.get((parent, head[0]), ()):
+            if _common(self._tokens[c] or (), head) == len(head):
+                return
+        self._publish(block, parent, head)
+
+    def _publish(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        key = (parent, tokens[0])
+        # An unreferenced partial block this one extends holds nothing new: free it.
+        for c in [c for c in self._children.get(key, ()) if self._hash[c] is None]:
+            head = self._tokens[c] or ()
+            if self.ref[c] == 0 and tokens[: len(head)] == head:
+                del self._cached[c]
+                self._unregister(c)
+                self._free.append(c)
+        self._children.setdefault(key, set()).add(block)
+        self._tokens[block] = tokens
+        self._parent[block] = parent
 
     def flush(self) -> int:
         """Drop every unreferenced cached block; returns how many."""
@@ -141,11 +213,18 @@ class BlockManager:
         return n
 
     def _unregister(self, b: int) -> None:
-        h = self._hash[b]
+        h, tokens = self._hash[b], self._tokens[b]
         if h is not None and self._by_hash.get(h) == b:
             del self._by_hash[h]
+        if tokens is not None:
+            key = (self._parent[b], tokens[0])
+            kids = self._children[key]
+            kids.discard(b)
+            if not kids:
+                del self._children[key]
         self._hash[b] = None
         self._tokens[b] = None
+        self._parent[b] = None
 
     def check(self, tables: Iterable[Sequence[int]]) -> list[str]:
         """Integrity problems given every live sequence's block table (empty list: sound)."""
@@ -156,17 +235,33 @@ class BlockManager:
             problems.append("a block is on the free list twice")
         if free & cached:
             problems.append(f"blocks both free and cached: {sorted(free & cached)[:8]}")
+        indexed = {b for kids in self._children.values() for b in kids}
         for b in range(self.num_blocks):
             if self.ref[b] != held[b]:
                 problems.append(f"block {b}: refcount {self.ref[b]}, held {held[b]} times")
             if self.ref[b] and (b in free or b in cached):
                 problems.append(f"block {b} is held and also free/cached")
+            published = self._tokens[b] is not None
+            if published != (b in indexed) or (b in cached and not published):
+                problems.append(f"block {b}: published {published}, indexed {b in indexed}")
+            if published and self._hash[b] is None and self.ref[b]:
+                problems.append(f"block {b} is a published partial block and held")
         n_held = sum(1 for r in self.ref if r > 0)
         if len(free) + len(cached) + n_held != self.num_blocks:
             problems.append(
                 f"free {len(free)} + cached {len(cached)} + held {n_held} != {self.num_blocks}"
             )
         return problems
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token runs."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,3 +446,10 @@ class PagedKVCache:
         bs = self.block_size
         self.k[:, :, dst * bs : (dst + 1) * bs] = self.k[:, :, src * bs : (src + 1) * bs]
         self.v[:, :, dst * bs : (dst + 1) * bs] = self.v[:, :, src * bs : (src + 1) * bs]
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` rows of one block's KV into another, in every layer (a
+        prefix hit that ends inside a block: copy-on-write of the matched head)."""
+        s, d = src * self.block_size, dst * self.block_size
+        self.k[:, :, d : d + n] = self.k[:, :, s : s + n]
+        self.v[:, :, d : d + n] = self.v[:, :, s : s + n]

@@ -11,7 +11,9 @@ admitted sequence is preempted (blocks released, recomputed later).
 
 from __future__ import annotations
 
+import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,7 @@ class Sequence:
     forks: int = 0  # siblings to fork off at the first sampled token (n - 1)
     prefix_limit: int = 1 << 62  # prompt tokens the prefix cache may supply
     stop_window: int = 0  # tokens of output to decode when checking stop strings
+    stop_patterns: tuple[re.Pattern[str], ...] = ()  # stop_regex, compiled
     prompt_logprobs: list[Any] = field(default_factory=list)  # rows gathered during prefill
     pooled: Any = None  # embed, mean pooling: the sum of the final hidden rows so far
 
@@ -70,9 +73,17 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        config: SchedulerConfig,
+        copy_rows: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """``copy_rows(src, dst, n)`` copies a block's first n KV rows (the paged
+        cache's); without it a prefix hit stops at the last whole block."""
         self.blocks = blocks
         self.config = config
+        self.copy_rows = copy_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -135,15 +146,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Hold the cached prefix and the first chunk's blocks; 0 when they do not fit."""
-        bs = self.blocks.block_size
         if seq.num_computed == 0 and not seq.block_table:
-            # Leave at least one token to compute: its logits give the next token.
-            limit = min(len(seq.tokens) - 1, seq.prefix_limit) // bs
-            blocks, hashes = self.blocks.match_prefix(seq.tokens, limit)
-            seq.block_table, seq.block_hashes = blocks, hashes
-            seq.num_computed = len(blocks) * bs
-            if not seq.started:
-                seq.cached_tokens = seq.num_computed
+            self._reuse_prefix(seq)
         n = min(len(seq.tokens) - seq.num_computed, budget)
         if self._blocks_needed(seq, n) > self.blocks.num_free:
             self._drop_blocks(seq)
@@ -151,7 +155,31 @@ class Scheduler:
         seq.block_table += self.blocks.allocate(self._blocks_needed(seq, n))
         return n
 
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start from the longest cached prefix, to the token. At least one token is
+        left to compute: the logits of the last one give the next token."""
+        bs = self.blocks.block_size
+        hit = self.blocks.match_prefix(seq.tokens, min(len(seq.tokens) - 1, seq.prefix_limit))
+        seq.block_table, seq.block_hashes = hit.blocks, hit.hashes
+        seq.num_computed = len(hit.blocks) * bs
+        if hit.partial is not None:
+            if self.copy_rows is not None and self.blocks.num_free:
+                (own,) = self.blocks.allocate(1)
+                self.copy_rows(hit.partial, own, hit.partial_len)
+                seq.block_table.append(own)
+                seq.num_computed += hit.partial_len
+            self.blocks.release([hit.partial])
+        if not seq.started:
+            seq.cached_tokens = seq.num_computed
+
     def _drop_blocks(self, seq: Sequence) -> None:
+        """Release its blocks; the computed head of a partly filled last block is
+        published first, so a later request (or its own recompute) can copy it."""
+        bs, j = self.blocks.block_size, seq.num_computed // self.blocks.block_size
+        if seq.num_computed % bs and len(seq.block_table) > j and len(seq.block_hashes) == j:
+            parent = seq.block_hashes[-1] if j else None
+            head = seq.tokens[j * bs : seq.num_computed]
+            self.blocks.publish_partial(seq.block_table[j], parent, head)
         self.blocks.release(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 

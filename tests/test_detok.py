@@ -40,6 +40,18 @@ def test_stop_string_held_back_then_trimmed(tok) -> None:  # type: ignore[no-unt
     assert kept.final({"type": "stop", "matched": " three"}, 0) == "one two three"
 
 
+def test_stop_regex_match_is_trimmed_at_its_last_occurrence(tok) -> None:  # type: ignore[no-untyped-def]
+    """A regex match is the text's last occurrence of the matched text (the worker found
+    it in the last tokens), even when the same text appears earlier; no_stop_trim keeps it."""
+    ids = tok.encode("call 12. then call 34. done", add_special_tokens=False)
+    st = SampleText(tok, stops=("zz",))
+    st.feed(ids)
+    assert st.final({"type": "stop", "matched": "call"}, 0) == "call 12. then "
+    kept = SampleText(tok, no_stop_trim=True)
+    kept.feed(ids)
+    assert kept.final({"type": "stop", "matched": "call"}, 0) == tok.decode(ids)
+
+
 def test_stop_token_text_is_trimmed(tok) -> None:  # type: ignore[no-untyped-def]
     ids = tok.encode("alpha beta", add_special_tokens=False)
     st = SampleText(tok, skip_special_tokens=True)

@@ -62,7 +62,22 @@ from .params_helpers import V, sp
         ({"regex": "a+"}, "regex is not supported by this server"),
         ({"json_schema": "{}"}, "json_schema is not supported by this server"),
         ({"ebnf": "root ::= 'a'"}, "ebnf is not supported by this server"),
-        ({"stop_regex": "x"}, "stop_regex is not supported by this server"),
+        ({"structural_tag": "x"}, "structural_tag is not supported by this server"),
+        # stop_regex: compiled here, within the worker's bounds (wire.sampling).
+        ({"stop_regex": 5}, "stop_regex must be a string or a list of strings, got 5."),
+        (
+            {"stop_regex": ["["]},
+            "stop_regex '[' is not a valid regular expression: "
+            "unterminated character set at position 0.",
+        ),  # fmt: skip
+        ({"stop_regex": "a*"}, "stop_regex 'a*' matches the empty string."),
+        ({"stop_regex": "x" * 257}, "stop_regex patterns must be at most 256 characters, got 257."),
+        ({"stop_regex": ["x"] * 17}, "stop_regex holds at most 16 patterns, got 17."),
+        (
+            {"stop_regex": "(a+)+b"},
+            "stop_regex '(a+)+b' repeats a repeated part (like (a+)+), "
+            "whose matching can take exponential time; write it without the nesting.",
+        ),  # fmt: skip
         ({"custom_params": {"a": 1}}, "custom_params is not supported by this server"),
         ({"n": 0}, "n must be at least 1, got 0."),
         # The worker's limits, which SGLang lacks: refused here, never by the worker.

@@ -30,6 +30,12 @@ def _next_logprobs(base: str, body: dict, labels: list[int]) -> list[float]:
     return [given[t] for t in labels]
 
 
+# The later of two runs of one prompt takes all but its last token from the prefix
+# cache, so that token's logits come from the decode attention instead of the prefill's:
+# the same sums in another order, up to ~2e-5 apart (relative) in fp32.
+REL = 1e-4
+
+
 def _score(base: str, **body: object) -> httpx.Response:
     return httpx.post(base + "/v1/score", json=body, timeout=60)
 
@@ -43,7 +49,7 @@ def test_scores_are_the_models_next_token_probabilities(model_server: str) -> No
     for item, got in zip(ITEMS, body["scores"], strict=True):
         want = [math.exp(lp) for lp in _next_logprobs(model_server, {"text": QUERY + item},
                                                        labels)]  # fmt: skip
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+        assert got == pytest.approx(want, rel=REL, abs=1e-9)
         assert sum(got) < 1.0
     assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] == 0
 
@@ -51,7 +57,7 @@ def test_scores_are_the_models_next_token_probabilities(model_server: str) -> No
                   apply_softmax=True).json()["scores"]  # fmt: skip
     for raw, s in zip(body["scores"], soft, strict=True):
         assert sum(s) == pytest.approx(1.0, abs=1e-6)
-        assert s == pytest.approx([p / sum(raw) for p in raw], rel=1e-5)
+        assert s == pytest.approx([p / sum(raw) for p in raw], rel=REL)
 
 
 def test_item_first_and_token_ids(model_server: str) -> None:
@@ -60,12 +66,12 @@ def test_item_first_and_token_ids(model_server: str) -> None:
                    label_token_ids=labels, item_first=True).json()["scores"][0]  # fmt: skip
     want = [math.exp(lp) for lp in _next_logprobs(
         model_server, {"text": "Paris is in France. Answer:"}, labels)]  # fmt: skip
-    assert first == pytest.approx(want, rel=1e-5, abs=1e-9)
+    assert first == pytest.approx(want, rel=REL, abs=1e-9)
     q, items = _ids(model_server, QUERY), [_ids(model_server, i) for i in ITEMS]
     by_ids = _score(model_server, query=q, items=items, label_token_ids=labels).json()
     want_ids = [math.exp(lp) for lp in _next_logprobs(model_server, {"input_ids": q + items[0]},
                                                        labels)]  # fmt: skip
-    assert by_ids["scores"][0] == pytest.approx(want_ids, rel=1e-5, abs=1e-9)
+    assert by_ids["scores"][0] == pytest.approx(want_ids, rel=REL, abs=1e-9)
 
 
 @pytest.mark.parametrize(

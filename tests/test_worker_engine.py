@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from gpu.dense_cache import DenseKVCache
 from gpu.engine import Engine, EngineConfig, ProtocolError
 from gpu.generate import greedy_generate
-from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
+from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
 from gpu.loader import LoadedModel, load_model
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids
@@ -142,16 +143,19 @@ def test_block_manager_prefix_sharing_lru_and_integrity() -> None:
     a = bm.allocate(2)
     h0 = bm.register(a[0], None, [1, 2])
     bm.register(a[1], h0, [3, 4])
-    blocks, hashes = bm.match_prefix([1, 2, 3, 4, 5], 2)
-    assert blocks == a and bm.ref[a[0]] == 2 and len(hashes) == 2
-    assert bm.match_prefix([1, 9, 3, 4], 2) == ([], [])  # chained: a different first block misses
+    hit = bm.match_prefix([1, 2, 3, 4, 5], 4)
+    blocks = hit.blocks
+    assert blocks == a and bm.ref[a[0]] == 2 and len(hit.hashes) == 2 and hit.partial is None
+    miss = bm.match_prefix([1, 9, 3, 4], 4)  # chained: a different first block misses
+    assert miss.blocks == [] and miss.partial == a[0] and miss.partial_len == 1  # but [1] is
+    bm.release([a[0]])
     assert bm.check([a, blocks]) == []
     bm.release(blocks)
     bm.release(a)
     assert bm.num_cached == 2 and bm.num_free == 4 and bm.check([]) == []
     fresh = bm.allocate(3)  # two free, then the LRU cached block is evicted
     assert a[0] in fresh and a[1] not in fresh
-    assert bm.match_prefix([1, 2, 3, 4], 2) == ([], [])
+    assert bm.match_prefix([1, 2, 3, 4], 4) == PrefixHit([], [])
     assert "refcount" in " ".join(bm.check([]))
     with pytest.raises(ValueError):
         bm.release([a[1], a[1]])
@@ -270,6 +274,28 @@ def test_stop_token_ids_stop_strings_and_bias(lm: LoadedModel) -> None:
     assert ids_of(got[3]) == [forced] * 3
 
 
+def test_stop_regex_ends_on_the_first_match_in_the_tail(lm: LoadedModel) -> None:
+    """The worker searches each step's last 32 output tokens; the oracle does the same
+    in Python on the uncut output. The ids include the token completing the match; the
+    finish carries the matched text. An invalid pattern is REQ-ERROR invalid."""
+    p = prompts(1, lm.config.vocab_size, seed=5)[0]
+    engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4))
+    bias = {lm.tokenizer.token_to_id(ch): 100.0 for ch in "abcdefghijklmnopqrstuvwxyz"}
+    s = {**GREEDY, "max_new_tokens": 40, "logit_bias": bias}
+    letters = ids_of(run(engine, [(1, p, s, {})])[1])
+    text = lm.tokenizer.decode(letters)
+    pattern = f"{text[5]}[a-z]{text[7]}"  # a match straddling tokens, maybe an earlier one
+    k, m = next(
+        (k, m)
+        for k in range(1, len(letters) + 1)
+        if (m := re.search(pattern, lm.tokenizer.decode(letters[:k][-32:]))) is not None
+    )
+    got = run(engine, [(2, p, {**s, "stop_regex": [r"\d{3}", pattern]}, {})])[2]
+    assert ids_of(got) == letters[:k] and got[-1].finish == ["stop", m.group(0)]
+    errors, _ = engine.submit([SubmitEntry(3, pack_ids(p), {"stop_regex": ["(x"]}, {})])
+    assert errors[0][:2] == (3, "invalid") and "not a valid regular expression" in errors[0][2]
+
+
 def test_logprobs_match_the_dense_oracle(lm: LoadedModel) -> None:
     p = prompts(1, lm.config.vocab_size, seed=6, lo=20, hi=21)[0]
     want, rows = dense_greedy(lm, p, 4)
@@ -298,12 +324,41 @@ def test_logprobs_match_the_dense_oracle(lm: LoadedModel) -> None:
         )
 
 
+def test_max_new_tokens_0_runs_the_prefill_for_prompt_logprobs(lm: LoadedModel) -> None:
+    """SGLang's way to score text: no output token, the prompt's logprobs (first entry
+    NaN, i.e. null), finish length 0, blocks freed; n > 1 gives every rid the same. Without
+    prompt logprobs nothing runs at all."""
+    p = prompts(1, lm.config.vocab_size, seed=8, lo=20, hi=21)[0]
+    _, rows = dense_greedy(lm, p, 1)
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=4, step_tokens=8))
+    opts = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "token_ids_logprob": [5]}  # fmt: skip
+    got = run(engine, [(1, p, {"max_new_tokens": 0, "n": 2}, opts)])
+    want = torch.log_softmax(rows[0], dim=-1)
+    for rid in (1, 2):
+        (e,) = got[rid]
+        assert e.new_ids == b"" and e.finish == ["length", 0] and e.extra["prompt_tokens"] == 20
+        plp = f32s_to_list(e.extra["prompt_logprobs"])
+        assert math.isnan(plp[0])
+        assert plp[1:] == pytest.approx([float(want[j - 1, p[j]]) for j in range(1, 20)], abs=1e-4)
+        assert len(e.extra["prompt_top_ids"]) == len(e.extra["prompt_ids_logprobs"]) == 20
+    one = run(engine, [(3, p[:1], {"max_new_tokens": 0}, opts)])[3][0]
+    assert one.finish == ["length", 0] and len(f32s_to_list(one.extra["prompt_logprobs"])) == 1
+    _, done = engine.submit([SubmitEntry(4, pack_ids(p), {"max_new_tokens": 0}, {})])
+    assert [(e.rid, e.finish) for e in done] == [(4, ["length", 0])] and not engine.has_work
+
+
 def test_prefix_cache_hit_gives_identical_output(lm: LoadedModel) -> None:
     engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4))
     p = prompts(1, lm.config.vocab_size, seed=7, lo=30, hi=31)[0]
     a = run(engine, [(1, p, {**GREEDY, "max_new_tokens": 6}, {})])[1]
     b = run(engine, [(2, p + [9, 9], {**GREEDY, "max_new_tokens": 6}, {})])[2]
-    assert a[0].extra["cached_tokens"] == 0 and b[0].extra["cached_tokens"] == 28
+    # Every prompt token the two share (7 whole blocks, then rows copied out of the 8th,
+    # which the first request's output filled): 30, more if its output began with 9s.
+    done = p + ids_of(a)[:-1]  # the last sampled token was never fed
+    pairs = zip([*done, -1], p + [9, 9, -2], strict=False)
+    reused = next(i for i, (x, y) in enumerate(pairs) if x != y)
+    assert a[0].extra["cached_tokens"] == 0 and b[0].extra["cached_tokens"] == reused
     assert ids_of(b) == dense_greedy(lm, p + [9, 9], 6)[0]
 
 

@@ -60,6 +60,7 @@ EVERY_SAMPLING_FIELD = SamplingParams(
     presence_penalty=-0.5,
     repetition_penalty=1.5,
     stop=("a", "bc"),
+    stop_regex=(r"\d+\.", "end$"),
     stop_token_ids=(3, 4),
     ignore_eos=True,
     seed=-(2**63),

@@ -9,12 +9,15 @@ frontend's, and a test holds them to that (whatever the frontend accepts, the wo
 reads back unchanged). Only what the worker reads travels: the detokenizer's options
 (``skip_special_tokens``, ``no_stop_trim``, ...) stay in the frontend. Stop strings do
 travel, because the worker ends a sequence on them; trimming them off the text is the
-frontend's.
+frontend's. So do stop regexes (``stop_regex``), checked here once for both sides
+(``check_stop_regex``).
 """
 
 from __future__ import annotations
 
 import math
+import re
+import re._parser as _sre  # the parse tree of a pattern (nested-repeat check)
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,7 +28,11 @@ __all__ = [
     "GREEDY_EPS",
     "LOGIT_BIAS_LIMIT",
     "MAX_N",
+    "STOP_REGEX_MAX_CHARS",
+    "STOP_REGEX_MAX_COUNT",
+    "STOP_REGEX_WINDOW",
     "SamplingParams",
+    "check_stop_regex",
     "get_bool",
     "get_int",
     "is_greedy",
@@ -39,6 +46,14 @@ MAX_N = 64  # samples of one request: the worker holds rids rid .. rid+n-1
 LOGIT_BIAS_LIMIT = 1e9
 _INT64 = 1 << 63
 _MAX_TOKENS = 1 << 30
+# Stop regexes are searched in the worker's step loop, so their work is bounded: a
+# pattern of at most 256 characters, at most 16 of them, searched in the text of the
+# last 32 output tokens only (a longer match is never found; ``^`` is that window's
+# start), and no varying repeat inside a repeat (``(a+)+``), whose backtracking is
+# exponential in the window's length (Python's ``re`` has no timeout).
+STOP_REGEX_MAX_CHARS = 256
+STOP_REGEX_MAX_COUNT = 16
+STOP_REGEX_WINDOW = 32
 
 
 def is_greedy(temperature: float, top_k: int) -> bool:
@@ -61,6 +76,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()  # the worker ends the sequence on these strings
+    stop_regex: tuple[str, ...] = ()  # ... and on a match of these (``check_stop_regex``)
     stop_token_ids: tuple[int, ...] = ()  # ascending, distinct
     ignore_eos: bool = False
     seed: int | None = None  # None: the worker draws one
@@ -108,6 +124,7 @@ class SamplingParams:
             presence_penalty=_number(s, "presence_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=_number(s, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
             stop=_stop(s.get("stop")),
+            stop_regex=_stop_regex(s.get("stop_regex")),
             stop_token_ids=tuple(
                 sorted(set(token_ids(s.get("stop_token_ids") or [], "stop_token_ids", vocab_size)))
             ),
@@ -175,6 +192,74 @@ def _stop(v: Any) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
         raise ValueError("stop must be a list of non-empty strings.")
     return tuple(stop)
+
+
+def _stop_regex(v: Any) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v or []
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise ValueError("stop_regex must be a list of strings.")
+    if len(items) > STOP_REGEX_MAX_COUNT:
+        raise ValueError(f"stop_regex holds at most {STOP_REGEX_MAX_COUNT} patterns.")
+    for p in items:
+        check_stop_regex(p)
+    return tuple(items)
+
+
+def check_stop_regex(pattern: str) -> re.Pattern[str]:
+    """Compile one stop regex within the bounds above; ``ValueError`` says what is wrong."""
+    if not pattern:
+        raise ValueError("stop_regex patterns must not be empty.")
+    if len(pattern) > STOP_REGEX_MAX_CHARS:
+        raise ValueError(
+            f"stop_regex patterns must be at most {STOP_REGEX_MAX_CHARS} characters, "
+            f"got {len(pattern)}."
+        )
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise ValueError(
+            f"stop_regex {pattern!r} is not a valid regular expression: {exc}."
+        ) from None
+    if compiled.fullmatch(""):
+        raise ValueError(f"stop_regex {pattern!r} matches the empty string.")
+    if _nested_repeat(_sre.parse(pattern), False):
+        raise ValueError(
+            f"stop_regex {pattern!r} repeats a repeated part (like (a+)+), whose matching "
+            "can take exponential time; write it without the nesting."
+        )
+    return compiled
+
+
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT)
+
+
+def _nested_repeat(tree: Any, inside: bool) -> bool:
+    """Whether a repeat of a varying count (``+``, ``*``, ``{1,3}``) sits inside a repeat
+    of more than one occurrence: the ambiguity backtracking explores exponentially."""
+    for op, av in tree:
+        if op in _REPEATS:
+            lo, hi, sub = av
+            if (inside and hi != lo) or _nested_repeat(sub, inside or hi > 1):
+                return True
+        elif op is _sre.POSSESSIVE_REPEAT:  # never backtracks itself; its body may
+            if _nested_repeat(av[2], inside):
+                return True
+        elif op is _sre.BRANCH:
+            if any(_nested_repeat(b, inside) for b in av[1]):
+                return True
+        elif op is _sre.SUBPATTERN:
+            if _nested_repeat(av[3], inside):
+                return True
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            if _nested_repeat(av[1], inside):
+                return True
+        elif op is _sre.ATOMIC_GROUP:
+            if _nested_repeat(av, inside):
+                return True
+        elif op is _sre.GROUPREF_EXISTS:
+            if any(b is not None and _nested_repeat(b, inside) for b in av[1:]):
+                return True
+    return False
 
 
 def _seed(v: Any) -> int | None:

@@ -39,6 +39,7 @@ _SAMPLING = {
     "min_tokens": "min_new_tokens",
     "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex",
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
 }
@@ -264,7 +265,8 @@ def parse_completion(
     )
     prompts = _completion_prompts(body.get("prompt"), vocab_size)
     _unsupported(body, "suffix", (None, ""))
-    max_tokens = _int_field(body, "max_tokens", 1)
+    # max_tokens 0 with echo scores the prompt alone (legacy completions, SGLang).
+    max_tokens = _int_field(body, "max_tokens", 0 if body.get("echo") is True else 1)
     sp = _sampling(body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, vocab_size)
     if body.get("best_of") not in (None, sp.n):
         raise _bad("best_of other than n is not supported by this server.", "best_of")

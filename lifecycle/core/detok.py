@@ -113,7 +113,9 @@ class SampleText:
 
     While streaming, a tail that could be the beginning of a stop string is held back, so
     text shown to the client never has to be taken back when the stop string completes
-    (the worker ends the request on the token that completes it, ``["stop", str]``).
+    (the worker ends the request on the token that completes it, ``["stop", str]``). A
+    ``stop_regex`` match is trimmed at the end only: what could still become a match of
+    a regex is not known while streaming (SGLang holds nothing back either).
     """
 
     __slots__ = ("_decoder", "_stops", "_trim", "raw", "_before_last", "_last_id")
@@ -164,6 +166,11 @@ class SampleText:
         if not self._trim or not isinstance(finish, dict) or finish.get("type") != "stop":
             return raw
         matched = finish.get("matched")
+        if isinstance(matched, str) and matched and matched not in self._stops:
+            # A stop_regex match: the worker found it in the text's last tokens, so it
+            # is the last occurrence (an earlier one would have ended the text there).
+            idx = raw.rfind(matched)
+            return raw[:idx] if idx >= 0 else raw
         if isinstance(matched, str) and matched:
             idx = raw.find(matched, min(sent, len(raw)))
             if idx < 0:

@@ -27,7 +27,9 @@ from wire.sampling import (
     GREEDY_EPS,
     LOGIT_BIAS_LIMIT,
     MAX_N,
+    STOP_REGEX_MAX_COUNT,
     SamplingParams,
+    check_stop_regex,
 )
 
 __all__ = ["FIELDS", "SamplingRequest", "parse_sampling_params"]
@@ -82,7 +84,7 @@ class SamplingRequest:
 
 
 # SGLang fields we do not implement: a non-null value is a 400, never silently ignored.
-UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
+UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
 # Accepted and ignored: it only changes how often SGLang flushes a stream, and our
 # streams already send whatever is ready on each client write.
 IGNORED = ("stream_interval",)
@@ -121,6 +123,22 @@ def _stop(v: Any) -> tuple[str, ...]:
         raise _bad(f"stop must be a string or a list of strings, got {v!r}.")
     if any(s == "" for s in items):
         raise _bad("stop strings must not be empty.")
+    return tuple(items)
+
+
+def _stop_regex(v: Any) -> tuple[str, ...]:
+    """Compiled here once so a bad pattern is a 400; the worker searches with them
+    (bounds: ``wire.sampling.check_stop_regex``)."""
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad(f"stop_regex must be a string or a list of strings, got {v!r}.")
+    if len(items) > STOP_REGEX_MAX_COUNT:
+        raise _bad(f"stop_regex holds at most {STOP_REGEX_MAX_COUNT} patterns, got {len(items)}.")
+    for pattern in items:
+        try:
+            check_stop_regex(pattern)
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
     return tuple(items)
 
 
@@ -177,7 +195,16 @@ _INTEGERS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _TEXT_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _BOOLEANS = ("ignore_eos", *_TEXT_OPTIONS)
 # Every sampling_params key this server implements.
-FIELDS = (*_NUMBERS, *_INTEGERS, *_BOOLEANS, "stop", "stop_token_ids", "logit_bias", "seed")
+FIELDS = (
+    *_NUMBERS,
+    *_INTEGERS,
+    *_BOOLEANS,
+    "stop",
+    "stop_regex",
+    "stop_token_ids",
+    "logit_bias",
+    "seed",
+)
 KNOWN = frozenset(FIELDS + ("sampling_seed", *UNSUPPORTED, *IGNORED))
 
 
@@ -208,6 +235,8 @@ def _convert(obj: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], dict
             kw[key] = _boolean(key, value)
         elif key == "stop":
             kw[key] = _stop(value)
+        elif key == "stop_regex":
+            kw[key] = _stop_regex(value)
         elif key == "stop_token_ids":
             kw[key] = _stop_token_ids(value, vocab_size)
         elif key == "logit_bias":
