@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 import websockets
 
-from lifecycle.app import App, AppConfig, serve_app
-
+from .app_helpers import running_app
 from .ws_helpers import echo_body, gen_msg
 
 
@@ -25,22 +21,7 @@ def anyio_backend() -> str:
     return "asyncio"  # the websockets client is asyncio-only
 
 
-@asynccontextmanager
-async def running_app(**kw: Any) -> AsyncIterator[App]:
-    cfg = AppConfig(
-        port=0,
-        worker_module="lifecycle.testing.scripted_worker",
-        worker_extra_args=("--step-delay", "0.01"),
-        **kw,
-    )
-    async with anyio.create_task_group() as tg:
-        app: App = await tg.start(serve_app, cfg)
-        with anyio.fail_after(60):
-            await app.supervisor.wait_ready()
-        try:
-            yield app
-        finally:
-            tg.cancel_scope.cancel()
+STEP = ("--step-delay", "0.01")
 
 
 def _lines(path: Path, n: int) -> list[dict[str, Any]]:
@@ -55,7 +36,7 @@ def _lines(path: Path, n: int) -> list[dict[str, Any]]:
 @pytest.mark.anyio
 async def test_one_line_per_request_with_how_it_ended(tmp_path: Path) -> None:
     log = tmp_path / "access.jsonl"
-    async with running_app(access_log=str(log)) as app:
+    async with running_app(worker_extra_args=STEP, access_log=str(log)) as app:
         base = f"http://127.0.0.1:{app.port}"
         async with httpx.AsyncClient(base_url=base, timeout=30) as c:
             r = await c.post("/generate", json={**echo_body(1, 5), "rid": "unary-1"})
@@ -104,7 +85,9 @@ async def test_one_line_per_request_with_how_it_ended(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_common_format_and_the_prompt_on_request(tmp_path: Path) -> None:
     log = tmp_path / "access.log"
-    async with running_app(access_log=str(log), access_log_format="common") as app:
+    async with running_app(
+        worker_extra_args=STEP, access_log=str(log), access_log_format="common"
+    ) as app:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.port}") as c:
             await c.post("/generate", json={**echo_body(1, 2), "rid": "c-1"})
             await c.get("/health")
@@ -114,7 +97,7 @@ async def test_common_format_and_the_prompt_on_request(tmp_path: Path) -> None:
     assert "outcome=done" in gen and "output_tokens=2" in gen
     assert any('"GET /health HTTP/1.1" 200' in line for line in text)
     log2 = tmp_path / "with-prompts.jsonl"
-    async with running_app(access_log=str(log2), log_requests=True) as app:
+    async with running_app(worker_extra_args=STEP, access_log=str(log2), log_requests=True) as app:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.port}") as c:
             await c.post("/generate", json={"text": "secret words", "rid": "p-1",
                                              "sampling_params": {"max_new_tokens": 1}})  # fmt: skip

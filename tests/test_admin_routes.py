@@ -14,7 +14,8 @@ import pytest
 from lifecycle.cli import _build_parser
 from lifecycle.options import app_config, option_values
 
-from .test_edge_security import KEY, KEY2, running_app
+from .app_helpers import running_app
+from .test_edge_security import KEY, KEY2
 
 
 @pytest.fixture

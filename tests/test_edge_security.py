@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
 import trustme
@@ -20,11 +17,11 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from lifecycle.api.auth import Auth, AuthConfig, Caller, read_key_file
-from lifecycle.app import App, AppConfig, serve_app
 from lifecycle.cli import _build_parser
 from lifecycle.options import app_config, option_values
 from transport import Headers, Request
 
+from .app_helpers import running_app
 from .ws_helpers import collect, echo_body, echo_ids, gen_msg
 
 KEY = "sk-user-7d1c2b9a4f"
@@ -105,19 +102,6 @@ def test_cli_key_options(tmp_path: Path) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the websockets client is asyncio-only
-
-
-@asynccontextmanager
-async def running_app(**kw: object) -> AsyncIterator[App]:
-    cfg = AppConfig(port=0, worker_module="lifecycle.testing.scripted_worker", **kw)  # type: ignore[arg-type]
-    async with anyio.create_task_group() as tg:
-        app: App = await tg.start(serve_app, cfg)
-        with anyio.fail_after(60):
-            await app.supervisor.wait_ready()
-        try:
-            yield app
-        finally:
-            tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio

@@ -173,14 +173,9 @@ class OpenAIAPI:
     ) -> Response:
         async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
             self.fe.calls.own(call, owner(request))
-            try:
-                await call.start()
-            except RequestError as exc:
-                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, prompt_param))
-            except ServeError as exc:
-                return openai_error(
-                    OpenAIError.from_cause(exc.cause, exc.message), exc.cause.retry_after
-                )
+            refused = await start_call(call, prompt_param)
+            if refused is not None:
+                return refused
             choices = self._choices(call, oreq, echo)
             ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             if oreq.stream:
@@ -216,12 +211,9 @@ class OpenAIAPI:
         choices: list[ChoiceState],
         ids: ReplyIds,
     ) -> Response:
-        if not await run_unary(call, request):
-            return Response(b"", 499)  # nobody reads it; the scope closes the call
-        err = call.error()
-        if err is not None:
-            cause, message = err
-            return openai_error(OpenAIError.from_cause(cause, message), cause.retry_after)
+        refused = await run_call(call, request)
+        if refused is not None:
+            return refused
         body = self._reply(call, oreq, choices, ids)
         call.close()  # done: the rid is free before the client reads the reply
         return JSONResponse(body)
