@@ -1,12 +1,12 @@
 """What SGLang and OpenAI clients read that we now send as they do (issue 22): the role
 alone in a chat stream's first chunk, ``matched_stop`` always present, usage in every
-chunk with ``continuous_usage_stats``, and the ``/get_server_info`` keys SGLang clients
-read. A real server process on the scripted worker (outputs echo the prompt ids)."""
+chunk with ``continuous_usage_stats``, ``continue_final_message``, the ``/get_server_info``
+keys SGLang clients read, and any model name served; over HTTP on the real model
+(``model_server``), and ``--strict-model-name`` on a scripted-worker server."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,10 +16,8 @@ from .scripted import lifecycle_server
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with lifecycle_server("--scripted-worker", "--max-running", "4", "--kv-cache-tokens",
-                          "4096", "--worker-args", "--step-delay 0.002") as base:  # fmt: skip
-        yield base
+def url(model_server: str) -> str:
+    return model_server
 
 
 def _events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -34,7 +32,7 @@ def _events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_chat_stream_sends_the_role_alone_first(url: str) -> None:
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "n": 2,
-            "stream": True}  # fmt: skip
+            "stream": True, "ignore_eos": True}  # fmt: skip
     events = _events(url, "/v1/chat/completions", body)
     firsts = events[:2]
     assert [c["choices"][0]["index"] for c in firsts] == [0, 1]
@@ -56,18 +54,22 @@ def test_matched_stop_is_always_there(url: str) -> None:
     assert "matched_stop" in chat["choices"][0] and chat["choices"][0]["matched_stop"] is None
     comp = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
     assert comp["choices"][0]["matched_stop"] is None
-    prompt = httpx.post(url + "/tokenize", json={"prompt": "a b c", "add_special_tokens": False})
-    ids = prompt.json()["tokens"]
-    stopped = httpx.post(url + "/v1/completions", json={  # the echo hits ids[1] second
-        "prompt": ids, "max_tokens": 8, "stop_token_ids": [ids[1]]}).json()  # fmt: skip
+    greedy = httpx.post(url + "/v1/completions", json={
+        "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+        "logprobs": 0, "ignore_eos": True}).json()  # fmt: skip
+    second = httpx.post(url + "/tokenize", json={"prompt": greedy["choices"][0]["text"],
+                        "add_special_tokens": False}).json()["tokens"]  # fmt: skip
+    stopped = httpx.post(url + "/v1/completions", json={  # stop on the 2nd greedy token
+        "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+        "stop_token_ids": [second[1]]}).json()  # fmt: skip
     assert stopped["choices"][0]["finish_reason"] == "stop"
-    assert stopped["choices"][0]["matched_stop"] == ids[1]
+    assert stopped["choices"][0]["matched_stop"] == second[1]
     last = _events(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True})
     assert last[-1]["choices"][0]["matched_stop"] is None
 
 
 def test_continuous_usage_stats_put_usage_in_every_chunk(url: str) -> None:
-    body = {"prompt": [11, 12, 13], "max_tokens": 5, "stream": True,
+    body = {"prompt": [11, 12, 13], "max_tokens": 5, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     events = _events(url, "/v1/completions", body)
     with_choices = [e for e in events if e["choices"]]
@@ -86,7 +88,7 @@ def test_server_info_has_the_keys_sglang_clients_read(url: str) -> None:
         state = info["internal_states"][0]
         cap = state["capacity"]
         assert info["max_total_num_tokens"] == cap["kv_blocks"] * cap["block_size"]
-        assert info["max_running_requests"] == cap["max_running"] == 4
+        assert info["max_running_requests"] == cap["max_running"] == 8  # model_server's
         assert info["page_size"] == cap["block_size"]
         assert info["context_length"] > 0 and info["version"] and info["model_path"]
 
