@@ -34,6 +34,9 @@ def _samples(tmp_path: Path) -> dict[str, object]:
         "worker_args": "--step-delay 0.1",
         "log_level": "debug",
         "port": 12345,
+        "otlp_traces_endpoint": "http://127.0.0.1:4318/v1/traces",
+        "router_policy": "least_load",
+        "access_log_format": "common",
     }
     out: dict[str, object] = {}
     for o in OPTIONS:
