@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -92,13 +94,15 @@ def _fsm_us(rounds: int = 20000) -> float:
     return (time.perf_counter() - t0) / rounds * 1e6
 
 
-def _measure(root: Path, args: argparse.Namespace) -> dict[str, float]:
-    """One server from the tree at ``root``: CPU per request and per streamed token."""
+@contextmanager
+def serve(root: Path, extra: tuple[str, ...] = ()) -> Iterator[tuple[psutil.Process, str]]:
+    """``lifecycle serve --scripted-worker`` from the tree at ``root`` (plus ``extra``
+    flags), ready; yields its process and base URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "lifecycle", "serve", "--scripted-worker", "--port", str(port)]
     server = subprocess.Popen(
-        [*argv, "--log-level", "warning"],
+        [*argv, "--log-level", "warning", *extra],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
@@ -113,7 +117,15 @@ def _measure(root: Path, args: argparse.Namespace) -> dict[str, float]:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise SystemExit("server did not become ready")
             time.sleep(0.1)
-        proc = psutil.Process(server.pid)
+        yield psutil.Process(server.pid), url
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def _measure(root: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One server from the tree at ``root``: CPU per request and per streamed token."""
+    with serve(root) as (proc, url):
         unary = {"sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
         _phase(proc, url, 50, args.concurrency, unary, False)  # warm-up
         cpu_u, wall_u = _phase(proc, url, args.requests, args.concurrency, unary, False)
@@ -123,9 +135,6 @@ def _measure(root: Path, args: argparse.Namespace) -> dict[str, float]:
         }
         n_s = max(1, args.requests // 4)
         cpu_s, wall_s = _phase(proc, url, n_s, args.concurrency, streamed, True)
-    finally:
-        server.terminate()
-        server.wait(60)
     per_req_us = cpu_u / args.requests * 1e6
     return {
         "req_us": per_req_us,

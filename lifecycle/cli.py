@@ -59,7 +59,16 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.faults:
         _install_faults(args.faults)
-    anyio.run(_run_until_signalled, app_config(option_values(args)))
+    cfg = app_config(option_values(args))
+    if cfg.otlp_traces_endpoint:  # Runtime checks it too; here it stops with a message
+        from lifecycle.tracing.otel import OtlpUnavailable, check_endpoint
+
+        try:
+            check_endpoint(cfg.otlp_traces_endpoint)
+        except OtlpUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    anyio.run(_run_until_signalled, cfg)
     return 0
 
 

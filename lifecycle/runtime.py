@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -22,6 +22,9 @@ from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
+
+if TYPE_CHECKING:
+    from lifecycle.tracing.otel import OtlpExporter
 
 __all__ = ["AppConfig", "Runtime", "worker_args"]
 
@@ -93,9 +96,11 @@ class Runtime:
     def __init__(self, cfg: AppConfig) -> None:
         self.config = cfg
         self.supervisor = _supervisor(cfg)
+        self._otlp_endpoint = _otlp_endpoint(cfg.otlp_traces_endpoint)
         self.frontend: Frontend | None = None
         self.tracer: Tracer | None = None
         self.metrics: Metrics | None = None
+        self.otlp: OtlpExporter | None = None
         self.chat: Any = None
         self.model_path = ""
 
@@ -135,26 +140,49 @@ class Runtime:
         if cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)
             tg.start_soon(self.tracer.run)
+        if self._otlp_endpoint is not None:
+            self.otlp = self._otlp(fe, self._otlp_endpoint)
         return fe
 
+    def worker_name(self) -> str:
+        """The worker as traces name it: its address, or its pid when it runs here."""
+        return self.config.worker or f"local pid {getattr(self.supervisor, 'worker_pid', None)}"
+
     def _tracer(self, fe: Frontend) -> Tracer:
-        cfg, sup = self.config, self.supervisor
-
-        def worker() -> str:
-            return cfg.worker or f"local pid {getattr(sup, 'worker_pid', None)}"
-
-        tracer = Tracer(cfg.trace, registry=fe.registry, probe=worker_probe(worker))
+        probe = worker_probe(self.worker_name)
+        tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe)
         tracer.install()
         return tracer
+
+    def _otlp(self, fe: Frontend, endpoint: str) -> OtlpExporter:
+        from lifecycle.tracing.otel import OtlpConfig, OtlpExporter
+
+        model = self.config.served_model_name or getattr(fe.model_config, "name", None)
+        config = OtlpConfig(endpoint, model=model)
+        otlp = OtlpExporter(config, worker=self.worker_name)
+        otlp.install(fe)
+        return otlp
 
     def close(self) -> None:
         """Logs the traces left and uninstalls the observer: after every request task
         ended, so those cancelled at shutdown reach the log too."""
         if self.tracer is not None:
             self.tracer.close()
+        if self.otlp is not None:
+            self.otlp.close()  # the spans still queued go out (bounded wait)
 
     async def stop(self) -> None:
         await self.supervisor.stop()
+
+
+def _otlp_endpoint(url: str | None) -> str | None:
+    """Checked before the worker starts: an http(s) URL, and the otel extra installed
+    (``lifecycle.tracing.otel.OtlpUnavailable``, a ValueError that says what to do)."""
+    if not url:
+        return None
+    from lifecycle.tracing.otel import check_endpoint
+
+    return check_endpoint(url)
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:

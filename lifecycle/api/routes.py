@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth
 from lifecycle.api.metrics import Metrics
+from lifecycle.core.origin import CALL_ORIGIN
 from transport import Handler, HTTPError, Request, Response, Router, WebSocketResponse
 
 __all__ = ["AppRouter", "UNMATCHED"]
@@ -75,9 +76,12 @@ class AppRouter(Router):
             self.metrics.observe_http(route, request.method, status)
 
     async def __call__(self, request: Request) -> Response:
+        origin = CALL_ORIGIN.set(request)  # the calls this request makes came from it
         try:
             return await super().__call__(request)
         except HTTPError as exc:
             if not getattr(exc, "observed", False):
                 self._observe(UNMATCHED, request, exc.status)
             raise
+        finally:
+            CALL_ORIGIN.reset(origin)
