@@ -43,7 +43,8 @@ def _worker_options(args: argparse.Namespace) -> dict[str, object]:
 def run_engine(args: argparse.Namespace, prompts: list[str]) -> tuple[float, int]:
     from lifecycle import Engine
 
-    sp = {"max_new_tokens": args.output_len, "ignore_eos": True}
+    # the same sampling as bench/apis.py's /generate body: greedy, forced length
+    sp = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
     with Engine(**_worker_options(args)) as engine:  # type: ignore[arg-type]
         engine.generate(prompts[:4], sp, progress=False)  # warm-up
         t0 = time.perf_counter()
