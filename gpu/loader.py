@@ -97,8 +97,8 @@ def _build_model(
     progress: Callable[[int, int], None],
 ) -> Llama:
     c = config
-    total = 2 + 9 * c.n_layers + (0 if c.tied_embeddings else 1)
-    done = 0
+    sizes = _tensor_bytes(f)  # what each tensor takes in the file
+    total, done = sum(sizes.values()), 0
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         nonlocal done
@@ -109,7 +109,7 @@ def _build_model(
         # F32 tensors come back as read-only views of the mmap: copy those, not the rest.
         arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
         t = torch.from_numpy(arr)
-        done += 1
+        done += sizes.get(name, 0)
         progress(done, total)
         return t
 
@@ -143,17 +143,30 @@ def _build_model(
     embed = place(get("token_embd.weight", (c.vocab_size, c.hidden)))
     norm = place(get("output_norm.weight", (c.hidden,)))
     head = None if c.tied_embeddings else place(get("output.weight", (c.vocab_size, c.hidden)))
+    progress(total, total)  # the line ends even when the file holds tensors we skip
     return Llama(config, embed, layers, norm, head)
 
 
+def _tensor_bytes(f: GGUFFile) -> dict[str, int]:
+    """Each tensor's bytes in the file: from its offset to the next one's (the last one's
+    to the end of the file), padding included."""
+    order = sorted(f.tensors.values(), key=lambda t: t.offset)
+    ends = [t.offset for t in order[1:]] + [f.path.stat().st_size]
+    return {t.name: end - t.offset for t, end in zip(order, ends, strict=True)}
+
+
 def _progress_printer(label: str) -> Callable[[int, int], None]:
-    """A carriage-return progress line on stderr, only when stderr is a terminal."""
+    """A carriage-return progress line on stderr (MiB of the GGUF's tensors read), only
+    when stderr is a terminal."""
     if not sys.stderr.isatty():
         return lambda done, total: None
 
     def show(done: int, total: int) -> None:
-        end = "\n" if done == total else ""
-        sys.stderr.write(f"\rloading {label}: {done}/{total} tensors{end}")
+        end = "\n" if done >= total else ""
+        pct = 100 * done / total if total else 100.0
+        sys.stderr.write(
+            f"\rloading {label}: {done / 2**20:.1f} / {total / 2**20:.1f} MiB ({pct:3.0f} %){end}"
+        )
         sys.stderr.flush()
 
     return show
