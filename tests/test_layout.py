@@ -25,7 +25,13 @@ FORBIDDEN = {
 
 # lifecycle's own rooms: what each may not import (the arrows run api/tracing/testing
 # -> core; the app and the CLI at the top join them; production never imports testing).
-_TOP = {"lifecycle.app", "lifecycle.cli", "lifecycle.runtime", "lifecycle.engine", "lifecycle.options"}
+_TOP = {
+    "lifecycle.app",
+    "lifecycle.cli",
+    "lifecycle.runtime",
+    "lifecycle.engine",
+    "lifecycle.options",
+}
 FORBIDDEN_INSIDE = {
     "lifecycle/core": {"lifecycle.api", "lifecycle.tracing", "lifecycle.testing", *_TOP},
     "lifecycle/api": {"lifecycle.tracing", "lifecycle.testing", *_TOP},

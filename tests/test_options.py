@@ -53,7 +53,6 @@ def test_what_the_options_set() -> None:
     assert cfg.restart_backoff == (0.1, 2.0) and cfg.debug_routes is False
 
 
-
 def test_the_engine_refuses_unknown_and_server_options() -> None:
     with pytest.raises(TypeError, match="did you mean 'kv_cache_tokens'"):
         engine_values(None, {"kv_cache_token": 1})
