@@ -18,11 +18,11 @@ import anyio
 import anyio.abc
 import pytest
 
-from transport import Request, Response, Router, ServerConfig, WebSocket, WebSocketResponse
+from transport import Router, ServerConfig
 from transport.http11 import HTTPConnection
 
 from .transport_corpus import CASES, DRIP, Case, Outcome, markdown_table
-from .transport_helpers import RawClient, connect, request_bytes, running
+from .transport_helpers import RawClient, connect, echo_router, request_bytes, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -44,25 +44,7 @@ def anyio_backend() -> str:
 
 
 def make_router() -> Router:
-    router = Router()
-
-    @router.route(["GET", "POST"], "/echo")
-    async def echo(request: Request) -> Response:
-        return Response(await request.body())
-
-    @router.route("GET", "/")
-    async def root(request: Request) -> Response:
-        return Response(b"root")
-
-    @router.route("GET", "/ws")
-    async def ws(request: Request) -> Response:
-        async def session(sock: WebSocket) -> None:
-            while True:
-                await sock.send(await sock.receive())
-
-        return WebSocketResponse(session)
-
-    return router
+    return echo_router(websocket=True)
 
 
 async def exchange(data: bytes | list[bytes], fast: bool) -> bytes:

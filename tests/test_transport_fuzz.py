@@ -11,8 +11,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from transport import Request, Response, Router, ServerConfig
+from transport import Router, ServerConfig
 from transport.http11 import HTTPConnection
+
+from .transport_helpers import echo_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,17 +38,7 @@ STATUS = re.compile(rb"HTTP/1\.[01] (\d{3}) ")
 
 
 def make_router() -> Router:
-    router = Router()
-
-    @router.route(["GET", "POST"], "/echo")
-    async def echo(request: Request) -> Response:
-        return Response(await request.body())
-
-    @router.route("GET", "/")
-    async def root(request: Request) -> Response:
-        return Response(b"root")
-
-    return router
+    return echo_router(websocket=False)
 
 
 async def exchange(data: bytes) -> bytes:

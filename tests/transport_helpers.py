@@ -12,7 +12,16 @@ import anyio
 import anyio.abc
 import h11
 
-from transport import Handler, Server, ServerConfig
+from transport import (
+    Handler,
+    Request,
+    Response,
+    Router,
+    Server,
+    ServerConfig,
+    WebSocket,
+    WebSocketResponse,
+)
 
 BASE = ServerConfig(port=0)
 
@@ -118,3 +127,29 @@ def reset(stream: anyio.abc.SocketStream) -> None:
     """Make the next close send RST instead of FIN (a client that vanishes)."""
     sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
+def echo_router(websocket: bool = False) -> Router:
+    """``GET|POST /echo`` answers the body, ``GET /`` answers ``root``; with
+    ``websocket``, ``GET /ws`` echoes WebSocket messages."""
+    router = Router()
+
+    @router.route(["GET", "POST"], "/echo")
+    async def echo(request: Request) -> Response:
+        return Response(await request.body())
+
+    @router.route("GET", "/")
+    async def root(request: Request) -> Response:
+        return Response(b"root")
+
+    if websocket:
+
+        @router.route("GET", "/ws")
+        async def ws(request: Request) -> Response:
+            async def session(sock: WebSocket) -> None:
+                while True:
+                    await sock.send(await sock.receive())
+
+            return WebSocketResponse(session)
+
+    return router
