@@ -8,7 +8,7 @@ the worker said HELLO and one warm-up generation came back (``Supervisor``).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -28,7 +28,7 @@ from lifecycle.core.frontend import Frontend
 from lifecycle.core.pool import WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor
-from lifecycle.runtime import AppConfig, Runtime, worker_args
+from lifecycle.runtime import AppConfig, Runtime, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.tracer import Tracer
 from transport import Handler, Request, Response, Server, ServerConfig
@@ -38,8 +38,6 @@ __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 log = logging.getLogger("lifecycle.app")
 
 
-# Never echoed by /server_info: secrets, and what is not a server argument.
-_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys"})
 _CUT_GRACE = 2.0  # seconds of the drain kept for cut requests to send their error
 
 
@@ -130,9 +128,7 @@ def _routes(
 ) -> tuple[AppRouter, NativeAPI, Auth]:
     """Every API on one router: native, OpenAI, WebSocket, metrics (the debug routes are
     the tracer's)."""
-    server_args = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
-    server_args.update(cfg.extra, model_path=path)
-    api = NativeAPI(frontend, server_args)
+    api = NativeAPI(frontend, server_args(cfg, path))
     auth = Auth(
         AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes, cfg.open_admin_routes)
     )

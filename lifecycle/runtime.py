@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -26,7 +26,7 @@ from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
 if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
 
-__all__ = ["AppConfig", "Runtime", "worker_args"]
+__all__ = ["AppConfig", "Runtime", "server_args", "worker_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,17 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
         if value is not None:
             args += [flag, str(value)]
     return (*args, *cfg.worker_extra_args)
+
+
+# Never echoed by /server_info: secrets, and what is not a server argument.
+_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys"})
+
+
+def server_args(cfg: AppConfig, model_path: str) -> dict[str, Any]:
+    """What ``/server_info`` (and ``Engine.server_info``) echo of the configuration."""
+    out = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
+    out.update(cfg.extra, model_path=model_path)
+    return out
 
 
 class Runtime:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
-from lifecycle.core.supervisor import Supervisor
+from lifecycle.core.supervisor import Supervisor, supervision_info
 from lifecycle.core.worker_client import WorkerClient
 
 __all__ = ["POLICIES", "Router", "WorkerPool"]
@@ -100,8 +101,9 @@ def _prefix_keys(prompt: Sequence[int]) -> list[bytes]:
     the block's end (so equal keys mean equal prefixes)."""
     keys, h = [], hashlib.blake2b(digest_size=16)
     n = min(len(prompt) // _BLOCK, _MAX_BLOCKS)
+    data, step = array("q", prompt[: n * _BLOCK]).tobytes(), _BLOCK * 8
     for b in range(n):
-        h.update(bytes(str(list(prompt[b * _BLOCK : (b + 1) * _BLOCK])), "ascii"))
+        h.update(data[b * step : (b + 1) * step])
         keys.append(h.copy().digest())
     return keys
 
@@ -146,11 +148,7 @@ class WorkerPool:
 
     def info(self) -> dict[str, Any]:
         return {
-            "status": self.status,
-            "ready": self.ready,
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-            "pid": self.worker_pid,
+            **supervision_info(self),
             "router": self.router.policy,
             "workers_ready": sum(s.ready for s in self.members),
             "workers": len(self.members),

@@ -28,7 +28,7 @@ from lifecycle.core.wire_stream import FrameStream, connect, parse_address
 from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 
-__all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed"]
+__all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
 
 log = logging.getLogger("lifecycle.core.supervisor")
 
@@ -205,13 +205,7 @@ class Supervisor:
             self._ready_event = anyio.Event()
 
     def info(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "ready": self.ready,
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-            "pid": self.worker_pid,
-        }
+        return supervision_info(self)
 
 
 class _ProbeSink:
@@ -261,3 +255,14 @@ async def _reap(proc: anyio.abc.Process, grace: float) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def supervision_info(sup: Any) -> dict[str, Any]:
+    """What ``/server_info`` shows of a supervisor, or of a ``WorkerPool`` of them."""
+    return {
+        "status": sup.status,
+        "ready": sup.ready,
+        "restarts": sup.restarts,
+        "last_error": sup.last_error,
+        "pid": sup.worker_pid,
+    }

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import orjson
 
-from lifecycle.engine.requests import EngineError, Requests, caller_left
+from lifecycle.engine.requests import EngineError, Requests, caller_left, windowed
 
 __all__ = ["BatchSummary", "done_lines", "read_lines", "run_lines"]
 
@@ -90,25 +89,22 @@ async def run_lines(
 ) -> None:
     """Every line, ``window`` at a time; each result appended as one write."""
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    slots = anyio.Semaphore(max(1, window))
     t0 = time.monotonic()
 
-    async def one(i: int, obj: Any) -> None:
-        try:
-            record = await _answer(requests, openai, i, obj)
-        finally:
-            slots.release()
+    def counted() -> Iterator[tuple[int, Any]]:
+        for line in lines:
+            summary.lines += 1
+            yield line
+
+    async def one(line: tuple[int, Any]) -> None:
+        record = await _answer(requests, openai, *line)  # never raises: errors are lines
         _count(summary, record)
         os.write(fd, orjson.dumps(record) + b"\n")
         if progress is not None:
             progress.update(1)
 
     try:
-        async with anyio.create_task_group() as tg:
-            for i, obj in lines:
-                summary.lines += 1
-                await slots.acquire()
-                tg.start_soon(one, i, obj)
+        await windowed(counted(), window, one)
     finally:
         os.close(fd)
         summary.seconds += time.monotonic() - t0

@@ -26,7 +26,7 @@ from lifecycle.engine.batch import BatchSummary, done_lines, read_lines, run_lin
 from lifecycle.engine.loop import EngineLoop
 from lifecycle.engine.requests import EngineError, Requests, generate_bodies, interleave
 from lifecycle.options import app_config, engine_values
-from lifecycle.runtime import Runtime
+from lifecycle.runtime import Runtime, server_args
 from modelfile.gguf_meta import ModelFileError
 
 __all__ = ["Engine", "EngineError"]
@@ -296,7 +296,9 @@ class Engine:
         worker's KV blocks, ...)."""
         from lifecycle.api.native import server_state
 
-        return self._live.call(server_state, self.frontend, _shown(self.config))
+        return self._live.call(
+            server_state, self.frontend, server_args(self.config, self.runtime.model_path)
+        )
 
     def trace(self, rid: str) -> dict[str, Any] | None:
         """The state trace of a live or recently finished request (``meta_info.id`` or
@@ -354,13 +356,6 @@ async def _cut_all(fe: Any) -> None:
 
 async def _lookup(tracer: Any, rid: str) -> dict[str, Any] | None:
     return tracer.lookup(rid)
-
-
-def _shown(cfg: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    hidden = {"extra", "api_keys", "admin_api_keys"}
-    return {k: v for k, v in asdict(cfg).items() if k not in hidden}
 
 
 def _answer(per_body: list[list[dict[str, Any]]], batch: bool) -> Any:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 
@@ -17,7 +17,16 @@ from lifecycle.core.params import GenerateRequest, parse_generate
 from lifecycle.core.results import chunks, unary_results
 from lifecycle.core.states import Cause
 
-__all__ = ["EngineError", "Requests", "caller_left", "generate_bodies", "interleave"]
+__all__ = [
+    "EngineError",
+    "Requests",
+    "caller_left",
+    "generate_bodies",
+    "interleave",
+    "windowed",
+]
+
+T = TypeVar("T")
 
 log = logging.getLogger("lifecycle.engine")
 
@@ -104,6 +113,30 @@ def _per_prompt(name: str, value: Any, n: int, batch: bool) -> list[Any]:
     return [value] * n
 
 
+async def windowed(jobs: Iterable[T], window: int, run: Callable[[T], Awaitable[None]]) -> None:
+    """``run`` each job, at most ``window`` at a time (a job is taken from ``jobs`` only
+    when a slot is free, so a long iterable is never all in flight). The first
+    EngineError cancels the rest (their calls end as their caller left) and is raised."""
+    slots = anyio.Semaphore(max(1, window))
+    failed: list[EngineError] = []
+
+    async def one(job: T, scope: anyio.CancelScope) -> None:
+        try:
+            await run(job)
+        except EngineError as exc:
+            failed.append(exc)
+            scope.cancel()
+        finally:
+            slots.release()
+
+    async with anyio.create_task_group() as tg:
+        for job in jobs:
+            await slots.acquire()
+            tg.start_soon(one, job, tg.cancel_scope)
+    if failed:
+        raise failed[0]
+
+
 class Requests:
     """The coroutines the Engine runs in its loop, over one ``Frontend``."""
 
@@ -150,27 +183,13 @@ class Requests:
         for body in bodies:
             self.parse(body)  # every body is checked before any runs
         out: list[list[dict[str, Any]]] = [[] for _ in bodies]
-        slots = anyio.Semaphore(max(1, window))
-        failed: list[EngineError] = []
 
-        async def one(i: int, body: dict[str, Any], scope: anyio.CancelScope) -> None:
-            try:
-                out[i] = await self.run(body)
-            except EngineError as exc:
-                failed.append(exc)
-                scope.cancel()  # the rest end as their caller left
-                return
-            finally:
-                slots.release()
+        async def one(i: int) -> None:
+            out[i] = await self.run(bodies[i])
             if progress is not None:
                 progress.update(1)
 
-        async with anyio.create_task_group() as tg:
-            for i, body in enumerate(bodies):
-                await slots.acquire()
-                tg.start_soon(one, i, body, tg.cancel_scope)
-        if failed:
-            raise failed[0]
+        await windowed(range(len(bodies)), window, one)
         return out
 
     async def encode_many(
@@ -187,29 +206,18 @@ class Requests:
 
         parts = [inputs[i : i + _EMBED_CHUNK] for i in range(0, len(inputs), _EMBED_CHUNK)]
         out: list[list[dict[str, Any]]] = [[] for _ in parts]
-        slots = anyio.Semaphore(max(1, window // _EMBED_CHUNK))
-        failed: list[EngineError] = []
 
-        async def one(k: int, scope: anyio.CancelScope) -> None:
+        async def one(k: int) -> None:
             try:
                 emb = await embed(self.fe, parts[k], pooling=pooling, normalize=normalize,
                                   exit_cause=caller_left)  # fmt: skip
-                out[k] = emb.encode_results()
             except (RequestError, ServeError) as exc:
-                failed.append(EngineError(exc.cause, exc.message))
-                scope.cancel()
-                return
-            finally:
-                slots.release()
+                raise EngineError(exc.cause, exc.message) from None
+            out[k] = emb.encode_results()
             if progress is not None:
                 progress.update(len(parts[k]))
 
-        async with anyio.create_task_group() as tg:
-            for k in range(len(parts)):
-                await slots.acquire()
-                tg.start_soon(one, k, tg.cancel_scope)
-        if failed:
-            raise failed[0]
+        await windowed(range(len(parts)), window // _EMBED_CHUNK, one)
         return [item for part in out for item in part]
 
     async def stream(
