@@ -24,7 +24,13 @@ import anyio.abc
 from lifecycle.core.states import Cause
 from lifecycle.engine.batch import BatchSummary, done_lines, read_lines, run_lines
 from lifecycle.engine.loop import EngineLoop
-from lifecycle.engine.requests import EngineError, Requests, generate_bodies, interleave
+from lifecycle.engine.requests import (
+    EngineError,
+    Requests,
+    generate_bodies,
+    interleave,
+    prompt_items,
+)
 from lifecycle.options import app_config, engine_values
 from lifecycle.runtime import Runtime, server_args
 from modelfile.gguf_meta import ModelFileError
@@ -195,7 +201,7 @@ class Engine:
         """SGLang's ``/encode``: the model's final hidden state pooled over each input
         (``last`` token or ``mean``), L2-normalised unless ``normalize=False``; one input
         gives ``{"embedding": [...], "meta_info": {...}}``, a list a list in input order."""
-        inputs, batch = _embed_inputs(prompt, input_ids)
+        inputs, batch = prompt_items(prompt, input_ids)
         bar = _progress_bar(len(inputs), progress) if batch and len(inputs) > 1 else None
         try:
             out = self._live.call(
@@ -214,7 +220,7 @@ class Engine:
         pooling: str = "last",
         normalize: bool = True,
     ) -> Any:
-        inputs, batch = _embed_inputs(prompt, input_ids)
+        inputs, batch = prompt_items(prompt, input_ids)
         out = await self._live.bridge(
             self._requests.encode_many, inputs, pooling, normalize, self._window()
         )
@@ -321,15 +327,6 @@ class Engine:
 
             faults.install(faults.load_plan(path))
             os.environ[faults.ENV_VAR] = os.path.abspath(path)
-
-
-def _embed_inputs(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
-    if (prompt is None) == (input_ids is None):
-        raise TypeError("give exactly one of prompt and input_ids")
-    if prompt is not None:
-        return ([prompt], False) if isinstance(prompt, str) else (list(prompt), True)
-    batch = bool(input_ids) and isinstance(input_ids[0], list | tuple)
-    return ([list(x) for x in input_ids], True) if batch else ([list(input_ids)], False)
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -23,6 +23,7 @@ __all__ = [
     "caller_left",
     "generate_bodies",
     "interleave",
+    "prompt_items",
     "windowed",
 ]
 
@@ -62,6 +63,17 @@ def caller_left() -> tuple[Cause, str]:
     return Cause.CLIENT_GONE, "the caller stopped waiting"
 
 
+def prompt_items(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
+    """The prompts (texts or id lists) of exactly one of ``prompt`` and ``input_ids``, and
+    whether they were a batch (a list of texts, a list of id lists)."""
+    if (prompt is None) == (input_ids is None):
+        raise TypeError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        return ([prompt], False) if isinstance(prompt, str) else (list(prompt), True)
+    batch = bool(input_ids) and isinstance(input_ids[0], list | tuple)
+    return ([list(x) for x in input_ids], True) if batch else ([list(input_ids)], False)
+
+
 def generate_bodies(
     prompt: str | Sequence[str] | None,
     input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
@@ -69,16 +81,8 @@ def generate_bodies(
     fields: dict[str, Any],
 ) -> tuple[list[dict[str, Any]], bool]:
     """One ``/generate`` body per prompt, and whether the input was a batch."""
-    if (prompt is None) == (input_ids is None):
-        raise TypeError("give exactly one of prompt and input_ids")
-    if prompt is not None:
-        batch, key = not isinstance(prompt, str), "text"
-        items: list[Any] = list(prompt) if batch else [prompt]
-    else:
-        assert input_ids is not None
-        batch, key = bool(input_ids) and isinstance(input_ids[0], list | tuple), "input_ids"
-        ids: Any = input_ids
-        items = [list(x) for x in ids] if batch else [list(ids)]
+    items, batch = prompt_items(prompt, input_ids)
+    key = "text" if prompt is not None else "input_ids"
     n = len(items)
     sps = _per_prompt("sampling_params", sampling_params, n, batch)
     rid = fields.get("rid")
