@@ -66,4 +66,5 @@ EVERY_SAMPLING_FIELD = SamplingParams(
     seed=-(2**63),
     logit_bias=((1, -2.0), (5, 1.5)),
     n=64,
+    grammar=("json_schema", '{"type": "object"}'),
 )

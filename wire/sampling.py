@@ -10,7 +10,7 @@ reads back unchanged). Only what the worker reads travels: the detokenizer's opt
 (``skip_special_tokens``, ``no_stop_trim``, ...) stay in the frontend. Stop strings do
 travel, because the worker ends a sequence on them; trimming them off the text is the
 frontend's. So do stop regexes (``stop_regex``), checked here once for both sides
-(``check_stop_regex``).
+(``check_stop_regex``), and the grammar the output must match (``wire/grammar.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+
+from wire.grammar import grammar_from_wire
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -82,6 +84,7 @@ class SamplingParams:
     seed: int | None = None  # None: the worker draws one
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ascending ids
     n: int = 1
+    grammar: tuple[str, str] | None = None  # (kind, source) the output matches (wire.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +135,7 @@ class SamplingParams:
             seed=_seed(s.get("seed")),
             logit_bias=_logit_bias(s.get("logit_bias"), vocab_size),
             n=get_int(s, "n", 1, 1, MAX_N),
+            grammar=grammar_from_wire(s.get("grammar")),
         )
 
 

@@ -9,6 +9,7 @@ OpenAI field) and status: 400 for bad input, 404 ``model_not_found``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +41,19 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids",
     "stop_regex": "stop_regex",
+    "regex": "regex",
+    "ebnf": "ebnf",
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
 }
-_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "rid", *_SAMPLING})
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "max_tokens", "rid", "response_format", *_SAMPLING}
+)
 # Accepted and ignored: bookkeeping that changes nothing about the output.
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-_CHAT |= {"response_format", "tools", "tool_choice"}
+_CHAT |= {"tools", "tool_choice"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
@@ -197,9 +202,45 @@ def _unsupported(body: dict[str, Any], name: str, allowed: tuple[Any, ...] = (No
         raise _bad(f"{name} is not supported by this server.", name)
 
 
+def _response_format(body: dict[str, Any]) -> str | None:
+    """``response_format`` -> the JSON schema text the output must match (None: text).
+
+    ``json_object`` is any JSON object; ``json_schema`` is OpenAI's ``{"name", "schema",
+    "strict"}`` (the schema is always enforced, strict or not: a 135M model's output only
+    parses when it is)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind != "json_schema":
+        raise _bad(
+            "response_format must be an object with type 'text', 'json_object' or 'json_schema'.",
+            "response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise _bad(
+            "response_format.json_schema must be an object with a name (and a schema).",
+            "response_format",
+        )
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise _bad("response_format.json_schema.schema must be an object.", "response_format")
+    return json.dumps(schema)
+
+
 def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> SamplingRequest:
     raw = {sg: body[oa] for oa, sg in _SAMPLING.items() if oa in body}
     raw["max_new_tokens"] = max_tokens
+    schema = _response_format(body)
+    if schema is not None:
+        if raw.get("regex") is not None or raw.get("ebnf") is not None:
+            raise _bad("Set only one of response_format, regex and ebnf.", "response_format")
+        raw["json_schema"] = schema
     try:
         return parse_sampling_params(raw, vocab_size=vocab_size)
     except RequestError as exc:
@@ -207,7 +248,9 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> 
             "min_new_tokens", "min_tokens"
         )
         first = message.split(" ", 1)[0].split("[", 1)[0]
-        param = first if first in _SAMPLING or first == "max_tokens" else None
+        if first == "json_schema":
+            first = "response_format"
+        param = first if first in _SAMPLING or first in ("max_tokens", "response_format") else None
         raise _bad(message, param) from None
 
 
@@ -339,9 +382,6 @@ def parse_chat(
     _unsupported(body, "modalities", (None, ["text"]))
     _unsupported(body, "web_search_options")
     _unsupported(body, "tool_choice", (None, "none", "auto"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format other than text is not supported.", "response_format")
     limit = _int_field(body, "max_completion_tokens", 1)
     if limit is None:
         limit = _int_field(body, "max_tokens", 1)

@@ -17,11 +17,13 @@ detokenizer's options).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lifecycle.core.errors import RequestError
+from wire.grammar import check_grammar
 from wire.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
     GREEDY_EPS,
@@ -32,7 +34,7 @@ from wire.sampling import (
     check_stop_regex,
 )
 
-__all__ = ["FIELDS", "SamplingRequest", "parse_sampling_params"]
+__all__ = ["FIELDS", "GRAMMAR_FIELDS", "SamplingRequest", "parse_sampling_params"]
 
 _INT64 = 1 << 63
 
@@ -84,7 +86,7 @@ class SamplingRequest:
 
 
 # SGLang fields we do not implement: a non-null value is a 400, never silently ignored.
-UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+UNSUPPORTED = ("structural_tag", "custom_params")
 # Accepted and ignored: it only changes how often SGLang flushes a stream, and our
 # streams already send whatever is ready on each client write.
 IGNORED = ("stream_interval",)
@@ -142,6 +144,21 @@ def _stop_regex(v: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _grammar(key: str, v: Any) -> tuple[str, str]:
+    """One of ``json_schema`` / ``regex`` / ``ebnf``, checked by the grammar library now so
+    that a bad one is a 400 before anything is queued (``wire.grammar``). SGLang takes the
+    schema as JSON text; an object is accepted too and sent as its JSON."""
+    if key == "json_schema" and isinstance(v, dict):
+        v = json.dumps(v)
+    if not isinstance(v, str):
+        raise _bad(f"{key} must be a string, got {type(v).__name__}.")
+    try:
+        check_grammar(key, v)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    return key, v
+
+
 def _stop_token_ids(v: Any, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise _bad(f"stop_token_ids must be a list of integers, got {v!r}.")
@@ -191,6 +208,8 @@ _NUMBERS = (
     "repetition_penalty",
 )
 _INTEGERS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+# At most one: the output constraint (``wire.grammar``), named as SGLang names them.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # The detokenizer's options: the frontend's alone, never sent to the worker.
 _TEXT_OPTIONS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _BOOLEANS = ("ignore_eos", *_TEXT_OPTIONS)
@@ -204,6 +223,7 @@ FIELDS = (
     "stop_token_ids",
     "logit_bias",
     "seed",
+    *GRAMMAR_FIELDS,
 )
 KNOWN = frozenset(FIELDS + ("sampling_seed", *UNSUPPORTED, *IGNORED))
 
@@ -212,7 +232,7 @@ def _check_fields(obj: dict[str, Any]) -> None:
     for key in obj:
         if key not in KNOWN:
             raise _bad(f"Unknown sampling parameter: {key!r}.")
-    grammars = [obj.get(k) for k in ("json_schema", "regex", "ebnf")]
+    grammars = [obj.get(k) for k in GRAMMAR_FIELDS]
     if sum(g is not None for g in grammars) > 1:
         raise _bad("Only one of regex, json_schema, or ebnf can be set.")
     for key in UNSUPPORTED:
@@ -239,6 +259,8 @@ def _convert(obj: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], dict
             kw[key] = _stop_regex(value)
         elif key == "stop_token_ids":
             kw[key] = _stop_token_ids(value, vocab_size)
+        elif key in GRAMMAR_FIELDS:
+            kw["grammar"] = _grammar(key, value)
         elif key == "logit_bias":
             continue  # checked after the ranges, in SGLang's order
         else:  # seed / sampling_seed
