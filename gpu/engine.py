@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpu.grammar import Grammars, advance
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
@@ -83,6 +84,10 @@ class Engine:
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
         self._eog = tuple(sorted(self.mc.eog_ids))
+        tok = loaded.tokenizer
+        self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
+        # The end a finished grammar reports (it is not sampled: nothing else could be).
+        self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
 
     @property
     def has_work(self) -> bool:
@@ -164,6 +169,13 @@ class Engine:
         if params.stop_regex:  # checked by from_wire: bounded, valid
             seq.stop_patterns = tuple(re.compile(p) for p in params.stop_regex)
             seq.stop_window = max(seq.stop_window, STOP_REGEX_WINDOW)
+        if params.grammar is not None:
+            compiled = self.grammars.compile(params.grammar)
+            seq.matcher = compiled.matcher
+            seq.grammar_info = {
+                "grammar_compile_ms": round(compiled.compile_ms, 3),
+                "grammar_cached": compiled.cached,
+            }
         return seq
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
@@ -318,7 +330,8 @@ class Engine:
             for s in samplers
         ]
         want_lp = any(s.options.return_logprob for s in samplers)
-        result = sample(logits, sample_rows, want_logprobs=want_lp)
+        allowed = self.grammars.constrain(samplers)
+        result = sample(logits, sample_rows, want_logprobs=want_lp, allowed=allowed)
         entries: list[StepEntry] = []
         for i, (seq, tok) in enumerate(zip(samplers, result.tokens, strict=False)):
             if seq.rid not in self.seqs:
@@ -327,6 +340,7 @@ class Engine:
             if (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
                 extra = {**(extra or {}), "logprobs": b"\x01\x02\x03"}  # a malformed field
             seq.tokens.append(tok)
+            seq.grammar_error = advance(seq, tok)
             entries.extend(self._emit(seq, [tok], extra))
         return entries
 
@@ -372,6 +386,8 @@ class Engine:
             stop_window=parent.stop_window,
             stop_patterns=parent.stop_patterns,
             prefix_limit=parent.prefix_limit,
+            matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
+            grammar_info=parent.grammar_info,
         )
         self.seqs[rid] = child
         sched, bs = self.scheduler, self.config.block_size
@@ -398,9 +414,12 @@ class Engine:
             extra["prompt_tokens"] = seq.prompt_len
             extra["cached_tokens"] = seq.cached_tokens
             extra.update(prompt_extra(seq))
+            extra.update(seq.grammar_info)
         finish = self._finish_reason(seq)
         if finish is None:
             return [StepEntry(seq.rid, pack_ids(new), None, extra or None)]
+        if seq.grammar_done:
+            extra["grammar_done"] = True
         del self.seqs[seq.rid]
         self.scheduler.remove(seq)
         return [self._terminal(seq, pack_ids(new), finish, extra)]
@@ -416,8 +435,12 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence) -> list[Any] | None:
         p, tok = seq.params, seq.tokens[-1]
+        if seq.grammar_error is not None:
+            return ["abort", seq.grammar_error]
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.mc.eog_ids):
             return ["stop", tok]
+        if seq.grammar_done:  # nothing but the end could follow: end now, a step sooner
+            return ["stop", self._grammar_end]
         if seq.stop_window:
             tail = self.loaded.tokenizer.decode(seq.output[-seq.stop_window :])
             for s in p.stop:

@@ -159,10 +159,33 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
     return pick.tolist()
 
 
-def sample(logits: Tensor, rows: Sequence[SampleRow], want_logprobs: bool = False) -> SampleResult:
-    """One token per row of ``logits`` [K, V] (fp32)."""
+def _constrain(logits: Tensor, raw: Tensor, rows: list[int], allowed: Tensor) -> Tensor:
+    """Only the tokens a grammar allows, in each of ``rows`` (``gpu/grammar.py``). A row
+    left with none (``min_new_tokens`` banned the end the grammar requires) takes the mask
+    over its logits before processing: the grammar wins."""
+    sel = torch.tensor(rows, device=logits.device)
+    allowed = allowed.to(logits.device)
+    masked = logits.index_select(0, sel).masked_fill(~allowed, -math.inf)
+    dead = torch.isneginf(masked.amax(dim=-1))
+    if bool(dead.any()):
+        fallback = raw.index_select(0, sel).masked_fill(~allowed, -math.inf)
+        masked = torch.where(dead[:, None], fallback, masked)
+    return logits.index_copy(0, sel, masked)
+
+
+def sample(
+    logits: Tensor,
+    rows: Sequence[SampleRow],
+    want_logprobs: bool = False,
+    allowed: tuple[list[int], Tensor] | None = None,
+) -> SampleResult:
+    """One token per row of ``logits`` [K, V] (fp32). ``allowed``: the constrained rows and
+    their allowed tokens (bool [len(rows), V]), applied after penalties and bias."""
+    raw = logits
     if any(_needs_processing(r.params) for r in rows):
         logits = _process(logits, rows)
+    if allowed is not None:
+        logits = _constrain(logits, raw, *allowed)
     greedy = [r.params.greedy for r in rows]
     temps = None
     if not all(greedy):

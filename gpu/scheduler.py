@@ -62,6 +62,10 @@ class Sequence:
     stop_patterns: tuple[re.Pattern[str], ...] = ()  # stop_regex, compiled
     prompt_logprobs: list[Any] = field(default_factory=list)  # rows gathered during prefill
     pooled: Any = None  # embed, mean pooling: the sum of the final hidden rows so far
+    matcher: Any = None  # the grammar's llguidance matcher (gpu/grammar.py), if constrained
+    grammar_done: bool = False  # the matcher accepts nothing more: the sample ends
+    grammar_error: str | None = None  # the matcher refused a sampled token (a bug)
+    grammar_info: dict[str, Any] = field(default_factory=dict)  # compile time, cache hit
 
     @property
     def output(self) -> list[int]:
