@@ -58,3 +58,97 @@ def test_regex_full_match_with_n3(model_server: str) -> None:
     assert len(items) == 3
     for item in items:
         assert re.fullmatch(pattern, item["text"]), item["text"]
+
+
+def test_the_trace_records_the_compile_and_the_grammar_end(model_server: str) -> None:
+    sampling = {"regex": "(red|green|blue)", "max_new_tokens": 10, "temperature": 0}
+    for rid in ("grammar-trace-1", "grammar-trace-2"):
+        body = {"text": "A colour: ", "rid": rid, "sampling_params": sampling}
+        assert httpx.post(f"{model_server}/generate", json=body, timeout=60).status_code == 200
+    details = []
+    for rid in ("grammar-trace-1", "grammar-trace-2"):
+        trace = httpx.get(f"{model_server}/debug/requests/{rid}", timeout=10).json()
+        (finish,) = [t for t in trace["transitions"] if t["event"] == "finish"]
+        details.append(finish["detail"])
+    assert details[0].startswith("grammar: compiled in ")
+    assert "complete in 1 of 1 samples" in details[0]
+    assert "(cache hit)" in details[1]  # the same source again: compiled once
+
+
+def test_stream_of_a_constrained_request_is_its_unary_text(model_server: str) -> None:
+    sampling = {"json_schema": json.dumps({"type": "array", "items": {"type": "integer"},
+                                           "maxItems": 4}),
+                "max_new_tokens": 40, "temperature": 0}  # fmt: skip
+    (unary,) = _generate(model_server, sampling, "Four numbers: ")
+    body = {"text": "Four numbers: ", "stream": True, "sampling_params": sampling}
+    text = ""
+    with httpx.stream("POST", f"{model_server}/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = json.loads(line[6:])["text"]
+    assert text == unary["text"] and isinstance(json.loads(text), list)
+
+
+def test_openai_response_format(model_server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{model_server}/v1", api_key="none")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20},
+                       "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Name a city and its population."}]
+    chat = client.chat.completions.create(
+        model="default",
+        messages=msgs,
+        response_format=fmt,
+        max_tokens=60,
+        seed=1,  # type: ignore[arg-type]
+    )
+    jsonschema.validate(json.loads(chat.choices[0].message.content or ""), schema)
+    chunks = client.chat.completions.create(
+        model="default", messages=msgs, response_format=fmt, max_tokens=60, seed=1,  # type: ignore[arg-type]
+        temperature=0, stream=True,
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(streamed), schema)
+    done = client.completions.create(
+        model="default", prompt="JSON: ", max_tokens=40, seed=2,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert isinstance(json.loads(done.choices[0].text), dict)
+
+
+def test_bad_constraints_are_400_and_nothing_is_queued(model_server: str) -> None:
+    before = httpx.get(f"{model_server}/metrics", timeout=10).text
+    cases = [
+        ({"text": "x", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "/generate"),
+        ({"text": "x", "sampling_params": {"regex": "(a"}}, "/generate"),
+        ({"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "/generate"),
+        (
+            {"model": "default", "messages": [{"role": "user", "content": "x"}],
+             "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                 "schema": {"type": "object", "minProperties": "2"}}}},
+            "/v1/chat/completions",
+        ),
+        (
+            {"model": "default", "messages": [{"role": "user", "content": "x"}],
+             "response_format": {"type": "json_object"}, "regex": "a"},
+            "/v1/chat/completions",
+        ),
+    ]  # fmt: skip
+    for body, path in cases:
+        r = httpx.post(f"{model_server}{path}", json=body, timeout=10)
+        assert r.status_code == 400, (body, r.text)
+        message = r.json()["error"]["message"] if "error" in r.json() else r.json()["message"]
+        assert message, r.text
+    after = httpx.get(f"{model_server}/metrics", timeout=10).text
+
+    def worked(text: str) -> list[str]:  # nothing reached the worker: no prompt was run
+        return [ln for ln in text.splitlines() if ln.startswith("lifecycle_prompt_tokens_total")]
+
+    assert worked(after) == worked(before)

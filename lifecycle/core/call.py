@@ -291,7 +291,7 @@ class GenerateCall:
                 return
         if any(s.finish.get("type") == "abort" for s in run.samples):
             rec.fail(Cause.ABORTED, "aborted")
-        elif not rec.advance(Event.FINISH):
+        elif not rec.advance(Event.FINISH, _grammar_detail(run.samples)):
             rec.fail(Cause.INTERNAL, f"finished in state {rec.state.value}")
 
     @property
@@ -381,3 +381,18 @@ def _wire_options(item: GenerateItem) -> dict[str, Any]:
     if item.embed is not None:
         o["embed"] = item.embed.to_wire()
     return o
+
+
+def _grammar_detail(samples: list[SampleOutput]) -> str | None:
+    """The finish edge's detail for a constrained request (its trace says what the
+    grammar cost and whether it, not a length or a stop, ended the output)."""
+    info = [s.grammar for s in samples if s.grammar is not None]
+    if not info:
+        return None
+    first = info[0]
+    hit = "cache hit" if first["cached"] else "cache miss"
+    done = sum(g["done"] for g in info)
+    return (
+        f"grammar: compiled in {first['compile_ms']:.2f} ms ({hit}); "
+        f"complete in {done} of {len(samples)} samples"
+    )

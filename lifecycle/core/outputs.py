@@ -61,6 +61,7 @@ class SampleOutput:
         self.lp: dict[str, list[Any]] = {}
         self.hidden: list[list[float]] = []
         self.embedding: list[float] | None = None  # an embed request's pooled vector
+        self.grammar: dict[str, Any] | None = None  # a constrained sample: compile, done
         self.sent_ids = 0
         self.sent_chars = 0
         self.final_text: str | None = None
@@ -83,6 +84,11 @@ class SampleOutput:
         self.num_retractions = extra.get("num_retractions", self.num_retractions)
         if "embedding" in extra:
             self.embedding = f32s_to_list(extra["embedding"])
+        if "grammar_compile_ms" in extra:
+            self.grammar = {"compile_ms": extra["grammar_compile_ms"],
+                            "cached": bool(extra.get("grammar_cached")), "done": False}  # fmt: skip
+        if extra.get("grammar_done") and self.grammar is not None:
+            self.grammar["done"] = True
         if not self.opts.return_logprob:
             if "hidden_states" in extra:
                 self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
