@@ -3,7 +3,8 @@
 A SUBMIT entry's ``grammar`` (``wire/grammar.py``) is compiled against the worker's
 tokenizer into an ``llguidance.LLMatcher``; each step, the rows of constrained samples get
 the matcher's allowed-token mask (computed for all of them in one parallel call, on the
-CPU, while nothing else runs) applied to their logits before sampling, and the sampled
+CPU, while nothing else runs) applied to their logits in place before sampling (a C loop
+that skips all-allowed words, ``gpu/csrc/token_mask.c``; torch ops without it), and the sampled
 token is then consumed by the matcher. Rows without a grammar are not touched: a batch
 with no constrained sample runs exactly as before.
 
@@ -86,18 +87,19 @@ class Grammars:
         return CompiledGrammar(fresh, (time.perf_counter() - t0) * 1e3, cached)
 
     def masks(self, matchers: Sequence[object]) -> torch.Tensor:
-        """The allowed tokens of each matcher's next position: bool [K, vocab_size]."""
+        """The packed allowed-token masks of each matcher's next position: int32
+        [K, ceil(vocab / 32)], token ``t`` at bit ``t % 32`` of word ``t // 32``."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         self._llguidance_tokenizer()
         words = (self.vocab_size + 31) // 32
         bitmask = np.zeros((len(matchers), words), dtype=np.int32)
         fill_next_token_bitmask_par(
-            self._executor,  # type: ignore[arg-type]
+            self._executor,
             [(m, i) for i, m in enumerate(matchers)],  # type: ignore[misc]
             bitmask,
         )
-        return allowed_tokens(torch.from_numpy(bitmask), self.vocab_size)
+        return torch.from_numpy(bitmask)
 
     def constrain(self, samples: Sequence[Constrained]) -> tuple[list[int], torch.Tensor] | None:
         """The step's constrained rows and their masks, for ``gpu.sampling.sample``."""
@@ -124,11 +126,9 @@ def advance(sample: Constrained, token: int) -> str | None:
     return None
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's packed mask (int32 words, token ``i`` at bit ``i % 32`` of word
-    ``i // 32``) -> bool [K, vocab_size]."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    ``i // 32``, little-endian) -> bool [K, vocab_size]."""
+    packed = bitmask.contiguous().numpy().view(np.uint8)
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))

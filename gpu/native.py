@@ -1,8 +1,9 @@
 """Small C kernels for the CPU path, compiled on first use with the system C compiler.
 
 Only what torch cannot do well with its own ops lives here: decode attention read
-straight from the paged KV cache (``gpu/csrc/paged_attention.c``), and linear layers at
-one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``). The
+straight from the paged KV cache (``gpu/csrc/paged_attention.c``), linear layers at
+one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``), and
+grammar masks applied to logits in place (``gpu/csrc/token_mask.c``). The
 library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
 ``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
@@ -37,7 +38,7 @@ __all__ = [
 log = logging.getLogger("gpu.native")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "small_linear.c")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "small_linear.c", CSRC / "token_mask.c")
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 # -ffast-math only when compiling: it lets loops reassociate (vectorized reductions) and
 # use glibc's vector expf. It must not reach the link step, where gcc would add
@@ -110,6 +111,29 @@ class NativeKernels:
         lin.argtypes = [p, p, p, i32, i64, i64, i32]
         lin.restype = None
         self._small_linear = lin
+        tm = lib.apply_token_bitmask
+        tm.argtypes = [p, i64, p, p, i32, i32, i32, p]
+        tm.restype = None
+        self._token_mask = tm
+
+    def apply_token_bitmask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+        """Ban, in place, what ``bitmask`` [R, W] int32 does not allow in ``logits``' rows
+        ``rows`` (int64 [R]); ``logits`` fp32 with unit stride along the vocabulary.
+        Returns alive (int32 [R]): 1 where a row kept a logit above -inf."""
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        bitmask = bitmask.contiguous()
+        alive = torch.empty(rows.shape[0], dtype=torch.int32)
+        self._token_mask(
+            logits.data_ptr(),
+            logits.stride(0),
+            bitmask.data_ptr(),
+            rows.data_ptr(),
+            rows.shape[0],
+            bitmask.shape[1],
+            logits.shape[1],
+            alive.data_ptr(),
+        )
+        return alive
 
     @staticmethod
     def interleave(weight: Tensor) -> Tensor:

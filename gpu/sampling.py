@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpu.grammar import allowed_tokens
+from gpu.native import load_kernels
 from wire.embed import EmbedOptions
 from wire.sampling import SamplingParams, get_bool, get_int, token_ids
 
@@ -159,18 +161,26 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
     return pick.tolist()
 
 
-def _constrain(logits: Tensor, raw: Tensor, rows: list[int], allowed: Tensor) -> Tensor:
-    """Only the tokens a grammar allows, in each of ``rows`` (``gpu/grammar.py``). A row
-    left with none (``min_new_tokens`` banned the end the grammar requires) takes the mask
-    over its logits before processing: the grammar wins."""
-    sel = torch.tensor(rows, device=logits.device)
-    allowed = allowed.to(logits.device)
-    masked = logits.index_select(0, sel).masked_fill(~allowed, -math.inf)
-    dead = torch.isneginf(masked.amax(dim=-1))
-    if bool(dead.any()):
-        fallback = raw.index_select(0, sel).masked_fill(~allowed, -math.inf)
-        masked = torch.where(dead[:, None], fallback, masked)
-    return logits.index_copy(0, sel, masked)
+def _constrain(logits: Tensor, raw: Tensor, rows: list[int], bitmask: Tensor) -> None:
+    """Only the tokens a grammar allows, in each of ``rows``, in place (``gpu/grammar.py``:
+    ``bitmask`` is llguidance's packed mask). A row left with none (``min_new_tokens``
+    banned the end the grammar requires) takes the mask over its logits before
+    processing: the grammar wins."""
+    kernels = load_kernels() if logits.device.type == "cpu" else None
+    sel = torch.tensor(rows, dtype=torch.int64)
+    if kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        alive = kernels.apply_token_bitmask(logits, sel, bitmask).bool()
+    else:
+        allowed = allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+        for k, i in enumerate(rows):
+            logits[i].masked_fill_(~allowed[k], -math.inf)
+        alive = ~torch.isneginf(logits.index_select(0, sel.to(logits.device)).amax(-1)).cpu()
+    if bool(alive.all()):
+        return
+    for k in (~alive).nonzero().flatten().tolist():
+        allowed_row = allowed_tokens(bitmask[k : k + 1], logits.shape[1])[0].to(logits.device)
+        base = raw[rows[k]] if raw is not logits else torch.zeros_like(logits[rows[k]])
+        logits[rows[k]] = base.masked_fill(~allowed_row, -math.inf)
 
 
 def sample(
@@ -180,12 +190,13 @@ def sample(
     allowed: tuple[list[int], Tensor] | None = None,
 ) -> SampleResult:
     """One token per row of ``logits`` [K, V] (fp32). ``allowed``: the constrained rows and
-    their allowed tokens (bool [len(rows), V]), applied after penalties and bias."""
+    their packed grammar masks (``gpu/grammar.py``), applied after penalties and bias, in
+    place: the rows of ``logits`` are the caller's scratch."""
     raw = logits
     if any(_needs_processing(r.params) for r in rows):
         logits = _process(logits, rows)
     if allowed is not None:
-        logits = _constrain(logits, raw, *allowed)
+        _constrain(logits, raw, *allowed)
     greedy = [r.params.greedy for r in rows]
     temps = None
     if not all(greedy):

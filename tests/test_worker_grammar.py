@@ -9,6 +9,7 @@ finished grammar ends its sample at once with ``grammar_done``.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -17,7 +18,7 @@ import torch
 
 from gpu.engine import Engine, EngineConfig
 from gpu.grammar import allowed_tokens
-from gpu.sampling import SampleRow, sample
+from gpu.sampling import SampleRow, _constrain, sample
 from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
@@ -61,10 +62,40 @@ def test_a_grammar_wins_over_a_min_new_tokens_ban() -> None:
         SampleRow(SamplingParams(top_k=1, min_new_tokens=3), [1], [], None, eog_ids=(2,))
         for _ in range(2)
     ]
-    only_end = torch.zeros(1, 8, dtype=torch.bool)
-    only_end[0, 2] = True
+    only_end = torch.tensor([[1 << 2]], dtype=torch.int32)  # packed: token 2 alone
     # Row 1 alone is constrained to the end token the ban forbids: the grammar wins.
-    assert sample(logits, rows, allowed=([1], only_end)).tokens == [5, 2]
+    assert sample(logits.clone(), rows, allowed=([1], only_end)).tokens == [5, 2]
+    # Unprocessed logits whose allowed tokens are all -inf: uniform over what is allowed.
+    dead = torch.full((1, 8), -math.inf)
+    dead[0, 5] = 1.0
+    free = [SampleRow(SamplingParams(top_k=1), [1], [], None, eog_ids=(2,))]
+    assert sample(dead, free, allowed=([0], only_end)).tokens == [2]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_native_and_torch_masks_agree(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loop (gpu/csrc/token_mask.c) and the torch fallback ban the same tokens, leave
+    the free rows alone, and keep the allowed logits as they were."""
+    if not native:
+        monkeypatch.setattr("gpu.sampling.load_kernels", lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word is partial
+    logits = torch.randn(6, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1  # all allowed
+    bitmask[2, :] = 0
+    bitmask[2, 3] = 1 << 7  # token 103 alone
+    rows = [0, 3, 5]
+    before = logits.clone()
+    _constrain(logits, logits, rows, bitmask)
+    allowed = allowed_tokens(bitmask, vocab)
+    for k, r in enumerate(rows):
+        expect = before[r].masked_fill(~allowed[k], -math.inf)
+        assert torch.equal(logits[r], expect)
+    for r in (1, 2, 4):
+        assert torch.equal(logits[r], before[r])
+    assert allowed[2].nonzero().flatten().tolist() == [103]
 
 
 def test_constrained_and_free_rows_share_a_batch(engine: Engine) -> None:
