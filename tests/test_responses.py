@@ -79,6 +79,22 @@ def test_stream_sends_the_typed_events_in_order(client: openai.OpenAI) -> None:
     assert len(item_ids) == 1
 
 
+def test_text_format_json_schema_shapes_the_output(model_server: str) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}
+    body = {"model": "default", "input": "Pick a colour.", "text": {"format": fmt},
+            "max_output_tokens": 30}  # fmt: skip
+    r = httpx.post(model_server + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text = r.json()["output"][0]["content"][0]["text"]
+    jsonschema.validate(json.loads(text), schema)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -87,7 +103,7 @@ def test_stream_sends_the_typed_events_in_order(client: openai.OpenAI) -> None:
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "tools"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         (
-            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            {"input": "hi", "text": {"format": {"type": "xml"}}},
             "text.format",
         ),  # fmt: skip
         ({"input": "hi", "frobnicate": 1}, "frobnicate"),

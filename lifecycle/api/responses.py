@@ -5,7 +5,7 @@ A request becomes a chat request (``input`` a string or a list of messages,
 ``instructions`` a system message first, ``max_output_tokens``, the sampling fields)
 checked by the same rules as ``/v1/chat/completions`` and run through the same chat
 template and call; the reply is a ``response`` object with one assistant message.
-Stored conversations (``previous_response_id``), tools and non-text formats are refused
+Stored conversations (``previous_response_id``) and tools are refused
 with a 400 that says so. A stream sends ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, the
 ``response.output_text.delta`` events, then the ``.done`` events and
@@ -59,8 +59,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     if body.get("tools"):
         raise _bad("tools are not supported by this server.", "tools")
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("Only the text format is supported.", "text.format")
+    response_format = _format(fmt)
     messages = _messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None:
@@ -73,7 +72,24 @@ def chat_body(body: Any) -> dict[str, Any]:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat
+
+
+def _format(fmt: Any) -> dict[str, Any] | None:
+    """``text.format`` -> chat's ``response_format``: the Responses API writes the JSON
+    schema's fields (name, schema, strict) beside its type, chat nests them."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise _bad("text.format must have type 'text', 'json_object' or 'json_schema'.",
+               "text.format")  # fmt: skip
 
 
 def _messages(raw: Any) -> list[dict[str, Any]]:
