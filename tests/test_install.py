@@ -87,11 +87,15 @@ def _requirement_names() -> list[str]:
 
 
 def wheel_from_installed(name: str, dest: Path) -> Path:
-    """A wheel of the pure-Python distribution ``name`` as this venv has it installed: what
-    the install takes from here when no local index holds it (transitions, on this
-    machine, came from the registry)."""
+    """A wheel of the distribution ``name`` as this venv has it installed: what the install
+    takes from here when no local index holds it (transitions and llguidance, on this
+    machine, came from the registry). A binary one keeps the tag its WHEEL file names
+    (llguidance: one abi3 library)."""
     dist = importlib.metadata.distribution(name)
-    assert "Root-Is-Purelib: true" in (dist.read_text("WHEEL") or ""), f"{name} is not pure"
+    wheel_info = dist.read_text("WHEEL") or ""
+    tags = re.findall(r"^Tag: (\S+)$", wheel_info, re.M)
+    assert "Root-Is-Purelib: true" in wheel_info or tags, f"{name} has no wheel tag"
+    tag = "py3-none-any" if "Root-Is-Purelib: true" in wheel_info else tags[0]
     info = next(f.parent for f in dist.files or () if f.name == "METADATA")
     skip = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
     files = [
@@ -100,7 +104,7 @@ def wheel_from_installed(name: str, dest: Path) -> Path:
         if f.parts[0] != ".." and "__pycache__" not in f.parts and f.name not in skip
     ]
     stem = f"{re.sub(r'[-_.]+', '_', dist.metadata['Name'])}-{dist.version}"
-    path = dest / f"{stem}-py3-none-any.whl"
+    path = dest / f"{stem}-{tag}.whl"
     record = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as whl:
         for f in files:
