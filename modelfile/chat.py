@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from typing import Any
 
 import jinja2
@@ -51,15 +52,24 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # transformers' convention: a template that reads ``tools`` renders them itself
+        self.mentions_tools = re.search(r"\btools\b", source) is not None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; the template adds its own default system turn."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``; the template adds its own default system turn.
+        ``tools`` (OpenAI function tools) reach templates that read them."""
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                tools=tools,
             )
         except ChatTemplateError:
             raise

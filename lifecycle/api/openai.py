@@ -22,6 +22,8 @@ from lifecycle.api.auth import owner
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from lifecycle.api.tool_params import ToolSpec
+from lifecycle.api.tool_prompt import render_chat
 from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
@@ -128,20 +130,26 @@ class OpenAIAPI:
     async def chat_completions(self, request: Request) -> Response:
         try:
             oreq, messages = parse_chat(await self._body(request), **self._opts())
-            ids = await self._chat_prompt(messages, oreq.continue_final)
+            ids = await self._chat_prompt(messages, oreq.continue_final, oreq.tools)
         except OpenAIError as exc:
             return openai_error(exc)
         return await self._generate(request, oreq, [ids], [""], "messages")
 
     async def _chat_prompt(
-        self, messages: list[dict[str, str]], continue_final: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        continue_final: bool = False,
+        tools: ToolSpec | None = None,
     ) -> list[int]:
         """The prompt ids; ``continue_final``: the last (assistant) message left open, so
-        the model continues it (rendered whole, then cut after that message's text)."""
+        the model continues it (rendered whole, then cut after that message's text);
+        ``tools``: rendered as ``tool_prompt`` says."""
         if self.template is None:
             raise OpenAIError("This model has no chat template; use /v1/completions.")
         try:
-            text = self.template.render(messages, add_generation_prompt=not continue_final)
+            text = render_chat(
+                self.template, messages, tools=tools, add_generation_prompt=not continue_final
+            )
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None
         if continue_final:
@@ -161,7 +169,8 @@ class OpenAIAPI:
             oreq = parse_completion(body, **self._opts())
             return oreq.generate_request(oreq.prompts)
         oreq, messages = parse_chat(body, **self._opts())
-        return oreq.generate_request([await self._chat_prompt(messages, oreq.continue_final)])
+        ids = await self._chat_prompt(messages, oreq.continue_final, oreq.tools)
+        return oreq.generate_request([ids])
 
     async def _generate(
         self,
@@ -189,8 +198,11 @@ class OpenAIAPI:
         """One state per sample, in the frontend's order (``GenerateCall.samples``); the
         OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``."""
         n, runs = oreq.sampling.n, call.runs
+        tools = oreq.tools.names if oreq.tools is not None else None
         return [
-            ChoiceState(i * n + j, runs[i].samples[j], self.texts, chat=oreq.chat, echo=echo[i])
+            ChoiceState(
+                i * n + j, runs[i].samples[j], self.texts, chat=oreq.chat, echo=echo[i], tools=tools
+            )
             for j in range(n)
             for i in range(len(runs))
         ]
@@ -245,7 +257,7 @@ class OpenAIAPI:
         else:
             oreq, messages = parse_chat(body, **self._opts())
             prompts, param, echo = (
-                [await self._chat_prompt(messages, oreq.continue_final)],
+                [await self._chat_prompt(messages, oreq.continue_final, oreq.tools)],
                 "messages",
                 [""],
             )
@@ -287,8 +299,7 @@ class OpenAIAPI:
             for state in sorted(choices, key=lambda c: c.index):
                 yield chunk(state.role_choice())
         async for index, _sample, frame in call.frames(True):
-            choice = choices[index].chunk_choice(frame)
-            if choice is not None:
+            for choice in choices[index].chunk_choices(frame):
                 yield chunk(choice)
         err = call.error()
         if err is not None:

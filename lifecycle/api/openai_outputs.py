@@ -5,6 +5,8 @@ completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_o
 or chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``. Token strings are the
 token's decoded text; a token that is part of a multi-byte character reads
 ``bytes:\\xNN`` as OpenAI writes it, and ``bytes`` always holds the exact UTF-8 bytes.
+A chat choice with tools reads its text for tool calls (``tools.py``): ``message.tool_calls``
+and ``finish_reason`` ``tool_calls`` in a reply, ``delta.tool_calls`` chunks in a stream.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+from lifecycle.api.tools import ToolCallParser, parse_tool_calls
 from lifecycle.core.detok import TokenizerLike
 from lifecycle.core.outputs import SampleOutput
 
@@ -107,7 +110,14 @@ class ChoiceState:
     """One OpenAI choice fed from one sample; keeps what the stream has sent so far."""
 
     def __init__(
-        self, index: int, sample: SampleOutput, texts: TokenTexts, *, chat: bool, echo: str
+        self,
+        index: int,
+        sample: SampleOutput,
+        texts: TokenTexts,
+        *,
+        chat: bool,
+        echo: str,
+        tools: frozenset[str] | None = None,
     ) -> None:
         self.index = index
         self.sample = sample
@@ -116,6 +126,8 @@ class ChoiceState:
         self.echo = echo  # prompt text to show first ("" unless completions echo)
         self.offset = 0  # text_offset of the next token (legacy logprobs)
         self.started = False
+        self.tools = tools  # chat: the tool names whose calls the text is read for
+        self.parser = ToolCallParser(tools) if tools is not None else None
 
     # -- logprobs ----------------------------------------------------------------------
     def _tops(self, row: Any) -> list[tuple[str, list[int], float | None]]:
@@ -169,11 +181,14 @@ class ChoiceState:
         return self._chat(meta) if self.chat else self._legacy(meta, first)
 
     # -- replies -----------------------------------------------------------------------
-    def _tail(self) -> dict[str, Any]:
+    def _tail(self, called: bool = False) -> dict[str, Any]:
         finish = self.sample.finish
         matched = finish.get("matched") if isinstance(finish, dict) else None
+        reason = finish_reason(finish)
+        if called and reason == "stop":  # a call cut by the length limit stays "length"
+            reason = "tool_calls"
         # SGLang sends matched_stop always: the matched id or text, else null
-        return {"finish_reason": finish_reason(finish), "matched_stop": matched}
+        return {"finish_reason": reason, "matched_stop": matched}
 
     def result(self, e2e: float) -> dict[str, Any]:
         """The choice of a unary reply."""
@@ -181,14 +196,20 @@ class ChoiceState:
         self.offset = 0
         lp = self.logprobs(res["meta_info"], True)
         if self.chat:
-            message = {"role": "assistant", "content": res["text"], "tool_calls": None}
-            return {"index": self.index, "message": message, "logprobs": lp, **self._tail()}
+            content: str | None = res["text"]
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                content, calls = parse_tool_calls(res["text"], self.tools)
+            message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+            return {"index": self.index, "message": message, "logprobs": lp,
+                    **self._tail(bool(calls))}  # fmt: skip
         text = self.echo + res["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **self._tail()}
 
     def role_choice(self) -> dict[str, Any]:
         """A chat stream's first chunk for this choice: the role alone, as OpenAI sends it."""
-        delta = {"role": "assistant", "content": ""}
+        # with tools the content may stay null (a reply of calls only), as OpenAI sends it
+        delta = {"role": "assistant", "content": "" if self.parser is None else None}
         return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def chunk_choice(self, frame: dict[str, Any]) -> dict[str, Any] | None:
@@ -205,3 +226,26 @@ class ChoiceState:
                     **tail}  # fmt: skip
         text = (self.echo if first else "") + frame["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **tail}
+
+    def chunk_choices(self, frame: dict[str, Any]) -> list[dict[str, Any]]:
+        """The choices of the stream chunks for ``frame``: one (or none, as
+        ``chunk_choice``) without tools; with tools, one per content or tool-call delta the
+        parser lets out (the frame's logprobs on the first, the finish on the last)."""
+        if self.parser is None:
+            choice = self.chunk_choice(frame)
+            return [] if choice is None else [choice]
+        ended = self.sample.finish is not None
+        self.started = True
+        lp = self.logprobs(frame["meta_info"], False)
+        deltas = self.parser.feed(frame["text"])
+        if ended:
+            deltas += self.parser.finish()
+        if not deltas and (ended or (lp is not None and lp["content"])):
+            deltas = [{}]
+        out = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in deltas]  # fmt: skip
+        if out:
+            out[0]["logprobs"] = lp
+        if ended:
+            out[-1].update(self._tail(bool(self.parser.calls)))
+        return out

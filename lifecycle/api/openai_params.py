@@ -3,16 +3,25 @@
 OpenAI fields are renamed onto SGLang's ``sampling_params`` and checked by the same
 ``parse_sampling_params`` as ``/generate`` (one set of rules, one set of messages); only
 what exists in OpenAI alone (``max_tokens``, ``logprobs``, ``echo``, ``messages``,
-``stream_options``) is checked here. Errors carry OpenAI's shape (``param`` names the
-OpenAI field) and status: 400 for bad input, 404 ``model_not_found``.
+``stream_options``) is checked here, the tool fields by ``tool_params``. Errors carry
+OpenAI's shape (``param`` names the OpenAI field) and status: 400 for bad input, 404
+``model_not_found``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from lifecycle.api.tool_params import (
+    ToolParamError,
+    ToolSpec,
+    check_tool_answers,
+    message_tool_calls,
+    parse_tools,
+    tool_grammar,
+)
 from lifecycle.core.errors import RequestError
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
@@ -50,10 +59,10 @@ _COMMON = frozenset(
     {"model", "stream", "stream_options", "max_tokens", "rid", "response_format", *_SAMPLING}
 )
 # Accepted and ignored: bookkeeping that changes nothing about the output.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-_CHAT |= {"tools", "tool_choice"}
+_CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
@@ -108,6 +117,7 @@ class OpenAIRequest:
     rid: str | None = None  # SGLang's extra: names the request for /abort_request
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     continue_final: bool = False  # chat: continue_final_message (the last turn left open)
+    tools: ToolSpec | None = None  # chat: the tools rendered and parsed for (tool_params)
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -347,11 +357,12 @@ def _content(message: dict[str, Any], i: int) -> str:
     raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
 
 
-def chat_messages(raw: Any) -> list[dict[str, str]]:
-    """The messages as the chat template expects them (role + text content)."""
+def chat_messages(raw: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template expects them: role and text content, plus an
+    assistant's ``tool_calls`` and a tool message's ``tool_call_id`` (``tool_params``)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list.", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(raw):
         role = m.get("role") if isinstance(m, dict) else None
         if not isinstance(role, str) or role not in _ROLES:
@@ -359,8 +370,29 @@ def chat_messages(raw: Any) -> list[dict[str, str]]:
                 f"messages[{i}] must be an object with a role in {sorted(_ROLES)}.", "messages"
             )
         role = "system" if role == "developer" else role
-        out.append({"role": role, "content": _content(m, i)})
+        message: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = message_tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id")
+        out.append(message)
+    check_tool_answers(out)
     return out
+
+
+def _chat_tools(
+    body: dict[str, Any], sp: SamplingRequest
+) -> tuple[ToolSpec | None, SamplingRequest]:
+    """The request's tools, and its sampling with the grammar a forcing ``tool_choice``
+    sets (with another constraint asked for as well: 400)."""
+    tools = parse_tools(body)
+    if tools is None or not tools.forced:
+        return tools, sp
+    if sp.params.grammar is not None:
+        raise ToolParamError("tool_choice 'required' or a named function cannot be combined "
+                             "with response_format, regex or ebnf.", "tool_choice")  # fmt: skip
+    grammar = ("lark", tool_grammar(tools))
+    return tools, replace(sp, params=replace(sp.params, grammar=grammar))
 
 
 def parse_chat(
@@ -375,17 +407,22 @@ def parse_chat(
     model, stream, include_usage, continuous = _common(
         body, _CHAT, model_names, default_model, strict_model
     )
-    messages = chat_messages(body.get("messages"))
-    _unsupported(body, "tools", (None, []))
+    try:
+        messages = chat_messages(body.get("messages"))
+    except ToolParamError as exc:
+        raise _bad(exc.message, exc.param) from None
     for name in _CHAT_NULL_ONLY:
         _unsupported(body, name)
     _unsupported(body, "modalities", (None, ["text"]))
     _unsupported(body, "web_search_options")
-    _unsupported(body, "tool_choice", (None, "none", "auto"))
     limit = _int_field(body, "max_completion_tokens", 1)
     if limit is None:
         limit = _int_field(body, "max_tokens", 1)
     sp = _sampling(body, limit, vocab_size)  # None: up to the context end
+    try:
+        tools, sp = _chat_tools(body, sp)
+    except ToolParamError as exc:
+        raise _bad(exc.message, exc.param) from None
     _check_size(1, sp)
     top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     want = _bool_field(body, "logprobs")
@@ -406,5 +443,6 @@ def parse_chat(
         continue_final=cont,
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
+        tools=tools,
     )
     return req, messages

@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from lifecycle.api.tool_prompt import render_chat
 from lifecycle.core.states import Cause
 from lifecycle.engine.batch import BatchSummary, done_lines, read_lines, run_lines
 from lifecycle.engine.loop import EngineLoop
@@ -253,7 +254,7 @@ class Engine:
         batch = bool(messages) and isinstance(messages[0], list)
         convs = list(messages) if batch else [messages]
         try:
-            texts = [template.render(list(c), add_generation_prompt=True) for c in convs]
+            texts = [render_chat(template, list(c)) for c in convs]
         except (ValueError, TypeError) as exc:
             raise EngineError(Cause.INVALID, str(exc)) from None
         codec = self.frontend.codec
