@@ -38,7 +38,7 @@ OPTS: dict[str, Any] = {
 WEATHER = {
     "type": "object",
     "properties": {
-        "city": {"type": "string", "maxLength": 20},
+        "city": {"type": "string", "maxLength": 24},
         "unit": {"enum": ["celsius", "fahrenheit"]},
     },
     "required": ["city", "unit"],
@@ -46,13 +46,19 @@ WEATHER = {
 }
 ADD = {
     "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "b": {"type": "integer", "minimum": 0, "maximum": 1000},
+    },
     "required": ["a", "b"],
+    "additionalProperties": False,
 }
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather",
+                                      "description": "The current weather in a city.",
                                       "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                      "parameters": ADD}},
 ]  # fmt: skip
 NAMES = frozenset({"get_weather", "add"})
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -400,7 +406,7 @@ def _accepts(grammar: str, text: str) -> bool:
         ("required", True, "Sure. " + SUM, False),
         ("required", True, _block("get_weather", {"city": "Paris"}), False),  # unit required
         ("required", True, _block("get_weather", {"city": "Paris", "unit": "K"}), False),
-        ("required", True, _block("get_weather", {"city": "P" * 21, "unit": "celsius"}), False),
+        ("required", True, _block("get_weather", {"city": "P" * 25, "unit": "celsius"}), False),
         ("required", True, _block("nope", {}), False),
         ("required", True, SUM.replace(", ", ","), False),  # json.dumps' separators only
         ("add", True, SUM, True),

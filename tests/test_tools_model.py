@@ -14,35 +14,10 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from .test_tools import requests_seen
+from .test_tools import ADD, TOOLS, WEATHER, requests_seen
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "b": {"type": "integer", "minimum": 0, "maximum": 1000},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather",
-                                      "description": "The current weather in a city.",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                      "parameters": ADD}},
-]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED_WEATHER: Any = {"type": "function", "function": {"name": "get_weather"}}
