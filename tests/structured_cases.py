@@ -2,8 +2,10 @@
 
 Data only, shared by the structured-output tests and ``bench/grammar_libs.py``. Every
 case is small enough that SmolLM2-135M sampling at temperature 1.0 finishes it inside its
-``max_tokens``: arrays carry ``maxItems``, strings ``maxLength``, objects few properties
-and ``additionalProperties: false``. Digits are spelled ``[0-9]``, never ``\\d``: in the
+``max_tokens``: arrays carry ``maxItems``, strings ``maxLength``, numbers a binary
+``multipleOf`` (else a model may write digits until the budget ends; a binary step keeps
+``jsonschema``'s float division exact), objects few properties and
+``additionalProperties: false``. Digits are spelled ``[0-9]``, never ``\\d``: in the
 Rust regex dialect llguidance reads, ``\\d`` is any Unicode digit, which a model can and
 does emit.
 
@@ -118,7 +120,7 @@ SCHEMA_CASES: tuple[SchemaCase, ...] = (
         "temperature",
         _obj(
             {
-                "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                "temperature": {"type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.5},
                 "unit": {"enum": ["C", "F"]},
             }
         ),
@@ -228,7 +230,7 @@ SCHEMA_CASES: tuple[SchemaCase, ...] = (
                 _obj(
                     {
                         "kind": {"const": "circle"},
-                        "r": {"type": "number", "minimum": 0, "maximum": 100},
+                        "r": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.25},
                     }
                 ),
                 _obj({"kind": {"const": "rect"}, "w": _int(1, 100), "h": _int(1, 100)}),
@@ -257,10 +259,10 @@ SCHEMA_CASES: tuple[SchemaCase, ...] = (
         _obj(
             {
                 "label": {"enum": ["spam", "ham"]},
-                "p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "multipleOf": 0.125},
             }
         ),
-        {"label": "ham", "p": 0.93},
+        {"label": "ham", "p": 0.875},
         40,
     ),
     SchemaCase(
