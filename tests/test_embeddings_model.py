@@ -144,14 +144,17 @@ def test_a_client_that_disconnects_mid_request_leaks_nothing(url: str) -> None:
     head = "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
     deadline = time.monotonic() + 30
-    while True:  # until the worker holds some of them
-        info = httpx.get(url + "/server_info", timeout=10).json()
-        if info["internal_states"][0]["running"] > 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.02)
-    assert info["live_requests"] == 16
-    sock.close()
+    try:
+        while True:  # until the worker holds some of them
+            info = httpx.get(url + "/server_info", timeout=10).json()
+            # The load counts appear with the worker's first load report.
+            if info["internal_states"][0].get("running", 0) > 0:
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.02)
+        assert info["live_requests"] == 16
+    finally:
+        sock.close()
     after = _idle(url)
     # Each of the 16 ended once: done if its one step came before the close, else client_gone.
     gone = after["failed_requests"].get("client_gone", 0) - before["failed_requests"].get(
