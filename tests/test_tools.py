@@ -1,24 +1,19 @@
 """Tool calling on /v1/chat/completions without the model: the output parser (unary and
 streamed at every split), the prompt rendering, the validation messages, the grammar a
 forcing tool_choice sets (checked by llguidance, and run against strings with the real
-tokenizer), and the reply shapes through the official ``openai`` client on the scripted
-worker, which echoes the prompt back."""
+tokenizer). The reply shapes on the scripted worker: ``test_tools_scripted.py``."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-import httpx
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from lifecycle.api.openai_params import OpenAIError, parse_chat
 from lifecycle.api.tool_params import ToolSpec, tool_grammar
@@ -27,49 +22,14 @@ from lifecycle.api.tools import ToolCallParser, call_id, parse_tool_calls
 from modelfile.chat import ChatTemplate
 from wire.grammar import check_grammar
 
-from .scripted import lifecycle_server
 from .tiny_gguf import CHATML
+from .tool_cases import NAMES, PARIS, SUM, TOOLS, USER, call_block
 
 OPTS: dict[str, Any] = {
     "vocab_size": 100,
     "model_names": frozenset({"m"}),
     "default_model": "m",
 }
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "b": {"type": "integer", "minimum": 0, "maximum": 1000},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather",
-                                      "description": "The current weather in a city.",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                      "parameters": ADD}},
-]  # fmt: skip
-NAMES = frozenset({"get_weather", "add"})
-USER = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def _block(name: str, args: dict[str, Any]) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
-
-
-PARIS = _block("get_weather", {"city": "Paris", "unit": "celsius"})
-SUM = _block("add", {"a": 1, "b": 2})
 # Content, calls, a block that is no call, near-openers and whitespace around them all.
 SAMPLE = (
     "Let me check <tool and <b>x</b>.\n" + PARIS + "\n\n" + SUM + "\n"
@@ -215,8 +175,8 @@ def test_plain_chatml_renders_tools_calls_and_responses() -> None:
         f"<|im_start|>system\nBe brief.\n\n{block}<|im_end|>\n"
         "<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n"
         "<|im_start|>assistant\n"
-        + _block("get_weather", {"city": "Paris", "unit": "celsius"}) + "\n"
-        + _block("get_weather", {"city": "Rome", "unit": "celsius"}) + "<|im_end|>\n"
+        + call_block("get_weather", {"city": "Paris", "unit": "celsius"}) + "\n"
+        + call_block("get_weather", {"city": "Rome", "unit": "celsius"}) + "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n18\n</tool_response>\n"
         "<tool_response>\n24\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -404,10 +364,10 @@ def _accepts(grammar: str, text: str) -> bool:
         ("required", False, SUM, True),
         ("required", True, "", False),
         ("required", True, "Sure. " + SUM, False),
-        ("required", True, _block("get_weather", {"city": "Paris"}), False),  # unit required
-        ("required", True, _block("get_weather", {"city": "Paris", "unit": "K"}), False),
-        ("required", True, _block("get_weather", {"city": "P" * 25, "unit": "celsius"}), False),
-        ("required", True, _block("nope", {}), False),
+        ("required", True, call_block("get_weather", {"city": "Paris"}), False),  # unit required
+        ("required", True, call_block("get_weather", {"city": "Paris", "unit": "K"}), False),
+        ("required", True, call_block("get_weather", {"city": "P" * 25, "unit": "celsius"}), False),
+        ("required", True, call_block("nope", {}), False),
         ("required", True, SUM.replace(", ", ","), False),  # json.dumps' separators only
         ("add", True, SUM, True),
         ("add", True, PARIS, False),
@@ -431,98 +391,6 @@ def test_a_schema_with_refs_and_no_parameters_compile() -> None:
     tools = [_fn(parameters=refs), {"type": "function", "function": {"name": "g"}}]
     req, _ = _parsed({"messages": USER, "tools": tools, "tool_choice": "required"})
     grammar = req.sampling.params.grammar[1]
-    assert _accepts(grammar, _block("f", {"city": "Rome"}))
-    assert not _accepts(grammar, _block("f", {"city": "Romeoo"}))
-    assert _accepts(grammar, _block("g", {}))
-
-
-# -- the reply shapes, on the scripted worker --------------------------------------------
-# The scripted worker echoes the prompt: a system message holding a call comes back as
-# the reply's text, so the call is parsed out of it (sample j starts j tokens on).
-
-
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with lifecycle_server("--scripted-worker", "--max-pending", "8") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-def _echo_body(url: str) -> dict[str, Any]:
-    end = httpx.post(url + "/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
-    system = {"role": "system", "content": SUM}
-    return {"model": "m", "messages": [system, *USER], "tools": TOOLS, "max_tokens": 600,
-            "extra_body": {"stop_token_ids": end}, "n": 2}  # fmt: skip
-
-
-def test_unary_reply_has_tool_calls(url: str, client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(**_echo_body(url))
-    assert len(r.choices) == 2
-    for choice in r.choices:
-        assert choice.finish_reason == "tool_calls"
-        calls = choice.message.tool_calls or []
-        assert [(c.type, c.function.name, c.function.arguments) for c in calls] == [
-            ("function", "add", '{"a": 1, "b": 2}')
-        ]
-        # the rest of the system turn, the tools' description, is content
-        assert choice.message.content and "# Tools" in choice.message.content
-
-
-def test_streamed_reply_reassembles_to_the_unary_one(url: str, client: openai.OpenAI) -> None:
-    body = _echo_body(url)
-    unary = client.chat.completions.create(**body)
-    state = ChatCompletionStreamState()
-    chunks = list(client.chat.completions.create(**body, stream=True))
-    for chunk in chunks:
-        state.handle_chunk(chunk)
-    final = state.get_final_completion()
-    for u, s in zip(unary.choices, sorted(final.choices, key=lambda c: c.index), strict=True):
-        assert s.finish_reason == u.finish_reason == "tool_calls"
-        assert s.message.content == u.message.content
-        ucalls, scalls = u.message.tool_calls or [], s.message.tool_calls or []
-        assert [(c.function.name, c.function.arguments) for c in scalls] == [
-            (c.function.name, c.function.arguments) for c in ucalls
-        ]
-    heads = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or ())
-             if tc.id is not None]  # fmt: skip
-    assert len(heads) == 2 and all(h.function.arguments == "" and h.type == "function"
-                                   for h in heads)  # fmt: skip
-
-
-def test_no_tool_choice_none_no_parsing(url: str, client: openai.OpenAI) -> None:
-    body = {**_echo_body(url), "tool_choice": "none", "n": 1}
-    choice = client.chat.completions.create(**body).choices[0]
-    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
-    assert choice.message.content == "system\n" + SUM
-
-
-def requests_seen(url: str) -> float:
-    """Generation requests the server has a record of: finished ones, by any outcome."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in ("lifecycle_requests_total", "lifecycle_e2e_request_latency_seconds_count")
-    )
-
-
-def test_unknown_tool_name_is_400_before_anything_is_queued(
-    url: str, client: openai.OpenAI
-) -> None:
-    body = {**_echo_body(url), "tool_choice": {"type": "function", "function": {"name": "rm"}}}
-    body.update(body.pop("extra_body"))
-    client.chat.completions.create(**{**_echo_body(url), "n": 1, "max_tokens": 2})
-    before = requests_seen(url)
-    assert before > 0
-    r = httpx.post(url + "/v1/chat/completions", json=body)
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert err["param"] == "tool_choice" and "'rm', which is not in tools" in err["message"]
-    assert requests_seen(url) == before
+    assert _accepts(grammar, call_block("f", {"city": "Rome"}))
+    assert not _accepts(grammar, call_block("f", {"city": "Romeoo"}))
+    assert _accepts(grammar, call_block("g", {}))

@@ -14,7 +14,8 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from .test_tools import ADD, TOOLS, WEATHER, requests_seen
+from .test_tools_scripted import requests_seen
+from .tool_cases import ADD, TOOLS, WEATHER
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
