@@ -1,0 +1,279 @@
+"""The tensor-parallel shard of ``Llama``: Megatron's split, by KV groups.
+
+Each of K ranks holds a contiguous run of KV heads and the query heads that read them
+(q/k/v projection rows, o projection columns), a contiguous slice of the MLP's
+intermediate columns (gate/up rows, down columns) and a contiguous vocabulary range of
+the embedding and the LM head. Runs are as even as they can be, the larger first:
+SmolLM2-135M's 3 KV heads (9 query heads) at K = 2 are {0, 1} (6 query heads) on rank 0
+and {2} (3) on rank 1, so every rank's KV cache holds only its own heads and K may be
+anything up to the number of KV heads.
+
+Per layer exactly two all-reduces (sum): after the o projection and after the down
+projection, each rank having multiplied its slice of the inner dimension; both live in
+``ReducingLinear`` so the unmodified ``Llama._layer`` runs on the shard. The embedding is
+looked up in each rank's vocabulary range (zeros elsewhere) and all-reduced: exact,
+as every row has a single non-zero term. The LM head computes each rank's vocabulary
+slice (padded to equal size for the collective) and gathers it on rank 0, the only rank
+that samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpu.model import AttentionBackend, Llama, LlamaWeights, PackedLinear
+from gpu.tp_messages import encode_forward, encode_logits
+from modelfile.config import ModelConfig
+
+__all__ = [
+    "GatheringLinear",
+    "ReducingLinear",
+    "ShardPlan",
+    "ShardedLlama",
+    "even_runs",
+    "shard_model",
+    "shard_plan",
+]
+
+_P = TypeVar("_P", bound=PackedLinear)
+
+log = logging.getLogger("gpu.tp")
+
+
+def even_runs(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``parts`` contiguous runs whose sizes differ by at most one,
+    the larger runs first."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for r in range(parts):
+        size = base + (r < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """What rank ``rank`` of ``world`` holds of a model."""
+
+    rank: int
+    world: int
+    kv_heads: range
+    q_heads: range
+    ffn: range  # the MLP's intermediate columns
+    vocab: range  # embedding rows and LM-head rows
+    vocab_rows: int  # every rank's vocabulary slice padded to this (the gather's size)
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The config the shard's ``Llama`` and ``PagedKVCache`` see: its own heads and
+        MLP width; the vocabulary, context and everything the engine reads unchanged."""
+        return dataclasses.replace(
+            config, n_heads=len(self.q_heads), n_kv_heads=len(self.kv_heads), ffn=len(self.ffn)
+        )
+
+
+def shard_plan(config: ModelConfig, world: int, rank: int) -> ShardPlan:
+    """The split of ``config`` over ``world`` ranks; refuses a world larger than the number
+    of KV heads (a rank without a KV head would have no attention to compute)."""
+    if world < 1:
+        raise ValueError(f"--tp must be at least 1, got {world}")
+    if world > config.n_kv_heads:
+        raise ValueError(
+            f"--tp {world} exceeds the {config.n_kv_heads} KV heads of {config.name}: "
+            f"tensor parallelism splits by KV head, so use --tp {config.n_kv_heads} or fewer"
+        )
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world}")
+    group = config.n_heads // config.n_kv_heads
+    kv = even_runs(config.n_kv_heads, world)[rank]
+    vocab_rows = -(-config.vocab_size // world)
+    start = rank * vocab_rows
+    return ShardPlan(
+        rank,
+        world,
+        kv,
+        range(kv.start * group, kv.stop * group),
+        even_runs(config.ffn, world)[rank],
+        range(start, min(start + vocab_rows, config.vocab_size)),
+        vocab_rows,
+    )
+
+
+def _adopt(cls: type[_P], packed: PackedLinear) -> _P:
+    """A ``cls`` sharing ``packed``'s weight and its packed copies (packed once only)."""
+    out = cls.__new__(cls)
+    for name in PackedLinear.__slots__:
+        setattr(out, name, getattr(packed, name))
+    return out
+
+
+class ReducingLinear(PackedLinear):
+    """A row-parallel projection: this rank's partial product, summed over the group."""
+
+    __slots__ = ("group",)
+    group: dist.ProcessGroup | None
+
+    @classmethod
+    def around(cls, packed: PackedLinear, group: dist.ProcessGroup | None) -> ReducingLinear:
+        out = _adopt(cls, packed)
+        out.group = group
+        return out
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = super().__call__(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class GatheringLinear(PackedLinear):
+    """The vocabulary-parallel LM head: full logits ``[K, vocab]`` on rank 0; the other
+    ranks return their own slice (nobody reads it)."""
+
+    __slots__ = ("group", "rank", "vocab_size", "world")
+    group: dist.ProcessGroup | None
+    rank: int
+    vocab_size: int
+    world: int
+
+    @classmethod
+    def around(
+        cls, packed: PackedLinear, plan: ShardPlan, vocab_size: int, group: dist.ProcessGroup | None
+    ) -> GatheringLinear:
+        out = _adopt(cls, packed)
+        out.group = group
+        out.rank, out.world, out.vocab_size = plan.rank, plan.world, vocab_size
+        return out
+
+    def __call__(self, x: Tensor) -> Tensor:
+        part = super().__call__(x).contiguous()
+        if self.rank != 0:
+            dist.gather(part, None, dst=0, group=self.group)
+            return part
+        parts = [torch.empty_like(part) for _ in range(self.world)]
+        dist.gather(part, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+class ShardedLlama(Llama):
+    """One rank's ``Llama``: its own heads, MLP slice and vocabulary range.
+
+    Only the embedding differs from ``Llama.trunk``; the layers' two all-reduces are in
+    their ``o`` and ``down`` projections and the gather in ``head``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: ShardPlan,
+        embed: Tensor,
+        layers: list[LlamaWeights],
+        norm: Tensor,
+        lm_head: Tensor | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        super().__init__(config, embed, layers, norm, lm_head)
+        self.plan, self.group = plan, group
+        # Rank 0 only: tells the followers each call before joining its collectives.
+        self.announce: Callable[[list[int]], None] | None = None
+        self.head = GatheringLinear.around(self.head, plan, config.vocab_size, group)
+        for layer in layers:
+            layer.o = ReducingLinear.around(layer.o, group)
+            layer.down = ReducingLinear.around(layer.down, group)
+
+    def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        if self.announce is not None:
+            self.announce(encode_forward(input_ids.tolist(), positions.tolist()))
+        with _in_step():
+            x = self.embed_tokens(input_ids)
+            cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+            sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+            for i, layer in enumerate(self.layers):
+                x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
+        return x
+
+    def logits(
+        self, x: Tensor, logits_indices: Tensor | None = None, return_hidden: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if self.announce is not None:
+            rows = range(x.shape[0]) if logits_indices is None else logits_indices.tolist()
+            self.announce(encode_logits(rows))
+        with _in_step():
+            return super().logits(x, logits_indices, return_hidden)
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """Rows of the full embedding: this rank's range looked up, zeros elsewhere, summed."""
+        local = input_ids - self.plan.vocab.start
+        mine = (local >= 0) & (local < len(self.plan.vocab))
+        x = F.embedding(local.clamp(0, len(self.plan.vocab) - 1), self.embed)
+        x = x * mine.unsqueeze(1).to(x.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+@contextlib.contextmanager
+def _in_step() -> Iterator[None]:
+    """A rank that fails inside a collective has left its group out of step, for good:
+    the process exits (rank 0 takes the followers with it; a follower, rank 0)."""
+    try:
+        yield
+    except Exception:
+        log.critical("tensor-parallel rank failed inside a collective: exiting", exc_info=True)
+        logging.shutdown()
+        os._exit(1)
+
+
+def _rows(w: Tensor, heads: range, head_dim: int) -> Tensor:
+    return w[heads.start * head_dim : heads.stop * head_dim]
+
+
+def _padded(w: Tensor, rows: range, n: int) -> Tensor:
+    """Rows ``rows`` of ``w``, zero-padded to ``n`` rows (a copy: the full tensor can go)."""
+    out = w.new_zeros((n, *w.shape[1:]))
+    out[: len(rows)] = w[rows.start : rows.stop]
+    return out
+
+
+def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -> ShardedLlama:
+    """This rank's shard of a loaded model (copies: nothing keeps the full weights alive)."""
+    c, hd = full.config, full.config.head_dim
+    q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
+    layers = []
+    for layer in full.layers:
+        w = cast(LlamaWeights, layer)
+        q, k, v = w.wqkv.split([q_rows, kv_rows, kv_rows])
+        gate, up = w.w_gate_up.chunk(2)
+        f = plan.ffn
+        layers.append(
+            LlamaWeights(
+                attn_norm=w.attn_norm.data.clone(),
+                wqkv=torch.cat(
+                    [
+                        _rows(q, plan.q_heads, hd),
+                        _rows(k, plan.kv_heads, hd),
+                        _rows(v, plan.kv_heads, hd),
+                    ]
+                ),
+                wo=w.wo[:, plan.q_heads.start * hd : plan.q_heads.stop * hd].contiguous(),
+                ffn_norm=w.ffn_norm.data.clone(),
+                w_gate_up=torch.cat([gate[f.start : f.stop], up[f.start : f.stop]]),
+                w_down=w.w_down[:, f.start : f.stop].contiguous(),
+            )
+        )
+    embed = _padded(full.embed, plan.vocab, plan.vocab_rows)
+    head = (
+        None if full.lm_head is full.embed else _padded(full.lm_head, plan.vocab, plan.vocab_rows)
+    )
+    return ShardedLlama(
+        plan.local_config(c), plan, embed, layers, full.norm.data.clone(), head, group
+    )
