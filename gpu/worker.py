@@ -1,6 +1,7 @@
 """The worker process: ``python -m gpu.worker --listen unix:/path | tcp:HOST:PORT``.
 
-A thin driver around ``Engine``. One frontend connection at a time; HELLO first. A
+A thin driver around ``Engine``. One frontend connection at a time; HELLO first (after
+TLS and the token's CHALLENGE/AUTH when the worker has them: ``gpu/link.py``). A
 receiver thread does blocking reads, answers PROBE itself (no slot, under the send
 lock) and queues everything else; the step loop blocks on the queue when it has no
 work (idle is ~0% CPU, and a frame arriving wakes it at once) and drains it between
@@ -15,9 +16,10 @@ import logging
 import os
 import queue
 import socket
+import ssl
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpu.cpu_runtime import tune_cpu_runtime
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 
 import wire  # noqa: E402
 from gpu.engine import Engine, EngineConfig, ProtocolError  # noqa: E402
+from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
@@ -38,6 +41,7 @@ __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
 log = logging.getLogger("gpu.worker")
 
 _EOF = object()  # the receiver's last word: the connection is gone
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,9 @@ class WorkerConfig:
     step_tokens: int = 512
     mixed_prefill_tokens: int = 512  # prompt tokens per step while others decode
     threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    token: str | None = None  # serve only a frontend that proves it (None: LIFECYCLE_WORKER_TOKEN)
+    tls_cert: str | None = None  # TLS on the TCP link with this certificate chain (PEM)
+    tls_key: str | None = None  # its private key, when not in the certificate file
 
 
 def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
@@ -66,7 +73,7 @@ def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int,
 class _Connection:
     """Sends whole frames under a lock (the receiver thread answers PROBE directly)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Link | TlsLink) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self.alive = True
@@ -218,7 +225,7 @@ def _step(engine: Engine, conn: _Connection) -> None:
         )
 
 
-def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
+def _serve_connection(engine: Engine, sock: Link | TlsLink) -> bool:
     """Serve one frontend; True when it asked the worker to shut down."""
     conn = _Connection(sock)
     inbox: queue.Queue[Any] = queue.Queue()
@@ -249,8 +256,12 @@ def _serve_connection(engine: Engine, sock: socket.socket) -> bool:
     return end == "shutdown"
 
 
-def _listen(text: str) -> socket.socket:
+def _listen(text: str, tls: bool = False) -> socket.socket:
     address = parse_address(text)
+    if address.tls and not tls:
+        raise SystemExit(f"--listen {text} needs --tls-cert")
+    if tls and address.kind == "unix":
+        raise SystemExit("TLS is for a TCP link: --listen tls:HOST:PORT or tcp:HOST:PORT")
     if address.kind == "unix":
         if os.path.exists(address.path):
             os.unlink(address.path)
@@ -262,12 +273,31 @@ def _listen(text: str) -> socket.socket:
     return s
 
 
-def serve(engine: Engine, listener: socket.socket) -> int:
+def serve(
+    engine: Engine,
+    listener: socket.socket,
+    token: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> int:
+    """Serve frontends one after another until one sends SHUTDOWN. A connection that
+    fails TLS or the token check is logged and closed; the next one is accepted."""
     while True:
-        sock, _ = listener.accept()
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if _serve_connection(engine, sock):
+        sock, peer = listener.accept()
+        who = str(peer) if peer else "a unix socket"
+        link: Link | TlsLink = sock
+        try:
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                link = TlsLink(sock, tls, AUTH_TIMEOUT)
+            if token is not None and not authenticate(link, token, who):
+                link.close()
+                continue
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("refused a frontend from %s: %s", who, exc)
+            sock.close()
+            continue
+        if _serve_connection(engine, link):
             return 0
 
 
@@ -291,7 +321,19 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
         help="prompt tokens per step while other requests decode (bounds their ITL)",
     )
     p.add_argument("--threads", type=int, default=d.threads)
-    return WorkerConfig(**vars(p.parse_args(argv)))
+    p.add_argument(
+        "--token",
+        default=d.token,
+        help=f"serve only a frontend that knows this secret (default: ${wire.TOKEN_ENV})",
+    )
+    p.add_argument("--tls-cert", default=d.tls_cert, help="TLS on the TCP link (PEM chain)")
+    p.add_argument("--tls-key", default=d.tls_key, help="the certificate's key (PEM)")
+    config = WorkerConfig(**vars(p.parse_args(argv)))
+    try:
+        token = wire.resolve_token(config.token)
+    except ValueError as exc:
+        p.error(str(exc))
+    return replace(config, token=token)
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -321,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     config = _parse(argv)
     if (f := fault_point("worker.start")) is not None:
         f.apply()
+    tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
     engine = build_engine(config)
-    listener = _listen(config.listen)
+    listener = _listen(config.listen, tls is not None)
+    address = parse_address(config.listen)
+    if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:
+        log.warning("no worker token: anyone who reaches %s can use this worker", config.listen)
     log.info(
         "listening on %s (%d KV blocks of %d; cpu runtime %s)",
         config.listen,
@@ -331,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         _CPU_TUNING or "as the environment set it",
     )
     try:
-        return serve(engine, listener)
+        return serve(engine, listener, config.token, tls)
     finally:
         listener.close()
 

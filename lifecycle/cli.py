@@ -46,7 +46,12 @@ def _build_parser() -> argparse.ArgumentParser:
     add_flags(bat, server=False)  # the Engine's options
 
     wrk = sub.add_parser("worker", help="run a standalone model worker (gpu.worker)")
-    wrk.add_argument("--listen", required=True, help="unix:/path or tcp:HOST:PORT")
+    wrk.add_argument(
+        "--listen",
+        required=True,
+        help="unix:/path, tcp:HOST:PORT or tls:HOST:PORT (with --tls-cert); --token, "
+        "--tls-cert, --tls-key and the model options go to gpu.worker",
+    )
     add_trace_parser(sub)
     return parser
 

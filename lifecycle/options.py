@@ -64,7 +64,24 @@ OPTIONS: tuple[Option, ...] = (
         server=True,
         **_SWITCH,
     ),  # fmt: skip
-    _o("worker", "use a worker started elsewhere (unix:/path or HOST:PORT)", _WORKER),
+    _o(
+        "worker",
+        "use a worker started elsewhere (unix:/path, tcp:HOST:PORT or tls:HOST:PORT; "
+        "repeatable, and mixes with --dp)",
+        _WORKER,
+        repeat=True,
+    ),  # fmt: skip
+    _o(
+        "worker_token",
+        "the secret remote workers check (default: $LIFECYCLE_WORKER_TOKEN)",
+        _WORKER,
+    ),  # fmt: skip
+    _o(
+        "worker_tls_ca",
+        "CA file that tls: workers' certificates are checked with",
+        _WORKER,
+        metavar="FILE",
+    ),  # fmt: skip
     _o("device", "cpu | cuda (default: cuda when present)", _WORKER),
     _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
@@ -72,10 +89,10 @@ OPTIONS: tuple[Option, ...] = (
     _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
     _o(
         "dp",
-        "spawn this many workers, one router in front (data parallel)",
+        "spawn this many workers, one router in front (data parallel; default 1, or 0 "
+        "with --worker)",
         _WORKER,
         type=int,
-        default=1,
     ),  # fmt: skip
     _o(
         "router_policy",
@@ -257,6 +274,8 @@ _PLAIN = (
     "served_model_name",
     "strict_model_name",
     "worker",
+    "worker_token",
+    "worker_tls_ca",
     "device",
     "dtype",
     "max_pending",

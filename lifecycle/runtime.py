@@ -22,11 +22,12 @@ from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
+from wire.auth import resolve_token
 
 if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
 
-__all__ = ["AppConfig", "Runtime", "server_args", "worker_args"]
+__all__ = ["AppConfig", "Runtime", "server_args", "worker_addresses", "worker_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,9 @@ class AppConfig:
     model: str | None = None  # GGUF path; None: the bundled SmolLM2
     served_model_name: str | None = None
     strict_model_name: bool = False  # another model name: 404 (default: served)
-    worker: str | None = None  # address of a worker started elsewhere; None: spawn one
+    worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
+    worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
+    worker_tls_ca: str | None = None  # CA for tls: workers' certificates; None: the system's
     worker_module: str = "gpu.worker"
     worker_extra_args: tuple[str, ...] = ()
     device: str | None = None
@@ -44,7 +47,7 @@ class AppConfig:
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
-    dp: int = 1  # workers spawned behind one router (lifecycle.core.pool)
+    dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
     max_queued: int = 1024  # admission bound in the frontend
     incremental_streaming_output: bool = False
@@ -89,7 +92,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
 
 
 # Never echoed by /server_info: secrets, and what is not a server argument.
-_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys"})
+_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys", "worker_token"})
 
 
 def server_args(cfg: AppConfig, model_path: str) -> dict[str, Any]:
@@ -157,7 +160,10 @@ class Runtime:
 
     def worker_name(self) -> str:
         """The worker as traces name it: its address, or its pid when it runs here."""
-        return self.config.worker or f"local pid {getattr(self.supervisor, 'worker_pid', None)}"
+        remote = worker_addresses(self.config)
+        if remote and len(self.supervisor.members) == len(remote):
+            return ", ".join(remote)
+        return f"local pid {getattr(self.supervisor, 'worker_pid', None)}"
 
     def _tracer(self, fe: Frontend) -> Tracer:
         probe = worker_probe(self.worker_name)
@@ -205,22 +211,35 @@ def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
     return tokenizer, chat, model_config, path
 
 
+def worker_addresses(cfg: AppConfig) -> tuple[str, ...]:
+    """The remote workers' addresses (``--worker``, given once or repeated)."""
+    if cfg.worker is None:
+        return ()
+    return (cfg.worker,) if isinstance(cfg.worker, str) else tuple(cfg.worker)
+
+
 def _supervisor(cfg: AppConfig) -> Supervisor | WorkerPool:
-    """One supervisor, or with ``dp > 1`` a pool of them behind the router."""
-    if cfg.dp < 1:
-        raise ValueError(f"dp must be at least 1, got {cfg.dp}")
+    """One supervisor, or with several workers (``--dp N`` spawned here, ``--worker``
+    remote ones, or both) a pool of them behind the router."""
+    remote = worker_addresses(cfg)
+    local = cfg.dp if cfg.dp is not None else (0 if remote else 1)
+    if local < 0 or (local < 1 and not remote):
+        raise ValueError(f"dp must be at least 1 without --worker, got {cfg.dp}")
     if cfg.router_policy not in POLICIES:
         raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}")
-    if cfg.dp == 1:
-        return _one_supervisor(cfg)
-    if cfg.worker is not None:
-        raise ValueError("dp > 1 spawns its workers; it does not go with --worker")
-    return WorkerPool([_one_supervisor(cfg) for _ in range(cfg.dp)], Router(cfg.router_policy))
+    token = resolve_token(cfg.worker_token) if remote else None
+    members = [_one_supervisor(cfg, None, None) for _ in range(local)]
+    members += [_one_supervisor(cfg, address, token) for address in remote]
+    if len(members) == 1:
+        return members[0]
+    return WorkerPool(members, Router(cfg.router_policy))
 
 
-def _one_supervisor(cfg: AppConfig) -> Supervisor:
+def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> Supervisor:
     sup_config = SupervisorConfig(
-        worker=cfg.worker,
+        worker=address,
+        token=token,
+        tls_ca=cfg.worker_tls_ca,
         worker_module=cfg.worker_module,
         worker_args=worker_args(cfg),
         hung_timeout=cfg.hung_timeout,

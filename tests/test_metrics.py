@@ -35,6 +35,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+W0 = (("worker", "0"),)  # the one worker's label
+
+
 def scrape(url: str) -> Samples:
     r = httpx.get(url + "/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -107,8 +110,8 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
             got.add(await ws.recv())
         m2 = scrape(url)
         assert m2[("lifecycle_requests_in_state", (("state", "streaming"),))] == 2
-        assert m2[("lifecycle_worker_running", ())] == 2
-        assert m2[("lifecycle_worker_kv_blocks_used", ())] > 0
+        assert m2[("lifecycle_worker_running", W0)] == 2
+        assert m2[("lifecycle_worker_kv_blocks_used", W0)] > 0
         await ws.send(json.dumps({"type": "cancel", "id": "a"}))
         while "a" not in got.final:
             got.add(await ws.recv())
@@ -127,13 +130,13 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
                  endpoint="/v1/stream", method="GET", status="101") == 1  # fmt: skip
     for state in ("received", "validated", "queued", "running", "streaming"):
         assert m3[("lifecycle_requests_in_state", (("state", state),))] == 0
-    assert m3[("lifecycle_worker_kv_blocks_used", ())] == 0
+    assert m3[("lifecycle_worker_kv_blocks_used", W0)] == 0
     assert (
-        m3[("lifecycle_worker_kv_blocks_free", ())]
-        == m3[("lifecycle_worker_kv_blocks_capacity", ())]
+        m3[("lifecycle_worker_kv_blocks_free", W0)]
+        == m3[("lifecycle_worker_kv_blocks_capacity", W0)]
     )
-    assert m3[("lifecycle_worker_restarts_total", ())] == 0
-    assert m3[("lifecycle_worker_ready", ())] == 1
+    assert m3[("lifecycle_worker_restarts_total", W0)] == 0
+    assert m3[("lifecycle_worker_ready", W0)] == 1
     assert m3[("lifecycle_admission_queue_depth", ())] == 0
     assert m3[("lifecycle_tombstones", ())] == 0
 
@@ -149,8 +152,8 @@ def test_worker_restarts_and_worker_lost_are_counted(url: str) -> None:
     while True:
         m1 = scrape(url)
         if (
-            delta(m0, m1, "lifecycle_worker_restarts_total") == 1
-            and m1[("lifecycle_worker_ready", ())]
+            delta(m0, m1, "lifecycle_worker_restarts_total", worker="0") == 1
+            and m1[("lifecycle_worker_ready", W0)]
         ):
             break
         assert time.monotonic() < deadline, "the worker did not come back"

@@ -144,4 +144,4 @@ def test_serve_with_a_worker_started_elsewhere() -> None:
             )
             assert r.status_code == 200 and r.json()["output_ids"] == [42, 43, 42]
             info = httpx.get(url + "/server_info").json()
-            assert info["worker"] == address and info["internal_states"][0]["pid"]
+            assert info["worker"] == [address] and info["internal_states"][0]["pid"]

@@ -91,6 +91,8 @@ EXAMPLES = [
     wire.FlushReply(3, True, "flushed"),
     wire.Shutdown(),
     wire.Fatal("bad frame"),
+    wire.Challenge(bytes(range(32))),
+    wire.Auth(wire.auth_mac("secret", bytes(range(32)))),
 ]
 
 
@@ -194,6 +196,18 @@ def test_schema_rejects_off_spec_frames() -> None:
         validate_frame(cbor2.dumps([4, 0, [[1, [1, 2], None, None]]]))  # ids as an int list
     with pytest.raises(pycddl.ValidationError):  # a pooling the spec does not name
         validate_frame(cbor2.dumps([2, [[1, b"\x01\0\0\0", {}, {"embed": {"pooling": "max"}}]]]))
+
+
+def test_auth_mac_binds_token_and_nonce() -> None:
+    nonce = wire.new_nonce()
+    mac = wire.auth_mac("secret", nonce)
+    assert wire.check_mac("secret", nonce, mac)
+    assert not wire.check_mac("secret2", nonce, mac)
+    assert not wire.check_mac("secret", wire.new_nonce(), mac)
+    with pytest.raises(wire.WireError, match="32-byte"):
+        wire.decode_frame(cbor2.dumps([15, b"short"]))
+    with pytest.raises(ValueError, match="empty"):
+        wire.resolve_token("  ")
 
 
 def test_embed_options_defaults_and_refusals() -> None:

@@ -31,6 +31,8 @@ RULE_BY_KIND = {
     11: "flush-reply",
     12: "shutdown",
     13: "fatal",
+    14: "challenge",
+    15: "auth",
 }
 
 

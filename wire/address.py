@@ -1,6 +1,6 @@
-"""Worker addresses: ``unix:/path/to/sock`` or ``tcp:HOST:PORT`` (a bare ``HOST:PORT`` is
-read as TCP). One parser for both ends: the worker's ``--listen`` and the frontend's
-``--worker`` take the same spelling."""
+"""Worker addresses: ``unix:/path/to/sock``, ``tcp:HOST:PORT`` (a bare ``HOST:PORT`` is
+read as TCP) or ``tls:HOST:PORT`` (TCP inside TLS). One parser for both ends: the
+worker's ``--listen`` and the frontend's ``--worker`` take the same spelling."""
 
 from __future__ import annotations
 
@@ -15,16 +15,22 @@ class Address:
     path: str = ""
     host: str = ""
     port: int = 0
+    tls: bool = False  # TCP only: the link runs inside TLS
 
     def __str__(self) -> str:
-        return f"unix:{self.path}" if self.kind == "unix" else f"tcp:{self.host}:{self.port}"
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        return f"{'tls' if self.tls else 'tcp'}:{self.host}:{self.port}"
 
 
 def parse_address(text: str) -> Address:
     if text.startswith("unix:"):
         return Address("unix", path=text[5:])
-    rest = text[4:] if text.startswith("tcp:") else text
+    tls = text.startswith("tls:")
+    rest = text[4:] if text.startswith(("tcp:", "tls:")) else text
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"bad worker address {text!r}: use unix:/path or tcp:HOST:PORT")
-    return Address("tcp", host=host.strip("[]") or "127.0.0.1", port=int(port))
+        raise ValueError(
+            f"bad worker address {text!r}: use unix:/path, tcp:HOST:PORT or tls:HOST:PORT"
+        )
+    return Address("tcp", host=host.strip("[]") or "127.0.0.1", port=int(port), tls=tls)

@@ -16,6 +16,8 @@ import numpy as np
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Auth",
+    "Challenge",
     "Fatal",
     "Flush",
     "FlushReply",
@@ -45,6 +47,7 @@ PROTOCOL_VERSION = 1
 K_HELLO, K_SUBMIT, K_ABORT, K_STEP, K_REQ_ERROR = 1, 2, 3, 4, 5
 K_PROBE, K_PROBE_REPLY, K_STATS_REQ, K_STATS = 6, 7, 8, 9
 K_FLUSH, K_FLUSH_REPLY, K_SHUTDOWN, K_FATAL = 10, 11, 12, 13
+K_CHALLENGE, K_AUTH = 14, 15
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -166,6 +169,21 @@ class Fatal:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The first frame of a worker that checks a token (``wire.auth``)."""
+
+    nonce: bytes
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The frontend's answer to CHALLENGE: ``wire.auth.auth_mac(token, nonce)``."""
+
+    mac: bytes
+
+
 Frame = (
     Hello
     | Submit
@@ -180,6 +198,8 @@ Frame = (
     | FlushReply
     | Shutdown
     | Fatal
+    | Challenge
+    | Auth
 )
 
 
@@ -211,6 +231,10 @@ def _to_array(frame: Frame) -> list[Any]:
             return [K_SHUTDOWN]
         case Fatal(message):
             return [K_FATAL, message]
+        case Challenge(nonce, version):
+            return [K_CHALLENGE, version, nonce]
+        case Auth(mac):
+            return [K_AUTH, mac]
     raise TypeError(f"not a frame: {frame!r}")
 
 
@@ -235,6 +259,13 @@ def _bytes(v: Any, what: str) -> bytes:
     if not isinstance(v, bytes) or len(v) % 4:
         raise WireError(f"{what} must be a byte string of 4-byte items")
     return v
+
+
+def _digest(v: Any) -> bool:
+    """A 32-byte string: a challenge nonce or an HMAC-SHA256."""
+    if not isinstance(v, bytes) or len(v) != 32:
+        raise WireError("a challenge nonce and an auth mac are 32-byte strings")
+    return True
 
 
 def _entries(v: Any, width: int, what: str) -> list[list[Any]]:
@@ -319,6 +350,10 @@ def decode_frame(payload: bytes) -> Frame:
             return Shutdown()
         if kind == K_FATAL and n == 2 and isinstance(a[1], str):
             return Fatal(a[1])
+        if kind == K_CHALLENGE and n == 3 and _digest(a[2]):
+            return Challenge(a[2], _uint(a[1], "version"))
+        if kind == K_AUTH and n == 2 and _digest(a[1]):
+            return Auth(a[1])
     except (TypeError, ValueError) as exc:
         if isinstance(exc, WireError):
             raise

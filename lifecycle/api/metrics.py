@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -72,7 +73,7 @@ class Metrics:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
         self.registry = CollectorRegistry(auto_describe=True)
-        self._load: dict[str, Any] = {}
+        self._loads: list[dict[str, Any]] = []  # each worker's STATS, by pool index
         r, p = self.registry, PREFIX
         self.http_requests = Counter(
             f"{p}_http_requests", "HTTP requests by route and status.",
@@ -142,14 +143,22 @@ class Metrics:
         return Response(body, 200, content_type=content_type)
 
     async def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type, after one STATS call to the worker."""
-        client = self.fe.supervisor.client
-        self._load = {}
-        if client is not None:
+        """The exposition text and its content type, after one STATS call to each ready
+        worker (concurrently)."""
+        members = self.fe.supervisor.members
+        loads: list[dict[str, Any]] = [{} for _ in members]
+
+        async def one(i: int, client: Any) -> None:
             try:
-                self._load = await client.stats(timeout=STATS_TIMEOUT)
+                loads[i] = await client.stats(timeout=STATS_TIMEOUT)
             except (TimeoutError, ConnectionError) as exc:
-                log.debug("metrics: worker stats unavailable: %s", exc)
+                log.debug("metrics: worker %d stats unavailable: %s", i, exc)
+
+        async with anyio.create_task_group() as tg:
+            for i, sup in enumerate(members):
+                if sup.client is not None:
+                    tg.start_soon(one, i, sup.client)
+        self._loads = loads
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -184,33 +193,44 @@ class _LiveCollector(Collector):
                      fe.admission.depth)  # fmt: skip
         yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
                      fe.admission.capacity)  # fmt: skip
-        sup = fe.supervisor
-        # A counter (it only grows): increase() and rate() apply, and promtool wants _total.
-        yield CounterMetricFamily(
-            f"{p}_worker_restarts", "Worker restarts since start-up.", value=sup.restarts
-        )
-        yield _gauge("worker_ready", "1 when the worker is ready to serve.", int(sup.ready))
-        client = sup.client
-        if client is not None:
-            yield _gauge("dispatch_queue_depth", "Requests waiting for worker credits.",
-                         client.queued)  # fmt: skip
-            yield _gauge("worker_in_flight", "Requests the worker holds.", client.in_flight)
-        load = self.m._load
-        # (STATS key, gauge name): a gauge may not end in _total (promtool check metrics).
-        for key, name, help_text in (
-            ("running", "running", "Sequences the worker is running."),
-            ("waiting", "waiting", "Sequences waiting in the worker's scheduler."),
-            ("kv_blocks_total", "kv_blocks_capacity", "KV cache blocks in all."),
-            ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free."),
-            ("kv_blocks_cached", "kv_blocks_cached", "Free KV blocks holding a reusable prefix."),
-        ):
-            if isinstance(load.get(key), int):
-                yield _gauge(f"worker_{name}", help_text, load[key])
-        if isinstance(load.get("kv_blocks_total"), int) and isinstance(
-            load.get("kv_blocks_free"), int
-        ):
-            used = load["kv_blocks_total"] - load["kv_blocks_free"]
-            yield _gauge("worker_kv_blocks_used", "KV cache blocks in use.", used)
+        # One series per worker (label "worker": its index in the pool, "0" alone).
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+        def add(
+            name: str, help_text: str, worker: str, value: float, counter: bool = False
+        ) -> None:
+            if name not in families:
+                cls = CounterMetricFamily if counter else GaugeMetricFamily
+                families[name] = cls(f"{p}_{name}", help_text, labels=["worker"])
+            families[name].add_metric([worker], value)
+
+        loads = self.m._loads
+        for i, sup in enumerate(fe.supervisor.members):
+            w = str(i)
+            # A counter (it only grows): increase() and rate() apply; promtool wants _total.
+            add("worker_restarts", "Worker restarts since start-up.", w, sup.restarts, True)
+            add("worker_ready", "1 when the worker is ready to serve.", w, int(sup.ready))
+            client = sup.client
+            if client is not None:
+                add("dispatch_queue_depth", "Requests waiting for worker credits.", w,
+                    client.queued)  # fmt: skip
+                add("worker_in_flight", "Requests the worker holds.", w, client.in_flight)
+            load = loads[i] if i < len(loads) else {}
+            # (STATS key, gauge name): a gauge may not end in _total (promtool check metrics).
+            for key, name, help_text in (
+                ("running", "running", "Sequences the worker is running."),
+                ("waiting", "waiting", "Sequences waiting in the worker's scheduler."),
+                ("kv_blocks_total", "kv_blocks_capacity", "KV cache blocks in all."),
+                ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free."),
+                ("kv_blocks_cached", "kv_blocks_cached",
+                 "Free KV blocks holding a reusable prefix."),
+            ):  # fmt: skip
+                if isinstance(load.get(key), int):
+                    add(f"worker_{name}", help_text, w, load[key])
+            total, free = load.get("kv_blocks_total"), load.get("kv_blocks_free")
+            if isinstance(total, int) and isinstance(free, int):
+                add("worker_kv_blocks_used", "KV cache blocks in use.", w, total - free)
+        yield from families.values()
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -160,8 +160,10 @@ class NativeAPI:
     async def health(self, request: Request) -> Response:
         if self.fe.draining:
             return error_response(DRAIN.health_status, "shutting down", DRAIN.refused.retry_after)
-        if not self.fe.supervisor.ready:
-            return error_response(503, f"not ready ({self.fe.supervisor.status})", 5)
+        sup = self.fe.supervisor
+        if not sup.ready:
+            why = f": {sup.last_error}" if sup.last_error else ""
+            return error_response(503, f"not ready ({sup.status}){why}", 5)
         return Response(b"")
 
     async def health_generate(self, request: Request) -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ import anyio.abc
 
 from lifecycle.core.buffers import OutputBuffer
 from lifecycle.core.submission import WorkerFailure
-from lifecycle.core.wire_stream import FrameStream, connect, parse_address
+from lifecycle.core.wire_stream import FrameStream, client_tls_context, connect, parse_address
 from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 
@@ -46,6 +47,8 @@ class SupervisorConfig:
     watchdog_interval: float = 0.5
     backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
     stable_after: float = 30.0  # a life this long resets the back-off
+    token: str | None = None  # answers a remote worker's CHALLENGE (wire.auth)
+    tls_ca: str | None = None  # CA file a tls: worker's certificate is checked with
 
 
 class WarmupFailed(RuntimeError):
@@ -110,12 +113,18 @@ class Supervisor:
             self._set_ready(False)
 
     async def stop(self) -> None:
-        """Ask the worker to shut down and end ``run``."""
+        """End ``run``: a spawned worker is asked to shut down; a remote one (not ours to
+        stop) sees the connection close, frees what it held and waits for the next
+        frontend."""
         self._stopping = True
         client = self.client
         if client is not None:
             client.abort_all()
-            await client.shutdown()
+            if self.config.worker is None:
+                await client.shutdown()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await client.close()
         if self._life_scope is not None:
             self._life_scope.cancel()
 
@@ -134,7 +143,9 @@ class Supervisor:
             try:
                 frames = await self._connect(address, proc)
                 with anyio.fail_after(self.config.hello_timeout):
-                    client = await WorkerClient.handshake(frames, self.config.max_queued)
+                    client = await WorkerClient.handshake(
+                        frames, self.config.max_queued, self.config.token
+                    )
                 self.worker_pid = client.pid or (proc.pid if proc else None)
                 await self._serve(client)
             finally:
@@ -150,15 +161,25 @@ class Supervisor:
         return await anyio.open_process(argv, stdin=None, stdout=None, stderr=None)
 
     async def _connect(self, address: str, proc: anyio.abc.Process | None) -> FrameStream:
+        """Connect, retrying while the worker starts: every 50 ms for a spawned one, with
+        a back-off up to 2 s for a remote one (which may be down for a while)."""
         addr = parse_address(address)
+        tls = client_tls_context(self.config.tls_ca) if addr.tls else None
+        delay = 0.05
         with anyio.fail_after(self.config.hello_timeout):
             while True:
                 if proc is not None and proc.returncode is not None:
                     raise OSError(f"the worker exited with status {proc.returncode} at start-up")
                 try:
-                    return await connect(addr)
-                except OSError:
-                    await anyio.sleep(0.05)
+                    return await connect(addr, tls)
+                except ssl.SSLError:
+                    raise  # a certificate or protocol problem: retrying at once will not help
+                except OSError as exc:
+                    if proc is None:
+                        self.last_error = f"cannot reach the worker at {address}: {exc}"
+                    await anyio.sleep(delay)
+                    if proc is None:
+                        delay = min(delay * 2, 2.0)
 
     async def _serve(self, client: WorkerClient) -> None:
         self.client = client

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,7 +27,15 @@ from wire import Frame, FrameBuffer, decode_frame, encode_frame, frame_bytes
 from wire.address import Address, parse_address
 from wire.faults import Fault, fault_point
 
-__all__ = ["Address", "FrameStream", "connect", "listen", "parse_address", "serve"]
+__all__ = [
+    "Address",
+    "FrameStream",
+    "client_tls_context",
+    "connect",
+    "listen",
+    "parse_address",
+    "serve",
+]
 
 _READ_SIZE = 1 << 20
 _MAX_READY = 4096  # frames received and not yet taken before reading pauses
@@ -40,16 +49,39 @@ def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-async def connect(address: Address) -> FrameStream:
+def client_tls_context(cafile: str | None = None) -> ssl.SSLContext:
+    """What a ``tls:`` address is verified with: ``cafile``'s CAs, else the system's;
+    the worker's certificate must name the address's host."""
+    ctx = ssl.create_default_context(cafile=cafile)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+async def connect(address: Address, tls: ssl.SSLContext | None = None) -> FrameStream:
+    """A frame stream to ``address``; a ``tls:`` address runs inside TLS with ``tls``
+    (default: ``client_tls_context()``)."""
+    if address.tls and tls is None:
+        tls = client_tls_context()
+    ssl_ctx = tls if address.tls else None
     loop = _asyncio_loop()
     if loop is not None:
         if address.kind == "unix":
             _, conn = await loop.create_unix_connection(_FrameConnection, address.path)
         else:
-            _, conn = await loop.create_connection(_FrameConnection, address.host, address.port)
+            _, conn = await loop.create_connection(
+                _FrameConnection,
+                address.host,
+                address.port,
+                ssl=ssl_ctx,
+                server_hostname=address.host if ssl_ctx else None,
+            )
         return FrameStream(conn)
     if address.kind == "unix":
         stream: anyio.abc.ByteStream = await anyio.connect_unix(address.path)
+    elif ssl_ctx is not None:
+        stream = await anyio.connect_tcp(
+            address.host, address.port, ssl_context=ssl_ctx, tls_hostname=address.host
+        )
     else:
         stream = await anyio.connect_tcp(address.host, address.port)
     return FrameStream(stream)

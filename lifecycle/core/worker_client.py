@@ -35,9 +35,13 @@ from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_re
 from lifecycle.core.wire_stream import FrameStream
 from wire.faults import fault_point
 
-__all__ = ["DEFAULT_MAX_QUEUED", "WorkerClient"]
+__all__ = ["DEFAULT_MAX_QUEUED", "WorkerClient", "WorkerRefused"]
 
 log = logging.getLogger("lifecycle.worker")
+
+
+class WorkerRefused(ConnectionError):
+    """The worker would not serve this frontend (no token, or a wrong one)."""
 
 
 DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control probes
@@ -66,9 +70,22 @@ class WorkerClient:
 
     @classmethod
     async def handshake(
-        cls, frames: FrameStream, max_queued: int = DEFAULT_MAX_QUEUED
+        cls, frames: FrameStream, max_queued: int = DEFAULT_MAX_QUEUED, token: str | None = None
     ) -> WorkerClient:
+        """HELLO, after answering the worker's CHALLENGE with ``token`` when it asks
+        (``wire.auth``); ``WorkerRefused`` says why a worker would not serve us."""
         frame = await frames.receive()
+        if isinstance(frame, wire.Challenge):
+            if token is None:
+                raise WorkerRefused(
+                    f"the worker asks for a token: set --worker-token or ${wire.TOKEN_ENV}"
+                )
+            await frames.send(wire.Auth(wire.auth_mac(token, frame.nonce)))
+            frame = await frames.receive()
+            if isinstance(frame, wire.Fatal):
+                raise WorkerRefused(f"the worker refused the link: {frame.message}")
+        elif token is not None and isinstance(frame, wire.Hello):
+            log.warning("the worker does not check tokens: it serves anyone who reaches it")
         if not isinstance(frame, wire.Hello):
             raise wire.WireError(f"expected HELLO first, got {type(frame).__name__}")
         return cls(frames, frame, max_queued)
