@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gpu.grammar import Grammars, advance
+from gpu.graphs import StepGraphs, graph_backend
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
@@ -44,6 +45,7 @@ class EngineConfig:
     max_pending: int = 256
     step_tokens: int = 512
     mixed_prefill_tokens: int = 512
+    decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -71,9 +73,11 @@ class Engine:
         self.mc = loaded.config
         self.config = config
         self.blocks = BlockManager(config.kv_blocks, config.block_size)
+        graphs = graph_backend(config.decode_graphs, loaded.device)
         self.cache = PagedKVCache(
-            self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype
-        )
+            self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype,
+            scratch=graphs is not None,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
@@ -83,6 +87,9 @@ class Engine:
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
+        self.graphs = None if graphs is None else StepGraphs(
+            self.model, self.cache, graphs, config.max_running, self.max_context
+        )  # fmt: skip
         self._eog = tuple(sorted(self.mc.eog_ids))
         tok = loaded.tokenizer
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
@@ -250,22 +257,28 @@ class Engine:
                 rows.add_sample(row + n - 1)
                 samplers.append(seq)
         dev = self.cache.device
-        self.cache.prepare(decodes, prefills)
         want_hidden = any(s.options.return_hidden_states for s in samplers)
         fault = fault_point("worker.forward")
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
-        x = self.model.trunk(
-            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache
-        )
-        pooled = self._pool(x, pooling)
         logits = hidden = None
-        if rows.indices:  # a step of embed prefills alone needs no LM head
-            idx = torch.tensor(rows.indices, dtype=torch.int64, device=dev)
-            out = self.model.logits(x, idx, want_hidden)
-            logits, hidden = out if isinstance(out, tuple) else (out, None)
-            if fault is not None and fault.action == "nan":
-                logits = torch.full_like(logits, float("nan"))
+        pooled: list[tuple[Sequence, torch.Tensor]] = []
+        if self.graphs is not None and len(samplers) == len(decodes) == len(batch):
+            # Pure decode, every row sampled, nothing else asked: a captured shape.
+            if not want_hidden and rows.indices == list(range(len(ids))):
+                logits = self.graphs.run(ids, pos, decodes)
+        if logits is None:
+            self.cache.prepare(decodes, prefills)
+            x = self.model.trunk(
+                torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache
+            )
+            pooled = self._pool(x, pooling)
+            if rows.indices:  # a step of embed prefills alone needs no LM head
+                idx = torch.tensor(rows.indices, dtype=torch.int64, device=dev)
+                out = self.model.logits(x, idx, want_hidden)
+                logits, hidden = out if isinstance(out, tuple) else (out, None)
+        if logits is not None and fault is not None and fault.action == "nan":
+            logits = torch.full_like(logits, float("nan"))
         for seq, n in batch:
             self.scheduler.computed(seq, n)
         entries = [self._embedded(seq, vec) for seq, vec in pooled]

@@ -37,6 +37,7 @@ __all__ = [
     "PrefillChunk",
     "PrefixHit",
     "block_hash",
+    "decode_layout",
 ]
 
 
@@ -285,6 +286,13 @@ class _Layout:
     prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
 
 
+def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor) -> _Layout:
+    """A decode-only step over given tensors (what ``prepare`` builds for the gather +
+    ``bmm`` path): ``n`` sequences, new-token ``slots [n]``, block ``rows [n_kv * n *
+    nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]``."""
+    return _Layout(slots, n, rows, keys, bias, None, None, ())
+
+
 class PagedKVCache:
     """The paged ``AttentionBackend``: call ``prepare`` before each forward.
 
@@ -301,9 +309,14 @@ class PagedKVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         native: bool | None = None,
+        scratch: bool = False,
     ) -> None:
         """``native``: decode attention through the C kernel (``gpu/native.py``); None
-        means whenever it loads and the cache is fp32 on the CPU."""
+        means whenever it loads and the cache is fp32 on the CPU. ``scratch``: one more
+        block, ``scratch_block``, that no sequence owns (padding rows of a captured
+        decode step write there: ``gpu/graphs.py``)."""
+        self.scratch_block: int | None = num_blocks if scratch else None
+        num_blocks += int(scratch)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -383,6 +396,11 @@ class PagedKVCache:
             dec_lens,
             tuple(pre),
         )
+
+    def use_layout(self, layout: _Layout) -> None:
+        """Declare the step with a layout built elsewhere (``decode_layout``: a captured
+        step's static buffers) instead of ``prepare``."""
+        self._layout = layout
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         lay = self._layout

@@ -1,0 +1,255 @@
+"""Decode steps replayed from captured graphs: CUDA graphs on a GPU, the same
+static-buffer step run eagerly elsewhere (so the CPU tests the logic a GPU replays).
+
+A pure-decode step (every sequence adds one token, no prefill, no pooling, no hidden
+states or prompt logprobs) is padded up to a captured shape ``(B, nb)``: ``B`` the next
+batch size in ``batch_sizes`` at or above the step's sequences, ``nb`` the next power
+of two at or above the longest context's blocks. Each shape has its graph, captured the
+first time it is needed (a CUDA graph fixes every tensor's shape and address), over
+static buffers the step writes in place:
+
+- ``ids``, ``pos``: the new token and its position, per row;
+- ``slots``: the cache row each new token's K/V goes to;
+- ``rows``: the blocks each row's keys are gathered from (the gather + ``bmm`` decode of
+  ``PagedKVCache``, which needs no host synchronisation), and ``bias`` the additive mask
+  past each context;
+- ``logits``: the LM head's output for every row, read back as ``logits[:D]``.
+
+Padding rows point at a scratch block that no sequence owns (``PagedKVCache`` is built
+with one extra block for it: ``scratch_block``), with a context of one key, so they
+compute finite values that nobody reads. Graphs share one memory pool, captured
+largest first when warmed up together.
+
+The device abstraction is ``GraphBackend``: ``capture(fn)`` returns a replay callable.
+``EagerBackend`` calls ``fn`` again each time; ``CudaBackend`` warms ``fn`` up on a side
+stream, captures it under ``torch.cuda.graph`` and replays it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from gpu.kv_cache import PagedKVCache, decode_layout
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "GRAPH_MODES",
+    "CudaBackend",
+    "EagerBackend",
+    "GraphBackend",
+    "StepGraphs",
+    "graph_backend",
+    "pad_shape",
+]
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class GraphBackend(Protocol):
+    kind: str
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]: ...
+
+
+class EagerBackend:
+    """No capture: the replay runs ``fn`` (the CPU, and a GPU with graphs turned off)."""
+
+    kind = "eager"
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        return fn
+
+
+class CudaBackend:
+    """``torch.cuda.CUDAGraph`` per capture, all in one memory pool."""
+
+    kind = "cuda_graph"
+
+    def __init__(self, device: torch.device, warmup_runs: int = 2) -> None:
+        self.device = device
+        self.warmup_runs = warmup_runs
+        self.pool: Any = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # allocator and lazy inits settle off the graph
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph.replay
+
+
+GRAPH_MODES = ("auto", "on", "eager", "off")
+
+
+def graph_backend(mode: str, device: torch.device) -> GraphBackend | None:
+    """``--decode-graphs``: ``auto`` is CUDA graphs on a CUDA device and off elsewhere;
+    ``on`` insists on CUDA graphs; ``eager`` runs the static-buffer step without capture
+    (any device: what the CPU tests check); ``off`` is the plain step."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"decode graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    if mode == "eager":
+        return EagerBackend()
+    if device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device (use --decode-graphs eager or off)")
+    return CudaBackend(device)
+
+
+def pad_shape(n: int, max_blocks: int, batch_sizes: Sequence[int], block_size: int,
+              ctx: int) -> tuple[int, int] | None:  # fmt: skip
+    """The captured shape ``(B, nb)`` for ``n`` sequences whose longest context is
+    ``ctx`` tokens; None when ``n`` is over the largest batch size."""
+    b = next((s for s in batch_sizes if s >= n), None)
+    if b is None:
+        return None
+    need = max(1, -(-ctx // block_size))
+    nb = 1
+    while nb < need:
+        nb *= 2
+    return b, min(nb, max_blocks) if need <= max_blocks else need
+
+
+class _Shape:
+    """One captured shape's static buffers and its replay."""
+
+    def __init__(self, b: int, nb: int, cache: PagedKVCache, vocab: int) -> None:
+        dev, kv, bs = cache.device, cache.n_kv_heads, cache.block_size
+        self.b, self.nb = b, nb
+        self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(kv * b * nb, dtype=torch.int64, device=dev)
+        self.bias = torch.zeros(kv * b, 1, nb * bs, dtype=cache.k.dtype, device=dev)
+        self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+        self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias)
+        self.replay: Callable[[], None] | None = None
+
+
+class StepGraphs:
+    """Pure-decode steps through captured shapes; ``run`` returns logits ``[D, vocab]``."""
+
+    def __init__(
+        self,
+        model: Any,  # gpu.model.Llama
+        cache: PagedKVCache,
+        backend: GraphBackend,
+        max_batch: int,
+        max_context: int,
+        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        max_graphs: int = 128,
+    ) -> None:
+        if cache.scratch_block is None:
+            raise ValueError("StepGraphs needs a PagedKVCache with a scratch block")
+        self.model, self.cache, self.backend = model, cache, backend
+        sizes = sorted({s for s in batch_sizes if s < max_batch} | {max_batch})
+        self.batch_sizes = tuple(sizes)
+        self.max_blocks = -(-max_context // cache.block_size)
+        self.max_graphs = max_graphs
+        self.vocab = int(model.embed.shape[0])
+        self.shapes: dict[tuple[int, int], _Shape] = {}
+        self.replays = 0
+        self.captures = 0
+
+    @property
+    def kind(self) -> str:
+        return self.backend.kind
+
+    def shape_for(self, decodes: Sequence[tuple[Sequence[int], int]]) -> tuple[int, int] | None:
+        if not decodes:
+            return None
+        ctx = max(c for _, c in decodes)
+        shape = pad_shape(len(decodes), self.max_blocks, self.batch_sizes,
+                          self.cache.block_size, ctx)  # fmt: skip
+        if shape is None or shape[1] > self.max_blocks:
+            return None
+        if shape not in self.shapes and len(self.shapes) >= self.max_graphs:
+            return None  # the budget of captures is spent: this step runs eagerly
+        return shape
+
+    def run(self, ids: Sequence[int], pos: Sequence[int],
+            decodes: Sequence[tuple[Sequence[int], int]]) -> Tensor | None:  # fmt: skip
+        """Logits ``[len(decodes), vocab]`` for one pure-decode step, or None when no
+        captured shape fits it (the caller runs the step eagerly)."""
+        key = self.shape_for(decodes)
+        if key is None:
+            return None
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self._capture(*key)
+        self._fill(shape, ids, pos, decodes)
+        assert shape.replay is not None
+        shape.replay()
+        self.replays += 1
+        return shape.logits[: len(decodes)]
+
+    def warm_up(self, shapes: Sequence[tuple[int, int]]) -> None:
+        """Capture these shapes now (largest first: the pool then fits the rest)."""
+        for b, nb in sorted(shapes, reverse=True):
+            if (b, nb) not in self.shapes:
+                self._capture(b, nb)
+
+    # -- inside ---------------------------------------------------------------------------
+    def _capture(self, b: int, nb: int) -> _Shape:
+        shape = _Shape(b, nb, self.cache, self.vocab)
+        self._fill(shape, [0] * b, [0] * b, [])  # every row a padding row while capturing
+
+        def step() -> None:
+            self.cache.use_layout(shape.layout)
+            x = self.model.trunk(shape.ids, shape.pos, self.cache)
+            shape.logits.copy_(self.model.logits(x))
+
+        shape.replay = self.backend.capture(step)
+        self.shapes[(b, nb)] = shape
+        self.captures += 1
+        return shape
+
+    def _fill(self, shape: _Shape, ids: Sequence[int], pos: Sequence[int],
+              decodes: Sequence[tuple[Sequence[int], int]]) -> None:  # fmt: skip
+        """Write one step into the shape's buffers in place (host to device copies, no
+        new device tensors: the graph reads these addresses)."""
+        b, nb, bs = shape.b, shape.nb, self.cache.block_size
+        scratch = self.cache.scratch_block
+        assert scratch is not None
+        d = len(decodes)
+        pad = b - d
+        tables, lens, slots = [], [], []
+        for table, ctx in decodes:
+            t = list(table[:nb])
+            tables.append(t + [scratch] * (nb - len(t)))
+            lens.append(ctx)
+            p = ctx - 1
+            slots.append(table[p // bs] * bs + p % bs)
+        tables += [[scratch] * nb] * pad
+        lens += [1] * pad
+        slots += [scratch * bs] * pad
+        host_ids = torch.tensor([*ids[:d], *[0] * pad], dtype=torch.int64)
+        host_pos = torch.tensor([*pos[:d], *[0] * pad], dtype=torch.int64)
+        kv, nblocks = self.cache.n_kv_heads, self.cache.num_blocks
+        blocks = torch.tensor(tables, dtype=torch.int64).reshape(-1)
+        rows = (torch.arange(kv)[:, None] * nblocks + blocks[None, :]).reshape(-1)
+        past = torch.arange(nb * bs)[None, :] >= torch.tensor(lens)[:, None]
+        bias = torch.zeros(past.shape, dtype=shape.bias.dtype).masked_fill_(past, float("-inf"))
+        shape.ids.copy_(host_ids, non_blocking=True)
+        shape.pos.copy_(host_pos, non_blocking=True)
+        shape.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        shape.rows.copy_(rows, non_blocking=True)
+        shape.bias.copy_(bias.expand(kv, *bias.shape).reshape(shape.bias.shape), non_blocking=True)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "batch_sizes": list(self.batch_sizes),
+            "captured": sorted(self.shapes),
+            "captures": self.captures,
+            "replays": self.replays,
+        }

@@ -1,0 +1,195 @@
+"""Captured decode steps (``gpu/graphs.py``): the static-buffer step the GPU replays,
+checked on the CPU without capture (``decode_graphs="eager"``) against the plain step,
+and on a GPU (skipped without one) with CUDA graphs against eager CUDA and the CPU.
+
+The CPU tests run the engine in memory, as ``test_worker_engine.py`` does: the same
+requests through an engine with and without the static-buffer path must give the same
+tokens, with batches that pad (5 sequences run as 8) and contexts that cross a block
+bucket (the captured block count doubles as they grow)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.engine import Engine, EngineConfig
+from gpu.graphs import EagerBackend, StepGraphs, graph_backend, pad_shape
+from gpu.kv_cache import PagedKVCache
+from gpu.loader import LoadedModel, load_model
+from tests.tiny_gguf import TinyModel
+from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CUDA = torch.cuda.is_available()
+
+
+def _engine(lm: LoadedModel, graphs: str, blocks: int = 256, max_running: int = 16) -> Engine:
+    return Engine(lm, EngineConfig(blocks, 16, max_running, 64, 512, 512, decode_graphs=graphs))
+
+
+def _generate(engine: Engine, prompts: list[list[int]], n: int, sampling: dict | None = None,
+              ) -> dict[int, list[int]]:  # fmt: skip
+    s = {**GREEDY, "max_new_tokens": n, **(sampling or {})}
+    errors, done = engine.submit(
+        [SubmitEntry(i + 1, pack_ids(p), s, {}) for i, p in enumerate(prompts)]
+    )
+    assert not errors, errors
+    got: dict[int, list[StepEntry]] = {}
+    for e in done:
+        got.setdefault(e.rid, []).append(e)
+    while engine.has_work:
+        for e in engine.step():
+            got.setdefault(e.rid, []).append(e)
+    assert not engine.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    return {rid: [t for e in es for t in ids_to_list(e.new_ids)] for rid, es in got.items()}
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_gguf: TinyModel) -> LoadedModel:
+    return load_model(tiny_gguf.path, device="cpu")
+
+
+def test_pad_shape_rounds_batch_up_and_blocks_to_a_power_of_two() -> None:
+    sizes = (1, 2, 4, 8, 16)
+    assert pad_shape(1, 64, sizes, 16, 1) == (1, 1)
+    assert pad_shape(3, 64, sizes, 16, 17) == (4, 2)
+    assert pad_shape(5, 64, sizes, 16, 16 * 5) == (8, 8)
+    assert pad_shape(16, 64, sizes, 16, 16 * 64) == (16, 64)
+    assert pad_shape(16, 48, sizes, 16, 16 * 40) == (16, 48)  # capped at the context
+    assert pad_shape(17, 64, sizes, 16, 1) is None  # over the largest batch: eager
+    assert pad_shape(2, 8, sizes, 16, 16 * 9) == (2, 9)  # over the context: refused upstream
+
+
+def test_graph_modes_on_the_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert graph_backend("auto", cpu) is None
+    assert graph_backend("off", cpu) is None
+    assert isinstance(graph_backend("eager", cpu), EagerBackend)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        graph_backend("on", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        graph_backend("sometimes", cpu)
+
+
+def test_static_buffer_steps_match_the_plain_step(lm: LoadedModel) -> None:
+    prompts = _prompts(5, lm.config.vocab_size)
+    plain = _generate(_engine(lm, "off"), prompts, 40)
+    engine = _engine(lm, "eager")
+    graphed = _generate(engine, prompts, 40)
+    assert graphed == plain
+    g = engine.graphs
+    assert g is not None and g.replays > 0
+    shapes = {b for b, _ in g.shapes}
+    assert 8 in shapes  # five sequences padded to eight
+    assert len({nb for _, nb in g.shapes}) >= 2  # contexts grew across a block bucket
+
+
+def test_sampled_and_penalised_steps_match_too(lm: LoadedModel) -> None:
+    """Sampling reads the same logits: seeded sampling and penalties agree."""
+    prompts = _prompts(3, lm.config.vocab_size, seed=1)
+    sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.5}
+    plain = _generate(_engine(lm, "off"), prompts, 24, sampling)
+    graphed = _generate(_engine(lm, "eager"), prompts, 24, sampling)
+    assert graphed == plain
+
+
+def test_a_batch_over_the_largest_shape_runs_eagerly(lm: LoadedModel) -> None:
+    engine = _engine(lm, "eager", max_running=16)
+    assert engine.graphs is not None
+    engine.graphs.batch_sizes = (1, 2)  # fewer shapes than the batch needs
+    prompts = _prompts(4, lm.config.vocab_size, seed=2)
+    assert _generate(engine, prompts, 8) == _generate(_engine(lm, "off"), prompts, 8)
+    assert all(b <= 2 for b, _ in engine.graphs.shapes)
+
+
+def test_padding_rows_write_only_the_scratch_block(lm: LoadedModel) -> None:
+    cache = PagedKVCache(lm.config, 8, 16, scratch=True)
+    assert cache.scratch_block == 8 and cache.num_blocks == 9
+    graphs = StepGraphs(lm.model, cache, EagerBackend(), max_batch=4, max_context=128)
+    before = cache.k[:, :, : 8 * 16].clone()
+    with torch.inference_mode():
+        graphs.run([7], [0], [([3], 1)])  # one real row (block 3, position 0), three padded
+    changed = (cache.k[:, :, : 8 * 16] != before).any(dim=(0, 1, 3)).nonzero().flatten()
+    assert changed.tolist() == [3 * 16]  # the real row's slot and nothing else
+
+
+def test_stepgraphs_needs_a_scratch_block(lm: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="scratch block"):
+        StepGraphs(lm.model, PagedKVCache(lm.config, 8, 16), EagerBackend(), 4, 128)
+
+
+# -- on a GPU -------------------------------------------------------------------------------
+def _reference_prompts() -> list[list[int]]:
+    meta = json.loads((FIXTURES / "model_reference.json").read_text(encoding="utf-8"))
+    return [p["ids"] for p in meta["prompts"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
+    """The acceptance check on a GPU: the reference prompts' greedy output with CUDA
+    graphs equals eager CUDA token for token, and both agree with the CPU worker on
+    at least the first 16 tokens (bf16 against fp32; where they part is printed)."""
+    path = None  # the default model, or a same-shape random one (tools/gpu_check.sh)
+    import os
+
+    path = os.environ.get("LIFECYCLE_TEST_MODEL") or None
+    cuda = load_model(path, device="cuda")
+    prompts = _reference_prompts()
+    n = 32
+    graphed = _generate(_engine(cuda, "on", blocks=4096, max_running=64), prompts, n)
+    eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
+    assert graphed == eager
+    cpu = load_model(path, device="cpu")
+    on_cpu = _generate(_engine(cpu, "off", blocks=4096, max_running=64), prompts, n)
+    for rid in sorted(on_cpu):
+        a, b = graphed[rid], on_cpu[rid]
+        part = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        print(f"prompt {rid}: cuda and cpu part at token {part}")
+        if os.environ.get("LIFECYCLE_TEST_MODEL") is None:  # a random model's ties are moot
+            assert part is None or part >= 16, (rid, part)
+
+
+# -- the KV cache sized to the card (gpu/memory.py) ------------------------------------------
+def test_kv_plan_takes_the_fraction_less_the_step_reserve(lm: LoadedModel) -> None:
+    from gpu.memory import GRAPH_POOL_BYTES, activation_bytes, kv_bytes_per_token, plan_kv
+
+    mc = lm.config
+    per_token = kv_bytes_per_token(mc, 2)
+    assert per_token == 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * 2
+    free = 64 * 2**30
+    plan = plan_kv(free, 0.5, mc, 2, 16, 512, 64, graphs=True)
+    reserve = activation_bytes(mc, 512, 64, 2) + GRAPH_POOL_BYTES
+    assert plan.reserve_bytes == reserve
+    assert plan.blocks == (free // 2 - reserve) // (per_token * 16)
+    assert plan.bytes == plan.blocks * per_token * 16 <= free // 2 - reserve
+    assert plan.info()["mem_fraction"] == 0.5
+    assert plan_kv(free, 0.9, mc, 2, 16, 512, 64, True).blocks > plan.blocks
+    assert plan_kv(10, 0.9, mc, 2, 16, 512, 64, True).blocks == 1  # never none
+    with pytest.raises(ValueError, match="mem fraction"):
+        plan_kv(free, 1.5, mc, 2, 16, 512, 64, True)
+
+
+def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
+    """The numbers /server_info would show on the card the CUDA issue names: SmolLM2's
+    shape in bf16 with 139 GiB free (less ~0.3 GiB of weights) at the default 0.85."""
+    from gpu.memory import DEFAULT_MEM_FRACTION, plan_kv
+    from modelfile.config import ModelConfig
+
+    mc = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 100000.0, 1e-5, 8192, 49152, True,
+                     1, 2, (2,), False, "SmolLM2")  # fmt: skip
+    plan = plan_kv(int(138.7 * 2**30), DEFAULT_MEM_FRACTION, mc, 2, 16, 512, 64, True)
+    tokens = plan.blocks * 16
+    assert 5_400_000 < tokens < 5_500_000  # ~5.5 M tokens of KV at 23,040 B each
+    assert plan.reserve_bytes < 2**30
