@@ -30,6 +30,7 @@ from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
+from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
 from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
@@ -50,12 +51,6 @@ SCHEMAS = [
     },  # fmt: skip
     {"type": "array", "items": {"type": "boolean"}, "minItems": 60},
 ]
-
-
-def _steal() -> tuple[int, int]:
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    vals = [int(x) for x in f]
-    return vals[7] if len(vals) > 7 else 0, sum(vals)
 
 
 class _MaskTimer:
@@ -95,7 +90,7 @@ def run_leg(engine: Engine, prompts: list[list[int]], constrained: int, rid0: in
     free = {rid0 + i for i in range(constrained, len(prompts))}
     n_free = len(free)
     timer = _MaskTimer(engine) if constrained else None
-    st0, tot0 = _steal()
+    steal0 = steal_ticks()
     t0 = time.perf_counter()
     errors, _ = engine.submit(entries)
     assert not errors, errors
@@ -115,7 +110,7 @@ def run_leg(engine: Engine, prompts: list[list[int]], constrained: int, rid0: in
                 compile_ms[e.rid] = e.extra["grammar_compile_ms"]
             if e.finish is not None and e.rid - rid0 < constrained:
                 assert e.finish[0] == "length", ("a grammar completed early", e)
-    st1, tot1 = _steal()
+    steal1 = steal_ticks()
     if timer is not None:
         del engine.grammars.masks  # back to the class's method
     end = free_end or time.perf_counter()
@@ -124,7 +119,7 @@ def run_leg(engine: Engine, prompts: list[list[int]], constrained: int, rid0: in
         "step_ms": statistics.median(steps),
         "mask_ms": timer.times if timer else [],
         "compile_ms": list(compile_ms.values()),
-        "steal": (st1 - st0) / max(tot1 - tot0, 1),
+        "steal": steal_share(steal0, steal1),
     }
 
 

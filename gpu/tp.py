@@ -59,7 +59,7 @@ from gpu.tp_model import ShardedLlama, shard_model, shard_plan  # noqa: E402
 from modelfile.config import config_from_gguf  # noqa: E402
 from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
 
-__all__ = ["Followers", "LeaderCache", "follow", "main", "start_leader", "stop_leader"]
+__all__ = ["Channel", "Followers", "LeaderCache", "follow", "lead", "main", "start_leader", "stop_leader"]
 
 log = logging.getLogger("gpu.tp")
 
@@ -149,10 +149,12 @@ class LeaderCache(PagedKVCache):
 
     @classmethod
     def adopt(cls, cache: PagedKVCache, followers: Followers) -> LeaderCache:
-        """The engine's own cache (its tensors, no second allocation) as a ``LeaderCache``."""
+        """``cache`` (its tensors: no second allocation) as a ``LeaderCache``; the
+        followers make theirs, of the same number and size of blocks."""
         out = cls.__new__(cls)
         out.__dict__.update(cache.__dict__)
         out.followers = followers
+        followers.announce(encode_cache(cache.num_blocks, cache.block_size))
         return out
 
     def prepare(
@@ -243,11 +245,11 @@ def start_leader(
 
 
 def lead(engine: Engine, followers: Followers) -> None:
-    """Route the engine's cache ops through the followers; sends them the cache's size."""
+    """Route the engine's cache ops through the followers: its cache, and the scheduler's
+    hook on it (bound when the engine was made)."""
     cache = LeaderCache.adopt(engine.cache, followers)
     engine.cache = cache
     engine.scheduler.copy_rows = cache.copy_rows
-    followers.announce(encode_cache(engine.config.kv_blocks, engine.config.block_size))
 
 
 def stop_leader(engine: Engine) -> None:

@@ -6,7 +6,8 @@ receiver thread does blocking reads, answers PROBE itself (no slot, under the se
 lock) and queues everything else; the step loop blocks on the queue when it has no
 work (idle is ~0% CPU, and a frame arriving wakes it at once) and drains it between
 steps otherwise. A lost connection aborts and frees everything it held; a malformed
-frame gets FATAL and a close; the worker itself stays up until SHUTDOWN.
+frame gets FATAL and a close; the worker itself stays up until SHUTDOWN. With ``--tp K``
+this process is rank 0 of K tensor-parallel ranks (``gpu/tp.py``), the others its children.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import wire  # noqa: E402
 from gpu.engine import Engine, EngineConfig, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
+from gpu.tp_model import ShardedLlama  # noqa: E402
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
@@ -58,6 +60,7 @@ class WorkerConfig:
     step_tokens: int = 512
     mixed_prefill_tokens: int = 512  # prompt tokens per step while others decode
     threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    tp: int = 1  # tensor-parallel ranks (gpu/tp.py), each a process; 1: this one alone
     token: str | None = None  # serve only a frontend that proves it (None: LIFECYCLE_WORKER_TOKEN)
     tls_cert: str | None = None  # TLS on the TCP link with this certificate chain (PEM)
     tls_key: str | None = None  # its private key, when not in the certificate file
@@ -153,6 +156,8 @@ def _hello(engine: Engine) -> wire.Hello:
         "pid": os.getpid(),
         "hidden_size": mc.hidden,
     }
+    if isinstance(engine.model, ShardedLlama):
+        model["tp"] = engine.model.plan.world
     capacity = {
         "max_running": c.max_running,
         "max_pending": c.max_pending,
@@ -322,6 +327,13 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
     )
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks, one process each (at most the model's KV heads; "
+        "one torch thread per rank unless --threads)",
+    )
+    p.add_argument(
         "--token",
         default=d.token,
         help=f"serve only a frontend that knows this secret (default: ${wire.TOKEN_ENV})",
@@ -329,6 +341,8 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--tls-cert", default=d.tls_cert, help="TLS on the TCP link (PEM chain)")
     p.add_argument("--tls-key", default=d.tls_key, help="the certificate's key (PEM)")
     config = WorkerConfig(**vars(p.parse_args(argv)))
+    if config.tp < 1:
+        p.error(f"--tp must be at least 1, got {config.tp}")
     try:
         token = wire.resolve_token(config.token)
     except ValueError as exc:
@@ -341,11 +355,19 @@ def build_engine(config: WorkerConfig) -> Engine:
         # On a CPU shared with other busy processes, one thread avoids stalls at every
         # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
         torch.set_num_threads(config.threads)
-    lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
-    mc = lm.config
+    followers = None
+    if config.tp > 1:
+        from gpu import tp  # spawns the other ranks; never imported at --tp 1
+
+        lm, followers = tp.start_leader(
+            config.tp, config.model_path, config.device, config.dtype, config.threads
+        )
+    else:
+        lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
+    mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     elem = lm.model.embed.element_size()
     blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
-    return Engine(
+    engine = Engine(
         lm,
         EngineConfig(
             blocks,
@@ -356,6 +378,9 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.mixed_prefill_tokens,
         ),
     )
+    if followers is not None:
+        tp.lead(engine, followers)
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(engine, listener, config.token, tls)
     finally:
         listener.close()
+        if config.tp > 1:
+            from gpu.tp import stop_leader
+
+            stop_leader(engine)
 
 
 if __name__ == "__main__":
