@@ -59,7 +59,16 @@ from gpu.tp_model import ShardedLlama, shard_model, shard_plan  # noqa: E402
 from modelfile.config import config_from_gguf  # noqa: E402
 from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
 
-__all__ = ["Channel", "Followers", "LeaderCache", "follow", "lead", "main", "start_leader", "stop_leader"]
+__all__ = [
+    "Channel",
+    "Followers",
+    "LeaderCache",
+    "follow",
+    "lead",
+    "main",
+    "start_leader",
+    "stop_leader",
+]
 
 log = logging.getLogger("gpu.tp")
 
@@ -171,6 +180,9 @@ class LeaderCache(PagedKVCache):
         self.followers.queue(encode_copy_rows(src, dst, n))
         super().copy_rows(src, dst, n)
 
+    def use_layout(self, layout: object) -> None:
+        raise RuntimeError("a layout built outside prepare() cannot be told to the followers")
+
 
 def _rank_device(device: str | None, dtype: str | None, rank: int) -> tuple[str, str]:
     """Each rank's own CUDA device (``cuda:RANK``); the CPU is shared."""
@@ -246,7 +258,18 @@ def start_leader(
 
 def lead(engine: Engine, followers: Followers) -> None:
     """Route the engine's cache ops through the followers: its cache, and the scheduler's
-    hook on it (bound when the engine was made)."""
+    hook on it (bound when the engine was made).
+
+    Decode graphs (``gpu/graphs.py``) replay a step without calling the model, so the
+    followers would never hear of it: ``auto`` turns them off, asking for them is refused.
+    """
+    if engine.graphs is not None:
+        if engine.config.decode_graphs != "auto":
+            raise ValueError(
+                f"--tp does not run with --decode-graphs {engine.config.decode_graphs}"
+            )
+        log.info("tensor parallel: decode graphs off (every step is announced to the followers)")
+        engine.graphs = None
     cache = LeaderCache.adopt(engine.cache, followers)
     engine.cache = cache
     engine.scheduler.copy_rows = cache.copy_rows

@@ -50,7 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--listen",
         required=True,
         help="unix:/path, tcp:HOST:PORT or tls:HOST:PORT (with --tls-cert); --token, "
-        "--tls-cert, --tls-key and the model options go to gpu.worker",
+        "--tls-cert, --tls-key, --tp and the model options go to gpu.worker",
     )
     add_trace_parser(sub)
     return parser

@@ -88,6 +88,13 @@ OPTIONS: tuple[Option, ...] = (
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
     _o(
+        "tp",
+        "tensor-parallel ranks per spawned worker, one process each (default 1; at most "
+        "the model's KV heads)",
+        _WORKER,
+        type=int,
+    ),  # fmt: skip
+    _o(
         "dp",
         "spawn this many workers, one router in front (data parallel; default 1, or 0 "
         "with --worker)",
@@ -281,6 +288,7 @@ _PLAIN = (
     "max_pending",
     "max_running",
     "kv_cache_tokens",
+    "tp",
     "dp",
     "router_policy",
     "max_queued",

@@ -47,6 +47,7 @@ class AppConfig:
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
+    tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
     max_queued: int = 1024  # admission bound in the frontend
@@ -84,6 +85,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
             ("--device", cfg.device),
             ("--dtype", cfg.dtype),
             ("--kv-cache-tokens", cfg.kv_cache_tokens),
+            ("--tp", cfg.tp),
         ]
     for flag, value in options:
         if value is not None:
