@@ -87,6 +87,7 @@ class Engine:
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
+        self.kv_plan: Any = None  # gpu.memory.KVPlan when sized from the card's memory
         self.graphs = None if graphs is None else StepGraphs(
             self.model, self.cache, graphs, config.max_running, self.max_context
         )  # fmt: skip

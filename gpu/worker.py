@@ -32,8 +32,10 @@ import torch  # noqa: E402
 
 import wire  # noqa: E402
 from gpu.engine import Engine, EngineConfig, ProtocolError  # noqa: E402
+from gpu.graphs import GRAPH_MODES  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
+from gpu.memory import DEFAULT_MEM_FRACTION, cuda_free_bytes, plan_kv  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
@@ -52,8 +54,10 @@ class WorkerConfig:
     device: str | None = None  # None: CUDA when present, else CPU
     dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     listen: str = "unix:/tmp/lifecycle-worker.sock"
-    kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib
-    kv_memory_mib: int = 1024
+    kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib or mem_fraction
+    kv_memory_mib: int | None = None  # None: 1024 on the CPU; on CUDA, by mem_fraction
+    mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
+    decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
     block_size: int = 16
     max_running: int = 64
     max_pending: int = 256
@@ -69,8 +73,17 @@ class WorkerConfig:
 def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
     tokens = config.kv_cache_tokens
     if tokens is None:
-        tokens = config.kv_memory_mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
+        mib = config.kv_memory_mib if config.kv_memory_mib is not None else 1024
+        tokens = mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
     return max(1, tokens // config.block_size)
+
+
+def _sized_by_fraction(config: WorkerConfig, device: torch.device) -> bool:
+    """The KV cache takes a share of the card when it is on CUDA and neither a token
+    count nor a size in MiB was given (or a fraction was)."""
+    if config.mem_fraction is not None:
+        return True
+    return device.type == "cuda" and config.kv_cache_tokens is None and not config.kv_memory_mib
 
 
 class _Connection:
@@ -164,7 +177,10 @@ def _hello(engine: Engine) -> wire.Hello:
         "kv_blocks": c.kv_blocks,
         "block_size": c.block_size,
         "max_context": engine.max_context,
+        "decode_graphs": engine.graphs.kind if engine.graphs is not None else "off",
     }
+    if engine.kv_plan is not None:
+        capacity.update(engine.kv_plan.info())
     return wire.Hello(model, capacity)
 
 
@@ -314,7 +330,25 @@ def _parse(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--listen", default=d.listen)
     p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
-    p.add_argument("--kv-memory-mib", type=int, default=d.kv_memory_mib)
+    p.add_argument(
+        "--kv-memory-mib",
+        type=int,
+        default=d.kv_memory_mib,
+        help="KV cache size (default: 1024 on the CPU; on CUDA, --mem-fraction)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=d.mem_fraction,
+        help=f"CUDA: the KV cache's share of free memory after the weights, less a "
+        f"step's working set and the graph pool (default {DEFAULT_MEM_FRACTION})",
+    )
+    p.add_argument(
+        "--decode-graphs",
+        choices=GRAPH_MODES,
+        default=d.decode_graphs,
+        help="decode steps replayed from captured graphs: auto = CUDA graphs on CUDA",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--max-pending", type=int, default=d.max_pending)
@@ -366,7 +400,21 @@ def build_engine(config: WorkerConfig) -> Engine:
         lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     elem = lm.model.embed.element_size()
-    blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
+    plan = None
+    if _sized_by_fraction(config, lm.device):
+        if lm.device.type != "cuda":
+            raise SystemExit("--mem-fraction sizes the KV cache on a CUDA device; "
+                             "use --kv-cache-tokens or --kv-memory-mib on the CPU")  # fmt: skip
+        plan = plan_kv(
+            cuda_free_bytes(lm.device),
+            config.mem_fraction or DEFAULT_MEM_FRACTION,
+            mc, elem, config.block_size, config.step_tokens, config.max_running,
+            graphs=config.decode_graphs in ("auto", "on"),
+        )  # fmt: skip
+        blocks = plan.blocks
+        log.info("KV cache: %s", plan.info())
+    else:
+        blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
     engine = Engine(
         lm,
         EngineConfig(
@@ -376,8 +424,10 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.max_pending,
             config.step_tokens,
             config.mixed_prefill_tokens,
+            config.decode_graphs,
         ),
     )
+    engine.kv_plan = plan
     if followers is not None:
         tp.lead(engine, followers)
     return engine

@@ -88,6 +88,18 @@ OPTIONS: tuple[Option, ...] = (
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
     _o(
+        "mem_fraction",
+        "CUDA: the KV cache's share of free memory after the weights "
+        "(default 0.85 when no KV size is given)",
+        _WORKER,
+        type=float,
+    ),  # fmt: skip
+    _o(
+        "decode_graphs",
+        "decode steps from captured graphs: auto | on | eager | off (auto: CUDA graphs on CUDA)",
+        _WORKER,
+    ),  # fmt: skip
+    _o(
         "tp",
         "tensor-parallel ranks per spawned worker, one process each (default 1; at most "
         "the model's KV heads)",
@@ -288,6 +300,8 @@ _PLAIN = (
     "max_pending",
     "max_running",
     "kv_cache_tokens",
+    "mem_fraction",
+    "decode_graphs",
     "tp",
     "dp",
     "router_policy",

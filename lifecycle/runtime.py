@@ -47,6 +47,8 @@ class AppConfig:
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
+    mem_fraction: float | None = None  # CUDA: the KV cache's share of free memory
+    decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
@@ -85,6 +87,8 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
             ("--device", cfg.device),
             ("--dtype", cfg.dtype),
             ("--kv-cache-tokens", cfg.kv_cache_tokens),
+            ("--mem-fraction", cfg.mem_fraction),
+            ("--decode-graphs", cfg.decode_graphs),
             ("--tp", cfg.tp),
         ]
     for flag, value in options:

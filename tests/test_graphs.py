@@ -193,3 +193,30 @@ def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
     tokens = plan.blocks * 16
     assert 5_400_000 < tokens < 5_500_000  # ~5.5 M tokens of KV at 23,040 B each
     assert plan.reserve_bytes < 2**30
+
+
+# -- the worker's flags ------------------------------------------------------------------------
+def test_mem_fraction_is_refused_on_the_cpu(tiny_gguf: TinyModel) -> None:
+    from gpu.worker import WorkerConfig, build_engine
+
+    with pytest.raises(SystemExit, match="--mem-fraction sizes the KV cache on a CUDA device"):
+        build_engine(WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", mem_fraction=0.5))
+
+
+def test_serve_with_eager_decode_graphs_reports_them(tiny_gguf: TinyModel) -> None:
+    import httpx
+
+    from tests.scripted import lifecycle_server
+
+    body = {"text": "hello there", "sampling_params": {**GREEDY, "max_new_tokens": 12}}
+    outs = {}
+    for mode in ("eager", "off"):
+        with lifecycle_server("--model", str(tiny_gguf.path), "--device", "cpu",
+                              "--decode-graphs", mode, "--kv-cache-tokens", "1024") as url:  # fmt: skip
+            r = httpx.post(url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            outs[mode] = r.json()["output_ids"]
+            cap = httpx.get(url + "/server_info").json()["internal_states"][0]["capacity"]
+            assert cap["decode_graphs"] == mode
+            assert "kv_cache_bytes" not in cap  # sized in tokens, not from a card
+    assert outs["eager"] == outs["off"] and len(outs["off"]) == 12
