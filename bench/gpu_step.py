@@ -1,0 +1,276 @@
+"""Decode steps with and without captured graphs against the memory-bandwidth floor.
+
+    python bench/gpu_step.py [--model GGUF] [--device cuda|cpu] [--batches 1 64]
+                             [--context 256] [--prompt 512] [--json PATH]
+
+For each batch size: one decode step (every sequence adds one token after ``--context``
+tokens of context, logits for every row, no sampling) run three ways:
+
+- ``eager``: ``PagedKVCache.prepare`` + the model's forward, as the engine runs a step
+  with ``decode_graphs="off"``;
+- ``graphs``: ``gpu.graphs.StepGraphs.run`` (the static buffers filled from the host,
+  then the captured graph replayed: ``CudaBackend`` on a GPU, ``EagerBackend``, the same
+  step without capture, on the CPU);
+- ``replay``: on a GPU, the captured graph alone, buffers already filled (the device's
+  share of the step).
+
+Each step is timed on its own (CUDA events around it and a synchronisation after, as
+the engine syncs each step to sample; ``perf_counter`` on the CPU) after warm-up; min
+and median over ``--runs``. The floor: the device's copy bandwidth (a large
+device-to-device copy, bytes read plus written per second) and the bytes a step must
+read, the weights in their dtype (``w``) and with the KV cache rows of the context
+(``w+kv``); the ratio is step time / floor time. Also a ``--prompt``-token prefill. A
+check that graphs and eager agree: the largest logit difference and the share of rows
+whose argmax matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+
+tune_cpu_runtime()
+
+import torch  # noqa: E402
+
+from gpu.graphs import CudaBackend, EagerBackend, StepGraphs  # noqa: E402
+from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
+from gpu.loader import LoadedModel, load_model  # noqa: E402
+from gpu.memory import kv_bytes_per_token  # noqa: E402
+
+BLOCK_SIZE = 16
+TOKEN = 1000  # the id every decode row feeds (attention cost does not depend on it)
+
+
+class Clock:
+    """Milliseconds of one call: CUDA events on a GPU, ``perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def stats(self, fn: Callable[[], object], runs: int, warmup: int) -> dict[str, float]:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = [self.ms(fn) for _ in range(runs)]
+        return {"min_ms": min(times), "median_ms": statistics.median(times)}
+
+
+def copy_bandwidth(device: torch.device, mib: int, clock: Clock) -> float:
+    """Bytes per second of a ``mib`` MiB device-to-device copy, read plus written."""
+    n = mib * 2**20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = clock.stats(lambda: dst.copy_(src), runs=5, warmup=2)["min_ms"]
+    return 2 * n / (best / 1e3)
+
+
+def weight_bytes(lm: LoadedModel) -> int:
+    """Every weight once (tied embeddings are the LM head too), in the loaded dtype."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in lm.model.parameters()}
+    return sum(seen.values())
+
+
+def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: argparse.Namespace,
+                clock: Clock) -> dict[str, Any]:  # fmt: skip
+    """The three timings of one batch size, and how far graphs and eager agree."""
+    per = -(-(context + 1) // BLOCK_SIZE)
+    cache = PagedKVCache(lm.config, batch * per, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
+    tables = [list(range(s * per, (s + 1) * per)) for s in range(batch)]
+    decodes = [(t, context + 1) for t in tables]
+    ids = [TOKEN] * batch
+    pos = [context] * batch
+    ids_t = torch.tensor(ids, device=lm.device)
+    pos_t = torch.tensor(pos, device=lm.device)
+
+    def eager() -> torch.Tensor:
+        cache.prepare(decodes, [])
+        return lm.model(ids_t, pos_t, cache)
+
+    # The engine's bound (the model's context): blocks pad to the next power of two.
+    graphs = StepGraphs(lm.model, cache, backend, batch, lm.config.context_length)
+    key = graphs.shape_for(decodes)
+    assert key is not None, (batch, context)
+    t = time.perf_counter()
+    graphs.warm_up([key])
+    capture_s = time.perf_counter() - t
+
+    def graphed() -> torch.Tensor | None:
+        return graphs.run(ids, pos, decodes)
+
+    out: dict[str, Any] = {"batch": batch, "context": context, "shape": list(key)}
+    out["capture_s"] = capture_s
+    out["eager"] = clock.stats(eager, args.runs, args.warmup)
+    out["graphs"] = clock.stats(graphed, args.runs, args.warmup)
+    if backend.kind == "cuda_graph":
+        replay = graphs.shapes[key].replay
+        assert replay is not None
+        graphed()  # the buffers now hold this step
+        out["replay"] = clock.stats(replay, args.runs, args.warmup)
+    a, b = eager().float(), graphed()
+    assert b is not None
+    clock.sync()
+    out["max_abs_logit_diff"] = float((a - b).abs().max())
+    out["logit_std"] = float(a.std())
+    out["argmax_agree"] = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    return out
+
+
+def prefill_case(lm: LoadedModel, n: int, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    ids = torch.randint(100, lm.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    ids, positions = ids.to(lm.device), torch.arange(n, device=lm.device)
+    last = torch.tensor([n - 1], device=lm.device)
+    blocks = -(-n // BLOCK_SIZE)
+    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype)
+    chunk = PrefillChunk(list(range(blocks)), 0, n)
+
+    def step() -> None:
+        cache.prepare([], [chunk])
+        lm.model(ids, positions, cache, logits_indices=last)
+
+    s = clock.stats(step, max(2, args.runs // 2), args.warmup)
+    return {"tokens": n, **s, "tokens_per_s": n / (s["min_ms"] / 1e3)}
+
+
+def _floors(row: dict[str, Any], wbytes: int, kv_token: int, bw: float) -> None:
+    kv = row["batch"] * (row["context"] + 1) * kv_token
+    row["weight_bytes"], row["kv_bytes"] = wbytes, kv
+    row["floor_w_ms"] = wbytes / bw * 1e3
+    row["floor_wkv_ms"] = (wbytes + kv) / bw * 1e3
+    for mode in ("eager", "graphs", "replay"):
+        if mode in row:
+            row[mode]["ratio_w"] = row[mode]["min_ms"] / row["floor_w_ms"]
+            row[mode]["ratio_wkv"] = row[mode]["min_ms"] / row["floor_wkv_ms"]
+
+
+def _print_table(res: dict[str, Any]) -> None:
+    print(
+        f"copy bandwidth {res['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + written); "
+        f"weights {res['weight_bytes'] / 2**20:.1f} MiB {res['dtype']}: floor "
+        f"{res['decode'][0]['floor_w_ms'] * 1e3:.1f} us per step"
+    )
+    print(f"{'batch':>5} {'mode':>7} {'min ms':>8} {'med ms':>8} {'tok/s':>9} "
+          f"{'floor w':>8} {'x w':>6} {'floor w+kv':>10} {'x w+kv':>7}")  # fmt: skip
+    for row in res["decode"]:
+        for mode in ("eager", "graphs", "replay"):
+            if mode not in row:
+                continue
+            m = row[mode]
+            print(
+                f"{row['batch']:>5} {mode:>7} {m['min_ms']:>8.3f} {m['median_ms']:>8.3f} "
+                f"{row['batch'] / m['min_ms'] * 1e3:>9.0f} {row['floor_w_ms']:>8.3f} "
+                f"{m['ratio_w']:>6.1f} {row['floor_wkv_ms']:>10.3f} {m['ratio_wkv']:>7.1f}"
+            )
+        print(
+            f"{'':>5} graphs vs eager: shape {tuple(row['shape'])}, capture "
+            f"{row['capture_s'] * 1e3:.0f} ms, max |logit diff| {row['max_abs_logit_diff']:.3g} "
+            f"(logit std {row['logit_std']:.3g}), argmax agrees on "
+            f"{row['argmax_agree'] * 100:.0f} % of rows"
+        )
+    p = res["prefill"]
+    print(
+        f"prefill {p['tokens']} tokens: min {p['min_ms']:.2f} ms, median {p['median_ms']:.2f} ms "
+        f"= {p['tokens_per_s']:.0f} tok/s"
+    )
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    return platform.machine()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF (default: the bundled model)")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
+    p.add_argument("--prompt", type=int, default=512, help="prefill length")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--copy-mib", type=int, default=None, help="default 2048 GPU, 256 CPU")
+    p.add_argument("--json", default=None, help="write the figures here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    t0 = time.perf_counter()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    dev = lm.device
+    cuda = dev.type == "cuda"
+    args.runs = args.runs or (20 if cuda else 5)
+    clock = Clock(dev)
+    backend = CudaBackend(dev) if cuda else EagerBackend()
+    res: dict[str, Any] = {
+        "model": str(lm.path),
+        "config": lm.config.name,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if cuda else _cpu_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "backend": backend.kind,
+        "runs": args.runs,
+        "load_s": time.perf_counter() - t0,
+    }
+    print(f"{lm.path.name} ({lm.config.name}) on {res['device_name']} ({dev}, "
+          f"{res['dtype']}), torch {torch.__version__}, graphs: {backend.kind}")  # fmt: skip
+    with torch.inference_mode():
+        bw = copy_bandwidth(dev, args.copy_mib or (2048 if cuda else 256), clock)
+        wbytes, kv_token = (
+            weight_bytes(lm),
+            kv_bytes_per_token(lm.config, lm.model.embed.element_size()),
+        )
+        rows = []
+        for b in args.batches:
+            row = decode_case(lm, b, args.context, backend, args, clock)
+            _floors(row, wbytes, kv_token, bw)
+            rows.append(row)
+        res["prefill"] = prefill_case(lm, args.prompt, args, clock)
+    res.update(bandwidth_bytes_per_s=bw, weight_bytes=wbytes, kv_bytes_per_token=kv_token)
+    res["decode"] = rows
+    if cuda:
+        res["max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
+    _print_table(res)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
