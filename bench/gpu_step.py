@@ -107,7 +107,7 @@ def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: a
     cache = PagedKVCache(lm.config, batch * per, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
     tables = [list(range(s * per, (s + 1) * per)) for s in range(batch)]
     decodes = [(t, context + 1) for t in tables]
-    ids = [TOKEN] * batch
+    ids = [min(TOKEN, lm.config.vocab_size - 1)] * batch
     pos = [context] * batch
     ids_t = torch.tensor(ids, device=lm.device)
     pos_t = torch.tensor(pos, device=lm.device)

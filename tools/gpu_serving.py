@@ -22,6 +22,7 @@ import json
 import pathlib
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import psutil
@@ -48,6 +49,26 @@ def _children_cpu(srv: ServerProcess) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+def _server_info(srv: ServerProcess) -> Any:
+    """``GET /server_info`` (the worker's HELLO capacity among it), or the error."""
+    url = f"http://{srv.host}:{srv.port}/server_info"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc)}
+
+
+def _decode_facts(info: Any, path: str = "") -> list[tuple[str, Any]]:
+    """The fields of ``/server_info`` that say how decode runs and how big the cache is."""
+    if isinstance(info, dict):
+        return [f for k, v in info.items() for f in _decode_facts(v, f"{path}.{k}".lstrip("."))]
+    if isinstance(info, list):
+        return [f for i, v in enumerate(info) for f in _decode_facts(v, f"{path}[{i}]")]
+    words = ("graph", "kv_cache", "mem_", "device", "dtype", "kv_blocks")
+    return [(path, info)] if any(w in path.rsplit(".", 1)[-1] for w in words) else []
 
 
 def _requests(level: int, args: argparse.Namespace) -> int:
@@ -106,7 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--kv-cache-tokens", type=int, default=131072)
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="default: the worker's own sizing (on CUDA, --mem-fraction of free memory)",
+    )
+    p.add_argument("--decode-graphs", default="auto", help="auto | on | eager | off")
     p.add_argument("--time-cap", type=float, default=60.0, help="seconds per level")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=240.0)
@@ -122,13 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [
         sys.executable, "-m", "lifecycle", "serve", "--port", str(port), "--model", args.model,
         "--device", args.device, "--max-running", str(args.max_running),
-        "--max-pending", str(2 * args.max_running), "--kv-cache-tokens",
-        str(args.kv_cache_tokens), "--log-level", "warning",
+        "--max-pending", str(2 * args.max_running), "--decode-graphs", args.decode_graphs,
+        "--log-level", "warning",
     ]  # fmt: skip
+    if args.kv_cache_tokens is not None:
+        cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     print("server:", " ".join(cmd), flush=True)
     t = time.perf_counter()
     srv = ServerProcess.start("gpu-serving", cmd, port, "/health", args.start_timeout, cwd=ROOT)
     res: dict[str, Any] = {"command": cmd, "start_s": time.perf_counter() - t, "levels": []}
+    res["server_info"] = _server_info(srv)
+    for key, value in _decode_facts(res["server_info"]):
+        print(f"  {key}: {value}")
     print(f"ready in {res['start_s']:.1f}s; {args.input_len} tokens in, {args.output_len} forced "
           "out, /generate streaming", flush=True)  # fmt: skip
     print(f"{'conc':>5} {'ok/sent':<11} {'out tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} "
