@@ -245,5 +245,5 @@ def test_serves_through_a_worker_started_elsewhere(
         body = generate_once(served.url, "hello world")
         assert isinstance(body["text"], str)
         info = httpx.get(served.url + "/server_info", timeout=10).json()
-        assert info["worker"] == remote_worker
+        assert info["worker"] == [remote_worker]
         assert torch_libraries(served.proc.pid) == []
