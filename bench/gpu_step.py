@@ -164,6 +164,8 @@ def prefill_case(lm: LoadedModel, n: int, args: argparse.Namespace, clock: Clock
 def _floors(row: dict[str, Any], wbytes: int, kv_token: int, bw: float) -> None:
     kv = row["batch"] * (row["context"] + 1) * kv_token
     row["weight_bytes"], row["kv_bytes"] = wbytes, kv
+    # What the captured shape gathers: its padded blocks' keys and values for every row.
+    row["kv_bytes_graph_shape"] = row["shape"][0] * row["shape"][1] * BLOCK_SIZE * kv_token
     row["floor_w_ms"] = wbytes / bw * 1e3
     row["floor_wkv_ms"] = (wbytes + kv) / bw * 1e3
     for mode in ("eager", "graphs", "replay"):

@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -49,6 +52,17 @@ def _children_cpu(srv: ServerProcess) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+def _spawn(cmd: list[str], port: int) -> ServerProcess:
+    """``ServerProcess.start`` without the wait, so that a signal during the server's
+    start still reaches the ``finally`` that stops it."""
+    log = pathlib.Path(tempfile.mkstemp(prefix="gpu-serving-", suffix=".log")[1])
+    with log.open("wb") as f:
+        popen = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return ServerProcess("gpu-serving", popen, "127.0.0.1", port, log)
 
 
 def _server_info(srv: ServerProcess) -> Any:
@@ -139,12 +153,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=240.0)
     p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false")
     p.add_argument("--server-log", default=None, help="copy the server's log here at the end")
+    p.add_argument(
+        "--pid-file",
+        default=None,
+        help="the server's process group id, for a "
+        "caller that must end it if this script is killed",
+    )
     p.add_argument("--json", default=None)
     return p
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # `timeout` sends SIGTERM: unwind so that `finally` stops the server, which runs in a
+    # session of its own and would otherwise outlive this script (holding the GPU).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     port = free_port()
     cmd = [
         sys.executable, "-m", "lifecycle", "serve", "--port", str(port), "--model", args.model,
@@ -155,19 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_tokens is not None:
         cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     print("server:", " ".join(cmd), flush=True)
-    t = time.perf_counter()
-    srv = ServerProcess.start("gpu-serving", cmd, port, "/health", args.start_timeout, cwd=ROOT)
-    res: dict[str, Any] = {"command": cmd, "start_s": time.perf_counter() - t, "levels": []}
-    res["server_info"] = _server_info(srv)
-    for key, value in _decode_facts(res["server_info"]):
-        print(f"  {key}: {value}")
-    print(f"ready in {res['start_s']:.1f}s; {args.input_len} tokens in, {args.output_len} forced "
-          "out, /generate streaming", flush=True)  # fmt: skip
-    print(f"{'conc':>5} {'ok/sent':<11} {'out tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} "
-          f"{'ITL p50':>7} {'ITL p99':>7} {'fe us/tok':>9} {'fe %':>6} {'wk us/tok':>9} "
-          f"{'wk %':>6}", flush=True)  # fmt: skip
+    srv = _spawn(cmd, port)
+    if args.pid_file:
+        pathlib.Path(args.pid_file).write_text(f"{srv.popen.pid}\n")
+    res: dict[str, Any] = {"command": cmd, "levels": []}
     code = 0
     try:
+        t = time.perf_counter()
+        srv.wait_ready("/health", args.start_timeout)
+        res["start_s"] = time.perf_counter() - t
+        res["server_info"] = _server_info(srv)
+        for key, value in _decode_facts(res["server_info"]):
+            print(f"  {key}: {value}")
+        print(f"ready in {res['start_s']:.1f}s; {args.input_len} tokens in, {args.output_len} "
+              "forced out, /generate streaming", flush=True)  # fmt: skip
+        print(f"{'conc':>5} {'ok/sent':<11} {'out tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8} "
+              f"{'ITL p50':>7} {'ITL p99':>7} {'fe us/tok':>9} {'fe %':>6} {'wk us/tok':>9} "
+              f"{'wk %':>6}", flush=True)  # fmt: skip
         for level in args.levels:
             row = run_level(srv, level, args)
             res["levels"].append(row)
