@@ -133,8 +133,8 @@ info() {
     set -euo pipefail
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi
-        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
-            --format=csv
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.memory \
+            --format=csv || true
     else
         echo "nvidia-smi: not here (dry run)"
     fi
