@@ -44,14 +44,8 @@ __all__ = ["main"]
 
 def _children_cpu(srv: ServerProcess) -> float:
     """CPU seconds of every process the server spawned (the worker), 10 ms ticks."""
-    total = 0.0
-    for p in psutil.Process(srv.popen.pid).children(recursive=True):
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
+    own = psutil.Process(srv.popen.pid).cpu_times()
+    return srv.tree_cpu_seconds() - (own.user + own.system)
 
 
 def _spawn(cmd: list[str], port: int) -> ServerProcess:
