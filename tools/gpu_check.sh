@@ -194,7 +194,7 @@ main() {
     export PYTHONUNBUFFERED=1 PIP_ROOT_USER_ACTION=ignore
     phase info 60 "$OUT/env.txt" bash -c info
     phase model 150 - "$PY" tools/random_gguf.py --meta .gpu/model_meta.json.gz --out "$MODEL" \
-        "${MODEL_ARGS[@]}"
+        ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} # empty on the GPU: bash < 4.4 calls that unbound
     if ((DRY)); then
         echo "(dry run: the CUDA test below is collected and skips: no CUDA device)"
     fi

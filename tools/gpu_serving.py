@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.apis import RequestSpec  # noqa: E402
 from bench.client import Target  # noqa: E402
-from bench.procs import ServerProcess, free_port  # noqa: E402
+from bench.procs import ServerProcess, free_port, http_status  # noqa: E402
 from bench.serving import LoadConfig, run_load_sync  # noqa: E402
 from bench.workload import WorkloadConfig, make_workload  # noqa: E402
 
@@ -57,6 +57,21 @@ def _spawn(cmd: list[str], port: int) -> ServerProcess:
             cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
         )
     return ServerProcess("gpu-serving", popen, "127.0.0.1", port, log)
+
+
+def _wait_ready(srv: ServerProcess, timeout_s: float) -> None:
+    """``/health`` 200, or an error as soon as the server exits or says its worker
+    failed to start (it would restart it for ever, and the GPU session's minutes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if srv.popen.poll() is not None:
+            raise RuntimeError(f"the server exited ({srv.popen.returncode}):\n{srv.log_tail()}")
+        if "restarting the worker" in srv.log_tail(1 << 16):
+            raise RuntimeError(f"the worker failed to start:\n{srv.log_tail()}")
+        if http_status(srv.host, srv.port, "/health") == 200:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"not ready after {timeout_s:g}s:\n{srv.log_tail()}")
 
 
 def _server_info(srv: ServerProcess) -> Any:
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         t = time.perf_counter()
-        srv.wait_ready("/health", args.start_timeout)
+        _wait_ready(srv, args.start_timeout)
         res["start_s"] = time.perf_counter() - t
         res["server_info"] = _server_info(srv)
         for key, value in _decode_facts(res["server_info"]):
