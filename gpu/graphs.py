@@ -18,7 +18,8 @@ static buffers the step writes in place:
 Padding rows point at a scratch block that no sequence owns (``PagedKVCache`` is built
 with one extra block for it: ``scratch_block``), with a context of one key, so they
 compute finite values that nobody reads. Graphs share one memory pool, captured
-largest first when warmed up together.
+largest first when warmed up together, and their static buffers are views of one set
+made at the largest shape (a step's logits are read before the next replay).
 
 The device abstraction is ``GraphBackend``: ``capture(fn)`` returns a replay callable.
 ``EagerBackend`` calls ``fn`` again each time; ``CudaBackend`` warms ``fn`` up on a side
@@ -119,18 +120,31 @@ def pad_shape(n: int, max_blocks: int, batch_sizes: Sequence[int], block_size: i
     return b, min(nb, max_blocks) if need <= max_blocks else need
 
 
-class _Shape:
-    """One captured shape's static buffers and its replay."""
+class _Buffers:
+    """The static buffers, once, at the largest shape: every captured shape reads views
+    of their heads (the same addresses each replay), so shapes cost no memory of their
+    own beyond the graph pool, and a step's result is read before the next replay."""
 
-    def __init__(self, b: int, nb: int, cache: PagedKVCache, vocab: int) -> None:
+    def __init__(self, cache: PagedKVCache, max_b: int, max_nb: int, vocab: int) -> None:
         dev, kv, bs = cache.device, cache.n_kv_heads, cache.block_size
+        self.ids = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(kv * max_b * max_nb, dtype=torch.int64, device=dev)
+        self.bias = torch.zeros(kv * max_b * max_nb * bs, dtype=cache.k.dtype, device=dev)
+        self.logits = torch.zeros(max_b * vocab, dtype=torch.float32, device=dev)
+
+
+class _Shape:
+    """One captured shape: views of the shared buffers, and its replay."""
+
+    def __init__(self, b: int, nb: int, cache: PagedKVCache, vocab: int, buf: _Buffers) -> None:
+        kv, bs = cache.n_kv_heads, cache.block_size
         self.b, self.nb = b, nb
-        self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.rows = torch.zeros(kv * b * nb, dtype=torch.int64, device=dev)
-        self.bias = torch.zeros(kv * b, 1, nb * bs, dtype=cache.k.dtype, device=dev)
-        self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+        self.ids, self.pos, self.slots = buf.ids[:b], buf.pos[:b], buf.slots[:b]
+        self.rows = buf.rows[: kv * b * nb]
+        self.bias = buf.bias[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
+        self.logits = buf.logits[: b * vocab].view(b, vocab)
         self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias)
         self.replay: Callable[[], None] | None = None
 
@@ -157,6 +171,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.vocab = int(model.embed.shape[0])
         self.shapes: dict[tuple[int, int], _Shape] = {}
+        self._buffers: _Buffers | None = None  # made with the first capture
         self.replays = 0
         self.captures = 0
 
@@ -200,7 +215,9 @@ class StepGraphs:
 
     # -- inside ---------------------------------------------------------------------------
     def _capture(self, b: int, nb: int) -> _Shape:
-        shape = _Shape(b, nb, self.cache, self.vocab)
+        if self._buffers is None:
+            self._buffers = _Buffers(self.cache, self.batch_sizes[-1], self.max_blocks, self.vocab)
+        shape = _Shape(b, nb, self.cache, self.vocab, self._buffers)
         self._fill(shape, [0] * b, [0] * b, [])  # every row a padding row while capturing
 
         def step() -> None:

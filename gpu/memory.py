@@ -3,9 +3,9 @@ card's free memory on a GPU (``--mem-fraction``, as SGLang's ``mem_fraction_stat
 is read here: of the memory free once the weights are loaded, this share is static).
 
 From that share the worker keeps back what a step needs besides the cache: the
-activations of the largest step (``step_tokens`` rows through the widest layer, the
-LM head's logits for ``max_running`` rows and the sampler's copies of them) and the
-captured decode graphs' pool, which are allocated after the cache. What remains is the
+largest step's working set (an eager prefill of ``step_tokens`` rows, or a decode of
+``max_running`` sequences at the model's whole context, whose gathered K/V dominate)
+and the captured decode graphs' pool, which are allocated after the cache. What remains is the
 KV cache, in whole blocks. The arithmetic is pure so that the CPU tests check it; on a
 GPU ``cuda_free_bytes`` reads the card.
 """
@@ -18,15 +18,14 @@ from modelfile.config import ModelConfig
 
 __all__ = [
     "DEFAULT_MEM_FRACTION",
-    "GRAPH_POOL_BYTES",
     "KVPlan",
-    "activation_bytes",
+    "decode_bytes",
     "kv_bytes_per_token",
     "plan_kv",
+    "prefill_bytes",
 ]
 
 DEFAULT_MEM_FRACTION = 0.85
-GRAPH_POOL_BYTES = 256 * 2**20  # the decode graphs' shared pool (a small model's steps)
 
 
 def kv_bytes_per_token(mc: ModelConfig, elem: int) -> int:
@@ -34,16 +33,32 @@ def kv_bytes_per_token(mc: ModelConfig, elem: int) -> int:
     return 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * elem
 
 
-def activation_bytes(mc: ModelConfig, step_tokens: int, max_running: int, elem: int) -> int:
-    """A step's peak working set besides the cache and the weights: the largest layer's
-    tensors for ``step_tokens`` rows (residual, normed input, q/k/v, attention output,
-    gate/up and their product), the attention scores of one prefill chunk, and fp32
-    logits for ``max_running`` rows three times over (head output, sampler, mask)."""
+def _row_bytes(mc: ModelConfig, elem: int) -> int:
+    """One row through the widest layer: residual, normed input, q/k/v, attention
+    output, gate/up and their product."""
     qkv = (mc.n_heads + 2 * mc.n_kv_heads) * mc.head_dim
-    per_row = (3 * mc.hidden + qkv + mc.n_heads * mc.head_dim + 3 * mc.ffn) * elem
+    return (3 * mc.hidden + qkv + mc.n_heads * mc.head_dim + 3 * mc.ffn) * elem
+
+
+def prefill_bytes(mc: ModelConfig, step_tokens: int, max_running: int, elem: int) -> int:
+    """An eager step's peak besides the cache and the weights: ``step_tokens`` rows
+    through the widest layer (x2: an op's input and output live at once), one prefill
+    chunk's attention scores, and fp32 logits for ``max_running`` rows three times
+    over (head output, sampler, mask)."""
     scores = mc.n_heads * step_tokens * step_tokens * 4
     logits = 3 * max_running * mc.vocab_size * 4
-    return 2 * step_tokens * per_row + scores + logits  # x2: an op's input and output live
+    return 2 * step_tokens * _row_bytes(mc, elem) + scores + logits
+
+
+def decode_bytes(mc: ModelConfig, rows: int, context: int, elem: int) -> int:
+    """A decode step of ``rows`` sequences at ``context`` keys: each layer gathers their
+    K and V blocks (``[n_kv * rows, context, head_dim]`` twice) and keeps fp32 scores
+    and probabilities, besides the rows' activations and logits. A captured step's
+    graph pool holds this much (its intermediates stay allocated between replays)."""
+    gathered = 2 * mc.n_kv_heads * rows * context * mc.head_dim * elem
+    scores = 2 * mc.n_heads * rows * context * 4
+    logits = 3 * rows * mc.vocab_size * 4
+    return gathered + scores + 2 * rows * _row_bytes(mc, elem) + logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +88,16 @@ def plan_kv(
     max_running: int,
     graphs: bool,
 ) -> KVPlan:
-    """The KV cache for ``fraction`` of ``free_bytes``, less a step's working set and
-    the graph pool; at least one block. ``ValueError`` for a fraction outside (0, 1]."""
+    """The KV cache for ``fraction`` of ``free_bytes``, less the largest step's working
+    set (eager prefill or decode of ``max_running`` sequences at the model's context)
+    and, with ``graphs``, the captured decode graphs' pool (one such decode step: the
+    shapes share it, and their static buffers are views of one set); at least one block.
+    ``ValueError`` for a fraction outside (0, 1]."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"mem fraction must be in (0, 1], got {fraction}")
-    reserve = activation_bytes(mc, step_tokens, max_running, elem)
-    reserve += GRAPH_POOL_BYTES if graphs else 0
+    decode = decode_bytes(mc, max_running, mc.context_length, elem)
+    reserve = max(prefill_bytes(mc, step_tokens, max_running, elem), decode)
+    reserve += decode if graphs else 0
     usable = max(0, int(free_bytes * fraction) - reserve)
     per_block = kv_bytes_per_token(mc, elem) * block_size
     blocks = max(1, usable // per_block)

@@ -163,18 +163,23 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
 
 # -- the KV cache sized to the card (gpu/memory.py) ------------------------------------------
 def test_kv_plan_takes_the_fraction_less_the_step_reserve(lm: LoadedModel) -> None:
-    from gpu.memory import GRAPH_POOL_BYTES, activation_bytes, kv_bytes_per_token, plan_kv
+    from gpu.memory import decode_bytes, kv_bytes_per_token, plan_kv, prefill_bytes
 
     mc = lm.config
     per_token = kv_bytes_per_token(mc, 2)
     assert per_token == 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * 2
     free = 64 * 2**30
     plan = plan_kv(free, 0.5, mc, 2, 16, 512, 64, graphs=True)
-    reserve = activation_bytes(mc, 512, 64, 2) + GRAPH_POOL_BYTES
+    decode = decode_bytes(mc, 64, mc.context_length, 2)
+    # Gathered K and V of 64 sequences at the whole context are in the decode figure.
+    assert decode > 2 * mc.n_kv_heads * 64 * mc.context_length * mc.head_dim * 2
+    reserve = max(prefill_bytes(mc, 512, 64, 2), decode) + decode  # + the graph pool
     assert plan.reserve_bytes == reserve
     assert plan.blocks == (free // 2 - reserve) // (per_token * 16)
     assert plan.bytes == plan.blocks * per_token * 16 <= free // 2 - reserve
     assert plan.info()["mem_fraction"] == 0.5
+    no_graphs = plan_kv(free, 0.5, mc, 2, 16, 512, 64, graphs=False)
+    assert no_graphs.reserve_bytes == reserve - decode and no_graphs.blocks >= plan.blocks
     assert plan_kv(free, 0.9, mc, 2, 16, 512, 64, True).blocks > plan.blocks
     assert plan_kv(10, 0.9, mc, 2, 16, 512, 64, True).blocks == 1  # never none
     with pytest.raises(ValueError, match="mem fraction"):
@@ -189,10 +194,11 @@ def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
 
     mc = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 100000.0, 1e-5, 8192, 49152, True,
                      1, 2, (2,), False, "SmolLM2")  # fmt: skip
-    plan = plan_kv(int(138.7 * 2**30), DEFAULT_MEM_FRACTION, mc, 2, 16, 512, 64, True)
+    plan = plan_kv(int(138.7 * 2**30), DEFAULT_MEM_FRACTION, mc, 2, 16, 512, 256, True)
     tokens = plan.blocks * 16
-    assert 5_400_000 < tokens < 5_500_000  # ~5.5 M tokens of KV at 23,040 B each
-    assert plan.reserve_bytes < 2**30
+    # 256 sequences at 8192 keys gather 2 x 3 x 256 x 8192 x 64 x 2 B = 1.5 GiB per layer.
+    assert 3 * 2**30 < plan.reserve_bytes < 4 * 2**30
+    assert 5_200_000 < tokens < 5_400_000  # ~5.3 M tokens of KV at 23,040 B each
 
 
 # -- the worker's flags ------------------------------------------------------------------------
