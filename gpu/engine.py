@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
 from gpu.graphs import StepGraphs, graph_backend
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
@@ -165,7 +166,7 @@ class Engine:
             raise ValueError(
                 f"credit limit exceeded: {live} rids live, max_pending {self.config.max_pending}"
             )
-        seq = Sequence(e.rid, prompt, len(prompt), params, opts, self._generator(params.seed))
+        seq = Sequence(e.rid, prompt, len(prompt), params, opts, self.generator(params.seed))
         seq.forks = params.n - 1
         if opts.return_logprob and opts.logprob_start_len >= 0:
             # Positions whose logits score prompt tokens must be computed, not reused.
@@ -186,7 +187,7 @@ class Engine:
             }
         return seq
 
-    def _generator(self, seed: int | None) -> torch.Generator | None:
+    def generator(self, seed: int | None) -> torch.Generator | None:
         g = torch.Generator(device=self.loaded.device)
         g.manual_seed(random.getrandbits(63) if seed is None else seed & ((1 << 63) - 1))
         return g
@@ -338,7 +339,7 @@ class Engine:
         self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
     ) -> list[StepEntry]:
         if any(s.forks for s in samplers):
-            samplers, logits, hidden = self._fork(samplers, logits, hidden)
+            samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
         sample_rows = [
             SampleRow(s.params, s.tokens[: s.prompt_len], s.output, s.generator, self._eog)
             for s in samplers
@@ -357,70 +358,6 @@ class Engine:
             seq.grammar_error = advance(seq, tok)
             entries.extend(self._emit(seq, [tok], extra))
         return entries
-
-    def _fork(
-        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
-    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
-        """n > 1: the prefill is done once; each sibling shares its full blocks.
-
-        A sibling that finds no slot or no block for its partial last block waits and
-        recomputes (the shared prefix is then a prefix-cache hit).
-        """
-        order: list[int] = []
-        out: list[Sequence] = []
-        for i, seq in enumerate(samplers):
-            order.append(i)
-            out.append(seq)
-            for k in range(1, seq.forks + 1):
-                child = self._make_child(seq, k)
-                if child is not None:
-                    order.append(i)
-                    out.append(child)
-            seq.forks = 0
-        idx = torch.tensor(order, device=logits.device)
-        return (
-            out,
-            logits.index_select(0, idx),
-            None if hidden is None else hidden.index_select(0, idx),
-        )
-
-    def _make_child(self, parent: Sequence, k: int) -> Sequence | None:
-        rid = parent.rid + k
-        if self.reserved.pop(rid, None) is None:
-            return None  # aborted before the fork
-        seed = None if parent.params.seed is None else parent.params.seed + k
-        child = Sequence(
-            rid,
-            list(parent.tokens),
-            parent.prompt_len,
-            parent.params,
-            parent.options,
-            self._generator(seed),
-            cached_tokens=parent.cached_tokens,
-            stop_window=parent.stop_window,
-            stop_patterns=parent.stop_patterns,
-            prefix_limit=parent.prefix_limit,
-            matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
-            grammar_info=parent.grammar_info,
-        )
-        self.seqs[rid] = child
-        sched, bs = self.scheduler, self.config.block_size
-        full = parent.num_computed // bs
-        partial = len(parent.block_table) > full
-        if len(sched.running) >= sched.config.max_running or (partial and self.blocks.num_free < 1):
-            sched.waiting.appendleft(child)
-            return None
-        self.blocks.incref(parent.block_table[:full])
-        child.block_table = parent.block_table[:full]
-        if partial:
-            (b,) = self.blocks.allocate(1)
-            self.cache.copy_block(parent.block_table[full], b)
-            child.block_table.append(b)
-        child.block_hashes = list(parent.block_hashes)
-        child.prompt_logprobs = list(parent.prompt_logprobs)
-        child.num_computed = parent.num_computed
-        sched.running.append(child)
-        return child
 
     def _emit(self, seq: Sequence, new: list[int], extra: dict[str, Any]) -> list[StepEntry]:
         if not seq.started:
