@@ -10,14 +10,26 @@ a prefix-cache hit). Seeds are the parent's plus k, grammars a copy of its match
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from gpu.scheduler import Sequence
+from gpu.kv_cache import BlockManager
+from gpu.scheduler import Scheduler, Sequence
 
-if TYPE_CHECKING:
-    from gpu.engine import Engine
+
+class Engine(Protocol):
+    """What the fork reads and changes of ``gpu.engine.Engine``."""
+
+    reserved: dict[int, Sequence]
+    seqs: dict[int, Sequence]
+    config: Any  # EngineConfig: block_size
+    scheduler: Scheduler
+    blocks: BlockManager
+    cache: Any  # PagedKVCache (or tp's LeaderCache): copy_block
+
+    def generator(self, seed: int | None) -> torch.Generator | None: ...
+
 
 __all__ = ["fork_samplers"]
 

@@ -1,0 +1,174 @@
+"""What a worker runs with: its options (``WorkerConfig``, the command line of
+``python -m gpu.worker``) and the ``Engine`` they build: the model (on K ranks under
+``--tp``), the KV cache's size (tokens, MiB, or a share of a CUDA card's memory:
+``gpu/memory.py``) and the decode path (``--decode-graphs``: ``gpu/graphs.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+import wire
+from gpu.engine import Engine, EngineConfig
+from gpu.graphs import GRAPH_MODES
+from gpu.loader import load_model
+from gpu.memory import DEFAULT_MEM_FRACTION, cuda_free_bytes, plan_kv
+
+__all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "parse_config"]
+
+log = logging.getLogger("gpu.worker")
+
+_DESCRIPTION = "The worker process: python -m gpu.worker --listen unix:/path | tcp:HOST:PORT."
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model_path: str | None = None
+    device: str | None = None  # None: CUDA when present, else CPU
+    dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    listen: str = "unix:/tmp/lifecycle-worker.sock"
+    kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib or mem_fraction
+    kv_memory_mib: int | None = None  # None: 1024 on the CPU; on CUDA, by mem_fraction
+    mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
+    decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
+    block_size: int = 16
+    max_running: int = 64
+    max_pending: int = 256
+    step_tokens: int = 512
+    mixed_prefill_tokens: int = 512  # prompt tokens per step while others decode
+    threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    tp: int = 1  # tensor-parallel ranks (gpu/tp.py), each a process; 1: this one alone
+    token: str | None = None  # serve only a frontend that proves it (None: LIFECYCLE_WORKER_TOKEN)
+    tls_cert: str | None = None  # TLS on the TCP link with this certificate chain (PEM)
+    tls_key: str | None = None  # its private key, when not in the certificate file
+
+
+def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
+    tokens = config.kv_cache_tokens
+    if tokens is None:
+        mib = config.kv_memory_mib if config.kv_memory_mib is not None else 1024
+        tokens = mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
+    return max(1, tokens // config.block_size)
+
+
+def _sized_by_fraction(config: WorkerConfig, device: torch.device) -> bool:
+    """The KV cache takes a share of the card when it is on CUDA and neither a token
+    count nor a size in MiB was given (or a fraction was)."""
+    if config.mem_fraction is not None:
+        return True
+    return device.type == "cuda" and config.kv_cache_tokens is None and not config.kv_memory_mib
+
+
+def parse_config(argv: list[str] | None) -> WorkerConfig:
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(prog="python -m gpu.worker", description=_DESCRIPTION)
+    p.add_argument("--model", dest="model_path", default=d.model_path)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--listen", default=d.listen)
+    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
+    p.add_argument(
+        "--kv-memory-mib",
+        type=int,
+        default=d.kv_memory_mib,
+        help="KV cache size (default: 1024 on the CPU; on CUDA, --mem-fraction)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=d.mem_fraction,
+        help=f"CUDA: the KV cache's share of free memory after the weights, less a "
+        f"step's working set and the graph pool (default {DEFAULT_MEM_FRACTION})",
+    )
+    p.add_argument(
+        "--decode-graphs",
+        choices=GRAPH_MODES,
+        default=d.decode_graphs,
+        help="decode steps replayed from captured graphs: auto = CUDA graphs on CUDA",
+    )
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-running", type=int, default=d.max_running)
+    p.add_argument("--max-pending", type=int, default=d.max_pending)
+    p.add_argument("--step-tokens", type=int, default=d.step_tokens)
+    p.add_argument(
+        "--mixed-prefill-tokens",
+        type=int,
+        default=d.mixed_prefill_tokens,
+        help="prompt tokens per step while other requests decode (bounds their ITL)",
+    )
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks, one process each (at most the model's KV heads; "
+        "one torch thread per rank unless --threads)",
+    )
+    p.add_argument(
+        "--token",
+        default=d.token,
+        help=f"serve only a frontend that knows this secret (default: ${wire.TOKEN_ENV})",
+    )
+    p.add_argument("--tls-cert", default=d.tls_cert, help="TLS on the TCP link (PEM chain)")
+    p.add_argument("--tls-key", default=d.tls_key, help="the certificate's key (PEM)")
+    config = WorkerConfig(**vars(p.parse_args(argv)))
+    if config.tp < 1:
+        p.error(f"--tp must be at least 1, got {config.tp}")
+    try:
+        token = wire.resolve_token(config.token)
+    except ValueError as exc:
+        p.error(str(exc))
+    return replace(config, token=token)
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    if config.threads:
+        # On a CPU shared with other busy processes, one thread avoids stalls at every
+        # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
+        torch.set_num_threads(config.threads)
+    followers = None
+    if config.tp > 1:
+        from gpu import tp  # spawns the other ranks; never imported at --tp 1
+
+        lm, followers = tp.start_leader(
+            config.tp, config.model_path, config.device, config.dtype, config.threads
+        )
+    else:
+        lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
+    mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
+    elem = lm.model.embed.element_size()
+    plan = None
+    if _sized_by_fraction(config, lm.device):
+        if lm.device.type != "cuda":
+            raise SystemExit("--mem-fraction sizes the KV cache on a CUDA device; "
+                             "use --kv-cache-tokens or --kv-memory-mib on the CPU")  # fmt: skip
+        plan = plan_kv(
+            cuda_free_bytes(lm.device),
+            config.mem_fraction or DEFAULT_MEM_FRACTION,
+            mc, elem, config.block_size, config.step_tokens, config.max_running,
+            graphs=config.decode_graphs in ("auto", "on"),
+        )  # fmt: skip
+        blocks = plan.blocks
+        log.info("KV cache: %s", plan.info())
+    else:
+        blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
+    engine = Engine(
+        lm,
+        EngineConfig(
+            blocks,
+            config.block_size,
+            config.max_running,
+            config.max_pending,
+            config.step_tokens,
+            config.mixed_prefill_tokens,
+            config.decode_graphs,
+        ),
+    )
+    engine.kv_plan = plan
+    if followers is not None:
+        tp.lead(engine, followers)
+    return engine
