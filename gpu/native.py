@@ -3,7 +3,9 @@
 Only what torch cannot do well with its own ops lives here: decode attention read
 straight from the paged KV cache (``gpu/csrc/paged_attention.c``), linear layers at
 one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``), and
-grammar masks applied to logits in place (``gpu/csrc/token_mask.c``). The
+grammar masks applied to logits in place (``gpu/csrc/token_mask.c``), and linear layers
+at decode row counts straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``,
+not wired into the model yet). The
 library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
 ``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "QUANT_BLOCK_BYTES",
     "SMALL_LINEAR_MAX_ROWS",
     "NativeKernels",
     "kernel_cache_dir",
@@ -38,8 +41,15 @@ __all__ = [
 log = logging.getLogger("gpu.native")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "small_linear.c", CSRC / "token_mask.c")
+SOURCES = (
+    CSRC / "paged_attention.c",
+    CSRC / "small_linear.c",
+    CSRC / "token_mask.c",
+    CSRC / "quant_linear.c",
+)
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
+# GGML type code -> bytes per block of 32 weights, for the types ``q_linear`` reads.
+QUANT_BLOCK_BYTES = {8: 34, 3: 20}  # Q8_0: fp16 d + 32 int8; Q4_1: fp16 d, fp16 m + 16 B
 # -ffast-math only when compiling: it lets loops reassociate (vectorized reductions) and
 # use glibc's vector expf. It must not reach the link step, where gcc would add
 # crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
@@ -115,6 +125,40 @@ class NativeKernels:
         tm.argtypes = [p, i64, p, p, i32, i32, i32, p]
         tm.restype = None
         self._token_mask = tm
+        ql = lib.q_linear
+        ql.argtypes = [p, p, p, i32, i32, i64, i64, i32]
+        ql.restype = ctypes.c_int
+        self._q_linear = ql
+        qd = lib.q_dequantize
+        qd.argtypes = [p, p, i32, i64, i64]
+        qd.restype = ctypes.c_int
+        self._q_dequantize = qd
+
+    def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
+        """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N, K / 32 *
+        QUANT_BLOCK_BYTES[qtype]]``; ``qtype`` the GGML type code (8 Q8_0, 3 Q4_1). x is
+        rounded to int8 per block of 32 first (llama.cpp's way): close to, not equal to,
+        ``F.linear`` on the dequantized weight."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        m, k = x.shape
+        _check_blocks(w, qtype, k)
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        rc = self._q_linear(
+            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def q_dequantize(self, w: Tensor, qtype: int, k: int) -> Tensor:
+        """The fp32 ``[N, K]`` that ``q_linear`` multiplies by (what tests compare)."""
+        _check_blocks(w, qtype, k)
+        out = torch.empty((w.shape[0], k), dtype=torch.float32)
+        self._q_dequantize(w.data_ptr(), out.data_ptr(), qtype, w.shape[0], k)
+        return out
 
     def apply_token_bitmask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
         """Ban, in place, what ``bitmask`` [R, W] int32 does not allow in ``logits``' rows
@@ -190,6 +234,16 @@ class NativeKernels:
         if rc != 0:
             raise MemoryError("paged_decode_attention: scratch allocation failed")
         return out
+
+
+def _check_blocks(w: Tensor, qtype: int, k: int) -> None:
+    if qtype not in QUANT_BLOCK_BYTES:
+        raise ValueError(f"q_linear takes GGML types {sorted(QUANT_BLOCK_BYTES)}, not {qtype}")
+    row = k // 32 * QUANT_BLOCK_BYTES[qtype]
+    if k % 32 or w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row:
+        raise ValueError(f"blocks {tuple(w.shape)} {w.dtype} do not hold rows of {k} weights")
+    if not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError("blocks must be a contiguous CPU tensor")
 
 
 def _build(cache: Path) -> Path:

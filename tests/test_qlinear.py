@@ -1,0 +1,138 @@
+"""The quantized-weight linear kernel (gpu/csrc/quant_linear.c) against dequantize-then-F.linear.
+
+What the kernel multiplies by must be exactly what gguf.quants (the loader's
+dequantization) makes of the blocks: ``q_dequantize`` runs the kernel's own reading of
+the block layout and is compared bit for bit. The product itself is approximate by
+design: each row of x is rounded to int8 per block of 32 (scale ``amax / 127``, as
+llama.cpp does), so an element moves by at most ``amax_block / 254`` and output j by at
+most ``sum_i |w_ji| * amax_block(i) / 254``. The tests assert that bound (with 1 %
+slack for the rounding of the scales and 1e-5 of ``sum_i |w_ji x_i|`` for fp32
+accumulation); against ``max |ref|`` the error is about 0.5 % on random data. With x
+already on the int8 grid (integers, block amax 127) the rounding is exact and the
+kernel matches fp64 to fp32 accumulation error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from gpu import native
+from modelfile.gguf_file import GGUFFile, default_model_path
+
+KERNELS = native.load_kernels()
+pytestmark = pytest.mark.skipif(
+    KERNELS is None,
+    reason="native kernels off (LIFECYCLE_NATIVE=0) or not buildable here (no C compiler, "
+    "or one without OpenMP): the quantized kernel has no torch fallback to test",
+)
+TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)
+
+
+def kernels() -> native.NativeKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes for every quant (all nibbles, int8 -128 included), finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    bs = native.QUANT_BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (n, k // 32, bs), dtype=np.uint8)
+    n_scales = 1 if qtype == GGMLQuantizationType.Q8_0 else 2
+    scales = rng.uniform(-0.05, 0.05, (n, k // 32, n_scales)).astype(np.float16)
+    raw[..., : 2 * n_scales] = scales.view(np.uint8).reshape(n, k // 32, 2 * n_scales)
+    return raw.reshape(n, -1)
+
+
+def bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-output bound on the error the int8 rounding of x may cause (module docstring)."""
+    amax = x.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    w64, x64 = w.double(), x.double()
+    return (amax.double() / 254) @ w64.abs().T * 1.01 + 1e-5 * (x64.abs() @ w64.abs().T)
+
+
+def check(w_blocks: np.ndarray, qtype: GGMLQuantizationType, x: torch.Tensor) -> float:
+    """Kernel vs F.linear on gguf's dequantization; returns max error / max |ref|."""
+    k = x.shape[1]
+    blocks = torch.from_numpy(np.ascontiguousarray(w_blocks))
+    w = torch.from_numpy(dequantize(w_blocks, qtype).reshape(-1, k))
+    assert torch.equal(kernels().q_dequantize(blocks, int(qtype), k), w)
+    y = kernels().q_linear(x, blocks, int(qtype))
+    ref = F.linear(x.double(), w.double())
+    err = (y.double() - ref).abs()
+    assert (err <= bound(w, x)).all(), float((err / bound(w, x)).max())
+    return float(err.max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_random_blocks(qtype: GGMLQuantizationType, rows: int) -> None:
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    assert check(random_blocks(qtype, 37, 576, seed=rows), qtype, x) < 0.02
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_quantized_floats_and_one_block_rows(qtype: GGMLQuantizationType) -> None:
+    """Blocks made by gguf.quants' own quantizer, and K = 32 (one block per row)."""
+    rng = np.random.default_rng(3)
+    for k in (32, 1536):
+        w = quantize(rng.standard_normal((64, k)).astype(np.float32), qtype)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+        assert check(w, qtype, x) < 0.02
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_x_on_the_int8_grid_is_exact(qtype: GGMLQuantizationType) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-127, 128, (2, 576), generator=g).float()
+    x.view(2, -1, 32)[:, :, 0] = 127.0  # every block's amax: scale exactly 1
+    blocks = random_blocks(qtype, 48, 576, seed=5)
+    w = torch.from_numpy(dequantize(blocks, qtype).reshape(-1, 576))
+    y = kernels().q_linear(x, torch.from_numpy(blocks), int(qtype))
+    ref = F.linear(x.double(), w.double())
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_rejects_what_it_cannot_read() -> None:
+    blocks = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0))
+    with pytest.raises(ValueError, match="GGML types"):
+        kernels().q_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_0))
+    with pytest.raises(ValueError, match="rows of 96"):
+        kernels().q_linear(torch.zeros(1, 96), blocks, int(GGMLQuantizationType.Q4_1))
+    with pytest.raises(ValueError, match="fp32"):
+        kernels().q_linear(torch.zeros(1, 64).double(), blocks, int(GGMLQuantizationType.Q4_1))
+
+
+def file_blocks(f: GGUFFile, name: str, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of a tensor's blocks, copied out of the file."""
+    t, qtype = f.tensors[name], f.tensor_type(name)
+    row_bytes = f.tensor_shape(name)[1] // 32 * native.QUANT_BLOCK_BYTES[qtype]
+    return np.array(np.memmap(f.path, np.uint8, "r", t.offset, (rows, row_bytes)))
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype"),
+    [
+        ("blk.0.ffn_down.weight", GGMLQuantizationType.Q4_1),
+        ("blk.29.attn_q.weight", GGMLQuantizationType.Q4_1),
+        ("token_embd.weight", GGMLQuantizationType.Q8_0),  # also the tied LM head
+    ],
+)
+def test_bundled_model_tensors(name: str, qtype: GGMLQuantizationType) -> None:
+    f = GGUFFile(default_model_path())
+    assert f.tensor_type(name) == qtype
+    n, k = f.tensor_shape(name)
+    rows = min(n, 2048)
+    blocks = file_blocks(f, name, rows)
+    if rows == n:  # the loader's own dequantization of the whole tensor, bit for bit
+        assert torch.equal(
+            kernels().q_dequantize(torch.from_numpy(blocks), int(qtype), k),
+            torch.from_numpy(f.dequantize(name)),
+        )
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(7))
+    assert check(blocks, qtype, x) < 0.02
