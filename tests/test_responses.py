@@ -4,6 +4,8 @@ in order, and the 400s for what is not supported."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
@@ -20,8 +22,9 @@ ORDER_TAIL = ["response.output_text.done", "response.content_part.done",
 
 
 @pytest.fixture(scope="module")
-def client(model_server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=model_server + "/v1", api_key="unused", max_retries=0)
+def client(model_server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=model_server + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def _chat_text(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, str]:
@@ -100,14 +103,15 @@ def test_text_format_json_schema_shapes_the_output(model_server: str) -> None:
     [
         ({"input": 3}, "input"),
         ({"input": []}, "input"),
-        ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         (
             {"input": "hi", "text": {"format": {"type": "xml"}}},
             "text.format",
         ),  # fmt: skip
         ({"input": "hi", "frobnicate": 1}, "frobnicate"),
-        ({"input": [{"type": "function_call", "name": "x"}]}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input"),
         ({"input": "hi", "temperature": -1}, None),
         ({"input": "hi", "max_output_tokens": 0}, None),
     ],

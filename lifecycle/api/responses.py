@@ -5,12 +5,21 @@ A request becomes a chat request (``input`` a string or a list of messages,
 ``instructions`` a system message first, ``max_output_tokens``, the sampling fields)
 checked by the same rules as ``/v1/chat/completions`` and run through the same chat
 template and call; the reply is a ``response`` object with one assistant message.
-Stored conversations (``previous_response_id``) and tools are refused
-with a 400 that says so. A stream sends ``response.created``, ``response.in_progress``,
+Stored conversations (``previous_response_id``) are refused with a 400 that says so.
+A stream sends ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, the
 ``response.output_text.delta`` events, then the ``.done`` events and
 ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); an
 error after the start is an ``error`` event, then ``response.failed``.
+
+Function tools (``tools`` of type ``function``, written flat as the Responses API does,
+``tool_choice``, ``parallel_tool_calls``) become chat tools, so they are rendered,
+forced and parsed as on ``/v1/chat/completions`` (docs/tools.md). ``function_call`` and
+``function_call_output`` input items become the assistant's ``tool_calls`` and ``tool``
+messages. Calls come out as ``function_call`` output items (after the message, which is
+left out when it has no text); a stream with tools opens the message item at its first
+text and sends each call as ``response.output_item.added``,
+``response.function_call_arguments.delta`` and ``.done``, ``response.output_item.done``.
 """
 
 from __future__ import annotations
@@ -56,8 +65,6 @@ def chat_body(body: Any) -> dict[str, Any]:
                    "previous_response_id")  # fmt: skip
     if body.get("background"):
         raise _bad("background responses are not supported.", "background")
-    if body.get("tools"):
-        raise _bad("tools are not supported by this server.", "tools")
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     response_format = _format(fmt)
     messages = _messages(body.get("input"))
@@ -66,7 +73,7 @@ def chat_body(body: Any) -> dict[str, Any]:
         if not isinstance(instructions, str):
             raise _bad("instructions must be a string.", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
-    chat: dict[str, Any] = {"messages": messages}
+    chat: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
     for key in _SAME:
         if body.get(key) is not None:
             chat[key] = body[key]
@@ -92,15 +99,66 @@ def _format(fmt: Any) -> dict[str, Any] | None:
                "text.format")  # fmt: skip
 
 
+def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as chat writes them: a
+    Responses function tool is flat (``name``, ``parameters`` beside ``type``), chat's is
+    nested under ``function``. Built-in tools (web search, files, ...) are refused."""
+    out: dict[str, Any] = {}
+    raw = body.get("tools")
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise _bad("tools must be a list.", "tools")
+        tools = []
+        for i, tool in enumerate(raw):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise _bad(f"tools[{i}]: only tools of type 'function' are supported, "
+                           f"got {kind!r}.", "tools")  # fmt: skip
+            fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            tools.append({"type": "function", "function": fn})
+        if tools:
+            out["tools"] = tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None and out.get("tools"):
+        out["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None and out.get("tools"):
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return out
+
+
+def _tool_items(item: dict[str, Any], i: int, out: list[dict[str, Any]]) -> None:
+    """A ``function_call`` input item joins the assistant message before it (or opens
+    one); a ``function_call_output`` is a ``tool`` message."""
+    if item["type"] == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+        if out and out[-1]["role"] == "assistant" and out[-1].get("_calls"):
+            out[-1]["tool_calls"].append(call)
+        else:
+            out.append({"role": "assistant", "content": None, "tool_calls": [call], "_calls": True})
+        return
+    output = item.get("output")
+    if not isinstance(output, str):
+        raise _bad(f"input[{i}].output must be a string.", "input")
+    out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+
+
 def _messages(raw: Any) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise _bad("input must be a string or a non-empty list of messages.", "input")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise _bad(f"input[{i}]: only messages are supported.", "input")
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind in ("function_call", "function_call_output"):
+            _tool_items(item, i, out)
+            continue
+        if kind != "message":
+            raise _bad(f"input[{i}]: only messages, function_call and function_call_output "
+                       "items are supported.", "input")  # fmt: skip
         content = item.get("content")
         if isinstance(content, list):
             parts = []
@@ -111,6 +169,8 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
                 parts.append({"type": "text", "text": part.get("text")})
             content = parts
         out.append({"role": item.get("role"), "content": content})
+    for m in out:
+        m.pop("_calls", None)
     return out
 
 
@@ -127,23 +187,27 @@ class ResponsesAPI:
         try:
             body = await o._body(request)
             oreq, messages = parse_chat(chat_body(body), **o._opts())
-            ids = await o._chat_prompt(messages)
+            ids = await o._chat_prompt(messages, tools=oreq.tools)
         except OpenAIError as exc:
             return openai_error(exc)
         reply = _Reply(body, oreq, o.model_id)
+        tools = oreq.tools.names if oreq.tools is not None else None
         async with self.fe.call(oreq.generate_request([ids]), gone_cause(request)) as call:
             refused = await start_call(call, "input")
             if refused is not None:
                 return refused
-            choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="")
+            choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
+                                 tools=tools)  # fmt: skip
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
             refused = await run_call(call, request)
             if refused is not None:
                 return refused
             result = choice.result(call.e2e())
+            message = result["message"]
+            calls = [reply.function_call(c, "completed") for c in message["tool_calls"] or ()]
             out = reply.final(
-                result["message"]["content"], result["finish_reason"], self._usage(call)
+                message["content"] or "", result["finish_reason"], self._usage(call), calls
             )
             call.close()  # done: the rid is free before the client reads the reply
             return JSONResponse(out)
@@ -163,6 +227,10 @@ class ResponsesAPI:
         self, call: GenerateCall, choice: ChoiceState, reply: _Reply
     ) -> AsyncIterator[bytes]:
         """The typed events; owns nothing (the handler's call scope does)."""
+        if choice.parser is not None:
+            async for event in self._tool_events(call, choice, reply):
+                yield event
+            return
         yield reply.event("response.created", response=reply.envelope("in_progress"))
         yield reply.event("response.in_progress", response=reply.envelope("in_progress"))
         yield reply.event("response.output_item.added", output_index=0,
@@ -182,12 +250,8 @@ class ResponsesAPI:
                                   logprobs=[])  # fmt: skip
         failed = call.error()
         if failed is not None:
-            cause, message = failed
-            err = OpenAIError.from_cause(cause, message).body()["error"]
-            yield reply.event("error", code=err.get("code") or cause.value,
-                              message=message, param=None)  # fmt: skip
-            yield reply.event("response.failed", response=reply.envelope("failed", error={
-                "code": "server_error", "message": message}))  # fmt: skip
+            async for event in _failed(reply, *failed):
+                yield event
             call.close()
             return
         yield reply.event("response.output_text.done", **reply.where(), text=text, logprobs=[])
@@ -198,6 +262,75 @@ class ResponsesAPI:
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         call.close()  # ended: the rid is free before the client sees the last event
         yield reply.event(kind, response=final)
+
+    async def _tool_events(
+        self, call: GenerateCall, choice: ChoiceState, reply: _Reply
+    ) -> AsyncIterator[bytes]:
+        """With tools: output items in the order they appear, the message at its first
+        text, each call whole as the parser finds it."""
+        assert choice.parser is not None
+        yield reply.event("response.created", response=reply.envelope("in_progress"))
+        yield reply.event("response.in_progress", response=reply.envelope("in_progress"))
+        items: list[dict[str, Any]] = []  # the output so far, completed ones as sent
+        text, msg_index = "", None
+        async for _index, _sample, frame in call.frames(True):
+            deltas = choice.parser.feed(frame["text"])
+            if choice.sample.finish is not None:
+                deltas += choice.parser.finish()
+            for d in deltas:
+                if d.get("content"):
+                    if msg_index is None:
+                        msg_index = reply.open_message(len(items))
+                        items.append({})
+                        yield reply.event("response.output_item.added", output_index=msg_index,
+                                          item=reply.message("", "in_progress"))  # fmt: skip
+                        yield reply.event("response.content_part.added", **reply.where(),
+                                          part=_text_part(""))  # fmt: skip
+                    text += d["content"]
+                    yield reply.event("response.output_text.delta", **reply.where(),
+                                      delta=d["content"], logprobs=[])  # fmt: skip
+                for tc in d.get("tool_calls") or ():
+                    if "id" not in tc:
+                        continue  # the arguments delta: the call is whole in the parser
+                    done = reply.function_call(choice.parser.calls[tc["index"]], "completed")
+                    index = len(items)
+                    items.append(done)
+                    yield reply.event("response.output_item.added", output_index=index,
+                                      item={**done, "status": "in_progress", "arguments": ""})  # fmt: skip
+                    where = {"item_id": done["id"], "output_index": index}
+                    yield reply.event("response.function_call_arguments.delta", **where,
+                                      delta=done["arguments"])  # fmt: skip
+                    yield reply.event("response.function_call_arguments.done", **where,
+                                      arguments=done["arguments"])  # fmt: skip
+                    yield reply.event("response.output_item.done", output_index=index, item=done)
+        failed = call.error()
+        if failed is not None:
+            async for event in _failed(reply, *failed):
+                yield event
+            call.close()
+            return
+        if msg_index is not None:
+            items[msg_index] = reply.message(text, "completed")
+            yield reply.event("response.output_text.done", **reply.where(), text=text,
+                              logprobs=[])  # fmt: skip
+            yield reply.event("response.content_part.done", **reply.where(),
+                              part=_text_part(text))  # fmt: skip
+            yield reply.event("response.output_item.done", output_index=msg_index,
+                              item=items[msg_index])  # fmt: skip
+        finish = choice._tail(bool(choice.parser.calls))["finish_reason"]
+        final = reply.final(text, finish, self._usage(call), items=items)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        call.close()  # ended: the rid is free before the client sees the last event
+        yield reply.event(kind, response=final)
+
+
+async def _failed(reply: _Reply, cause: Any, message: str) -> AsyncIterator[bytes]:
+    """An error after the stream began: an ``error`` event, then ``response.failed``."""
+    err = OpenAIError.from_cause(cause, message).body()["error"]
+    yield reply.event("error", code=err.get("code") or cause.value, message=message,
+                      param=None)  # fmt: skip
+    yield reply.event("response.failed", response=reply.envelope("failed", error={
+        "code": "server_error", "message": message}))  # fmt: skip
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -213,9 +346,22 @@ class _Reply:
         self.created = int(time.time())
         self.body, self.oreq, self.model = body, oreq, model
         self.seq = 0
+        self.msg_index = 0
 
     def where(self) -> dict[str, Any]:
-        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0}
+
+    def open_message(self, index: int) -> int:
+        """The message item's place in the output (0 unless calls came first)."""
+        self.msg_index = index
+        return index
+
+    def function_call(self, call: dict[str, Any], status: str) -> dict[str, Any]:
+        """A chat tool call as a Responses ``function_call`` output item."""
+        fn = call["function"]
+        return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call",
+                "status": status, "call_id": call["id"], "name": fn["name"],
+                "arguments": fn["arguments"]}  # fmt: skip
 
     def event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -243,7 +389,7 @@ class _Reply:
             "top_p": b.get("top_p", 1.0),
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "tool_choice": b.get("tool_choice", "auto"),
-            "tools": [],
+            "tools": b.get("tools") or [],
             "text": text_format or {"format": {"type": "text"}},
             "truncation": b.get("truncation", "disabled"),
             "store": False,
@@ -257,10 +403,22 @@ class _Reply:
             **extra,
         }
 
-    def final(self, text: str, finish: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+    def final(
+        self,
+        text: str,
+        finish: str | None,
+        usage: dict[str, Any],
+        calls: list[dict[str, Any]] | None = None,
+        items: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The finished ``response``: ``items`` as a stream sent them, else the message
+        (left out when it has no text and there are calls) and then the calls."""
         cut = finish == "length"
         out = self.envelope("incomplete" if cut else "completed", usage=usage)
-        out["output"] = [self.message(text, "completed")]
+        if items is None:
+            items = [self.message(text, "completed")] if text or not calls else []
+            items += calls or []
+        out["output"] = items or [self.message(text, "completed")]
         if cut:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
