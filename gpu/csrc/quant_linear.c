@@ -91,47 +91,83 @@ static inline __m256 dot_us8(__m256i a, __m256i b) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-/* One output row against MR rows of x; MR is a constant after inlining. */
+/* One weight block against one block of x, added to acc. */
+static inline __m256 block_q8_0(const uint8_t *blk, __m256i aw, __m256i qw, const xblock *xb,
+                                __m256 acc) {
+    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
+    __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));
+    return _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * xb->d), p, acc);
+}
+
+/* One output row against MR rows of x; MR is a constant after inlining. Even and odd
+ * blocks go to separate accumulators: one chain of FMAs would wait on its latency. */
 static inline __attribute__((always_inline)) void row_q8_0(const uint8_t *w, const xblock *xq,
                                                            int64_t nb, int MR, float *acc_out) {
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 34;
-        float dw = half_to_float(blk);
-        __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        __m256i aw = _mm256_sign_epi8(qw, qw); /* |w|: maddubs wants one unsigned side */
-        for (int r = 0; r < MR; r++) {
-            const xblock *xb = xq + r * nb + b;
-            __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-            __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), p, acc[r]);
+    __m256 acc[MAX_ROWS][2];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *blk = w + (b + h) * 34;
+            __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            __m256i aw = _mm256_sign_epi8(qw, qw); /* |w|: maddubs wants one unsigned side */
+            for (int r = 0; r < MR; r++)
+                acc[r][h] = block_q8_0(blk, aw, qw, xq + r * nb + b + h, acc[r][h]);
         }
     }
-    for (int r = 0; r < MR; r++) acc_out[r] = hsum(acc[r]);
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        __m256i aw = _mm256_sign_epi8(qw, qw);
+        for (int r = 0; r < MR; r++) acc[r][0] = block_q8_0(blk, aw, qw, xq + r * nb + b, acc[r][0]);
+    }
+    for (int r = 0; r < MR; r++) acc_out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* d and m are adjacent fp16s, x's d and s adjacent fp32s: one conversion and one
+ * multiply give [d * dx, m * sx]; lane 1 sums the offset terms in macc. */
+static inline __m256 block_q4_1(const uint8_t *blk, __m256i qw, const xblock *xb, __m128 *macc,
+                                __m256 acc) {
+    uint32_t dm;
+    memcpy(&dm, blk, 4);
+    __m128 xds = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&xb->d));
+    __m128 prod = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), xds);
+    *macc = _mm_add_ps(*macc, prod);
+    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
+    return _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), dot_us8(qw, qx), acc);
+}
+
+static inline __m256i nibbles_q4_1(const uint8_t *blk) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+    /* low nibbles are elements 0..15, high nibbles 16..31 */
+    return _mm256_and_si256(
+        _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+        _mm256_set1_epi8(0x0f));
 }
 
 static inline __attribute__((always_inline)) void row_q4_1(const uint8_t *w, const xblock *xq,
                                                            int64_t nb, int MR, float *acc_out) {
-    __m256 acc[MAX_ROWS];
-    float msum[MAX_ROWS];
-    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps(), msum[r] = 0.0f;
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 20;
-        float dw = half_to_float(blk), mw = half_to_float(blk + 2);
-        __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
-        /* low nibbles are elements 0..15, high nibbles 16..31 */
-        __m256i qw = _mm256_and_si256(
-            _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-        for (int r = 0; r < MR; r++) {
-            const xblock *xb = xq + r * nb + b;
-            __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb->d), dot_us8(qw, qx), acc[r]);
-            msum[r] += mw * xb->s;
+    __m256 acc[MAX_ROWS][2];
+    __m128 macc[MAX_ROWS];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *blk = w + (b + h) * 20;
+            __m256i qw = nibbles_q4_1(blk);
+            for (int r = 0; r < MR; r++)
+                acc[r][h] = block_q4_1(blk, qw, xq + r * nb + b + h, &macc[r], acc[r][h]);
         }
     }
-    for (int r = 0; r < MR; r++) acc_out[r] = hsum(acc[r]) + msum[r];
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 20;
+        __m256i qw = nibbles_q4_1(blk);
+        for (int r = 0; r < MR; r++)
+            acc[r][0] = block_q4_1(blk, qw, xq + r * nb + b, &macc[r], acc[r][0]);
+    }
+    for (int r = 0; r < MR; r++)
+        acc_out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) +
+                     _mm_cvtss_f32(_mm_shuffle_ps(macc[r], macc[r], 1));
 }
 #else
 static inline void row_q8_0(const uint8_t *w, const xblock *xq, int64_t nb, int MR,

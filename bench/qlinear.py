@@ -1,0 +1,182 @@
+"""Decode-row linear layers: fp32 (what the worker runs today) against GGUF Q4_1 / Q8_0 kernels.
+
+For SmolLM2's projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) and
+its LM head (49152x576) at 1 and 2 rows, times ``gpu.model.PackedLinear`` on the
+dequantized weight against ``NativeKernels.q_linear`` on the blocks: Q4_1 as the
+bundled GGUF stores the layers, Q8_0 as it stores the embedding (the tied head); the
+other type of each is a requantization with gguf.quants. Every layer's own weight is
+used, so one pass over the 30 layers reads them from memory as a decode step does (one
+layer's weights alone would sit in the cache and flatter fp32). The three paths run
+interleaved (A B C A B C ...); per call min and median, the bytes of weight it reads,
+the GB/s that makes at the min, the kernel's max error against F.linear on its blocks'
+dequantization relative to max |that|, and
+the sum over 30 layers + head. The steal share of each thread count's run comes from
+``/proc/stat``, with the CPU other processes used meanwhile (on 2 cores one busy
+neighbour makes the second OpenMP thread wait for a time slice: ~1.6 ms a call); above
+10 % steal or 0.1 cores of others the run is flagged as not comparable.
+``python bench/qlinear.py [THREADS ...]`` (default 1 2).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+
+tune_cpu_runtime()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
+
+from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
+from bench.procs import busy_cpu_seconds  # noqa: E402
+from gpu.model import PackedLinear  # noqa: E402
+from gpu.native import QUANT_BLOCK_BYTES, NativeKernels, load_kernels  # noqa: E402
+from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
+
+SHAPES = {  # name -> the GGUF tensors fused into it, as the loader fuses them
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "o": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"),
+    "down": ("ffn_down",),
+}
+KINDS = ("fp32", "Q4_1", "Q8_0")
+ROWS = (1, 2)
+REPS = 15
+STEAL_LIMIT = 0.10
+OTHERS_LIMIT = 0.10  # cores other processes kept busy: they take our second thread's core
+
+
+class Weights:
+    """One shape's weights for every layer (or the head), in the three forms."""
+
+    def __init__(self, f: GGUFFile, names: list[list[str]]) -> None:
+        self.fp32: list[PackedLinear] = []
+        self.blocks: dict[str, list[torch.Tensor]] = {"Q4_1": [], "Q8_0": []}
+        for group in names:
+            dense = np.concatenate([f.dequantize(n) for n in group])
+            self.fp32.append(PackedLinear(torch.from_numpy(dense)))
+            for kind in self.blocks:
+                qtype = Q[kind]
+                if all(f.tensor_type(n) == qtype for n in group):  # the file's own blocks
+                    raw = np.concatenate([file_blocks(f, n) for n in group])
+                else:
+                    raw = quantize(dense, qtype)
+                self.blocks[kind].append(torch.from_numpy(np.ascontiguousarray(raw)))
+        self.n, self.k = self.fp32[0].weight.shape
+
+    def bytes_per_call(self, kind: str) -> int:
+        if kind == "fp32":
+            return self.n * self.k * 4
+        return self.n * self.k // 32 * QUANT_BLOCK_BYTES[Q[kind]]
+
+
+def file_blocks(f: GGUFFile, name: str) -> np.ndarray:
+    t = f.tensors[name]
+    n, k = f.tensor_shape(name)
+    row = k // 32 * QUANT_BLOCK_BYTES[f.tensor_type(name)]
+    return np.array(np.memmap(f.path, np.uint8, "r", t.offset, (n, row)))
+
+
+def runner(kn: NativeKernels, w: Weights, kind: str, x: torch.Tensor) -> Callable[[], object]:
+    """One pass over every copy of the weight (30 layers, or the head once)."""
+    if kind == "fp32":
+        return lambda: [lin(x) for lin in w.fp32]
+    qtype = int(Q[kind])
+    return lambda: [kn.q_linear(x, b, qtype) for b in w.blocks[kind]]
+
+
+def max_rel_err(kn: NativeKernels, w: Weights, kind: str, x: torch.Tensor) -> float:
+    """The kernel's own error: against F.linear on what its blocks dequantize to (a
+    requantized weight's distance from the file's is a separate matter)."""
+    blocks, qtype = w.blocks[kind][0], int(Q[kind])
+    ref = F.linear(x, kn.q_dequantize(blocks, qtype, w.k))
+    return float((kn.q_linear(x, blocks, qtype) - ref).abs().max() / ref.abs().max())
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], copies: int) -> dict[str, list[float]]:
+    """Per-call seconds of each path over REPS passes, the paths alternating each pass."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {kind: [] for kind in fns}
+    for _ in range(REPS):
+        for kind, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[kind].append((time.perf_counter() - t) / copies)
+    return times
+
+
+def run(kn: NativeKernels, weights: dict[str, Weights], n_layers: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    start, wall0, busy0, own0 = steal_ticks(), time.perf_counter(), busy_cpu_seconds(), own_cpu()
+    print(f"\nthreads {threads}")
+    print(f"{'shape':>8} {'rows':>4} " + " ".join(
+        f"{k + ' min/med us':>18} {'MB':>5} {'GB/s':>5}" for k in KINDS
+    ) + f" {'err Q4_1':>9} {'err Q8_0':>9}")  # fmt: skip
+    totals = {(r, k): [0.0, 0.0] for r in ROWS for k in KINDS}
+    for rows in ROWS:
+        for name, w in weights.items():
+            x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
+            copies = len(w.fp32)
+            times = time_interleaved({k: runner(kn, w, k, x) for k in KINDS}, copies)
+            cols = []
+            for kind in KINDS:
+                lo, med = min(times[kind]), statistics.median(times[kind])
+                mb = w.bytes_per_call(kind) / 1e6
+                cols.append(
+                    f"{lo * 1e6:>8.0f} / {med * 1e6:>7.0f} {mb:>5.1f} {mb / 1e3 / lo:>5.1f}"
+                )
+                scale = n_layers if name != "head" else 1
+                totals[rows, kind][0] += lo * scale
+                totals[rows, kind][1] += med * scale
+            errs = [max_rel_err(kn, w, k, x) for k in KINDS[1:]]
+            print(f"{name:>8} {rows:>4} " + " ".join(cols) + "".join(f" {e:>9.4f}" for e in errs))
+    for rows in ROWS:
+        line = ", ".join(
+            f"{k} {totals[rows, k][0] * 1e3:.2f} / {totals[rows, k][1] * 1e3:.2f} ms" for k in KINDS
+        )
+        print(f"per decode step ({n_layers} layers + head), rows {rows}, min / median: {line}")
+    share = steal_share(start, steal_ticks())
+    others = (busy_cpu_seconds() - busy0 - (own_cpu() - own0)) / (time.perf_counter() - wall0)
+    flag = "  NOT COMPARABLE" if share > STEAL_LIMIT or others > OTHERS_LIMIT else ""
+    print(f"steal share {share * 100:.1f} %, other processes {others:.2f} cores busy{flag}")
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def main() -> int:
+    kn = load_kernels()
+    if kn is None:
+        print("native kernels unavailable (LIFECYCLE_NATIVE=0 or no C compiler): nothing to time")
+        return 1
+    f = GGUFFile(default_model_path())
+    n_layers = sum(1 for n in f.tensors if n.endswith(".attn_q.weight"))
+    t = time.perf_counter()
+    with torch.inference_mode():
+        weights = {
+            name: Weights(f, [[f"blk.{i}.{p}.weight" for p in parts] for i in range(n_layers)])
+            for name, parts in SHAPES.items()
+        }
+        weights["head"] = Weights(f, [["token_embd.weight"]])
+        print(f"{f.path.name}: {n_layers} layers, weights ready in {time.perf_counter() - t:.1f}s")
+        for threads in [int(a) for a in sys.argv[1:]] or [1, 2]:
+            run(kn, weights, n_layers, threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
