@@ -77,7 +77,8 @@ def kernel_cache_dir() -> Path:
 
 
 def _cpu_flags() -> tuple[str, ...]:
-    """-mavx2 -mfma where /proc/cpuinfo lists both (x86 Linux), else the compiler's default."""
+    """-mavx2 -mfma where /proc/cpuinfo lists both (x86 Linux), plus -mf16c where it lists
+    that too (quant_linear.c's fp16 scales), else the compiler's default."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -85,7 +86,9 @@ def _cpu_flags() -> tuple[str, ...]:
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            return ("-mavx2", "-mfma") if {"avx2", "fma"} <= flags else ()
+            if not {"avx2", "fma"} <= flags:
+                return ()
+            return ("-mavx2", "-mfma", "-mf16c") if "f16c" in flags else ("-mavx2", "-mfma")
     return ()
 
 

@@ -21,9 +21,7 @@
 #include <string.h>
 #include <math.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* Every AVX2 CPU has F16C (the fp16 scales); the build flags name only avx2 and fma. */
-#pragma GCC target("f16c")
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
 #endif
