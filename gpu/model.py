@@ -168,6 +168,38 @@ class Llama(nn.Module):
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
 
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds for its weights, each storage counted once:
+        the parameters and buffers, and the extra copies the linear layers keep (a packed
+        or interleaved fp32 copy, quantized blocks)."""
+        seen: dict[int, int] = {}
+
+        def add(t: Tensor | None) -> None:
+            if t is None:
+                return
+            if t.layout == torch._mkldnn:  # type: ignore[attr-defined]  # opaque: no storage
+                seen[id(t)] = t.numel() * t.element_size()
+                return
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+
+        for t in (*self.parameters(), *self.buffers()):
+            add(t)
+        for lin in self.linears():
+            for name in lin.__slots__:
+                value = getattr(lin, name, None)
+                if isinstance(value, Tensor):
+                    add(value)
+        return sum(seen.values())
+
+    def linears(self) -> list[PackedLinear]:
+        """Every projection of the model, the LM head last."""
+        out: list[PackedLinear] = []
+        for layer in self.layers:
+            w = cast(LlamaWeights, layer)
+            out += [w.qkv, w.o, w.gate_up, w.down]
+        return [*out, self.head]
+
     def forward(
         self,
         input_ids: Tensor,
