@@ -14,11 +14,12 @@ the sum over 30 layers + head. The steal share of each thread count's run comes 
 ``/proc/stat``, with the CPU other processes used meanwhile (on 2 cores one busy
 neighbour makes the second OpenMP thread wait for a time slice: ~1.6 ms a call); above
 10 % steal or 0.1 cores of others the run is flagged as not comparable.
-``python bench/qlinear.py [THREADS ...]`` (default 1 2).
+``python bench/qlinear.py [THREADS ...] [--rows 1,2,32,500]`` (default threads 1 2, rows 1,2).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -51,7 +52,7 @@ SHAPES = {  # name -> the GGUF tensors fused into it, as the loader fuses them
     "down": ("ffn_down",),
 }
 KINDS = ("fp32", "Q4_1", "Q8_0")
-ROWS = (1, 2)
+ROWS = (1, 2)  # default --rows: decode at batch 1-2
 REPS = 15
 STEAL_LIMIT = 0.10
 OTHERS_LIMIT = 0.10  # cores other processes kept busy: they take our second thread's core
@@ -117,15 +118,18 @@ def time_interleaved(fns: dict[str, Callable[[], object]], copies: int) -> dict[
     return times
 
 
-def run(kn: NativeKernels, weights: dict[str, Weights], n_layers: int, threads: int) -> None:
+def run(
+    kn: NativeKernels, weights: dict[str, Weights], n_layers: int, threads: int,
+    rows_list: tuple[int, ...],
+) -> None:  # fmt: skip
     torch.set_num_threads(threads)
     start, wall0, busy0, own0 = steal_ticks(), time.perf_counter(), busy_cpu_seconds(), own_cpu()
     print(f"\nthreads {threads}")
     print(f"{'shape':>8} {'rows':>4} " + " ".join(
         f"{k + ' min/med us':>18} {'MB':>5} {'GB/s':>5}" for k in KINDS
     ) + f" {'err Q4_1':>9} {'err Q8_0':>9}")  # fmt: skip
-    totals = {(r, k): [0.0, 0.0] for r in ROWS for k in KINDS}
-    for rows in ROWS:
+    totals = {(r, k): [0.0, 0.0] for r in rows_list for k in KINDS}
+    for rows in rows_list:
         for name, w in weights.items():
             x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
             copies = len(w.fp32)
@@ -142,7 +146,7 @@ def run(kn: NativeKernels, weights: dict[str, Weights], n_layers: int, threads: 
                 totals[rows, kind][1] += med * scale
             errs = [max_rel_err(kn, w, k, x) for k in KINDS[1:]]
             print(f"{name:>8} {rows:>4} " + " ".join(cols) + "".join(f" {e:>9.4f}" for e in errs))
-    for rows in ROWS:
+    for rows in rows_list:
         line = ", ".join(
             f"{k} {totals[rows, k][0] * 1e3:.2f} / {totals[rows, k][1] * 1e3:.2f} ms" for k in KINDS
         )
@@ -159,6 +163,14 @@ def own_cpu() -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("threads", nargs="*", type=int, default=[1, 2])
+    ap.add_argument(
+        "--rows", default=",".join(map(str, ROWS)),
+        help="comma-separated row counts (decode batch sizes; 500 for a prefill)",
+    )  # fmt: skip
+    args = ap.parse_args()
+    rows_list = tuple(int(r) for r in args.rows.split(","))
     kn = load_kernels()
     if kn is None:
         print("native kernels unavailable (LIFECYCLE_NATIVE=0 or no C compiler): nothing to time")
@@ -173,8 +185,8 @@ def main() -> int:
         }
         weights["head"] = Weights(f, [["token_embd.weight"]])
         print(f"{f.path.name}: {n_layers} layers, weights ready in {time.perf_counter() - t:.1f}s")
-        for threads in [int(a) for a in sys.argv[1:]] or [1, 2]:
-            run(kn, weights, n_layers, threads)
+        for threads in args.threads:
+            run(kn, weights, n_layers, threads, rows_list)
     return 0
 
 

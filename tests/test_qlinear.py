@@ -10,6 +10,11 @@ slack for the rounding of the scales and 1e-5 of ``sum_i |w_ji x_i|`` for fp32
 accumulation); against ``max |ref|`` the error is about 0.5 % on random data. With x
 already on the int8 grid (integers, block amax 127) the rounding is exact and the
 kernel matches fp64 to fp32 accumulation error.
+
+From 8 rows on (prefill, batched decode) the kernel takes its panel path instead:
+weights dequantized to fp32 tiles and x not rounded, so the product is F.linear on the
+dequantization to fp32 accumulation error, at every row count and at widths that are
+not a multiple of the panel's 16 rows.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def check(w_blocks: np.ndarray, qtype: GGMLQuantizationType, x: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
 def test_random_blocks(qtype: GGMLQuantizationType, rows: int) -> None:
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     assert check(random_blocks(qtype, 37, 576, seed=rows), qtype, x) < 0.02
@@ -96,6 +101,21 @@ def test_x_on_the_int8_grid_is_exact(qtype: GGMLQuantizationType) -> None:
     y = kernels().q_linear(x, torch.from_numpy(blocks), int(qtype))
     ref = F.linear(x.double(), w.double())
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("rows", "n", "k"), [(8, 64, 576), (32, 37, 576), (71, 48, 1536), (500, 20, 64)])
+def test_panel_path_is_f_linear_on_the_dequantization(
+    qtype: GGMLQuantizationType, rows: int, n: int, k: int
+) -> None:
+    """Rows 8 and up: no rounding of x; every remainder of 6 rows and of 16 outputs."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    blocks = random_blocks(qtype, n, k, seed=rows)
+    w = torch.from_numpy(dequantize(blocks, qtype).reshape(-1, k))
+    y = kernels().q_linear(x, torch.from_numpy(blocks), int(qtype))
+    ref = F.linear(x.double(), w.double())
+    tol = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((y.double() - ref).abs() <= tol).all()
 
 
 def test_rejects_what_it_cannot_read() -> None:

@@ -1,7 +1,10 @@
-/* y = x @ w^T for a few rows of x (decode), w kept in its GGUF quantized blocks.
+/* y = x @ w^T, w kept in its GGUF quantized blocks: decode and prefill alike.
  *
  * At decode row counts a linear layer is one pass over its weights, so its time is the
- * bytes it reads: fp32 is 4 bytes a weight, Q8_0 1.06, Q4_1 0.625. As llama.cpp does
+ * bytes it reads: fp32 is 4 bytes a weight, Q8_0 1.06, Q4_1 0.625. At prefill row counts
+ * it is the arithmetic: an int8 dot product of 32 pairs is a few AVX2 instructions, about
+ * an fp32 FMA's rate per weight, and the rows go in tiles (ROW_TILE) so the weights
+ * stream once a tile. As llama.cpp does
  * (ggml-cpu quants.c, ggml_vec_dot_q4_1_q8_1 / ggml_vec_dot_q8_0_q8_0), each row of x is
  * quantized once per call to blocks of 32 int8 with an fp32 scale (and, for Q4_1's
  * offset term, the block's scaled sum), and every weight block meets it in an int8 dot
@@ -14,7 +17,8 @@
  *                         nib[i] = qs[i] & 15 and nib[i + 16] = qs[i] >> 4 (i < 16)
  *
  *   x [M, K] fp32 contiguous, K % 32 == 0; w [N, K / 32 * block bytes] (GGUF row-major);
- *   y [M, N] fp32 contiguous. Parallel over output rows.
+ *   y [M, N] fp32 contiguous. x's rows are quantized in parallel, then each tile of
+ *   rows runs in parallel over output rows.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,10 +61,39 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* llama.cpp's quantize_row_q8_1 with an fp32 scale: d = amax / 127, q = round(x / d). */
+/* llama.cpp's quantize_row_q8_1 with an fp32 scale: d = amax / 127, q = round(x / d)
+ * (to nearest even on the AVX2 path, as llama.cpp's; half away from zero in portable C:
+ * the two differ only on exact ties). */
 static void quantize_row(const float *x, int64_t nb, xblock *out) {
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
+#ifdef QL_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 mul = _mm256_set1_ps(id);
+        const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), mode));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), mode));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), mode));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), mode));
+        __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+        s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+        s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+        /* packs work per 128-bit lane: the permute puts the 32 bytes back in order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)out[b].q, p);
+        out[b].d = d;
+        out[b].s = d * (float)_mm_cvtsi128_si32(s2);
+#else
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -72,6 +105,7 @@ static void quantize_row(const float *x, int64_t nb, xblock *out) {
         }
         out[b].d = d;
         out[b].s = d * (float)sum;
+#endif
     }
 }
 
@@ -201,60 +235,51 @@ static inline void row_q4_1(const uint8_t *w, const xblock *xq, int64_t nb, int 
 }
 #endif
 
-#define DISPATCH(fn, MR)                                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                     \
-    for (int64_t j = 0; j < n; j++) {                                                      \
-        float a[MAX_ROWS];                                                                 \
-        fn(w + j * row_bytes, xq, nb, MR, a);                                              \
-        for (int r = 0; r < MR; r++) y[r * n + j] = a[r];                                  \
-    }
-
-static void rows_chunk(int32_t qtype, const uint8_t *w, const xblock *xq, float *y, int32_t mr,
-                       int64_t n, int64_t nb, int64_t row_bytes, int32_t threads) {
-    /* One specialized loop per (type, row count): the accumulators stay in registers. */
+/* One output row against mr (<= MAX_ROWS) rows of x, each case specialized so the
+ * accumulators stay in registers. */
+static inline void row_chunk(int32_t qtype, const uint8_t *wr, const xblock *xq, int64_t nb,
+                             int32_t mr, float *a) {
     if (qtype == GGML_Q8_0) {
         switch (mr) {
-        case 1: DISPATCH(row_q8_0, 1) break;
-        case 2: DISPATCH(row_q8_0, 2) break;
-        case 3: DISPATCH(row_q8_0, 3) break;
-        default: DISPATCH(row_q8_0, 4) break;
+        case 1: row_q8_0(wr, xq, nb, 1, a); break;
+        case 2: row_q8_0(wr, xq, nb, 2, a); break;
+        case 3: row_q8_0(wr, xq, nb, 3, a); break;
+        default: row_q8_0(wr, xq, nb, 4, a); break;
         }
     } else {
         switch (mr) {
-        case 1: DISPATCH(row_q4_1, 1) break;
-        case 2: DISPATCH(row_q4_1, 2) break;
-        case 3: DISPATCH(row_q4_1, 3) break;
-        default: DISPATCH(row_q4_1, 4) break;
+        case 1: row_q4_1(wr, xq, nb, 1, a); break;
+        case 2: row_q4_1(wr, xq, nb, 2, a); break;
+        case 3: row_q4_1(wr, xq, nb, 3, a); break;
+        default: row_q4_1(wr, xq, nb, 4, a); break;
         }
     }
 }
 
-/* Returns 0, -1 when the scratch for x's blocks cannot be allocated, -2 for a type or
- * shape this kernel does not take. */
-int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
-             int64_t k, int32_t threads) {
-    if (threads < 1) threads = 1;
-    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
-    int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * (m < MAX_ROWS ? m : MAX_ROWS)));
-    if (!xq) return -1;
-    for (int32_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-        int32_t mr = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
-        for (int32_t r = 0; r < mr; r++) quantize_row(x + (r0 + r) * k, nb, xq + r * nb);
-        rows_chunk(qtype, w, xq, y + r0 * n, mr, n, nb, row_bytes, threads);
-    }
-    free(xq);
-    return 0;
-}
-
-/* w's blocks as fp32, [N, K]: what the kernel multiplies by, for tests to compare with
- * gguf.quants' dequantization exactly. */
-int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t k) {
-    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
-    int64_t nb = k / QK, bs = qtype == GGML_Q8_0 ? 34 : 20;
-    for (int64_t b = 0; b < n * nb; b++) {
+/* Dequantize blocks [nrows, nb] to fp32 rows [nrows, nb * 32] (what q_dequantize gives). */
+static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nrows, int64_t nb) {
+    int64_t bs = qtype == GGML_Q8_0 ? 34 : 20;
+    for (int64_t b = 0; b < nrows * nb; b++) {
         const uint8_t *blk = w + b * bs;
         float *o = out + b * QK, d = half_to_float(blk);
+#ifdef QL_AVX2
+        __m256 vd = _mm256_set1_ps(d);
+        if (qtype == GGML_Q8_0) {
+            for (int i = 0; i < QK; i += 8) {
+                __m128i q8 = _mm_loadl_epi64((const __m128i *)(blk + 2 + i));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
+            }
+        } else {
+            __m256 vm = _mm256_set1_ps(half_to_float(blk + 2));
+            __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), mask = _mm_set1_epi8(0x0f);
+            __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; i++) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+                _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(f, vd, vm));
+            }
+        }
+#else
         if (qtype == GGML_Q8_0) {
             for (int i = 0; i < QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
         } else {
@@ -264,6 +289,179 @@ int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t
                 o[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + mw;
             }
         }
+#endif
     }
+}
+
+/* Prefill and batched decode: arithmetic, not bytes, is the cost, and x's rounding to
+ * int8 buys nothing (maddubs + madd run at about an fp32 FMA's rate per weight on AVX2).
+ * So each thread dequantizes PANEL = 16 output rows at a time and transposes them into
+ * an fp32 panel [K][16] (L2-resident), and multiplies rows of x by it the way BLAS
+ * kernels do: MR = 6 rows of x against the panel's 16 columns in 12 accumulators, per k
+ * two panel loads, six broadcasts of x and twelve FMAs, no horizontal sums. K goes in
+ * slices of KC so a slice of the panel (KC x 16 x 4 bytes: 16 KiB) stays in L1 while
+ * every row of x passes it; y accumulates across slices. The weights stream from memory
+ * once per call, dequantized once, and x is not rounded: y is F.linear on the blocks'
+ * dequantization up to fp32 summation order. */
+enum { PANEL = 16, KC = 256, MR = 6 };
+
+#ifdef QL_AVX2
+/* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block. */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* y[r, 0:16] (+)= x[r, 0:len] @ pt[0:len, 0:16] for r < MR; x rows ldx apart, y rows ldy.
+ * Named accumulators: gcc keeps an array of __m256 on the stack. */
+#define ROWK(r) const float *x##r = x + r * ldx; __m256 a##r##0, a##r##1;                   \
+    if (add) { a##r##0 = _mm256_loadu_ps(y + r * ldy); a##r##1 = _mm256_loadu_ps(y + r * ldy + 8); } \
+    else a##r##0 = a##r##1 = _mm256_setzero_ps();
+#define STEPK(r) { __m256 b = _mm256_broadcast_ss(x##r + i);                                 \
+    a##r##0 = _mm256_fmadd_ps(b, b0, a##r##0); a##r##1 = _mm256_fmadd_ps(b, b1, a##r##1); }
+#define STOREK(r) _mm256_storeu_ps(y + r * ldy, a##r##0); _mm256_storeu_ps(y + r * ldy + 8, a##r##1);
+
+#define KERN(name, ROWS, STEPS, STORES)                                                   \
+    static void name(const float *x, int64_t ldx, const float *pt, int64_t len, float *y,     \
+                     int64_t ldy, int add) {                                                  \
+        ROWS                                                                                  \
+        for (int64_t i = 0; i < len; i++) {                                                   \
+            __m256 b0 = _mm256_load_ps(pt + i * PANEL), b1 = _mm256_load_ps(pt + i * PANEL + 8); \
+            STEPS                                                                             \
+        }                                                                                     \
+        STORES                                                                                \
+    }
+KERN(kern1, ROWK(0), STEPK(0), STOREK(0))
+KERN(kern2, ROWK(0) ROWK(1), STEPK(0) STEPK(1), STOREK(0) STOREK(1))
+KERN(kern3, ROWK(0) ROWK(1) ROWK(2), STEPK(0) STEPK(1) STEPK(2), STOREK(0) STOREK(1) STOREK(2))
+KERN(kern4, ROWK(0) ROWK(1) ROWK(2) ROWK(3), STEPK(0) STEPK(1) STEPK(2) STEPK(3),
+     STOREK(0) STOREK(1) STOREK(2) STOREK(3))
+KERN(kern5, ROWK(0) ROWK(1) ROWK(2) ROWK(3) ROWK(4), STEPK(0) STEPK(1) STEPK(2) STEPK(3) STEPK(4),
+     STOREK(0) STOREK(1) STOREK(2) STOREK(3) STOREK(4))
+KERN(kern6, ROWK(0) ROWK(1) ROWK(2) ROWK(3) ROWK(4) ROWK(5),
+     STEPK(0) STEPK(1) STEPK(2) STEPK(3) STEPK(4) STEPK(5),
+     STOREK(0) STOREK(1) STOREK(2) STOREK(3) STOREK(4) STOREK(5))
+
+static void kern_any(const float *x, int64_t ldx, const float *pt, int64_t len, int mr, float *y,
+                     int64_t ldy, int add) {
+    static void (*const kerns[MR])(const float *, int64_t, const float *, int64_t, float *,
+                                   int64_t, int) = {kern1, kern2, kern3, kern4, kern5, kern6};
+    kerns[mr - 1](x, ldx, pt, len, y, ldy, add);
+}
+#else
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 8; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
+static void kern_any(const float *x, int64_t ldx, const float *pt, int64_t len, int mr,
+                     float *y, int64_t ldy, int add) {
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < PANEL; c++) {
+            float a = add ? y[r * ldy + c] : 0.0f;
+            for (int64_t i = 0; i < len; i++) a += x[r * ldx + i] * pt[i * PANEL + c];
+            y[r * ldy + c] = a;
+        }
+}
+#endif
+
+static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m,
+                        int64_t n, int64_t k, int32_t threads) {
+    int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
+    int64_t tiles = (n + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* rows: the tile dequantized [16][K]; panel: transposed [K][16]; edge: y's
+         * columns of a last tile narrower than 16, [m][16] */
+        float *rows = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(float));
+        float *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(float));
+        float *edge = n % PANEL ? aligned_alloc(64, (size_t)(((m * PANEL + 15) / 16) * 16) * sizeof(float)) : NULL;
+        int ok = rows && panel && (edge || n % PANEL == 0);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!ok) continue;
+            int64_t j0 = t * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
+            dequant_rows(w + j0 * row_bytes, rows, qtype, cols, nb);
+            if (cols < PANEL) memset(rows + cols * k, 0, (size_t)((PANEL - cols) * k) * sizeof(float));
+            for (int64_t i = 0; i < k; i += 8) {
+                transpose8(rows + i, k, panel + i * PANEL, PANEL);
+                transpose8(rows + 8 * k + i, k, panel + i * PANEL + 8, PANEL);
+            }
+            float *out = cols == PANEL ? y + j0 : edge;
+            int64_t ldy = cols == PANEL ? n : PANEL;
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                int64_t len = k - k0 < KC ? k - k0 : KC;
+                for (int32_t r = 0; r < m; r += MR) {
+                    int mr = m - r < MR ? m - r : MR;
+                    kern_any(x + (int64_t)r * k + k0, k, panel + k0 * PANEL, len, mr,
+                             out + (int64_t)r * ldy, ldy, k0 > 0);
+                }
+            }
+            if (cols < PANEL)
+                for (int32_t r = 0; r < m; r++) memcpy(y + (int64_t)r * n + j0, edge + (int64_t)r * PANEL, (size_t)cols * sizeof(float));
+        }
+        free(rows);
+        free(panel);
+        free(edge);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Rows of x from which the panel path is faster than the int8 one (bench/qlinear.py). */
+enum { PANEL_MIN_ROWS = 8 };
+
+/* Returns 0, -1 when scratch memory cannot be allocated, -2 for a type or shape this
+ * kernel does not take. */
+int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
+             int64_t k, int32_t threads) {
+    if (threads < 1) threads = 1;
+    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
+    if (m >= PANEL_MIN_ROWS) return panel_linear(x, w, y, qtype, m, n, k, threads);
+    int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * (m > 0 ? m : 1)));
+    if (!xq) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * k, nb, xq + r * nb);
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *wr = w + j * row_bytes;
+            for (int32_t c = 0; c < m; c += MAX_ROWS) {
+                int32_t mr = m - c < MAX_ROWS ? m - c : MAX_ROWS;
+                float a[MAX_ROWS];
+                row_chunk(qtype, wr, xq + (int64_t)c * nb, nb, mr, a);
+                for (int32_t r = 0; r < mr; r++) y[(int64_t)(c + r) * n + j] = a[r];
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* w's blocks as fp32, [N, K]: what the kernel multiplies by, for tests to compare with
+ * gguf.quants' dequantization exactly. */
+int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t k) {
+    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
+    dequant_rows(w, out, qtype, n, k / QK);
     return 0;
 }
