@@ -1,15 +1,19 @@
-"""Model step costs on the default model: prefill, batched decode, and bare matmuls.
+"""Model step costs on the default model, per weight mode side by side.
 
-Prints prefill tokens/s for a 512-token prompt, decode step time at batch 1/8/32/64
-(independent sequences, ~128 tokens of context each) on the worker's paged KV cache (its
-decode attention kernel included, as the engine runs it), and the same matmul shapes timed
-bare (the model's packed projections at those row counts, and plain ``F.linear`` on the
-same weights) so the gap between the model and its matmul floor is visible. Runs in well under a minute on an
-idle machine. ``python bench/model_step.py [THREADS]``.
+For each ``--weights`` mode (default: quantized, the CPU default, then fp32, the
+baseline), prints prefill tokens/s for a 512-token prompt, decode step time at batch
+1/8/32/64 (independent sequences, ~128 tokens of context each) on the worker's paged KV
+cache (its decode attention kernel included, as the engine runs it), and the same
+matmul shapes timed bare (the model's projections and LM head at those row counts), so
+the gap between the model and its matmul floor is visible; then the two modes' ratios.
+The steal share of each mode's run is printed (above 10 %: not comparable). Runs in
+about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
+quantized,fp32]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -23,11 +27,11 @@ from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
 tune_cpu_runtime()
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.model import PackedLinear  # noqa: E402
+from gpu.model import Linear  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 128
@@ -80,49 +84,67 @@ def decode_ms(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]], bat
     return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
 
 
-def bare_matmul_ms(lm: LoadedModel, rows: int, packed: bool) -> tuple[float, float]:
-    """(one layer's four projections x n_layers, the LM head) at ``rows`` rows.
-
-    ``packed``: through the model's ``PackedLinear`` (what the forward runs), else
-    plain ``F.linear`` on the same weights, for comparison.
-    """
+def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
+    """(one layer's four projections x n_layers, the LM head) at ``rows`` rows, through
+    the model's own linear layers (what the forward runs)."""
     layer = lm.model.layers[0]
-    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
-    xs = [torch.randn(rows, lin.weight.shape[1]) for lin in linears]
-    head_x = torch.randn(rows, lm.config.hidden)
-
-    def run(lin: PackedLinear, x: torch.Tensor) -> object:
-        return lin(x) if packed else F.linear(x, lin.weight)
+    linears: list[Linear] = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    c = lm.config
+    widths = [c.hidden, c.n_heads * c.head_dim, c.hidden, c.ffn]
+    xs = [torch.randn(rows, k) for k in widths]
+    head_x = torch.randn(rows, c.hidden)
 
     def layer_mm() -> None:
         for x, lin in zip(xs, linears, strict=True):
-            run(lin, x)
+            lin(x)
 
     per_layer = median_ms(layer_mm, runs=15, warmup=3)
-    head = median_ms(lambda: run(lm.model.head, head_x), runs=7)
-    return per_layer * lm.config.n_layers, head
+    head = median_ms(lambda: lm.model.head(head_x), runs=7)
+    return per_layer * c.n_layers, head
 
 
-def main() -> int:
-    if len(sys.argv) > 1:  # optional thread count: compare 1 vs 2 when the CPU is shared
-        torch.set_num_threads(int(sys.argv[1]))
+def measure(mode: str) -> dict[str, float]:
     t = time.perf_counter()
-    lm = load_model(device="cpu")
-    print(f"model {lm.path.name}: load {time.perf_counter() - t:.1f}s, "
+    lm = load_model(device="cpu", weights=mode)
+    start = steal_ticks()
+    out = {"load_s": time.perf_counter() - t, "weights_mib": lm.model.weight_bytes() / 2**20}
+    print(f"\n--weights {mode}: {lm.path.name}, {'quantized' if lm.model.quantized() else 'dense'} "
+          f"weights {out['weights_mib']:.0f} MiB, load {out['load_s']:.1f}s, "
           f"torch threads {torch.get_num_threads()}")  # fmt: skip
     with torch.inference_mode():
         ms = prefill_ms(lm)
+        out["prefill"] = ms
         print(f"prefill {PROMPT} tokens: {ms:.0f} ms = {PROMPT / ms * 1e3:.0f} tok/s")
         cache, tables = paged_cache(lm, max(BATCHES), CONTEXT + 1)
         print(f"decode step, context {CONTEXT} per sequence, logits for every row:")
         print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} "
-              f"{'+ head)':>8} {'F.linear ms':>12}")  # fmt: skip
+              f"{'+ head)':>8}")  # fmt: skip
         for b in BATCHES:
             step = decode_ms(lm, cache, tables, b)
-            layers, head = bare_matmul_ms(lm, b, packed=True)
-            plain = sum(bare_matmul_ms(lm, b, packed=False))
+            layers, head = bare_matmul_ms(lm, b)
+            out[f"decode{b}"] = step
             print(f"{b:>5} {step:>8.1f} {b / step * 1e3:>7.0f} {layers + head:>11.1f} "
-                  f"{layers:>8.1f} {head:>8.1f} {plain:>12.1f}")  # fmt: skip
+                  f"{layers:>8.1f} {head:>8.1f}")  # fmt: skip
+    share = steal_share(start, steal_ticks())
+    flag = "  NOT COMPARABLE" if share > 0.10 else ""
+    print(f"steal share {share * 100:.1f} %{flag}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("threads", nargs="?", type=int, help="torch threads (default: all cores)")
+    ap.add_argument("--weights", default="quantized,fp32", help="modes, comma-separated")
+    args = ap.parse_args()
+    if args.threads:  # compare 1 vs 2 when the CPU is shared
+        torch.set_num_threads(args.threads)
+    modes = args.weights.split(",")
+    results = {mode: measure(mode) for mode in modes}
+    if len(modes) > 1:
+        a, b = modes[0], modes[1]
+        print(f"\n{a} / {b} time ratio (below 1: {a} faster)")
+        for key in ("prefill", *(f"decode{b_}" for b_ in BATCHES)):
+            print(f"  {key:>9}: {results[a][key] / results[b][key]:.2f}")
     return 0
 
 

@@ -99,7 +99,7 @@ def main() -> int:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     tp1_threads = int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads()
     path = str(default_model_path())
-    whole = load_model(path, device="cpu")
+    whole = load_model(path, device="cpu", weights="fp32")
     a = Leg(whole, PagedKVCache(whole.config, _blocks(), BLOCK_SIZE), tp1_threads)
     shard, followers = tp.start_leader(2, path, "cpu", None, 1)
     cache = tp.LeaderCache.adopt(PagedKVCache(shard.config, _blocks(), BLOCK_SIZE), followers)

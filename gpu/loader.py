@@ -1,4 +1,14 @@
-"""Load a GGUF model: one file open yields config, tokenizer, chat template and weights."""
+"""Load a GGUF model: one file open yields config, tokenizer, chat template and weights.
+
+Weights (``load_model(weights=...)``): ``"fp32"`` dequantizes every tensor to the device
+dtype (what CUDA and ``--tp`` use). ``"quantized"`` keeps each projection, the embedding
+and an untied LM head as GGUF blocks the native kernels read (``gpu/quant.py``): in
+place where the file stores Q4_1 or Q8_0 (q/k rows un-permuted and fused tensors joined
+row-wise, both on whole rows of blocks), requantized to Q8_0 otherwise. ``"auto"`` (the
+default) is ``"quantized"`` for the tensors the file stores quantized when the device is
+the CPU in fp32 and the native kernels load, ``"fp32"`` otherwise; tensors the file
+stores as floats (F32, F16, BF16) stay dense then.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +22,21 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
+from gpu.native import load_kernels
+from gpu.quant import KERNEL_TYPES, QuantWeight, requantize
 from modelfile.chat import ChatTemplate
 from modelfile.config import ModelConfig
 from modelfile.gguf_file import GGUFFile, ModelFileError, default_model_path
 from modelfile.tokenizer import Tokenizer
 from modelfile.vocab import vocab_parts
 
-__all__ = ["LoadedModel", "load_model", "resolve_device"]
+__all__ = ["WEIGHT_MODES", "LoadedModel", "load_model", "resolve_device"]
+
+WEIGHT_MODES = ("auto", "quantized", "fp32")
+_FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +78,10 @@ def load_model(
     *,
     device: str | None = None,
     dtype: str | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
     dev, dt = resolve_device(device, dtype)
+    quant = _quant_mode(weights, dev, dt)
     t0 = time.perf_counter()
     f = GGUFFile(path or default_model_path())
     t_open = time.perf_counter()
@@ -71,15 +89,18 @@ def load_model(
     t_vocab = time.perf_counter()
     f.check_tensor_types()
     with torch.inference_mode():
-        model = _build_model(f, config, dev, dt, _progress_printer(f.path.name))
+        model = _build_model(f, config, dev, dt, _progress_printer(f.path.name), quant)
     model.eval()
     t_end = time.perf_counter()
     log.info(
-        "loaded %s (%s) on %s/%s in %.2fs (open %.2fs, tokenizer %.2fs, weights %.2fs); rss %.0f MiB",
+        "loaded %s (%s) on %s/%s, %s weights (%.0f MiB), in %.2fs (open %.2fs, tokenizer %.2fs, "
+        "weights %.2fs); rss %.0f MiB",
         f.path.name,
         config.name,
         dev,
         str(dt).removeprefix("torch."),
+        "quantized" if model.quantized() else "dense",
+        model.weight_bytes() / 2**20,
         t_end - t0,
         t_open - t0,
         t_vocab - t_open,
@@ -89,12 +110,29 @@ def load_model(
     return LoadedModel(config, model, tokenizer, chat, f.path, dev, dt)
 
 
+def _quant_mode(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None (dense), "file" (quantize what the file stores quantized) or "all"."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
+    if weights == "fp32":
+        return None
+    usable = device.type == "cpu" and dtype == torch.float32
+    if weights == "quantized":
+        if not usable:
+            raise ValueError("quantized weights run on the CPU in float32 only")
+        if load_kernels() is None:
+            raise ValueError("quantized weights need the native CPU kernels (LIFECYCLE_NATIVE=0?)")
+        return "all"
+    return "file" if usable and load_kernels() is not None else None
+
+
 def _build_model(
     f: GGUFFile,
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     progress: Callable[[int, int], None],
+    quant: str | None = None,
 ) -> Llama:
     c = config
     sizes = _tensor_bytes(f)  # what each tensor takes in the file
@@ -116,33 +154,69 @@ def _build_model(
     def place(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def matrix(parts: list[tuple[str, tuple[int, int], int | None]]) -> torch.Tensor | QuantWeight:
+        """Tensors ``parts`` (name, shape, heads to un-permute or None) joined row-wise:
+        dense, or quantized blocks when ``quant`` says so (module docstring)."""
+        nonlocal done
+        types = {f.tensor_type(name) for name, _, _ in parts}
+        k = parts[0][1][1]
+        if quant is None or k % 32 or (quant == "file" and types & _FLOAT_TYPES):
+            dense = [get(name, shape) for name, shape, _ in parts]
+            dense = [
+                w if h is None else unpermute_rope_rows(w, h)
+                for w, (_, _, h) in zip(dense, parts, strict=True)
+            ]
+            return place(torch.cat(dense) if len(dense) > 1 else dense[0])
+        if len(types) == 1 and (qtype := types.pop()) in KERNEL_TYPES:
+            rows = []
+            for name, shape, heads in parts:
+                got = f.tensor_shape(name)
+                if got != shape:
+                    raise ModelFileError(
+                        f.path, f"tensor {name!r} has shape {got}, expected {shape}"
+                    )
+                b = torch.from_numpy(np.array(f.blocks(name)))
+                rows.append(b if heads is None else unpermute_rope_rows(b, heads))
+                done += sizes.get(name, 0)
+                progress(done, total)
+            return QuantWeight(torch.cat(rows) if len(rows) > 1 else rows[0], qtype, k)
+        dense = [get(name, shape) for name, shape, _ in parts]
+        dense = [
+            w if h is None else unpermute_rope_rows(w, h)
+            for w, (_, _, h) in zip(dense, parts, strict=True)
+        ]
+        return requantize(torch.cat(dense))
+
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        wq = unpermute_rope_rows(get(p + "attn_q.weight", (q_rows, c.hidden)), c.n_heads)
-        wk = unpermute_rope_rows(get(p + "attn_k.weight", (kv_rows, c.hidden)), c.n_kv_heads)
-        wv = get(p + "attn_v.weight", (kv_rows, c.hidden))
         layers.append(
             LlamaWeights(
                 attn_norm=place(get(p + "attn_norm.weight", (c.hidden,))),
-                wqkv=place(torch.cat([wq, wk, wv])),
-                wo=place(get(p + "attn_output.weight", (c.hidden, q_rows))),
-                ffn_norm=place(get(p + "ffn_norm.weight", (c.hidden,))),
-                w_gate_up=place(
-                    torch.cat(
-                        [
-                            get(p + "ffn_gate.weight", (c.ffn, c.hidden)),
-                            get(p + "ffn_up.weight", (c.ffn, c.hidden)),
-                        ]
-                    )
+                wqkv=matrix(
+                    [
+                        (p + "attn_q.weight", (q_rows, c.hidden), c.n_heads),
+                        (p + "attn_k.weight", (kv_rows, c.hidden), c.n_kv_heads),
+                        (p + "attn_v.weight", (kv_rows, c.hidden), None),
+                    ]
                 ),
-                w_down=place(get(p + "ffn_down.weight", (c.hidden, c.ffn))),
+                wo=matrix([(p + "attn_output.weight", (c.hidden, q_rows), None)]),
+                ffn_norm=place(get(p + "ffn_norm.weight", (c.hidden,))),
+                w_gate_up=matrix(
+                    [
+                        (p + "ffn_gate.weight", (c.ffn, c.hidden), None),
+                        (p + "ffn_up.weight", (c.ffn, c.hidden), None),
+                    ]
+                ),
+                w_down=matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
             )
         )
-    embed = place(get("token_embd.weight", (c.vocab_size, c.hidden)))
+    embed = matrix([("token_embd.weight", (c.vocab_size, c.hidden), None)])
     norm = place(get("output_norm.weight", (c.hidden,)))
-    head = None if c.tied_embeddings else place(get("output.weight", (c.vocab_size, c.hidden)))
+    head = (
+        None if c.tied_embeddings else matrix([("output.weight", (c.vocab_size, c.hidden), None)])
+    )
     progress(total, total)  # the line ends even when the file holds tensors we skip
     return Llama(config, embed, layers, norm, head)
 

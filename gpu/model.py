@@ -12,6 +12,9 @@ On CPU in fp32 every projection and the LM head run through ``PackedLinear``: on
 weights reordered once at construction (torch's default path, MKL sgemm, re-packs the
 whole weight on every call, which at decode row counts cost about as much as the
 arithmetic itself), and at one or two rows a C kernel streaming a row-interleaved copy.
+When the loader keeps the GGUF's quantized blocks (``gpu/quant.py``, the CPU default
+with the native kernels), the projections, the embedding and the LM head read those
+instead: one copy of each weight, no fp32 shadow.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
+from gpu.quant import QuantLinear, QuantWeight
 from modelfile.config import ModelConfig
 
 __all__ = [
     "AttentionBackend",
     "Llama",
+    "Linear",
     "LlamaWeights",
     "PackedLinear",
     "rope_tables",
@@ -117,29 +122,49 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+Linear = PackedLinear | QuantLinear
+
+
+def _kernels() -> NativeKernels:
+    kernels = load_kernels()
+    if kernels is None:
+        raise RuntimeError("quantized weights need the native CPU kernels (LIFECYCLE_NATIVE=0?)")
+    return kernels
+
+
 class LlamaWeights(nn.Module):
-    """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused."""
+    """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused. Each
+    projection is an fp32 matrix (a parameter) or a ``QuantWeight`` (its blocks a buffer
+    under the same name)."""
+
+    wqkv: Tensor
+    wo: Tensor
+    w_gate_up: Tensor
+    w_down: Tensor
 
     def __init__(
         self,
         attn_norm: Tensor,
-        wqkv: Tensor,
-        wo: Tensor,
+        wqkv: Tensor | QuantWeight,
+        wo: Tensor | QuantWeight,
         ffn_norm: Tensor,
-        w_gate_up: Tensor,
-        w_down: Tensor,
+        w_gate_up: Tensor | QuantWeight,
+        w_down: Tensor | QuantWeight,
     ) -> None:
         super().__init__()
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
-        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
-        self.wo = nn.Parameter(wo, requires_grad=False)
         self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
-        self.w_gate_up = nn.Parameter(w_gate_up, requires_grad=False)
-        self.w_down = nn.Parameter(w_down, requires_grad=False)
-        self.qkv = PackedLinear(self.wqkv)
-        self.o = PackedLinear(self.wo)
-        self.gate_up = PackedLinear(self.w_gate_up)
-        self.down = PackedLinear(self.w_down)
+        self.qkv = self._linear("wqkv", wqkv)
+        self.o = self._linear("wo", wo)
+        self.gate_up = self._linear("w_gate_up", w_gate_up)
+        self.down = self._linear("w_down", w_down)
+
+    def _linear(self, name: str, w: Tensor | QuantWeight) -> Linear:
+        if isinstance(w, QuantWeight):
+            self.register_buffer(name, w.blocks, persistent=False)
+            return QuantLinear(w, _kernels())
+        setattr(self, name, nn.Parameter(w, requires_grad=False))
+        return PackedLinear(getattr(self, name))
 
 
 class Llama(nn.Module):
@@ -149,22 +174,41 @@ class Llama(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        embed: Tensor,
+        embed: Tensor | QuantWeight,
         layers: list[LlamaWeights],
         norm: Tensor,
-        lm_head: Tensor | None = None,
+        lm_head: Tensor | QuantWeight | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Parameter(embed, requires_grad=False)
+        # Quantized, the embedding looks rows up in its blocks (``embed`` is then the
+        # uint8 blocks buffer; ``embed_q`` says how to read them).
+        self.embed_q = embed if isinstance(embed, QuantWeight) else None
+        if isinstance(embed, QuantWeight):
+            self.register_buffer("embed", embed.blocks, persistent=False)
+        else:
+            self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(norm, requires_grad=False)
         # Tied embeddings share the tensor: no second 49152x576 copy.
-        self.lm_head = self.embed if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
-        self.head = PackedLinear(self.lm_head)
+        self.head: Linear
+        if lm_head is None:
+            self.lm_head = self.embed
+            self.head = (
+                QuantLinear(embed, _kernels())
+                if isinstance(embed, QuantWeight)
+                else PackedLinear(self.lm_head)
+            )
+        elif isinstance(lm_head, QuantWeight):
+            self.register_buffer("lm_head", lm_head.blocks, persistent=False)
+            self.head = QuantLinear(lm_head, _kernels())
+        else:
+            self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+            self.head = PackedLinear(self.lm_head)
+        device = self.embed.device
         cos, sin = rope_tables(config.head_dim, config.rope_theta, config.context_length)
-        self.register_buffer("rope_cos", cos.to(embed.device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(embed.device), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
 
@@ -192,9 +236,13 @@ class Llama(nn.Module):
                     add(value)
         return sum(seen.values())
 
-    def linears(self) -> list[PackedLinear]:
+    def quantized(self) -> bool:
+        """Whether any weight is kept as quantized blocks."""
+        return any(isinstance(lin, QuantLinear) for lin in self.linears())
+
+    def linears(self) -> list[Linear]:
         """Every projection of the model, the LM head last."""
-        out: list[PackedLinear] = []
+        out: list[Linear] = []
         for layer in self.layers:
             w = cast(LlamaWeights, layer)
             out += [w.qkv, w.o, w.gate_up, w.down]
@@ -216,7 +264,10 @@ class Llama(nn.Module):
 
     def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Every row's last-layer output ``[T, hidden]``, before the final norm."""
-        x = F.embedding(input_ids, self.embed)
+        if self.embed_q is not None:
+            x = self.embed_q.rows(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed)
         # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)

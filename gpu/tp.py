@@ -247,7 +247,7 @@ def start_leader(
         cmd = [sys.executable, "-m", "lifecycle.core.child", "gpu.tp", *args]
         procs.append(subprocess.Popen(cmd, env=env))
     followers = Followers(procs, Channel(None))
-    lm = load_model(path, device=dev, dtype=dt)
+    lm = load_model(path, device=dev, dtype=dt, weights="fp32")  # shards are fp32 slices
     followers.channel.group = _join(store, 0, world, dev)
     loaded = _shard(lm, world, 0)
     assert isinstance(loaded.model, ShardedLlama)
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     dev, dt = _rank_device(a.device or None, a.dtype or None, rank)
     host, port = os.environ[_ENV_STORE].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, is_master=False, timeout=_JOIN_TIMEOUT)
-    lm = load_model(a.model, device=dev, dtype=dt)
+    lm = load_model(a.model, device=dev, dtype=dt, weights="fp32")
     control = _join(store, rank, world, dev)
     loaded = _shard(lm, world, rank)
     del lm

@@ -186,10 +186,13 @@ class ShardedLlama(Llama):
         self.plan, self.group = plan, group
         # Rank 0 only: tells the followers each call before joining its collectives.
         self.announce: Callable[[list[int]], None] | None = None
-        self.head = GatheringLinear.around(self.head, plan, config.vocab_size, group)
+        # The shards are fp32 slices (load_model(weights="fp32")): PackedLinear throughout.
+        self.head = GatheringLinear.around(
+            cast(PackedLinear, self.head), plan, config.vocab_size, group
+        )
         for layer in layers:
-            layer.o = ReducingLinear.around(layer.o, group)
-            layer.down = ReducingLinear.around(layer.down, group)
+            layer.o = ReducingLinear.around(cast(PackedLinear, layer.o), group)
+            layer.down = ReducingLinear.around(cast(PackedLinear, layer.down), group)
 
     def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         if self.announce is not None:

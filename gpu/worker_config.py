@@ -15,7 +15,7 @@ import torch
 import wire
 from gpu.engine import Engine, EngineConfig
 from gpu.graphs import GRAPH_MODES
-from gpu.loader import load_model
+from gpu.loader import WEIGHT_MODES, load_model
 from gpu.memory import DEFAULT_MEM_FRACTION, cuda_free_bytes, plan_kv
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "parse_config"]
@@ -35,6 +35,7 @@ class WorkerConfig:
     kv_memory_mib: int | None = None  # None: 1024 on the CPU; on CUDA, by mem_fraction
     mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
     decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
+    weights: str = "auto"  # auto | quantized | fp32 (gpu/loader.py; --tp > 1 runs fp32)
     block_size: int = 16
     max_running: int = 64
     max_pending: int = 256
@@ -90,6 +91,14 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
         default=d.decode_graphs,
         help="decode steps replayed from captured graphs: auto = CUDA graphs on CUDA",
     )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default=d.weights,
+        help="auto: on the CPU keep the GGUF's quantized blocks and compute on them "
+        "(native kernels), else dequantize to --dtype; quantized: blocks for every "
+        "projection (floats requantized to Q8_0); fp32: dequantize all",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--max-pending", type=int, default=d.max_pending)
@@ -131,6 +140,8 @@ def build_engine(config: WorkerConfig) -> Engine:
         # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
         torch.set_num_threads(config.threads)
     followers = None
+    if config.tp > 1 and config.weights == "quantized":
+        raise SystemExit("--tp > 1 splits fp32 weights: --weights quantized runs at --tp 1")
     if config.tp > 1:
         from gpu import tp  # spawns the other ranks; never imported at --tp 1
 
@@ -138,9 +149,11 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.tp, config.model_path, config.device, config.dtype, config.threads
         )
     else:
-        lm = load_model(config.model_path, device=config.device, dtype=config.dtype)
+        lm = load_model(
+            config.model_path, device=config.device, dtype=config.dtype, weights=config.weights
+        )
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
-    elem = lm.model.embed.element_size()
+    elem = lm.dtype.itemsize  # the KV cache's element: the compute dtype
     plan = None
     if _sized_by_fraction(config, lm.device):
         if lm.device.type != "cuda":

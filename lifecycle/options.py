@@ -84,6 +84,12 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o("device", "cpu | cuda (default: cuda when present)", _WORKER),
     _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
+    _o(
+        "weights",
+        "auto | quantized | fp32: compute on the GGUF's quantized blocks (auto: on the "
+        "CPU) or dequantize them at load",
+        _WORKER,
+    ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
@@ -297,6 +303,7 @@ _PLAIN = (
     "worker_tls_ca",
     "device",
     "dtype",
+    "weights",
     "max_pending",
     "max_running",
     "kv_cache_tokens",

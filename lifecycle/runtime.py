@@ -44,6 +44,7 @@ class AppConfig:
     worker_extra_args: tuple[str, ...] = ()
     device: str | None = None
     dtype: str | None = None
+    weights: str | None = None  # auto | quantized | fp32; None: the worker's (auto)
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
@@ -86,6 +87,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
             ("--model", cfg.model),
             ("--device", cfg.device),
             ("--dtype", cfg.dtype),
+            ("--weights", cfg.weights),
             ("--kv-cache-tokens", cfg.kv_cache_tokens),
             ("--mem-fraction", cfg.mem_fraction),
             ("--decode-graphs", cfg.decode_graphs),

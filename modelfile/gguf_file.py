@@ -107,6 +107,18 @@ class GGUFFile(GGUFMetadata):
         out = dequantize(raw, qtype)
         return np.asarray(out, dtype=np.float32).reshape(self.tensor_shape(name))
 
+    def blocks(self, name: str) -> np.ndarray:
+        """A 2-D tensor's bytes as stored, uint8 ``[rows, bytes per row]`` (a read-only view
+        of the file): the quantized blocks of each row, for kernels that read them."""
+        t, shape = self._entry(name), self.tensor_shape(name)
+        if len(shape) != 2:
+            raise ModelFileError(self.path, f"tensor {name!r} is not a matrix: {shape}")
+        rows = shape[0]
+        return np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=t.offset,
+            shape=(rows, self._nbytes[name] // rows),
+        )  # fmt: skip
+
     def check_tensor_types(self) -> None:
         supported = dequantizable_types()
         for name, qtype in self._types.items():

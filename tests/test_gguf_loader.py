@@ -6,14 +6,17 @@ import io
 import logging
 import pathlib
 import sys
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gpu import native
 from gpu.loader import load_model, resolve_device
-from gpu.model import unpermute_rope_rows
+from gpu.model import PackedLinear, unpermute_rope_rows
+from gpu.quant import QuantLinear, QuantWeight
 from modelfile.gguf_file import ModelFileError, default_model_path
 from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel, TinySpec, hf_permute, write_tiny_gguf
@@ -42,7 +45,7 @@ def test_load_logs_time_and_memory(tiny_gguf: TinyModel, caplog: pytest.LogCaptu
 
 
 def test_weights_are_dequantised_and_unpermuted(tiny_gguf: TinyModel) -> None:
-    lm = load_model(tiny_gguf.path, device="cpu")
+    lm = load_model(tiny_gguf.path, device="cpu", weights="fp32")
     w = {k: torch.from_numpy(v) for k, v in tiny_gguf.weights.items()}
     layer = lm.model.layers[1]
     expect_qkv = torch.cat(
@@ -55,6 +58,79 @@ def test_weights_are_dequantised_and_unpermuted(tiny_gguf: TinyModel) -> None:
     assert torch.equal(layer.w_down, w["blk.1.ffn_down.weight"])
     assert torch.equal(lm.model.embed, w["token_embd.weight"])
     assert torch.equal(lm.model.norm, w["output_norm.weight"])
+
+
+needs_kernels = pytest.mark.skipif(
+    native.load_kernels() is None, reason="quantized weights need the native kernels"
+)
+
+QUANT_SPEC = TinySpec(
+    quant={
+        "token_embd": Q.Q8_0,
+        **{r: Q.Q4_1 for r in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
+        "attn_output": Q.Q8_0,
+        "ffn_down": Q.Q4_0,  # a type the kernel does not read: requantized to Q8_0
+    }
+)
+
+
+@needs_kernels
+def test_quantized_weights_keep_the_file_blocks(tmp_path: pathlib.Path) -> None:
+    """auto on the CPU: Q4_1 / Q8_0 tensors stay as their blocks, q/k rows un-permuted and
+    fused tensors joined without touching a block; other quantized types become Q8_0."""
+    tiny = write_tiny_gguf(tmp_path / "q.gguf", QUANT_SPEC)
+    lm = load_model(tiny.path, device="cpu")
+    assert lm.model.quantized()
+    w = {k: torch.from_numpy(v) for k, v in tiny.weights.items()}
+    layer = lm.model.layers[1]
+    qkv, gate_up, o, down = (
+        cast(QuantLinear, lin).weight for lin in (layer.qkv, layer.gate_up, layer.o, layer.down)
+    )
+    assert (qkv.qtype, gate_up.qtype, o.qtype, down.qtype) == (Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q8_0)
+    expect_qkv = torch.cat(
+        [w["blk.1.attn_q.weight"], w["blk.1.attn_k.weight"], w["blk.1.attn_v.weight"]]
+    )
+    assert torch.equal(qkv.dequantize(), expect_qkv)
+    assert torch.equal(
+        gate_up.dequantize(), torch.cat([w["blk.1.ffn_gate.weight"], w["blk.1.ffn_up.weight"]])
+    )
+    assert torch.equal(o.dequantize(), w["blk.1.attn_output.weight"])
+    # Q4_0 -> fp32 -> Q8_0: within Q8_0's rounding (half a step of each block's scale, the
+    # scale itself rounded to fp16)
+    step = w["blk.1.ffn_down.weight"].abs().view(-1, 32).amax(-1, keepdim=True) / 127
+    err = (down.dequantize() - w["blk.1.ffn_down.weight"]).view(-1, 32).abs()
+    assert (err <= step * 0.55 + 1e-6).all(), float((err / step).max())
+    # the embedding looks rows up in its blocks; the tied head reads the same storage
+    embed = cast(QuantWeight, lm.model.embed_q)
+    ids = torch.tensor([[3, 0], [len(tiny.tokens) - 1, 7]])
+    assert torch.equal(embed.rows(ids), w["token_embd.weight"][ids])
+    assert cast(QuantLinear, lm.model.head).blocks.data_ptr() == lm.model.embed.data_ptr()
+    dense = load_model(tiny.path, device="cpu", weights="fp32")
+    assert lm.model.weight_bytes() * 3 < dense.model.weight_bytes()
+
+
+@needs_kernels
+def test_auto_keeps_float_tensors_dense(tiny_gguf: TinyModel) -> None:
+    """The session's tiny file mixes F32 and quantized parts in each fused projection:
+    auto keeps those dense; "quantized" requantizes the floats too."""
+    auto = load_model(tiny_gguf.path, device="cpu")
+    assert isinstance(auto.model.layers[0].qkv, PackedLinear)  # q, k Q4_1 but v F32
+    assert isinstance(auto.model.head, QuantLinear)  # the Q8_0 embedding, tied
+    every = load_model(tiny_gguf.path, device="cpu", weights="quantized")
+    assert all(isinstance(lin, QuantLinear) for lin in every.model.linears())
+
+
+def test_weight_modes_and_their_errors(
+    tiny_gguf: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="unknown weights"):
+        load_model(tiny_gguf.path, device="cpu", weights="int4")
+    with pytest.raises(ValueError, match="float32 only"):
+        load_model(tiny_gguf.path, device="cpu", dtype="bf16", weights="quantized")
+    monkeypatch.setenv("LIFECYCLE_NATIVE", "0")  # no kernels: auto is dense, quantized an error
+    assert not load_model(tiny_gguf.path, device="cpu").model.quantized()
+    with pytest.raises(ValueError, match="native CPU kernels"):
+        load_model(tiny_gguf.path, device="cpu", weights="quantized")
 
 
 def test_unpermute_inverts_the_converter_permutation() -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu import native
 from gpu.dense_cache import DenseKVCache
 from gpu.generate import greedy_generate
 from gpu.loader import LoadedModel, load_model
@@ -71,7 +72,39 @@ def run_steps(
 
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_gguf: TinyModel) -> LoadedModel:
-    return load_model(tiny_gguf.path, device="cpu")
+    """fp32 weights: the longhand reference and the invariance checks are fp32 math."""
+    return load_model(tiny_gguf.path, device="cpu", weights="fp32")
+
+
+@pytest.fixture(scope="module", params=["fp32", "quantized"])
+def smollm2(request: pytest.FixtureRequest) -> LoadedModel:
+    """The real model in both weight modes (quantized: the CPU default, ``cpu_model``)."""
+    if request.param == "fp32":
+        return load_model(device="cpu", weights="fp32")
+    if native.load_kernels() is None:
+        pytest.skip("quantized weights need the native kernels (LIFECYCLE_NATIVE=0 here)")
+    lm: LoadedModel = request.getfixturevalue("cpu_model")
+    assert lm.model.quantized()
+    return lm
+
+
+# The quantized kernel rounds x to int8 per block of 32 (as llama.cpp does), at every row
+# count, so a row's logits do not depend on its step's batch up to fp32 summation order,
+# but that order moves a value across a rounding boundary now and then, and one quantum
+# (block amax / 127) carried through 30 layers is not small: measured 2026-12-04, cached
+# decode against full recompute differs by up to 2.1 in the logits with 14 of 15 argmaxes
+# equal, batched against alone by up to 0.5 (the same in a torch emulation of the
+# rounding on the fp32 weights: 1.2, 14 of 15). fp32 weights keep 1e-4.
+INVARIANCE = {"fp32": (1e-4, 1.0), "quantized": (3.0, 0.85)}  # (atol, argmax agreement)
+
+
+def _close(lm: LoadedModel, got: torch.Tensor, want: torch.Tensor) -> None:
+    atol, agree = INVARIANCE["quantized" if lm.model.quantized() else "fp32"]
+    if not lm.model.quantized():
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+        return
+    assert float((got - want).abs().max()) <= atol
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= agree
 
 
 def test_forward_matches_longhand_reference(tiny_gguf: TinyModel, tiny_lm: LoadedModel) -> None:
@@ -110,7 +143,7 @@ def _cached_vs_full(lm: LoadedModel, prompt: list[int], cont: list[int], chunk: 
     steps = [([0], [prompt[i : i + chunk]]) for i in range(0, len(prompt), chunk)]
     steps += [([0], [[t]]) for t in cont]
     got = torch.cat(run_steps(lm.model, cache, steps))
-    torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)
+    _close(lm, got, full)
     assert cache.length(0) == len(full_ids)
 
 
@@ -127,11 +160,9 @@ def _batched_vs_alone(
     bounds = np.cumsum([0, *map(len, prompts)])
     batched = run_steps(lm.model, cache, [(slots, prompts)] + [(slots, [[t]] * n) for t in decode])
     for j in range(n):
-        torch.testing.assert_close(
-            batched[0][bounds[j] : bounds[j + 1]], alone[j][0], atol=1e-4, rtol=1e-4
-        )
+        _close(lm, batched[0][bounds[j] : bounds[j + 1]], alone[j][0])
         for step in range(1, len(decode) + 1):
-            torch.testing.assert_close(batched[step][j], alone[j][step][0], atol=1e-4, rtol=1e-4)
+            _close(lm, batched[step][j : j + 1], alone[j][step][0:1])
 
 
 def test_kv_cached_decode_equals_full_recompute(tiny_lm: LoadedModel) -> None:
@@ -176,17 +207,17 @@ def test_smollm2_knows_the_capital_of_france(cpu_model: LoadedModel) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_kv_cached_decode_equals_full_recompute(cpu_model: LoadedModel) -> None:
-    prompt = cpu_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
-    _cached_vs_full(cpu_model, prompt, [253, 2475, 314, 2365, 28], chunk=5)
+def test_smollm2_kv_cached_decode_equals_full_recompute(smollm2: LoadedModel) -> None:
+    prompt = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    _cached_vs_full(smollm2, prompt, [253, 2475, 314, 2365, 28], chunk=5)
 
 
 @pytest.mark.model
-def test_smollm2_batched_varlen_equals_each_alone(cpu_model: LoadedModel) -> None:
-    enc = cpu_model.tokenizer.encode
+def test_smollm2_batched_varlen_equals_each_alone(smollm2: LoadedModel) -> None:
+    enc = smollm2.tokenizer.encode
     prompts = [
         enc("Paris is"),
         enc("1, 2, 3, 4, 5, 6, 7,"),
         enc("Once upon a time, in a land far away"),
     ]
-    _batched_vs_alone(cpu_model, prompts, [28, 314], [3, 0, 1])
+    _batched_vs_alone(smollm2, prompts, [28, 314], [3, 0, 1])

@@ -4,6 +4,20 @@ fixture made by tools/make_model_fixture.py (see docs/references.md).
 * transformers' GGUF loader, fp32 on the same dequantised weights: last-position logits
   within 2e-3, and greedy continuations identical except at near-ties.
 * llama.cpp (quantised kernels): teacher-forced top-1 agreement of at least 95 %.
+
+Both weight modes run every test: ``fp32`` (dequantized at load, what CUDA and --tp
+run) and ``quantized`` (the CPU default: GGUF blocks read by gpu/csrc/quant_linear.c).
+The quantized kernel rounds x to int8 per block of 32 below 8 rows, as llama.cpp's
+Q4_1 / Q8_0 dot products do, so single-row steps (decode, the LM head after a prefill,
+prompts under 8 tokens) differ from fp32 by more than summation order. Its tolerances
+are their own and measured (2026-12-04, the bundled model): last-position logits within
+0.78 of transformers' (``capital``, a 5-token prompt whose every layer took the int8
+path; 0.18-0.41 elsewhere), so the bound is 1.0; greedy decode first leaves
+transformers' continuation where transformers' own top-1/top-2 gap was 0.03-0.26
+(one_word, capital, chat_hi, code, story, chat_multi, chinese, history_long), so a
+"near tie" there is a gap under 0.5. Teacher-forced positions (chunks of 8 and more rows
+take the fp32 panel path) keep fp32's near-tie bound, and the top-1 agreement with
+llama.cpp is 0.9728 in both modes, the same as transformers' own.
 """
 
 from __future__ import annotations
@@ -17,8 +31,9 @@ import numpy as np
 import pytest
 import torch
 
+from gpu import native
 from gpu.dense_cache import DenseKVCache
-from gpu.loader import LoadedModel
+from gpu.loader import LoadedModel, load_model
 from modelfile.gguf_file import default_model_path
 
 # The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
@@ -26,8 +41,9 @@ from modelfile.gguf_file import default_model_path
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-LOGITS_ATOL = 2e-3
+LOGITS_ATOL = {"fp32": 2e-3, "quantized": 1.0}
 NEAR_TIE = 1e-3  # a top-1/top-2 logit gap below this may flip between fp32 summation orders
+GREEDY_NEAR_TIE = {"fp32": NEAR_TIE, "quantized": 0.5}  # see the module docstring
 MIN_LLAMACPP_TOP1 = 0.95
 MAX_LEN = 1024
 
@@ -36,6 +52,7 @@ MAX_LEN = 1024
 class OurRun:
     """What our model computed for one reference prompt."""
 
+    mode: str  # the weights: "fp32" or "quantized"
     last_logits: np.ndarray  # [vocab] after prefilling the prompt
     greedy: list[int]
     greedy_gaps: list[float]
@@ -89,21 +106,24 @@ def _run_prompt(lm: LoadedModel, cache: DenseKVCache, prompt: dict) -> OurRun:
         seq = ids + teacher[:-1]
         rows = _forward(lm, cache, seq, list(range(len(ids) - 1, len(seq))))
         teacher_argmax = rows.argmax(-1).tolist()
-    return OurRun(last, greedy, gaps, teacher_argmax)
-
-
-@pytest.fixture(scope="module")
-def ours(cpu_model: LoadedModel, reference: dict) -> list[OurRun]:
-    assert cpu_model.dtype == torch.float32
-    cache = DenseKVCache(
-        cpu_model.config,
-        max_seqs=1,
-        max_len=MAX_LEN,
-        device=cpu_model.device,
-        dtype=cpu_model.dtype,
+    return OurRun(
+        "quantized" if lm.model.quantized() else "fp32", last, greedy, gaps, teacher_argmax
     )
+
+
+@pytest.fixture(scope="module", params=["fp32", "quantized"])
+def ours(request: pytest.FixtureRequest, reference: dict) -> list[OurRun]:
+    if request.param == "quantized":
+        if native.load_kernels() is None:
+            pytest.skip("quantized weights need the native kernels (LIFECYCLE_NATIVE=0 here)")
+        lm: LoadedModel = request.getfixturevalue("cpu_model")  # the CPU default
+        assert lm.model.quantized()
+    else:
+        lm = load_model(device="cpu", weights="fp32")
+    assert lm.dtype == torch.float32
+    cache = DenseKVCache(lm.config, max_seqs=1, max_len=MAX_LEN, device=lm.device, dtype=lm.dtype)
     with torch.inference_mode():
-        return [_run_prompt(cpu_model, cache, p) for p in reference["prompts"]]
+        return [_run_prompt(lm, cache, p) for p in reference["prompts"]]
 
 
 def test_fixture_covers_the_acceptance_set(reference: dict) -> None:
@@ -125,7 +145,8 @@ def test_last_position_logits_match_transformers(reference: dict, ours: list[Our
         for p, run, want in zip(reference["prompts"], ours, reference["last_logits"], strict=True)
     }
     worst = max(diffs, key=diffs.__getitem__)
-    assert diffs[worst] <= LOGITS_ATOL, f"max |ours - transformers| per prompt: {diffs}"
+    atol = LOGITS_ATOL[ours[0].mode]
+    assert diffs[worst] <= atol, f"max |ours - transformers| per prompt: {diffs}"
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -136,7 +157,7 @@ def test_greedy_matches_transformers_except_near_ties(reference: dict, ours: lis
     problems = []
     for p, run in zip(reference["prompts"], ours, strict=True):
         i = _first_divergence(run.greedy, p["greedy"])
-        if i is not None and p["greedy_gaps"][i] >= NEAR_TIE:
+        if i is not None and p["greedy_gaps"][i] >= GREEDY_NEAR_TIE[run.mode]:
             problems.append(
                 f"{p['name']}: step {i}: ours {run.greedy[i]} (gap {run.greedy_gaps[i]:.2e}), "
                 f"transformers {p['greedy'][i]} (gap {p['greedy_gaps'][i]:.2e})"

@@ -293,16 +293,17 @@ static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nr
     }
 }
 
-/* Prefill and batched decode: arithmetic, not bytes, is the cost, and x's rounding to
- * int8 buys nothing (maddubs + madd run at about an fp32 FMA's rate per weight on AVX2).
- * So each thread dequantizes PANEL = 16 output rows at a time and transposes them into
- * an fp32 panel [K][16] (L2-resident), and multiplies rows of x by it the way BLAS
- * kernels do: MR = 6 rows of x against the panel's 16 columns in 12 accumulators, per k
- * two panel loads, six broadcasts of x and twelve FMAs, no horizontal sums. K goes in
- * slices of KC so a slice of the panel (KC x 16 x 4 bytes: 16 KiB) stays in L1 while
- * every row of x passes it; y accumulates across slices. The weights stream from memory
- * once per call, dequantized once, and x is not rounded: y is F.linear on the blocks'
- * dequantization up to fp32 summation order. */
+/* Prefill and batched decode: arithmetic, not bytes, is the cost (maddubs + madd run at
+ * about an fp32 FMA's rate per weight on AVX2, plus their scale work). So each thread
+ * dequantizes PANEL = 16 output rows at a time and transposes them into an fp32 panel
+ * [K][16] (L2-resident), and multiplies rows of x by it the way BLAS kernels do: MR = 6
+ * rows of x against the panel's 16 columns in 12 accumulators, per k two panel loads,
+ * six broadcasts of x and twelve FMAs, no horizontal sums. K goes in slices of KC so a
+ * slice of the panel (KC x 16 x 4 bytes: 16 KiB) stays in L1 while every row of x
+ * passes it; y accumulates across slices. The weights stream from memory once per call.
+ * x is first rounded to the same int8 grid as the decode path's (each value replaced by
+ * d * q of its block), so both paths compute one function up to fp32 summation order:
+ * a token's logits do not depend on how many rows its step had. */
 enum { PANEL = 16, KC = 256, MR = 6 };
 
 #ifdef QL_AVX2
@@ -384,8 +385,18 @@ static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtyp
     int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
     int64_t tiles = (n + PANEL - 1) / PANEL;
     int failed = 0;
+    float *xr = malloc((size_t)(m * k) * sizeof(float)); /* x on the int8 grid */
+    if (!xr) return -1;
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (int32_t r = 0; r < m; r++) {
+            for (int64_t b = 0; b < nb; b++) {
+                xblock q;
+                quantize_row(x + (int64_t)r * k + b * QK, 1, &q);
+                for (int i = 0; i < QK; i++) xr[(int64_t)r * k + b * QK + i] = q.d * (float)q.q[i];
+            }
+        }
         /* rows: the tile dequantized [16][K]; panel: transposed [K][16]; edge: y's
          * columns of a last tile narrower than 16, [m][16] */
         float *rows = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(float));
@@ -412,7 +423,7 @@ static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtyp
                 int64_t len = k - k0 < KC ? k - k0 : KC;
                 for (int32_t r = 0; r < m; r += MR) {
                     int mr = m - r < MR ? m - r : MR;
-                    kern_any(x + (int64_t)r * k + k0, k, panel + k0 * PANEL, len, mr,
+                    kern_any(xr + (int64_t)r * k + k0, k, panel + k0 * PANEL, len, mr,
                              out + (int64_t)r * ldy, ldy, k0 > 0);
                 }
             }
@@ -423,6 +434,7 @@ static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtyp
         free(panel);
         free(edge);
     }
+    free(xr);
     return failed ? -1 : 0;
 }
 
