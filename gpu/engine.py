@@ -21,6 +21,7 @@ from gpu.graphs import StepGraphs, graph_backend
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
+from gpu.memory import MemoryFootprint
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import EMBED_FINISH, MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_f32s, pack_ids
@@ -89,6 +90,7 @@ class Engine:
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
         self.kv_plan: Any = None  # gpu.memory.KVPlan when sized from the card's memory
+        self._footprint: MemoryFootprint | None = None
         self.graphs = None if graphs is None else StepGraphs(
             self.model, self.cache, graphs, config.max_running, self.max_context
         )  # fmt: skip
@@ -101,6 +103,15 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def footprint(self) -> MemoryFootprint:
+        """The weights' and the KV cache's allocated bytes and their device (counted on
+        first use: they do not change)."""
+        if self._footprint is None:
+            dev = self.loaded.device
+            name = dev.type if dev.type == "cpu" else str(dev)
+            self._footprint = MemoryFootprint(self.model.weight_bytes(), self.cache.nbytes(), name)
+        return self._footprint
 
     def load(self) -> dict[str, Any]:
         s = self.scheduler

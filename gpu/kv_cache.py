@@ -105,6 +105,10 @@ class PagedKVCache:
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
 
+    def nbytes(self) -> int:
+        """Bytes of the K and V tensors, the scratch block included."""
+        return self.k.nbytes + self.v.nbytes
+
     def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, stop)]

@@ -8,17 +8,23 @@ largest step's working set (an eager prefill of ``step_tokens`` rows, or a decod
 and the captured decode graphs' pool, which are allocated after the cache. What remains is the
 KV cache, in whole blocks. The arithmetic is pure so that the CPU tests check it; on a
 GPU ``cuda_free_bytes`` reads the card.
+
+Once built, ``MemoryFootprint`` splits the worker's resident memory (RSS) into the
+weights, the KV cache and the rest, for its log line and its STATS frames.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
+
 from modelfile.config import ModelConfig
 
 __all__ = [
     "DEFAULT_MEM_FRACTION",
     "KVPlan",
+    "MemoryFootprint",
     "decode_bytes",
     "kv_bytes_per_token",
     "plan_kv",
@@ -102,6 +108,44 @@ def plan_kv(
     per_block = kv_bytes_per_token(mc, elem) * block_size
     blocks = max(1, usable // per_block)
     return KVPlan(blocks, blocks * per_block, free_bytes, reserve, fraction)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFootprint:
+    """What the weights and the KV cache take, as allocated, and where they live.
+
+    Allocated bytes, not measured residency: the KV cache is made with ``torch.zeros``,
+    which writes every page, so on the CPU all of it is resident from the start (an
+    ``empty`` cache would not be, and ``other`` would then come out negative). On a GPU
+    neither lives in the process's RSS: the split counts them as 0 there and gives their
+    sizes on the card beside it. At ``--tp K`` this is rank 0's process and shard."""
+
+    weights_bytes: int
+    kv_bytes: int
+    device: str  # "cpu", or the accelerator holding both (e.g. "cuda:0")
+
+    def split(self, rss: int | None = None) -> dict[str, int]:
+        """``rss_bytes = weights_bytes + kv_bytes + other_bytes`` (this process now, or
+        ``rss``); ``other`` is the interpreter, torch, the tokenizer, step buffers."""
+        rss = psutil.Process().memory_info().rss if rss is None else rss
+        on_host = self.device == "cpu"
+        weights, kv = (self.weights_bytes, self.kv_bytes) if on_host else (0, 0)
+        out = {"rss_bytes": rss, "weights_bytes": weights, "kv_bytes": kv,
+               "other_bytes": rss - weights - kv}  # fmt: skip
+        if not on_host:
+            out.update(device_weights_bytes=self.weights_bytes, device_kv_bytes=self.kv_bytes)
+        return out
+
+    def line(self, split: dict[str, int] | None = None) -> str:
+        """``memory: rss R MiB = weights W MiB + kv K MiB + other O MiB`` (the worker log)."""
+        s = self.split() if split is None else split
+        mib = {k: s[k] / 2**20 for k in ("rss_bytes", "weights_bytes", "kv_bytes", "other_bytes")}
+        text = ("memory: rss {rss_bytes:.0f} MiB = weights {weights_bytes:.0f} MiB + kv "
+                "{kv_bytes:.0f} MiB + other {other_bytes:.0f} MiB").format(**mib)  # fmt: skip
+        if self.device != "cpu":
+            text += (f" (on {self.device}: weights {self.weights_bytes / 2**20:.0f} MiB, "
+                     f"kv {self.kv_bytes / 2**20:.0f} MiB)")  # fmt: skip
+        return text
 
 
 def cuda_free_bytes(device: object) -> int:

@@ -148,6 +148,7 @@ def _stats(engine: Engine) -> dict[str, Any]:
     load["integrity_ok"] = not problems
     if problems:
         load["integrity_problems"] = problems[:8]
+    load["memory"] = engine.footprint().split()  # RSS now: STATS is asked for, not periodic
     return load
 
 
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         config.block_size,
         _CPU_TUNING or "as the environment set it",
     )
+    log.info("%s", engine.footprint().line())
     try:
         return serve(engine, listener, config.token, tls)
     finally:

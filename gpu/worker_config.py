@@ -49,6 +49,8 @@ class WorkerConfig:
 
 
 def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
+    """KV blocks for ``kv_cache_tokens`` (rounded down to whole blocks), else for
+    ``kv_memory_mib`` (default 1024) of K and V of every layer; at least one."""
     tokens = config.kv_cache_tokens
     if tokens is None:
         mib = config.kv_memory_mib if config.kv_memory_mib is not None else 1024
@@ -71,12 +73,17 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--listen", default=d.listen)
-    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens)
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=d.kv_cache_tokens,
+        help="tokens the KV cache holds, in whole blocks (SGLang's --max-total-tokens)",
+    )
     p.add_argument(
         "--kv-memory-mib",
         type=int,
         default=d.kv_memory_mib,
-        help="KV cache size (default: 1024 on the CPU; on CUDA, --mem-fraction)",
+        help="KV cache size in MiB (default: 1024 on the CPU; on CUDA, --mem-fraction)",
     )
     p.add_argument(
         "--mem-fraction",
@@ -127,6 +134,12 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
     config = WorkerConfig(**vars(p.parse_args(argv)))
     if config.tp < 1:
         p.error(f"--tp must be at least 1, got {config.tp}")
+    if config.kv_cache_tokens is not None and config.kv_memory_mib is not None:
+        p.error("size the KV cache by --kv-cache-tokens or by --kv-memory-mib, not both")
+    for flag, value in (("--kv-cache-tokens", config.kv_cache_tokens),
+                        ("--kv-memory-mib", config.kv_memory_mib)):  # fmt: skip
+        if value is not None and value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
     try:
         token = wire.resolve_token(config.token)
     except ValueError as exc:

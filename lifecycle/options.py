@@ -92,7 +92,19 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
-    _o("kv_cache_tokens", "tokens the KV cache holds", _WORKER, type=int),
+    _o(
+        "kv_cache_tokens",
+        "tokens the KV cache holds (SGLang's --max-total-tokens; default: from --kv-memory-mib)",
+        _WORKER,
+        type=int,
+    ),  # fmt: skip
+    _o(
+        "kv_memory_mib",
+        "the KV cache's size in MiB, K and V of every layer in --dtype (default: 1024 on "
+        "the CPU; on CUDA, --mem-fraction); not with --kv-cache-tokens",
+        _WORKER,
+        type=int,
+    ),  # fmt: skip
     _o(
         "mem_fraction",
         "CUDA: the KV cache's share of free memory after the weights "
@@ -307,6 +319,7 @@ _PLAIN = (
     "max_pending",
     "max_running",
     "kv_cache_tokens",
+    "kv_memory_mib",
     "mem_fraction",
     "decode_graphs",
     "tp",

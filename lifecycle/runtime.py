@@ -48,6 +48,7 @@ class AppConfig:
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
+    kv_memory_mib: int | None = None  # the KV cache in MiB (not with kv_cache_tokens)
     mem_fraction: float | None = None  # CUDA: the KV cache's share of free memory
     decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
@@ -89,6 +90,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
             ("--dtype", cfg.dtype),
             ("--weights", cfg.weights),
             ("--kv-cache-tokens", cfg.kv_cache_tokens),
+            ("--kv-memory-mib", cfg.kv_memory_mib),
             ("--mem-fraction", cfg.mem_fraction),
             ("--decode-graphs", cfg.decode_graphs),
             ("--tp", cfg.tp),

@@ -60,6 +60,15 @@ def test_hello_describes_model_and_capacity(worker: WorkerClient) -> None:
     assert reply.nonce == 7 and reply.load["kv_blocks_total"] == h.capacity["kv_blocks"]
 
 
+def test_stats_split_the_rss_into_weights_kv_and_the_rest(worker: WorkerClient) -> None:
+    m = worker.request(StatsReq(next(_rid)), Stats).load["memory"]  # checked against the CDDL
+    blocks = worker.hello.capacity["kv_blocks"]  # --kv-memory-mib 256 in whole blocks
+    assert m["kv_bytes"] == blocks * 16 * 46_080 <= 256 * 2**20  # 46,080 B of K and V a token
+    assert 50 * 2**20 < m["weights_bytes"] < 600 * 2**20  # Q4_1 blocks, or fp32 dense
+    assert m["other_bytes"] > 0
+    assert m["weights_bytes"] + m["kv_bytes"] + m["other_bytes"] == m["rss_bytes"]
+
+
 def test_concurrent_greedy_equals_alone(worker: WorkerClient) -> None:
     prompts = _prompts(64)
     sampling = {**GREEDY, "max_new_tokens": 6}

@@ -299,6 +299,8 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
                     for k in ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
                 }
             )
+            if "memory" in load:  # the worker's RSS split, measured for this STATS
+                state["memory"] = load["memory"]
             state["worker_load"] = load
         except (TimeoutError, ConnectionError) as exc:
             state["stats_error"] = str(exc) or type(exc).__name__

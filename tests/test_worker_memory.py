@@ -1,0 +1,105 @@
+"""The worker's memory: the KV cache sized by a flag in tokens or MiB, and its RSS split
+into weights, KV and the rest (the log line, STATS' ``memory``, ``/server_info``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu.memory import MemoryFootprint, kv_bytes_per_token
+from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config
+from tests.tiny_gguf import TinyModel
+
+MIB = 2**20
+
+
+# -- the KV cache's size ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tokens", "blocks"),
+    [(1024, 64), (1000, 62), (15, 1), (1, 1)],  # whole blocks, rounded down; at least one
+)
+def test_kv_cache_tokens_become_whole_blocks(tokens: int, blocks: int) -> None:
+    config = WorkerConfig(kv_cache_tokens=tokens)
+    assert kv_blocks_for(config, n_layers=2, n_kv=2, head_dim=16, elem=4) == blocks
+
+
+def test_kv_memory_mib_becomes_blocks_of_k_and_v_of_every_layer() -> None:
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x 16 dims x fp32
+    for mib, config in ((3, WorkerConfig(kv_memory_mib=3)), (1024, WorkerConfig())):
+        assert kv_blocks_for(config, 2, 2, 16, 4) == mib * MIB // per_token // 16
+
+
+def test_the_worker_takes_one_kv_size_and_a_positive_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_config(["--kv-memory-mib", "64"]).kv_memory_mib == 64
+    for argv, message in (
+        (["--kv-cache-tokens", "64", "--kv-memory-mib", "64"], "not both"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
+        (["--kv-memory-mib", "-1"], "--kv-memory-mib must be at least 1"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_serve_passes_either_size_to_the_worker() -> None:
+    from lifecycle.runtime import AppConfig, worker_args
+
+    assert worker_args(AppConfig(kv_memory_mib=64))[-2:] == ("--kv-memory-mib", "64")
+    assert worker_args(AppConfig(kv_cache_tokens=100))[-2:] == ("--kv-cache-tokens", "100")
+
+
+def test_an_engine_sized_in_tokens_has_that_cache(tiny_gguf: TinyModel) -> None:
+    engine = build_engine(
+        WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", kv_cache_tokens=1000)
+    )
+    assert engine.config.kv_blocks == 62 and engine.load()["kv_blocks_total"] == 62
+    fp = engine.footprint()
+    assert fp.kv_bytes == 62 * 16 * kv_bytes_per_token(engine.mc, 4) == engine.cache.nbytes()
+    assert fp.weights_bytes == engine.model.weight_bytes() > 0 and fp.device == "cpu"
+
+
+# -- the split --------------------------------------------------------------------------------
+def test_the_split_adds_up_and_the_line_says_it() -> None:
+    fp = MemoryFootprint(weights_bytes=96 * MIB, kv_bytes=1024 * MIB, device="cpu")
+    s = fp.split(rss=1381 * MIB)
+    assert s == {"rss_bytes": 1381 * MIB, "weights_bytes": 96 * MIB, "kv_bytes": 1024 * MIB,
+                 "other_bytes": 261 * MIB}  # fmt: skip
+    assert fp.line(s) == "memory: rss 1381 MiB = weights 96 MiB + kv 1024 MiB + other 261 MiB"
+    now = fp.split()  # this process
+    assert now["rss_bytes"] > 0
+    assert now["weights_bytes"] + now["kv_bytes"] + now["other_bytes"] == now["rss_bytes"]
+
+
+def test_on_a_card_weights_and_kv_are_not_in_the_rss() -> None:
+    fp = MemoryFootprint(weights_bytes=300 * MIB, kv_bytes=8 * 2**30, device="cuda:0")
+    s = fp.split(rss=900 * MIB)
+    assert s["weights_bytes"] == s["kv_bytes"] == 0 and s["other_bytes"] == 900 * MIB
+    assert s["device_weights_bytes"] == 300 * MIB and s["device_kv_bytes"] == 8 * 2**30
+    assert fp.line(s).endswith("other 900 MiB (on cuda:0: weights 300 MiB, kv 8192 MiB)")
+
+
+def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
+    """A real worker behind ``lifecycle serve``, its cache sized in MiB by serve's flag."""
+    import httpx
+
+    from tests.scripted import lifecycle_server
+
+    with lifecycle_server("--model", str(tiny_gguf.path), "--device", "cpu",
+                          "--kv-memory-mib", "3", "--worker-args", "--threads 1") as url:  # fmt: skip
+        info = httpx.get(url + "/server_info", timeout=30).json()
+        again = httpx.get(url + "/server_info", timeout=30).json()
+    state = info["internal_states"][0]
+    m = state["memory"]
+    assert set(m) == {"rss_bytes", "weights_bytes", "kv_bytes", "other_bytes"}
+    assert all(m[k] > 0 for k in m), m
+    assert m["weights_bytes"] + m["kv_bytes"] + m["other_bytes"] == m["rss_bytes"]
+    cap = state["capacity"]
+    per_token = m["kv_bytes"] // (cap["kv_blocks"] * cap["block_size"])
+    assert m["kv_bytes"] == cap["kv_blocks"] * cap["block_size"] * per_token <= 3 * MIB
+    assert (3 * MIB - m["kv_bytes"]) < per_token * cap["block_size"]  # 3 MiB in whole blocks
+    assert info["kv_memory_mib"] == 3  # echoed with the server's arguments
+    # Measured per STATS: the figures are fresh, the allocations the same.
+    m2 = again["internal_states"][0]["memory"]
+    assert (m2["weights_bytes"], m2["kv_bytes"]) == (m["weights_bytes"], m["kv_bytes"])
+    assert m2["weights_bytes"] + m2["kv_bytes"] + m2["other_bytes"] == m2["rss_bytes"]
