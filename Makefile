@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup serve test test-full bench bench-compare bench-frontend lint clean ci-deps
+.PHONY: setup serve test test-full bench bench-compare bench-peer bench-frontend lint clean ci-deps
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ bench: setup
 # Our server against llama-cpp-python's on the same GGUF (docs/benchmarks.md); ~10 min.
 bench-compare: setup
 	$(PY) -m bench.compare $(ARGS)
+
+# Build llama.cpp's llama-server once into a cache outside the repository (about 6 min on
+# 2 cores), the peer of `bench.compare --peer llama-server`; a second run only says where it is.
+bench-peer: setup
+	PYTHON=$(PY) tools/build_llama_server.sh
 
 # Frontend cost only: our server on a scripted worker against a FastAPI/uvicorn baseline.
 bench-frontend: setup

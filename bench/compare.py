@@ -4,12 +4,15 @@
     python -m bench.compare --mode frontend    # make bench-frontend
 
 ``--mode model`` (default) serves the bundled GGUF with ``python -m lifecycle serve`` and
-with llama-cpp-python's server (``python -m llama_cpp.server``), then runs the same closed
-loop load against both at each concurrency level, alternating A B A B so that drift of
-the machine's speed hits both alike, and prints output tok/s, TTFT and ITL for both and
-our/peer ratios. llama-cpp-python is an optional extra: installing it builds llama.cpp
-from source (about 7 minutes on 2 cores), so when ``llama_cpp`` cannot be imported by
-``--peer-python`` the peer is skipped with a note.
+with a peer, then runs the same closed loop load against both at each concurrency level,
+alternating A B A B so that drift of the machine's speed hits both alike, and prints
+output tok/s, TTFT and ITL for both and our/peer ratios, each run's CPU steal share, the
+TTFT of a long prompt no prefix cache can serve, and each server's RSS. The peer
+(``--peer``) is llama.cpp's ``llama-server`` (continuous batching, built once by ``make
+bench-peer``) or llama-cpp-python's server (``python -m llama_cpp.server``, an optional
+extra that builds llama.cpp when installed). The default, ``auto``, takes llama-server
+when its binary exists, else llama-cpp-python; a peer that is absent is skipped with a
+note saying how to get it.
 
 ``--mode frontend`` puts no model anywhere: our server drives a scripted instant worker
 (``python -m lifecycle.testing.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
@@ -35,14 +38,24 @@ from typing import Any
 
 import psutil
 
+from bench import llama_server
 from bench.apis import RequestSpec
 from bench.client import Target
+from bench.cpu_steal import steal_share, steal_ticks
 from bench.metrics import RequestOutput, compute_metrics
 from bench.procs import ServerProcess, busy_cpu_seconds, free_port
+from bench.server_figures import STEAL_LIMIT, fresh_prefix_ttft, print_extras, server_rss
 from bench.serving import LoadConfig, LoadResult, run_load_sync
 from bench.workload import WorkloadConfig, make_workload
 
-__all__ = ["Contender", "LevelResult", "compare", "default_model_path", "main"]
+__all__ = [
+    "Contender",
+    "LevelResult",
+    "compare",
+    "default_model_path",
+    "main",
+    "resolve_peer",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --model {model}"
@@ -59,6 +72,7 @@ PEER_INSTALL_NOTE = (
     "  To include it: {python} -m pip install 'llama-cpp-python[server]'  (builds llama.cpp\n"
     "  from source: about 7 minutes on 2 cores), or pass --peer-python PATH of a venv with it."
 )
+PEERS = ("auto", "llama-server", "llama-cpp-python")
 
 
 def default_model_path() -> str:
@@ -76,6 +90,7 @@ class Contender:
     label: str
     proc: ServerProcess
     spec: RequestSpec
+    kind: str = "ours"  # "ours" | "llama-server" | "llama-cpp-python" | "fastapi"
 
     @property
     def target(self) -> Target:
@@ -93,6 +108,7 @@ class LevelResult:
     client_cpu_s: float = 0.0
     foreign_cpu_s: float = 0.0
     rep_tok_s: list[float] = field(default_factory=list)
+    rep_steal: list[float] = field(default_factory=list)
     # Frontend mode: the same requests with a longer output, for the marginal token cost.
     long_cpu_s: float = 0.0
     long_tokens: int = 0
@@ -103,7 +119,10 @@ class LevelResult:
         self.long_tokens += sum(o.output_len for o in res.outputs if o.success)
         self.long_requests += len(res.outputs)
 
-    def add(self, res: LoadResult, server_cpu_s: float, foreign_cpu_s: float) -> None:
+    def add(
+        self, res: LoadResult, server_cpu_s: float, foreign_cpu_s: float, steal: float = 0.0
+    ) -> None:
+        self.rep_steal.append(steal)
         self.outputs += res.outputs
         self.duration_s += res.metrics.duration_s
         self.requests_sent += len(res.outputs)
@@ -131,6 +150,7 @@ class LevelResult:
             **self._marginal(m.total_output),
             "client_cpu_pct": 100 * self.client_cpu_s / max(self.duration_s, 1e-9),
             "foreign_cpu_pct": 100 * self.foreign_cpu_s / max(self.duration_s, 1e-9),
+            "rep_steal_pct": [100 * x for x in self.rep_steal],
         }
 
     def _marginal(self, tokens: int) -> dict[str, float]:
@@ -191,15 +211,56 @@ def _wait_listening(popen: subprocess.Popen[bytes], port: int, timeout_s: float)
     raise TimeoutError(f"scripted worker not listening on {port} after {timeout_s:g}s")
 
 
-def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], list[ServerProcess]]:
-    model = args.model or default_model_path()
-    ours_spec = RequestSpec(api=args.api, ignore_eos="flag")
-    peer_spec = RequestSpec(
+def resolve_peer(peer: str, binary: Path) -> tuple[str | None, str | None]:
+    """(the peer to run or None, a note to print): ``auto`` is llama-server when ``binary``
+    is there, else llama-cpp-python; an explicit llama-server that is absent is skipped."""
+    note = llama_server.skip_note(binary)
+    if peer == "auto":
+        return ("llama-cpp-python", None) if note else ("llama-server", None)
+    if peer == "llama-server" and note:
+        return None, note
+    return peer, None
+
+
+def _start_llama_server(args: argparse.Namespace, model: str) -> Contender | None:
+    binary = llama_server.binary_path(args.llama_server)
+    port = free_port()
+    proc = _try_start(
+        "llama-server", lambda: llama_server.start(binary, model, port, args.start_timeout)
+    )
+    if proc is None:
+        return None
+    return Contender("llama-server", proc, llama_server.peer_spec(), kind="llama-server")
+
+
+def _start_llama_cpp_python(args: argparse.Namespace, model: str) -> Contender | None:
+    python = _peer_python(args.peer_python)
+    if not _peer_importable(python):
+        print(PEER_INSTALL_NOTE.format(python=python), file=sys.stderr)
+        return None
+    spec = RequestSpec(
         api="completions",
         ignore_eos="logit_bias",
         eog_ids=(0, 2, 4),
         extra_body={"repeat_penalty": 1.0},
     )
+    pport = free_port()
+    peer = _try_start(
+        "llama-cpp-python",
+        lambda: ServerProcess.start(
+            "llama-cpp-python",
+            _cmd(PEER_CMD, python=python, port=pport, model=model),
+            pport,
+            "/v1/models",
+            args.start_timeout,
+        ),
+    )
+    return Contender("peer", peer, spec, kind="llama-cpp-python") if peer else None
+
+
+def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], list[ServerProcess]]:
+    model = args.model or default_model_path()
+    ours_spec = RequestSpec(api=args.api, ignore_eos="flag")
     out: list[Contender] = []
     port = free_port()
     ours = _try_start(
@@ -215,25 +276,11 @@ def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], l
     )
     if ours:
         out.append(Contender("ours", ours, ours_spec))
-    python = _peer_python(args.peer_python)
-    if args.no_peer:
-        pass
-    elif not _peer_importable(python):
-        print(PEER_INSTALL_NOTE.format(python=python), file=sys.stderr)
-    else:
-        pport = free_port()
-        peer = _try_start(
-            "llama-cpp-python",
-            lambda: ServerProcess.start(
-                "llama-cpp-python",
-                _cmd(PEER_CMD, python=python, port=pport, model=model),
-                pport,
-                "/v1/models",
-                args.start_timeout,
-            ),
-        )
+    start_peer = {"llama-server": _start_llama_server, "llama-cpp-python": _start_llama_cpp_python}
+    if args.peer is not None:
+        peer = start_peer[args.peer](args, model)
         if peer:
-            out.append(Contender("peer", peer, peer_spec))
+            out.append(peer)
     return out, [c.proc for c in out]
 
 
@@ -290,17 +337,19 @@ def compare(contenders: list[Contender], args: argparse.Namespace) -> dict[int, 
                     seed=rep,
                 )
                 prompts = _prompts(args, n, seed=1 + rep)
-                cpu0, tree0, busy0 = (
+                cpu0, tree0, busy0, steal0 = (
                     c.proc.cpu_seconds(),
                     c.proc.tree_cpu_seconds(),
                     busy_cpu_seconds(),
+                    steal_ticks(),
                 )
                 res = run_load_sync(c.target, c.spec, prompts, cfg)
+                steal = steal_share(steal0, steal_ticks())
                 # Whatever else ran meanwhile: machine busy time minus the server's
                 # process tree and this client. Above ~10% of a core the figures are noise.
                 foreign = busy_cpu_seconds() - busy0 - (c.proc.tree_cpu_seconds() - tree0)
                 foreign = max(0.0, foreign - res.client_cpu_s)
-                level[c.label].add(res, c.proc.cpu_seconds() - cpu0, foreign)
+                level[c.label].add(res, c.proc.cpu_seconds() - cpu0, foreign, steal)
                 if args.mode == "frontend" and args.long_output_len > args.output_len:
                     print(f"   same, {args.long_output_len} output tokens", flush=True)
                     long_prompts = _prompts(args, n, seed=1 + rep, output_len=args.long_output_len)
@@ -364,6 +413,15 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
         "other processes' CPU during the runs, % of one core (above ~10 the figures are noise): "
         + per_level(lambda r: f"{r['foreign_cpu_pct']:.0f}")
     )
+    print(
+        f"CPU steal per run, % of the CPUs (above {100 * STEAL_LIMIT:.0f} not comparable): "
+        + per_level(lambda r: "/".join(f"{x:.1f}" for x in r.get("rep_steal_pct", [])))
+    )
+    for conc, row in summary.items():
+        for lb in labels:
+            for i, x in enumerate(row[lb].get("rep_steal_pct", [])):
+                if x > 100 * STEAL_LIMIT:
+                    print(f"NOT COMPARABLE: c={conc} {lb} rep {i + 1} ran with {x:.1f} % steal")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -395,8 +453,8 @@ def _parser() -> argparse.ArgumentParser:
         "--api",
         choices=("generate", "completions"),
         default=None,
-        help="API used for our server (default generate); the llama-cpp peer always "
-        "gets /v1/completions",
+        help="API used for our server (default completions against llama-server, the "
+        "same load as the peer's; generate otherwise); a peer always gets /v1/completions",
     )
     p.add_argument("--time-cap", type=float, default=120.0, help="per run, seconds")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2)")
@@ -405,7 +463,31 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="python with llama-cpp-python[server] (default: .venv-ref, then this one)",
     )
+    p.add_argument(
+        "--peer",
+        choices=PEERS,
+        default="auto",
+        help="model mode: the server to compare with. auto (default) = llama-server when "
+        "its binary exists (--llama-server, else the `make bench-peer` cache), else "
+        "llama-cpp-python",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="the llama-server binary (default: "
+        "${LIFECYCLE_PEER_CACHE:-${XDG_CACHE_HOME:-~/.cache}/lifecycle/llama-server}"
+        "/bin/llama-server, what `make bench-peer` builds)",
+    )
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument(
+        "--ttft-prompt-len",
+        type=int,
+        default=500,
+        help="model mode: after the levels, the TTFT at c=1 of prompts this long that start "
+        "with a random nonce (no prefix cache can serve them); 0 skips it",
+    )
+    p.add_argument("--ttft-requests", type=int, default=3, help="fresh-prefix prompts per rep")
     p.add_argument("--ours-cmd", default=OURS_CMD)
     p.add_argument("--ours-frontend-cmd", default=OURS_FRONTEND_CMD)
     p.add_argument("--worker-cmd", default=SCRIPTED_WORKER_CMD)
@@ -425,23 +507,38 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.api = args.api or "generate"
-    start = start_model_contenders if args.mode == "model" else start_frontend_contenders
+    model_mode = args.mode == "model"
+    if model_mode and not args.no_peer:
+        args.peer, note = resolve_peer(args.peer, llama_server.binary_path(args.llama_server))
+        if note:
+            print(note, file=sys.stderr)
+    else:
+        args.peer = None
+    args.api = args.api or ("completions" if args.peer == "llama-server" else "generate")
+    start = start_model_contenders if model_mode else start_frontend_contenders
     contenders, procs = start(args)
+    ttft: dict[str, Any] = {}
+    rss: dict[str, dict[str, float | None]] = {}
     try:
         if not contenders:
             print("nothing to benchmark: no server started", file=sys.stderr)
             return 1
         summary = compare(contenders, args)
+        if model_mode and args.ttft_prompt_len > 0:
+            ttft = fresh_prefix_ttft(contenders, args)
+        if model_mode:
+            rss = {c.label: server_rss(c) for c in contenders}
     finally:
         for proc in procs:
             proc.stop()
     labels = [c.label for c in contenders]
-    print_table(summary, labels, frontend=args.mode == "frontend")
+    print_table(summary, labels, frontend=not model_mode)
+    if model_mode:
+        print_extras(ttft, rss, args.ttft_prompt_len)
     if args.output_file:
         meta = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | list)}
         with open(args.output_file, "w") as f:
-            json.dump({"args": meta, "levels": summary}, f, indent=2)
+            json.dump({"args": meta, "levels": summary, "ttft": ttft, "rss": rss}, f, indent=2)
     return 0
 
 

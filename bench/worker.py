@@ -2,10 +2,13 @@
 
 Prints aggregate decode tokens/s at batch 1, 8, 32 and 64 (greedy, ignore_eos; timed from
 the first step that decodes every sequence to the last), prefill tokens/s for a
-512-token prompt, the batch-32 / batch-1 ratio, and the worker's CPU % while idle.
-Then, unless ``--no-baseline``, the same on a second worker configured as before the CPU
-tuning and the C decode attention (passive OpenMP, torch attention), and a table of both
-side by side with their ratio. About two minutes on a quiet 2-core machine.
+512-token prompt, the batch-32 / batch-1 ratio, and the worker's CPU % and RSS while idle
+after the load. Then, unless ``--no-baseline``, the same on a second worker configured as
+before the CPU tuning and the C decode attention (passive OpenMP, torch attention), and a
+table of both side by side with their ratio. Last, when llama.cpp's llama-server is built
+(``make bench-peer``; ``--llama-server PATH`` to point elsewhere), its RSS idle after
+loading the same model with bench/compare.py's start flags, beside ours. About two
+minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import llama_server  # noqa: E402
+from bench.procs import free_port  # noqa: E402
+from modelfile.gguf_file import default_model_path  # noqa: E402
 from wire import (  # noqa: E402
     FrameBuffer,
     Hello,
@@ -121,6 +127,7 @@ def measure(env: dict[str, str], label: str) -> dict[str, float]:
         p.cpu_percent(None)
         time.sleep(2.0)
         out["idle CPU %"] = p.cpu_percent(None)
+        out["idle RSS MiB"] = p.memory_info().rss / 2**20
         c.sock.sendall(frame_bytes(encode_frame(Shutdown())))
         proc.wait(timeout=30)
         return out
@@ -129,8 +136,26 @@ def measure(env: dict[str, str], label: str) -> dict[str, float]:
             proc.kill()
 
 
+def peer_rss(explicit: str | None) -> float | None:
+    """llama-server's RSS in MiB, idle after loading the default model; None (with the
+    note saying how to build it) when its binary is absent."""
+    binary = llama_server.binary_path(explicit)
+    note = llama_server.skip_note(binary)
+    if note:
+        print(note)
+        return None
+    proc = llama_server.start(binary, str(default_model_path()), free_port())
+    try:
+        time.sleep(2.0)  # /health is 200 once loaded; let the threads settle
+        return llama_server.rss_mib(proc.popen.pid)
+    finally:
+        proc.stop()
+
+
 def main() -> int:
-    baseline = "--no-baseline" not in sys.argv[1:]
+    argv = sys.argv[1:]
+    baseline = "--no-baseline" not in argv
+    explicit = argv[argv.index("--llama-server") + 1] if "--llama-server" in argv else None
     runs = {"current": measure({}, "current")}
     if baseline:
         runs["baseline"] = measure(BASELINE_ENV, "baseline")
@@ -138,13 +163,21 @@ def main() -> int:
     print("figure                      " + "".join(f"{k:>12}" for k in runs), end="")
     print(f"{'ratio':>8}" if baseline else "")
     for key in runs["current"]:
-        unit = "" if key.endswith(("%", "batch-1")) else " tok/s"
+        unit = "" if key.endswith(("%", "batch-1", "MiB")) else " tok/s"
         row = f"{key + unit:<28}" + "".join(f"{r[key]:12.1f}" for r in runs.values())
         if baseline and runs["baseline"][key]:
             row += f"{runs['current'][key] / runs['baseline'][key]:8.2f}"
         print(row)
     if baseline:
         print(f"baseline = {' '.join(f'{k}={v}' for k, v in BASELINE_ENV.items())}")
+    peer = peer_rss(explicit)
+    if peer is not None:
+        ours = runs["current"]["idle RSS MiB"]
+        print(
+            f"idle RSS after load, MiB: our worker {ours:.0f}, llama-server {peer:.0f} "
+            f"(--parallel {llama_server.PARALLEL}, ctx {llama_server.CTX_SIZE}); "
+            f"ours/llama-server {ours / peer:.2f}"
+        )
     return 0
 
 
