@@ -198,11 +198,17 @@ def test_greedy_generate_stops_at_budget(tiny_lm: LoadedModel) -> None:
 
 
 @pytest.mark.model
-def test_smollm2_knows_the_capital_of_france(cpu_model: LoadedModel) -> None:
-    assert cpu_model.chat is not None
-    text = cpu_model.chat.render([{"role": "user", "content": "What is the capital of France?"}])
-    ids = cpu_model.tokenizer.encode(text, add_special_tokens=False)
-    answer = cpu_model.tokenizer.decode(greedy_generate(cpu_model, ids, 24))
+def test_smollm2_knows_the_capital_of_france(smollm2: LoadedModel) -> None:
+    """Mixed-up q/k layouts give fluent garbage; this catches it. Asked just "What is the
+    capital of France?", the first answer token is a near-tie (fp32: "The" 25.33 against
+    "L" 25.24) that llama.cpp's int8 activations flip: llama-server on this file answers
+    "L'Étoile, la Marseillaise, ...", and so do our quantized weights. Asked for one
+    word, both weight modes and llama-server answer "The capital of France is Paris."."""
+    assert smollm2.chat is not None
+    question = "What is the capital of France? Answer in one word."
+    text = smollm2.chat.render([{"role": "user", "content": question}])
+    ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
+    answer = smollm2.tokenizer.decode(greedy_generate(smollm2, ids, 24))
     assert "Paris" in answer
 
 

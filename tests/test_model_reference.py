@@ -15,9 +15,19 @@ are their own and measured (2026-12-04, the bundled model): last-position logits
 path; 0.18-0.41 elsewhere), so the bound is 1.0; greedy decode first leaves
 transformers' continuation where transformers' own top-1/top-2 gap was 0.03-0.26
 (one_word, capital, chat_hi, code, story, chat_multi, chinese, history_long), so a
-"near tie" there is a gap under 0.5. Teacher-forced positions (chunks of 8 and more rows
-take the fp32 panel path) keep fp32's near-tie bound, and the top-1 agreement with
-llama.cpp is 0.9728 in both modes, the same as transformers' own.
+"near tie" there is a gap under 0.5, for teacher-forced positions as well (21 of 624
+differ from transformers' argmax, where its gap was at most 0.33). The teacher-forced top-1 agreement with llama.cpp is 0.984 quantized and 0.973
+with fp32 weights (transformers' own: 0.973).
+
+* llama.cpp's server (tests/fixtures/llamaserver_greedy.json, made by
+  tools/make_llamaserver_fixture.py): its greedy continuation token for token, except
+  where ours stands at a near-tie (top-1/top-2 gap under 0.3): llama.cpp keeps K/V in
+  f16 and sums attention in another order, so no mode of ours can follow it through a
+  tie. Measured 2026-12-04: quantized, the full 32 tokens on one_word, capital, numbers,
+  chat_multi, chinese, first divergences at chat_hi 5, chat_math 13, code 4, chat_code 1,
+  story 19, chat_system 15, history_long 24, chat_summary_long 3 (our gaps 0.03-0.23);
+  fp32, divergences at one_word 4, capital 5, chat_hi 5, code 4, story 19, chat_multi
+  7, chat_system 10 (gaps up to 0.26), where transformers leaves llama-server too.
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 LOGITS_ATOL = {"fp32": 2e-3, "quantized": 1.0}
 NEAR_TIE = 1e-3  # a top-1/top-2 logit gap below this may flip between fp32 summation orders
-GREEDY_NEAR_TIE = {"fp32": NEAR_TIE, "quantized": 0.5}  # see the module docstring
+MODE_NEAR_TIE = {"fp32": NEAR_TIE, "quantized": 0.5}  # see the module docstring
 MIN_LLAMACPP_TOP1 = 0.95
+LLAMASERVER_NEAR_TIE = 0.3  # see the module docstring
 MAX_LEN = 1024
 
 
@@ -157,7 +168,7 @@ def test_greedy_matches_transformers_except_near_ties(reference: dict, ours: lis
     problems = []
     for p, run in zip(reference["prompts"], ours, strict=True):
         i = _first_divergence(run.greedy, p["greedy"])
-        if i is not None and p["greedy_gaps"][i] >= GREEDY_NEAR_TIE[run.mode]:
+        if i is not None and p["greedy_gaps"][i] >= MODE_NEAR_TIE[run.mode]:
             problems.append(
                 f"{p['name']}: step {i}: ours {run.greedy[i]} (gap {run.greedy_gaps[i]:.2e}), "
                 f"transformers {p['greedy'][i]} (gap {p['greedy_gaps'][i]:.2e})"
@@ -174,7 +185,7 @@ def test_teacher_forced_agrees_with_transformers_greedy(
     problems = []
     for p, run in zip(reference["prompts"], ours, strict=True):
         for i, (got, want) in enumerate(zip(run.teacher_argmax, p["teacher"], strict=True)):
-            if got != want and p["teacher_gaps"][i] >= NEAR_TIE:
+            if got != want and p["teacher_gaps"][i] >= MODE_NEAR_TIE[run.mode]:
                 problems.append(f"{p['name']} step {i}: ours {got}, transformers {want}")
     assert not problems, "\n".join(problems)
 
@@ -189,3 +200,18 @@ def test_teacher_forced_top1_agrees_with_llamacpp(reference: dict, ours: list[Ou
     total = len(ours) * reference["teacher_steps"]
     rate = sum(per_prompt.values()) / total
     assert rate >= MIN_LLAMACPP_TOP1, f"top-1 agreement {rate:.4f} per prompt: {per_prompt}"
+
+
+def test_greedy_matches_llamaserver_except_near_ties(reference: dict, ours: list[OurRun]) -> None:
+    peer = json.loads((FIXTURES / "llamaserver_greedy.json").read_text(encoding="utf-8"))
+    assert peer["model_sha256"] == reference["model_sha256"]
+    problems = []
+    for p, run in zip(reference["prompts"], ours, strict=True):
+        theirs = peer["greedy"][p["name"]]
+        i = _first_divergence(run.greedy, theirs)
+        if i is not None and run.greedy_gaps[i] >= LLAMASERVER_NEAR_TIE:
+            problems.append(
+                f"{p['name']}: step {i}: ours {run.greedy[i]} (gap {run.greedy_gaps[i]:.2e}), "
+                f"llama-server {theirs[i]}"
+            )
+    assert not problems, "\n".join(problems)
