@@ -22,6 +22,10 @@ __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "parse_config"]
 
 log = logging.getLogger("gpu.worker")
 
+# 14,560 tokens of SmolLM2 in fp32 (46,080 bytes each): with the quantized weights (96 MiB)
+# and the rest (~260 MiB) the worker stays near llama-server's own resident size with
+# its default 32k-token f16 cache (862 MiB here), where 1024 MiB made it 1.6x that.
+DEFAULT_CPU_KV_MIB = 640
 _DESCRIPTION = "The worker process: python -m gpu.worker --listen unix:/path | tcp:HOST:PORT."
 
 
@@ -32,7 +36,7 @@ class WorkerConfig:
     dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     listen: str = "unix:/tmp/lifecycle-worker.sock"
     kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib or mem_fraction
-    kv_memory_mib: int | None = None  # None: 1024 on the CPU; on CUDA, by mem_fraction
+    kv_memory_mib: int | None = None  # None: DEFAULT_CPU_KV_MIB on the CPU; on CUDA, mem_fraction
     mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
     decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
     weights: str = "auto"  # auto | quantized | fp32 (gpu/loader.py; --tp > 1 runs fp32)
@@ -50,10 +54,10 @@ class WorkerConfig:
 
 def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
     """KV blocks for ``kv_cache_tokens`` (rounded down to whole blocks), else for
-    ``kv_memory_mib`` (default 1024) of K and V of every layer; at least one."""
+    ``kv_memory_mib`` (default ``DEFAULT_CPU_KV_MIB``) of K and V of every layer; at least one."""
     tokens = config.kv_cache_tokens
     if tokens is None:
-        mib = config.kv_memory_mib if config.kv_memory_mib is not None else 1024
+        mib = config.kv_memory_mib if config.kv_memory_mib is not None else DEFAULT_CPU_KV_MIB
         tokens = mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
     return max(1, tokens // config.block_size)
 
@@ -83,7 +87,7 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
         "--kv-memory-mib",
         type=int,
         default=d.kv_memory_mib,
-        help="KV cache size in MiB (default: 1024 on the CPU; on CUDA, --mem-fraction)",
+        help=f"KV cache size in MiB (default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction)",
     )
     p.add_argument(
         "--mem-fraction",

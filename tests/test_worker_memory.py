@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gpu.memory import MemoryFootprint, kv_bytes_per_token
-from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config
+from gpu.worker_config import (
+    DEFAULT_CPU_KV_MIB,
+    WorkerConfig,
+    build_engine,
+    kv_blocks_for,
+    parse_config,
+)
 from tests.tiny_gguf import TinyModel
 
 MIB = 2**20
@@ -24,7 +30,7 @@ def test_kv_cache_tokens_become_whole_blocks(tokens: int, blocks: int) -> None:
 
 def test_kv_memory_mib_becomes_blocks_of_k_and_v_of_every_layer() -> None:
     per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x 16 dims x fp32
-    for mib, config in ((3, WorkerConfig(kv_memory_mib=3)), (1024, WorkerConfig())):
+    for mib, config in ((3, WorkerConfig(kv_memory_mib=3)), (DEFAULT_CPU_KV_MIB, WorkerConfig())):
         assert kv_blocks_for(config, 2, 2, 16, 4) == mib * MIB // per_token // 16
 
 
