@@ -138,11 +138,14 @@ def _build_model(
     sizes = _tensor_bytes(f)  # what each tensor takes in the file
     total, done = sum(sizes.values()), 0
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        nonlocal done
+    def check_shape(name: str, shape: tuple[int, ...]) -> None:
         got = f.tensor_shape(name)
         if got != shape:
             raise ModelFileError(f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal done
+        check_shape(name, shape)
         arr = f.dequantize(name)
         # F32 tensors come back as read-only views of the mmap: copy those, not the rest.
         arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
@@ -157,35 +160,35 @@ def _build_model(
     def matrix(parts: list[tuple[str, tuple[int, int], int | None]]) -> torch.Tensor | QuantWeight:
         """Tensors ``parts`` (name, shape, heads to un-permute or None) joined row-wise:
         dense, or quantized blocks when ``quant`` says so (module docstring)."""
-        nonlocal done
         types = {f.tensor_type(name) for name, _, _ in parts}
         k = parts[0][1][1]
         if quant is None or k % 32 or (quant == "file" and types & _FLOAT_TYPES):
-            dense = [get(name, shape) for name, shape, _ in parts]
-            dense = [
-                w if h is None else unpermute_rope_rows(w, h)
-                for w, (_, _, h) in zip(dense, parts, strict=True)
-            ]
-            return place(torch.cat(dense) if len(dense) > 1 else dense[0])
-        if len(types) == 1 and (qtype := types.pop()) in KERNEL_TYPES:
-            rows = []
-            for name, shape, heads in parts:
-                got = f.tensor_shape(name)
-                if got != shape:
-                    raise ModelFileError(
-                        f.path, f"tensor {name!r} has shape {got}, expected {shape}"
-                    )
-                b = torch.from_numpy(np.array(f.blocks(name)))
-                rows.append(b if heads is None else unpermute_rope_rows(b, heads))
-                done += sizes.get(name, 0)
-                progress(done, total)
-            return QuantWeight(torch.cat(rows) if len(rows) > 1 else rows[0], qtype, k)
-        dense = [get(name, shape) for name, shape, _ in parts]
-        dense = [
-            w if h is None else unpermute_rope_rows(w, h)
-            for w, (_, _, h) in zip(dense, parts, strict=True)
+            return place(joined(parts, get))
+        if len(types) == 1 and (qtype := next(iter(types))) in KERNEL_TYPES:
+            return QuantWeight(joined(parts, raw_blocks), qtype, k)
+        return requantize(joined(parts, get))
+
+    def raw_blocks(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor's blocks as stored, uint8 ``[rows, bytes per row]`` (copied out)."""
+        nonlocal done
+        check_shape(name, shape)
+        b = torch.from_numpy(np.array(f.blocks(name)))
+        done += sizes.get(name, 0)
+        progress(done, total)
+        return b
+
+    def joined(
+        parts: list[tuple[str, tuple[int, int], int | None]],
+        read: Callable[[str, tuple[int, ...]], torch.Tensor],
+    ) -> torch.Tensor:
+        """Each part read (dense rows or their blocks), q/k rows un-permuted (whole rows:
+        the permutation commutes with row-wise quantization), joined row-wise."""
+        ts = [read(name, shape) for name, shape, _ in parts]
+        ts = [
+            t if h is None else unpermute_rope_rows(t, h)
+            for t, (_, _, h) in zip(ts, parts, strict=True)
         ]
-        return requantize(torch.cat(dense))
+        return torch.cat(ts) if len(ts) > 1 else ts[0]
 
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     layers = []
