@@ -31,7 +31,8 @@ test-full: setup
 # Every bench/*.py script, except the serving harness modules (they need a running
 # server or are libraries: run them through the targets below).
 BENCH_HARNESS := $(addprefix bench/,__init__.py apis.py baseline_fastapi.py client.py compare.py \
-                   http1.py metrics.py procs.py serving.py workload.py)
+                   http1.py llama_server.py metrics.py procs.py server_figures.py serving.py \
+                   workload.py)
 bench: setup
 	@for b in $(filter-out $(BENCH_HARNESS),$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
 
