@@ -31,7 +31,7 @@ TEXT = "The capital of France is"
 def test_engine_answers_as_the_http_server_does(model_server: str) -> None:
     ids = [p["ids"] for p in REFERENCE["prompts"]]
     spec = {
-        "options": {"device": "cpu", "max_running": 8, "kv_cache_tokens": 8192},
+        "options": {"device": "cpu", "max_running": 8, "kv_cache_tokens": 8192, "weights": "fp32"},
         "max_new_tokens": 16,
         "ids": ids,
         "text": TEXT,

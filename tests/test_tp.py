@@ -275,7 +275,9 @@ def test_tp2_greedy_equals_tp1_on_reference_prompts(start) -> None:  # type: ign
     meta = json.loads((FIXTURES / "model_reference.json").read_text(encoding="utf-8"))
     prompts = [p["ids"] for p in meta["prompts"]]
     steps = meta["greedy_steps"]
-    workers = [start(None, "--kv-memory-mib", "128", *tp) for tp in ((), ("--tp", "2"))]
+    # --tp splits fp32 weights: tp 1 runs them too (the quantized default rounds activations)
+    tp1, tp2 = ("--weights", "fp32"), ("--tp", "2")
+    workers = [start(None, "--kv-memory-mib", "128", *tp) for tp in (tp1, tp2)]
     runs = []
     for w in workers:
         c = w.connect(240)

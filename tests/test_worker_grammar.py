@@ -24,9 +24,17 @@ from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 
+@pytest.fixture(scope="module")
+def fp32_model():  # noqa: ANN201
+    """fp32 weights: constrained rows are compared with the same rows run alone."""
+    from gpu.loader import load_model
+
+    return load_model(device="cpu", weights="fp32")
+
+
 @pytest.fixture()
-def engine(cpu_model) -> Engine:  # noqa: ANN001
-    return Engine(cpu_model, EngineConfig(kv_blocks=256))
+def engine(fp32_model) -> Engine:  # noqa: ANN001
+    return Engine(fp32_model, EngineConfig(kv_blocks=256))
 
 
 def run(engine: Engine, reqs: list[tuple[int, list[int], dict]]) -> dict[int, list[StepEntry]]:

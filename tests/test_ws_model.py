@@ -23,7 +23,14 @@ SUBJECTS = (
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     with lifecycle_server(
-        "--device", "cpu", "--max-running", "16", "--kv-cache-tokens", "8192"
+        "--device",
+        "cpu",
+        "--max-running",
+        "16",
+        "--kv-cache-tokens",
+        "8192",
+        "--weights",
+        "fp32",  # streams are compared across batch shapes: fp32-exact
     ) as base:
         yield base
 
