@@ -139,26 +139,43 @@ def _reference_prompts() -> list[list[int]]:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     """The acceptance check on a GPU: the reference prompts' greedy output with CUDA
-    graphs equals eager CUDA token for token, and both agree with the CPU worker on
-    at least the first 16 tokens (bf16 against fp32; where they part is printed)."""
-    path = None  # the default model, or a same-shape random one (tools/gpu_check.sh)
+    graphs equals eager CUDA token for token, in bf16 and in fp32, and CUDA agrees with
+    the CPU worker (fp32 weights) on at least the first 16 tokens of each prompt.
+
+    On the bundled model both CUDA modes are held to that. On a same-shape model with
+    random weights (``LIFECYCLE_TEST_MODEL``, what tools/gpu_check.sh can carry) the
+    logits are nearly flat (std ~0.5 over 49k ids), so bf16 rounding decides near-ties
+    and where bf16 parts from the CPU is printed only; fp32 CUDA (TF32 off) computes the
+    same function as the CPU to ~1e-6 and is still held to the 16 tokens."""
     import os
 
     path = os.environ.get("LIFECYCLE_TEST_MODEL") or None
-    cuda = load_model(path, device="cuda")
+    random_weights = path is not None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     prompts = _reference_prompts()
     n = 32
-    graphed = _generate(_engine(cuda, "on", blocks=4096, max_running=64), prompts, n)
-    eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
-    assert graphed == eager
-    cpu = load_model(path, device="cpu")
+    out: dict[str, dict[int, list[int]]] = {}
+    for dtype in ("bf16", "fp32"):
+        cuda = load_model(path, device="cuda", dtype=dtype)
+        graphed = _generate(_engine(cuda, "on", blocks=4096, max_running=64), prompts, n)
+        eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
+        assert graphed == eager, dtype
+        out[dtype] = graphed
+        del cuda
+    cpu = load_model(path, device="cpu", weights="fp32")
     on_cpu = _generate(_engine(cpu, "off", blocks=4096, max_running=64), prompts, n)
-    for rid in sorted(on_cpu):
-        a, b = graphed[rid], on_cpu[rid]
-        part = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        print(f"prompt {rid}: cuda and cpu part at token {part}")
-        if os.environ.get("LIFECYCLE_TEST_MODEL") is None:  # a random model's ties are moot
-            assert part is None or part >= 16, (rid, part)
+    for dtype, got in out.items():
+        parts = {rid: _first_difference(got[rid], on_cpu[rid]) for rid in sorted(on_cpu)}
+        print(f"cuda {dtype} against the cpu (fp32), token where each prompt parts "
+              f"(None: all {n} agree): {parts}")
+        if dtype == "fp32" or not random_weights:
+            early = {rid: at for rid, at in parts.items() if at is not None and at < 16}
+            assert not early, (dtype, early)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 # -- the KV cache sized to the card (gpu/memory.py) ------------------------------------------
