@@ -74,6 +74,9 @@ class CudaBackend:
         self.device = device
         self.warmup_runs = warmup_runs
         self.pool: Any = torch.cuda.graph_pool_handle()
+        # The pool lives while a graph captured into it does: a backend that outlives
+        # its graphs (one per StepGraphs) would capture into a freed pool.
+        self.graphs: list[Any] = []
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         stream = torch.cuda.Stream(self.device)
@@ -85,6 +88,7 @@ class CudaBackend:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
+        self.graphs.append(graph)
         return graph.replay
 
 
