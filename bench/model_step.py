@@ -6,7 +6,9 @@ baseline), prints prefill tokens/s for a 512-token prompt, decode step time at b
 cache (its decode attention kernel included, as the engine runs it), and the same
 matmul shapes timed bare (the model's projections and LM head at those row counts), so
 the gap between the model and its matmul floor is visible; then the two modes' ratios.
-The steal share of each mode's run is printed (above 10 %: not comparable). Runs in
+With quantized weights the decode step is timed twice, alternating: through the fused
+native trunk (``gpu/fused.py``, what the worker runs) and through the torch path
+(``unfused``), the baseline it replaced. The steal share of each mode's run is printed (above 10 %: not comparable). Runs in
 about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
 quantized,fp32]``.
 """
@@ -84,6 +86,18 @@ def decode_ms(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]], bat
     return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
 
 
+def decode_pair(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]],
+                batch: int) -> tuple[float, float]:  # fmt: skip
+    """(fused, unfused) decode step medians, timed in turn A B A B."""
+    fused, unfused = [], []
+    for _ in range(3):
+        for flag, got in ((True, fused), (False, unfused)):
+            lm.model.fuse_decode = flag
+            got.append(decode_ms(lm, cache, tables, batch))
+    lm.model.fuse_decode = True
+    return statistics.median(fused), statistics.median(unfused)
+
+
 def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
     """(one layer's four projections x n_layers, the LM head) at ``rows`` rows, through
     the model's own linear layers (what the forward runs)."""
@@ -117,14 +131,17 @@ def measure(mode: str) -> dict[str, float]:
         print(f"prefill {PROMPT} tokens: {ms:.0f} ms = {PROMPT / ms * 1e3:.0f} tok/s")
         cache, tables = paged_cache(lm, max(BATCHES), CONTEXT + 1)
         print(f"decode step, context {CONTEXT} per sequence, logits for every row:")
+        fused = lm.model.quantized()
         print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'bare mm ms':>11} {'(layers':>8} "
-              f"{'+ head)':>8}")  # fmt: skip
+              f"{'+ head)':>8}" + (f" {'unfused ms':>11} {'fused/unf':>9}" if fused else ""))  # fmt: skip
         for b in BATCHES:
-            step = decode_ms(lm, cache, tables, b)
+            step, unfused = decode_pair(lm, cache, tables, b) if fused else (
+                decode_ms(lm, cache, tables, b), None)  # fmt: skip
             layers, head = bare_matmul_ms(lm, b)
             out[f"decode{b}"] = step
+            extra = f" {unfused:>11.1f} {step / unfused:>9.2f}" if unfused else ""
             print(f"{b:>5} {step:>8.1f} {b / step * 1e3:>7.0f} {layers + head:>11.1f} "
-                  f"{layers:>8.1f} {head:>8.1f}")  # fmt: skip
+                  f"{layers:>8.1f} {head:>8.1f}{extra}")  # fmt: skip
     share = steal_share(start, steal_ticks())
     flag = "  NOT COMPARABLE" if share > 0.10 else ""
     print(f"steal share {share * 100:.1f} %{flag}")

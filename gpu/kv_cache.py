@@ -171,6 +171,14 @@ class PagedKVCache:
             tuple(pre),
         )
 
+    def pure_decode(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(slots, tables, lens)`` when the declared step is decode only, on the native
+        decode kernel (what ``gpu/fused.py`` takes); None otherwise."""
+        lay = self._layout
+        if lay is None or lay.prefills or lay.dec_tables is None or lay.dec_lens is None:
+            return None
+        return lay.slots, lay.dec_tables, lay.dec_lens
+
     def use_layout(self, layout: _Layout) -> None:
         """Declare the step with a layout built elsewhere (``decode_layout``: a captured
         step's static buffers) instead of ``prepare``."""

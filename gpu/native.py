@@ -3,9 +3,10 @@
 Only what torch cannot do well with its own ops lives here: decode attention read
 straight from the paged KV cache (``gpu/csrc/paged_attention.c``), linear layers at
 one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``), and
-grammar masks applied to logits in place (``gpu/csrc/token_mask.c``), and linear layers
-at decode row counts straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``,
-not wired into the model yet). The
+grammar masks applied to logits in place (``gpu/csrc/token_mask.c``), linear layers
+straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``), and a pure-decode
+step's decoder layers in one call over those (``gpu/csrc/decode_step.c``,
+``gpu/fused.py``). The
 library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
 ``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
@@ -46,6 +47,7 @@ SOURCES = (
     CSRC / "small_linear.c",
     CSRC / "token_mask.c",
     CSRC / "quant_linear.c",
+    CSRC / "decode_step.c",
 )
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 # GGML type code -> bytes per block of 32 weights, for the types ``q_linear`` reads.
@@ -136,6 +138,12 @@ class NativeKernels:
         qd.argtypes = [p, p, i32, i64, i64]
         qd.restype = ctypes.c_int
         self._q_dequantize = qd
+        dl = lib.decode_layers
+        f32 = ctypes.c_float
+        dl.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, i32, i32, f32,
+                       p, p, p, i32, i64, i32, f32, i32]  # fmt: skip
+        dl.restype = ctypes.c_int
+        self.decode_layers = dl  # gpu/fused.py builds its arguments
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N, K / 32 *

@@ -167,8 +167,10 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     on_cpu = _generate(_engine(cpu, "off", blocks=4096, max_running=64), prompts, n)
     for dtype, got in out.items():
         parts = {rid: _first_difference(got[rid], on_cpu[rid]) for rid in sorted(on_cpu)}
-        print(f"cuda {dtype} against the cpu (fp32), token where each prompt parts "
-              f"(None: all {n} agree): {parts}")
+        print(
+            f"cuda {dtype} against the cpu (fp32), token where each prompt parts "
+            f"(None: all {n} agree): {parts}"
+        )
         if dtype == "fp32" or not random_weights:
             early = {rid: at for rid, at in parts.items() if at is not None and at < 16}
             assert not early, (dtype, early)

@@ -1,0 +1,119 @@
+/* A whole decode step's decoder layers in one call, for quantized weights on the CPU.
+ *
+ * A decode step of a 135M model is about 20 small torch ops and 5 kernel calls a layer,
+ * 30 layers: at batch 1 its matmuls take ~6.5 ms and the dispatch around them (op
+ * overhead, ctypes, Python) about as much again. This function runs the same layer
+ * (gpu/model.py, Llama._layer) for every layer with no Python between ops:
+ *
+ *   h = rms_norm(x) * attn_norm;  qkv = h @ Wqkv^T          (q_linear, quant_linear.c)
+ *   q, k = rope(q), rope(k)       (x * cos + roll(x, hd / 2) * sin, sin sign-folded)
+ *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c)
+ *   x += o @ Wo^T
+ *   h = rms_norm(x) * ffn_norm;   g, u = h @ Wgu^T;  x += (silu(g) * u) @ Wdown^T
+ *
+ * Every row is one decoding sequence (one new token). The same kernels compute the
+ * matmuls and the attention as the torch path calls; only the norms, RoPE and SwiGLU
+ * are written here, in fp32, in another summation order than torch's (equal to about
+ * 1e-6 relative before the int8 rounding of the next matmul's input).
+ *
+ *   x [M, hidden] fp32 in/out (the embedded tokens in, the last layer's output out)
+ *   pos [M] int64 positions; cos/sin [ctx, hd] the RoPE tables (gpu/model.py)
+ *   slots [M] int64 cache row of each new token; tables [M, maxnb], lens [M] int32
+ *   layers[n_layers]: weights (GGUF blocks, GGML type codes) and the layer's K/V cache
+ *   [KV, rows, HD]
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
+             int64_t k, int32_t threads);
+int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
+                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                           int32_t maxnb, float scale, int32_t threads);
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    const uint8_t *wqkv, *wo, *wgu, *wdown;
+    int32_t t_qkv, t_o, t_gu, t_down;
+    float *kc, *vc;
+} decode_layer;
+
+static void rms_norm(const float *x, const float *w, float *out, int32_t m, int32_t n,
+                     float eps) {
+    for (int32_t r = 0; r < m; r++) {
+        const float *xr = x + (int64_t)r * n;
+        float *o = out + (int64_t)r * n;
+        float ss = 0.0f;
+        for (int32_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int32_t i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* RoPE in place on `heads` heads of hd at v (rotate-half with the folded sign). */
+static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const float *sin) {
+    float tmp[512];
+    int32_t half = hd / 2;
+    for (int32_t hh = 0; hh < heads; hh++) {
+        float *p = v + (int64_t)hh * hd;
+        memcpy(tmp, p, sizeof(float) * (size_t)hd);
+        for (int32_t i = 0; i < hd; i++) p[i] = tmp[i] * cos[i] + tmp[(i + half) % hd] * sin[i];
+    }
+}
+
+/* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take. */
+int decode_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
+                  const float *sin_tab, const decode_layer *layers, int32_t n_layers,
+                  int32_t hidden, int32_t inter, int32_t h, int32_t kv, int32_t hd, float eps,
+                  const int64_t *slots, const int32_t *tables, const int32_t *lens,
+                  int32_t maxnb, int64_t rows, int32_t bs, float scale, int32_t threads) {
+    if (hd > 512 || hd % 2 || m < 1) return -2;
+    int64_t qkv_w = (int64_t)(h + 2 * kv) * hd, q_w = (int64_t)h * hd;
+    float *hbuf = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
+    float *qkv = malloc(sizeof(float) * (size_t)m * (size_t)qkv_w);
+    float *att = malloc(sizeof(float) * (size_t)m * (size_t)q_w);
+    float *gu = malloc(sizeof(float) * (size_t)m * (size_t)(2 * inter));
+    float *act = malloc(sizeof(float) * (size_t)m * (size_t)inter);
+    float *y = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
+    int rc = 0;
+    if (!hbuf || !qkv || !att || !gu || !act || !y) rc = -1;
+    for (int32_t l = 0; l < n_layers && rc == 0; l++) {
+        const decode_layer *L = layers + l;
+        rms_norm(x, L->attn_norm, hbuf, m, hidden, eps);
+        if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
+        for (int32_t r = 0; r < m; r++) {
+            float *row = qkv + (int64_t)r * qkv_w;
+            const float *c = cos_tab + pos[r] * hd, *s = sin_tab + pos[r] * hd;
+            rope(row, h + kv, hd, c, s);
+            for (int32_t j = 0; j < kv; j++) {
+                int64_t at = ((int64_t)j * rows + slots[r]) * hd;
+                memcpy(L->kc + at, row + q_w + (int64_t)j * hd, sizeof(float) * (size_t)hd);
+                memcpy(L->vc + at, row + q_w + (int64_t)(kv + j) * hd, sizeof(float) * (size_t)hd);
+            }
+        }
+        rc = paged_decode_attention(qkv, qkv_w, L->kc, L->vc, tables, lens, att, m, h, kv, hd,
+                                    rows, bs, maxnb, scale, threads);
+        if (rc) break;
+        if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;
+        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
+        rms_norm(x, L->ffn_norm, hbuf, m, hidden, eps);
+        if ((rc = q_linear(hbuf, L->wgu, gu, L->t_gu, m, 2 * inter, hidden, threads))) break;
+        for (int32_t r = 0; r < m; r++) {
+            const float *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
+            float *a = act + (int64_t)r * inter;
+            for (int32_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        if ((rc = q_linear(act, L->wdown, y, L->t_down, m, hidden, inter, threads))) break;
+        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
+    }
+    free(hbuf);
+    free(qkv);
+    free(att);
+    free(gu);
+    free(act);
+    free(y);
+    return rc;
+}

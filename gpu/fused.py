@@ -1,0 +1,121 @@
+"""A pure-decode step's decoder layers in one native call (``gpu/csrc/decode_step.c``).
+
+With quantized weights on the CPU, a decode step at small batch spent about as long in
+dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its matmuls.
+``FusedDecode`` hands the whole trunk to C: the same q_linear and paged attention
+kernels the torch path calls, with the norms, RoPE, the cache write and SwiGLU between
+them written in C. It applies when every projection is a ``QuantLinear``, the cache is
+fp32 on the CPU with the native decode kernel, and the step is decode only
+(``PagedKVCache.pure_decode``); anything else takes the torch path, unchanged.
+
+The layer table (weight, norm and cache pointers) is built once per (model, cache);
+a step passes its rows, positions and block tables.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor
+
+from gpu.kv_cache import PagedKVCache
+from gpu.native import NativeKernels
+from gpu.quant import QuantLinear
+
+if TYPE_CHECKING:
+    from gpu.model import Llama, LlamaWeights
+
+__all__ = ["FusedDecode"]
+
+_p, _i32 = ctypes.c_void_p, ctypes.c_int32
+
+
+class _Layer(ctypes.Structure):
+    """``decode_layer`` in decode_step.c."""
+
+    _fields_ = [
+        ("attn_norm", _p),
+        ("ffn_norm", _p),
+        ("wqkv", _p),
+        ("wo", _p),
+        ("wgu", _p),
+        ("wdown", _p),
+        ("t_qkv", _i32),
+        ("t_o", _i32),
+        ("t_gu", _i32),
+        ("t_down", _i32),
+        ("kc", _p),
+        ("vc", _p),
+    ]
+
+
+class FusedDecode:
+    """The trunk of a pure-decode step for one model on one cache."""
+
+    def __init__(self, model: Llama, cache: PagedKVCache, kernels: NativeKernels) -> None:
+        c = model.config
+        self.kernels = kernels
+        self.cache_ref = weakref.ref(cache)
+        self.config = c
+        self.rope = (model.rope_cos, model.rope_sin)
+        table = (_Layer * c.n_layers)()
+        for i, layer in enumerate(_layers(model)):
+            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            assert all(isinstance(w, QuantLinear) for w in lins)
+            qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
+            table[i] = _Layer(
+                layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
+                qkv.blocks.data_ptr(), o.blocks.data_ptr(), gu.blocks.data_ptr(),
+                down.blocks.data_ptr(), qkv.qtype, o.qtype, gu.qtype, down.qtype,
+                cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+            )  # fmt: skip
+        self.table = table
+        self.scale = cache.scale
+        self.rows = cache.k.shape[2]
+        self.block_size = cache.block_size
+
+    @staticmethod
+    def applies(model: Llama, cache: object) -> bool:
+        """Whether this model and attention backend can take the fused step at all."""
+        if not isinstance(cache, PagedKVCache) or cache.kernels is None:
+            return False
+        if cache.k.dtype != torch.float32 or model.config.head_dim > 512:
+            return False
+        layers = _layers(model)
+        return all(
+            isinstance(w, QuantLinear)
+            for layer in layers
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ) and all(
+            n.dtype == torch.float32 and n.is_contiguous()
+            for layer in layers
+            for n in (layer.attn_norm, layer.ffn_norm)
+        )
+
+    def __call__(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
+                 lens: Tensor) -> Tensor:  # fmt: skip
+        """The last layer's output ``[D, hidden]`` for embedded rows ``x [D, hidden]``."""
+        c = self.config
+        x = x.to(torch.float32).contiguous()  # a fresh tensor (the embedding's): written in place
+        positions = positions.to(torch.int64).contiguous()
+        slots, tables, lens = slots.contiguous(), tables.contiguous(), lens.contiguous()
+        cos, sin = self.rope
+        rc = self.kernels.decode_layers(
+            x.data_ptr(), x.shape[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            ctypes.addressof(self.table), c.n_layers, c.hidden, c.ffn, c.n_heads,
+            c.n_kv_heads, c.head_dim, c.rms_eps, slots.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), tables.shape[1], self.rows, self.block_size, self.scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("decode_layers: scratch allocation failed")
+        if rc != 0:
+            raise ValueError(f"decode_layers refused the step ({rc})")
+        return x
+
+
+def _layers(model: Llama) -> list[LlamaWeights]:
+    return [cast("LlamaWeights", layer) for layer in model.layers]
