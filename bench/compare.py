@@ -94,7 +94,8 @@ class Contender:
 
     @property
     def target(self) -> Target:
-        return Target(self.proc.host, self.proc.port)
+        # llama-server drops pooled keep-alive connections under load (bench/client.py)
+        return Target(self.proc.host, self.proc.port, keep_alive=self.kind != "llama-server")
 
 
 @dataclass(slots=True)
@@ -487,7 +488,8 @@ def _parser() -> argparse.ArgumentParser:
         help="model mode: after the levels, the TTFT at c=1 of prompts this long that start "
         "with a random nonce (no prefix cache can serve them); 0 skips it",
     )
-    p.add_argument("--ttft-requests", type=int, default=3, help="fresh-prefix prompts per rep")
+    p.add_argument("--ttft-requests", type=int, default=3,
+                   help="fresh-prefix prompts per rep (0: no fresh-prefix TTFT)")  # fmt: skip
     p.add_argument("--ours-cmd", default=OURS_CMD)
     p.add_argument("--ours-frontend-cmd", default=OURS_FRONTEND_CMD)
     p.add_argument("--worker-cmd", default=SCRIPTED_WORKER_CMD)
@@ -524,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             print("nothing to benchmark: no server started", file=sys.stderr)
             return 1
         summary = compare(contenders, args)
-        if model_mode and args.ttft_prompt_len > 0:
+        if model_mode and args.ttft_prompt_len > 0 and args.ttft_requests > 0:
             ttft = fresh_prefix_ttft(contenders, args)
         if model_mode:
             rss = {c.label: server_rss(c) for c in contenders}

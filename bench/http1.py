@@ -49,12 +49,15 @@ class ResponseEnd:
 Event = ResponseHead | BodyChunk | ResponseEnd
 
 
-def encode_request(method: str, path: str, host: str, body: bytes, accept: str) -> bytes:
-    """One request with a JSON body, as a single buffer (one send per request)."""
+def encode_request(method: str, path: str, host: str, body: bytes, accept: str,
+                   close: bool = False) -> bytes:  # fmt: skip
+    """One request with a JSON body, as a single buffer (one send per request);
+    ``close`` asks the server to close the connection after it (RFC 9112 section 9.6)."""
+    connection = "Connection: close\r\n" if close else ""
     head = (
         f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: lifecycle-bench\r\n"
         f"Accept: {accept}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{connection}\r\n"
     )
     return head.encode("ascii") + body
 

@@ -92,9 +92,9 @@ def decode_pair(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]],
     fused, unfused = [], []
     for _ in range(3):
         for flag, got in ((True, fused), (False, unfused)):
-            lm.model.fuse_decode = flag
+            lm.model.fuse_trunk = flag
             got.append(decode_ms(lm, cache, tables, batch))
-    lm.model.fuse_decode = True
+    lm.model.fuse_trunk = True
     return statistics.median(fused), statistics.median(unfused)
 
 

@@ -1,12 +1,14 @@
-"""A pure-decode step's decoder layers in one native call (``gpu/csrc/decode_step.c``).
+"""A step's decoder layers in one native call (``gpu/csrc/fused_trunk.c``).
 
 With quantized weights on the CPU, a decode step at small batch spent about as long in
 dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its matmuls.
-``FusedDecode`` hands the whole trunk to C: the same q_linear and paged attention
-kernels the torch path calls, with the norms, RoPE, the cache write and SwiGLU between
-them written in C. It applies when every projection is a ``QuantLinear``, the cache is
-fp32 on the CPU with the native decode kernel, and the step is decode only
-(``PagedKVCache.pure_decode``); anything else takes the torch path, unchanged.
+``FusedTrunk`` hands the whole trunk to C: the same q_linear and paged attention kernels
+the torch path calls, with the norms, RoPE, the cache write and SwiGLU between them
+written in C. It applies when every projection is a ``QuantLinear``, the cache is fp32
+on the CPU with the native attention kernel, and every row of the step can attend as one
+query (``PagedKVCache.row_queries``: decodes, and prompt chunks up to
+``ROW_QUERY_MAX_CHUNK`` tokens, which is every step of a server under load with the
+default ``--mixed-prefill-tokens``); anything else takes the torch path, unchanged.
 
 The layer table (weight, norm and cache pointers) is built once per (model, cache);
 a step passes its rows, positions and block tables.
@@ -28,13 +30,13 @@ from gpu.quant import QuantLinear
 if TYPE_CHECKING:
     from gpu.model import Llama, LlamaWeights
 
-__all__ = ["FusedDecode"]
+__all__ = ["FusedTrunk"]
 
 _p, _i32 = ctypes.c_void_p, ctypes.c_int32
 
 
 class _Layer(ctypes.Structure):
-    """``decode_layer`` in decode_step.c."""
+    """``trunk_layer`` in fused_trunk.c."""
 
     _fields_ = [
         ("attn_norm", _p),
@@ -52,8 +54,8 @@ class _Layer(ctypes.Structure):
     ]
 
 
-class FusedDecode:
-    """The trunk of a pure-decode step for one model on one cache."""
+class FusedTrunk:
+    """The trunk of a step for one model on one cache."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, kernels: NativeKernels) -> None:
         c = model.config
@@ -97,13 +99,13 @@ class FusedDecode:
 
     def __call__(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
                  lens: Tensor) -> Tensor:  # fmt: skip
-        """The last layer's output ``[D, hidden]`` for embedded rows ``x [D, hidden]``."""
+        """The last layer's output ``[T, hidden]`` for embedded rows ``x [T, hidden]``."""
         c = self.config
         x = x.to(torch.float32).contiguous()  # a fresh tensor (the embedding's): written in place
         positions = positions.to(torch.int64).contiguous()
         slots, tables, lens = slots.contiguous(), tables.contiguous(), lens.contiguous()
         cos, sin = self.rope
-        rc = self.kernels.decode_layers(
+        rc = self.kernels.trunk_layers(
             x.data_ptr(), x.shape[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             ctypes.addressof(self.table), c.n_layers, c.hidden, c.ffn, c.n_heads,
             c.n_kv_heads, c.head_dim, c.rms_eps, slots.data_ptr(), tables.data_ptr(),
@@ -111,9 +113,9 @@ class FusedDecode:
             torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
-            raise MemoryError("decode_layers: scratch allocation failed")
+            raise MemoryError("trunk_layers: scratch allocation failed")
         if rc != 0:
-            raise ValueError(f"decode_layers refused the step ({rc})")
+            raise ValueError(f"trunk_layers refused the step ({rc})")
         return x
 
 

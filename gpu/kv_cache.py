@@ -54,6 +54,16 @@ class _Layout:
     dec_tables: Tensor | None  # native kernel: int32 [D, nb] block tables (padded)
     dec_lens: Tensor | None  # native kernel: int32 [D] keys per sequence
     prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
+    # Every row as one query over its own keys (int32 tables [T, nb], lens [T]): what the
+    # native kernel reads for a step gpu/fused.py runs whole; None when it does not apply.
+    row_queries: tuple[Tensor, Tensor] | None = None
+
+
+# Prompt chunks up to this many tokens may run as rows of one-query attention (each row
+# reads its keys from the cache, after the step's K/V are written) in a step the native
+# trunk runs whole (gpu/fused.py): the cost grows with the square of the chunk, where
+# one causal SDPA call over a long prompt stays a few GEMMs.
+ROW_QUERY_MAX_CHUNK = 64
 
 
 def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor) -> _Layout:
@@ -169,15 +179,34 @@ class PagedKVCache:
             dec_tables,
             dec_lens,
             tuple(pre),
+            self._row_queries(decodes, prefills) if self.kernels is not None else None,
         )
 
-    def pure_decode(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(slots, tables, lens)`` when the declared step is decode only, on the native
-        decode kernel (what ``gpu/fused.py`` takes); None otherwise."""
-        lay = self._layout
-        if lay is None or lay.prefills or lay.dec_tables is None or lay.dec_lens is None:
+    def _row_queries(
+        self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
+    ) -> tuple[Tensor, Tensor] | None:
+        """Each row's table and key count: a decode reads its context, a prompt token the
+        positions up to its own. None when a chunk is over ``ROW_QUERY_MAX_CHUNK``."""
+        if any(c.n > ROW_QUERY_MAX_CHUNK for c in prefills):
             return None
-        return lay.slots, lay.dec_tables, lay.dec_lens
+        rows = [(t, ctx) for t, ctx in decodes]
+        for c in prefills:
+            rows += [(c.block_table, c.start + i + 1) for i in range(c.n)]
+        if not rows:
+            return None
+        nb = -(-max(n for _, n in rows) // self.block_size)
+        tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in rows]
+        lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+        return torch.tensor(tables, dtype=torch.int32), lens
+
+    def row_queries(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(slots, tables, lens)`` of the declared step when the native kernel can attend
+        every row as one query (decodes, and prompt chunks up to ``ROW_QUERY_MAX_CHUNK``
+        tokens): what ``gpu/fused.py`` takes; None otherwise."""
+        lay = self._layout
+        if lay is None or lay.row_queries is None:
+            return None
+        return lay.slots, *lay.row_queries
 
     def use_layout(self, layout: _Layout) -> None:
         """Declare the step with a layout built elsewhere (``decode_layout``: a captured

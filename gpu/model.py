@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.fused import FusedDecode
+from gpu.fused import FusedTrunk
 from gpu.kv_cache import PagedKVCache
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 from gpu.quant import QuantLinear, QuantWeight
@@ -213,10 +213,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
-        # Pure-decode steps through one native call when the weights allow it
+        # Steps through one native call when the weights and the step allow it
         # (gpu/fused.py); False keeps every step on the torch path (benchmarks, tests).
-        self.fuse_decode = True
-        self._fused: FusedDecode | None = None
+        self.fuse_trunk = True
+        self._fused: FusedTrunk | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds for its weights, each storage counted once:
@@ -275,8 +275,8 @@ class Llama(nn.Module):
         else:
             x = F.embedding(input_ids, self.embed)
         fused = self._fused_for(attn)
-        if fused is not None and (decode := cast(PagedKVCache, attn).pure_decode()) is not None:
-            return fused(x, positions, *decode)
+        if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
+            return fused(x, positions, *rows)
         # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
@@ -284,17 +284,17 @@ class Llama(nn.Module):
             x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
         return x
 
-    def _fused_for(self, attn: AttentionBackend) -> FusedDecode | None:
+    def _fused_for(self, attn: AttentionBackend) -> FusedTrunk | None:
         """The fused decode trunk for this cache, made on first use; None when it does not
         apply (fp32 or CUDA weights, another backend, no kernels, turned off)."""
-        if not self.fuse_decode or not self.quantized():
+        if not self.fuse_trunk or not self.quantized():
             return None
         f = self._fused
         if f is not None and f.cache_ref() is attn:
             return f
-        if not FusedDecode.applies(self, attn):
+        if not FusedTrunk.applies(self, attn):
             return None
-        self._fused = FusedDecode(self, cast(PagedKVCache, attn), _kernels())
+        self._fused = FusedTrunk(self, cast(PagedKVCache, attn), _kernels())
         return self._fused
 
     def final_norm(self, x: Tensor) -> Tensor:

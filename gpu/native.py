@@ -4,9 +4,8 @@ Only what torch cannot do well with its own ops lives here: decode attention rea
 straight from the paged KV cache (``gpu/csrc/paged_attention.c``), linear layers at
 one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``), and
 grammar masks applied to logits in place (``gpu/csrc/token_mask.c``), linear layers
-straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``), and a pure-decode
-step's decoder layers in one call over those (``gpu/csrc/decode_step.c``,
-``gpu/fused.py``). The
+straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``), and a step's
+decoder layers in one call over those (``gpu/csrc/fused_trunk.c``, ``gpu/fused.py``). The
 library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
 ``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
@@ -47,7 +46,7 @@ SOURCES = (
     CSRC / "small_linear.c",
     CSRC / "token_mask.c",
     CSRC / "quant_linear.c",
-    CSRC / "decode_step.c",
+    CSRC / "fused_trunk.c",
 )
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 # GGML type code -> bytes per block of 32 weights, for the types ``q_linear`` reads.
@@ -80,7 +79,10 @@ def kernel_cache_dir() -> Path:
 
 def _cpu_flags() -> tuple[str, ...]:
     """-mavx2 -mfma where /proc/cpuinfo lists both (x86 Linux), plus -mf16c where it lists
-    that too (quant_linear.c's fp16 scales), else the compiler's default."""
+    that too (quant_linear.c's fp16 scales) and then -mavx512f where it lists that
+    (quant_linear.c's 16-wide panel kernel), else the compiler's default.
+    ``LIFECYCLE_NATIVE_AVX512=0`` leaves AVX-512 out (to compare, or on a CPU whose
+    flag is listed but slow)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -90,7 +92,11 @@ def _cpu_flags() -> tuple[str, ...]:
             flags = set(line.split(":", 1)[1].split())
             if not {"avx2", "fma"} <= flags:
                 return ()
-            return ("-mavx2", "-mfma", "-mf16c") if "f16c" in flags else ("-mavx2", "-mfma")
+            if not {"f16c"} <= flags:
+                return ("-mavx2", "-mfma")
+            if "avx512f" in flags and os.environ.get("LIFECYCLE_NATIVE_AVX512", "1") != "0":
+                return ("-mavx2", "-mfma", "-mf16c", "-mavx512f")
+            return ("-mavx2", "-mfma", "-mf16c")
     return ()
 
 
@@ -138,12 +144,12 @@ class NativeKernels:
         qd.argtypes = [p, p, i32, i64, i64]
         qd.restype = ctypes.c_int
         self._q_dequantize = qd
-        dl = lib.decode_layers
+        dl = lib.trunk_layers
         f32 = ctypes.c_float
         dl.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, i32, i32, f32,
                        p, p, p, i32, i64, i32, f32, i32]  # fmt: skip
         dl.restype = ctypes.c_int
-        self.decode_layers = dl  # gpu/fused.py builds its arguments
+        self.trunk_layers = dl  # gpu/fused.py builds its arguments
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N, K / 32 *

@@ -31,12 +31,8 @@ class SchedulerConfig:
     max_running: int = 64
     step_tokens: int = 512
     # While any sequence is decoding, prompt tokens (new prefills and later chunks) per
-    # step stop at this. A 512-token chunk makes its step ~1 s on a 2-core CPU, a gap
-    # every decoding request sees; a small cap trades that for slower admission. Measured
-    # with 64-token prompts and outputs, 128 vs no cap: at 32 streams ITL p99 246-297 vs
-    # 737 ms for 175-188 vs 196 tok/s; at 16 streams 146 vs 210 tok/s and TTFT p50 1.1
-    # vs 0.5 s. Hence no cap by default (the step budget); a latency-minded deployment
-    # sets it (worker --mixed-prefill-tokens).
+    # step stop at this: a chunk shares its step with every decode. The worker's default
+    # depends on the device (gpu/worker_config.py, CPU_MIXED_PREFILL_TOKENS).
     mixed_prefill_tokens: int = 512
 
 

@@ -4,6 +4,7 @@ into weights, KV and the rest (the log line, STATS' ``memory``, ``/server_info``
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu.memory import MemoryFootprint, kv_bytes_per_token
 from gpu.worker_config import (
@@ -42,6 +43,8 @@ def test_the_worker_takes_one_kv_size_and_a_positive_one(
         (["--kv-cache-tokens", "64", "--kv-memory-mib", "64"], "not both"),
         (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
         (["--kv-memory-mib", "-1"], "--kv-memory-mib must be at least 1"),
+        (["--step-tokens", "0"], "--step-tokens must be at least 1"),
+        (["--mixed-prefill-tokens", "0"], "--mixed-prefill-tokens must be at least 1"),
     ):
         with pytest.raises(SystemExit):
             parse_config(argv)
@@ -109,3 +112,15 @@ def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
     m2 = again["internal_states"][0]["memory"]
     assert (m2["weights_bytes"], m2["kv_bytes"]) == (m["weights_bytes"], m["kv_bytes"])
     assert m2["weights_bytes"] + m2["kv_bytes"] + m2["other_bytes"] == m2["rss_bytes"]
+
+
+def test_the_mixed_prefill_cap_defaults_by_device() -> None:
+    """32 prompt tokens a mixed step on the CPU (ITL at 32 streams), the step budget on
+    CUDA; a given value wins on both."""
+    from gpu.worker_config import CPU_MIXED_PREFILL_TOKENS, mixed_prefill_tokens
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert mixed_prefill_tokens(WorkerConfig(), cpu) == CPU_MIXED_PREFILL_TOKENS == 32
+    assert mixed_prefill_tokens(WorkerConfig(step_tokens=256), cuda) == 256
+    for dev in (cpu, cuda):
+        assert mixed_prefill_tokens(WorkerConfig(mixed_prefill_tokens=100), dev) == 100

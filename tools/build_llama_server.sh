@@ -13,6 +13,13 @@
 #   LIFECYCLE_PEER_CACHE   the cache folder (default ${XDG_CACHE_HOME:-$HOME/.cache}/lifecycle/llama-server)
 #   PYTHON                 the python whose pip downloads the sdist (default .venv/bin/python)
 #   JOBS                   parallel compile jobs (default 2)
+#   LLAMA_CPU_FLAGS        ggml's CPU flags (default -DGGML_NATIVE=ON; see below)
+#
+# A native build can compile instructions the CPU lists but the VM does not run: on a
+# Xeon guest listing AMX and AVX-512 (2026-12-04) llama-server died at its warm-up
+# decode (SIGILL with 1 thread, SIGSEGV with 2). So the build is tried once on the
+# bundled model (start, /health 200, stop); if it fails, it is rebuilt with the
+# instruction set this project's own kernels use (AVX2, FMA, F16C: PORTABLE_FLAGS).
 set -euo pipefail
 
 VERSION=0.3.36
@@ -48,14 +55,47 @@ rm -rf "$SRC/.git"
 # LLAMA_USE_PREBUILT_UI=OFF: otherwise the build downloads the web UI (no network here).
 # CMAKE_BUILD_RPATH_USE_ORIGIN: the binary finds libllama/libggml beside it ($ORIGIN), not
 # at the temporary path, so the tree still works once moved into place.
-(
-    cd "$SRC"
-    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-        -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
-    cmake --build build --target llama-server -j"$JOBS"
-)
-"$SRC/build/bin/llama-server" --version
+PORTABLE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+build() { # $1: ggml's CPU flags
+    rm -rf "$SRC/build"
+    (
+        cd "$SRC"
+        # shellcheck disable=SC2086 # the flags are several words
+        cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF $1 \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+            -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON
+        cmake --build build --target llama-server -j"$JOBS"
+    )
+    "$SRC/build/bin/llama-server" --version
+}
+# Serve the bundled model once: 0 when /health answered 200, 1 when the server died.
+smoke() {
+    local model port=18383 pid ok=1
+    model="$("$PYTHON" -c 'from modelfile.gguf_file import default_model_path; print(default_model_path())')"
+    "$SRC/build/bin/llama-server" -m "$model" --threads 2 --ctx-size 2048 --host 127.0.0.1 \
+        --port "$port" >"$TMP/smoke.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 120); do
+        if ! kill -0 "$pid" 2>/dev/null; then break; fi
+        if curl -fs "http://127.0.0.1:$port/health" >/dev/null 2>&1; then ok=0; break; fi
+        sleep 0.5
+    done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    return "$ok"
+}
+FLAGS="${LLAMA_CPU_FLAGS:--DGGML_NATIVE=ON}"
+build "$FLAGS"
+if ! smoke; then
+    echo "llama-server built with '$FLAGS' did not serve the model here:" >&2
+    tail -3 "$TMP/smoke.log" >&2
+    if [ "$FLAGS" = "$PORTABLE_FLAGS" ]; then exit 1; fi
+    echo "rebuilding with $PORTABLE_FLAGS" >&2
+    FLAGS="$PORTABLE_FLAGS"
+    build "$FLAGS"
+    smoke || { echo "the portable build does not serve either" >&2; exit 1; }
+fi
+echo "$FLAGS" >"$SRC/build/lifecycle-cpu-flags.txt"
 
 # Into place: the source with its build tree becomes <cache>/llama.cpp, then the link.
 rm -rf "$CACHE/llama.cpp"

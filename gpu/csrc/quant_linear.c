@@ -295,16 +295,26 @@ static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nr
 
 /* Prefill and batched decode: arithmetic, not bytes, is the cost (maddubs + madd run at
  * about an fp32 FMA's rate per weight on AVX2, plus their scale work). So each thread
- * dequantizes PANEL = 16 output rows at a time and transposes them into an fp32 panel
- * [K][16] (L2-resident), and multiplies rows of x by it the way BLAS kernels do: MR = 6
- * rows of x against the panel's 16 columns in 12 accumulators, per k two panel loads,
- * six broadcasts of x and twelve FMAs, no horizontal sums. K goes in slices of KC so a
- * slice of the panel (KC x 16 x 4 bytes: 16 KiB) stays in L1 while every row of x
+ * dequantizes PANEL = 16 output rows at a time (32 with AVX-512) and transposes them
+ * into an fp32 panel [K][PANEL] (L2-resident), and multiplies rows of x by it the way
+ * BLAS kernels do: on AVX2 MR = 6 rows of x against the panel's 16 columns in 12
+ * accumulators, per k two panel loads, six broadcasts of x and twelve FMAs, no
+ * horizontal sums. K goes in slices of KC so a slice of the panel (KC x PANEL x 4
+ * bytes: 16-32 KiB) stays in L1 while every row of x
  * passes it; y accumulates across slices. The weights stream from memory once per call.
  * x is first rounded to the same int8 grid as the decode path's (each value replaced by
  * d * q of its block), so both paths compute one function up to fp32 summation order:
  * a token's logits do not depend on how many rows its step had. */
-enum { PANEL = 16, KC = 256, MR = 6 };
+#if defined(QL_AVX2) && defined(__AVX512F__)
+/* With AVX-512 the panel is 32 wide, two registers a k: MR = 12 rows of x each take two
+ * FMAs a k (the broadcast of x folds into them), 24 accumulators in registers; per k two
+ * panel loads and 12 broadcasts feed 24 FMAs, where a 16-wide panel left the loads the
+ * limit. Each y element still sums its k in the same order as the AVX2 kernel. */
+#define QL_AVX512 1
+enum { PANEL = 32, MR = 12, KC = 128 }; /* a K slice of the panel: 16 KiB */
+#else
+enum { PANEL = 16, MR = 6, KC = 256 }; /* 16 KiB */
+#endif
 
 #ifdef QL_AVX2
 /* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block. */
@@ -357,10 +367,45 @@ KERN(kern6, ROWK(0) ROWK(1) ROWK(2) ROWK(3) ROWK(4) ROWK(5),
      STEPK(0) STEPK(1) STEPK(2) STEPK(3) STEPK(4) STEPK(5),
      STOREK(0) STOREK(1) STOREK(2) STOREK(3) STOREK(4) STOREK(5))
 
+#ifdef QL_AVX512
+/* y[r, 0:32] (+)= x[r, 0:len] @ pt[0:len, 0:32] for r < R (a constant after inlining). */
+static inline __attribute__((always_inline)) void kern512(const float *x, int64_t ldx,
+                                                          const float *pt, int64_t len, float *y,
+                                                          int64_t ldy, int add, int R) {
+    __m512 a[MR], c[MR];
+    for (int r = 0; r < R; r++) {
+        a[r] = add ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
+        c[r] = add ? _mm512_loadu_ps(y + r * ldy + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < len; i++) {
+        __m512 b0 = _mm512_load_ps(pt + i * PANEL), b1 = _mm512_load_ps(pt + i * PANEL + 16);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+            a[r] = _mm512_fmadd_ps(xb, b0, a[r]);
+            c[r] = _mm512_fmadd_ps(xb, b1, c[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, a[r]);
+        _mm512_storeu_ps(y + r * ldy + 16, c[r]);
+    }
+}
+#define K512(n) \
+    static void kz##n(const float *x, int64_t ldx, const float *pt, int64_t len, float *y, \
+                      int64_t ldy, int add) { kern512(x, ldx, pt, len, y, ldy, add, n); }
+K512(1) K512(2) K512(3) K512(4) K512(5) K512(6) K512(7) K512(8) K512(9) K512(10) K512(11) K512(12)
+#endif
+
 static void kern_any(const float *x, int64_t ldx, const float *pt, int64_t len, int mr, float *y,
                      int64_t ldy, int add) {
+#ifdef QL_AVX512
+    static void (*const kerns[MR])(const float *, int64_t, const float *, int64_t, float *,
+                                   int64_t, int) = {kz1, kz2, kz3, kz4, kz5, kz6,
+                                                    kz7, kz8, kz9, kz10, kz11, kz12};
+#else
     static void (*const kerns[MR])(const float *, int64_t, const float *, int64_t, float *,
                                    int64_t, int) = {kern1, kern2, kern3, kern4, kern5, kern6};
+#endif
     kerns[mr - 1](x, ldx, pt, len, y, ldy, add);
 }
 #else
@@ -413,10 +458,9 @@ static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtyp
             int64_t j0 = t * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
             dequant_rows(w + j0 * row_bytes, rows, qtype, cols, nb);
             if (cols < PANEL) memset(rows + cols * k, 0, (size_t)((PANEL - cols) * k) * sizeof(float));
-            for (int64_t i = 0; i < k; i += 8) {
-                transpose8(rows + i, k, panel + i * PANEL, PANEL);
-                transpose8(rows + 8 * k + i, k, panel + i * PANEL + 8, PANEL);
-            }
+            for (int64_t i = 0; i < k; i += 8)
+                for (int g = 0; g < PANEL; g += 8)
+                    transpose8(rows + g * k + i, k, panel + i * PANEL + g, PANEL);
             float *out = cols == PANEL ? y + j0 : edge;
             int64_t ldy = cols == PANEL ? n : PANEL;
             for (int64_t k0 = 0; k0 < k; k0 += KC) {

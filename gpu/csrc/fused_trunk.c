@@ -1,7 +1,7 @@
-/* A whole decode step's decoder layers in one call, for quantized weights on the CPU.
+/* A step's decoder layers in one call, for quantized weights on the CPU.
  *
  * A decode step of a 135M model is about 20 small torch ops and 5 kernel calls a layer,
- * 30 layers: at batch 1 its matmuls take ~6.5 ms and the dispatch around them (op
+ * 30 layers: at batch 1 its matmuls take ~4-6 ms and the dispatch around them (op
  * overhead, ctypes, Python) about as much again. This function runs the same layer
  * (gpu/model.py, Llama._layer) for every layer with no Python between ops:
  *
@@ -11,7 +11,10 @@
  *   x += o @ Wo^T
  *   h = rms_norm(x) * ffn_norm;   g, u = h @ Wgu^T;  x += (silu(g) * u) @ Wdown^T
  *
- * Every row is one decoding sequence (one new token). The same kernels compute the
+ * Every row is one query: a decoding sequence's new token, or one token of a short
+ * prompt chunk. Each row has its own block table and key count (a prompt token's is
+ * its position + 1), and every row's K/V is written before any row attends, so a chunk
+ * attends causally to itself and to its cached prefix. The same kernels compute the
  * matmuls and the attention as the torch path calls; only the norms, RoPE and SwiGLU
  * are written here, in fp32, in another summation order than torch's (equal to about
  * 1e-6 relative before the int8 rounding of the next matmul's input).
@@ -39,7 +42,7 @@ typedef struct {
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
     float *kc, *vc;
-} decode_layer;
+} trunk_layer;
 
 static void rms_norm(const float *x, const float *w, float *out, int32_t m, int32_t n,
                      float eps) {
@@ -65,8 +68,8 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
 }
 
 /* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take. */
-int decode_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
-                  const float *sin_tab, const decode_layer *layers, int32_t n_layers,
+int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
+                  const float *sin_tab, const trunk_layer *layers, int32_t n_layers,
                   int32_t hidden, int32_t inter, int32_t h, int32_t kv, int32_t hd, float eps,
                   const int64_t *slots, const int32_t *tables, const int32_t *lens,
                   int32_t maxnb, int64_t rows, int32_t bs, float scale, int32_t threads) {
@@ -81,7 +84,7 @@ int decode_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
     int rc = 0;
     if (!hbuf || !qkv || !att || !gu || !act || !y) rc = -1;
     for (int32_t l = 0; l < n_layers && rc == 0; l++) {
-        const decode_layer *L = layers + l;
+        const trunk_layer *L = layers + l;
         rms_norm(x, L->attn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
