@@ -16,8 +16,10 @@
 #            against the copy-bandwidth floor; prefill of 512 tokens
 #   serve    tools/gpu_serving.py: lifecycle serve under load at concurrency 1, 32, 256
 #            (64 tokens in, 64 forced out), with the frontend's CPU per output token
+#   profile  bench/engine_profile.py: the engine's decode step at batch 256, wall time
+#            and where the host's share goes (cProfile)
 # Output: $OUT/log.txt (everything), env.txt, pytest.txt, gpu_step.json, serving.json,
-# server.log. $OUT is the device tool's folder there, /tmp/gpu_check_out elsewhere.
+# server.log, engine_profile.json. $OUT is the device tool's folder there, /tmp/gpu_check_out elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +59,7 @@ if ((DRY)); then
     STEP_ARGS=(--device cpu --runs 3)
     SERVE_ARGS=(--device cpu --levels 1 4 --num-requests 4 --max-running 8
         --kv-cache-tokens 8192)
+    PROFILE_ARGS=(--device cpu --batch 16 --steps 5)
     # The CPU tests of test_graphs.py are the suite's; here only the CUDA one (skipped).
     TESTS=(tests/test_graphs.py::test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu
         tests/test_gpu_kit.py)
@@ -66,6 +69,7 @@ else
     MODEL_ARGS=()
     STEP_ARGS=(--device cuda)
     SERVE_ARGS=(--device cuda --levels 1 32 256)
+    PROFILE_ARGS=(--device cuda --batch 256 --steps 20)
     TESTS=(tests/test_graphs.py tests/test_gpu_kit.py)
 fi
 
@@ -212,6 +216,8 @@ main() {
     phase serve 240 - "$PY" tools/gpu_serving.py --model "$MODEL" "${SERVE_ARGS[@]}" \
         --json "$OUT/serving.json" --server-log "$OUT/server.log" --pid-file "$SERVER_PID_FILE"
     stop_leftover_server
+    phase profile 90 - "$PY" bench/engine_profile.py --model "$MODEL" "${PROFILE_ARGS[@]}" \
+        --json "$OUT/engine_profile.json"
     if ((DRY)); then
         skip "CUDA graphs, CUDA events, nvidia-smi" "no GPU here: the step and serve phases ran on the CPU"
     fi
