@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -26,13 +27,28 @@ from torch import Tensor
 from gpu.kv_cache import PagedKVCache
 from gpu.native import NativeKernels
 from gpu.quant import QuantLinear
-
-if TYPE_CHECKING:
-    from gpu.model import Llama, LlamaWeights
+from modelfile.config import ModelConfig
 
 __all__ = ["FusedTrunk"]
 
 _p, _i32 = ctypes.c_void_p, ctypes.c_int32
+
+
+class LayerWeights(Protocol):
+    """What the trunk reads of one decoder layer (``gpu.model.LlamaWeights``)."""
+
+    @property
+    def attn_norm(self) -> Tensor: ...
+    @property
+    def ffn_norm(self) -> Tensor: ...
+    @property
+    def qkv(self) -> Any: ...
+    @property
+    def o(self) -> Any: ...
+    @property
+    def gate_up(self) -> Any: ...
+    @property
+    def down(self) -> Any: ...
 
 
 class _Layer(ctypes.Structure):
@@ -57,14 +73,15 @@ class _Layer(ctypes.Structure):
 class FusedTrunk:
     """The trunk of a step for one model on one cache."""
 
-    def __init__(self, model: Llama, cache: PagedKVCache, kernels: NativeKernels) -> None:
-        c = model.config
+    def __init__(self, config: ModelConfig, layers: Sequence[LayerWeights], rope: tuple[Tensor, Tensor],
+                 cache: PagedKVCache, kernels: NativeKernels) -> None:  # fmt: skip
+        c = config
         self.kernels = kernels
         self.cache_ref = weakref.ref(cache)
         self.config = c
-        self.rope = (model.rope_cos, model.rope_sin)
+        self.rope = rope  # cos, sin [context, head_dim] fp32
         table = (_Layer * c.n_layers)()
-        for i, layer in enumerate(_layers(model)):
+        for i, layer in enumerate(layers):
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
             assert all(isinstance(w, QuantLinear) for w in lins)
             qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
@@ -80,13 +97,12 @@ class FusedTrunk:
         self.block_size = cache.block_size
 
     @staticmethod
-    def applies(model: Llama, cache: object) -> bool:
-        """Whether this model and attention backend can take the fused step at all."""
+    def applies(config: ModelConfig, layers: Sequence[LayerWeights], cache: object) -> bool:
+        """Whether these layers and attention backend can take the fused step at all."""
         if not isinstance(cache, PagedKVCache) or cache.kernels is None:
             return False
-        if cache.k.dtype != torch.float32 or model.config.head_dim > 512:
+        if cache.k.dtype != torch.float32 or config.head_dim > 512:
             return False
-        layers = _layers(model)
         return all(
             isinstance(w, QuantLinear)
             for layer in layers
@@ -117,7 +133,3 @@ class FusedTrunk:
         if rc != 0:
             raise ValueError(f"trunk_layers refused the step ({rc})")
         return x
-
-
-def _layers(model: Llama) -> list[LlamaWeights]:
-    return [cast("LlamaWeights", layer) for layer in model.layers]

@@ -292,9 +292,11 @@ class Llama(nn.Module):
         f = self._fused
         if f is not None and f.cache_ref() is attn:
             return f
-        if not FusedTrunk.applies(self, attn):
+        layers = [cast(LlamaWeights, layer) for layer in self.layers]
+        if not FusedTrunk.applies(self.config, layers, attn):
             return None
-        self._fused = FusedTrunk(self, cast(PagedKVCache, attn), _kernels())
+        rope = (self.rope_cos, self.rope_sin)
+        self._fused = FusedTrunk(self.config, layers, rope, cast(PagedKVCache, attn), _kernels())
         return self._fused
 
     def final_norm(self, x: Tensor) -> Tensor:
