@@ -8,8 +8,8 @@ matmul shapes timed bare (the model's projections and LM head at those row count
 the gap between the model and its matmul floor is visible; then the two modes' ratios.
 With quantized weights the decode step is timed twice, alternating: through the fused
 native trunk (``gpu/fused.py``, what the worker runs) and through the torch path
-(``unfused``), the baseline it replaced. The steal share of each mode's run is printed (above 10 %: not comparable). Runs in
-about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
+(``unfused``), the baseline it replaced. The steal share of each mode's run is printed
+(above 10 %: not comparable). Runs in about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
 quantized,fp32]``.
 """
 

@@ -132,14 +132,18 @@ class PagedKVCache:
             slots.extend(self._slots(table, ctx - 1, ctx))
         dec_rows = dec_bias = dec_tables = dec_lens = None
         dec_len = 0
-        if decodes:
+        row_queries = None
+        if self.kernels is not None:
+            # The native kernel reads each row's table and key count, decodes first: the
+            # decodes' share of the step's row queries, or their own beside a long chunk.
+            row_queries = self._row_queries(decodes, prefills)
+            dec = row_queries if row_queries is not None else self._row_queries(decodes, [])
+            if decodes and dec is not None:
+                dec_tables, dec_lens = dec[0][: len(decodes)], dec[1][: len(decodes)]
+        elif decodes:
             # Each table cut or padded (with block 0) to the longest context's blocks.
             nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
             tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
-        if decodes and self.kernels is not None:
-            dec_tables = torch.tensor(tables, dtype=torch.int32)
-            dec_lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int32)
-        elif decodes:
             # Keys are whole blocks (L a multiple of block_size): the gather is then
             # already contiguous for bmm, where a sliced view measured 4x slower. The
             # bias masks every key past a context, padding blocks included.
@@ -179,7 +183,7 @@ class PagedKVCache:
             dec_tables,
             dec_lens,
             tuple(pre),
-            self._row_queries(decodes, prefills) if self.kernels is not None else None,
+            row_queries,
         )
 
     def _row_queries(

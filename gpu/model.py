@@ -287,11 +287,13 @@ class Llama(nn.Module):
     def _fused_for(self, attn: AttentionBackend) -> FusedTrunk | None:
         """The fused decode trunk for this cache, made on first use; None when it does not
         apply (fp32 or CUDA weights, another backend, no kernels, turned off)."""
-        if not self.fuse_trunk or not self.quantized():
+        if not self.fuse_trunk:
             return None
         f = self._fused
-        if f is not None and f.cache_ref() is attn:
+        if f is not None and f.cache_ref() is attn:  # every step of a served model
             return f
+        if not self.quantized():
+            return None
         layers = [cast(LlamaWeights, layer) for layer in self.layers]
         if not FusedTrunk.applies(self.config, layers, attn):
             return None
