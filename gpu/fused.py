@@ -5,10 +5,10 @@ dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its mat
 ``FusedTrunk`` hands the whole trunk to C: the same q_linear and paged attention kernels
 the torch path calls, with the norms, RoPE, the cache write and SwiGLU between them
 written in C. It applies when every projection is a ``QuantLinear``, the cache is fp32
-on the CPU with the native attention kernel, and every row of the step can attend as one
-query (``PagedKVCache.row_queries``: decodes, and prompt chunks up to
-``ROW_QUERY_MAX_CHUNK`` tokens, which is every step of a server under load with the
-default ``--mixed-prefill-tokens``); anything else takes the torch path, unchanged.
+on the CPU with the native attention kernel; every row of the step then attends as one
+query (``PagedKVCache.row_queries``: decodes and prompt tokens alike, so a token's result
+does not depend on what else its step holds, how its prompt was chunked or what the
+prefix cache held: docs/determinism.md). Anything else takes the torch path, unchanged.
 
 The layer table (weight, norm and cache pointers) is built once per (model, cache);
 a step passes its rows, positions and block tables.

@@ -55,15 +55,11 @@ class _Layout:
     dec_lens: Tensor | None  # native kernel: int32 [D] keys per sequence
     prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
     # Every row as one query over its own keys (int32 tables [T, nb], lens [T]): what the
-    # native kernel reads for a step gpu/fused.py runs whole; None when it does not apply.
+    # native kernel reads for a step gpu/fused.py runs whole, prompt chunks of any length
+    # included (each prompt token then attends exactly as it would decoding: a token's
+    # result does not depend on how its prompt was chunked or cached); None without the
+    # native kernels.
     row_queries: tuple[Tensor, Tensor] | None = None
-
-
-# Prompt chunks up to this many tokens may run as rows of one-query attention (each row
-# reads its keys from the cache, after the step's K/V are written) in a step the native
-# trunk runs whole (gpu/fused.py): the cost grows with the square of the chunk, where
-# one causal SDPA call over a long prompt stays a few GEMMs.
-ROW_QUERY_MAX_CHUNK = 64
 
 
 def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor) -> _Layout:
@@ -190,23 +186,30 @@ class PagedKVCache:
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
     ) -> tuple[Tensor, Tensor] | None:
         """Each row's table and key count: a decode reads its context, a prompt token the
-        positions up to its own. None when a chunk is over ``ROW_QUERY_MAX_CHUNK``."""
-        if any(c.n > ROW_QUERY_MAX_CHUNK for c in prefills):
+        positions up to its own. A chunk's rows share one table (an expanded view, copied
+        once by the concatenation)."""
+        keys = [ctx for _, ctx in decodes] + [c.start + c.n for c in prefills]
+        if not keys:
             return None
-        rows = [(t, ctx) for t, ctx in decodes]
+        nb = -(-max(keys) // self.block_size)
+
+        def padded(t: Sequence[int]) -> list[int]:
+            return [*t[:nb], *[0] * (nb - len(t[:nb]))]
+
+        tables: list[Tensor] = []
+        lens: list[Tensor] = []
+        if decodes:
+            tables.append(torch.tensor([padded(t) for t, _ in decodes], dtype=torch.int32))
+            lens.append(torch.tensor([ctx for _, ctx in decodes], dtype=torch.int32))
         for c in prefills:
-            rows += [(c.block_table, c.start + i + 1) for i in range(c.n)]
-        if not rows:
-            return None
-        nb = -(-max(n for _, n in rows) // self.block_size)
-        tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in rows]
-        lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
-        return torch.tensor(tables, dtype=torch.int32), lens
+            tables.append(torch.tensor(padded(c.block_table), dtype=torch.int32).expand(c.n, nb))
+            lens.append(torch.arange(c.start + 1, c.start + c.n + 1, dtype=torch.int32))
+        return torch.cat(tables), torch.cat(lens)
 
     def row_queries(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(slots, tables, lens)`` of the declared step when the native kernel can attend
-        every row as one query (decodes, and prompt chunks up to ``ROW_QUERY_MAX_CHUNK``
-        tokens): what ``gpu/fused.py`` takes; None otherwise."""
+        every row as one query (decodes and prompt tokens alike): what ``gpu/fused.py``
+        takes; None without the native kernels."""
         lay = self._layout
         if lay is None or lay.row_queries is None:
             return None

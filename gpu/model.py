@@ -217,6 +217,7 @@ class Llama(nn.Module):
         # (gpu/fused.py); False keeps every step on the torch path (benchmarks, tests).
         self.fuse_trunk = True
         self._fused: FusedTrunk | None = None
+        self._quantized: bool | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds for its weights, each storage counted once:
@@ -244,7 +245,9 @@ class Llama(nn.Module):
 
     def quantized(self) -> bool:
         """Whether any weight is kept as quantized blocks."""
-        return any(isinstance(lin, QuantLinear) for lin in self.linears())
+        if self._quantized is None:
+            self._quantized = any(isinstance(lin, QuantLinear) for lin in self.linears())
+        return self._quantized
 
     def linears(self) -> list[Linear]:
         """Every projection of the model, the LM head last."""
@@ -302,7 +305,11 @@ class Llama(nn.Module):
         return self._fused
 
     def final_norm(self, x: Tensor) -> Tensor:
-        """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings)."""
+        """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
+        With quantized weights the native norm, as the fused trunk's: torch's reduction
+        order may change with the CPU's vector width (docs/determinism.md)."""
+        if self.quantized() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+            return _kernels().rms_norm(x, self.norm, self.config.rms_eps)
         return F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
 
     def logits(

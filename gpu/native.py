@@ -48,13 +48,19 @@ SOURCES = (
     CSRC / "quant_linear.c",
     CSRC / "fused_trunk.c",
 )
+HEADERS = (CSRC / "fixed_order.h",)
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 # GGML type code -> bytes per block of 32 weights, for the types ``q_linear`` reads.
 QUANT_BLOCK_BYTES = {8: 34, 3: 20}  # Q8_0: fp16 d + 32 int8; Q4_1: fp16 d, fp16 m + 16 B
-# -ffast-math only when compiling: it lets loops reassociate (vectorized reductions) and
-# use glibc's vector expf. It must not reach the link step, where gcc would add
-# crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
-COMPILE_FLAGS = ("-O3", "-fPIC", "-ffast-math", "-fopenmp", "-std=c11")
+# No -ffast-math, and no fused multiply-add the source did not write: a kernel's result is
+# then one function of its inputs whatever the compiler vectorizes and for whichever CPU
+# (gpu/csrc/fixed_order.h, docs/determinism.md). The sums and exponentials that have to
+# be fast are vectorized by hand, in a fixed order. -fno-math-errno only lets sqrtf
+# inline (errno is never read).
+COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-fno-math-errno")
+# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX2/FMA/F16C alone, or
+# no vector extensions. Every choice computes the same bits (tests/test_determinism.py).
+ISAS = ("auto", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 _lock = threading.Lock()
@@ -77,12 +83,24 @@ def kernel_cache_dir() -> Path:
     return Path(base) / "lifecycle" / "kernels"
 
 
-def _cpu_flags() -> tuple[str, ...]:
-    """-mavx2 -mfma where /proc/cpuinfo lists both (x86 Linux), plus -mf16c where it lists
-    that too (quant_linear.c's fp16 scales) and then -mavx512f where it lists that
-    (quant_linear.c's 32-wide panel kernel), else the compiler's default.
-    ``LIFECYCLE_NATIVE_AVX512=0`` leaves AVX-512 out (to compare, or on a CPU whose
-    flag is listed but slow)."""
+def native_isa() -> str:
+    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx2 or portable."""
+    isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
+    return isa
+
+
+def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
+    """-mavx2 -mfma -mf16c where /proc/cpuinfo lists all three (x86 Linux; the kernels'
+    vector paths need each), then -mavx512f where it lists that too (only the
+    compiler's own vectorization of element-wise loops uses it: the same results), else
+    the compiler's default. ``LIFECYCLE_NATIVE_ISA=avx2`` leaves AVX-512 out,
+    ``portable`` every extension (to compare builds, or on a CPU whose flag is listed
+    but slow)."""
+    isa = isa or native_isa()
+    if isa == "portable":
+        return ()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -90,14 +108,24 @@ def _cpu_flags() -> tuple[str, ...]:
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            if not {"avx2", "fma"} <= flags:
+            if not {"avx2", "fma", "f16c"} <= flags:
                 return ()
-            if "f16c" not in flags:
-                return ("-mavx2", "-mfma")
-            if "avx512f" in flags and os.environ.get("LIFECYCLE_NATIVE_AVX512", "1") != "0":
+            if "avx512f" in flags and isa == "auto":
                 return ("-mavx2", "-mfma", "-mf16c", "-mavx512f")
             return ("-mavx2", "-mfma", "-mf16c")
     return ()
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (tests that compare builds)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(
+        line.startswith("flags") and flag in line.split(":", 1)[1].split()
+        for line in text.splitlines()
+    )
 
 
 class NativeKernels:
@@ -150,6 +178,10 @@ class NativeKernels:
                        p, p, p, i32, i64, i32, f32, i32]  # fmt: skip
         dl.restype = ctypes.c_int
         self.trunk_layers = dl  # gpu/fused.py builds its arguments
+        rn = lib.rms_norm_rows
+        rn.argtypes = [p, p, p, i32, i32, f32]
+        rn.restype = None
+        self._rms_norm = rn
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N, K / 32 *
@@ -169,6 +201,18 @@ class NativeKernels:
         if rc != 0:
             raise MemoryError("q_linear: scratch allocation failed")
         return y
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` per row of fp32 ``x [M, N]``, the
+        fused trunk's norm: each row one function of itself (fixed_order.h)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError(f"rms_norm takes fp32 [M, N] rows, not {x.dtype} {tuple(x.shape)}")
+        x, weight = x.contiguous(), weight.contiguous()
+        if weight.shape != (x.shape[1],):
+            raise ValueError(f"norm weight {tuple(weight.shape)} for rows of {x.shape[1]}")
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
 
     def q_dequantize(self, w: Tensor, qtype: int, k: int) -> Tensor:
         """The fp32 ``[N, K]`` that ``q_linear`` multiplies by (what tests compare)."""
@@ -263,16 +307,16 @@ def _check_blocks(w: Tensor, qtype: int, k: int) -> None:
         raise ValueError("blocks must be a contiguous CPU tensor")
 
 
-def _build(cache: Path) -> Path:
+def _build(cache: Path, isa: str | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     if shutil.which(shlex.split(cc)[0]) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    flags = (*COMPILE_FLAGS, *_cpu_flags())
+    flags = (*COMPILE_FLAGS, *_cpu_flags(isa))
     version = subprocess.run(
         [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
     ).stdout
     digest = hashlib.sha256(version.encode() + " ".join((*flags, *LINK_FLAGS)).encode())
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
     target = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -300,6 +344,16 @@ def _run(cmd: list[str], cc: str) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+
+
+def load_kernels_built_for(isa: str) -> NativeKernels:
+    """A separate build of the kernels for ``isa`` (one of ``ISAS``), loaded beside the
+    process's own: what tests compare the default build with. Raises when it cannot be
+    built."""
+    if isa not in ISAS:
+        raise ValueError(f"isa {isa!r}: expected one of {', '.join(ISAS)}")
+    with _lock:
+        return NativeKernels(_build(kernel_cache_dir(), isa))
 
 
 def load_kernels() -> NativeKernels | None:

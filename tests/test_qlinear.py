@@ -11,12 +11,10 @@ accumulation); against ``max |ref|`` the error is about 0.5 % on random data. Wi
 already on the int8 grid (integers, block amax 127) the rounding is exact and the
 kernel matches fp64 to fp32 accumulation error.
 
-From 8 rows on (prefill, batched decode) the kernel takes its panel path instead:
-weights dequantized to fp32 tiles, x rounded to the same int8 grid. The two paths must
-compute one function (a row's output may not depend on how many rows came with it):
-each row of a panel-path call equals that row alone through the int8 path to fp32
-accumulation error, at every row count and at widths that are not a multiple of the
-panel's 16 rows.
+Every output is one function of its row of x and its row of w, defined in the kernel's
+header (its block order, 8 lanes, their tree): the kernel computes it the same way at
+every row count (tiles of 1-8 rows of x, 1-2 of w), thread count and build (AVX2,
+AVX-512 in the compiler's flags, portable C). Those are asserted bit for bit.
 """
 
 from __future__ import annotations
@@ -109,24 +107,54 @@ def test_x_on_the_int8_grid_is_exact(qtype: GGMLQuantizationType) -> None:
 @pytest.mark.parametrize(
     ("rows", "n", "k"), [(8, 64, 576), (32, 37, 576), (71, 48, 1536), (500, 20, 64)]
 )
-def test_panel_path_is_f_linear_on_the_dequantization(
+def test_many_rows_are_f_linear_on_the_dequantization(
     qtype: GGMLQuantizationType, rows: int, n: int, k: int
 ) -> None:
-    """Rows 8 and up, every remainder of 6 rows and of 16 outputs: within the rounding
-    bound of F.linear, and each row what it is alone (the int8 path)."""
+    """Prefill row counts, odd widths, rows past a chunk of 96: within the rounding bound
+    of F.linear."""
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
-    blocks = random_blocks(qtype, n, k, seed=rows)
-    assert check(blocks, qtype, x) < 0.02
-    w = torch.from_numpy(dequantize(blocks, qtype).reshape(-1, k))
-    y = kernels().q_linear(x, torch.from_numpy(blocks), int(qtype))
-    alone = torch.cat(
-        [
-            kernels().q_linear(x[i : i + 1], torch.from_numpy(blocks), int(qtype))
-            for i in range(rows)
-        ]
-    )
-    tol = 1e-5 * (x.double().abs() @ w.double().abs().T)
-    assert ((y.double() - alone.double()).abs() <= tol).all()
+    assert check(random_blocks(qtype, n, k, seed=rows), qtype, x) < 0.02
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
+    """Each row of an m-row call (m = 1..13, 31, 64, 97, 200: every tile shape, the
+    eight-row tiles, a second chunk of 96) equals that row alone, and a call on one
+    thread equals it on two, bit for bit."""
+    x = torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 3
+    blocks = torch.from_numpy(random_blocks(qtype, 37, 576, seed=3))
+    alone = torch.cat([kernels().q_linear(x[i : i + 1], blocks, int(qtype)) for i in range(200)])
+    for m in [*range(1, 14), 31, 64, 97, 200]:
+        y = kernels().q_linear(x[:m], blocks, int(qtype))
+        assert torch.equal(y, alone[:m]), m
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = kernels().q_linear(x[:97], blocks, int(qtype))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone[:97])
+
+
+def _builds() -> list[str]:
+    """The builds to compare with this process's own: portable C always; the AVX2 build
+    where the CPU lists AVX-512 (so the default build is the AVX-512 one)."""
+    return ["portable", *(["avx2"] if native.cpu_has("avx512f") else [])]
+
+
+@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: str) -> None:
+    other = native.load_kernels_built_for(isa)
+    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(9))
+    x[3] = 0.0  # a zero block: scale 0
+    x[5, :32] = torch.arange(32) - 16.5  # ties at the rounding
+    blocks = torch.from_numpy(random_blocks(qtype, 51, 1536, seed=9))
+    for m in (1, 2, 5, 70):
+        assert torch.equal(
+            other.q_linear(x[:m], blocks, int(qtype)), kernels().q_linear(x[:m], blocks, int(qtype))
+        ), (isa, m)
+    assert torch.equal(other.q_dequantize(blocks, int(qtype), 1536), kernels().q_dequantize(blocks, int(qtype), 1536))
 
 
 def test_rejects_what_it_cannot_read() -> None:

@@ -17,7 +17,10 @@
  * attends causally to itself and to its cached prefix. The same kernels compute the
  * matmuls and the attention as the torch path calls; only the norms, RoPE and SwiGLU
  * are written here, in fp32, in another summation order than torch's (equal to about
- * 1e-6 relative before the int8 rounding of the next matmul's input).
+ * 1e-6 relative before the int8 rounding of the next matmul's input). Every row is one
+ * function of its own token, position and cache rows, on every build: the sums and the
+ * exponential follow fixed_order.h, and q_linear and the attention are row-invariant
+ * themselves (docs/determinism.md).
  *
  *   x [M, hidden] fp32 in/out (the embedded tokens in, the last layer's output out)
  *   pos [M] int64 positions; cos/sin [ctx, hd] the RoPE tables (gpu/model.py)
@@ -29,6 +32,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fixed_order.h"
 
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads);
@@ -44,14 +49,13 @@ typedef struct {
     float *kc, *vc;
 } trunk_layer;
 
-static void rms_norm(const float *x, const float *w, float *out, int32_t m, int32_t n,
-                     float eps) {
+/* out = x / sqrt(mean(x^2) + eps) * w per row; also the model's final norm
+ * (gpu/model.py, Llama.final_norm), so a token's hidden state is one function too. */
+void rms_norm_rows(const float *x, const float *w, float *out, int32_t m, int32_t n, float eps) {
     for (int32_t r = 0; r < m; r++) {
         const float *xr = x + (int64_t)r * n;
         float *o = out + (int64_t)r * n;
-        float ss = 0.0f;
-        for (int32_t i = 0; i < n; i++) ss += xr[i] * xr[i];
-        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        float inv = 1.0f / sqrtf(fo_sumsq(xr, n) / (float)n + eps);
         for (int32_t i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
     }
 }
@@ -85,7 +89,7 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
     if (!hbuf || !qkv || !att || !gu || !act || !y) rc = -1;
     for (int32_t l = 0; l < n_layers && rc == 0; l++) {
         const trunk_layer *L = layers + l;
-        rms_norm(x, L->attn_norm, hbuf, m, hidden, eps);
+        rms_norm_rows(x, L->attn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             float *row = qkv + (int64_t)r * qkv_w;
@@ -102,12 +106,11 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
         if (rc) break;
         if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;
         for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
-        rms_norm(x, L->ffn_norm, hbuf, m, hidden, eps);
+        rms_norm_rows(x, L->ffn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wgu, gu, L->t_gu, m, 2 * inter, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
-            const float *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
-            float *a = act + (int64_t)r * inter;
-            for (int32_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            const float *g = gu + (int64_t)r * 2 * inter;
+            fo_swiglu(g, g + inter, act + (int64_t)r * inter, inter);
         }
         if ((rc = q_linear(act, L->wdown, y, L->t_down, m, hidden, inter, threads))) break;
         for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];

@@ -14,7 +14,11 @@
  *   out    [D, H, HD]
  * Query head i reads kv head i / (H / KV) (grouped-query attention).
  * Softmax in fp32 with the maximum subtracted, as torch computes it. Each (sequence,
- * kv head) pair is computed the same way whatever else is in the batch.
+ * kv head) pair is one function of its query, key count and cache rows, whatever else
+ * is in the call and on every build (fixed_order.h): a score is the lanes-and-tree sum
+ * of q[d] * k[d] (lane d % 8) times scale; the softmax's denominator the lanes-and-tree
+ * sum of exp_fixed(score - max); each output the sum over keys in order of
+ * weight * v[d], one fused multiply-add a key.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,32 +26,20 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "fixed_order.h"
 
 static void softmax_rows(float *restrict scores, int32_t g, int32_t len) {
     for (int32_t j = 0; j < g; j++) {
         float *sc = scores + (int64_t)j * len;
         float m = sc[0];
         for (int32_t p = 1; p < len; p++) m = sc[p] > m ? sc[p] : m;
-        float sum = 0.0f;
-        for (int32_t p = 0; p < len; p++) {
-            sc[p] = expf(sc[p] - m);
-            sum += sc[p];
-        }
-        float inv = 1.0f / sum;
+        fo_exp_sub(sc, len, m);
+        float inv = 1.0f / fo_sum(sc, len);
         for (int32_t p = 0; p < len; p++) sc[p] *= inv;
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* Horizontal sums of eight vectors, as one vector [sum(a0), ..., sum(a7)]. */
-static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                           __m256 a6, __m256 a7) {
-    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+#ifdef FO_AVX2
 
 /* Ask for a whole block (bs rows of 64 floats) ahead of use: each block starts a new
  * 4 KiB page, where the hardware prefetcher would start cold. */
@@ -81,7 +73,7 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
                     for (int r = 0; r < 8; r++)
                         a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * HD + d), a[r]);
                 }
-                __m256 sums = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+                __m256 sums = fo_tree8x8(a);
                 _mm256_storeu_ps(scores + (int64_t)j * len + b * bs + t, _mm256_mul_ps(sums, vscale));
             }
         }
@@ -92,10 +84,7 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
                 __m256 a = _mm256_setzero_ps();
                 for (int d = 0; d < HD; d += 8)
                     a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                h = _mm_hadd_ps(h, h);
-                h = _mm_hadd_ps(h, h);
-                scores[(int64_t)j * len + b * bs + t] = _mm_cvtss_f32(h) * scale;
+                scores[(int64_t)j * len + b * bs + t] = fo_tree8_v(a) * scale;
             }
         }
     }
@@ -120,7 +109,7 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
 }
 #endif
 
-/* Any head_dim: plain loops the compiler vectorizes. */
+/* Any head_dim that is a multiple of 8: the same function in portable C. */
 static void one_pair(const float *restrict q, const float *restrict kbase,
                      const float *restrict vbase, const int32_t *restrict table, int32_t len,
                      int32_t bs, int32_t g, int32_t hd, float scale, float *restrict scores,
@@ -133,9 +122,9 @@ static void one_pair(const float *restrict q, const float *restrict kbase,
             const float *k = kb + (int64_t)t * hd;
             for (int32_t j = 0; j < g; j++) {
                 const float *qj = q + (int64_t)j * hd;
-                float s = 0.0f;
-                for (int32_t d = 0; d < hd; d++) s += qj[d] * k[d];
-                scores[(int64_t)j * len + b * bs + t] = s * scale;
+                float l[8] = {0};
+                for (int32_t d = 0; d < hd; d++) l[d % 8] = fmaf(qj[d], k[d], l[d % 8]);
+                scores[(int64_t)j * len + b * bs + t] = fo_tree8(l) * scale;
             }
         }
     }
@@ -149,7 +138,7 @@ static void one_pair(const float *restrict q, const float *restrict kbase,
             for (int32_t j = 0; j < g; j++) {
                 float w = scores[(int64_t)j * len + b * bs + t];
                 float *o = out + (int64_t)j * hd;
-                for (int32_t d = 0; d < hd; d++) o[d] += w * v[d];
+                for (int32_t d = 0; d < hd; d++) o[d] = fmaf(w, v[d], o[d]);
             }
         }
     }
@@ -183,7 +172,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, co
             for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
             continue;
         }
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef FO_AVX2
         if (hd == 64) {
             one_pair64(qs, kb, vb, table, lens[s], bs, g, scale, scores, os);
             continue;

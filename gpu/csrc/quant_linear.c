@@ -1,24 +1,43 @@
-/* y = x @ w^T, w kept in its GGUF quantized blocks: decode and prefill alike.
+/* y = x @ w^T, w kept in its GGUF quantized blocks: decode and prefill alike, one
+ * function of each row whatever else the call holds.
  *
- * At decode row counts a linear layer is one pass over its weights, so its time is the
- * bytes it reads: fp32 is 4 bytes a weight, Q8_0 1.06, Q4_1 0.625. At prefill row counts
- * it is the arithmetic: an int8 dot product of 32 pairs is a few AVX2 instructions, about
- * an fp32 FMA's rate per weight, and the rows go in tiles (ROW_TILE) so the weights
- * stream once a tile. As llama.cpp does
- * (ggml-cpu quants.c, ggml_vec_dot_q4_1_q8_1 / ggml_vec_dot_q8_0_q8_0), each row of x is
- * quantized once per call to blocks of 32 int8 with an fp32 scale (and, for Q4_1's
- * offset term, the block's scaled sum), and every weight block meets it in an int8 dot
- * product (maddubs + madd), accumulated in fp32 per block. The only approximation is
- * x's rounding to int8 (relative error about 2^-8 per block); what the weights
- * dequantize to is exactly what gguf.quants computes:
+ * As llama.cpp does (ggml-cpu quants.c, ggml_vec_dot_q4_1_q8_1 / ggml_vec_dot_q8_0_q8_0),
+ * each row of x is quantized once per call to blocks of 32 int8 with an fp32 scale (and,
+ * for Q4_1's offset term, the block's scaled sum), and every weight block meets it in an
+ * int8 dot product. The weights dequantize to exactly what gguf.quants computes:
  *
  *   Q8_0 block, 34 bytes: fp16 d, int8 q[32];            w[i] = d * q[i]
  *   Q4_1 block, 20 bytes: fp16 d, fp16 m, uint8 qs[16];  w[i] = d * nib[i] + m, where
  *                         nib[i] = qs[i] & 15 and nib[i + 16] = qs[i] >> 4 (i < 16)
  *
+ * THE FUNCTION (docs/determinism.md). Output y[r, j] is defined as follows, and every
+ * path (any row count, any thread count, AVX2 or portable C, with or without AVX-512 in
+ * the compiler's flags) computes exactly it, bit for bit:
+ *
+ *   x's block b of row r: d = amax / 127 (fp32), q[i] = round-half-even(x[i] * (1 / d)),
+ *                         s = d * (float)sum(q)
+ *   lane[l] for l < 8 starts at +0; for each block b in order:
+ *       dot_l  = sum over i in 4l .. 4l+3 of wq[i] * q[i]   (an exact integer)
+ *       scale  = dw_b * d_b                                 (one fp32 multiply)
+ *       lane_l = fma(scale, (float)dot_l, lane_l)          (one rounding)
+ *   Q4_1 only: msum starts at +0; for each block in order msum = msum + (m_b * s_b),
+ *       the product rounded, then the sum
+ *   y = ((lane0 + lane4) + (lane2 + lane6)) + ((lane1 + lane5) + (lane3 + lane7))
+ *       [+ msum for Q4_1]
+ *
+ * The integers are exact (|dot_l| <= 4 * 128 * 127 for Q8_0, 4 * 15 * 127 for Q4_1),
+ * so only the fp32 order matters, and it is fixed per output: no path splits a row's
+ * blocks between accumulators or threads. Paths differ in how many outputs they
+ * compute at once, which changes speed, not results.
+ *
+ * Calls tile the outputs: RM rows of x against RN rows of w, RM * RN accumulators in
+ * registers, each weight block loaded once per RM rows and each x block once per RN
+ * rows. Rows of x go in chunks of XCHUNK so a chunk's quantized rows stay in L2 while
+ * every tile of weights passes them; threads split the weight rows (each output is one
+ * thread's).
+ *
  *   x [M, K] fp32 contiguous, K % 32 == 0; w [N, K / 32 * block bytes] (GGUF row-major);
- *   y [M, N] fp32 contiguous. x's rows are quantized in parallel, then each tile of
- *   rows runs in parallel over output rows.
+ *   y [M, N] fp32 contiguous.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,7 +49,7 @@
 #define QL_AVX2 1
 #endif
 
-enum { QK = 32, GGML_Q4_1 = 3, GGML_Q8_0 = 8, MAX_ROWS = 4 };
+enum { QK = 32, GGML_Q4_1 = 3, GGML_Q8_0 = 8, XCHUNK = 96, TILE_N = 2 };
 
 /* One quantized block of x: scale, scale * sum(q) (Q4_1's m term), 32 int8. */
 typedef struct {
@@ -61,9 +80,8 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* llama.cpp's quantize_row_q8_1 with an fp32 scale: d = amax / 127, q = round(x / d)
- * (to nearest even on the AVX2 path, as llama.cpp's; half away from zero in portable C:
- * the two differ only on exact ties). */
+/* llama.cpp's quantize_row_q8_1 with an fp32 scale: d = amax / 127, q = round(x / d) to
+ * nearest even (nearbyintf in the default rounding mode; the AVX2 path's round_ps). */
 static void quantize_row(const float *x, int64_t nb, xblock *out) {
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
@@ -99,7 +117,7 @@ static void quantize_row(const float *x, int64_t nb, xblock *out) {
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            int q = (int)roundf(v[i] * id);
+            int q = (int)nearbyintf(v[i] * id);
             out[b].q[i] = (int8_t)q;
             sum += q;
         }
@@ -109,6 +127,8 @@ static void quantize_row(const float *x, int64_t nb, xblock *out) {
     }
 }
 
+/* The tile: y[rm * ldy + jn] for rm < RM rows of x (xq, rows nb blocks apart) and jn < RN
+ * rows of w (row_bytes apart). RM and RN are constants after inlining. */
 #ifdef QL_AVX2
 static inline float hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -117,56 +137,10 @@ static inline float hsum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-/* Sum of unsigned(a) * signed(b) over 32 bytes, as 8 fp32 partial sums. */
+/* Lane l: the sum of unsigned(a) * signed(b) over bytes 4l .. 4l+3, exact, as fp32. */
 static inline __m256 dot_us8(__m256i a, __m256i b) {
     __m256i p16 = _mm256_maddubs_epi16(a, b);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-/* One weight block against one block of x, added to acc. */
-static inline __m256 block_q8_0(const uint8_t *blk, __m256i aw, __m256i qw, const xblock *xb,
-                                __m256 acc) {
-    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-    __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));
-    return _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * xb->d), p, acc);
-}
-
-/* One output row against MR rows of x; MR is a constant after inlining. Even and odd
- * blocks go to separate accumulators: one chain of FMAs would wait on its latency. */
-static inline __attribute__((always_inline)) void row_q8_0(const uint8_t *w, const xblock *xq,
-                                                           int64_t nb, int MR, float *acc_out) {
-    __m256 acc[MAX_ROWS][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *blk = w + (b + h) * 34;
-            __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            __m256i aw = _mm256_sign_epi8(qw, qw); /* |w|: maddubs wants one unsigned side */
-            for (int r = 0; r < MR; r++)
-                acc[r][h] = block_q8_0(blk, aw, qw, xq + r * nb + b + h, acc[r][h]);
-        }
-    }
-    for (; b < nb; b++) {
-        const uint8_t *blk = w + b * 34;
-        __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        __m256i aw = _mm256_sign_epi8(qw, qw);
-        for (int r = 0; r < MR; r++) acc[r][0] = block_q8_0(blk, aw, qw, xq + r * nb + b, acc[r][0]);
-    }
-    for (int r = 0; r < MR; r++) acc_out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-
-/* d and m are adjacent fp16s, x's d and s adjacent fp32s: one conversion and one
- * multiply give [d * dx, m * sx]; lane 1 sums the offset terms in macc. */
-static inline __m256 block_q4_1(const uint8_t *blk, __m256i qw, const xblock *xb, __m128 *macc,
-                                __m256 acc) {
-    uint32_t dm;
-    memcpy(&dm, blk, 4);
-    __m128 xds = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&xb->d));
-    __m128 prod = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)), xds);
-    *macc = _mm_add_ps(*macc, prod);
-    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-    return _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), dot_us8(qw, qx), acc);
 }
 
 static inline __m256i nibbles_q4_1(const uint8_t *blk) {
@@ -177,84 +151,242 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
         _mm256_set1_epi8(0x0f));
 }
 
-static inline __attribute__((always_inline)) void row_q4_1(const uint8_t *w, const xblock *xq,
-                                                           int64_t nb, int MR, float *acc_out) {
-    __m256 acc[MAX_ROWS][2];
-    __m128 macc[MAX_ROWS];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *blk = w + (b + h) * 20;
-            __m256i qw = nibbles_q4_1(blk);
-            for (int r = 0; r < MR; r++)
-                acc[r][h] = block_q4_1(blk, qw, xq + r * nb + b + h, &macc[r], acc[r][h]);
-        }
+/* One function per (RM, RN), the accumulators arrays of exactly that size with every
+ * loop over them unrolled, so gcc keeps them in registers. Per block and weight row the
+ * RM scales d_w * d_x come from one 4-wide multiply (dx4: the rows' d values, [nb][4]). */
+#define DEF_TILE_Q8_0(RM, RN)                                                                 \
+    static void tile_q8_0_##RM##_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq, \
+                                      const float *dx, const float *sx, int64_t nb, float *y, \
+                                      int64_t ldy) {                                          \
+        (void)sx;                                                                             \
+        __m256 acc[RM][RN];                                                                   \
+        _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++)                                  \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) acc[r][c] = _mm256_setzero_ps(); \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m128 dx4 = _mm_loadu_ps(dx + b * 4);                                            \
+            _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
+                const uint8_t *blk = w + c * row_bytes + b * 34;                              \
+                __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));                  \
+                __m256i aw = _mm256_sign_epi8(qw, qw);                                        \
+                float s[4];                                                                   \
+                _mm_storeu_ps(s, _mm_mul_ps(_mm_set1_ps(half_to_float(blk)), dx4));          \
+                _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++) {                        \
+                    __m256i qx = _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q);       \
+                    __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));                         \
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r), p, acc[r][c]);    \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++)                                  \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[r * ldy + c] = hsum(acc[r][c]); \
     }
-    for (; b < nb; b++) {
+
+#define DEF_TILE_Q4_1(RM, RN)                                                                 \
+    static void tile_q4_1_##RM##_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq, \
+                                      const float *dx, const float *sx, int64_t nb, float *y, \
+                                      int64_t ldy) {                                          \
+        __m256 acc[RM][RN];                                                                   \
+        __m128 ms[RN];                                                                        \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                                \
+            ms[c] = _mm_setzero_ps();                                                         \
+            _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++) acc[r][c] = _mm256_setzero_ps(); \
+        }                                                                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m128 dx4 = _mm_loadu_ps(dx + b * 4), sx4 = _mm_loadu_ps(sx + b * 4);            \
+            _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
+                const uint8_t *blk = w + c * row_bytes + b * 20;                              \
+                __m256i qw = nibbles_q4_1(blk);                                               \
+                uint32_t dm32;                                                                \
+                memcpy(&dm32, blk, 4);                                                        \
+                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32));                       \
+                float s[4];                                                                   \
+                _mm_storeu_ps(s, _mm_mul_ps(_mm_permute_ps(dm, 0x00), dx4));                  \
+                ms[c] = _mm_add_ps(ms[c], _mm_mul_ps(_mm_permute_ps(dm, 0x55), sx4));         \
+                _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++) {                        \
+                    __m256i qx = _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q);       \
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r), dot_us8(qw, qx), acc[r][c]); \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                                \
+            float m[4];                                                                       \
+            _mm_storeu_ps(m, ms[c]);                                                          \
+            _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++)                              \
+                y[r * ldy + c] = hsum(acc[r][c]) + m[r];                                      \
+        }                                                                                     \
+    }
+
+/* One row of x (decode at batch 1): the scale and Q4_1's offset term from one multiply
+ * of [d_w, m_w] by the x block's adjacent [d, s]; lane 1 of that product accumulates
+ * msum, lane 0 broadcast is the scale (the same two fp32 products as above). */
+#define DEF_ROW_Q4_1(RN)                                                                      \
+    static void row_q4_1_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq,         \
+                              int64_t nb, float *y) {                                         \
+        __m256 acc[RN];                                                                       \
+        __m128 ms[RN];                                                                        \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) acc[c] = _mm256_setzero_ps(),   \
+                                                             ms[c] = _mm_setzero_ps();        \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m128 xds = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&xq[b].d));        \
+            __m256i qx = _mm256_loadu_si256((const __m256i *)xq[b].q);                        \
+            _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
+                const uint8_t *blk = w + c * row_bytes + b * 20;                              \
+                uint32_t dm32;                                                                \
+                memcpy(&dm32, blk, 4);                                                        \
+                __m128 prod = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32)), xds);     \
+                ms[c] = _mm_add_ps(ms[c], prod);                                              \
+                acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), dot_us8(nibbles_q4_1(blk), qx), acc[c]); \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++)                                  \
+            y[c] = hsum(acc[c]) + _mm_cvtss_f32(_mm_shuffle_ps(ms[c], ms[c], 1));            \
+    }
+
+#define DEF_ROW_Q8_0(RN)                                                                      \
+    static void row_q8_0_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq,         \
+                              int64_t nb, float *y) {                                         \
+        __m256 acc[RN];                                                                       \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) acc[c] = _mm256_setzero_ps();   \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m256i qx = _mm256_loadu_si256((const __m256i *)xq[b].q);                        \
+            _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
+                const uint8_t *blk = w + c * row_bytes + b * 34;                              \
+                __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));                  \
+                __m256 p = dot_us8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));       \
+                acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * xq[b].d), p, acc[c]); \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[c] = hsum(acc[c]);            \
+    }
+/* Eight rows of x against one weight row: the weight block's unpacking and scale work
+ * shared by eight rows. dx and sx hold two groups of four rows, nb * 4 floats apart. */
+static void tall_q4_1(const uint8_t *w, const xblock *xq, const float *dx, const float *sx,
+                      int64_t nb, float *y, int64_t ldy) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m128 m0 = _mm_setzero_ps(), m1 = m0;
+    const float *dx2 = dx + nb * 4, *sx2 = sx + nb * 4;
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 20;
         __m256i qw = nibbles_q4_1(blk);
-        for (int r = 0; r < MR; r++)
-            acc[r][0] = block_q4_1(blk, qw, xq + r * nb + b, &macc[r], acc[r][0]);
+        uint32_t dm32;
+        memcpy(&dm32, blk, 4);
+        __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm32));
+        __m128 dv = _mm_permute_ps(dm, 0x00), mv = _mm_permute_ps(dm, 0x55);
+        float s[8];
+        _mm_storeu_ps(s, _mm_mul_ps(dv, _mm_loadu_ps(dx + b * 4)));
+        _mm_storeu_ps(s + 4, _mm_mul_ps(dv, _mm_loadu_ps(dx2 + b * 4)));
+        m0 = _mm_add_ps(m0, _mm_mul_ps(mv, _mm_loadu_ps(sx + b * 4)));
+        m1 = _mm_add_ps(m1, _mm_mul_ps(mv, _mm_loadu_ps(sx2 + b * 4)));
+#define T(r, a) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r),                              \
+                                    dot_us8(qw, _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q)), a);
+        T(0, a0) T(1, a1) T(2, a2) T(3, a3) T(4, a4) T(5, a5) T(6, a6) T(7, a7)
+#undef T
     }
-    for (int r = 0; r < MR; r++)
-        acc_out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) +
-                     _mm_cvtss_f32(_mm_shuffle_ps(macc[r], macc[r], 1));
+    float m[8];
+    _mm_storeu_ps(m, m0);
+    _mm_storeu_ps(m + 4, m1);
+    y[0] = hsum(a0) + m[0], y[ldy] = hsum(a1) + m[1], y[2 * ldy] = hsum(a2) + m[2];
+    y[3 * ldy] = hsum(a3) + m[3], y[4 * ldy] = hsum(a4) + m[4], y[5 * ldy] = hsum(a5) + m[5];
+    y[6 * ldy] = hsum(a6) + m[6], y[7 * ldy] = hsum(a7) + m[7];
 }
+DEF_ROW_Q4_1(1) DEF_ROW_Q4_1(2)
+DEF_ROW_Q8_0(1) DEF_ROW_Q8_0(2)
 #else
-static inline void row_q8_0(const uint8_t *w, const xblock *xq, int64_t nb, int MR,
-                            float *acc_out) {
-    for (int r = 0; r < MR; r++) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + b * 34;
-            const int8_t *qw = (const int8_t *)(blk + 2);
-            const xblock *xb = xq + r * nb + b;
-            int dot = 0;
-            for (int i = 0; i < QK; i++) dot += qw[i] * xb->q[i];
-            acc += half_to_float(blk) * xb->d * (float)dot;
-        }
-        acc_out[r] = acc;
-    }
+/* Portable C: the same function, lane by lane (fmaf is the fused multiply-add). */
+static inline float hsum8(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-static inline void row_q4_1(const uint8_t *w, const xblock *xq, int64_t nb, int MR,
-                            float *acc_out) {
-    for (int r = 0; r < MR; r++) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + b * 20;
-            const xblock *xb = xq + r * nb + b;
-            int dot = 0;
-            for (int i = 0; i < QK / 2; i++)
-                dot += (blk[4 + i] & 15) * xb->q[i] + (blk[4 + i] >> 4) * xb->q[i + QK / 2];
-            acc += half_to_float(blk) * xb->d * (float)dot + half_to_float(blk + 2) * xb->s;
+static void tile_q8_0(const uint8_t *w, int64_t row_bytes, const xblock *xq, int64_t nb, int RM,
+                      int RN, float *y, int64_t ldy) {
+    for (int r = 0; r < RM; r++)
+        for (int c = 0; c < RN; c++) {
+            float lane[8] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + c * row_bytes + b * 34;
+                const int8_t *qw = (const int8_t *)(blk + 2);
+                const xblock *xb = xq + r * nb + b;
+                float scale = half_to_float(blk) * xb->d;
+                for (int l = 0; l < 8; l++) {
+                    int dot = 0;
+                    for (int i = 4 * l; i < 4 * l + 4; i++) dot += qw[i] * xb->q[i];
+                    lane[l] = fmaf(scale, (float)dot, lane[l]);
+                }
+            }
+            y[r * ldy + c] = hsum8(lane);
         }
-        acc_out[r] = acc;
-    }
+}
+
+static void tile_q4_1(const uint8_t *w, int64_t row_bytes, const xblock *xq, const float *sx,
+                      int64_t nb, int RM, int RN, float *y, int64_t ldy) {
+    for (int r = 0; r < RM; r++)
+        for (int c = 0; c < RN; c++) {
+            float lane[8] = {0}, msum = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + c * row_bytes + b * 20;
+                const xblock *xb = xq + r * nb + b;
+                float scale = half_to_float(blk) * xb->d;
+                for (int l = 0; l < 8; l++) {
+                    int dot = 0;
+                    for (int i = 4 * l; i < 4 * l + 4; i++) {
+                        int nib = i < 16 ? blk[4 + i] & 15 : blk[4 + i - 16] >> 4;
+                        dot += nib * xb->q[i];
+                    }
+                    lane[l] = fmaf(scale, (float)dot, lane[l]);
+                }
+                float mt = half_to_float(blk + 2) * sx[b * 4 + r];
+                msum = msum + mt;
+            }
+            y[r * ldy + c] = hsum8(lane) + msum;
+        }
 }
 #endif
 
-/* One output row against mr (<= MAX_ROWS) rows of x, each case specialized so the
- * accumulators stay in registers. */
-static inline void row_chunk(int32_t qtype, const uint8_t *wr, const xblock *xq, int64_t nb,
-                             int32_t mr, float *a) {
+/* Every (RM, RN) the calls use, each its own function: RM * RN <= 12 accumulators (16
+ * vector registers, the rest for operands). */
+#ifndef QL_AVX2
+#define DEF_TILE_Q8_0(RM, RN)                                                                 \
+    static void tile_q8_0_##RM##_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq, \
+                                      const float *dx, const float *sx, int64_t nb, float *y, \
+                                      int64_t ldy) {                                          \
+        (void)dx, (void)sx;                                                                   \
+        tile_q8_0(w, row_bytes, xq, nb, RM, RN, y, ldy);                                      \
+    }
+#define DEF_TILE_Q4_1(RM, RN)                                                                 \
+    static void tile_q4_1_##RM##_##RN(const uint8_t *w, int64_t row_bytes, const xblock *xq, \
+                                      const float *dx, const float *sx, int64_t nb, float *y, \
+                                      int64_t ldy) {                                          \
+        (void)dx;                                                                             \
+        tile_q4_1(w, row_bytes, xq, sx, nb, RM, RN, y, ldy);                                  \
+    }
+#endif
+#define TILES(T) T(1, 1) T(1, 2) T(2, 1) T(2, 2) T(3, 1) T(3, 2) T(4, 1) T(4, 2)
+#define DEFS(RM, RN) DEF_TILE_Q8_0(RM, RN) DEF_TILE_Q4_1(RM, RN)
+TILES(DEFS)
+#define CASE8(RM, RN) case RM * 8 + RN: tile_q8_0_##RM##_##RN(w, row_bytes, xq, dx, sx, nb, y, ldy); return;
+#define CASE4(RM, RN) case RM * 8 + RN: tile_q4_1_##RM##_##RN(w, row_bytes, xq, dx, sx, nb, y, ldy); return;
+static void tile(int32_t qtype, const uint8_t *w, int64_t row_bytes, const xblock *xq,
+                 const float *dx, const float *sx, int64_t nb, int rm, int rn, float *y, int64_t ldy) {
+#ifdef QL_AVX2
+    if (rm == 1) {
+        if (qtype == GGML_Q8_0) {
+            if (rn == 1) row_q8_0_1(w, row_bytes, xq, nb, y);
+            else row_q8_0_2(w, row_bytes, xq, nb, y);
+        } else if (rn == 1) row_q4_1_1(w, row_bytes, xq, nb, y);
+        else row_q4_1_2(w, row_bytes, xq, nb, y);
+        return;
+    }
+#endif
     if (qtype == GGML_Q8_0) {
-        switch (mr) {
-        case 1: row_q8_0(wr, xq, nb, 1, a); break;
-        case 2: row_q8_0(wr, xq, nb, 2, a); break;
-        case 3: row_q8_0(wr, xq, nb, 3, a); break;
-        default: row_q8_0(wr, xq, nb, 4, a); break;
-        }
+        switch (rm * 8 + rn) { TILES(CASE8) }
     } else {
-        switch (mr) {
-        case 1: row_q4_1(wr, xq, nb, 1, a); break;
-        case 2: row_q4_1(wr, xq, nb, 2, a); break;
-        case 3: row_q4_1(wr, xq, nb, 3, a); break;
-        default: row_q4_1(wr, xq, nb, 4, a); break;
-        }
+        switch (rm * 8 + rn) { TILES(CASE4) }
     }
 }
+
+/* The weight rows a tile takes for rm rows of x: four while a tile's accumulators
+ * allow (the chains of FMAs a decode row needs in flight), three for four rows. */
+
 
 /* Dequantize blocks [nrows, nb] to fp32 rows [nrows, nb * 32] (what q_dequantize gives). */
 static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nrows, int64_t nb) {
@@ -262,233 +394,22 @@ static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nr
     for (int64_t b = 0; b < nrows * nb; b++) {
         const uint8_t *blk = w + b * bs;
         float *o = out + b * QK, d = half_to_float(blk);
-#ifdef QL_AVX2
-        __m256 vd = _mm256_set1_ps(d);
-        if (qtype == GGML_Q8_0) {
-            for (int i = 0; i < QK; i += 8) {
-                __m128i q8 = _mm_loadl_epi64((const __m128i *)(blk + 2 + i));
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
-            }
-        } else {
-            __m256 vm = _mm256_set1_ps(half_to_float(blk + 2));
-            __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), mask = _mm_set1_epi8(0x0f);
-            __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int i = 0; i < 4; i++) {
-                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-                _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(f, vd, vm));
-            }
-        }
-#else
         if (qtype == GGML_Q8_0) {
             for (int i = 0; i < QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
         } else {
             float mw = half_to_float(blk + 2);
             for (int i = 0; i < QK / 2; i++) {
-                o[i] = d * (float)(blk[4 + i] & 15) + mw;
-                o[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + mw;
+                o[i] = fmaf(d, (float)(blk[4 + i] & 15), mw);
+                o[i + QK / 2] = fmaf(d, (float)(blk[4 + i] >> 4), mw);
             }
         }
-#endif
     }
 }
 
-/* Prefill and batched decode: arithmetic, not bytes, is the cost (maddubs + madd run at
- * about an fp32 FMA's rate per weight on AVX2, plus their scale work). So each thread
- * dequantizes PANEL = 16 output rows at a time (32 with AVX-512) and transposes them
- * into an fp32 panel [K][PANEL] (L2-resident), and multiplies rows of x by it the way
- * BLAS kernels do: on AVX2 MR = 6 rows of x against the panel's 16 columns in 12
- * accumulators, per k two panel loads, six broadcasts of x and twelve FMAs, no
- * horizontal sums. K goes in slices of KC so a slice of the panel (KC x PANEL x 4
- * bytes: 16-32 KiB) stays in L1 while every row of x
- * passes it; y accumulates across slices. The weights stream from memory once per call.
- * x is first rounded to the same int8 grid as the decode path's (each value replaced by
- * d * q of its block), so both paths compute one function up to fp32 summation order:
- * a token's logits do not depend on how many rows its step had. */
-#if defined(QL_AVX2) && defined(__AVX512F__)
-/* With AVX-512 the panel is 32 wide, two registers a k: MR = 12 rows of x each take two
- * FMAs a k (the broadcast of x folds into them), 24 accumulators in registers; per k two
- * panel loads and 12 broadcasts feed 24 FMAs, where a 16-wide panel left the loads the
- * limit. Each y element still sums its k in the same order as the AVX2 kernel. */
-#define QL_AVX512 1
-enum { PANEL = 32, MR = 12, KC = 128 }; /* a K slice of the panel: 16 KiB */
-#else
-enum { PANEL = 16, MR = 6, KC = 256 }; /* 16 KiB */
-#endif
-
-#ifdef QL_AVX2
-/* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block. */
-static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-    }
-}
-
-/* y[r, 0:16] (+)= x[r, 0:len] @ pt[0:len, 0:16] for r < MR; x rows ldx apart, y rows ldy.
- * Named accumulators: gcc keeps an array of __m256 on the stack. */
-#define ROWK(r) const float *x##r = x + r * ldx; __m256 a##r##0, a##r##1;                   \
-    if (add) { a##r##0 = _mm256_loadu_ps(y + r * ldy); a##r##1 = _mm256_loadu_ps(y + r * ldy + 8); } \
-    else a##r##0 = a##r##1 = _mm256_setzero_ps();
-#define STEPK(r) { __m256 b = _mm256_broadcast_ss(x##r + i);                                 \
-    a##r##0 = _mm256_fmadd_ps(b, b0, a##r##0); a##r##1 = _mm256_fmadd_ps(b, b1, a##r##1); }
-#define STOREK(r) _mm256_storeu_ps(y + r * ldy, a##r##0); _mm256_storeu_ps(y + r * ldy + 8, a##r##1);
-
-#define KERN(name, ROWS, STEPS, STORES)                                                   \
-    static void name(const float *x, int64_t ldx, const float *pt, int64_t len, float *y,     \
-                     int64_t ldy, int add) {                                                  \
-        ROWS                                                                                  \
-        for (int64_t i = 0; i < len; i++) {                                                   \
-            __m256 b0 = _mm256_load_ps(pt + i * PANEL), b1 = _mm256_load_ps(pt + i * PANEL + 8); \
-            STEPS                                                                             \
-        }                                                                                     \
-        STORES                                                                                \
-    }
-KERN(kern1, ROWK(0), STEPK(0), STOREK(0))
-KERN(kern2, ROWK(0) ROWK(1), STEPK(0) STEPK(1), STOREK(0) STOREK(1))
-KERN(kern3, ROWK(0) ROWK(1) ROWK(2), STEPK(0) STEPK(1) STEPK(2), STOREK(0) STOREK(1) STOREK(2))
-KERN(kern4, ROWK(0) ROWK(1) ROWK(2) ROWK(3), STEPK(0) STEPK(1) STEPK(2) STEPK(3),
-     STOREK(0) STOREK(1) STOREK(2) STOREK(3))
-KERN(kern5, ROWK(0) ROWK(1) ROWK(2) ROWK(3) ROWK(4), STEPK(0) STEPK(1) STEPK(2) STEPK(3) STEPK(4),
-     STOREK(0) STOREK(1) STOREK(2) STOREK(3) STOREK(4))
-KERN(kern6, ROWK(0) ROWK(1) ROWK(2) ROWK(3) ROWK(4) ROWK(5),
-     STEPK(0) STEPK(1) STEPK(2) STEPK(3) STEPK(4) STEPK(5),
-     STOREK(0) STOREK(1) STOREK(2) STOREK(3) STOREK(4) STOREK(5))
-
-#ifdef QL_AVX512
-/* y[r, 0:32] (+)= x[r, 0:len] @ pt[0:len, 0:32] for r < R (a constant after inlining). */
-static inline __attribute__((always_inline)) void kern512(const float *x, int64_t ldx,
-                                                          const float *pt, int64_t len, float *y,
-                                                          int64_t ldy, int add, int R) {
-    __m512 a[MR], c[MR];
-    for (int r = 0; r < R; r++) {
-        a[r] = add ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
-        c[r] = add ? _mm512_loadu_ps(y + r * ldy + 16) : _mm512_setzero_ps();
-    }
-    for (int64_t i = 0; i < len; i++) {
-        __m512 b0 = _mm512_load_ps(pt + i * PANEL), b1 = _mm512_load_ps(pt + i * PANEL + 16);
-        for (int r = 0; r < R; r++) {
-            __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
-            a[r] = _mm512_fmadd_ps(xb, b0, a[r]);
-            c[r] = _mm512_fmadd_ps(xb, b1, c[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(y + r * ldy, a[r]);
-        _mm512_storeu_ps(y + r * ldy + 16, c[r]);
-    }
-}
-#define K512(n) \
-    static void kz##n(const float *x, int64_t ldx, const float *pt, int64_t len, float *y, \
-                      int64_t ldy, int add) { kern512(x, ldx, pt, len, y, ldy, add, n); }
-K512(1) K512(2) K512(3) K512(4) K512(5) K512(6) K512(7) K512(8) K512(9) K512(10) K512(11) K512(12)
-#endif
-
-static void kern_any(const float *x, int64_t ldx, const float *pt, int64_t len, int mr, float *y,
-                     int64_t ldy, int add) {
-#ifdef QL_AVX512
-    static void (*const kerns[MR])(const float *, int64_t, const float *, int64_t, float *,
-                                   int64_t, int) = {kz1, kz2, kz3, kz4, kz5, kz6,
-                                                    kz7, kz8, kz9, kz10, kz11, kz12};
-#else
-    static void (*const kerns[MR])(const float *, int64_t, const float *, int64_t, float *,
-                                   int64_t, int) = {kern1, kern2, kern3, kern4, kern5, kern6};
-#endif
-    kerns[mr - 1](x, ldx, pt, len, y, ldy, add);
-}
-#else
-static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    for (int r = 0; r < 8; r++)
-        for (int c = 0; c < 8; c++) dst[c * ldd + r] = src[r * lds + c];
-}
-
-static void kern_any(const float *x, int64_t ldx, const float *pt, int64_t len, int mr,
-                     float *y, int64_t ldy, int add) {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < PANEL; c++) {
-            float a = add ? y[r * ldy + c] : 0.0f;
-            for (int64_t i = 0; i < len; i++) a += x[r * ldx + i] * pt[i * PANEL + c];
-            y[r * ldy + c] = a;
-        }
-}
-#endif
-
-static int panel_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m,
-                        int64_t n, int64_t k, int32_t threads) {
-    int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
-    int64_t tiles = (n + PANEL - 1) / PANEL;
-    int failed = 0;
-    float *xr = malloc((size_t)(m * k) * sizeof(float)); /* x on the int8 grid */
-    if (!xr) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int32_t r = 0; r < m; r++) {
-            for (int64_t b = 0; b < nb; b++) {
-                xblock q;
-                quantize_row(x + (int64_t)r * k + b * QK, 1, &q);
-                for (int i = 0; i < QK; i++) xr[(int64_t)r * k + b * QK + i] = q.d * (float)q.q[i];
-            }
-        }
-        /* rows: the tile dequantized [16][K]; panel: transposed [K][16]; edge: y's
-         * columns of a last tile narrower than 16, [m][16] */
-        float *rows = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(float));
-        float *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(float));
-        float *edge = n % PANEL ? aligned_alloc(64, (size_t)(((m * PANEL + 15) / 16) * 16) * sizeof(float)) : NULL;
-        int ok = rows && panel && (edge || n % PANEL == 0);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (!ok) continue;
-            int64_t j0 = t * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
-            dequant_rows(w + j0 * row_bytes, rows, qtype, cols, nb);
-            if (cols < PANEL) memset(rows + cols * k, 0, (size_t)((PANEL - cols) * k) * sizeof(float));
-            for (int64_t i = 0; i < k; i += 8)
-                for (int g = 0; g < PANEL; g += 8)
-                    transpose8(rows + g * k + i, k, panel + i * PANEL + g, PANEL);
-            float *out = cols == PANEL ? y + j0 : edge;
-            int64_t ldy = cols == PANEL ? n : PANEL;
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                int64_t len = k - k0 < KC ? k - k0 : KC;
-                for (int32_t r = 0; r < m; r += MR) {
-                    int mr = m - r < MR ? m - r : MR;
-                    kern_any(xr + (int64_t)r * k + k0, k, panel + k0 * PANEL, len, mr,
-                             out + (int64_t)r * ldy, ldy, k0 > 0);
-                }
-            }
-            if (cols < PANEL)
-                for (int32_t r = 0; r < m; r++) memcpy(y + (int64_t)r * n + j0, edge + (int64_t)r * PANEL, (size_t)cols * sizeof(float));
-        }
-        free(rows);
-        free(panel);
-        free(edge);
-    }
-    free(xr);
-    return failed ? -1 : 0;
-}
-
-/* Rows of x from which the panel path is faster than the int8 one (bench/qlinear.py). */
-enum { PANEL_MIN_ROWS = 8 };
-/* How far ahead of the row it is reading each thread asks for the weights. The
- * hardware prefetcher follows one matrix streamed alone (30 gate_up projections in a
- * row: ~22 GB/s), but not a decode step, which reads four matrices a layer for ~40-160
- * us each: there all four at one row took 10.5 ms a step without this and 3.0-3.2 ms
- * with it (66 MB, ~21 GB/s; 1-8 KiB ahead measured alike, 2026-12-04). */
+/* How far ahead of the rows it is reading each thread asks for the weights. The
+ * hardware prefetcher follows one matrix streamed alone, but not a decode step, which
+ * reads four matrices a layer for ~40-160 us each (all four at one row took 10.5 ms a
+ * step without this and 3.0-3.2 ms with it, 2026-12-04). */
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
@@ -498,32 +419,63 @@ enum { PANEL_MIN_ROWS = 8 };
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads) {
     if (threads < 1) threads = 1;
-    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
-    if (m >= PANEL_MIN_ROWS) return panel_linear(x, w, y, qtype, m, n, k, threads);
+    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || m < 0) return -2;
+    if (m == 0 || n == 0) return 0;
     int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * (m > 0 ? m : 1)));
-    if (!xq) return -1;
+    int64_t groups = (m + 3) / 4;
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
+    /* each group of four rows' d and s values, [group][b][4] */
+    float *dx = calloc((size_t)(groups * nb * 4), sizeof(float));
+    float *sx = calloc((size_t)(groups * nb * 4), sizeof(float));
+    if (!xq || !dx || !sx) {
+        free(xq);
+        free(dx);
+        free(sx);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * k, nb, xq + r * nb);
+        for (int32_t r = 0; r < m; r++) {
+            quantize_row(x + (int64_t)r * k, nb, xq + (int64_t)r * nb);
+            for (int64_t b = 0; b < nb; b++) {
+                dx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].d;
+                sx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].s;
+            }
+        }
+        for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
+            int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
+            int64_t tiles = (n + TILE_N - 1) / TILE_N;
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            const uint8_t *wr = w + j * row_bytes;
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t j = t * TILE_N;
+                int cols = n - j < TILE_N ? (int)(n - j) : TILE_N;
+                const uint8_t *wr = w + j * row_bytes;
 #ifdef QL_AVX2
-            if ((j + 1) * row_bytes + PF_BYTES <= n * row_bytes)
-                for (int64_t o = 0; o < row_bytes; o += 64)
-                    _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
+                if (rows < 4 && (j + cols) * row_bytes + PF_BYTES <= n * row_bytes)
+                    for (int64_t o = 0; o < cols * row_bytes; o += 64)
+                        _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
 #endif
-            for (int32_t c = 0; c < m; c += MAX_ROWS) {
-                int32_t mr = m - c < MAX_ROWS ? m - c : MAX_ROWS;
-                float a[MAX_ROWS];
-                row_chunk(qtype, wr, xq + (int64_t)c * nb, nb, mr, a);
-                for (int32_t r = 0; r < mr; r++) y[(int64_t)(c + r) * n + j] = a[r];
+                int32_t r = r0;
+#ifdef QL_AVX2
+                if (qtype == GGML_Q4_1)
+                    for (; r + 8 <= r0 + rows; r += 8)
+                        for (int jj = 0; jj < cols; jj++)
+                            tall_q4_1(wr + jj * row_bytes, xq + (int64_t)r * nb,
+                                      dx + (int64_t)(r / 4) * nb * 4, sx + (int64_t)(r / 4) * nb * 4,
+                                      nb, y + (int64_t)r * n + j + jj, n);
+#endif
+                for (; r < r0 + rows; r += 4) {
+                    int rm = r0 + rows - r < 4 ? r0 + rows - r : 4;
+                    tile(qtype, wr, row_bytes, xq + (int64_t)r * nb, dx + (int64_t)(r / 4) * nb * 4,
+                         sx + (int64_t)(r / 4) * nb * 4, nb, rm, cols, y + (int64_t)r * n + j, n);
+                }
             }
         }
     }
     free(xq);
+    free(dx);
+    free(sx);
     return 0;
 }
 

@@ -1,0 +1,165 @@
+/* The arithmetic every CPU kernel shares, with its order of operations fixed, so that a
+ * result is one function of its inputs on every x86 build (docs/determinism.md).
+ *
+ * The kernels compile without -ffast-math and with -ffp-contract=off (gpu/native.py):
+ * the compiler may not reassociate a sum, fuse a multiply into an add, or call a vector
+ * math library whose width depends on the CPU. What is vectorized is written with
+ * intrinsics here, 8 fp32 lanes, and the portable C beside each intrinsic computes the
+ * same values lane by lane (fmaf is the same fused multiply-add), so the AVX2 build,
+ * an AVX-512 build and a build with no vector extensions give the same bits.
+ *
+ *   lanes      a sum over i goes to lane i % 8, each lane in order of i
+ *   tree       the lanes then add as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+ *   exp        exp_fixed: Cody-Waite range reduction and a degree-5 polynomial (Cephes
+ *              expf's), every step one rounding; within 2 ulp of expf on [-87, 88]
+ */
+#ifndef LIFECYCLE_FIXED_ORDER_H
+#define LIFECYCLE_FIXED_ORDER_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FO_AVX2 1
+#endif
+
+static inline float fo_tree8(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* exp(x), the clamp keeping 2^n normal: below -87.3 it is ~1e-38, not 0. */
+#define FO_EXP_HI 88.3762626647949f
+#define FO_EXP_LO -87.3365447504f
+#define FO_LOG2E 1.44269504088896341f
+#define FO_LN2_HI 0.693359375f
+#define FO_LN2_LO -2.12194440e-4f
+#define FO_P0 1.9875691500E-4f
+#define FO_P1 1.3981999507E-3f
+#define FO_P2 8.3334519073E-3f
+#define FO_P3 4.1665795894E-2f
+#define FO_P4 1.6666665459E-1f
+#define FO_P5 5.0000001201E-1f
+
+static inline float exp_fixed(float x) {
+    x = fminf(fmaxf(x, FO_EXP_LO), FO_EXP_HI);
+    float n = nearbyintf(x * FO_LOG2E);
+    float r = fmaf(n, -FO_LN2_HI, x);
+    r = fmaf(n, -FO_LN2_LO, r);
+    float p = fmaf(FO_P0, r, FO_P1);
+    p = fmaf(p, r, FO_P2);
+    p = fmaf(p, r, FO_P3);
+    p = fmaf(p, r, FO_P4);
+    p = fmaf(p, r, FO_P5);
+    float r2 = r * r;
+    float y = fmaf(p, r2, r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+#ifdef FO_AVX2
+static inline float fo_tree8_v(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The tree of each of eight vectors, as one vector [tree(a0), ..., tree(a7)]. */
+static inline __m256 fo_tree8x8(const __m256 *a) {
+    __m256 s[4];
+    for (int r = 0; r < 4; r++) /* [l0+l4 .. l3+l7 of a_r | the same of a_{r+4}] */
+        s[r] = _mm256_add_ps(_mm256_permute2f128_ps(a[r], a[r + 4], 0x20),
+                             _mm256_permute2f128_ps(a[r], a[r + 4], 0x31));
+    __m256 t0 = _mm256_unpacklo_ps(s[0], s[1]), t1 = _mm256_unpackhi_ps(s[0], s[1]);
+    __m256 t2 = _mm256_unpacklo_ps(s[2], s[3]), t3 = _mm256_unpackhi_ps(s[2], s[3]);
+    __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    /* c_k lane r = (l_k + l_{k+4}) of a_r: the tree is (c0 + c2) + (c1 + c3) */
+    return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
+}
+
+static inline __m256 exp_fixed_v(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(FO_EXP_LO)), _mm256_set1_ps(FO_EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(FO_LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-FO_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-FO_LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(FO_P0), r, _mm256_set1_ps(FO_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FO_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FO_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FO_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FO_P5));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* sum(x[i] * x[i]) in lanes and tree. */
+static inline float fo_sumsq(const float *x, int64_t n) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        a = _mm256_fmadd_ps(v, v, a);
+    }
+    float l[8];
+    _mm256_storeu_ps(l, a);
+#else
+    float l[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) l[j] = fmaf(x[i + j], x[i + j], l[j]);
+#endif
+    for (; i < n; i++) l[i % 8] = fmaf(x[i], x[i], l[i % 8]);
+    return fo_tree8(l);
+}
+
+/* sum(x[i]) in lanes and tree. */
+static inline float fo_sum(const float *x, int64_t n) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(x + i));
+    float l[8];
+    _mm256_storeu_ps(l, a);
+#else
+    float l[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) l[j] = l[j] + x[i + j];
+#endif
+    for (; i < n; i++) l[i % 8] = l[i % 8] + x[i];
+    return fo_tree8(l);
+}
+
+/* x[i] = exp_fixed(x[i] - sub). */
+static inline void fo_exp_sub(float *x, int64_t n, float sub) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    __m256 s = _mm256_set1_ps(sub);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp_fixed_v(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+#endif
+    for (; i < n; i++) x[i] = exp_fixed(x[i] - sub);
+}
+
+/* out[i] = g[i] / (1 + exp(-g[i])) * u[i]: SwiGLU's gate. */
+static inline void fo_swiglu(const float *g, const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 e = exp_fixed_v(_mm256_xor_ps(gv, neg));
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+}
+
+#endif
