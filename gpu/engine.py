@@ -199,6 +199,10 @@ class Engine:
         return seq
 
     def generator(self, seed: int | None) -> torch.Generator | None:
+        """The request's own generator, which only its rows draw from, a fixed amount per
+        step (``gpu.sampling``): a seed's tokens do not depend on what shares the batch.
+        Unseeded requests get one too, from a fresh random seed, so workers (``--dp``)
+        and restarts do not repeat each other's draws."""
         g = torch.Generator(device=self.loaded.device)
         g.manual_seed(random.getrandbits(63) if seed is None else seed & ((1 << 63) - 1))
         return g

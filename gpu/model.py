@@ -308,7 +308,12 @@ class Llama(nn.Module):
         """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
         With quantized weights the native norm, as the fused trunk's: torch's reduction
         order may change with the CPU's vector width (docs/determinism.md)."""
-        if self.quantized() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+        if (
+            self.quantized()
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+        ):
             return _kernels().rms_norm(x, self.norm, self.config.rms_eps)
         return F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
 

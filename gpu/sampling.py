@@ -131,34 +131,59 @@ def _process(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return logits
 
 
-def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
-    """Top-k / top-p / min-p on sorted probabilities, then an exponential-race draw."""
-    sort_needed = any(
-        r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows
+def _filters(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
+
+
+def _restrict(probs: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """Top-k / top-p / min-p: ``probs`` [K, V] with the dropped tokens set to 0, each row
+    in its vocabulary order. One stable sort, so tied probabilities keep the lower id first
+    whatever else shares the call."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)
+    v, dev = probs.shape[1], probs.device
+    # top_k may exceed the vocabulary (the wire allows any int64): that is all of it.
+    top_k = torch.tensor(
+        [min(r.params.top_k, v) if r.params.top_k > 0 else v for r in rows], device=dev
     )
-    idx: Tensor | None = None
-    if sort_needed:
-        probs, idx = probs.sort(dim=-1, descending=True)
-        v = probs.shape[1]
-        dev = probs.device
-        # top_k may exceed the vocabulary (the wire allows any int64): that is all of it.
-        top_k = torch.tensor(
-            [min(r.params.top_k, v) if r.params.top_k > 0 else v for r in rows], device=dev
-        )
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=probs.dtype)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=probs.dtype)
-        cum = probs.cumsum(dim=-1)
-        drop = (cum - probs) > top_p[:, None]
-        drop |= torch.arange(v, device=dev)[None, :] >= top_k[:, None]
-        drop |= probs < (probs[:, :1] * min_p[:, None])
-        probs = probs.masked_fill(drop, 0.0)
-    noise = torch.empty_like(probs)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=probs.dtype)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=probs.dtype)
+    drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
+    drop |= torch.arange(v, device=dev)[None, :] >= top_k[:, None]
+    drop |= sorted_p < (sorted_p[:, :1] * min_p[:, None])
+    return probs.masked_fill(torch.empty_like(drop).scatter_(1, idx, drop), 0.0)
+
+
+def _noise(like: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """Exponential noise, one row per row. A row with a generator (every seeded request)
+    takes one draw of V values from it, so what it consumes per step is fixed; the rows
+    without one (unseeded) share one draw from torch's generator."""
+    noise = torch.empty_like(like)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(shared) == len(rows):
+        return noise.exponential_()
     for i, r in enumerate(rows):
-        noise[i].exponential_(generator=r.generator)
-    pick = (probs / noise).argmax(dim=-1)
-    if idx is not None:
-        pick = idx.gather(1, pick[:, None])[:, 0]
-    return pick.tolist()
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    if shared:
+        sel = torch.tensor(shared, device=like.device)
+        noise.index_copy_(0, sel, torch.empty_like(noise[: len(shared)]).exponential_())
+    return noise
+
+
+def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    """Top-k / top-p / min-p on the rows that ask, then an exponential race (argmax of
+    p / E, E ~ Exp(1): a draw from p). The noise meets each token at its vocabulary id on
+    every row, so a row's token depends on its probabilities and its own generator only,
+    never on which other rows share the batch or what they filter (before, one row's
+    filter sorted every row and the noise met the tokens in probability order)."""
+    filtered = [i for i, r in enumerate(rows) if _filters(r.params)]
+    if len(filtered) == len(rows):
+        probs = _restrict(probs, rows)
+    elif filtered:
+        sel = torch.tensor(filtered, device=probs.device)
+        kept = _restrict(probs.index_select(0, sel), [rows[i] for i in filtered])
+        probs = probs.index_copy(0, sel, kept)
+    return (probs / _noise(probs, rows)).argmax(dim=-1).tolist()
 
 
 def _constrain(logits: Tensor, raw: Tensor, rows: list[int], bitmask: Tensor) -> None:

@@ -165,7 +165,10 @@ def test_fusion_applies_to_every_step_on_quantized_weights(
     slots, rows, lens = cache.row_queries() or (None, None, None)
     assert rows is not None and lens is not None  # mixed, a long chunk
     assert lens.tolist() == [4, *range(1, 71)] and rows.shape == (71, 5)
-    assert rows[1:].tolist() == [list(range(4, 9))] * 70 and rows[0].tolist() == (tables[0] + [0] * 5)[:5]
+    assert (
+        rows[1:].tolist() == [list(range(4, 9))] * 70
+        and rows[0].tolist() == (tables[0] + [0] * 5)[:5]
+    )
     cache.prepare([(tables[0], 4)], [])
     slots, rows, lens = cache.row_queries() or (None, None, None)
     assert rows is not None and lens is not None and lens.tolist() == [4]

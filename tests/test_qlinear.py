@@ -154,7 +154,10 @@ def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: st
         assert torch.equal(
             other.q_linear(x[:m], blocks, int(qtype)), kernels().q_linear(x[:m], blocks, int(qtype))
         ), (isa, m)
-    assert torch.equal(other.q_dequantize(blocks, int(qtype), 1536), kernels().q_dequantize(blocks, int(qtype), 1536))
+    assert torch.equal(
+        other.q_dequantize(blocks, int(qtype), 1536),
+        kernels().q_dequantize(blocks, int(qtype), 1536),
+    )
 
 
 def test_rejects_what_it_cannot_read() -> None:
