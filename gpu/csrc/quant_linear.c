@@ -32,9 +32,13 @@
  *
  * Calls tile the outputs: RM rows of x against RN rows of w, RM * RN accumulators in
  * registers, each weight block loaded once per RM rows and each x block once per RN
- * rows. Rows of x go in chunks of XCHUNK so a chunk's quantized rows stay in L2 while
- * every tile of weights passes them; threads split the weight rows (each output is one
- * thread's).
+ * rows: 8 x 1 while eight rows remain (the block's unpacking and scales shared by
+ * eight rows), then up to 4 x 2; one row of x (decode) streams two weight rows at a
+ * time (one for Q8_0: the LM head). Rows of x go in chunks of XCHUNK so a chunk's
+ * quantized rows stay in L2 while every tile of weights passes them; threads split the
+ * weight rows (each output is one thread's). bench/qlinear.py --rows times the shapes;
+ * against the fp32 panel path this replaced, SmolLM2's 30 layers at 1-32 rows take the
+ * same time, at 64-256 rows 1.17-1.29x as long (2026-12-05, Zen 2).
  *
  *   x [M, K] fp32 contiguous, K % 32 == 0; w [N, K / 32 * block bytes] (GGUF row-major);
  *   y [M, N] fp32 contiguous.
@@ -289,6 +293,28 @@ static void tall_q4_1(const uint8_t *w, const xblock *xq, const float *dx, const
     y[3 * ldy] = hsum(a3) + m[3], y[4 * ldy] = hsum(a4) + m[4], y[5 * ldy] = hsum(a5) + m[5];
     y[6 * ldy] = hsum(a6) + m[6], y[7 * ldy] = hsum(a7) + m[7];
 }
+static void tall_q8_0(const uint8_t *w, const xblock *xq, const float *dx, int64_t nb, float *y,
+                      int64_t ldy) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *dx2 = dx + nb * 4;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        __m256i aw = _mm256_sign_epi8(qw, qw);
+        __m128 dv = _mm_set1_ps(half_to_float(blk));
+        float s[8];
+        _mm_storeu_ps(s, _mm_mul_ps(dv, _mm_loadu_ps(dx + b * 4)));
+        _mm_storeu_ps(s + 4, _mm_mul_ps(dv, _mm_loadu_ps(dx2 + b * 4)));
+#define T(r, a) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r),                              \
+                                    dot_us8(aw, _mm256_sign_epi8(_mm256_loadu_si256(         \
+                                                    (const __m256i *)xq[r * nb + b].q), qw)), a);
+        T(0, a0) T(1, a1) T(2, a2) T(3, a3) T(4, a4) T(5, a5) T(6, a6) T(7, a7)
+#undef T
+    }
+    y[0] = hsum(a0), y[ldy] = hsum(a1), y[2 * ldy] = hsum(a2), y[3 * ldy] = hsum(a3);
+    y[4 * ldy] = hsum(a4), y[5 * ldy] = hsum(a5), y[6 * ldy] = hsum(a6), y[7 * ldy] = hsum(a7);
+}
+
 DEF_ROW_Q4_1(1) DEF_ROW_Q4_1(2)
 DEF_ROW_Q8_0(1) DEF_ROW_Q8_0(2)
 #else
@@ -445,11 +471,14 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         }
         for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
             int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
-            int64_t tiles = (n + TILE_N - 1) / TILE_N;
+            /* one Q8_0 weight row at a time for one row of x (the LM head at decode):
+             * one stream of weights a thread streams faster than two interleaved */
+            const int tn = rows == 1 && qtype == GGML_Q8_0 ? 1 : TILE_N;
+            int64_t tiles = (n + tn - 1) / tn;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
-                int64_t j = t * TILE_N;
-                int cols = n - j < TILE_N ? (int)(n - j) : TILE_N;
+                int64_t j = t * tn;
+                int cols = n - j < tn ? (int)(n - j) : tn;
                 const uint8_t *wr = w + j * row_bytes;
 #ifdef QL_AVX2
                 if (rows < 4 && (j + cols) * row_bytes + PF_BYTES <= n * row_bytes)
@@ -458,12 +487,16 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
 #endif
                 int32_t r = r0;
 #ifdef QL_AVX2
-                if (qtype == GGML_Q4_1)
-                    for (; r + 8 <= r0 + rows; r += 8)
-                        for (int jj = 0; jj < cols; jj++)
-                            tall_q4_1(wr + jj * row_bytes, xq + (int64_t)r * nb,
-                                      dx + (int64_t)(r / 4) * nb * 4, sx + (int64_t)(r / 4) * nb * 4,
-                                      nb, y + (int64_t)r * n + j + jj, n);
+                for (; r + 8 <= r0 + rows; r += 8)
+                    for (int jj = 0; jj < cols; jj++) {
+                        const float *d8 = dx + (int64_t)(r / 4) * nb * 4;
+                        float *y8 = y + (int64_t)r * n + j + jj;
+                        if (qtype == GGML_Q4_1)
+                            tall_q4_1(wr + jj * row_bytes, xq + (int64_t)r * nb, d8,
+                                      sx + (int64_t)(r / 4) * nb * 4, nb, y8, n);
+                        else
+                            tall_q8_0(wr + jj * row_bytes, xq + (int64_t)r * nb, d8, nb, y8, n);
+                    }
 #endif
                 for (; r < r0 + rows; r += 4) {
                     int rm = r0 + rows - r < 4 ? r0 + rows - r : 4;
