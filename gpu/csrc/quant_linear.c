@@ -48,6 +48,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "fixed_order.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
@@ -134,13 +136,6 @@ static void quantize_row(const float *x, int64_t nb, xblock *out) {
 /* The tile: y[rm * ldy + jn] for rm < RM rows of x (xq, rows nb blocks apart) and jn < RN
  * rows of w (row_bytes apart). RM and RN are constants after inlining. */
 #ifdef QL_AVX2
-static inline float hsum(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Lane l: the sum of unsigned(a) * signed(b) over bytes 4l .. 4l+3, exact, as fp32. */
 static inline __m256 dot_us8(__m256i a, __m256i b) {
     __m256i p16 = _mm256_maddubs_epi16(a, b);
@@ -182,7 +177,7 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
             }                                                                                 \
         }                                                                                     \
         _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++)                                  \
-        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[r * ldy + c] = hsum(acc[r][c]); \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[r * ldy + c] = fo_tree8_v(acc[r][c]); \
     }
 
 #define DEF_TILE_Q4_1(RM, RN)                                                                 \
@@ -216,7 +211,7 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
             float m[4];                                                                       \
             _mm_storeu_ps(m, ms[c]);                                                          \
             _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++)                              \
-                y[r * ldy + c] = hsum(acc[r][c]) + m[r];                                      \
+                y[r * ldy + c] = fo_tree8_v(acc[r][c]) + m[r];                                   \
         }                                                                                     \
     }
 
@@ -243,7 +238,7 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
             }                                                                                 \
         }                                                                                     \
         _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++)                                  \
-            y[c] = hsum(acc[c]) + _mm_cvtss_f32(_mm_shuffle_ps(ms[c], ms[c], 1));            \
+            y[c] = fo_tree8_v(acc[c]) + _mm_cvtss_f32(_mm_shuffle_ps(ms[c], ms[c], 1));            \
     }
 
 #define DEF_ROW_Q8_0(RN)                                                                      \
@@ -260,7 +255,7 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
                 acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * xq[b].d), p, acc[c]); \
             }                                                                                 \
         }                                                                                     \
-        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[c] = hsum(acc[c]);            \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) y[c] = fo_tree8_v(acc[c]);            \
     }
 /* Eight rows of x against one weight row: the weight block's unpacking and scale work
  * shared by eight rows. dx and sx hold two groups of four rows, nb * 4 floats apart. */
@@ -289,9 +284,8 @@ static void tall_q4_1(const uint8_t *w, const xblock *xq, const float *dx, const
     float m[8];
     _mm_storeu_ps(m, m0);
     _mm_storeu_ps(m + 4, m1);
-    y[0] = hsum(a0) + m[0], y[ldy] = hsum(a1) + m[1], y[2 * ldy] = hsum(a2) + m[2];
-    y[3 * ldy] = hsum(a3) + m[3], y[4 * ldy] = hsum(a4) + m[4], y[5 * ldy] = hsum(a5) + m[5];
-    y[6 * ldy] = hsum(a6) + m[6], y[7 * ldy] = hsum(a7) + m[7];
+    const __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int r = 0; r < 8; r++) y[r * ldy] = fo_tree8_v(a[r]) + m[r];
 }
 static void tall_q8_0(const uint8_t *w, const xblock *xq, const float *dx, int64_t nb, float *y,
                       int64_t ldy) {
@@ -311,17 +305,14 @@ static void tall_q8_0(const uint8_t *w, const xblock *xq, const float *dx, int64
         T(0, a0) T(1, a1) T(2, a2) T(3, a3) T(4, a4) T(5, a5) T(6, a6) T(7, a7)
 #undef T
     }
-    y[0] = hsum(a0), y[ldy] = hsum(a1), y[2 * ldy] = hsum(a2), y[3 * ldy] = hsum(a3);
-    y[4 * ldy] = hsum(a4), y[5 * ldy] = hsum(a5), y[6 * ldy] = hsum(a6), y[7 * ldy] = hsum(a7);
+    const __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int r = 0; r < 8; r++) y[r * ldy] = fo_tree8_v(a[r]);
 }
 
 DEF_ROW_Q4_1(1) DEF_ROW_Q4_1(2)
 DEF_ROW_Q8_0(1) DEF_ROW_Q8_0(2)
 #else
 /* Portable C: the same function, lane by lane (fmaf is the fused multiply-add). */
-static inline float hsum8(const float *l) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
 
 static void tile_q8_0(const uint8_t *w, int64_t row_bytes, const xblock *xq, int64_t nb, int RM,
                       int RN, float *y, int64_t ldy) {
@@ -339,7 +330,7 @@ static void tile_q8_0(const uint8_t *w, int64_t row_bytes, const xblock *xq, int
                     lane[l] = fmaf(scale, (float)dot, lane[l]);
                 }
             }
-            y[r * ldy + c] = hsum8(lane);
+            y[r * ldy + c] = fo_tree8(lane);
         }
 }
 
@@ -363,7 +354,7 @@ static void tile_q4_1(const uint8_t *w, int64_t row_bytes, const xblock *xq, con
                 float mt = half_to_float(blk + 2) * sx[b * 4 + r];
                 msum = msum + mt;
             }
-            y[r * ldy + c] = hsum8(lane) + msum;
+            y[r * ldy + c] = fo_tree8(lane) + msum;
         }
 }
 #endif
