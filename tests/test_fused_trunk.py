@@ -28,7 +28,10 @@ pytestmark = pytest.mark.skipif(
     native.load_kernels() is None, reason="the fused step needs the native kernels"
 )
 BS = 16
-QUANTIZED_BOUNDS = (3.0, 0.85)  # tests/test_model.py INVARIANCE["quantized"]
+# The torch path against the fused one on the bundled model: max logit difference and
+# top-1 agreement over the 231 positions of LONG_TEXT (measured 2026-12-05, Zen 2: 1.73
+# and 0.965, 8 rows flipped; a flip rate of 0.035 has a binomial sd of 0.012 there).
+QUANTIZED_BOUNDS = (3.0, 0.85)
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +229,26 @@ def test_a_token_is_one_function_of_its_prefix(qlm: LoadedModel) -> None:
         assert torch.equal(got[1], whole[1]), (cuts, others)
 
 
+LONG_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
+    "as his father had, and lit the lamp before the fishing boats came home across the grey "
+    "water of the bay. In the village below, the baker was pulling the last loaves from the "
+    "oven, and the children ran along the harbour wall shouting the names of the boats they "
+    "could see. def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) "
+    "if a[0] < b[0] else b.pop(0))\n    return out + a + b\n Photosynthesis turns light, water "
+    "and carbon dioxide into sugar and oxygen; the chlorophyll in the leaves absorbs red and "
+    "blue light and reflects green. 1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377. "
+    "Le chat dort sur le canapé pendant que la pluie tombe sur les toits de Paris."
+)
+
+
 @pytest.mark.model
 def test_fused_step_on_smollm2(cpu_model: LoadedModel) -> None:
-    """The bundled model: a decode alone equals it in a batch of five with a prompt chunk
-    beside it, bit for bit; against the torch path, 60 teacher-forced positions within
-    the quantized bounds (argmax agreement over 60 rows, so that one row meeting an int8
-    rounding boundary on some CPU moves it by 1/60)."""
+    """The bundled model: a decode alone equals it in a batch of five, bit for bit;
+    against the torch path, every position of a 200+ token text within the quantized
+    bounds. Which rows' argmax flip depends on where torch's sums meet an int8 rounding
+    boundary, so on the CPU; over 200+ rows a flip rate near the measured one sits
+    several binomial standard deviations above the bound."""
     if not cpu_model.model.quantized():
         pytest.skip("the default model loaded with fp32 weights")
     tok = cpu_model.tokenizer
@@ -242,10 +259,8 @@ def test_fused_step_on_smollm2(cpu_model: LoadedModel) -> None:
     alone = _both(cpu_model, prompts[:1], new[:1])[1]
     batch = _both(cpu_model, prompts, new)[1]
     assert torch.equal(batch[:1], alone)
-    text = ("The old lighthouse keeper climbed the spiral stairs every evening, counting "
-            "the steps as his father had, and lit the lamp before the fishing boats came "
-            "home across the grey water of the bay.")  # fmt: skip
-    ids = tok.encode(text)[:60]
+    ids = tok.encode(LONG_TEXT)
+    assert len(ids) >= 200
     cache = PagedKVCache(cpu_model.config, -(-len(ids) // BS), BS)
     table = list(range(cache.num_blocks))
     pos = list(range(len(ids)))
