@@ -33,9 +33,10 @@ def model_server():  # noqa: ANN201 (str: the base URL)
     """One ``lifecycle serve`` process on the real model, shared by the end-to-end modules.
 
     fp32 weights: these modules check results across batch shapes and cached prefixes
-    to 1e-5, which holds for fp32 and not for the quantized kernel's int8-rounded
-    activations (tests/test_model.py states those bounds); the quantized default is
-    served end to end by the modules that start their own server."""
+    to 1e-5, which keeps the fp32 path (CUDA's, --tp's) covered end to end; the quantized
+    default holds the same results bit for bit (docs/determinism.md) and is served end
+    to end by tests/test_determinism_served.py and the modules that start their own
+    server."""
     from tests.scripted import lifecycle_server
 
     with lifecycle_server(

@@ -35,7 +35,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
 @pytest.fixture(scope="module")
 def fp32_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
     """fp32 weights, for tests that compare runs in a batch with runs alone token for
-    token (the quantized kernel's int8-rounded activations do not keep that exactly)."""
+    token on the fp32 path (the quantized default keeps that bit for bit too:
+    tests/test_determinism_served.py)."""
     yield from _worker(str(tmp_path_factory.mktemp("wk") / "w.sock"), "--weights", "fp32")
 
 
