@@ -116,6 +116,7 @@ def _hello(engine: Engine) -> wire.Hello:
     model = {
         "name": mc.name,
         "path": str(lm.path),
+        "file_bytes": os.path.getsize(lm.path),  # with path: the model's identity in traces
         "arch": mc.arch,
         "vocab_size": mc.vocab_size,
         "context_length": mc.context_length,

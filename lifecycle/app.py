@@ -30,6 +30,7 @@ from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor
 from lifecycle.runtime import AppConfig, Runtime, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
+from lifecycle.tracing.replay import replay_in_process
 from lifecycle.tracing.tracer import Tracer
 from transport import Handler, Request, Response, Server, ServerConfig
 
@@ -94,7 +95,12 @@ async def serve_app(
             router.access_log = access
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
             if rt.tracer is not None:
-                install_debug(router, rt.tracer, enabled=cfg.debug_routes)
+                served_id = rt.served_model_id(frontend)
+
+                async def replay(trace: dict[str, Any]) -> dict[str, Any]:
+                    return await replay_in_process(frontend, trace, served_id)
+
+                install_debug(router, rt.tracer, enabled=cfg.debug_routes, replay=replay)
             handler[0] = router
             task_status.started(
                 App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)

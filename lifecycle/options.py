@@ -222,6 +222,14 @@ OPTIONS: tuple[Option, ...] = (
     _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3),
     _o("trace_ring_size", "finished traces kept", _TRACE, type=int, default=1000),
     _o(
+        "trace_prompts",
+        "record each finished request's prompt and output token ids, sampling parameters "
+        "and model identity in its trace, so that `lifecycle trace replay` can rerun it "
+        "(off by default: prompts may be private)",
+        _TRACE,
+        **_SWITCH,
+    ),
+    _o(
         "otlp_traces_endpoint",
         "export one OpenTelemetry span per request to this OTLP/HTTP endpoint "
         "(e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra)",
@@ -297,6 +305,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
             log_path=v["trace_log"],
             log_max_bytes=v["trace_log_max_bytes"],
             log_backups=v["trace_log_backups"],
+            record_prompts=v["trace_prompts"],
         ),
         debug_routes=not v["disable_debug_routes"],
     )

@@ -7,6 +7,7 @@ chat template, the frontend, the tracer and the metrics, built from one ``AppCon
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -18,16 +19,20 @@ import anyio.abc
 from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
 from lifecycle.api.metrics import Metrics
 from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
-from lifecycle.tracing.tracer import TraceConfig, Tracer, worker_probe
+from lifecycle.tracing.replay import replay_record
+from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, worker_probe
 from wire.auth import resolve_token
 
 if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
 
 __all__ = ["AppConfig", "Runtime", "server_args", "worker_addresses", "worker_args"]
+
+log = logging.getLogger("lifecycle.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,8 @@ class Runtime:
         if cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)
             tg.start_soon(self.tracer.run)
+        elif cfg.trace.record_prompts:
+            log.warning("--trace-prompts records nothing without debug routes or --trace-log")
         if self._otlp_endpoint is not None:
             self.otlp = self._otlp(fe, self._otlp_endpoint)
         return fe
@@ -177,15 +184,29 @@ class Runtime:
 
     def _tracer(self, fe: Frontend) -> Tracer:
         probe = worker_probe(self.worker_name)
-        tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe)
+        recorder = self._recorder(fe) if self.config.trace.record_prompts else None
+        tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe, recorder=recorder)
         tracer.install()
         return tracer
+
+    def served_model_id(self, fe: Frontend) -> str | None:
+        return self.config.served_model_name or getattr(fe.model_config, "name", None)
+
+    def _recorder(self, fe: Frontend) -> Recorder:
+        """--trace-prompts: what a finished request's trace keeps to replay it, read from
+        its call (still live at its records' terminal edges)."""
+        served_id = self.served_model_id(fe)
+
+        def record(rec: RequestRecord) -> dict[str, Any] | None:
+            call = fe.calls.of(rec.id)
+            return None if call is None else replay_record(call, rec, served_id)
+
+        return record
 
     def _otlp(self, fe: Frontend, endpoint: str) -> OtlpExporter:
         from lifecycle.tracing.otel import OtlpConfig, OtlpExporter
 
-        model = self.config.served_model_name or getattr(fe.model_config, "name", None)
-        config = OtlpConfig(endpoint, model=model)
+        config = OtlpConfig(endpoint, model=self.served_model_id(fe))
         otlp = OtlpExporter(config, worker=self.worker_name)
         otlp.install(fe)
         return otlp

@@ -14,6 +14,8 @@ from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
+from lifecycle.tracing.debug import install_debug
+from lifecycle.tracing.tracer import Tracer
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 
@@ -39,7 +41,12 @@ def test_every_installed_route_is_specified() -> None:
     ScoreAPI.install(ScoreAPI.__new__(ScoreAPI), recorder)  # type: ignore[arg-type]
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
+    install_debug(recorder, Tracer(), replay=_no_replay)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
+
+
+async def _no_replay(trace: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("only installed, never called")
 
 
 def test_core_request_path_does_not_import_transport() -> None:

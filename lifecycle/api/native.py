@@ -305,7 +305,10 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
         except (TimeoutError, ConnectionError) as exc:
             state["stats_error"] = str(exc) or type(exc).__name__
         state.update(
-            in_flight=client.in_flight, dispatch_queue=client.queued, capacity=client.capacity
+            in_flight=client.in_flight,
+            dispatch_queue=client.queued,
+            capacity=client.capacity,
+            model=client.model,  # the HELLO's model card: what `trace replay` compares
         )
     return state
 

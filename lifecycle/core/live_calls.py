@@ -51,6 +51,10 @@ class LiveCalls(Generic[C]):
     def track(self, rec_id: int, call: C) -> None:
         self._by_record[rec_id] = call
 
+    def of(self, rec_id: int) -> C | None:
+        """The live call that owns record ``rec_id`` (until it closes)."""
+        return self._by_record.get(rec_id)
+
     def untrack(self, rec_id: int) -> None:
         self._by_record.pop(rec_id, None)
         if not self._by_record and self._none_left is not None:

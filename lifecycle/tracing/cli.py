@@ -7,10 +7,12 @@
     lifecycle trace slowest -n 10 --by queued --url http://127.0.0.1:30000
     lifecycle trace errors deadline --log traces.jsonl --since 15m
     lifecycle trace list --status 503 --since 2026-12-02T12:00:00Z --until 5m
+    lifecycle trace replay 42 --url http://127.0.0.1:30000  # rerun it, compare the tokens
 
 ``--log`` reads the file and its rotated backups (``PATH.1`` ...); ``--url`` reads the
 ring of a running server (``/debug/traces``; ``--key`` for the admin key). ``--json``
-prints machine-readable answers.
+prints machine-readable answers. ``replay`` (docs/replay.md) exits 0 when the rerun gave
+the recorded ids, 1 when they part, 2 when it could not run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from lifecycle.tracing.query import (
     state_summary,
     timeline,
     with_cause,
+)
+from lifecycle.tracing.replay import (
+    ReplayRefused,
+    compare,
+    generate_body,
+    model_identity,
+    replay_of,
 )
 
 __all__ = ["add_trace_parser", "load_traces", "run_trace"]
@@ -63,13 +72,28 @@ def add_trace_parser(sub: Any) -> None:
     sl.add_argument("--by", default="total", help="total, or a state (e.g. queued)")
     er = actions.add_parser("errors", parents=[common], help="requests that ended in a cause")
     er.add_argument("cause")
+    rp = actions.add_parser(
+        "replay",
+        help="rerun a finished request from its trace (recorded with serve --trace-prompts) "
+        "and say whether its tokens are the same; exit 0 identical, 1 parted, 2 error",
+    )
+    rp.add_argument("request", help="internal id or client rid")
+    rp.add_argument("--url", required=True, help="the server to rerun it on (and read it from)")
+    rp.add_argument("--log", help="read the trace from this log instead of the server")
+    rp.add_argument("--key", default=None, help="API or admin key for --url")
+    rp.add_argument("--timeout", type=float, default=300.0, help="seconds for the rerun")
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _fetch(url: str, key: str | None) -> Any:
-    req = urllib.request.Request(url)
+def _fetch(url: str, key: str | None, body: Any = None, timeout: float = 30) -> Any:
+    """GET ``url`` (POST ``body`` as JSON when given) and read the JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data)
+    if data is not None:
+        req.add_header("content-type", "application/json")
     if key:
         req.add_header("authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -156,6 +180,8 @@ def _answer(args: argparse.Namespace) -> tuple[Any, list[Trace] | None]:
 
 
 def run_trace(args: argparse.Namespace) -> int:
+    if args.trace_action == "replay":
+        return run_replay(args)
     answer, rows = _answer(args)
     if args.json:
         json.dump(answer, sys.stdout, indent=1)
@@ -176,3 +202,103 @@ def run_trace(args: argparse.Namespace) -> int:
             print(_line(t, extra))
         print(f"({len(rows or [])} requests)")
     return 0
+
+
+# -- replay -------------------------------------------------------------------------------
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """``lifecycle trace replay``: 0 identical, 1 parted, 2 could not run (said why)."""
+    try:
+        report = _replay(args)
+    except ReplayRefused as exc:
+        print(f"lifecycle trace replay: {exc.message}", file=sys.stderr)
+        return 2
+    except urllib.error.HTTPError as exc:
+        print(f"lifecycle trace replay: {exc.url}: {_http_error(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # unreachable server, a reply that is not JSON
+        print(f"lifecycle trace replay: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print_replay(report)
+    return 0 if report["identical"] else 1
+
+
+def _replay(args: argparse.Namespace) -> dict[str, Any]:
+    base = args.url.rstrip("/")
+    trace = _trace_to_replay(args, base)
+    record = replay_of(trace)
+    reply = _fetch(base + "/generate", args.key, generate_body(record), args.timeout)
+    report = compare(record, reply, _server_model(base, args.key))
+    report["request"] = {"id": trace.get("id"), "rid": trace.get("rid")}
+    return report
+
+
+def _trace_to_replay(args: argparse.Namespace, base: str) -> Trace:
+    if args.log:
+        from lifecycle.tracing.store import read_log
+
+        found = find(read_log(args.log), args.request)
+        where = args.log
+    else:
+        found = _lookup_live(args, args.request)
+        where = base
+    if found is None:
+        raise ReplayRefused(404, f"no request {args.request!r} in {where}")
+    return found
+
+
+def _server_model(base: str, key: str | None) -> dict[str, Any] | None:
+    """The model the server runs now (``/model_info`` and the first worker's HELLO in
+    ``/server_info``), or None when it does not say."""
+    try:
+        info, served = _fetch(base + "/server_info", key), _fetch(base + "/model_info", key)
+    except (OSError, ValueError):
+        return None
+    states = [s for s in info.get("internal_states") or [] if isinstance(s.get("model"), dict)]
+    if not states:
+        return None
+    return model_identity(served.get("served_model_name"), states[0]["model"],
+                          states[0].get("capacity") or {})  # fmt: skip
+
+
+def _http_error(exc: urllib.error.HTTPError) -> str:
+    try:
+        message = json.loads(exc.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = exc.reason
+    return f"{exc.code} {message}"
+
+
+def _token(token: int | None, text: str | None) -> str:
+    if token is None:
+        return "(none: this output ended here)"
+    return f"{token} {text!r}" if text is not None else str(token)
+
+
+def _logprob(lp: float | None) -> str:
+    return "-" if lp is None else f"{lp:.4f}"
+
+
+def _print_replay(r: dict[str, Any]) -> None:
+    who = f"request {r['request']['id']}" + (
+        f" (rid {r['request']['rid']})" if r["request"]["rid"] else ""
+    )
+    for warning in r["warnings"]:
+        print(f"warning: {warning}")
+    if r["identical"]:
+        n = sum(len(ids) for ids in r["recorded_ids"])
+        print(f"{who}: identical ({n} tokens)")
+        return
+    sample = f" of sample {r['sample']}" if len(r["recorded_ids"]) > 1 else ""
+    print(f"{who}: parted at token {r['parted_at']}{sample}")
+    lp = r["logprobs"] or {}
+    texts = lp.get("texts") or {}
+    print(f"  recorded {_token(r['recorded'], texts.get('recorded'))}, "
+          f"logprob in the replay {_logprob(lp.get('recorded'))}")  # fmt: skip
+    print(f"  replayed {_token(r['replayed'], texts.get('replayed'))}, "
+          f"logprob {_logprob(lp.get('replayed'))}")  # fmt: skip

@@ -7,6 +7,8 @@
     GET /debug/requests/{key}   one request's trace, by internal id or client rid
     GET /debug/traces           the finished traces the ring holds (the CLI's --url source)
     GET /debug/feed             WebSocket: one JSON message per tick with every transition
+    POST /debug/requests/{key}/replay   rerun a finished request from its trace (with
+                                ``replay``: the server's ``replay_in_process``; docs/replay.md)
 
 ``auth`` is the server's admin check: called with the request, a false (or awaited
 false) answer is a 401. Browsers cannot put headers on a WebSocket, so an auth hook that
@@ -20,10 +22,12 @@ import inspect
 from collections.abc import Awaitable, Callable
 from functools import cache
 from importlib import resources
+from typing import Any
 
 import anyio
 
 from lifecycle.tracing.query import filter_traces, parse_time
+from lifecycle.tracing.replay import ReplayRefused
 from lifecycle.tracing.tracer import Tracer
 from transport import (
     HTTPError,
@@ -37,9 +41,12 @@ from transport import (
 )
 from transport.routing import Handler
 
-__all__ = ["Auth", "admin_auth", "install_debug", "page_html"]
+__all__ = ["Auth", "Replay", "admin_auth", "install_debug", "page_html"]
 
 Auth = Callable[[Request], bool | Awaitable[bool]]
+# Reruns a finished request from its trace and reports how the new ids compare
+# (``lifecycle.tracing.replay.compare``); raises ``ReplayRefused`` when it cannot.
+Replay = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def admin_auth(key: str) -> Auth:
@@ -82,8 +89,10 @@ def install_debug(
     *,
     enabled: bool = True,
     auth: Auth | None = None,
+    replay: Replay | None = None,
 ) -> None:
-    """Add the debug routes to ``router`` (nothing when ``enabled`` is false).
+    """Add the debug routes to ``router`` (nothing when ``enabled`` is false; the replay
+    route only with ``replay``).
 
     The tracer must be installed (``with tracer:``) and its ``run()`` driver running for
     the feed to move; the other routes work without it.
@@ -97,23 +106,33 @@ def install_debug(
     async def requests(request: Request) -> Response:
         return JSONResponse({"counts": tracer.counts(), "requests": tracer.live()})
 
-    async def one(request: Request) -> Response:
+    def trace_of(request: Request) -> dict[str, Any]:
         key = request.path_params["key"]
         trace = tracer.lookup(key)
         if trace is None:
             raise HTTPError(404, f"No live or recorded request {key!r}")
-        return JSONResponse(trace)
+        return trace
+
+    async def one(request: Request) -> Response:
+        return JSONResponse(trace_of(request))
+
+    async def rerun(request: Request) -> Response:
+        assert replay is not None
+        try:
+            return JSONResponse(await replay(trace_of(request)))
+        except ReplayRefused as exc:
+            raise HTTPError(exc.status, exc.message) from None
 
     async def traces(request: Request) -> Response:
         q = {k: v[-1] for k, v in request.query().items()}
         try:
             since = parse_time(q["since"]) if "since" in q else None
             until = parse_time(q["until"]) if "until" in q else None
-        except ValueError as exc:
+            found = filter_traces(
+                tracer.finished_traces(), since=since, until=until, status=q.get("status")
+            )
+        except ValueError as exc:  # a time or a status it cannot read: says which
             raise HTTPError(400, str(exc)) from None
-        found = filter_traces(
-            tracer.finished_traces(), since=since, until=until, status=q.get("status")
-        )
         return JSONResponse({"traces": found})
 
     async def feed(request: Request) -> Response:
@@ -127,6 +146,8 @@ def install_debug(
         ("/debug/feed", feed),
     ):
         router.add("GET", path, _guarded(handler, auth))
+    if replay is not None:
+        router.add("POST", "/debug/requests/{key}/replay", _guarded(rerun, auth))
 
 
 async def _feed_session(ws: WebSocket, tracer: Tracer) -> None:

@@ -106,7 +106,7 @@ class FinishedTrace:
             for name, event in HANDOFFS.items()
         }
         cause = rec.cause
-        return {
+        out: dict[str, Any] = {
             "id": rec.id,
             "rid": rec.client_rid,
             "state": rec.state._value_,
@@ -123,6 +123,10 @@ class FinishedTrace:
             "transitions": transitions,
             "handoffs": handoffs,
         }
+        replay = self.extra.get("replay")
+        if replay is not None:  # only with --trace-prompts (lifecycle.tracing.replay)
+            out["replay"] = replay
+        return out
 
 
 def live_summary(rec: RequestRecord, now_ns: int, extra: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +35,18 @@ from lifecycle.core.registry import Registry
 from lifecycle.core.states import TERMINAL, Event, State
 from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 
-__all__ = ["Probe", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
+__all__ = ["Probe", "Recorder", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
+
+log = logging.getLogger("lifecycle.tracing")
 
 _DONE, _ERROR, _DISPATCH = State.DONE, State.ERROR, Event.DISPATCH
 assert frozenset({_DONE, _ERROR}) == TERMINAL
 
 # What the tracer asks about a request beyond its record: {"tokens": int, "worker": str}.
 Probe = Callable[[RequestRecord], dict[str, Any]]
+# What a finished request's trace keeps to replay it (``lifecycle.tracing.replay``): its
+# prompt and output ids, sampling parameters and model; None when there is nothing to keep.
+Recorder = Callable[[RequestRecord], dict[str, Any] | None]
 
 
 def worker_probe(worker: Callable[[], str | None]) -> Probe:
@@ -73,6 +79,7 @@ class TraceConfig:
     feed_max_pending: int = 50_000  # edges held for the next message; past it: resync
     subscriber_queue: int = 32  # messages a slow feed client may lag; past it: resync
     max_awaiting_release: int = 10_000  # terminal and still held (or live and released)
+    record_prompts: bool = False  # --trace-prompts: prompt and output ids, for replay
 
 
 class Tracer:
@@ -84,10 +91,14 @@ class Tracer:
         *,
         registry: Registry | None = None,
         probe: Probe = default_probe,
+        recorder: Recorder | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.probe = probe
+        # Asked once per finished request, and only with ``record_prompts``: prompts may
+        # be private, so without it no trace holds a prompt or output id.
+        self.recorder = recorder if config.record_prompts else None
         self.ring = TraceRing(config.ring_size)
         self.log = (
             TraceLog(config.log_path, config.log_max_bytes, config.log_backups)
@@ -167,7 +178,16 @@ class Tracer:
         self.finished += 1
         if rec.cause is not None:
             self.failed += 1
-        ft = FinishedTrace(rec, t_ns, self.probe(rec))
+        extra = self.probe(rec)
+        if self.recorder is not None:
+            try:
+                replay = self.recorder(rec)
+            except Exception:  # a recorder's bug must not break the request's last edge
+                log.exception("recording request %d for replay failed", rec.id)
+                replay = None
+            if replay is not None:
+                extra["replay"] = replay
+        ft = FinishedTrace(rec, t_ns, extra)
         self.ring.add(ft)
         early = self._released_early.pop(rec.id, None)
         if early is not None:
