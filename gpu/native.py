@@ -99,33 +99,29 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     ``portable`` every extension (to compare builds, or on a CPU whose flag is listed
     but slow)."""
     isa = isa or native_isa()
-    if isa == "portable":
+    flags = _cpu_flag_set()
+    if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
         return ()
+    if "avx512f" in flags and isa == "auto":
+        return ("-mavx2", "-mfma", "-mf16c", "-mavx512f")
+    return ("-mavx2", "-mfma", "-mf16c")
+
+
+def _cpu_flag_set() -> frozenset[str]:
+    """The first ``flags`` line of /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            if not {"avx2", "fma", "f16c"} <= flags:
-                return ()
-            if "avx512f" in flags and isa == "auto":
-                return ("-mavx2", "-mfma", "-mf16c", "-mavx512f")
-            return ("-mavx2", "-mfma", "-mf16c")
-    return ()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def cpu_has(flag: str) -> bool:
     """Whether /proc/cpuinfo lists ``flag`` (tests that compare builds)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(
-        line.startswith("flags") and flag in line.split(":", 1)[1].split()
-        for line in text.splitlines()
-    )
+    return flag in _cpu_flag_set()
 
 
 class NativeKernels:
