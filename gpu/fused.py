@@ -49,6 +49,12 @@ class LayerWeights(Protocol):
     def gate_up(self) -> Any: ...
     @property
     def down(self) -> Any: ...
+    @property
+    def bqkv(self) -> Tensor | None: ...
+    @property
+    def q_norm(self) -> Tensor | None: ...
+    @property
+    def k_norm(self) -> Tensor | None: ...
 
 
 class _Layer(ctypes.Structure):
@@ -67,7 +73,14 @@ class _Layer(ctypes.Structure):
         ("t_down", _i32),
         ("kc", _p),
         ("vc", _p),
+        ("bqkv", _p),
+        ("q_norm", _p),
+        ("k_norm", _p),
     ]
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class FusedTrunk:
@@ -89,7 +102,8 @@ class FusedTrunk:
                 layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                 qkv.blocks.data_ptr(), o.blocks.data_ptr(), gu.blocks.data_ptr(),
                 down.blocks.data_ptr(), qkv.qtype, o.qtype, gu.qtype, down.qtype,
-                cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+                cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
+                _ptr(layer.q_norm), _ptr(layer.k_norm),
             )  # fmt: skip
         self.table = table
         self.scale = cache.scale
@@ -108,9 +122,10 @@ class FusedTrunk:
             for layer in layers
             for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ) and all(
-            n.dtype == torch.float32 and n.is_contiguous()
+            n.dtype == torch.float32 and n.is_contiguous() and n.device.type == "cpu"
             for layer in layers
-            for n in (layer.attn_norm, layer.ffn_norm)
+            for n in (layer.attn_norm, layer.ffn_norm, layer.bqkv, layer.q_norm, layer.k_norm)
+            if n is not None
         )
 
     def __call__(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,

@@ -191,6 +191,22 @@ def _build_model(
         return torch.cat(ts) if len(ts) > 1 else ts[0]
 
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    # a llama file's q/k rows (and biases) are permuted for llama.cpp's RoPE: undone
+    q_perm, k_perm = (c.n_heads, c.n_kv_heads) if c.rope_permuted else (None, None)
+
+    def bias(p: str) -> torch.Tensor | None:
+        if not c.qkv_bias:
+            return None
+        parts = [("attn_q", q_rows, q_perm), ("attn_k", kv_rows, k_perm), ("attn_v", kv_rows, None)]
+        ts = []
+        for name, rows, heads in parts:
+            t = get(p + name + ".bias", (rows,))
+            ts.append(t if heads is None else unpermute_rope_rows(t, heads))
+        return place(torch.cat(ts))
+
+    def head_norm(name: str) -> torch.Tensor | None:
+        return place(get(name, (c.head_dim,))) if c.qk_norm else None
+
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -199,8 +215,8 @@ def _build_model(
                 attn_norm=place(get(p + "attn_norm.weight", (c.hidden,))),
                 wqkv=matrix(
                     [
-                        (p + "attn_q.weight", (q_rows, c.hidden), c.n_heads),
-                        (p + "attn_k.weight", (kv_rows, c.hidden), c.n_kv_heads),
+                        (p + "attn_q.weight", (q_rows, c.hidden), q_perm),
+                        (p + "attn_k.weight", (kv_rows, c.hidden), k_perm),
                         (p + "attn_v.weight", (kv_rows, c.hidden), None),
                     ]
                 ),
@@ -213,6 +229,9 @@ def _build_model(
                     ]
                 ),
                 w_down=matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
+                bqkv=bias(p),
+                q_norm=head_norm(p + "attn_q_norm.weight"),
+                k_norm=head_norm(p + "attn_k_norm.weight"),
             )
         )
     embed = matrix([("token_embd.weight", (c.vocab_size, c.hidden), None)])
@@ -220,8 +239,9 @@ def _build_model(
     head = (
         None if c.tied_embeddings else matrix([("output.weight", (c.vocab_size, c.hidden), None)])
     )
+    freqs = get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
     progress(total, total)  # the line ends even when the file holds tensors we skip
-    return Llama(config, embed, layers, norm, head)
+    return Llama(config, embed, layers, norm, head, freqs)
 
 
 def _tensor_bytes(f: GGUFFile) -> dict[str, int]:

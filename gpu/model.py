@@ -1,7 +1,9 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU.
+"""The decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, and what the
+other architectures add to Llama's layer (``modelfile/config.py``): q/k/v biases (Qwen2),
+per-head q/k RMSNorm (Qwen3), scaled RoPE frequencies (``rope_inv_freq``).
 
-Weights arrive already un-permuted to the HF layout (see ``unpermute_rope_rows``), so
-RoPE is the rotate-half form. Attention goes through an ``AttentionBackend`` that owns
+Weights arrive in the HF layout (a llama file's q/k rows un-permuted by the loader, see
+``unpermute_rope_rows``), so RoPE is the rotate-half form. Attention goes through an ``AttentionBackend`` that owns
 the KV cache; the model itself is stateless between steps.
 
 Per-step op count matters on CPU (~2 us of dispatch per op, 30 layers), hence fused
@@ -19,6 +21,7 @@ instead: one copy of each weight, no fp32 shadow.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, cast
 
 import torch
@@ -29,7 +32,7 @@ from gpu.fused import FusedTrunk
 from gpu.kv_cache import PagedKVCache
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 from gpu.quant import QuantLinear, QuantWeight
-from modelfile.config import ModelConfig
+from modelfile.config import ModelConfig, RopeScaling
 
 __all__ = [
     "AttentionBackend",
@@ -37,6 +40,7 @@ __all__ = [
     "Linear",
     "LlamaWeights",
     "PackedLinear",
+    "rope_inv_freq",
     "rope_tables",
     "unpermute_rope_rows",
 ]
@@ -63,24 +67,69 @@ def unpermute_rope_rows(w: Tensor, n_head: int) -> Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None,
+    freq_factors: Tensor | None = None,
+) -> tuple[Tensor, float]:  # fmt: skip
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (fp32) and the factor cos/sin are
+    scaled by, as transformers defines them (``modeling_rope_utils``): linear divides
+    every frequency by the factor; yarn blends the interpolated (divided) and the
+    original frequencies along a ramp between the dimensions that turn ``beta_fast`` and
+    ``beta_slow`` times within the original context, and scales cos/sin by
+    0.1 ln(factor) + 1 unless the file gives the factor; ``freq_factors`` (a llama
+    file's ``rope_freqs`` tensor: Llama 3's scaling, precomputed by the converter)
+    divide the frequencies one by one."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    attention = 1.0
+    scaling = scaling or RopeScaling()
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "yarn":
+        inv_freq, attention = _yarn(head_dim, theta, scaling)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float().cpu()
+    return inv_freq, attention
+
+
+def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[Tensor, float]:
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_context / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = float(min(math.ceil(correction_dim(s.beta_slow)), dim - 1))
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    attention = s.attn_factor if s.attn_factor is not None else 0.1 * math.log(s.factor) + 1.0
+    return inv_freq, attention
+
+
 def rope_tables(
-    head_dim: int, theta: float, n_positions: int, device: torch.device | None = None
+    inv_freq: Tensor, n_positions: int, attention: float = 1.0, device: torch.device | None = None
 ) -> tuple[Tensor, Tensor]:
-    """``cos`` and sign-folded ``sin`` tables ``[n_positions, head_dim]`` (fp32).
+    """``cos`` and sign-folded ``sin`` tables ``[n_positions, head_dim]`` (fp32), each
+    times ``attention`` (yarn's factor; 1 otherwise).
 
     HF: ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``; since
     ``roll(x, d/2) = cat(x2, x1)``, folding the minus sign into the first half of ``sin``
     turns RoPE into ``x*cos + roll(x)*sin`` (a sign flip is exact in floating point).
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-    )
-    pos = torch.arange(n_positions, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(pos, inv_freq)
+    half = inv_freq.shape[0]
+    pos = torch.arange(n_positions, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin[:, : head_dim // 2].neg_()
-    return emb.cos(), sin
+    cos, sin = emb.cos(), emb.sin()
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    sin[:, :half].neg_()
+    return cos.to(device), sin.to(device)
 
 
 class PackedLinear:
@@ -137,12 +186,16 @@ def _kernels() -> NativeKernels:
 class LlamaWeights(nn.Module):
     """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused. Each
     projection is an fp32 matrix (a parameter) or a ``QuantWeight`` (its blocks a buffer
-    under the same name)."""
+    under the same name). ``bqkv`` (the q/k/v biases, joined) and ``q_norm`` / ``k_norm``
+    (per-head RMSNorm weights ``[head_dim]``) are None where the architecture has none."""
 
     wqkv: Tensor
     wo: Tensor
     w_gate_up: Tensor
     w_down: Tensor
+    bqkv: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
 
     def __init__(
         self,
@@ -152,10 +205,18 @@ class LlamaWeights(nn.Module):
         ffn_norm: Tensor,
         w_gate_up: Tensor | QuantWeight,
         w_down: Tensor | QuantWeight,
+        bqkv: Tensor | None = None,
+        q_norm: Tensor | None = None,
+        k_norm: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
+        for name, t in (("bqkv", bqkv), ("q_norm", q_norm), ("k_norm", k_norm)):
+            if t is None:
+                setattr(self, name, None)
+            else:
+                setattr(self, name, nn.Parameter(t, requires_grad=False))
         self.qkv = self._linear("wqkv", wqkv)
         self.o = self._linear("wo", wo)
         self.gate_up = self._linear("w_gate_up", w_gate_up)
@@ -180,6 +241,7 @@ class Llama(nn.Module):
         layers: list[LlamaWeights],
         norm: Tensor,
         lm_head: Tensor | QuantWeight | None = None,
+        rope_freqs: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -208,7 +270,11 @@ class Llama(nn.Module):
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
             self.head = PackedLinear(self.lm_head)
         device = self.embed.device
-        cos, sin = rope_tables(config.head_dim, config.rope_theta, config.context_length)
+        self.rope_freqs = rope_freqs  # kept for the tensor-parallel shards (gpu/tp_model.py)
+        inv_freq, attention = rope_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, rope_freqs
+        )
+        cos, sin = rope_tables(inv_freq, config.context_length, attention)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
@@ -333,7 +399,18 @@ class Llama(nn.Module):
         t = x.shape[0]
         h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
         qkv = w.qkv(h)
+        if w.bqkv is not None:
+            qkv = qkv + w.bqkv
         qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            hd = (c.head_dim,)
+            qk = torch.cat(
+                (
+                    F.rms_norm(qk[:, : c.n_heads], hd, w.q_norm, c.rms_eps),
+                    F.rms_norm(qk[:, c.n_heads :], hd, w.k_norm, c.rms_eps),
+                ),
+                dim=1,
+            )
         qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         o = attn(i, qk[:, : c.n_heads], qk[:, c.n_heads :], v)

@@ -181,8 +181,9 @@ class ShardedLlama(Llama):
         norm: Tensor,
         lm_head: Tensor | None,
         group: dist.ProcessGroup | None,
+        rope_freqs: Tensor | None = None,
     ) -> None:
-        super().__init__(config, embed, layers, norm, lm_head)
+        super().__init__(config, embed, layers, norm, lm_head, rope_freqs)
         self.plan, self.group = plan, group
         # Rank 0 only: tells the followers each call before joining its collectives.
         self.announce: Callable[[list[int]], None] | None = None
@@ -257,6 +258,16 @@ def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -
         q, k, v = w.wqkv.split([q_rows, kv_rows, kv_rows])
         gate, up = w.w_gate_up.chunk(2)
         f = plan.ffn
+        bqkv = None
+        if w.bqkv is not None:
+            bq, bk, bv = w.bqkv.split([q_rows, kv_rows, kv_rows])
+            bqkv = torch.cat(
+                [
+                    _rows(bq, plan.q_heads, hd),
+                    _rows(bk, plan.kv_heads, hd),
+                    _rows(bv, plan.kv_heads, hd),
+                ]
+            )
         layers.append(
             LlamaWeights(
                 attn_norm=w.attn_norm.data.clone(),
@@ -271,6 +282,9 @@ def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -
                 ffn_norm=w.ffn_norm.data.clone(),
                 w_gate_up=torch.cat([gate[f.start : f.stop], up[f.start : f.stop]]),
                 w_down=w.w_down[:, f.start : f.stop].contiguous(),
+                bqkv=bqkv,
+                q_norm=None if w.q_norm is None else w.q_norm.data.clone(),
+                k_norm=None if w.k_norm is None else w.k_norm.data.clone(),
             )
         )
     embed = _padded(full.embed, plan.vocab, plan.vocab_rows)
@@ -278,5 +292,6 @@ def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -
         None if full.lm_head is full.embed else _padded(full.lm_head, plan.vocab, plan.vocab_rows)
     )
     return ShardedLlama(
-        plan.local_config(c), plan, embed, layers, full.norm.data.clone(), head, group
-    )
+        plan.local_config(c), plan, embed, layers, full.norm.data.clone(), head, group,
+        full.rope_freqs,
+    )  # fmt: skip

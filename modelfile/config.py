@@ -1,4 +1,17 @@
-"""The model configuration, read from GGUF metadata (llama family)."""
+"""The model configuration, read from GGUF metadata.
+
+One decoder (``gpu/model.py``) serves every architecture named here; an architecture
+is the few ways it differs from Llama, read from the file's keys and tensors:
+
+- ``llama`` (Llama 1-3, Mistral, SmolLM): q/k rows permuted by the converter for
+  llama.cpp's adjacent-pair RoPE (the loader undoes it); optional q/k/v biases; Llama
+  3.x's ``rope_freqs`` tensor (the ``llama3`` scaling, as per-frequency divisors).
+- ``qwen2``: q/k/v biases; rotate-half RoPE as stored (no permutation).
+- ``qwen3``: per-head RMSNorm of q and k before RoPE (``attn_q_norm`` / ``attn_k_norm``).
+
+RoPE scaling from ``{arch}.rope.scaling.*``: ``linear`` and ``yarn`` (transformers'
+definitions, ``gpu.model.rope_inv_freq``).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +20,19 @@ from dataclasses import dataclass
 
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "config_from_gguf", "derive_eog_ids"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "RopeScaling",
+    "config_from_gguf",
+    "derive_eog_ids",
+]
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+# Architectures whose converter permutes q/k rows for llama.cpp's adjacent-pair RoPE
+# (convert_hf_to_gguf.py, LlamaModel.permute); the others store the HF rotate-half layout.
+_PERMUTED_ROPE = frozenset({"llama"})
+_ROPE_SCALINGS = ("none", "linear", "yarn")
 
 # Token texts llama.cpp (src/llama-vocab.cpp) treats as end-of-generation whatever their
 # role, plus the FIM "pad"/"repo"/"sep" texts it auto-detects and also adds to its EOG set.
@@ -59,6 +82,19 @@ _EOG_ID_KEYS = (
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """``{arch}.rope.scaling.*``: ``kind`` none, linear (positions / factor) or yarn
+    (frequencies blended between interpolation and extrapolation, cos/sin scaled)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_context: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float | None = None  # yarn: None is 0.1 ln(factor) + 1
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     arch: str
     n_layers: int
@@ -77,6 +113,12 @@ class ModelConfig:
     eog_ids: tuple[int, ...]
     add_bos: bool
     name: str
+    # What an architecture changes (module docstring); the defaults are Llama's.
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_permuted: bool = True
+    rope_scaling: RopeScaling = RopeScaling()
+    rope_freq_factors: bool = False  # a rope_freqs tensor divides the frequencies
 
 
 def derive_eog_ids(
@@ -94,7 +136,7 @@ def derive_eog_ids(
 
 
 def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
-    """Read the llama-family hyper-parameters; refuse what the torch model cannot run."""
+    """Read the hyper-parameters; refuse what the model cannot run."""
     arch = f.require("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
@@ -128,6 +170,35 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
         eog_ids=derive_eog_ids(tokens, eos_id, extra),
         add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)),
         name=str(f.get("general.name", f.path.stem)),
+        qkv_bias=f.has_tensor("blk.0.attn_q.bias"),
+        qk_norm=f.has_tensor("blk.0.attn_q_norm.weight"),
+        rope_permuted=arch in _PERMUTED_ROPE,
+        rope_scaling=_rope_scaling(f, arch),
+        rope_freq_factors=f.has_tensor("rope_freqs.weight"),
+    )
+
+
+def _rope_scaling(f: GGUFMetadata, arch: str) -> RopeScaling:
+    key = f"{arch}.rope.scaling"
+    kind = str(f.get(f"{key}.type", "none"))
+    if kind not in _ROPE_SCALINGS:
+        raise ModelFileError(
+            f.path,
+            f"{key}.type {kind!r} unsupported (supported: {', '.join(_ROPE_SCALINGS)})",
+        )
+    factor = float(f.get(f"{key}.factor", 1.0))
+    if kind == "none" or factor == 1.0:
+        return RopeScaling()
+    if factor <= 0:
+        raise ModelFileError(f.path, f"{key}.factor must be positive, got {factor}")
+    attn = f.get(f"{key}.yarn_attn_factor")
+    return RopeScaling(
+        kind=kind,
+        factor=factor,
+        original_context=int(f.get(f"{key}.original_context_length", 0)),
+        beta_fast=float(f.get(f"{key}.yarn_beta_fast", 32.0)),
+        beta_slow=float(f.get(f"{key}.yarn_beta_slow", 1.0)),
+        attn_factor=None if attn is None else float(attn),
     )
 
 
@@ -139,6 +210,5 @@ def _check_shape_support(
     rope_dims = int(f.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelFileError(f.path, f"partial rotary ({rope_dims} of {head_dim} dims) unsupported")
-    scaling = f.get(f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or f.has_tensor("rope_freqs.weight"):
-        raise ModelFileError(f.path, f"RoPE scaling ({scaling or 'rope_freqs'}) unsupported")
+    if f.has_tensor("blk.0.attn_q_norm.weight") != f.has_tensor("blk.0.attn_k_norm.weight"):
+        raise ModelFileError(f.path, "attn_q_norm without attn_k_norm (or the reverse)")

@@ -42,9 +42,9 @@ def test_decode_skips_specials_on_request(tiny_tok: tuple[Tokenizer, list[str]])
 
 
 def test_add_bos_when_the_file_asks() -> None:
-    from tests.tiny_gguf import _vocab
+    from tests.tiny_gguf import tiny_vocab
 
-    tokens, types = _vocab()
+    tokens, types = tiny_vocab()
     tok = build_tokenizer(
         tokens=tokens, token_types=types, merges=[], pre="gpt-2",
         bos_id=1, eos_id=2, eog_ids=[2], add_bos=True,

@@ -21,6 +21,7 @@ __all__ = [
     "TinyModel",
     "byte_level_alphabet",
     "hf_permute",
+    "tiny_vocab",
     "write_tiny_gguf",
 ]
 
@@ -92,7 +93,8 @@ class TinyModel:
     weights: dict[str, np.ndarray]  # HF layout, already through the file's quantisation
 
 
-def _vocab() -> tuple[list[str], list[int]]:
+def tiny_vocab() -> tuple[list[str], list[int]]:
+    """The tokens and their GGUF token types (control first, then bytes and merges)."""
     merged = ["".join(m.split(" ")) for m in MERGES]
     tokens = CONTROL + byte_level_alphabet() + merged
     types = [3] * len(CONTROL) + [1] * (len(tokens) - len(CONTROL))
@@ -141,7 +143,7 @@ def _tensors(spec: TinySpec, vocab_size: int) -> dict[str, tuple[np.ndarray, str
 
 
 def write_tiny_gguf(path: pathlib.Path, spec: TinySpec = TinySpec()) -> TinyModel:
-    tokens, types = _vocab()
+    tokens, types = tiny_vocab()
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name("tiny-test-llama")
     w.add_block_count(spec.n_layers)

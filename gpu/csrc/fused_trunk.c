@@ -6,6 +6,8 @@
  * (gpu/model.py, Llama._layer) for every layer with no Python between ops:
  *
  *   h = rms_norm(x) * attn_norm;  qkv = h @ Wqkv^T          (q_linear, quant_linear.c)
+ *   qkv += bqkv                   (Qwen2's biases, when the layer has them)
+ *   q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm per head  (Qwen3, when it has them)
  *   q, k = rope(q), rope(k)       (x * cos + roll(x, hd / 2) * sin, sin sign-folded)
  *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c)
  *   x += o @ Wo^T
@@ -47,6 +49,7 @@ typedef struct {
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
     float *kc, *vc;
+    const float *bqkv, *q_norm, *k_norm; /* NULL where the architecture has none */
 } trunk_layer;
 
 /* out = x / sqrt(mean(x^2) + eps) * w per row; also the model's final norm
@@ -94,6 +97,12 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
         for (int32_t r = 0; r < m; r++) {
             float *row = qkv + (int64_t)r * qkv_w;
             const float *c = cos_tab + pos[r] * hd, *s = sin_tab + pos[r] * hd;
+            if (L->bqkv)
+                for (int64_t i = 0; i < qkv_w; i++) row[i] += L->bqkv[i];
+            if (L->q_norm && L->k_norm) {
+                rms_norm_rows(row, L->q_norm, row, h, hd, eps);
+                rms_norm_rows(row + q_w, L->k_norm, row + q_w, kv, hd, eps);
+            }
             rope(row, h + kv, hd, c, s);
             for (int32_t j = 0; j < kv; j++) {
                 int64_t at = ((int64_t)j * rows + slots[r]) * hd;
