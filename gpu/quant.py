@@ -67,10 +67,11 @@ class QuantWeight:
         return self.rows(torch.arange(self.shape[0]))
 
 
-def requantize(w: Tensor) -> QuantWeight:
-    """An fp32 ``[N, K]`` matrix (K % 32 == 0) as Q8_0 blocks, gguf.quants' quantizer."""
+def requantize(w: Tensor, qtype: Q = Q.Q8_0) -> QuantWeight:
+    """An fp32 ``[N, K]`` matrix (K % 32 == 0) as ``qtype`` blocks (a type the kernel
+    reads), gguf.quants' quantizer."""
     arr = np.ascontiguousarray(w.detach().float().cpu().numpy())
-    return QuantWeight(torch.from_numpy(quantize(arr, Q.Q8_0).copy()), Q.Q8_0, int(w.shape[1]))
+    return QuantWeight(torch.from_numpy(quantize(arr, qtype).copy()), qtype, int(w.shape[1]))
 
 
 class QuantLinear:
