@@ -42,7 +42,7 @@ from gguf.quants import quantize  # noqa: E402
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
 from bench.procs import busy_cpu_seconds  # noqa: E402
 from gpu.model import PackedLinear  # noqa: E402
-from gpu.native import QUANT_BLOCK_BYTES, NativeKernels, load_kernels  # noqa: E402
+from gpu.native import NativeKernels, load_kernels, quant_row_bytes  # noqa: E402
 from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
 
 SHAPES = {  # name -> the GGUF tensors fused into it, as the loader fuses them
@@ -79,13 +79,16 @@ class Weights:
     def bytes_per_call(self, kind: str) -> int:
         if kind == "fp32":
             return self.n * self.k * 4
-        return self.n * self.k // 32 * QUANT_BLOCK_BYTES[Q[kind]]
+        row = quant_row_bytes(int(Q[kind]), self.k)
+        assert row is not None
+        return self.n * row
 
 
 def file_blocks(f: GGUFFile, name: str) -> np.ndarray:
     t = f.tensors[name]
     n, k = f.tensor_shape(name)
-    row = k // 32 * QUANT_BLOCK_BYTES[f.tensor_type(name)]
+    row = quant_row_bytes(int(f.tensor_type(name)), k)
+    assert row is not None
     return np.array(np.memmap(f.path, np.uint8, "r", t.offset, (n, row)))
 
 

@@ -100,8 +100,7 @@ class FusedTrunk:
             qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
             table[i] = _Layer(
                 layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
-                qkv.blocks.data_ptr(), o.blocks.data_ptr(), gu.blocks.data_ptr(),
-                down.blocks.data_ptr(), qkv.qtype, o.qtype, gu.qtype, down.qtype,
+                qkv.ptr, o.ptr, gu.ptr, down.ptr, qkv.qtype, o.qtype, gu.qtype, down.qtype,
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
                 _ptr(layer.q_norm), _ptr(layer.k_norm),
             )  # fmt: skip

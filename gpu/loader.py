@@ -12,6 +12,7 @@ stores as floats (F32, F16, BF16) stay dense then.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import sys
@@ -136,6 +137,8 @@ def _build_model(
 ) -> Llama:
     c = config
     sizes = _tensor_bytes(f)  # what each tensor takes in the file
+    # type name -> (tensors, bytes in the file, bytes as Q8_0) of what the kernels cannot read
+    requantized: dict[str, tuple[int, int, int]] = {}
     total, done = sum(sizes.values()), 0
 
     def check_shape(name: str, shape: tuple[int, ...]) -> None:
@@ -157,16 +160,32 @@ def _build_model(
     def place(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
-    def matrix(parts: list[tuple[str, tuple[int, int], int | None]]) -> torch.Tensor | QuantWeight:
+    def matrix(
+        parts: list[tuple[str, tuple[int, int], int | None]],
+    ) -> torch.Tensor | QuantWeight | list[QuantWeight]:
         """Tensors ``parts`` (name, shape, heads to un-permute or None) joined row-wise:
-        dense, or quantized blocks when ``quant`` says so (module docstring)."""
-        types = {f.tensor_type(name) for name, _, _ in parts}
+        dense, or quantized blocks when ``quant`` says so (module docstring): one
+        ``QuantWeight``, or one per run of parts of the same type when the file stores
+        them in different types (read in place all the same)."""
+        types = [f.tensor_type(name) for name, _, _ in parts]
         k = parts[0][1][1]
-        if quant is None or k % 32 or (quant == "file" and types & _FLOAT_TYPES):
+        if quant is None or k % 32 or (quant == "file" and set(types) & _FLOAT_TYPES):
             return place(joined(parts, get))
-        if len(types) == 1 and (qtype := next(iter(types))) in KERNEL_TYPES:
-            return QuantWeight(joined(parts, raw_blocks), qtype, k)
-        return requantize(joined(parts, get))
+        if all(t in KERNEL_TYPES for t in types):
+            runs: list[QuantWeight] = []
+            for qtype, group in itertools.groupby(
+                zip(parts, types, strict=True), key=lambda p: p[1]
+            ):
+                runs.append(QuantWeight(joined([p for p, _ in group], raw_blocks), qtype, k))
+            return runs[0] if len(runs) == 1 else runs
+        w = requantize(joined(parts, get))
+        kinds = sorted({t.name for t in types if t not in _FLOAT_TYPES})
+        if kinds:  # floats quantized on request are no loss to report
+            key = "+".join(kinds)
+            n, was, now = requantized.get(key, (0, 0, 0))
+            was += sum(sizes.get(name, 0) for name, _, _ in parts)
+            requantized[key] = (n + len(parts), was, now + w.blocks.numel())
+        return w
 
     def raw_blocks(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor's blocks as stored, uint8 ``[rows, bytes per row]`` (copied out)."""
@@ -234,13 +253,28 @@ def _build_model(
                 k_norm=head_norm(p + "attn_k_norm.weight"),
             )
         )
-    embed = matrix([("token_embd.weight", (c.vocab_size, c.hidden), None)])
+
+    def single(name: str, shape: tuple[int, int]) -> torch.Tensor | QuantWeight:
+        w = matrix([(name, shape, None)])
+        assert not isinstance(w, list)  # one tensor is one run
+        return w
+
+    embed = single("token_embd.weight", (c.vocab_size, c.hidden))
     norm = place(get("output_norm.weight", (c.hidden,)))
-    head = (
-        None if c.tied_embeddings else matrix([("output.weight", (c.vocab_size, c.hidden), None)])
-    )
+    head = None if c.tied_embeddings else single("output.weight", (c.vocab_size, c.hidden))
     freqs = get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
     progress(total, total)  # the line ends even when the file holds tensors we skip
+    if requantized:
+        log.warning(
+            "requantized to Q8_0 at load (the kernels read %s in place, not %s): %s",
+            ", ".join(sorted(t.name for t in KERNEL_TYPES)),
+            ", ".join(sorted(requantized)),
+            "; ".join(
+                f"{name}: {n} tensors, {was / 2**20:.1f} MiB in the file, {now / 2**20:.1f} MiB "
+                "in memory"
+                for name, (n, was, now) in sorted(requantized.items())
+            ),
+        )
     return Llama(config, embed, layers, norm, head, freqs)
 
 

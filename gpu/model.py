@@ -200,11 +200,11 @@ class LlamaWeights(nn.Module):
     def __init__(
         self,
         attn_norm: Tensor,
-        wqkv: Tensor | QuantWeight,
-        wo: Tensor | QuantWeight,
+        wqkv: Tensor | QuantWeight | list[QuantWeight],
+        wo: Tensor | QuantWeight | list[QuantWeight],
         ffn_norm: Tensor,
-        w_gate_up: Tensor | QuantWeight,
-        w_down: Tensor | QuantWeight,
+        w_gate_up: Tensor | QuantWeight | list[QuantWeight],
+        w_down: Tensor | QuantWeight | list[QuantWeight],
         bqkv: Tensor | None = None,
         q_norm: Tensor | None = None,
         k_norm: Tensor | None = None,
@@ -222,10 +222,11 @@ class LlamaWeights(nn.Module):
         self.gate_up = self._linear("w_gate_up", w_gate_up)
         self.down = self._linear("w_down", w_down)
 
-    def _linear(self, name: str, w: Tensor | QuantWeight) -> Linear:
-        if isinstance(w, QuantWeight):
-            self.register_buffer(name, w.blocks, persistent=False)
-            return QuantLinear(w, _kernels())
+    def _linear(self, name: str, w: Tensor | QuantWeight | list[QuantWeight]) -> Linear:
+        if isinstance(w, QuantWeight | list):
+            lin = QuantLinear(w, _kernels())
+            self.register_buffer(name, lin.blocks, persistent=False)
+            return lin
         setattr(self, name, nn.Parameter(w, requires_grad=False))
         return PackedLinear(getattr(self, name))
 

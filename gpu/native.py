@@ -27,10 +27,15 @@ import threading
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
 __all__ = [
-    "QUANT_BLOCK_BYTES",
+    "QL_PARTS",
+    "QParts",
+    "QUANT_TYPES",
+    "quant_row_bytes",
     "SMALL_LINEAR_MAX_ROWS",
     "NativeKernels",
     "kernel_cache_dir",
@@ -50,8 +55,37 @@ SOURCES = (
 )
 HEADERS = (CSRC / "fixed_order.h",)
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
-# GGML type code -> bytes per block of 32 weights, for the types ``q_linear`` reads.
-QUANT_BLOCK_BYTES = {8: 34, 3: 20}  # Q8_0: fp16 d + 32 int8; Q4_1: fp16 d, fp16 m + 16 B
+# The GGML types ``q_linear`` reads in place (codes): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+# Q5_K, Q6_K. Their block sizes are gguf's (GGML_QUANT_SIZES).
+QUANT_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+
+
+# q_linear's qtype for a weight in parts of different types (``QParts``).
+QL_PARTS = -1
+QL_MAX_PARTS = 4
+
+
+class QParts(ctypes.Structure):
+    """``q_parts`` in quant_linear.c: up to four weights of their own types stacked
+    row-wise (their outputs side by side)."""
+
+    _fields_ = [
+        ("n", ctypes.c_int32),
+        ("qtype", ctypes.c_int32 * QL_MAX_PARTS),
+        ("rows", ctypes.c_int64 * QL_MAX_PARTS),
+        ("w", ctypes.c_void_p * QL_MAX_PARTS),
+    ]
+
+
+def quant_row_bytes(qtype: int, k: int) -> int | None:
+    """Bytes of one row of ``k`` weights of GGML type ``qtype``; None when ``qtype`` is not
+    a kernel type or ``k`` is not a whole number of its blocks."""
+    if qtype not in QUANT_TYPES:
+        return None
+    elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return None if k % elems else k // elems * size
+
+
 # No -ffast-math, and no fused multiply-add the source did not write: a kernel's result is
 # then one function of its inputs whatever the compiler vectorizes and for whichever CPU
 # (gpu/csrc/fixed_order.h, docs/determinism.md). The sums and exponentials that have to
@@ -180,8 +214,8 @@ class NativeKernels:
         self._rms_norm = rn
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
-        """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N, K / 32 *
-        QUANT_BLOCK_BYTES[qtype]]``; ``qtype`` the GGML type code (8 Q8_0, 3 Q4_1). x is
+        """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
+        quant_row_bytes(qtype, K)]``; ``qtype`` a GGML type code of ``QUANT_TYPES``. x is
         rounded to int8 per block of 32 first (llama.cpp's way): close to, not equal to,
         ``F.linear`` on the dequantized weight."""
         if x.dtype != torch.float32 or x.dim() != 2:
@@ -194,6 +228,23 @@ class NativeKernels:
             x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k,
             torch.get_num_threads(),
         )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:
+        """``q_linear`` over a weight in parts (``QParts``, checked by its maker: each
+        part's blocks hold rows of ``x.shape[1]``; rows add up to ``n``)."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        rc = self._q_linear(
+            x.data_ptr(), ctypes.addressof(parts), y.data_ptr(), QL_PARTS, x.shape[0], n,
+            x.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"q_linear refused the parts for rows of {x.shape[1]}")
         if rc != 0:
             raise MemoryError("q_linear: scratch allocation failed")
         return y
@@ -214,7 +265,8 @@ class NativeKernels:
         """The fp32 ``[N, K]`` that ``q_linear`` multiplies by (what tests compare)."""
         _check_blocks(w, qtype, k)
         out = torch.empty((w.shape[0], k), dtype=torch.float32)
-        self._q_dequantize(w.data_ptr(), out.data_ptr(), qtype, w.shape[0], k)
+        if self._q_dequantize(w.data_ptr(), out.data_ptr(), qtype, w.shape[0], k) != 0:
+            raise MemoryError("q_dequantize: scratch allocation failed")
         return out
 
     def apply_token_bitmask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
@@ -294,10 +346,10 @@ class NativeKernels:
 
 
 def _check_blocks(w: Tensor, qtype: int, k: int) -> None:
-    if qtype not in QUANT_BLOCK_BYTES:
-        raise ValueError(f"q_linear takes GGML types {sorted(QUANT_BLOCK_BYTES)}, not {qtype}")
-    row = k // 32 * QUANT_BLOCK_BYTES[qtype]
-    if k % 32 or w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row:
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"q_linear takes GGML types {sorted(QUANT_TYPES)}, not {qtype}")
+    row = quant_row_bytes(qtype, k)
+    if row is None or k % 32 or w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row:
         raise ValueError(f"blocks {tuple(w.shape)} {w.dtype} do not hold rows of {k} weights")
     if not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError("blocks must be a contiguous CPU tensor")

@@ -1,17 +1,20 @@
 """Weights kept as GGUF quantized blocks on the CPU, and the linear layer that reads them.
 
-A ``QuantWeight`` is one matrix ``[N, K]`` stored as its GGUF blocks, uint8 ``[N, K / 32 *
-block bytes]``: Q4_1 as the bundled model stores its projections (0.625 bytes a weight),
-Q8_0 as it stores the embedding and tied LM head (1.06). One copy, nothing dequantized
-ahead: ``QuantLinear`` multiplies by the blocks in place (``gpu/csrc/quant_linear.c``:
-at decode row counts an int8 dot product that reads 6.4x fewer bytes than fp32, from 8
-rows on fp32 panels dequantized per tile), and the embedding dequantizes just the rows a
-step looks up. Types the kernel does not read (Q4_0, Q5_x, the k-quants, ...) are
-requantized to Q8_0 once at load (``requantize``).
+A ``QuantWeight`` is one matrix ``[N, K]`` stored as its GGUF blocks, uint8 ``[N,
+quant_row_bytes]``: Q4_1 as the bundled model stores its projections (0.625 bytes a
+weight), Q8_0 as it stores the embedding and tied LM head (1.06), and Q4_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K as other files do (Q4_K_M: Q4_K and Q6_K, 0.56 and 0.82). One copy,
+nothing dequantized ahead: ``QuantLinear`` multiplies by the blocks in place
+(``gpu/csrc/quant_linear.c``: an int8 dot product per block of 32, one function of each
+row whatever the call holds), and the embedding dequantizes just the rows a step looks
+up. Types the kernel does not read (Q2_K, Q3_K, the IQ types, ...) are requantized once
+at load (``requantize``; the loader logs which and what it costs).
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,25 +23,38 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from torch import Tensor
 
-from gpu.native import QUANT_BLOCK_BYTES, NativeKernels
+from gpu.native import (
+    QL_MAX_PARTS,
+    QL_PARTS,
+    QUANT_TYPES,
+    NativeKernels,
+    QParts,
+    load_kernels,
+    quant_row_bytes,
+)
 
 __all__ = ["KERNEL_TYPES", "QuantLinear", "QuantWeight", "requantize"]
 
 # GGML types whose blocks the kernel reads in place.
-KERNEL_TYPES = frozenset(Q(t) for t in QUANT_BLOCK_BYTES)
+KERNEL_TYPES = frozenset(Q(t) for t in QUANT_TYPES)
 
 
 @dataclass(frozen=True, eq=False)
 class QuantWeight:
-    """A matrix ``[rows, k]`` as GGUF blocks: uint8 ``[rows, k / 32 * block bytes]``."""
+    """A matrix ``[rows, k]`` as GGUF blocks: uint8 ``[rows, quant_row_bytes(qtype, k)]``."""
 
     blocks: Tensor
     qtype: Q
     k: int
 
     def __post_init__(self) -> None:
-        row = self.k // 32 * QUANT_BLOCK_BYTES[self.qtype]
-        if self.k % 32 or self.blocks.dtype != torch.uint8 or self.blocks.shape[1:] != (row,):
+        row = quant_row_bytes(int(self.qtype), self.k)
+        if (
+            row is None
+            or self.k % 32
+            or self.blocks.dtype != torch.uint8
+            or self.blocks.shape[1:] != (row,)
+        ):
             raise ValueError(
                 f"{self.qtype.name} blocks {tuple(self.blocks.shape)} do not hold rows of {self.k}"
             )
@@ -51,8 +67,12 @@ class QuantWeight:
         """Rows ``ids`` dequantized to fp32 ``[*ids.shape, k]``, exactly as gguf.quants
         dequantizes them (the embedding lookup)."""
         raw = self.blocks[ids.reshape(-1)]
+        if self.qtype not in (Q.Q8_0, Q.Q4_1):
+            kernels = load_kernels()
+            assert kernels is not None  # a QuantWeight of these types exists only with them
+            return kernels.q_dequantize(raw, int(self.qtype), self.k).reshape(*ids.shape, self.k)
         nb = self.k // 32
-        raw = raw.view(-1, nb, QUANT_BLOCK_BYTES[self.qtype])
+        raw = raw.view(-1, nb, 34 if self.qtype == Q.Q8_0 else 20)
         d = raw[..., 0:2].view(torch.float16).float()
         if self.qtype == Q.Q8_0:
             out = d * raw[..., 2:].view(torch.int8).float()
@@ -75,19 +95,44 @@ def requantize(w: Tensor, qtype: Q = Q.Q8_0) -> QuantWeight:
 
 
 class QuantLinear:
-    """``F.linear(x, w)`` without bias for fp32 rows ``x [M, K]`` and ``w`` a ``QuantWeight``,
-    through the native kernel. The only approximation is x's rounding to int8 per block
-    of 32 below 8 rows (llama.cpp's; about 2^-8 relative per block)."""
+    """``F.linear(x, w)`` without bias for fp32 rows ``x [M, K]`` and ``w`` a ``QuantWeight``
+    or a few of them of different types stacked row-wise (``parts``: a fused q/k/v whose
+    v the file stores in another type than q and k, as Q4_K_M files do), through the
+    native kernel. The only approximation is x's rounding to int8 per block of 32
+    (llama.cpp's; about 2^-8 relative per block). ``ptr`` and ``qtype`` are what
+    ``q_linear`` takes (for parts, a ``QParts`` and ``QL_PARTS``); ``blocks`` holds every
+    byte of the weight."""
 
-    __slots__ = ("blocks", "kernels", "qtype", "weight")
+    __slots__ = ("_parts", "blocks", "kernels", "n", "ptr", "qtype", "weights")
 
-    def __init__(self, weight: QuantWeight, kernels: NativeKernels) -> None:
-        self.weight = weight
-        self.blocks = weight.blocks.contiguous()
-        self.qtype = int(weight.qtype)
+    def __init__(self, weight: QuantWeight | Sequence[QuantWeight], kernels: NativeKernels) -> None:
         self.kernels = kernels
+        self._parts: QParts | None = None
+        self.weights = (weight,) if isinstance(weight, QuantWeight) else tuple(weight)
+        if isinstance(weight, QuantWeight):
+            self.blocks = weight.blocks.contiguous()
+            self.qtype = int(weight.qtype)
+            self.n = weight.shape[0]
+            self.ptr = self.blocks.data_ptr()
+            return
+        parts = list(weight)
+        if not 1 < len(parts) <= QL_MAX_PARTS or len({p.k for p in parts}) != 1:
+            raise ValueError(f"{len(parts)} parts of {sorted({p.k for p in parts})} columns")
+        self.blocks = torch.cat([p.blocks.reshape(-1) for p in parts])
+        desc, at = QParts(), 0
+        desc.n = len(parts)
+        for i, p in enumerate(parts):
+            desc.qtype[i], desc.rows[i] = int(p.qtype), p.shape[0]
+            desc.w[i] = self.blocks.data_ptr() + at
+            at += p.blocks.numel()
+        self._parts = desc
+        self.qtype = QL_PARTS
+        self.n = sum(p.shape[0] for p in parts)
+        self.ptr = ctypes.addressof(desc)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if self._parts is not None:
+            return self.kernels.q_linear_parts(x, self._parts, self.n)
         return self.kernels.q_linear(x, self.blocks, self.qtype)

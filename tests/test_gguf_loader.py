@@ -67,39 +67,58 @@ needs_kernels = pytest.mark.skipif(
 QUANT_SPEC = TinySpec(
     quant={
         "token_embd": Q.Q8_0,
-        **{r: Q.Q4_1 for r in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
-        "attn_output": Q.Q8_0,
-        "ffn_down": Q.Q4_0,  # a type the kernel does not read: requantized to Q8_0
+        **{r: Q.Q4_1 for r in ("attn_q", "attn_k", "ffn_gate", "ffn_up")},
+        "attn_v": Q.Q5_0,  # another type than q and k: the fused q/k/v in two parts
+        "attn_output": Q.Q4_0,
+        "ffn_down": Q.MXFP4,  # a type the kernel does not read: requantized to Q8_0
     }
 )
 
 
 @needs_kernels
-def test_quantized_weights_keep_the_file_blocks(tmp_path: pathlib.Path) -> None:
-    """auto on the CPU: Q4_1 / Q8_0 tensors stay as their blocks, q/k rows un-permuted and
-    fused tensors joined without touching a block; other quantized types become Q8_0."""
+def test_quantized_weights_keep_the_file_blocks(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """auto on the CPU: the types the kernel reads stay as their blocks, q/k rows
+    un-permuted and fused tensors joined without touching a block (in parts where the
+    file stores them in different types); other quantized types become Q8_0, logged with
+    their cost."""
     tiny = write_tiny_gguf(tmp_path / "q.gguf", QUANT_SPEC)
-    lm = load_model(tiny.path, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="gpu.loader"):
+        lm = load_model(tiny.path, device="cpu")
     assert lm.model.quantized()
     w = {k: torch.from_numpy(v) for k, v in tiny.weights.items()}
     layer = lm.model.layers[1]
     qkv, gate_up, o, down = (
-        cast(QuantLinear, lin).weight for lin in (layer.qkv, layer.gate_up, layer.o, layer.down)
+        cast(QuantLinear, lin).weights for lin in (layer.qkv, layer.gate_up, layer.o, layer.down)
     )
-    assert (qkv.qtype, gate_up.qtype, o.qtype, down.qtype) == (Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q8_0)
-    expect_qkv = torch.cat(
-        [w["blk.1.attn_q.weight"], w["blk.1.attn_k.weight"], w["blk.1.attn_v.weight"]]
-    )
-    assert torch.equal(qkv.dequantize(), expect_qkv)
+    assert [[p.qtype for p in ws] for ws in (qkv, gate_up, o, down)] == [
+        [Q.Q4_1, Q.Q5_0],
+        [Q.Q4_1],
+        [Q.Q4_0],
+        [Q.Q8_0],
+    ]
     assert torch.equal(
-        gate_up.dequantize(), torch.cat([w["blk.1.ffn_gate.weight"], w["blk.1.ffn_up.weight"]])
+        qkv[0].dequantize(), torch.cat([w["blk.1.attn_q.weight"], w["blk.1.attn_k.weight"]])
     )
-    assert torch.equal(o.dequantize(), w["blk.1.attn_output.weight"])
-    # Q4_0 -> fp32 -> Q8_0: within Q8_0's rounding (half a step of each block's scale, the
-    # scale itself rounded to fp16)
+    assert torch.equal(qkv[1].dequantize(), w["blk.1.attn_v.weight"])
+    assert torch.equal(
+        gate_up[0].dequantize(),
+        torch.cat([w["blk.1.ffn_gate.weight"], w["blk.1.ffn_up.weight"]]),
+    )
+    assert torch.equal(o[0].dequantize(), w["blk.1.attn_output.weight"])
+    # MXFP4 -> fp32 -> Q8_0: within Q8_0's rounding (half a step of each block's scale,
+    # the scale itself rounded to fp16)
     step = w["blk.1.ffn_down.weight"].abs().view(-1, 32).amax(-1, keepdim=True) / 127
-    err = (down.dequantize() - w["blk.1.ffn_down.weight"]).view(-1, 32).abs()
+    err = (down[0].dequantize() - w["blk.1.ffn_down.weight"]).view(-1, 32).abs()
     assert (err <= step * 0.55 + 1e-6).all(), float((err / step).max())
+    [line] = [r.getMessage() for r in caplog.records if "requantized" in r.getMessage()]
+    assert "MXFP4: 2 tensors" in line, line
+    # the parts compute what each part computes alone, side by side
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    lin = cast(QuantLinear, layer.qkv)
+    alone = [QuantLinear(p, lin.kernels)(x) for p in qkv]
+    assert torch.equal(lin(x), torch.cat(alone, dim=1))
     # the embedding looks rows up in its blocks; the tied head reads the same storage
     embed = cast(QuantWeight, lm.model.embed_q)
     ids = torch.tensor([[3, 0], [len(tiny.tokens) - 1, 7]])

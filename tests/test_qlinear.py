@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from gpu import native
@@ -35,7 +36,19 @@ pytestmark = pytest.mark.skipif(
     reason="native kernels off (LIFECYCLE_NATIVE=0) or not buildable here (no C compiler, "
     "or one without OpenMP): the quantized kernel has no torch fallback to test",
 )
-TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)
+Q = GGMLQuantizationType
+# Every type the kernel reads in place; the k-quants take rows of 256 weights.
+TYPES = (Q.Q8_0, Q.Q4_1, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_QUANTS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Where each type keeps its fp16 scale(s) in a block: (byte offset, how many).
+_SCALES = {Q.Q8_0: (0, 1), Q.Q4_0: (0, 1), Q.Q5_0: (0, 1), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
+           Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}  # fmt: skip
+
+
+def kdim(qtype: GGMLQuantizationType, k: int) -> int:
+    """``k`` rounded up to a whole number of the type's blocks."""
+    elems = GGML_QUANT_SIZES[qtype][0]
+    return -(-k // elems) * elems
 
 
 def kernels() -> native.NativeKernels:
@@ -44,13 +57,14 @@ def kernels() -> native.NativeKernels:
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
-    """Random bytes for every quant (all nibbles, int8 -128 included), finite fp16 scales."""
+    """Random bytes for every quant (all nibbles, high bits and 6-bit scales, int8 -128
+    included), finite fp16 scales."""
     rng = np.random.default_rng(seed)
-    bs = native.QUANT_BLOCK_BYTES[qtype]
-    raw = rng.integers(0, 256, (n, k // 32, bs), dtype=np.uint8)
-    n_scales = 1 if qtype == GGMLQuantizationType.Q8_0 else 2
-    scales = rng.uniform(-0.05, 0.05, (n, k // 32, n_scales)).astype(np.float16)
-    raw[..., : 2 * n_scales] = scales.view(np.uint8).reshape(n, k // 32, 2 * n_scales)
+    elems, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    at, count = _SCALES[qtype]
+    scales = rng.uniform(-0.05, 0.05, (n, k // elems, count)).astype(np.float16)
+    raw[..., at : at + 2 * count] = scales.view(np.uint8).reshape(n, k // elems, 2 * count)
     return raw.reshape(n, -1)
 
 
@@ -77,16 +91,21 @@ def check(w_blocks: np.ndarray, qtype: GGMLQuantizationType, x: torch.Tensor) ->
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
 def test_random_blocks(qtype: GGMLQuantizationType, rows: int) -> None:
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-    assert check(random_blocks(qtype, 37, 576, seed=rows), qtype, x) < 0.02
+    k = kdim(qtype, 576)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert check(random_blocks(qtype, 37, k, seed=rows), qtype, x) < 0.02
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_quantized_floats_and_one_block_rows(qtype: GGMLQuantizationType) -> None:
-    """Blocks made by gguf.quants' own quantizer, and K = 32 (one block per row)."""
+    """Blocks made by gguf.quants' own quantizer (random blocks for the k-quants, which
+    it cannot make), and one block per row."""
     rng = np.random.default_rng(3)
-    for k in (32, 1536):
-        w = quantize(rng.standard_normal((64, k)).astype(np.float32), qtype)
+    for k in (kdim(qtype, 32), 1536):
+        if qtype in K_QUANTS:
+            w = random_blocks(qtype, 64, k, seed=k)
+        else:
+            w = quantize(rng.standard_normal((64, k)).astype(np.float32), qtype)
         x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
         assert check(w, qtype, x) < 0.02
 
@@ -94,10 +113,11 @@ def test_quantized_floats_and_one_block_rows(qtype: GGMLQuantizationType) -> Non
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_x_on_the_int8_grid_is_exact(qtype: GGMLQuantizationType) -> None:
     g = torch.Generator().manual_seed(5)
-    x = torch.randint(-127, 128, (2, 576), generator=g).float()
+    k = kdim(qtype, 576)
+    x = torch.randint(-127, 128, (2, k), generator=g).float()
     x.view(2, -1, 32)[:, :, 0] = 127.0  # every block's amax: scale exactly 1
-    blocks = random_blocks(qtype, 48, 576, seed=5)
-    w = torch.from_numpy(dequantize(blocks, qtype).reshape(-1, 576))
+    blocks = random_blocks(qtype, 48, k, seed=5)
+    w = torch.from_numpy(dequantize(blocks, qtype).reshape(-1, k))
     y = kernels().q_linear(x, torch.from_numpy(blocks), int(qtype))
     ref = F.linear(x.double(), w.double())
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
@@ -112,6 +132,7 @@ def test_many_rows_are_f_linear_on_the_dequantization(
 ) -> None:
     """Prefill row counts, odd widths, rows past a chunk of 96: within the rounding bound
     of F.linear."""
+    k = kdim(qtype, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
     assert check(random_blocks(qtype, n, k, seed=rows), qtype, x) < 0.02
 
@@ -121,8 +142,9 @@ def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
     """Each row of an m-row call (m = 1..13, 31, 64, 97, 200: every tile shape, the
     eight-row tiles, a second chunk of 96) equals that row alone, and a call on one
     thread equals it on two, bit for bit."""
-    x = torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 3
-    blocks = torch.from_numpy(random_blocks(qtype, 37, 576, seed=3))
+    k = kdim(qtype, 576)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(3)) * 3
+    blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=3))
     alone = torch.cat([kernels().q_linear(x[i : i + 1], blocks, int(qtype)) for i in range(200)])
     for m in [*range(1, 14), 31, 64, 97, 200]:
         y = kernels().q_linear(x[:m], blocks, int(qtype))
@@ -163,7 +185,9 @@ def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: st
 def test_rejects_what_it_cannot_read() -> None:
     blocks = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0))
     with pytest.raises(ValueError, match="GGML types"):
-        kernels().q_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_0))
+        kernels().q_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q2_K))
+    with pytest.raises(ValueError, match="rows of 64"):  # a k-quant needs rows of 256
+        kernels().q_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_K))
     with pytest.raises(ValueError, match="rows of 96"):
         kernels().q_linear(torch.zeros(1, 96), blocks, int(GGMLQuantizationType.Q4_1))
     with pytest.raises(ValueError, match="fp32"):
@@ -173,7 +197,7 @@ def test_rejects_what_it_cannot_read() -> None:
 def file_blocks(f: GGUFFile, name: str, rows: int) -> np.ndarray:
     """The first ``rows`` rows of a tensor's blocks, copied out of the file."""
     t, qtype = f.tensors[name], f.tensor_type(name)
-    row_bytes = f.tensor_shape(name)[1] // 32 * native.QUANT_BLOCK_BYTES[qtype]
+    row_bytes = native.quant_row_bytes(int(qtype), f.tensor_shape(name)[1])
     return np.array(np.memmap(f.path, np.uint8, "r", t.offset, (rows, row_bytes)))
 
 

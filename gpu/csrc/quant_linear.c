@@ -55,7 +55,11 @@
 #define QL_AVX2 1
 #endif
 
-enum { QK = 32, GGML_Q4_1 = 3, GGML_Q8_0 = 8, XCHUNK = 96, TILE_N = 2 };
+enum {
+    QK = 32, XCHUNK = 96, TILE_N = 2,
+    GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+};
 
 /* One quantized block of x: scale, scale * sum(q) (Q4_1's m term), 32 int8. */
 typedef struct {
@@ -423,6 +427,315 @@ static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nr
     }
 }
 
+
+/* ---- The other GGUF types: each weight row unpacked, then one generic kernel ----------
+ *
+ * Q4_0, Q5_0, Q5_1 (blocks of 32) and the k-quants Q4_K, Q5_K, Q6_K (super-blocks of 256
+ * with 6-bit or 8-bit sub-block scales) read in place. Every type is, per block of 32
+ * weights, integers wq[i] (|wq| <= 32), a scale for elements 0-15 and one for 16-31 (the
+ * same but for Q6_K, whose scales cover 16 weights) and an offset (Q5_1, Q4_K, Q5_K):
+ *
+ *   Q4_0  18 B: fp16 d, 16 B nibbles            wq = nib - 8,            scale d
+ *   Q5_0  22 B: fp16 d, 4 B high bits, 16 B     wq = (nib | hb << 4) - 16, scale d
+ *   Q5_1  24 B: fp16 d, fp16 m, 4 B, 16 B       wq = nib | hb << 4,      scale d, offset m
+ *   Q4_K 144 B per 256: fp16 d, fp16 dmin, 12 B of 6-bit (sc, m) pairs, 128 B nibbles;
+ *         sub-block j: wq = nib, scale d * sc_j, offset -(dmin * m_j)
+ *   Q5_K 176 B per 256: Q4_K plus 32 B of fifth bits
+ *   Q6_K 210 B per 256: 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, fp16 d;
+ *         wq = q6 - 32, scale d * sc per 16 weights
+ *
+ * (ggml-quants.c's dequantize_row_* give the layouts.) The scales are exact products
+ * (an fp16 times an integer of at most 8 bits), so the weight is dw * wq + mw exactly as
+ * gguf.quants dequantizes it, and THE FUNCTION is the one above with the scale chosen per
+ * lane half: lane_l = fma(dw_{b, l < 4 ? lo : hi} * d_b, (float)dot_l, lane_l), and for
+ * types with an offset msum = msum + (mw_b * s_b) in block order, added last. Unpacking
+ * a row is integer work and exact products, so it is the same code on every build. */
+typedef struct {
+    int8_t *q;     /* [nb][32] */
+    float *lo, *hi, *mo; /* [nb] each */
+} unpacked;
+
+static int generic_type(int32_t t) {
+    return t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1 || t == GGML_Q4_K ||
+           t == GGML_Q5_K || t == GGML_Q6_K;
+}
+static int has_offset(int32_t t) { return t == GGML_Q5_1 || t == GGML_Q4_K || t == GGML_Q5_K; }
+/* Weights per block of the file's layout, and its bytes. */
+static int block_elems(int32_t t) { return t >= GGML_Q4_K ? 256 : 32; }
+static int block_bytes(int32_t t) {
+    switch (t) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* ggml's get_scale_min_k4: the j-th 6-bit (scale, min) pair of a Q4_K / Q5_K block. */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One row of nb blocks of 32 (w: the row's bytes) into u. */
+static void unpack_row_c(int32_t t, const uint8_t *w, int64_t nb, const unpacked *u) {
+    if (t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1) {
+        int bytes = block_bytes(t);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bytes;
+            int8_t *q = u->q + b * QK;
+            float d = half_to_float(blk);
+            u->lo[b] = u->hi[b] = d;
+            u->mo[b] = 0.0f;
+            if (t == GGML_Q4_0) {
+                for (int j = 0; j < 16; j++) {
+                    q[j] = (int8_t)((blk[2 + j] & 15) - 8);
+                    q[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
+                }
+                continue;
+            }
+            int off = t == GGML_Q5_0 ? 16 : 0;
+            const uint8_t *hb = blk + (t == GGML_Q5_0 ? 2 : 4), *qs = hb + 4;
+            uint32_t qh;
+            memcpy(&qh, hb, 4);
+            if (t == GGML_Q5_1) u->mo[b] = half_to_float(blk + 2);
+            for (int j = 0; j < 16; j++) {
+                int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+                q[j] = (int8_t)(((qs[j] & 15) | h0) - off);
+                q[j + 16] = (int8_t)(((qs[j] >> 4) | h1) - off);
+            }
+        }
+        return;
+    }
+    int64_t nsb = nb / 8;
+    for (int64_t s = 0; s < nsb; s++) {
+        int8_t *q = u->q + s * 256;
+        float *lo = u->lo + s * 8, *hi = u->hi + s * 8, *mo = u->mo + s * 8;
+        if (t == GGML_Q6_K) {
+            const uint8_t *blk = w + s * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            float d = half_to_float(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *l4 = ql + 64 * h, *h2 = qh + 32 * h;
+                int8_t *o = q + 128 * h;
+                for (int l = 0; l < 32; l++) {
+                    o[l] = (int8_t)(((l4[l] & 15) | ((h2[l] & 3) << 4)) - 32);
+                    o[l + 32] = (int8_t)(((l4[l + 32] & 15) | (((h2[l] >> 2) & 3) << 4)) - 32);
+                    o[l + 64] = (int8_t)(((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32);
+                    o[l + 96] = (int8_t)(((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32);
+                }
+                for (int k = 0; k < 4; k++) {
+                    lo[4 * h + k] = d * (float)sc[8 * h + 2 * k];
+                    hi[4 * h + k] = d * (float)sc[8 * h + 2 * k + 1];
+                    mo[4 * h + k] = 0.0f;
+                }
+            }
+            continue;
+        }
+        /* Q4_K, Q5_K */
+        const int five = t == GGML_Q5_K;
+        const uint8_t *blk = w + s * (five ? 176 : 144), *scales = blk + 4;
+        const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        for (int j = 0; j < 4; j++) {
+            int sc0, m0, sc1, m1;
+            scale_min_k4(2 * j, scales, &sc0, &m0);
+            scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+            lo[2 * j] = hi[2 * j] = d * (float)sc0;
+            lo[2 * j + 1] = hi[2 * j + 1] = d * (float)sc1;
+            mo[2 * j] = -(dmin * (float)m0);
+            mo[2 * j + 1] = -(dmin * (float)m1);
+            int8_t *o = q + 64 * j;
+            const uint8_t *n = qs + 32 * j;
+            for (int l = 0; l < 32; l++) {
+                int a = n[l] & 15, c = n[l] >> 4;
+                if (five) {
+                    a += (qh[l] >> (2 * j)) & 1 ? 16 : 0;
+                    c += (qh[l] >> (2 * j + 1)) & 1 ? 16 : 0;
+                }
+                o[l] = (int8_t)a;
+                o[l + 32] = (int8_t)c;
+            }
+        }
+    }
+}
+
+
+#ifdef QL_AVX2
+/* llama.cpp's bytes_from_bits_32: byte i is 0xFF where bit i of the 32 bits is set. */
+static inline __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* The same integers as unpack_row_c (exact products for the scales), vectorized. */
+static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *u) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1) {
+        int bytes = block_bytes(t);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bytes;
+            float d = half_to_float(blk);
+            u->lo[b] = u->hi[b] = d;
+            u->mo[b] = t == GGML_Q5_1 ? half_to_float(blk + 2) : 0.0f;
+            const uint8_t *qs = blk + (t == GGML_Q4_0 ? 2 : t == GGML_Q5_0 ? 6 : 8);
+            __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+            __m256i q = _mm256_and_si256(
+                _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+                low4);
+            if (t == GGML_Q4_0) {
+                q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+            } else {
+                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + (t == GGML_Q5_0 ? 2 : 4)),
+                                              _mm256_set1_epi8(0x10));
+                q = _mm256_or_si256(q, hb);
+                if (t == GGML_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+            }
+            _mm256_storeu_si256((__m256i *)(u->q + b * QK), q);
+        }
+        return;
+    }
+    int64_t nsb = nb / 8;
+    for (int64_t s = 0; s < nsb; s++) {
+        int8_t *q = u->q + s * 256;
+        float *lo = u->lo + s * 8, *hi = u->hi + s * 8, *mo = u->mo + s * 8;
+        if (t == GGML_Q6_K) {
+            const uint8_t *blk = w + s * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            float d = half_to_float(blk + 208);
+            const __m256i three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hh, three), 4);
+                __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), three), 4);
+                __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), three), 4);
+                __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), three), 4);
+                int8_t *o = q + 128 * h;
+                _mm256_storeu_si256((__m256i *)o,
+                                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), h0), m32));
+                _mm256_storeu_si256((__m256i *)(o + 32),
+                                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), h1), m32));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 64),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), h2), m32));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 96),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), h3), m32));
+                for (int k = 0; k < 4; k++) {
+                    lo[4 * h + k] = d * (float)sc[8 * h + 2 * k];
+                    hi[4 * h + k] = d * (float)sc[8 * h + 2 * k + 1];
+                    mo[4 * h + k] = 0.0f;
+                }
+            }
+            continue;
+        }
+        const int five = t == GGML_Q5_K;
+        const uint8_t *blk = w + s * (five ? 176 : 144), *scales = blk + 4;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 4; j++) {
+            int sc0, m0, sc1, m1;
+            scale_min_k4(2 * j, scales, &sc0, &m0);
+            scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+            lo[2 * j] = hi[2 * j] = d * (float)sc0;
+            lo[2 * j + 1] = hi[2 * j + 1] = d * (float)sc1;
+            mo[2 * j] = -(dmin * (float)m0);
+            mo[2 * j + 1] = -(dmin * (float)m1);
+            __m256i n = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i a = _mm256_and_si256(n, low4), c = _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
+            if (five) {
+                __m256i b0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one);
+                __m256i b1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one);
+                a = _mm256_or_si256(a, _mm256_slli_epi16(b0, 4));
+                c = _mm256_or_si256(c, _mm256_slli_epi16(b1, 4));
+            }
+            _mm256_storeu_si256((__m256i *)(q + 64 * j), a);
+            _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), c);
+        }
+    }
+}
+#else
+#define unpack_row unpack_row_c
+#endif
+#ifdef QL_AVX2
+/* RM rows of x (nb blocks apart) against one unpacked weight row. */
+#define DEF_GEN(RM)                                                                           \
+    static void gen_##RM(const unpacked *u, int offset, const xblock *xq, int64_t nb,         \
+                         float *y, int64_t ldy) {                                             \
+        __m256 acc[RM];                                                                       \
+        float ms[RM];                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) acc[r] = _mm256_setzero_ps(),    \
+                                                            ms[r] = 0.0f;                     \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m256i qw = _mm256_loadu_si256((const __m256i *)(u->q + b * QK));                \
+            __m256i aw = _mm256_sign_epi8(qw, qw);                                            \
+            __m256 dw = _mm256_setr_m128(_mm_set1_ps(u->lo[b]), _mm_set1_ps(u->hi[b]));      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
+                const xblock *xb = xq + r * nb + b;                                           \
+                __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);                      \
+                __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));                             \
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), p, acc[r]); \
+                if (offset) ms[r] = ms[r] + u->mo[b] * xb->s;                                 \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                                \
+            float v = fo_tree8_v(acc[r]);                                                     \
+            y[r * ldy] = offset ? v + ms[r] : v;                                              \
+        }                                                                                     \
+    }
+#else
+#define DEF_GEN(RM)                                                                           \
+    static void gen_##RM(const unpacked *u, int offset, const xblock *xq, int64_t nb,         \
+                         float *y, int64_t ldy) {                                             \
+        for (int r = 0; r < RM; r++) {                                                        \
+            float lane[8] = {0}, msum = 0.0f;                                                 \
+            for (int64_t b = 0; b < nb; b++) {                                                \
+                const xblock *xb = xq + r * nb + b;                                           \
+                const int8_t *qw = u->q + b * QK;                                             \
+                float slo = u->lo[b] * xb->d, shi = u->hi[b] * xb->d;                         \
+                for (int l = 0; l < 8; l++) {                                                 \
+                    int dot = 0;                                                              \
+                    for (int i = 4 * l; i < 4 * l + 4; i++) dot += qw[i] * xb->q[i];          \
+                    lane[l] = fmaf(l < 4 ? slo : shi, (float)dot, lane[l]);                   \
+                }                                                                             \
+                if (offset) msum = msum + u->mo[b] * xb->s;                                   \
+            }                                                                                 \
+            float v = fo_tree8(lane);                                                         \
+            y[r * ldy] = offset ? v + msum : v;                                               \
+        }                                                                                     \
+    }
+#endif
+DEF_GEN(8) DEF_GEN(4) DEF_GEN(2) DEF_GEN(1)
+
+/* rows rows of x against one unpacked weight row: eight at a time, then 4, 2, 1. */
+static void gen_rows(const unpacked *u, int offset, const xblock *xq, int64_t nb, int32_t rows,
+                     float *y, int64_t ldy) {
+    int32_t r = 0;
+    for (; r + 8 <= rows; r += 8) gen_8(u, offset, xq + (int64_t)r * nb, nb, y + r * ldy, ldy);
+    if (r + 4 <= rows) gen_4(u, offset, xq + (int64_t)r * nb, nb, y + r * ldy, ldy), r += 4;
+    if (r + 2 <= rows) gen_2(u, offset, xq + (int64_t)r * nb, nb, y + r * ldy, ldy), r += 2;
+    if (r < rows) gen_1(u, offset, xq + (int64_t)r * nb, nb, y + r * ldy, ldy);
+}
+
 /* How far ahead of the rows it is reading each thread asks for the weights. The
  * hardware prefetcher follows one matrix streamed alone, but not a decode step, which
  * reads four matrices a layer for ~40-160 us each (all four at one row took 10.5 ms a
@@ -431,14 +744,102 @@ static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nr
 #define PF_BYTES 4096
 #endif
 
+/* One weight matrix's part of a call: n rows of w (GGML type qtype) into columns of y
+ * (ldy apart), for the rows of x already quantized. Called inside the parallel region by
+ * every thread (its loops are the region's worksharing). u: this thread's unpack
+ * buffers (NULL when they could not be had: the generic types then leave *failed set). */
+static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64_t ldy,
+                     const xblock *xq, const float *dx, const float *sx, int32_t m, int64_t k,
+                     const unpacked *u) {
+    int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
+    if (generic_type(qtype)) {
+        const int offset = has_offset(qtype);
+        for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
+            int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n; j++) {
+                if (!u) continue;
+                const uint8_t *wr = w + j * row_bytes;
+#ifdef QL_AVX2
+                if (rows < 4 && (j + 1) * row_bytes + PF_BYTES <= n * row_bytes)
+                    for (int64_t o = 0; o < row_bytes; o += 64)
+                        _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
+#endif
+                unpack_row(qtype, wr, nb, u);
+                gen_rows(u, offset, xq + (int64_t)r0 * nb, nb, rows, y + (int64_t)r0 * ldy + j, ldy);
+            }
+        }
+        return;
+    }
+    for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
+        int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
+        /* one Q8_0 weight row at a time for one row of x (the LM head at decode):
+         * one stream of weights a thread streams faster than two interleaved */
+        const int tn = rows == 1 && qtype == GGML_Q8_0 ? 1 : TILE_N;
+        int64_t tiles = (n + tn - 1) / tn;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t j = t * tn;
+            int cols = n - j < tn ? (int)(n - j) : tn;
+            const uint8_t *wr = w + j * row_bytes;
+#ifdef QL_AVX2
+            if (rows < 4 && (j + cols) * row_bytes + PF_BYTES <= n * row_bytes)
+                for (int64_t o = 0; o < cols * row_bytes; o += 64)
+                    _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
+#endif
+            int32_t r = r0;
+#ifdef QL_AVX2
+            for (; r + 8 <= r0 + rows; r += 8)
+                for (int jj = 0; jj < cols; jj++) {
+                    const float *d8 = dx + (int64_t)(r / 4) * nb * 4;
+                    float *y8 = y + (int64_t)r * ldy + j + jj;
+                    if (qtype == GGML_Q4_1)
+                        tall_q4_1(wr + jj * row_bytes, xq + (int64_t)r * nb, d8,
+                                  sx + (int64_t)(r / 4) * nb * 4, nb, y8, ldy);
+                    else
+                        tall_q8_0(wr + jj * row_bytes, xq + (int64_t)r * nb, d8, nb, y8, ldy);
+                }
+#endif
+            for (; r < r0 + rows; r += 4) {
+                int rm = r0 + rows - r < 4 ? r0 + rows - r : 4;
+                tile(qtype, wr, row_bytes, xq + (int64_t)r * nb, dx + (int64_t)(r / 4) * nb * 4,
+                     sx + (int64_t)(r / 4) * nb * 4, nb, rm, cols, y + (int64_t)r * ldy + j, ldy);
+            }
+        }
+    }
+}
+
+/* A weight stored in parts of different types, one after the other in the output's
+ * columns (a fused q/k/v whose v the file stores in another type than q and k):
+ * q_linear's qtype QL_PARTS and w pointing at this. */
+enum { QL_PARTS = -1, QL_MAX_PARTS = 4 };
+typedef struct {
+    int32_t n;
+    int32_t qtype[QL_MAX_PARTS];
+    int64_t rows[QL_MAX_PARTS];
+    const uint8_t *w[QL_MAX_PARTS];
+} q_parts;
+
 /* Returns 0, -1 when scratch memory cannot be allocated, -2 for a type or shape this
- * kernel does not take. */
+ * kernel does not take. qtype QL_PARTS: w is a q_parts whose rows add up to n. */
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads) {
     if (threads < 1) threads = 1;
-    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1) || m < 0) return -2;
+    q_parts one = {1, {qtype}, {n}, {w}};
+    const q_parts *parts = qtype == QL_PARTS ? (const q_parts *)(const void *)w : &one;
+    if (parts->n < 1 || parts->n > QL_MAX_PARTS || m < 0 || k % QK) return -2;
+    int64_t total = 0;
+    int any_generic = 0;
+    for (int i = 0; i < parts->n; i++) {
+        int32_t t = parts->qtype[i];
+        if (!block_bytes(t) || k % block_elems(t) || parts->rows[i] < 0) return -2;
+        total += parts->rows[i];
+        any_generic |= generic_type(t);
+    }
+    if (total != n) return -2;
     if (m == 0 || n == 0) return 0;
-    int64_t nb = k / QK, row_bytes = nb * (qtype == GGML_Q8_0 ? 34 : 20);
+    int64_t nb = k / QK;
+    int failed = 0;
     int64_t groups = (m + 3) / 4;
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
     /* each group of four rows' d and s values, [group][b][4] */
@@ -460,53 +861,57 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
                 sx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].s;
             }
         }
-        for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
-            int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
-            /* one Q8_0 weight row at a time for one row of x (the LM head at decode):
-             * one stream of weights a thread streams faster than two interleaved */
-            const int tn = rows == 1 && qtype == GGML_Q8_0 ? 1 : TILE_N;
-            int64_t tiles = (n + tn - 1) / tn;
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                int64_t j = t * tn;
-                int cols = n - j < tn ? (int)(n - j) : tn;
-                const uint8_t *wr = w + j * row_bytes;
-#ifdef QL_AVX2
-                if (rows < 4 && (j + cols) * row_bytes + PF_BYTES <= n * row_bytes)
-                    for (int64_t o = 0; o < cols * row_bytes; o += 64)
-                        _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
-#endif
-                int32_t r = r0;
-#ifdef QL_AVX2
-                for (; r + 8 <= r0 + rows; r += 8)
-                    for (int jj = 0; jj < cols; jj++) {
-                        const float *d8 = dx + (int64_t)(r / 4) * nb * 4;
-                        float *y8 = y + (int64_t)r * n + j + jj;
-                        if (qtype == GGML_Q4_1)
-                            tall_q4_1(wr + jj * row_bytes, xq + (int64_t)r * nb, d8,
-                                      sx + (int64_t)(r / 4) * nb * 4, nb, y8, n);
-                        else
-                            tall_q8_0(wr + jj * row_bytes, xq + (int64_t)r * nb, d8, nb, y8, n);
-                    }
-#endif
-                for (; r < r0 + rows; r += 4) {
-                    int rm = r0 + rows - r < 4 ? r0 + rows - r : 4;
-                    tile(qtype, wr, row_bytes, xq + (int64_t)r * nb, dx + (int64_t)(r / 4) * nb * 4,
-                         sx + (int64_t)(r / 4) * nb * 4, nb, rm, cols, y + (int64_t)r * n + j, n);
-                }
+        /* each thread unpacks one weight row at a time into its own buffers */
+        unpacked buf = {0}, *u = NULL;
+        if (any_generic) {
+            buf = (unpacked){malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
+                             malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb)};
+            if (buf.q && buf.lo && buf.hi && buf.mo) {
+                u = &buf;
+            } else {
+#pragma omp atomic write
+                failed = 1;
             }
         }
+        int64_t col = 0;
+        for (int i = 0; i < parts->n; i++) {
+            run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, dx, sx, m, k, u);
+            col += parts->rows[i];
+        }
+        free(buf.q);
+        free(buf.lo);
+        free(buf.hi);
+        free(buf.mo);
     }
     free(xq);
     free(dx);
     free(sx);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* w's blocks as fp32, [N, K]: what the kernel multiplies by, for tests to compare with
  * gguf.quants' dequantization exactly. */
 int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t k) {
-    if (k % QK || (qtype != GGML_Q8_0 && qtype != GGML_Q4_1)) return -2;
-    dequant_rows(w, out, qtype, n, k / QK);
-    return 0;
+    if (!block_bytes(qtype) || k % block_elems(qtype)) return -2;
+    int64_t nb = k / QK;
+    if (!generic_type(qtype)) {
+        dequant_rows(w, out, qtype, n, nb);
+        return 0;
+    }
+    int64_t row_bytes = k / block_elems(qtype) * block_bytes(qtype);
+    unpacked u = {malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
+                  malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb)};
+    int rc = u.q && u.lo && u.hi && u.mo ? 0 : -1;
+    for (int64_t j = 0; j < n && rc == 0; j++) {
+        unpack_row(qtype, w + j * row_bytes, nb, &u);
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < QK; i++) /* dw * wq is exact: one rounding with the offset */
+                out[j * k + b * QK + i] =
+                    fmaf(i < 16 ? u.lo[b] : u.hi[b], (float)u.q[b * QK + i], u.mo[b]);
+    }
+    free(u.q);
+    free(u.lo);
+    free(u.hi);
+    free(u.mo);
+    return rc;
 }
