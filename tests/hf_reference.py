@@ -8,7 +8,8 @@ it that family: Qwen2's q/k/v biases, Qwen3's q/k norms and a head size that is 
 hidden / heads, Llama 3's ``llama3`` RoPE scaling (a ``rope_freqs`` tensor in the file),
 linear and YaRN scaling. Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
-others): matrices N(0, 0.2), norm weights 1 + N(0, 0.1), biases N(0, 0.2), so greedy
+others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
+norm weights 1 + N(0, 0.1), biases as the matrices, so greedy
 choices stand well apart and a wrong sign or a missing term shows.
 
 The GGUF side follows the converter (conversion/base.py, llama.py, qwen.py in the
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tests.kquants import q4_k_m_type, quantize_any
 from tests.tiny_gguf import CHATML, MERGES, tiny_vocab
 
 __all__ = ["FAMILIES", "Family", "build_hf", "dequantized_state", "write_family_gguf"]
@@ -88,6 +90,13 @@ FAMILIES = {
             {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
         ),
         Family("qwen2", "qwen2", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+        # rows of 256: the k-quants apply (at hidden 64 a Q4_K_M file falls back to Q5_0/Q8_0)
+        Family(
+            "qwen2-wide",
+            "qwen2",
+            "Qwen2ForCausalLM",
+            {"hidden_size": 256, "intermediate_size": 512, "tie_word_embeddings": True},
+        ),
         Family(
             "qwen2-yarn",
             "qwen2",
@@ -118,13 +127,14 @@ def build_hf(family: Family, seed: int = 0, dtype: torch.dtype = torch.float64) 
     torch.manual_seed(seed)
     model = getattr(transformers, family.model_class)(config)
     gen = torch.Generator().manual_seed(seed)
+    std = 0.2 * math.sqrt(64 / config.hidden_size)  # the same gain at every width
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * noise)
             else:
-                p.copy_(0.2 * noise)
+                p.copy_(std * noise)
     return model.to(dtype).eval()
 
 
@@ -189,17 +199,34 @@ def _llama3_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+# A file's matrices in one type, or in "Q4_K_M": llama-quantize's plan (tests/kquants.py).
+FileType = Q | str | None
+
+
+def _tensor_type(name: str, w: np.ndarray, file_type: FileType, n_layers: int,
+                 tied: bool) -> Q | None:  # fmt: skip
+    """The type a tensor is stored in: vectors F32, matrices ``file_type`` (F32 if None)."""
+    if file_type is None or w.ndim != 2 or name.endswith("norm.weight"):
+        return None
+    if file_type == "Q4_K_M":
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        return q4_k_m_type(name, w.shape[1], layer, n_layers, tied)
+    assert isinstance(file_type, Q)
+    return file_type
+
+
 def _quantized(name: str, w: np.ndarray, qtype: Q | None) -> tuple[np.ndarray, Q | None]:
-    """What the file stores for a tensor: vectors F32, matrices ``qtype`` (F32 if None)."""
-    if qtype is None or w.ndim != 2 or name.endswith("norm.weight"):
+    """What the file stores for a tensor of type ``qtype`` (None: F32)."""
+    if qtype is None:
         return w, None
-    return gguf.quants.quantize(w, qtype), qtype
+    return quantize_any(w, qtype), qtype
 
 
 def write_family_gguf(
-    family: Family, model: Any, path: pathlib.Path, qtype: Q | None = None
+    family: Family, model: Any, path: pathlib.Path, qtype: FileType = None
 ) -> pathlib.Path:
-    """``model``'s weights as a GGUF of ``family.arch`` at ``path``."""
+    """``model``'s weights as a GGUF of ``family.arch`` at ``path``, its matrices in
+    ``qtype`` (a type, "Q4_K_M", or None for F32)."""
     c = model.config
     tokens, types = tiny_vocab()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -246,7 +273,8 @@ def write_family_gguf(
             value = _permute(value, c.num_attention_heads)
         elif family.permuted and ".attn_k." in name:
             value = _permute(value, c.num_key_value_heads)
-        data, raw = _quantized(name, np.ascontiguousarray(value), qtype)
+        kind = _tensor_type(name, value, qtype, c.num_hidden_layers, c.tie_word_embeddings)
+        data, raw = _quantized(name, np.ascontiguousarray(value), kind)
         w.add_tensor(name, data, raw_dtype=raw)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
@@ -257,13 +285,21 @@ def write_family_gguf(
     return path
 
 
-def dequantized_state(model: Any, qtype: Q) -> dict[str, torch.Tensor]:
-    """``model``'s state with every matrix replaced by what ``qtype`` blocks hold
-    (quantized and dequantized by gguf-py), to load into a transformers model."""
+def dequantized_state(model: Any, qtype: FileType) -> dict[str, torch.Tensor]:
+    """``model``'s state with every matrix replaced by what the file of ``qtype``
+    (``write_family_gguf``) holds, as gguf-py dequantizes it, to load into a
+    transformers model."""
+    c = model.config
     out = {}
     for name, v in model.state_dict().items():
         arr = v.detach().to(torch.float32).numpy()
-        if arr.ndim == 2:
-            arr = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype).reshape(arr.shape)
+        gname = _gguf_name(name)
+        if gname == "output.weight" and c.tie_word_embeddings:
+            gname = "token_embd.weight"
+        kind = None if gname is None else _tensor_type(
+            gname, arr, qtype, c.num_hidden_layers, c.tie_word_embeddings
+        )  # fmt: skip
+        if kind is not None:
+            arr = gguf.quants.dequantize(quantize_any(arr, kind), kind).reshape(arr.shape)
         out[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(v.dtype)
     return out
