@@ -34,6 +34,10 @@ _LLAMA3_REGEX = (
 )
 
 
+# llama.cpp's QWEN2 regex: LLAMA3's with every digit on its own.
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
 def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
     # llama.cpp: regex list ["\p{N}", GPT-2 regex]: every digit isolated, then the GPT-2 split.
     return pre_tokenizers.Sequence(
@@ -48,13 +52,21 @@ def _gpt2() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
 
 
-def _llama3() -> pre_tokenizers.PreTokenizer:
+def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
         ]
     )
+
+
+def _llama3() -> pre_tokenizers.PreTokenizer:
+    return _split_then_bytes(_LLAMA3_REGEX)
+
+
+def _qwen2() -> pre_tokenizers.PreTokenizer:
+    return _split_then_bytes(_QWEN2_REGEX)
 
 
 SUPPORTED_PRE_TOKENIZERS = {
@@ -65,7 +77,14 @@ SUPPORTED_PRE_TOKENIZERS = {
     "gpt-2": _gpt2,
     "llama-bpe": _llama3,
     "llama3": _llama3,
+    "qwen2": _qwen2,
 }
+
+
+# Pre-tokenizers after which llama.cpp takes a piece that is a whole token as that token,
+# without merging (llama_vocab::get_ignore_merges; HF's "ignore_merges" in Llama 3's
+# tokenizer.json).
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})
 
 
 class StreamDecoder:
@@ -184,7 +203,14 @@ def build_tokenizer(
         raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: {supported})")
     vocab = {text: i for i, text in enumerate(tokens)}
     pairs = [_split_merge(m) for m in merges]
-    bpe = models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False, byte_fallback=False)
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=pairs,
+        unk_token=None,
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=pre in _IGNORE_MERGES,
+    )
     inner = tokenizers.Tokenizer(bpe)
     inner.pre_tokenizer = make_pre()
     inner.decoder = decoders.ByteLevel()
