@@ -24,9 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench.llama_server import cache_dir  # noqa: E402
 from model_meta import FORMAT, dump_meta  # noqa: E402
 from random_gguf import write_random_gguf  # noqa: E402
+
+from bench.llama_server import cache_dir  # noqa: E402
 
 __all__ = ["SHAPES", "Shape", "main", "shaped_meta"]
 
@@ -81,7 +82,9 @@ def shaped_meta(shape: Shape, vocab_file: pathlib.Path, name: str) -> dict[str, 
         f32(f"{a}.attention.layer_norm_rms_epsilon", shape.rms_eps),
         *kv,
     ]
-    tensors: list[dict[str, Any]] = [{"name": "token_embd.weight", "shape": [n_vocab, shape.hidden]}]
+    tensors: list[dict[str, Any]] = [
+        {"name": "token_embd.weight", "shape": [n_vocab, shape.hidden]}
+    ]
     q, k = shape.heads * hd, shape.kv_heads * hd
     for i in range(shape.layers):
         p = f"blk.{i}."
@@ -119,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES[args.shape]
     vocab = pathlib.Path(args.models) / f"ggml-vocab-{shape.vocab}.gguf"
     if not vocab.is_file():
-        print(f"error: {vocab} not found (make bench-peer unpacks llama.cpp's tree)", file=sys.stderr)
+        print(
+            f"error: {vocab} not found (make bench-peer unpacks llama.cpp's tree)", file=sys.stderr
+        )
         return 2
     out = pathlib.Path(args.out or f"/tmp/{args.shape}-f16.gguf")
     t0 = time.perf_counter()
