@@ -1,8 +1,9 @@
 """The step engine: SUBMIT entries in, one list of STEP entries out per scheduler step.
 
 No I/O here: ``gpu/worker.py`` drives it. ``step()`` is the loop body: schedule, lay the
-batch out for the paged cache, one forward (LM head only on the rows that need logits),
-one batched sampling pass, then per-sequence bookkeeping (stop checks, frees).
+batch out as a ``StepInput``, run it (``gpu/runner.py``: the cache layout, graph replay
+or the trunk, the LM head only on the rows that need logits), one batched sampling
+pass, then per-sequence bookkeeping (stop checks, frees).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
+from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import EMBED_FINISH, MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_f32s, pack_ids
@@ -94,6 +96,7 @@ class Engine:
         self.graphs = None if graphs is None else StepGraphs(
             self.model, self.cache, graphs, config.max_running, self.max_context
         )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.cache, self.graphs)
         self._eog = tuple(sorted(self.mc.eog_ids))
         tok = loaded.tokenizer
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
@@ -247,10 +250,8 @@ class Engine:
         if not batch:
             return []
         self.step_no += 1
-        ids: list[int] = []
-        pos: list[int] = []
-        decodes: list[tuple[list[int], int]] = []
-        prefills: list[PrefillChunk] = []
+        step = StepInput()
+        ids, pos, decodes, prefills = step.ids, step.pos, step.decodes, step.prefills
         rows = LogprobRows()
         samplers: list[Sequence] = []
         scored: list[Sequence] = []  # max_new_tokens 0: prompt logprobs only, no sample
@@ -273,27 +274,15 @@ class Engine:
             elif c + n == len(seq.tokens):
                 rows.add_sample(row + n - 1)
                 samplers.append(seq)
-        dev = self.cache.device
-        want_hidden = any(s.options.return_hidden_states for s in samplers)
+        step.logit_rows = rows.indices
+        step.want_hidden = any(s.options.return_hidden_states for s in samplers)
+        step.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)
         fault = fault_point("worker.forward")
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
-        logits = hidden = None
-        pooled: list[tuple[Sequence, torch.Tensor]] = []
-        if self.graphs is not None and len(samplers) == len(decodes) == len(batch):
-            # Pure decode, every row sampled, nothing else asked: a captured shape.
-            if not want_hidden and rows.indices == list(range(len(ids))):
-                logits = self.graphs.run(ids, pos, decodes)
-        if logits is None:
-            self.cache.prepare(decodes, prefills)
-            x = self.model.trunk(
-                torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache
-            )
-            pooled = self._pool(x, pooling)
-            if rows.indices:  # a step of embed prefills alone needs no LM head
-                idx = torch.tensor(rows.indices, dtype=torch.int64, device=dev)
-                out = self.model.logits(x, idx, want_hidden)
-                logits, hidden = out if isinstance(out, tuple) else (out, None)
+        out = self.runner.run(step)
+        logits, hidden = out.logits, out.hidden
+        pooled = [] if out.x is None else self._pool(out.x, pooling)
         if logits is not None and fault is not None and fault.action == "nan":
             logits = torch.full_like(logits, float("nan"))
         for seq, n in batch:
