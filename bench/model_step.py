@@ -10,7 +10,7 @@ With quantized weights the decode step is timed twice, alternating: through the 
 native trunk (``gpu/fused.py``, what the worker runs) and through the torch path
 (``unfused``), the baseline it replaced. The steal share of each mode's run is printed
 (above 10 %: not comparable). Runs in about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
-quantized,fp32]``.
+quantized,fp32] [--model GGUF]``.
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def bare_matmul_ms(lm: LoadedModel, rows: int) -> tuple[float, float]:
     return per_layer * c.n_layers, head
 
 
-def measure(mode: str) -> dict[str, float]:
+def measure(mode: str, model: str | None = None) -> dict[str, float]:
     t = time.perf_counter()
-    lm = load_model(device="cpu", weights=mode)
+    lm = load_model(model, device="cpu", weights=mode)
     start = steal_ticks()
     out = {"load_s": time.perf_counter() - t, "weights_mib": lm.model.weight_bytes() / 2**20}
     print(f"\n--weights {mode}: {lm.path.name}, {'quantized' if lm.model.quantized() else 'dense'} "
@@ -152,11 +152,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("threads", nargs="?", type=int, help="torch threads (default: all cores)")
     ap.add_argument("--weights", default="quantized,fp32", help="modes, comma-separated")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2)")
     args = ap.parse_args()
     if args.threads:  # compare 1 vs 2 when the CPU is shared
         torch.set_num_threads(args.threads)
     modes = args.weights.split(",")
-    results = {mode: measure(mode) for mode in modes}
+    results = {mode: measure(mode, args.model) for mode in modes}
     if len(modes) > 1:
         a, b = modes[0], modes[1]
         print(f"\n{a} / {b} time ratio (below 1: {a} faster)")

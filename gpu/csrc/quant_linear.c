@@ -726,6 +726,114 @@ static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *
 #endif
 DEF_GEN(8) DEF_GEN(4) DEF_GEN(2) DEF_GEN(1)
 
+
+#ifdef QL_AVX2
+/* One row of x (decode) against one weight row of the generic types, unpacking in
+ * registers: the same function as unpack_row + gen_1 (the same integers, the same scale
+ * products per lane half, the same fma per block and lane, msum in block order), without
+ * the round trip through the buffers. Unsigned weights (Q5_1, Q4_K, Q5_K) meet x's
+ * signed bytes in maddubs directly; signed ones through the sign trick. */
+static inline __m256 dot_signed(__m256i qw, __m256i qx) {
+    return dot_us8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+}
+static inline __m256i nibbles16(const uint8_t *qs) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(
+        _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
+        _mm256_set1_epi8(0x0f));
+}
+
+static float row_generic(int32_t t, const uint8_t *w, const xblock *xq, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    if (t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1) {
+        const int bytes = block_bytes(t);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bytes;
+            const xblock *xb = xq + b;
+            __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
+            __m256 sc = _mm256_set1_ps(half_to_float(blk) * xb->d);
+            __m256 p;
+            if (t == GGML_Q4_0) {
+                p = dot_signed(_mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)), qx);
+            } else if (t == GGML_Q5_0) {
+                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10));
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), hb), _mm256_set1_epi8(16));
+                p = dot_signed(q, qx);
+            } else {
+                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10));
+                p = dot_us8(_mm256_or_si256(nibbles16(blk + 8), hb), qx);
+                ms = ms + half_to_float(blk + 2) * xb->s;
+            }
+            acc = _mm256_fmadd_ps(sc, p, acc);
+        }
+        float v = fo_tree8_v(acc);
+        return t == GGML_Q5_1 ? v + ms : v;
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int64_t s = 0; s < nb / 8; s++) {
+        const xblock *xs = xq + s * 8;
+        if (t == GGML_Q6_K) {
+            const uint8_t *blk = w + s * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            float d = half_to_float(blk + 208);
+            const __m256i three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(hh, three), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), three), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), three), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), three), 4));
+                for (int k = 0; k < 4; k++) {
+                    const xblock *xb = xs + 4 * h + k;
+                    float lo = d * (float)sc[8 * h + 2 * k], hi = d * (float)sc[8 * h + 2 * k + 1];
+                    __m256 scv = _mm256_setr_m128(_mm_set1_ps(lo * xb->d), _mm_set1_ps(hi * xb->d));
+                    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
+                    acc = _mm256_fmadd_ps(scv, dot_signed(_mm256_sub_epi8(q[k], m32), qx), acc);
+                }
+            }
+            continue;
+        }
+        const int five = t == GGML_Q5_K;
+        const uint8_t *blk = w + s * (five ? 176 : 144), *scales = blk + 4;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 4; j++) {
+            int sc0, m0, sc1, m1;
+            scale_min_k4(2 * j, scales, &sc0, &m0);
+            scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+            __m256i n = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i a = _mm256_and_si256(n, low4), c = _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
+            if (five) {
+                a = _mm256_or_si256(a, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
+                c = _mm256_or_si256(c, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+            }
+            const xblock *x0 = xs + 2 * j, *x1 = xs + 2 * j + 1;
+            float d0 = d * (float)sc0, d1 = d * (float)sc1;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x0->d),
+                                  dot_us8(a, _mm256_loadu_si256((const __m256i *)x0->q)), acc);
+            ms = ms + -(dmin * (float)m0) * x0->s;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x1->d),
+                                  dot_us8(c, _mm256_loadu_si256((const __m256i *)x1->q)), acc);
+            ms = ms + -(dmin * (float)m1) * x1->s;
+        }
+    }
+    float v = fo_tree8_v(acc);
+    return t == GGML_Q6_K ? v : v + ms;
+}
+#endif
+
 /* rows rows of x against one unpacked weight row: eight at a time, then 4, 2, 1. */
 static void gen_rows(const unpacked *u, int offset, const xblock *xq, int64_t nb, int32_t rows,
                      float *y, int64_t ldy) {
@@ -764,6 +872,12 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
                 if (rows < 4 && (j + 1) * row_bytes + PF_BYTES <= n * row_bytes)
                     for (int64_t o = 0; o < row_bytes; o += 64)
                         _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
+#endif
+#ifdef QL_AVX2
+                if (rows == 1) {
+                    y[(int64_t)r0 * ldy + j] = row_generic(qtype, wr, xq + (int64_t)r0 * nb, nb);
+                    continue;
+                }
 #endif
                 unpack_row(qtype, wr, nb, u);
                 gen_rows(u, offset, xq + (int64_t)r0 * nb, nb, rows, y + (int64_t)r0 * ldy + j, ldy);
