@@ -743,94 +743,148 @@ static inline __m256i nibbles16(const uint8_t *qs) {
         _mm256_set1_epi8(0x0f));
 }
 
-static float row_generic(int32_t t, const uint8_t *w, const xblock *xq, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float ms = 0.0f;
+/* RN weight rows (row_bytes apart) at once: RN independent accumulation chains in flight
+ * (each output's own chain is its fixed order; one chain alone waits on its FMAs'
+ * latency), x's blocks loaded once for all of them. */
+static inline __attribute__((always_inline)) void row_generic_n(
+    int32_t t, const uint8_t *w, int64_t row_bytes, const xblock *xq, int64_t nb, float *y,
+    const int RN) {
+    __m256 acc[4];
+    float ms[4];
+    for (int c = 0; c < RN; c++) acc[c] = _mm256_setzero_ps(), ms[c] = 0.0f;
     if (t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1) {
         const int bytes = block_bytes(t);
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + b * bytes;
             const xblock *xb = xq + b;
             __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-            __m256 sc = _mm256_set1_ps(half_to_float(blk) * xb->d);
-            __m256 p;
-            if (t == GGML_Q4_0) {
-                p = dot_signed(_mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)), qx);
-            } else if (t == GGML_Q5_0) {
-                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10));
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), hb), _mm256_set1_epi8(16));
-                p = dot_signed(q, qx);
-            } else {
-                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10));
-                p = dot_us8(_mm256_or_si256(nibbles16(blk + 8), hb), qx);
-                ms = ms + half_to_float(blk + 2) * xb->s;
+            for (int c = 0; c < RN; c++) {
+                const uint8_t *blk = w + c * row_bytes + b * bytes;
+                __m256 sc = _mm256_set1_ps(half_to_float(blk) * xb->d);
+                __m256 p;
+                if (t == GGML_Q4_0) {
+                    p = dot_signed(_mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)), qx);
+                } else if (t == GGML_Q5_0) {
+                    __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10));
+                    p = dot_signed(
+                        _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), hb), _mm256_set1_epi8(16)),
+                        qx);
+                } else {
+                    __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10));
+                    p = dot_us8(_mm256_or_si256(nibbles16(blk + 8), hb), qx);
+                    ms[c] = ms[c] + half_to_float(blk + 2) * xb->s;
+                }
+                acc[c] = _mm256_fmadd_ps(sc, p, acc[c]);
             }
-            acc = _mm256_fmadd_ps(sc, p, acc);
         }
-        float v = fo_tree8_v(acc);
-        return t == GGML_Q5_1 ? v + ms : v;
+        for (int c = 0; c < RN; c++) {
+            float v = fo_tree8_v(acc[c]);
+            y[c] = t == GGML_Q5_1 ? v + ms[c] : v;
+        }
+        return;
     }
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int64_t s = 0; s < nb / 8; s++) {
         const xblock *xs = xq + s * 8;
         if (t == GGML_Q6_K) {
-            const uint8_t *blk = w + s * 210;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            float d = half_to_float(blk + 208);
             const __m256i three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
             for (int h = 0; h < 2; h++) {
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(hh, three), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), three), 4));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), three), 4));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), three), 4));
-                for (int k = 0; k < 4; k++) {
-                    const xblock *xb = xs + 4 * h + k;
-                    float lo = d * (float)sc[8 * h + 2 * k], hi = d * (float)sc[8 * h + 2 * k + 1];
-                    __m256 scv = _mm256_setr_m128(_mm_set1_ps(lo * xb->d), _mm_set1_ps(hi * xb->d));
-                    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-                    acc = _mm256_fmadd_ps(scv, dot_signed(_mm256_sub_epi8(q[k], m32), qx), acc);
+                for (int c = 0; c < RN; c++) {
+                    const uint8_t *blk = w + c * row_bytes + s * 210;
+                    const int8_t *sc = (const int8_t *)(blk + 192);
+                    float d = half_to_float(blk + 208);
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                    __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                           _mm256_slli_epi16(_mm256_and_si256(hh, three), 4));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), three), 4));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), three), 4));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), three), 4));
+                    for (int k = 0; k < 4; k++) {
+                        const xblock *xb = xs + 4 * h + k;
+                        float lo = d * (float)sc[8 * h + 2 * k], hi = d * (float)sc[8 * h + 2 * k + 1];
+                        __m256 scv = _mm256_setr_m128(_mm_set1_ps(lo * xb->d), _mm_set1_ps(hi * xb->d));
+                        __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
+                        acc[c] = _mm256_fmadd_ps(scv, dot_signed(_mm256_sub_epi8(q[k], m32), qx), acc[c]);
+                    }
                 }
             }
             continue;
         }
         const int five = t == GGML_Q5_K;
-        const uint8_t *blk = w + s * (five ? 176 : 144), *scales = blk + 4;
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         const __m256i one = _mm256_set1_epi8(1);
-        for (int j = 0; j < 4; j++) {
-            int sc0, m0, sc1, m1;
-            scale_min_k4(2 * j, scales, &sc0, &m0);
-            scale_min_k4(2 * j + 1, scales, &sc1, &m1);
-            __m256i n = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i a = _mm256_and_si256(n, low4), c = _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
-            if (five) {
-                a = _mm256_or_si256(a, _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
-                c = _mm256_or_si256(c, _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+        for (int c = 0; c < RN; c++) {
+            const uint8_t *blk = w + c * row_bytes + s * (five ? 176 : 144), *scales = blk + 4;
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+            __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                int sc0, m0, sc1, m1;
+                scale_min_k4(2 * j, scales, &sc0, &m0);
+                scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+                __m256i n = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                __m256i a = _mm256_and_si256(n, low4), cc = _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
+                if (five) {
+                    a = _mm256_or_si256(a, _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
+                    cc = _mm256_or_si256(cc, _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+                }
+                const xblock *x0 = xs + 2 * j, *x1 = xs + 2 * j + 1;
+                float d0 = d * (float)sc0, d1 = d * (float)sc1;
+                acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x0->d),
+                                         dot_us8(a, _mm256_loadu_si256((const __m256i *)x0->q)), acc[c]);
+                ms[c] = ms[c] + -(dmin * (float)m0) * x0->s;
+                acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x1->d),
+                                         dot_us8(cc, _mm256_loadu_si256((const __m256i *)x1->q)), acc[c]);
+                ms[c] = ms[c] + -(dmin * (float)m1) * x1->s;
             }
-            const xblock *x0 = xs + 2 * j, *x1 = xs + 2 * j + 1;
-            float d0 = d * (float)sc0, d1 = d * (float)sc1;
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x0->d),
-                                  dot_us8(a, _mm256_loadu_si256((const __m256i *)x0->q)), acc);
-            ms = ms + -(dmin * (float)m0) * x0->s;
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x1->d),
-                                  dot_us8(c, _mm256_loadu_si256((const __m256i *)x1->q)), acc);
-            ms = ms + -(dmin * (float)m1) * x1->s;
         }
     }
-    float v = fo_tree8_v(acc);
-    return t == GGML_Q6_K ? v : v + ms;
+    for (int c = 0; c < RN; c++) {
+        float v = fo_tree8_v(acc[c]);
+        y[c] = t == GGML_Q6_K ? v : v + ms[c];
+    }
+}
+
+/* One function per row count and type, so each is compiled with its branches gone. */
+#define DEF_ROWG(T, RN)                                                                       \
+    static void rowg_##T##_##RN(const uint8_t *w, int64_t rb, const xblock *xq, int64_t nb,  \
+                                float *y) {                                                   \
+        row_generic_n(GGML_##T, w, rb, xq, nb, y, RN);                                        \
+    }
+#define DEF_ROWG_ALL(T) DEF_ROWG(T, 1) DEF_ROWG(T, 2) DEF_ROWG(T, 4)
+DEF_ROWG_ALL(Q4_0) DEF_ROWG_ALL(Q5_0) DEF_ROWG_ALL(Q5_1)
+DEF_ROWG_ALL(Q4_K) DEF_ROWG_ALL(Q5_K) DEF_ROWG_ALL(Q6_K)
+
+#ifndef RG_LEGACY
+#define RG_LEGACY 1
+#endif
+#ifndef RG_K
+#define RG_K 4
+#endif
+/* Weight rows a decode tile takes: the k-quants' scale decoding keeps more rows busy. */
+#define RG(t) ((t) >= GGML_Q4_K ? RG_K : RG_LEGACY)
+
+/* rn (1, 2 or 4) weight rows against one row of x. */
+static void row_generic(int32_t t, const uint8_t *w, int64_t rb, const xblock *xq, int64_t nb,
+                        float *y, int rn) {
+#define CASE_ROWG(T)                                                                          \
+    case GGML_##T:                                                                            \
+        if (rn == 4) rowg_##T##_4(w, rb, xq, nb, y);                                          \
+        else if (rn == 2) rowg_##T##_2(w, rb, xq, nb, y);                                     \
+        else rowg_##T##_1(w, rb, xq, nb, y);                                                  \
+        return;
+    switch (t) {
+        CASE_ROWG(Q4_0) CASE_ROWG(Q5_0) CASE_ROWG(Q5_1)
+        CASE_ROWG(Q4_K) CASE_ROWG(Q5_K) CASE_ROWG(Q6_K)
+    default: return;
+    }
+#undef CASE_ROWG
 }
 #endif
 
@@ -862,6 +916,26 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
     int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
     if (generic_type(qtype)) {
         const int offset = has_offset(qtype);
+#ifdef QL_AVX2
+        if (m == 1) { /* decode: RG weight rows at a time, unpacked in registers */
+            const int rg = RG(qtype);
+            int64_t tiles = (n + rg - 1) / rg;
+#pragma omp for schedule(static)
+            for (int64_t tt = 0; tt < tiles; tt++) {
+                int64_t j = tt * rg;
+                int cols = n - j < rg ? (int)(n - j) : rg;
+                const uint8_t *wr = w + j * row_bytes;
+                if ((j + cols) * row_bytes + PF_BYTES <= n * row_bytes)
+                    for (int64_t o = 0; o < cols * row_bytes; o += 64)
+                        _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
+                if (cols == rg) row_generic(qtype, wr, row_bytes, xq, nb, y + j, rg);
+                else
+                    for (int c = 0; c < cols; c++)
+                        row_generic(qtype, wr + c * row_bytes, row_bytes, xq, nb, y + j + c, 1);
+            }
+            return;
+        }
+#endif
         for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
             int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
 #pragma omp for schedule(static)
@@ -872,12 +946,6 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
                 if (rows < 4 && (j + 1) * row_bytes + PF_BYTES <= n * row_bytes)
                     for (int64_t o = 0; o < row_bytes; o += 64)
                         _mm_prefetch((const char *)(wr + PF_BYTES + o), _MM_HINT_T0);
-#endif
-#ifdef QL_AVX2
-                if (rows == 1) {
-                    y[(int64_t)r0 * ldy + j] = row_generic(qtype, wr, xq + (int64_t)r0 * nb, nb);
-                    continue;
-                }
 #endif
                 unpack_row(qtype, wr, nb, u);
                 gen_rows(u, offset, xq + (int64_t)r0 * nb, nb, rows, y + (int64_t)r0 * ldy + j, ldy);
