@@ -87,7 +87,10 @@ def run_generate(
     """Print a greedy continuation of ``prompt``; returns the process exit code."""
     try:
         lm = load_model(model, device=device)
-    except (ModelFileError, ValueError) as exc:
+    except ModelFileError as exc:  # a file this runtime cannot run: as `lifecycle serve`
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if chat:

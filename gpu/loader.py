@@ -29,6 +29,7 @@ from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
 from gpu.native import load_kernels
 from gpu.quant import KERNEL_TYPES, QuantWeight, requantize
 from modelfile.chat import ChatTemplate
+from modelfile.check import check_tensors
 from modelfile.config import ModelConfig
 from modelfile.gguf_file import GGUFFile, ModelFileError, default_model_path
 from modelfile.tokenizer import Tokenizer
@@ -82,13 +83,13 @@ def load_model(
     weights: str = "auto",
 ) -> LoadedModel:
     dev, dt = resolve_device(device, dtype)
-    quant = _quant_mode(weights, dev, dt)
     t0 = time.perf_counter()
     f = GGUFFile(path or default_model_path())
     t_open = time.perf_counter()
     tokenizer, chat, config = vocab_parts(f)
+    check_tensors(f, config)  # every problem of the file before a weight is read
     t_vocab = time.perf_counter()
-    f.check_tensor_types()
+    quant = _quant_mode(weights, dev, dt)
     with torch.inference_mode():
         model = _build_model(f, config, dev, dt, _progress_printer(f.path.name), quant)
     model.eval()

@@ -32,6 +32,7 @@ from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
+from modelfile.gguf_meta import ModelFileError  # noqa: E402
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
@@ -288,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     if (f := fault_point("worker.start")) is not None:
         f.apply()
     tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
-    engine = build_engine(config)
+    try:
+        engine = build_engine(config)
+    except ModelFileError as exc:  # one line, as `lifecycle serve` says it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     listener = _listen(config.listen, tls is not None)
     address = parse_address(config.listen)
     if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:

@@ -1,6 +1,7 @@
 """Wiring: router + HTTP server + supervised worker + frontend, in one task group.
 
-The listener binds early; ``/health`` answers 503 and generation requests get 503 until
+The model file is checked first (``modelfile.check``: a file the worker cannot run is
+one ``ModelFileError`` before anything listens or spawns). The listener then binds early; ``/health`` answers 503 and generation requests get 503 until
 the worker said HELLO and one warm-up generation came back (``Supervisor``).
 ``App.drain`` is the graceful stop (SIGTERM/SIGINT; ``DRAIN`` in ``lifecycle.core.states``).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -33,6 +34,9 @@ from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.replay import replay_in_process
 from lifecycle.tracing.tracer import Tracer
 from transport import Handler, Request, Response, Server, ServerConfig
+
+if TYPE_CHECKING:
+    from modelfile.check import CheckedModel
 
 __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 
@@ -77,10 +81,16 @@ class App:
 
 
 async def serve_app(
-    cfg: AppConfig, *, task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED
+    cfg: AppConfig,
+    *,
+    model: CheckedModel | None = None,
+    task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run everything until cancelled; ``task_status.started(App)`` once listening."""
-    rt = Runtime(cfg)
+    """Run everything until cancelled; ``task_status.started(App)`` once listening.
+    ``model``: the model file already checked; otherwise it is checked here, before the
+    listener binds and the worker starts (``ModelFileError``)."""
+    rt = Runtime(cfg, model)
+    await rt.check_model()
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
     async with rt.running() as tg:

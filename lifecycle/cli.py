@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 import runpy
@@ -15,6 +16,7 @@ from lifecycle.tracing.cli import add_trace_parser, run_trace
 
 if TYPE_CHECKING:
     from lifecycle.app import AppConfig
+    from modelfile.check import CheckedModel
 
 __all__ = ["main"]
 
@@ -65,6 +67,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.faults:
         _install_faults(args.faults)
     cfg = app_config(option_values(args))
+    from modelfile.check import check_model
+    from modelfile.gguf_meta import ModelFileError
+
+    try:  # before anything listens or spawns: one line, not a worker's traceback
+        model = check_model(cfg.model)
+    except ModelFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if cfg.otlp_traces_endpoint:  # Runtime checks it too; here it stops with a message
         from lifecycle.tracing.otel import OtlpUnavailable, check_endpoint
 
@@ -73,11 +83,11 @@ def _serve(args: argparse.Namespace) -> int:
         except OtlpUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    anyio.run(_run_until_signalled, cfg)
+    anyio.run(_run_until_signalled, cfg, model)
     return 0
 
 
-async def _run_until_signalled(cfg: AppConfig) -> None:
+async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
     """Serve ``cfg``. The first SIGTERM/SIGINT drains (App.drain), a second one stops at
     once; either way the app is then cancelled, so the worker gets SHUTDOWN and is reaped."""
     import anyio
@@ -100,7 +110,7 @@ async def _run_until_signalled(cfg: AppConfig) -> None:
                     tg.start_soon(stop_after_drain)
 
         tg.start_soon(watch_signals)
-        apps.append(await tg.start(serve_app, cfg))
+        apps.append(await tg.start(functools.partial(serve_app, model=model), cfg))
 
 
 def _install_faults(path: str) -> None:

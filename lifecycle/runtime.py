@@ -29,6 +29,7 @@ from wire.auth import resolve_token
 
 if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
+    from modelfile.check import CheckedModel
 
 __all__ = ["AppConfig", "Runtime", "server_args", "worker_addresses", "worker_args"]
 
@@ -120,10 +121,15 @@ def server_args(cfg: AppConfig, model_path: str) -> dict[str, Any]:
 class Runtime:
     """Built in two steps: ``Runtime(cfg)`` makes the supervisor (run it in a task group:
     the worker loads its model meanwhile), ``await load(tg)`` the tokenizer, frontend,
-    tracer and metrics. ``close()`` after every request ended; ``stop()`` ends the worker."""
+    tracer and metrics. ``close()`` after every request ended; ``stop()`` ends the worker.
 
-    def __init__(self, cfg: AppConfig) -> None:
+    ``model`` is the model file already checked (``modelfile.check``); without it,
+    ``await check_model()`` checks it, which callers do before they listen or start the
+    worker, so that a file the worker cannot run is one ``ModelFileError``."""
+
+    def __init__(self, cfg: AppConfig, model: CheckedModel | None = None) -> None:
         self.config = cfg
+        self.model = model
         self.supervisor = _supervisor(cfg)
         self._otlp_endpoint = _otlp_endpoint(cfg.otlp_traces_endpoint)
         self.frontend: Frontend | None = None
@@ -150,11 +156,19 @@ class Runtime:
         finally:
             self.close()
 
+    async def check_model(self) -> CheckedModel:
+        """The model file checked (once): raises ``ModelFileError``."""
+        if self.model is None:
+            from modelfile.check import check_model
+
+            self.model = await anyio.to_thread.run_sync(check_model, self.config.model)
+        return self.model
+
     async def load(self, tg: anyio.abc.TaskGroup) -> Frontend:
         cfg = self.config
-        tokenizer, chat, model_config, path = await anyio.to_thread.run_sync(
-            _load_tokenizer, cfg.model
-        )
+        model = await self.check_model()
+        tokenizer, chat, model_config = model.tokenizer, model.chat, model.config
+        path = str(cfg.model or model.path)
         fe = Frontend(
             self.supervisor,
             tokenizer,
@@ -234,12 +248,10 @@ def _otlp_endpoint(url: str | None) -> str | None:
 
 
 def _load_tokenizer(model: str | None) -> tuple[Any, Any, Any, str]:
-    from modelfile.gguf_file import default_model_path
-    from modelfile.vocab import load_tokenizer
+    from modelfile.check import check_model
 
-    path = str(model or default_model_path())
-    tokenizer, chat, model_config = load_tokenizer(path)
-    return tokenizer, chat, model_config, path
+    checked = check_model(model)
+    return checked.tokenizer, checked.chat, checked.config, str(model or checked.path)
 
 
 def worker_addresses(cfg: AppConfig) -> tuple[str, ...]:

@@ -123,8 +123,10 @@ class GGUFFile(GGUFMetadata):
         supported = dequantizable_types()
         for name, qtype in self._types.items():
             if qtype not in supported:
+                names = ", ".join(t.name for t in sorted(supported))
                 raise ModelFileError(
-                    self.path, f"tensor {name!r} has unsupported type {qtype.name}"
+                    self.path,
+                    f"tensor {name!r} has unsupported type {qtype.name} (supported: {names})",
                 )
 
     def _entry(self, name: str) -> TensorEntry:

@@ -40,11 +40,11 @@ def test_same_prompt_same_output(tiny_gguf: TinyModel, capsys: pytest.CaptureFix
     assert capsys.readouterr().out == first
 
 
-def test_bad_file_is_one_line_and_exit_1(
+def test_bad_file_is_one_line_and_exit_2(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "missing.gguf"
-    assert run_generate("hi", model=str(path)) == 1
+    assert run_generate("hi", model=str(path)) == 2
     err = capsys.readouterr().err
     assert err == f"error: {path}: file not found\n"
 

@@ -85,11 +85,12 @@ class Engine:
         self, startup_timeout: float, *, task_status: anyio.abc.TaskStatus[Runtime]
     ) -> None:
         rt = Runtime(self.config)
+        try:  # before the worker starts: a file it cannot run is one error
+            await rt.check_model()
+        except (OSError, ModelFileError) as exc:
+            raise EngineError(Cause.NOT_READY, f"the model did not load: {exc}") from None
         async with rt.running() as tg:
-            try:
-                await rt.load(tg)
-            except (OSError, ModelFileError) as exc:
-                raise EngineError(Cause.NOT_READY, f"the model did not load: {exc}") from None
+            await rt.load(tg)
             await _wait_ready(rt, startup_timeout)
             task_status.started(rt)
             await anyio.sleep_forever()

@@ -1,0 +1,89 @@
+"""Whether a model file is one this runtime can run, from its metadata and tensor
+directory alone: no weight is read and torch is never imported, so ``lifecycle serve``
+refuses a file before it listens or spawns a worker, and the worker refuses it before
+it reads a weight.
+
+What is checked: everything ``vocab_parts`` reads (architecture, hyper-parameters,
+RoPE scaling, tokenizer model and pre-tokenizer, chat template), each tensor's type,
+and every tensor the architecture reads: present, with the shape the config implies.
+Each problem is one ``ModelFileError("<path>: <problem>")``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from modelfile.chat import ChatTemplate
+from modelfile.config import ModelConfig
+from modelfile.gguf_file import GGUFFile, default_model_path
+from modelfile.gguf_meta import ModelFileError
+from modelfile.tokenizer import Tokenizer
+from modelfile.vocab import vocab_parts
+
+__all__ = ["CheckedModel", "check_model", "check_tensors", "expected_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedModel:
+    """A model file that passed ``check_model``, with what the frontend takes from it."""
+
+    path: pathlib.Path
+    tokenizer: Tokenizer
+    chat: ChatTemplate | None
+    config: ModelConfig
+
+
+def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads for ``c``, by GGUF name, with its row-major shape
+    (what ``gpu/loader.py`` reads, in its order)."""
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        out[p + "attn_norm.weight"] = (c.hidden,)
+        out[p + "attn_q.weight"] = (q_rows, c.hidden)
+        out[p + "attn_k.weight"] = (kv_rows, c.hidden)
+        out[p + "attn_v.weight"] = (kv_rows, c.hidden)
+        out[p + "attn_output.weight"] = (c.hidden, q_rows)
+        out[p + "ffn_norm.weight"] = (c.hidden,)
+        out[p + "ffn_gate.weight"] = (c.ffn, c.hidden)
+        out[p + "ffn_up.weight"] = (c.ffn, c.hidden)
+        out[p + "ffn_down.weight"] = (c.hidden, c.ffn)
+        if c.qkv_bias:
+            out[p + "attn_q.bias"] = (q_rows,)
+            out[p + "attn_k.bias"] = (kv_rows,)
+            out[p + "attn_v.bias"] = (kv_rows,)
+        if c.qk_norm:
+            out[p + "attn_q_norm.weight"] = (c.head_dim,)
+            out[p + "attn_k_norm.weight"] = (c.head_dim,)
+    out["token_embd.weight"] = (c.vocab_size, c.hidden)
+    out["output_norm.weight"] = (c.hidden,)
+    if not c.tied_embeddings:
+        out["output.weight"] = (c.vocab_size, c.hidden)
+    if c.rope_freq_factors:
+        out["rope_freqs.weight"] = (c.head_dim // 2,)
+    return out
+
+
+def check_tensors(f: GGUFFile, config: ModelConfig) -> None:
+    """Every tensor of a type the loader reads; every tensor ``config`` needs present,
+    in its shape."""
+    f.check_tensor_types()
+    for name, shape in expected_tensors(config).items():
+        if not f.has_tensor(name):
+            raise ModelFileError(
+                f.path, f"tensor {name!r} is missing (the {config.arch} architecture reads it)"
+            )
+        got = f.tensor_shape(name)
+        if got != shape:
+            raise ModelFileError(f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+
+
+def check_model(path: str | pathlib.Path | None = None) -> CheckedModel:
+    """Open and check the model at ``path`` (None: the bundled default); raises
+    ``ModelFileError`` for the first problem."""
+    f = GGUFFile(path or default_model_path())
+    tokenizer, chat, config = vocab_parts(f)
+    check_tensors(f, config)
+    return CheckedModel(f.path, tokenizer, chat, config)
