@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -69,6 +70,15 @@ def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor) 
     return _Layout(slots, n, rows, keys, bias, None, None, ())
 
 
+def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
+    """Zeros; on the CPU in fp32 from calloc (numpy), whose large blocks are fresh pages
+    the kernel maps on first write: the cache's resident memory grows with the blocks
+    sequences have used, not with its capacity (torch.zeros writes every page)."""
+    if torch.device(device or "cpu").type == "cpu" and dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
 class PagedKVCache:
     """The paged ``AttentionBackend``: call ``prepare`` before each forward.
 
@@ -94,8 +104,8 @@ class PagedKVCache:
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = _zeros(shape, device, dtype)
+        self.v = _zeros(shape, device, dtype)
         # Per-layer views made once: indexing self.k[layer] every call is an extra op.
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
