@@ -112,7 +112,9 @@ def run_generate(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu.generate", description=__doc__)
     parser.add_argument("prompt")
-    parser.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     parser.add_argument("--device", default=None)

@@ -1,4 +1,5 @@
-"""Load a GGUF model: one file open yields config, tokenizer, chat template and weights.
+"""Load a model: one open of a GGUF file or a Hugging Face folder (``modelfile.source``)
+yields config, tokenizer, chat template and weights.
 
 Weights (``load_model(weights=...)``): ``"fp32"`` dequantizes every tensor to the device
 dtype (what CUDA and ``--tp`` use). ``"quantized"`` keeps each projection, the embedding
@@ -7,7 +8,9 @@ place where the file stores Q4_1 or Q8_0 (q/k rows un-permuted and fused tensors
 row-wise, both on whole rows of blocks), requantized to Q8_0 otherwise. ``"auto"`` (the
 default) is ``"quantized"`` for the tensors the file stores quantized when the device is
 the CPU in fp32 and the native kernels load, ``"fp32"`` otherwise; tensors the file
-stores as floats (F32, F16, BF16) stay dense then.
+stores as floats (F32, F16, BF16) stay dense then: a folder's matrices all, since its
+weights are floats. ``"q8_0"`` and ``"q4_0"`` quantize every matrix to that type at load
+on the CPU (``requantize``; what the file already stores in that type is read as is).
 """
 
 from __future__ import annotations
@@ -29,15 +32,16 @@ from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
 from gpu.native import load_kernels
 from gpu.quant import KERNEL_TYPES, QuantWeight, requantize
 from modelfile.chat import ChatTemplate
-from modelfile.check import check_tensors
+from modelfile.check import check_tensors, expected_tensors
 from modelfile.config import ModelConfig
-from modelfile.gguf_file import GGUFFile, ModelFileError, default_model_path
+from modelfile.gguf_file import ModelFileError
+from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
-from modelfile.vocab import vocab_parts
 
 __all__ = ["WEIGHT_MODES", "LoadedModel", "load_model", "resolve_device"]
 
-WEIGHT_MODES = ("auto", "quantized", "fp32")
+WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")
+_AT_LOAD = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --weights that quantize every matrix
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
 
 log = logging.getLogger(__name__)
@@ -84,14 +88,17 @@ def load_model(
 ) -> LoadedModel:
     dev, dt = resolve_device(device, dtype)
     t0 = time.perf_counter()
-    f = GGUFFile(path or default_model_path())
+    f = open_model(path)
     t_open = time.perf_counter()
-    tokenizer, chat, config = vocab_parts(f)
+    tokenizer, chat, config = model_parts(f)
     check_tensors(f, config)  # every problem of the file before a weight is read
     t_vocab = time.perf_counter()
     quant = _quant_mode(weights, dev, dt)
+    source: ModelSource = f
+    if weights in _AT_LOAD:
+        source = _QuantizedAtLoad(f, _AT_LOAD[weights], expected_tensors(config))
     with torch.inference_mode():
-        model = _build_model(f, config, dev, dt, _progress_printer(f.path.name), quant)
+        model = _build_model(source, config, dev, dt, _progress_printer(f.path.name), quant)
     model.eval()
     t_end = time.perf_counter()
     log.info(
@@ -119,17 +126,17 @@ def _quant_mode(weights: str, device: torch.device, dtype: torch.dtype) -> str |
     if weights == "fp32":
         return None
     usable = device.type == "cpu" and dtype == torch.float32
-    if weights == "quantized":
+    if weights == "quantized" or weights in _AT_LOAD:
         if not usable:
             raise ValueError("quantized weights run on the CPU in float32 only")
         if load_kernels() is None:
             raise ValueError("quantized weights need the native CPU kernels (LIFECYCLE_NATIVE=0?)")
-        return "all"
+        return "all" if weights == "quantized" else "file"  # _QuantizedAtLoad: every matrix
     return "file" if usable and load_kernels() is not None else None
 
 
 def _build_model(
-    f: GGUFFile,
+    f: ModelSource,
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
@@ -279,12 +286,48 @@ def _build_model(
     return Llama(config, embed, layers, norm, head, freqs)
 
 
-def _tensor_bytes(f: GGUFFile) -> dict[str, int]:
-    """Each tensor's bytes in the file: from its offset to the next one's (the last one's
-    to the end of the file), padding included."""
-    order = sorted(f.tensors.values(), key=lambda t: t.offset)
-    ends = [t.offset for t in order[1:]] + [f.path.stat().st_size]
-    return {t.name: end - t.offset for t, end in zip(order, ends, strict=True)}
+def _tensor_bytes(f: ModelSource) -> dict[str, int]:
+    """Each tensor's bytes in the file (load progress)."""
+    return f.stored_bytes()
+
+
+class _QuantizedAtLoad:
+    """``--weights q8_0|q4_0``: ``f`` with every matrix the decoder reads (rows a whole
+    number of blocks of 32) typed ``qtype`` and read as its blocks, quantized here from
+    its floats (``requantize``; gguf-py's reference quantizer, what llama-quantize
+    computes for the legacy types). The loader then reads them in place as it reads a
+    file's own blocks; everything else (norms, biases) is ``f``'s."""
+
+    def __init__(self, f: ModelSource, qtype: Q, expected: dict[str, tuple[int, ...]]) -> None:
+        self._f, self._qtype, self.path = f, qtype, f.path
+        self._matrices = {n for n, s in expected.items() if len(s) == 2 and s[1] % 32 == 0}
+
+    def has_tensor(self, name: str) -> bool:
+        return self._f.has_tensor(name)
+
+    def stored_name(self, name: str) -> str:
+        return self._f.stored_name(name)
+
+    def tensor_type(self, name: str) -> Q:
+        return self._qtype if name in self._matrices else self._f.tensor_type(name)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._f.tensor_shape(name)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        return self._f.dequantize(name)
+
+    def blocks(self, name: str) -> np.ndarray:
+        if name not in self._matrices or self._f.tensor_type(name) == self._qtype:
+            return self._f.blocks(name)
+        w = np.require(self._f.dequantize(name), np.float32, ["C", "W"])  # a copy of a view
+        return requantize(torch.from_numpy(w), self._qtype).blocks.numpy()
+
+    def stored_bytes(self) -> dict[str, int]:
+        return self._f.stored_bytes()
+
+    def check_tensor_types(self) -> None:
+        self._f.check_tensor_types()
 
 
 def _progress_printer(label: str) -> Callable[[int, int], None]:

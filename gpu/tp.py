@@ -56,8 +56,8 @@ from gpu.tp_messages import (  # noqa: E402
     encode_stop,
 )
 from gpu.tp_model import ShardedLlama, shard_model, shard_plan  # noqa: E402
-from modelfile.config import config_from_gguf  # noqa: E402
-from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
+from modelfile.gguf_file import default_model_path  # noqa: E402
+from modelfile.source import model_parts, open_model  # noqa: E402
 
 __all__ = [
     "Channel",
@@ -230,9 +230,7 @@ def start_leader(
     main thread (the followers' death signal follows the thread that spawned them).
     """
     path = str(model_path or default_model_path())
-    f = GGUFFile(path)
-    shard_plan(config_from_gguf(f, f.strings("tokenizer.ggml.tokens")), world, 0)
-    del f
+    shard_plan(model_parts(open_model(path))[2], world, 0)
     _set_threads(threads)
     dev, dt = _rank_device(device, dtype, 0)
     store = dist.TCPStore(

@@ -33,6 +33,7 @@ from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_conte
 from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
+from modelfile.source import model_bytes  # noqa: E402
 from wire.address import parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
@@ -117,7 +118,7 @@ def _hello(engine: Engine) -> wire.Hello:
     model = {
         "name": mc.name,
         "path": str(lm.path),
-        "file_bytes": os.path.getsize(lm.path),  # with path: the model's identity in traces
+        "file_bytes": model_bytes(lm.path),  # with path: the model's identity in traces
         "arch": mc.arch,
         "vocab_size": mc.vocab_size,
         "context_length": mc.context_length,

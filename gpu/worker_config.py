@@ -46,7 +46,7 @@ class WorkerConfig:
     kv_memory_mib: int | None = None  # None: DEFAULT_CPU_KV_MIB on the CPU; on CUDA, mem_fraction
     mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
     decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
-    weights: str = "auto"  # auto | quantized | fp32 (gpu/loader.py; --tp > 1 runs fp32)
+    weights: str = "auto"  # auto | quantized | fp32 | q8_0 | q4_0 (gpu/loader.py; --tp > 1: fp32)
     block_size: int = 16
     max_running: int = 64
     max_pending: int = 256
@@ -133,7 +133,8 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
         default=d.weights,
         help="auto: on the CPU keep the GGUF's quantized blocks and compute on them "
         "(native kernels), else dequantize to --dtype; quantized: blocks for every "
-        "projection (floats requantized to Q8_0); fp32: dequantize all",
+        "projection (floats requantized to Q8_0); fp32: dequantize all; q8_0 / q4_0: "
+        "quantize every matrix to that type at load (CPU)",
     )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-running", type=int, default=d.max_running)
@@ -185,8 +186,8 @@ def build_engine(config: WorkerConfig) -> Engine:
         # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
         torch.set_num_threads(config.threads)
     followers = None
-    if config.tp > 1 and config.weights == "quantized":
-        raise SystemExit("--tp > 1 splits fp32 weights: --weights quantized runs at --tp 1")
+    if config.tp > 1 and config.weights in ("quantized", "q8_0", "q4_0"):
+        raise SystemExit(f"--tp > 1 splits fp32 weights: --weights {config.weights} runs at --tp 1")
     if config.tp > 1:
         from gpu import tp  # spawns the other ranks; never imported at --tp 1
 

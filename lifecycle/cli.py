@@ -31,7 +31,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print a greedy continuation of a prompt (offline)")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2)")
+    gen.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--device", default=None)

@@ -54,7 +54,12 @@ _MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
 _SWITCH: dict[str, Any] = {"type": None, "default": False}
 
 OPTIONS: tuple[Option, ...] = (
-    _o("model", "GGUF file (default: the bundled SmolLM2-135M-Instruct)", _MODEL),
+    _o(
+        "model",
+        "GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json; "
+        "default: the bundled SmolLM2-135M-Instruct)",
+        _MODEL,
+    ),
     _o("served_model_name", "the model's name in the OpenAI API", _MODEL),
     _o(
         "strict_model_name",
@@ -86,8 +91,9 @@ OPTIONS: tuple[Option, ...] = (
     _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
     _o(
         "weights",
-        "auto | quantized | fp32: compute on the GGUF's quantized blocks (auto: on the "
-        "CPU) or dequantize them at load",
+        "auto | quantized | fp32 | q8_0 | q4_0: compute on the GGUF's quantized blocks "
+        "(auto: on the CPU), dequantize them at load (fp32), or quantize every matrix to "
+        "Q8_0 / Q4_0 at load (a float GGUF or a Hugging Face folder, on the CPU)",
         _WORKER,
     ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),

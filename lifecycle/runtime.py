@@ -40,7 +40,7 @@ log = logging.getLogger("lifecycle.runtime")
 class AppConfig:
     host: str = "127.0.0.1"
     port: int = 30000
-    model: str | None = None  # GGUF path; None: the bundled SmolLM2
+    model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
     served_model_name: str | None = None
     strict_model_name: bool = False  # another model name: 404 (default: served)
     worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
@@ -50,7 +50,7 @@ class AppConfig:
     worker_extra_args: tuple[str, ...] = ()
     device: str | None = None
     dtype: str | None = None
-    weights: str | None = None  # auto | quantized | fp32; None: the worker's (auto)
+    weights: str | None = None  # auto | quantized | fp32 | q8_0 | q4_0; None: the worker's
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None

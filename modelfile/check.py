@@ -1,12 +1,13 @@
-"""Whether a model file is one this runtime can run, from its metadata and tensor
-directory alone: no weight is read and torch is never imported, so ``lifecycle serve``
-refuses a file before it listens or spawns a worker, and the worker refuses it before
-it reads a weight.
+"""Whether a model (a GGUF file or a Hugging Face folder) is one this runtime can run,
+from its metadata and tensor directory alone: no weight is read and torch is never
+imported, so ``lifecycle serve`` refuses a model before it listens or spawns a worker,
+and the worker refuses it before it reads a weight.
 
-What is checked: everything ``vocab_parts`` reads (architecture, hyper-parameters,
-RoPE scaling, tokenizer model and pre-tokenizer, chat template), each tensor's type,
-and every tensor the architecture reads: present, with the shape the config implies.
-Each problem is one ``ModelFileError("<path>: <problem>")``.
+What is checked: everything ``model_parts`` reads (architecture, hyper-parameters,
+RoPE scaling, tokenizer, chat template), each tensor's type, and every tensor the
+architecture reads: present, with the shape the config implies (a folder's tensors the
+architecture would not read are refused too: ``HFFolder.check_tensor_types``). Each
+problem is one ``ModelFileError("<path>: <problem>")``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 
 from modelfile.chat import ChatTemplate
 from modelfile.config import ModelConfig
-from modelfile.gguf_file import GGUFFile, default_model_path
 from modelfile.gguf_meta import ModelFileError
+from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
-from modelfile.vocab import vocab_parts
 
 __all__ = ["CheckedModel", "check_model", "check_tensors", "expected_tensors"]
 
@@ -66,24 +66,25 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_tensors(f: GGUFFile, config: ModelConfig) -> None:
+def check_tensors(f: ModelSource, config: ModelConfig) -> None:
     """Every tensor of a type the loader reads; every tensor ``config`` needs present,
     in its shape."""
     f.check_tensor_types()
     for name, shape in expected_tensors(config).items():
+        stored = f.stored_name(name)
         if not f.has_tensor(name):
             raise ModelFileError(
-                f.path, f"tensor {name!r} is missing (the {config.arch} architecture reads it)"
+                f.path, f"tensor {stored!r} is missing (the {config.arch} architecture reads it)"
             )
         got = f.tensor_shape(name)
         if got != shape:
-            raise ModelFileError(f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+            raise ModelFileError(f.path, f"tensor {stored!r} has shape {got}, expected {shape}")
 
 
 def check_model(path: str | pathlib.Path | None = None) -> CheckedModel:
-    """Open and check the model at ``path`` (None: the bundled default); raises
-    ``ModelFileError`` for the first problem."""
-    f = GGUFFile(path or default_model_path())
-    tokenizer, chat, config = vocab_parts(f)
+    """Open and check the model at ``path`` (a GGUF file or a Hugging Face folder; None:
+    the bundled default); raises ``ModelFileError`` for the first problem."""
+    f = open_model(path)
+    tokenizer, chat, config = model_parts(f)
     check_tensors(f, config)
     return CheckedModel(f.path, tokenizer, chat, config)

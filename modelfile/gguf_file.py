@@ -119,6 +119,17 @@ class GGUFFile(GGUFMetadata):
             shape=(rows, self._nbytes[name] // rows),
         )  # fmt: skip
 
+    def stored_name(self, name: str) -> str:
+        """The file's name for tensor ``name`` (a Hugging Face folder's differ)."""
+        return name
+
+    def stored_bytes(self) -> dict[str, int]:
+        """Each tensor's bytes in the file: from its offset to the next one's (the last
+        one's to the end of the file), padding included."""
+        order = sorted(self.tensors.values(), key=lambda t: t.offset)
+        ends = [t.offset for t in order[1:]] + [self.path.stat().st_size]
+        return {t.name: end - t.offset for t, end in zip(order, ends, strict=True)}
+
     def check_tensor_types(self) -> None:
         supported = dequantizable_types()
         for name, qtype in self._types.items():

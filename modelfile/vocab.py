@@ -1,4 +1,4 @@
-"""The vocabulary side of a model file: tokenizer, chat template and config, no weights."""
+"""The vocabulary side of a model: tokenizer, chat template and config, no weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from modelfile.chat import ChatTemplate, ChatTemplateError
 from modelfile.config import ModelConfig, config_from_gguf
 from modelfile.gguf_file import default_model_path
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
+from modelfile.hf_folder import HFFolder
 from modelfile.tokenizer import Tokenizer, tokenizer_from_gguf
 
 __all__ = ["load_tokenizer", "vocab_parts"]
@@ -16,7 +17,10 @@ __all__ = ["load_tokenizer", "vocab_parts"]
 def load_tokenizer(
     path: str | pathlib.Path | None = None,
 ) -> tuple[Tokenizer, ChatTemplate | None, ModelConfig]:
-    """Tokenizer, chat template and config without reading any weights."""
+    """Tokenizer, chat template and config without reading any weights, from a GGUF
+    file or a Hugging Face folder."""
+    if path is not None and pathlib.Path(path).is_dir():
+        return HFFolder(path).vocab_parts()
     return vocab_parts(GGUFMetadata(path or default_model_path()))
 
 
