@@ -267,9 +267,9 @@ def lead(engine: Engine, followers: Followers) -> None:
                 f"--tp does not run with --decode-graphs {engine.config.decode_graphs}"
             )
         log.info("tensor parallel: decode graphs off (every step is announced to the followers)")
-        engine.graphs = None
+        engine.graphs = engine.runner.graphs = None
     cache = LeaderCache.adopt(engine.cache, followers)
-    engine.cache = cache
+    engine.cache = engine.runner.cache = cache
     engine.scheduler.copy_rows = cache.copy_rows
 
 
