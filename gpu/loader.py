@@ -33,7 +33,7 @@ from gpu.native import load_kernels
 from gpu.quant import KERNEL_TYPES, QuantWeight, requantize
 from modelfile.chat import ChatTemplate
 from modelfile.check import check_tensors, expected_tensors
-from modelfile.config import ModelConfig
+from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_file import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
@@ -85,12 +85,16 @@ def load_model(
     device: str | None = None,
     dtype: str | None = None,
     weights: str = "auto",
+    context_length: int | None = None,
 ) -> LoadedModel:
+    """``context_length``: the tokens to serve (``modelfile.config.with_context``; None:
+    the model's own); the RoPE tables are made for that many positions."""
     dev, dt = resolve_device(device, dtype)
     t0 = time.perf_counter()
     f = open_model(path)
     t_open = time.perf_counter()
     tokenizer, chat, config = model_parts(f)
+    config = with_context(config, context_length, str(f.path))
     check_tensors(f, config)  # every problem of the file before a weight is read
     t_vocab = time.perf_counter()
     quant = _quant_mode(weights, dev, dt)

@@ -299,13 +299,25 @@ def main(argv: list[str] | None = None) -> int:
     address = parse_address(config.listen)
     if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:
         log.warning("no worker token: anyone who reaches %s can use this worker", config.listen)
+    kv_tokens = engine.config.kv_blocks * config.block_size
+    context = engine.mc.context_length
     log.info(
-        "listening on %s (%d KV blocks of %d; cpu runtime %s)",
+        "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d); "
+        "cpu runtime %s",
         config.listen,
+        engine.mc.name,
+        context,
+        kv_tokens,
         engine.config.kv_blocks,
         config.block_size,
         _CPU_TUNING or "as the environment set it",
     )
+    if kv_tokens < context:
+        log.warning(
+            "the KV cache holds %d tokens, fewer than one full context of %d: a request "
+            "spans at most %d (--kv-cache-tokens / --kv-memory-mib, or --context-length)",
+            kv_tokens, context, engine.max_context,
+        )  # fmt: skip
     log.info("%s", engine.footprint().line())
     try:
         return serve(engine, listener, config.token, tls)

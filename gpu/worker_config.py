@@ -47,6 +47,7 @@ class WorkerConfig:
     mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
     decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
     weights: str = "auto"  # auto | quantized | fp32 | q8_0 | q4_0 (gpu/loader.py; --tp > 1: fp32)
+    context_length: int | None = None  # tokens served; None: the model's (with_context)
     block_size: int = 16
     max_running: int = 64
     max_pending: int = 256
@@ -128,6 +129,13 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
         help="decode steps replayed from captured graphs: auto = CUDA graphs on CUDA",
     )
     p.add_argument(
+        "--context-length",
+        type=int,
+        default=d.context_length,
+        help="tokens a request may span, prompt and output (default: the model's; higher "
+        "only with RoPE scaling in the file)",
+    )
+    p.add_argument(
         "--weights",
         choices=WEIGHT_MODES,
         default=d.weights,
@@ -196,8 +204,9 @@ def build_engine(config: WorkerConfig) -> Engine:
         )
     else:
         lm = load_model(
-            config.model_path, device=config.device, dtype=config.dtype, weights=config.weights
-        )
+            config.model_path, device=config.device, dtype=config.dtype, weights=config.weights,
+            context_length=config.context_length,
+        )  # fmt: skip
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     elem = lm.dtype.itemsize  # the KV cache's element: the compute dtype
     plan = None

@@ -96,6 +96,13 @@ OPTIONS: tuple[Option, ...] = (
         "Q8_0 / Q4_0 at load (a float GGUF or a Hugging Face folder, on the CPU)",
         _WORKER,
     ),  # fmt: skip
+    _o(
+        "context_length",
+        "tokens a request may span, prompt and output (default: the model's; higher only "
+        "with RoPE scaling in the file)",
+        _MODEL,
+        type=int,
+    ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o(
@@ -331,6 +338,7 @@ _PLAIN = (
     "device",
     "dtype",
     "weights",
+    "context_length",
     "max_pending",
     "max_running",
     "kv_cache_tokens",

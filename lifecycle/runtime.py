@@ -51,6 +51,7 @@ class AppConfig:
     device: str | None = None
     dtype: str | None = None
     weights: str | None = None  # auto | quantized | fp32 | q8_0 | q4_0; None: the worker's
+    context_length: int | None = None  # tokens served; None: the model's own
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
@@ -95,6 +96,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
             ("--device", cfg.device),
             ("--dtype", cfg.dtype),
             ("--weights", cfg.weights),
+            ("--context-length", cfg.context_length),
             ("--kv-cache-tokens", cfg.kv_cache_tokens),
             ("--kv-memory-mib", cfg.kv_memory_mib),
             ("--mem-fraction", cfg.mem_fraction),
@@ -161,7 +163,9 @@ class Runtime:
         if self.model is None:
             from modelfile.check import check_model
 
-            self.model = await anyio.to_thread.run_sync(check_model, self.config.model)
+            self.model = await anyio.to_thread.run_sync(
+                check_model, self.config.model, self.config.context_length
+            )
         return self.model
 
     async def load(self, tg: anyio.abc.TaskGroup) -> Frontend:

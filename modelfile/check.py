@@ -16,7 +16,7 @@ import pathlib
 from dataclasses import dataclass
 
 from modelfile.chat import ChatTemplate
-from modelfile.config import ModelConfig
+from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_meta import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
@@ -81,10 +81,14 @@ def check_tensors(f: ModelSource, config: ModelConfig) -> None:
             raise ModelFileError(f.path, f"tensor {stored!r} has shape {got}, expected {shape}")
 
 
-def check_model(path: str | pathlib.Path | None = None) -> CheckedModel:
+def check_model(
+    path: str | pathlib.Path | None = None, context_length: int | None = None
+) -> CheckedModel:
     """Open and check the model at ``path`` (a GGUF file or a Hugging Face folder; None:
-    the bundled default); raises ``ModelFileError`` for the first problem."""
+    the bundled default), serving ``context_length`` tokens (None: the model's own);
+    raises ``ModelFileError`` for the first problem."""
     f = open_model(path)
     tokenizer, chat, config = model_parts(f)
+    config = with_context(config, context_length, str(f.path))
     check_tensors(f, config)
     return CheckedModel(f.path, tokenizer, chat, config)

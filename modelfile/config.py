@@ -16,7 +16,7 @@ definitions, ``gpu.model.rope_inv_freq``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 
@@ -26,6 +26,7 @@ __all__ = [
     "RopeScaling",
     "config_from_gguf",
     "derive_eog_ids",
+    "with_context",
 ]
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
@@ -212,3 +213,22 @@ def _check_shape_support(
         raise ModelFileError(f.path, f"partial rotary ({rope_dims} of {head_dim} dims) unsupported")
     if f.has_tensor("blk.0.attn_q_norm.weight") != f.has_tensor("blk.0.attn_k_norm.weight"):
         raise ModelFileError(f.path, "attn_q_norm without attn_k_norm (or the reverse)")
+
+
+def with_context(config: ModelConfig, context: int | None, path: str = "") -> ModelConfig:
+    """``config`` serving ``context`` tokens (``--context-length``; None: the model's own).
+    Lower is always allowed; higher only with RoPE scaling in the file (linear, yarn or
+    Llama 3's factors), which is what lets positions past the trained context make
+    sense. Raises ``ModelFileError`` otherwise."""
+    if context is None or context == config.context_length:
+        return config
+    if context < 1:
+        raise ModelFileError(path, f"--context-length must be positive, got {context}")
+    scaled = config.rope_scaling.kind != "none" or config.rope_freq_factors
+    if context > config.context_length and not scaled:
+        raise ModelFileError(
+            path,
+            f"--context-length {context} exceeds the model's {config.context_length} tokens "
+            "and the file has no RoPE scaling to stretch it",
+        )
+    return replace(config, context_length=context)
