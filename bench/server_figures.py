@@ -107,4 +107,4 @@ def print_extras(ttft: dict[str, Any], rss: dict[str, dict[str, float | None]], 
             parts.append(f"{lb} worker {mib(r['worker'])} (frontend {mib(r['frontend'])})")
         else:
             parts.append(f"{lb} {mib(r['process'])}")
-    print("RSS after the load, idle, MiB: " + ", ".join(parts))
+    print("RSS after the runs, idle, MiB: " + ", ".join(parts))
