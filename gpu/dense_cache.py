@@ -40,6 +40,10 @@ class _StepLayout:
     q_index: Tensor | None  # [T] row of each token in the padded [B*Q] query block
     q_len: int  # Q: padded queries per sequence
     decode_bias: Tensor | None  # fp additive mask [B*kv_heads, 1, kv_len] when Q == 1
+    # The same for the sliding-window layers (None when the model has none): keys more
+    # than the window behind their query are masked too.
+    window_mask: Tensor | None = None
+    window_bias: Tensor | None = None
 
 
 class DenseKVCache:
@@ -64,6 +68,8 @@ class DenseKVCache:
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window
+        self.windowed = [config.window(i) > 0 for i in range(config.n_layers)]
         self.max_seqs = max_seqs
         self.max_len = max_len
         self.device = self.k.device
@@ -138,26 +144,39 @@ class DenseKVCache:
                 dtype=torch.int64,
                 device=dev,
             )
-        mask = None
         needs_mask = (q_len > 1 and not is_causal) or len(set(totals)) > 1
-        if needs_mask:
-            key = torch.arange(kv_len, device=dev)
-            qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(q_len, device=dev)
-            mask = key[None, None, :] <= qpos[:, :, None]  # [B, Q, L] causal within the sequence
-            # Padded query rows (j >= new_len) attend to key 0 only, so no row is all -inf.
-            pad = (
-                torch.arange(q_len, device=dev)[None, :]
-                >= torch.tensor(new_lens, device=dev)[:, None]
-            )
-            mask[pad] = key == 0
-            mask = mask.unsqueeze(1)
-        bias = None
-        if q_len == 1:
-            bias = torch.zeros(b, 1, kv_len, device=dev, dtype=self.k.dtype)
-            if mask is not None:
-                bias.masked_fill_(~mask[:, 0], float("-inf"))
-            bias = bias.repeat_interleave(self.n_kv_heads, dim=0)
-        return _StepLayout(slot_t, pos_t, slots, kv_len, mask, is_causal, q_index, q_len, bias)
+        mask = self._mask(starts, new_lens, kv_len, q_len, 0) if needs_mask else None
+        bias = self._bias(mask, b, kv_len) if q_len == 1 else None
+        window_mask = window_bias = None
+        if self.window:
+            window_mask = self._mask(starts, new_lens, kv_len, q_len, self.window)
+            window_bias = self._bias(window_mask, b, kv_len) if q_len == 1 else None
+        return _StepLayout(slot_t, pos_t, slots, kv_len, mask, is_causal, q_index, q_len, bias,
+                           window_mask, window_bias)  # fmt: skip
+
+    def _mask(self, starts: list[int], new_lens: list[int], kv_len: int, q_len: int,
+              window: int) -> Tensor:  # fmt: skip
+        """bool ``[B, 1, Q, kv_len]``: causal within each sequence and, with a ``window``,
+        only the ``window`` latest keys up to each query."""
+        dev = self.device
+        key = torch.arange(kv_len, device=dev)
+        qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(q_len, device=dev)
+        mask = key[None, None, :] <= qpos[:, :, None]  # [B, Q, L] causal within the sequence
+        if window:
+            mask &= key[None, None, :] > qpos[:, :, None] - window
+        # Padded query rows (j >= new_len) attend to key 0 only, so no row is all -inf.
+        pad = (
+            torch.arange(q_len, device=dev)[None, :] >= torch.tensor(new_lens, device=dev)[:, None]
+        )
+        mask[pad] = key == 0
+        return mask.unsqueeze(1)
+
+    def _bias(self, mask: Tensor | None, b: int, kv_len: int) -> Tensor:
+        """The additive ``[B * kv_heads, 1, kv_len]`` form of a one-query step's mask."""
+        bias = torch.zeros(b, 1, kv_len, device=self.device, dtype=self.k.dtype)
+        if mask is not None:
+            bias.masked_fill_(~mask[:, 0], float("-inf"))
+        return bias.repeat_interleave(self.n_kv_heads, dim=0)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step = self._step
@@ -169,8 +188,11 @@ class DenseKVCache:
         keys = kc[step.slots, :, : step.kv_len]
         values = vc[step.slots, :, : step.kv_len]
         b = keys.shape[0]
-        if step.decode_bias is not None:
-            return self._decode_attention(q, keys, values, step.decode_bias)
+        mask, is_causal, bias = step.mask, step.is_causal, step.decode_bias
+        if self.windowed[layer]:
+            mask, is_causal, bias = step.window_mask, False, step.window_bias
+        if bias is not None:
+            return self._decode_attention(q, keys, values, bias)
         if step.q_index is None:
             # One query per sequence, or a single sequence: [T, H, D] reshapes directly.
             qh = q.view(b, -1, q.shape[1], q.shape[2]).transpose(1, 2)
@@ -179,7 +201,7 @@ class DenseKVCache:
             padded[step.q_index] = q
             qh = padded.view(b, step.q_len, q.shape[1], q.shape[2]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=step.mask, is_causal=step.is_causal, enable_gqa=True
+            qh, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True
         )
         out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
         return out if step.q_index is None else out[step.q_index]

@@ -4,7 +4,9 @@ With quantized weights on the CPU, a decode step at small batch spent about as l
 dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its matmuls.
 ``FusedTrunk`` hands the whole trunk to C: the same q_linear and paged attention kernels
 the torch path calls, with the norms, RoPE, the cache write and SwiGLU between them
-written in C. It applies when every projection is a ``QuantLinear``, the cache is fp32
+written in C, and what other architectures add to the layer (sliding windows, soft
+caps, GeGLU, post-norms, per-layer RoPE tables: ``modelfile/config.py``). It applies
+when every projection is a ``QuantLinear``, the cache is fp32
 on the CPU with the native attention kernel; every row of the step then attends as one
 query (``PagedKVCache.row_queries``: decodes and prompt tokens alike, so a token's result
 does not depend on what else its step holds, how its prompt was chunked or what the
@@ -32,6 +34,7 @@ from modelfile.config import ModelConfig
 __all__ = ["FusedTrunk"]
 
 _p, _i32 = ctypes.c_void_p, ctypes.c_int32
+_ACT_SILU, _ACT_GELU_TANH = 0, 1  # fused_trunk.c's act
 
 
 class LayerWeights(Protocol):
@@ -55,6 +58,10 @@ class LayerWeights(Protocol):
     def q_norm(self) -> Tensor | None: ...
     @property
     def k_norm(self) -> Tensor | None: ...
+    @property
+    def post_attn_norm(self) -> Tensor | None: ...
+    @property
+    def post_ffn_norm(self) -> Tensor | None: ...
 
 
 class _Layer(ctypes.Structure):
@@ -76,6 +83,11 @@ class _Layer(ctypes.Structure):
         ("bqkv", _p),
         ("q_norm", _p),
         ("k_norm", _p),
+        ("post_attn_norm", _p),
+        ("post_ffn_norm", _p),
+        ("cos", _p),
+        ("sin", _p),
+        ("window", _i32),
     ]
 
 
@@ -86,23 +98,27 @@ def _ptr(t: Tensor | None) -> int | None:
 class FusedTrunk:
     """The trunk of a step for one model on one cache."""
 
-    def __init__(self, config: ModelConfig, layers: Sequence[LayerWeights], rope: tuple[Tensor, Tensor],
-                 cache: PagedKVCache, kernels: NativeKernels) -> None:  # fmt: skip
+    def __init__(self, config: ModelConfig, layers: Sequence[LayerWeights],
+                 rope: Sequence[tuple[Tensor, Tensor]], cache: PagedKVCache,
+                 kernels: NativeKernels) -> None:  # fmt: skip
+        """``rope``: each layer's cos, sin tables ``[context, head_dim]`` fp32."""
         c = config
         self.kernels = kernels
         self.cache_ref = weakref.ref(cache)
         self.config = c
-        self.rope = rope  # cos, sin [context, head_dim] fp32
+        self.rope = rope  # kept alive: the table points at them
         table = (_Layer * c.n_layers)()
         for i, layer in enumerate(layers):
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
             assert all(isinstance(w, QuantLinear) for w in lins)
             qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
+            cos, sin = rope[i]
             table[i] = _Layer(
                 layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                 qkv.ptr, o.ptr, gu.ptr, down.ptr, qkv.qtype, o.qtype, gu.qtype, down.qtype,
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
-                _ptr(layer.q_norm), _ptr(layer.k_norm),
+                _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.post_attn_norm),
+                _ptr(layer.post_ffn_norm), cos.data_ptr(), sin.data_ptr(), c.window(i),
             )  # fmt: skip
         self.table = table
         self.scale = cache.scale
@@ -123,7 +139,15 @@ class FusedTrunk:
         ) and all(
             n.dtype == torch.float32 and n.is_contiguous() and n.device.type == "cpu"
             for layer in layers
-            for n in (layer.attn_norm, layer.ffn_norm, layer.bqkv, layer.q_norm, layer.k_norm)
+            for n in (
+                layer.attn_norm,
+                layer.ffn_norm,
+                layer.bqkv,
+                layer.q_norm,
+                layer.k_norm,
+                layer.post_attn_norm,
+                layer.post_ffn_norm,
+            )  # fmt: skip
             if n is not None
         )
 
@@ -134,13 +158,11 @@ class FusedTrunk:
         x = x.to(torch.float32).contiguous()  # a fresh tensor (the embedding's): written in place
         positions = positions.to(torch.int64).contiguous()
         slots, tables, lens = slots.contiguous(), tables.contiguous(), lens.contiguous()
-        cos, sin = self.rope
         rc = self.kernels.trunk_layers(
-            x.data_ptr(), x.shape[0], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            ctypes.addressof(self.table), c.n_layers, c.hidden, c.ffn, c.n_heads,
-            c.n_kv_heads, c.head_dim, c.rms_eps, slots.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), tables.shape[1], self.rows, self.block_size, self.scale,
-            torch.get_num_threads(),
+            x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
+            c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
+            slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
+            self.block_size, self.scale, _ACT_SILU, 0.0, torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("trunk_layers: scratch allocation failed")

@@ -12,7 +12,8 @@ static buffers the step writes in place:
 - ``slots``: the cache row each new token's K/V goes to;
 - ``rows``: the blocks each row's keys are gathered from (the gather + ``bmm`` decode of
   ``PagedKVCache``, which needs no host synchronisation), and ``bias`` the additive mask
-  past each context;
+  past each context (and ``bias_window``, the sliding-window layers', when the model
+  has them);
 - ``logits``: the LM head's output for every row, read back as ``logits[:D]``.
 
 Padding rows point at a scratch block that no sequence owns (``PagedKVCache`` is built
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpu.kv_cache import PagedKVCache, decode_layout
+from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -136,6 +137,8 @@ class _Buffers:
         self.slots = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.rows = torch.zeros(kv * max_b * max_nb, dtype=torch.int64, device=dev)
         self.bias = torch.zeros(kv * max_b * max_nb * bs, dtype=cache.k.dtype, device=dev)
+        # the sliding-window layers' mask, when the model has them
+        self.bias_window = torch.zeros_like(self.bias) if cache.window else None
         self.logits = torch.zeros(max_b * vocab, dtype=torch.float32, device=dev)
 
 
@@ -148,8 +151,12 @@ class _Shape:
         self.ids, self.pos, self.slots = buf.ids[:b], buf.pos[:b], buf.slots[:b]
         self.rows = buf.rows[: kv * b * nb]
         self.bias = buf.bias[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
+        self.bias_window = None
+        if buf.bias_window is not None:
+            self.bias_window = buf.bias_window[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
         self.logits = buf.logits[: b * vocab].view(b, vocab)
-        self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias)
+        self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias,
+                                    self.bias_window)  # fmt: skip
         self.replay: Callable[[], None] | None = None
 
 
@@ -258,13 +265,16 @@ class StepGraphs:
         kv, nblocks = self.cache.n_kv_heads, self.cache.num_blocks
         blocks = torch.tensor(tables, dtype=torch.int64).reshape(-1)
         rows = (torch.arange(kv)[:, None] * nblocks + blocks[None, :]).reshape(-1)
-        past = torch.arange(nb * bs)[None, :] >= torch.tensor(lens)[:, None]
-        bias = torch.zeros(past.shape, dtype=shape.bias.dtype).masked_fill_(past, float("-inf"))
+        bias = decode_bias(torch.tensor(lens), nb * bs, kv, shape.bias.dtype)
         shape.ids.copy_(host_ids, non_blocking=True)
         shape.pos.copy_(host_pos, non_blocking=True)
         shape.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
         shape.rows.copy_(rows, non_blocking=True)
-        shape.bias.copy_(bias.expand(kv, *bias.shape).reshape(shape.bias.shape), non_blocking=True)
+        shape.bias.copy_(bias.view(shape.bias.shape), non_blocking=True)
+        if shape.bias_window is not None:
+            window = decode_bias(torch.tensor(lens), nb * bs, kv, shape.bias.dtype,
+                                 self.cache.window)  # fmt: skip
+            shape.bias_window.copy_(window.view(shape.bias.shape), non_blocking=True)
 
     def info(self) -> dict[str, Any]:
         return {

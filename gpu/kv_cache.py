@@ -32,6 +32,7 @@ __all__ = [
     "PrefillChunk",
     "PrefixHit",
     "block_hash",
+    "decode_bias",
     "decode_layout",
 ]
 
@@ -61,13 +62,33 @@ class _Layout:
     # result does not depend on how its prompt was chunked or cached); None without the
     # native kernels.
     row_queries: tuple[Tensor, Tensor] | None = None
+    # The sliding-window layers' masks (None when the model has none): ``dec_bias`` and
+    # each prefill's mask with the keys more than the window behind their query masked.
+    dec_bias_window: Tensor | None = None
+    prefill_windows: tuple[Tensor, ...] = ()
 
 
-def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor) -> _Layout:
+def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor,
+                  bias_window: Tensor | None = None) -> _Layout:  # fmt: skip
     """A decode-only step over given tensors (what ``prepare`` builds for the gather +
     ``bmm`` path): ``n`` sequences, new-token ``slots [n]``, block ``rows [n_kv * n *
-    nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]``."""
-    return _Layout(slots, n, rows, keys, bias, None, None, ())
+    nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]`` (and
+    ``bias_window``, the same for the sliding-window layers)."""
+    return _Layout(slots, n, rows, keys, bias, None, None, (), None, bias_window)
+
+
+def decode_bias(lens: Tensor, keys: int, n_kv: int, dtype: torch.dtype,
+                window: int = 0) -> Tensor:  # fmt: skip
+    """The additive mask ``[n_kv * D, 1, keys]`` of ``D`` one-query sequences of ``lens``
+    keys each, laid out as gathered blocks: -inf past a context and, with a ``window``,
+    more than ``window`` keys behind its query."""
+    key = torch.arange(keys, device=lens.device)[None, :]
+    masked = key >= lens[:, None]
+    if window:
+        masked |= key < lens[:, None] - window
+    bias = torch.zeros(masked.shape, dtype=dtype, device=lens.device)
+    bias.masked_fill_(masked, float("-inf"))
+    return bias.expand(n_kv, *bias.shape).reshape(-1, 1, keys)
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
@@ -111,6 +132,8 @@ class PagedKVCache:
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window
+        self.windows = [config.window(i) for i in range(config.n_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = self.k.device
@@ -136,7 +159,7 @@ class PagedKVCache:
         dev, slots = self.device, []
         for table, ctx in decodes:
             slots.extend(self._slots(table, ctx - 1, ctx))
-        dec_rows = dec_bias = dec_tables = dec_lens = None
+        dec_rows = dec_bias = dec_tables = dec_lens = dec_bias_window = None
         dec_len = 0
         row_queries = None
         if self.kernels is not None:
@@ -163,22 +186,25 @@ class PagedKVCache:
                 + torch.tensor(blocks, dtype=torch.int64, device=dev)[None, :]
             ).reshape(-1)
             lens = torch.tensor([ctx for _, ctx in decodes], device=dev)
-            past = torch.arange(dec_len, device=dev)[None, :] >= lens[:, None]
-            bias = torch.zeros(past.shape, dtype=self.k.dtype, device=dev)
-            bias.masked_fill_(past, float("-inf"))
-            dec_bias = bias.expand(self.n_kv_heads, *bias.shape).reshape(-1, 1, dec_len)
+            dec_bias = decode_bias(lens, dec_len, self.n_kv_heads, self.k.dtype)
+            if self.window:
+                dec_bias_window = decode_bias(
+                    lens, dec_len, self.n_kv_heads, self.k.dtype, self.window
+                )
         pre = []
+        windows = []
         row = len(decodes)
         for c in prefills:
             slots.extend(self._slots(c.block_table, c.start, c.start + c.n))
             index = torch.tensor(
                 self._slots(c.block_table, 0, c.start + c.n), dtype=torch.int64, device=dev
             )
-            mask = None
-            if c.start:
-                key = torch.arange(c.start + c.n, device=dev)
-                mask = key[None, :] <= (c.start + torch.arange(c.n, device=dev))[:, None]
+            key = torch.arange(c.start + c.n, device=dev)
+            query = (c.start + torch.arange(c.n, device=dev))[:, None]
+            mask = key[None, :] <= query if c.start else None
             pre.append((row, c.n, index, mask))
+            if self.window:  # over every key of the sequence, cached or new
+                windows.append((key[None, :] <= query) & (key[None, :] > query - self.window))
             row += c.n
         self._layout = _Layout(
             torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -190,6 +216,8 @@ class PagedKVCache:
             dec_lens,
             tuple(pre),
             row_queries,
+            dec_bias_window,
+            tuple(windows),
         )
 
     def _row_queries(
@@ -237,10 +265,11 @@ class PagedKVCache:
         kc, vc = self._k_layers[layer], self._v_layers[layer]
         kc.index_copy_(1, lay.slots, k.transpose(0, 1))
         vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+        window = self.windows[layer]
         outs = []
         if lay.dec_tables is not None and lay.dec_lens is not None and self.kernels is not None:
             outs.append(
-                self.kernels.paged_decode_attention(
+                self.kernels.paged_attention(
                     q[: lay.n_decode],
                     kc,
                     vc,
@@ -248,14 +277,19 @@ class PagedKVCache:
                     lay.dec_lens,
                     self.block_size,
                     self.scale,
+                    window,
                 )
             )
         elif lay.dec_rows is not None and lay.dec_bias is not None:
-            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay.dec_rows, lay.dec_bias))
-        for row, n, index, mask in lay.prefills:
-            if mask is None:  # nothing cached before the chunk: its own k/v are all the keys
+            bias = lay.dec_bias_window if window else lay.dec_bias
+            assert bias is not None
+            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay.dec_rows, bias))
+        for i, (row, n, index, mask) in enumerate(lay.prefills):
+            if window:  # the window's mask, over every key of the sequence
+                mask = lay.prefill_windows[i]
+            if mask is None or mask.shape[1] == n:  # nothing cached before the chunk: its
                 keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
-            else:
+            else:  # own k/v are all the keys; else every key of the sequence, gathered
                 keys, vals = kc.index_select(1, index), vc.index_select(1, index)
             qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(

@@ -238,27 +238,33 @@ def _build_model(
     def head_norm(name: str) -> torch.Tensor | None:
         return place(get(name, (c.head_dim,))) if c.qk_norm else None
 
+    def qkv_parts(p: str) -> list[tuple[str, tuple[int, int], int | None]]:
+        if c.fused_qkv:  # Phi-3: one tensor, q then k then v, HF's layout
+            return [(p + "attn_qkv.weight", (q_rows + 2 * kv_rows, c.hidden), None)]
+        return [
+            (p + "attn_q.weight", (q_rows, c.hidden), q_perm),
+            (p + "attn_k.weight", (kv_rows, c.hidden), k_perm),
+            (p + "attn_v.weight", (kv_rows, c.hidden), None),
+        ]
+
+    def gate_up_parts(p: str) -> list[tuple[str, tuple[int, int], int | None]]:
+        if c.fused_gate_up:  # Phi-3: ffn_up holds gate then up
+            return [(p + "ffn_up.weight", (2 * c.ffn, c.hidden), None)]
+        return [
+            (p + "ffn_gate.weight", (c.ffn, c.hidden), None),
+            (p + "ffn_up.weight", (c.ffn, c.hidden), None),
+        ]
+
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
         layers.append(
             LlamaWeights(
                 attn_norm=place(get(p + "attn_norm.weight", (c.hidden,))),
-                wqkv=matrix(
-                    [
-                        (p + "attn_q.weight", (q_rows, c.hidden), q_perm),
-                        (p + "attn_k.weight", (kv_rows, c.hidden), k_perm),
-                        (p + "attn_v.weight", (kv_rows, c.hidden), None),
-                    ]
-                ),
+                wqkv=matrix(qkv_parts(p)),
                 wo=matrix([(p + "attn_output.weight", (c.hidden, q_rows), None)]),
                 ffn_norm=place(get(p + "ffn_norm.weight", (c.hidden,))),
-                w_gate_up=matrix(
-                    [
-                        (p + "ffn_gate.weight", (c.ffn, c.hidden), None),
-                        (p + "ffn_up.weight", (c.ffn, c.hidden), None),
-                    ]
-                ),
+                w_gate_up=matrix(gate_up_parts(p)),
                 w_down=matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
                 bqkv=bias(p),
                 q_norm=head_norm(p + "attn_q_norm.weight"),
@@ -275,6 +281,9 @@ def _build_model(
     norm = place(get("output_norm.weight", (c.hidden,)))
     head = None if c.tied_embeddings else single("output.weight", (c.vocab_size, c.hidden))
     freqs = get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
+    if c.rope_scaling.kind == "longrope":  # the factors the served context reads
+        which = "long" if c.rope_scaling.long_factors(c.context_length) else "short"
+        freqs = get(f"rope_factors_{which}.weight", (c.head_dim // 2,))
     progress(total, total)  # the line ends even when the file holds tensors we skip
     if requantized:
         log.warning(

@@ -1,6 +1,8 @@
 """The decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, and what the
 other architectures add to Llama's layer (``modelfile/config.py``): q/k/v biases (Qwen2),
-per-head q/k RMSNorm (Qwen3), scaled RoPE frequencies (``rope_inv_freq``).
+per-head q/k RMSNorm (Qwen3), scaled RoPE frequencies (``rope_inv_freq``: linear, yarn,
+Llama 3's factors, Phi-3's LongRoPE), sliding-window layers (the attention backend's:
+``ModelConfig.window``).
 
 Weights arrive in the HF layout (a llama file's q/k rows un-permuted by the loader, see
 ``unpermute_rope_rows``), so RoPE is the rotate-half form. Attention goes through an ``AttentionBackend`` that owns
@@ -78,10 +80,19 @@ def rope_inv_freq(
     ``beta_slow`` times within the original context, and scales cos/sin by
     0.1 ln(factor) + 1 unless the file gives the factor; ``freq_factors`` (a llama
     file's ``rope_freqs`` tensor: Llama 3's scaling, precomputed by the converter)
-    divide the frequencies one by one."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    attention = 1.0
+    divide the frequencies one by one. longrope (Phi-3): ``freq_factors`` are the
+    file's long or short factors (``RopeScaling.long_factors`` says which), dividing the
+    frequencies as transformers' ``_compute_longrope_parameters`` computes it, and cos/sin
+    are scaled by the file's ``attn_factor``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     scaling = scaling or RopeScaling()
+    if scaling.kind == "longrope":
+        if freq_factors is None:
+            raise ValueError("longrope needs the file's long or short factors")
+        inv_freq = 1.0 / (freq_factors.float().cpu() * theta**exponents)
+        return inv_freq, scaling.attn_factor if scaling.attn_factor is not None else 1.0
+    inv_freq = 1.0 / (theta**exponents)
+    attention = 1.0
     if scaling.kind == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.kind == "yarn":
@@ -186,8 +197,10 @@ def _kernels() -> NativeKernels:
 class LlamaWeights(nn.Module):
     """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused. Each
     projection is an fp32 matrix (a parameter) or a ``QuantWeight`` (its blocks a buffer
-    under the same name). ``bqkv`` (the q/k/v biases, joined) and ``q_norm`` / ``k_norm``
-    (per-head RMSNorm weights ``[head_dim]``) are None where the architecture has none."""
+    under the same name). ``bqkv`` (the q/k/v biases, joined), ``q_norm`` / ``k_norm``
+    (per-head RMSNorm weights ``[head_dim]``) and ``post_attn_norm`` / ``post_ffn_norm``
+    (RMSNorm of the attention's and the MLP's outputs before their residual adds,
+    ``[hidden]``: Gemma 2/3) are None where the architecture has none."""
 
     wqkv: Tensor
     wo: Tensor
@@ -196,6 +209,8 @@ class LlamaWeights(nn.Module):
     bqkv: Tensor | None
     q_norm: Tensor | None
     k_norm: Tensor | None
+    post_attn_norm: Tensor | None
+    post_ffn_norm: Tensor | None
 
     def __init__(
         self,
@@ -208,11 +223,15 @@ class LlamaWeights(nn.Module):
         bqkv: Tensor | None = None,
         q_norm: Tensor | None = None,
         k_norm: Tensor | None = None,
+        post_attn_norm: Tensor | None = None,
+        post_ffn_norm: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
-        for name, t in (("bqkv", bqkv), ("q_norm", q_norm), ("k_norm", k_norm)):
+        optional = (("bqkv", bqkv), ("q_norm", q_norm), ("k_norm", k_norm),
+                    ("post_attn_norm", post_attn_norm), ("post_ffn_norm", post_ffn_norm))  # fmt: skip
+        for name, t in optional:
             if t is None:
                 setattr(self, name, None)
             else:
@@ -354,6 +373,10 @@ class Llama(nn.Module):
             x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
         return x
 
+    def _rope(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32."""
+        return self.rope_cos, self.rope_sin
+
     def _fused_for(self, attn: AttentionBackend) -> FusedTrunk | None:
         """The fused decode trunk for this cache, made on first use; None when it does not
         apply (fp32 or CUDA weights, another backend, no kernels, turned off)."""
@@ -367,7 +390,7 @@ class Llama(nn.Module):
         layers = [cast(LlamaWeights, layer) for layer in self.layers]
         if not FusedTrunk.applies(self.config, layers, attn):
             return None
-        rope = (self.rope_cos, self.rope_sin)
+        rope = [self._rope(i) for i in range(self.config.n_layers)]
         self._fused = FusedTrunk(self.config, layers, rope, cast(PagedKVCache, attn), _kernels())
         return self._fused
 
@@ -415,7 +438,13 @@ class Llama(nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         o = attn(i, qk[:, : c.n_heads], qk[:, c.n_heads :], v)
-        x = x + w.o(o.reshape(t, c.n_heads * c.head_dim))
+        y = w.o(o.reshape(t, c.n_heads * c.head_dim))
+        if w.post_attn_norm is not None:
+            y = F.rms_norm(y, self._shape, w.post_attn_norm, c.rms_eps)
+        x = x + y
         h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
         gate, up = w.gate_up(h).chunk(2, dim=-1)
-        return x + w.down(F.silu(gate) * up)
+        y = w.down(F.silu(gate) * up)
+        if w.post_ffn_norm is not None:
+            y = F.rms_norm(y, self._shape, w.post_ffn_norm, c.rms_eps)
+        return x + y

@@ -186,6 +186,10 @@ class NativeKernels:
         ]
         fn.restype = ctypes.c_int
         self._decode = fn
+        pa = lib.paged_attention
+        pa.argtypes = [*fn.argtypes[:-1], i32, ctypes.c_float, i32]  # + window, softcap
+        pa.restype = ctypes.c_int
+        self._attention = pa
         lin = lib.small_linear
         lin.argtypes = [p, p, p, i32, i64, i64, i32]
         lin.restype = None
@@ -204,10 +208,14 @@ class NativeKernels:
         self._q_dequantize = qd
         dl = lib.trunk_layers
         f32 = ctypes.c_float
-        dl.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, i32, i32, f32,
-                       p, p, p, i32, i64, i32, f32, i32]  # fmt: skip
+        dl.argtypes = [p, i32, p, p, i32, i32, i32, i32, i32, i32, f32,
+                       p, p, p, i32, i64, i32, f32, i32, f32, i32]  # fmt: skip
         dl.restype = ctypes.c_int
         self.trunk_layers = dl  # gpu/fused.py builds its arguments
+        sc = lib.softcap_rows
+        sc.argtypes = [p, i64, f32]
+        sc.restype = None
+        self._softcap = sc
         rn = lib.rms_norm_rows
         rn.argtypes = [p, p, p, i32, i32, f32]
         rn.restype = None
@@ -317,12 +325,28 @@ class NativeKernels:
     ) -> Tensor:
         """``q [D, H, HD]`` (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous,
         ``tables [D, MAXNB]`` and ``lens [D]`` int32: returns ``[D, H, HD]``."""
+        return self.paged_attention(q, kc, vc, tables, lens, block_size, scale)
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        tables: Tensor,
+        lens: Tensor,
+        block_size: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> Tensor:
+        """``paged_decode_attention`` over the last ``window`` keys of each sequence (0:
+        all), its scores capped at ``softcap`` (0: not)."""
         d, h, hd = q.shape
         kv, rows, _ = kc.shape
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
         out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
-        rc = self._decode(
+        rc = self._attention(
             q.data_ptr(),
             q.stride(0),
             kc.data_ptr(),
@@ -338,11 +362,21 @@ class NativeKernels:
             block_size,
             tables.shape[1],
             scale,
+            window,
+            softcap,
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise MemoryError("paged_decode_attention: scratch allocation failed")
+            raise MemoryError("paged_attention: scratch allocation failed")
         return out
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """``cap * tanh(x / cap)`` in place on contiguous fp32 ``x`` (returned), the same
+        bits on every build (fixed_order.h)."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"softcap takes contiguous fp32 CPU values, not {x.dtype}")
+        self._softcap(x.data_ptr(), x.numel(), cap)
+        return x
 
 
 def _check_blocks(w: Tensor, qtype: int, k: int) -> None:

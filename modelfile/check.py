@@ -42,13 +42,19 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.n_layers):
         p = f"blk.{i}."
         out[p + "attn_norm.weight"] = (c.hidden,)
-        out[p + "attn_q.weight"] = (q_rows, c.hidden)
-        out[p + "attn_k.weight"] = (kv_rows, c.hidden)
-        out[p + "attn_v.weight"] = (kv_rows, c.hidden)
+        if c.fused_qkv:
+            out[p + "attn_qkv.weight"] = (q_rows + 2 * kv_rows, c.hidden)
+        else:
+            out[p + "attn_q.weight"] = (q_rows, c.hidden)
+            out[p + "attn_k.weight"] = (kv_rows, c.hidden)
+            out[p + "attn_v.weight"] = (kv_rows, c.hidden)
         out[p + "attn_output.weight"] = (c.hidden, q_rows)
         out[p + "ffn_norm.weight"] = (c.hidden,)
-        out[p + "ffn_gate.weight"] = (c.ffn, c.hidden)
-        out[p + "ffn_up.weight"] = (c.ffn, c.hidden)
+        if c.fused_gate_up:
+            out[p + "ffn_up.weight"] = (2 * c.ffn, c.hidden)
+        else:
+            out[p + "ffn_gate.weight"] = (c.ffn, c.hidden)
+            out[p + "ffn_up.weight"] = (c.ffn, c.hidden)
         out[p + "ffn_down.weight"] = (c.hidden, c.ffn)
         if c.qkv_bias:
             out[p + "attn_q.bias"] = (q_rows,)
@@ -63,6 +69,9 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["output.weight"] = (c.vocab_size, c.hidden)
     if c.rope_freq_factors:
         out["rope_freqs.weight"] = (c.head_dim // 2,)
+    if c.rope_scaling.kind == "longrope":
+        out["rope_factors_long.weight"] = (c.head_dim // 2,)
+        out["rope_factors_short.weight"] = (c.head_dim // 2,)
     return out
 
 

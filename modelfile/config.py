@@ -8,9 +8,14 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   3.x's ``rope_freqs`` tensor (the ``llama3`` scaling, as per-frequency divisors).
 - ``qwen2``: q/k/v biases; rotate-half RoPE as stored (no permutation).
 - ``qwen3``: per-head RMSNorm of q and k before RoPE (``attn_q_norm`` / ``attn_k_norm``).
+- ``phi3``: q/k/v in one tensor (``attn_qkv``) and gate/up in one (``ffn_up``, gate
+  first); LongRoPE (``rope_factors_long`` / ``rope_factors_short`` and
+  ``rope.scaling.attn_factor``); a sliding window on every layer when
+  ``attention.sliding_window`` is set (transformers' reading; llama.cpp ignores it).
 
-RoPE scaling from ``{arch}.rope.scaling.*``: ``linear`` and ``yarn`` (transformers'
-definitions, ``gpu.model.rope_inv_freq``).
+What a file stores decides the rest, whatever its architecture: fused or separate
+q/k/v and gate/up tensors, biases, q/k norms. RoPE scaling from ``{arch}.rope.scaling.*``:
+``linear`` and ``yarn`` (transformers' definitions, ``gpu.model.rope_inv_freq``).
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ __all__ = [
     "with_context",
 ]
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "phi3", "qwen2", "qwen3"})
 # Architectures whose converter permutes q/k rows for llama.cpp's adjacent-pair RoPE
 # (convert_hf_to_gguf.py, LlamaModel.permute); the others store the HF rotate-half layout.
 _PERMUTED_ROPE = frozenset({"llama"})
 _ROPE_SCALINGS = ("none", "linear", "yarn")
+# Architectures whose ``attention.sliding_window`` applies to every layer.
+_WINDOW_EVERY_LAYER = frozenset({"phi3"})
 
 # Token texts llama.cpp (src/llama-vocab.cpp) treats as end-of-generation whatever their
 # role, plus the FIM "pad"/"repo"/"sep" texts it auto-detects and also adds to its EOG set.
@@ -84,15 +91,23 @@ _EOG_ID_KEYS = (
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """``{arch}.rope.scaling.*``: ``kind`` none, linear (positions / factor) or yarn
-    (frequencies blended between interpolation and extrapolation, cos/sin scaled)."""
+    """``{arch}.rope.scaling.*``: ``kind`` none, linear (positions / factor), yarn
+    (frequencies blended between interpolation and extrapolation, cos/sin scaled) or
+    longrope (Phi-3: per-frequency factors from the file's ``rope_factors_long`` tensor
+    when the served context exceeds ``original_context``, else ``rope_factors_short``;
+    cos/sin times ``attn_factor``)."""
 
     kind: str = "none"
     factor: float = 1.0
     original_context: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    attn_factor: float | None = None  # yarn: None is 0.1 ln(factor) + 1
+    attn_factor: float | None = None  # yarn: None is 0.1 ln(factor) + 1; longrope: 1
+
+    def long_factors(self, context: int) -> bool:
+        """longrope: whether a context of ``context`` tokens reads the long factors
+        (llama.cpp's rule: the context exceeds the original one)."""
+        return self.kind == "longrope" and context > self.original_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +135,14 @@ class ModelConfig:
     rope_permuted: bool = True
     rope_scaling: RopeScaling = RopeScaling()
     rope_freq_factors: bool = False  # a rope_freqs tensor divides the frequencies
+    fused_qkv: bool = False  # attn_qkv holds q, k and v (Phi-3)
+    fused_gate_up: bool = False  # ffn_up holds gate then up, no ffn_gate (Phi-3)
+    sliding_window: int = 0  # keys a windowed layer attends to, its own included
+    window_layers: tuple[int, ...] = ()  # the layers with the window
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
+        return self.sliding_window if layer in self.window_layers else 0
 
 
 def derive_eog_ids(
@@ -153,9 +176,11 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
     eos_id = int(f.require("tokenizer.ggml.eos_token_id"))
     bos = f.get("tokenizer.ggml.bos_token_id")
     extra = [int(v) for k in _EOG_ID_KEYS if (v := f.get(k)) is not None]
+    n_layers = int(f.require(f"{arch}.block_count"))
+    window, window_layers = _sliding_window(f, arch, n_layers)
     return ModelConfig(
         arch=arch,
-        n_layers=int(f.require(f"{arch}.block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=int(f.require(f"{arch}.feed_forward_length")),
         n_heads=n_heads,
@@ -176,11 +201,31 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
         rope_permuted=arch in _PERMUTED_ROPE,
         rope_scaling=_rope_scaling(f, arch),
         rope_freq_factors=f.has_tensor("rope_freqs.weight"),
+        fused_qkv=f.has_tensor("blk.0.attn_qkv.weight"),
+        fused_gate_up=not f.has_tensor("blk.0.ffn_gate.weight")
+        and f.has_tensor("blk.0.ffn_up.weight"),
+        sliding_window=window,
+        window_layers=window_layers,
     )
+
+
+def _sliding_window(f: GGUFMetadata, arch: str, n_layers: int) -> tuple[int, tuple[int, ...]]:
+    """``attention.sliding_window`` and the layers it applies to (none: ``(0, ())``)."""
+    window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
+    if window <= 0 or arch not in _WINDOW_EVERY_LAYER:
+        return 0, ()
+    return window, tuple(range(n_layers))
 
 
 def _rope_scaling(f: GGUFMetadata, arch: str) -> RopeScaling:
     key = f"{arch}.rope.scaling"
+    if f.has_tensor("rope_factors_long.weight"):  # Phi-3's LongRoPE: no scaling.type key
+        attn = f.get(f"{key}.attn_factor")
+        return RopeScaling(
+            kind="longrope",
+            original_context=int(f.require(f"{key}.original_context_length")),
+            attn_factor=None if attn is None else float(attn),
+        )
     kind = str(f.get(f"{key}.type", "none"))
     if kind not in _ROPE_SCALINGS:
         raise ModelFileError(

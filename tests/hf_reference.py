@@ -6,16 +6,21 @@ A family is a transformers config scaled down (2 layers, hidden 64, 4 query and 
 heads, the byte-level vocabulary of ``tests/tiny_gguf.py``) with the feature that makes
 it that family: Qwen2's q/k/v biases, Qwen3's q/k norms and a head size that is not
 hidden / heads, Llama 3's ``llama3`` RoPE scaling (a ``rope_freqs`` tensor in the file),
-linear and YaRN scaling. Weights are drawn at a trained model's spread, not
+linear and YaRN scaling, Phi-3's fused q/k/v and gate/up, LongRoPE (long factors: the
+file's context exceeds the original one) and a sliding window of 16 keys on every layer
+(shorter than the tests' 120-token prompt, so the window matters). Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
 norm weights 1 + N(0, 0.1), biases as the matrices, so greedy
 choices stand well apart and a wrong sign or a missing term shows.
 
-The GGUF side follows the converter (conversion/base.py, llama.py, qwen.py in the
-tree ``make bench-peer`` unpacks): tensor names, the ``llama`` q/k row permutation
-(weights and biases), the ``rope_freqs`` factors llama3 scaling becomes, the
-``rope.scaling.*`` keys, ``attention.key_length`` when the head size is given. Matrices
+The GGUF side follows the converter (conversion/base.py, llama.py, qwen.py, phi.py in
+the tree ``make bench-peer`` unpacks): tensor names (gguf-py's own map, as the converter
+looks them up), the ``llama`` q/k row permutation (weights and biases), the
+``rope_freqs`` factors llama3 scaling becomes, the ``rope.scaling.*`` keys,
+``attention.key_length`` when the head size is given; Phi-3's keys (the original context,
+``attention.sliding_window``, ``rope.scaling.attn_factor``) and its
+``rope_factors_long`` / ``rope_factors_short`` tensors. Matrices
 are F32 or, with ``qtype``, quantized by gguf-py's reference quantizer (what
 ``llama-quantize`` computes for the legacy types); ``dequantized_state`` gives the
 weights the file then holds, for a transformers model on exactly those values.
@@ -112,6 +117,26 @@ FAMILIES = {
             },
         ),
         Family("qwen3", "qwen3", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+        Family(
+            "phi3",
+            "phi3",
+            "Phi3ForCausalLM",
+            {
+                "tie_word_embeddings": False,
+                "sliding_window": 16,
+                "original_max_position_embeddings": 16,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "original_max_position_embeddings": 16,
+                    "long_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0],
+                    "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0],
+                },
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },
+        ),
     )
 }
 
@@ -138,36 +163,22 @@ def build_hf(family: Family, seed: int = 0, dtype: torch.dtype = torch.float64) 
     return model.to(dtype).eval()
 
 
-def _gguf_name(hf: str) -> str | None:
-    """convert_hf_to_gguf's tensor name for an HF parameter (None: not written)."""
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in fixed:
-        return fixed[hf]
-    parts = hf.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    table = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.q_proj.bias": "attn_q.bias",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_norm.weight": "attn_q_norm.weight",
-        "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    return f"blk.{layer}.{table[rest]}"
+# transformers' model_type -> the GGUF architecture its converter writes
+_ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3"}
+
+
+def _arch(config: Any) -> str:
+    return _ARCH_OF_MODEL_TYPE.get(config.model_type, config.model_type)
+
+
+def _gguf_name(hf: str, arch: str, n_layers: int) -> str | None:
+    """convert_hf_to_gguf's tensor name for an HF parameter (None: not written): gguf-py's
+    tensor map for the architecture, as the converter's ``map_tensor_name`` reads it."""
+    names = gguf.get_tensor_name_map(_ARCH_ENUM[arch], n_layers)
+    return names.get_name(hf, try_suffixes=(".weight", ".bias"))
+
+
+_ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -230,7 +241,8 @@ def write_family_gguf(
     c = model.config
     tokens, types = tiny_vocab()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w = gguf.GGUFWriter(str(path), family.arch)
+    arch = family.arch
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{family.name}")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -252,6 +264,14 @@ def write_family_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(c.sliding_window or 0)
+        if rope.get("long_factor"):
+            scale = c.max_position_embeddings / original
+            attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            w.add_rope_scaling_attn_factors(attn)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -266,7 +286,7 @@ def write_family_gguf(
     if c.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for hf, value in state.items():
-        name = _gguf_name(hf)
+        name = _gguf_name(hf, arch, c.num_hidden_layers)
         if name is None:
             continue
         if family.permuted and ".attn_q." in name:
@@ -278,6 +298,10 @@ def write_family_gguf(
         w.add_tensor(name, data, raw_dtype=raw)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+    if arch == "phi3" and rope.get("long_factor"):
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -293,7 +317,7 @@ def dequantized_state(model: Any, qtype: FileType) -> dict[str, torch.Tensor]:
     out = {}
     for name, v in model.state_dict().items():
         arr = v.detach().to(torch.float32).numpy()
-        gname = _gguf_name(name)
+        gname = _gguf_name(name, _arch(c), c.num_hidden_layers)
         if gname == "output.weight" and c.tie_word_embeddings:
             gname = "token_embd.weight"
         kind = None if gname is None else _tensor_type(

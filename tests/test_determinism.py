@@ -81,6 +81,23 @@ def test_every_build_runs_the_model_to_the_same_bits(tiny_gguf: TinyModel) -> No
         assert _run_build(isa, tiny_gguf.path) == want, isa
 
 
+@pytest.mark.parametrize("name", ["phi3"])
+def test_every_build_runs_the_other_families_to_the_same_bits(name: str, tmp_path: Path) -> None:
+    """The same for the architectures whose layer differs in the trunk (tests/
+    hf_reference.py's tiny files in Q8_0): sliding windows shorter than the prompt."""
+    pytest.importorskip("transformers")
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
+
+    family = FAMILIES[name]
+    path = write_family_gguf(family, build_hf(family, dtype=torch.float32),
+                             tmp_path / f"{name}.gguf", Q.Q8_0)  # fmt: skip
+    want = _run_build("auto", path)
+    for isa in _other_builds():
+        assert _run_build(isa, path) == want, isa
+
+
 @pytest.mark.parametrize("hd", [64, 32])
 def test_attention_builds_agree(hd: int) -> None:
     """The attention kernel alone, every build, head_dim 64 (the AVX2 path) and 32 (the
@@ -102,6 +119,51 @@ def test_attention_builds_agree(hd: int) -> None:
     # and one sequence alone equals it in the batch
     alone = kernels.paged_decode_attention(q[3:4], kc, vc, tables[3:4], lens[3:4], bs, hd**-0.5)
     assert torch.equal(alone, want[3:4])
+
+
+@pytest.mark.parametrize(("hd", "window", "softcap"),
+                         [(64, 13, 0.0), (32, 13, 0.0), (64, 0, 2.0), (32, 20, 2.0)])  # fmt: skip
+def test_windowed_and_capped_attention(hd: int, window: int, softcap: float) -> None:
+    """A sliding window (keys more than ``window`` behind the query masked, whether the
+    first kept key starts a block or not) and capped scores: the torch reference's values,
+    and the same bits in every build."""
+    g = torch.Generator().manual_seed(hd + window)
+    d, h, kv, bs, nb = 5, 6, 2, 16, 6
+    q = torch.randn(d, h, hd, generator=g)
+    kc = torch.randn(kv, nb * bs, hd, generator=g) * 2
+    vc = torch.randn(kv, nb * bs, hd, generator=g)
+    order = [5, 4, 3, 2, 1, 0]
+    tables = torch.tensor([order] * d, dtype=torch.int32)
+    lens = torch.tensor([1, 7, 16, 41, 96], dtype=torch.int32)
+    kernels = native.load_kernels()
+    assert kernels is not None
+    got = kernels.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5, window, softcap)
+    rows = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in order])
+    for s, n in enumerate(lens.tolist()):
+        first = max(0, n - window) if window else 0
+        keys, vals = kc[:, rows[first:n]], vc[:, rows[first:n]]  # [kv, n, hd]
+        scores = torch.einsum("kgd,knd->kgn", q[s].view(kv, h // kv, hd), keys) * hd**-0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        want = torch.einsum("kgn,knd->kgd", scores.softmax(-1), vals).reshape(h, hd)
+        torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
+    for isa in _other_builds():
+        other = native.load_kernels_built_for(isa)
+        same = other.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5, window, softcap)
+        assert torch.equal(same, got), isa
+
+
+def test_softcap_is_tanh_and_builds_agree() -> None:
+    """``cap * tanh(x / cap)`` (tanh_fixed: Cephes' split at |x| = 0.625) within 2e-7 of
+    torch's tanh times the cap, over the range that matters, in every build alike."""
+    x = torch.cat([torch.linspace(-40, 40, 4001), torch.linspace(-1.3, 1.3, 2601),
+                   torch.tensor([0.0, -0.0, 1.25, -1.25, 1e-30, 200.0, -200.0])])  # fmt: skip
+    kernels = native.load_kernels()
+    assert kernels is not None
+    got = kernels.softcap(x.clone(), 2.0)
+    torch.testing.assert_close(got, 2.0 * torch.tanh(x / 2.0), rtol=0, atol=4e-7)
+    for isa in _other_builds():
+        assert torch.equal(native.load_kernels_built_for(isa).softcap(x.clone(), 2.0), got), isa
 
 
 def test_rms_norm_rows_are_independent_and_builds_agree() -> None:

@@ -67,9 +67,10 @@ class PagedSeqs:
     a fixed run of blocks; a step of one-token appends to filled sequences is a decode
     step, any other a step of prompt chunks (what the engine lays out)."""
 
-    def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int) -> None:
+    def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int,
+                 native: bool | None = None) -> None:  # fmt: skip
         self.per = -(-max_len // 16)
-        self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16)
+        self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16, native=native)
         self.n = [0] * max_seqs
 
     def _table(self, s: int) -> list[int]:

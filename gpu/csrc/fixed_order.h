@@ -12,6 +12,10 @@
  *   tree       the lanes then add as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
  *   exp        exp_fixed: Cody-Waite range reduction and a degree-5 polynomial (Cephes
  *              expf's), every step one rounding; within 2 ulp of expf on [-87, 88]
+ *   tanh       tanh_fixed: Cephes tanhf's split, an odd degree-9 polynomial below
+ *              |x| = 0.625 and 1 - 2 / (exp_fixed(2|x|) + 1) above, the sign copied;
+ *              within 1e-7 of tanhf (absolute). The AVX2 form computes both branches
+ *              and picks per lane, each with the same operations as the C.
  */
 #ifndef LIFECYCLE_FIXED_ORDER_H
 #define LIFECYCLE_FIXED_ORDER_H
@@ -60,6 +64,38 @@ static inline float exp_fixed(float x) {
     return y * scale;
 }
 
+/* Cephes tanhf's polynomial for |x| <= 0.625: x + x^3 P(x^2). */
+#define FO_T0 -5.70498872745E-3f
+#define FO_T1 2.06390887954E-2f
+#define FO_T2 -5.37397155531E-2f
+#define FO_T3 1.33314422036E-1f
+#define FO_T4 -3.33332819422E-1f
+#define FO_TANH_SPLIT 0.625f
+
+static inline float tanh_fixed(float x) {
+    float a = fabsf(x);
+    if (a > FO_TANH_SPLIT) {
+        float e = exp_fixed(2.0f * a);
+        return copysignf(1.0f - 2.0f / (e + 1.0f), x);
+    }
+    float z = x * x;
+    float p = fmaf(FO_T0, z, FO_T1);
+    p = fmaf(p, z, FO_T2);
+    p = fmaf(p, z, FO_T3);
+    p = fmaf(p, z, FO_T4);
+    return fmaf(p * z, x, x);
+}
+
+/* GELU, tanh approximation (torch's gelu(approximate="tanh"), Gemma's activation):
+ * 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
+#define FO_GELU_K 0.044715f
+#define FO_SQRT_2_OVER_PI 0.7978845608028654f
+
+static inline float gelu_tanh_fixed(float x) {
+    float y = FO_SQRT_2_OVER_PI * fmaf(FO_GELU_K, (x * x) * x, x);
+    return (0.5f * x) * (1.0f + tanh_fixed(y));
+}
+
 #ifdef FO_AVX2
 static inline float fo_tree8_v(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -97,6 +133,30 @@ static inline __m256 exp_fixed_v(__m256 x) {
     __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+static inline __m256 tanh_fixed_v(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(neg, x);
+    __m256 e = exp_fixed_v(_mm256_mul_ps(_mm256_set1_ps(2.0f), a));
+    __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    big = _mm256_or_ps(big, _mm256_and_ps(x, neg)); /* copysign: big is positive */
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(FO_T0), z, _mm256_set1_ps(FO_T1));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(FO_T2));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(FO_T3));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(FO_T4));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    __m256 use_big = _mm256_cmp_ps(a, _mm256_set1_ps(FO_TANH_SPLIT), _CMP_GT_OQ);
+    return _mm256_blendv_ps(small, big, use_big);
+}
+
+static inline __m256 gelu_tanh_fixed_v(__m256 x) {
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    __m256 y = _mm256_mul_ps(_mm256_set1_ps(FO_SQRT_2_OVER_PI),
+                             _mm256_fmadd_ps(_mm256_set1_ps(FO_GELU_K), cube, x));
+    __m256 half = _mm256_mul_ps(_mm256_set1_ps(0.5f), x);
+    return _mm256_mul_ps(half, _mm256_add_ps(_mm256_set1_ps(1.0f), tanh_fixed_v(y)));
 }
 #endif
 
@@ -160,6 +220,29 @@ static inline void fo_swiglu(const float *g, const float *u, float *out, int64_t
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+}
+
+/* out[i] = gelu_tanh(g[i]) * u[i]: GeGLU's gate (Gemma). */
+static inline void fo_geglu(const float *g, const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = gelu_tanh_fixed_v(_mm256_loadu_ps(g + i));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = gelu_tanh_fixed(g[i]) * u[i];
+}
+
+/* x[i] = cap * tanh(x[i] / cap): soft-capping (Gemma 2's attention scores and logits). */
+static inline void fo_softcap(float *x, int64_t n, float cap) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    __m256 c = _mm256_set1_ps(cap);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(c, tanh_fixed_v(_mm256_div_ps(_mm256_loadu_ps(x + i), c))));
+#endif
+    for (; i < n; i++) x[i] = cap * tanh_fixed(x[i] / cap);
 }
 
 #endif

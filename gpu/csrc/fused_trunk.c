@@ -7,28 +7,33 @@
  *
  *   h = rms_norm(x) * attn_norm;  qkv = h @ Wqkv^T          (q_linear, quant_linear.c)
  *   qkv += bqkv                   (Qwen2's biases, when the layer has them)
- *   q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm per head  (Qwen3, when it has them)
- *   q, k = rope(q), rope(k)       (x * cos + roll(x, hd / 2) * sin, sin sign-folded)
- *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c)
- *   x += o @ Wo^T
- *   h = rms_norm(x) * ffn_norm;   g, u = h @ Wgu^T;  x += (silu(g) * u) @ Wdown^T
+ *   q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm per head  (Qwen3, Gemma 3)
+ *   q, k = rope(q), rope(k)       (x * cos + roll(x, hd / 2) * sin, sin sign-folded; the
+ *                                  layer's own tables: Gemma 3's local layers have theirs)
+ *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c: the
+ *                                  layer's sliding window, the scores' soft cap)
+ *   y = o @ Wo^T;  y = rms_norm(y) * post_attn_norm (Gemma 2/3);  x += y
+ *   h = rms_norm(x) * ffn_norm;   g, u = h @ Wgu^T
+ *   y = (act(g) * u) @ Wdown^T    (act: SiLU, or GELU's tanh form for Gemma)
+ *   y = rms_norm(y) * post_ffn_norm (Gemma 2/3);  x += y
  *
  * Every row is one query: a decoding sequence's new token, or one token of a short
  * prompt chunk. Each row has its own block table and key count (a prompt token's is
  * its position + 1), and every row's K/V is written before any row attends, so a chunk
  * attends causally to itself and to its cached prefix. The same kernels compute the
- * matmuls and the attention as the torch path calls; only the norms, RoPE and SwiGLU
- * are written here, in fp32, in another summation order than torch's (equal to about
+ * matmuls and the attention as the torch path calls; only the norms, RoPE and the gated
+ * activation are written here, in fp32, in another summation order than torch's (about
  * 1e-6 relative before the int8 rounding of the next matmul's input). Every row is one
  * function of its own token, position and cache rows, on every build: the sums and the
  * exponential follow fixed_order.h, and q_linear and the attention are row-invariant
  * themselves (docs/determinism.md).
  *
  *   x [M, hidden] fp32 in/out (the embedded tokens in, the last layer's output out)
- *   pos [M] int64 positions; cos/sin [ctx, hd] the RoPE tables (gpu/model.py)
+ *   pos [M] int64 positions
  *   slots [M] int64 cache row of each new token; tables [M, maxnb], lens [M] int32
- *   layers[n_layers]: weights (GGUF blocks, GGML type codes) and the layer's K/V cache
- *   [KV, rows, HD]
+ *   layers[n_layers]: weights (GGUF blocks, GGML type codes), the layer's K/V cache
+ *   [KV, rows, HD], its RoPE tables cos/sin [ctx, hd] (gpu/model.py) and its window
+ *   act: 0 SiLU, 1 GELU (tanh form); softcap: the attention scores' cap (0: none)
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,18 +44,23 @@
 
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads);
-int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
-                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
-                           int32_t maxnb, float scale, int32_t threads);
+int paged_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                    const int32_t *tables, const int32_t *lens, float *out, int32_t d, int32_t h,
+                    int32_t kv, int32_t hd, int64_t rows, int32_t bs, int32_t maxnb, float scale,
+                    int32_t window, float softcap, int32_t threads);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
     float *kc, *vc;
-    const float *bqkv, *q_norm, *k_norm; /* NULL where the architecture has none */
+    const float *bqkv, *q_norm, *k_norm;     /* NULL where the architecture has none */
+    const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
+    const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd] */
+    int32_t window;                          /* sliding window in keys; 0: none */
 } trunk_layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* out = x / sqrt(mean(x^2) + eps) * w per row; also the model's final norm
  * (gpu/model.py, Llama.final_norm), so a token's hidden state is one function too. */
@@ -62,6 +72,10 @@ void rms_norm_rows(const float *x, const float *w, float *out, int32_t m, int32_
         for (int32_t i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
     }
 }
+
+/* x = cap * tanh(x / cap), n values in place: the final logits' soft cap (Gemma 2),
+ * the same function the attention applies to its scores. */
+void softcap_rows(float *x, int64_t n, float cap) { fo_softcap(x, n, cap); }
 
 /* RoPE in place on `heads` heads of hd at v (rotate-half with the folded sign). */
 static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const float *sin) {
@@ -75,28 +89,28 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
 }
 
 /* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take. */
-int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
-                  const float *sin_tab, const trunk_layer *layers, int32_t n_layers,
-                  int32_t hidden, int32_t inter, int32_t h, int32_t kv, int32_t hd, float eps,
-                  const int64_t *slots, const int32_t *tables, const int32_t *lens,
-                  int32_t maxnb, int64_t rows, int32_t bs, float scale, int32_t threads) {
-    if (hd > 512 || hd % 2 || m < 1) return -2;
+int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *layers,
+                 int32_t n_layers, int32_t hidden, int32_t inter, int32_t h, int32_t kv,
+                 int32_t hd, float eps, const int64_t *slots, const int32_t *tables,
+                 const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, float scale,
+                 int32_t act, float softcap, int32_t threads) {
+    if (hd > 512 || hd % 2 || m < 1 || (act != ACT_SILU && act != ACT_GELU_TANH)) return -2;
     int64_t qkv_w = (int64_t)(h + 2 * kv) * hd, q_w = (int64_t)h * hd;
     float *hbuf = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
     float *qkv = malloc(sizeof(float) * (size_t)m * (size_t)qkv_w);
     float *att = malloc(sizeof(float) * (size_t)m * (size_t)q_w);
     float *gu = malloc(sizeof(float) * (size_t)m * (size_t)(2 * inter));
-    float *act = malloc(sizeof(float) * (size_t)m * (size_t)inter);
+    float *gated = malloc(sizeof(float) * (size_t)m * (size_t)inter);
     float *y = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
     int rc = 0;
-    if (!hbuf || !qkv || !att || !gu || !act || !y) rc = -1;
+    if (!hbuf || !qkv || !att || !gu || !gated || !y) rc = -1;
     for (int32_t l = 0; l < n_layers && rc == 0; l++) {
         const trunk_layer *L = layers + l;
         rms_norm_rows(x, L->attn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             float *row = qkv + (int64_t)r * qkv_w;
-            const float *c = cos_tab + pos[r] * hd, *s = sin_tab + pos[r] * hd;
+            const float *c = L->cos + pos[r] * hd, *s = L->sin + pos[r] * hd;
             if (L->bqkv)
                 for (int64_t i = 0; i < qkv_w; i++) row[i] += L->bqkv[i];
             if (L->q_norm && L->k_norm) {
@@ -110,25 +124,29 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const float *cos_tab,
                 memcpy(L->vc + at, row + q_w + (int64_t)(kv + j) * hd, sizeof(float) * (size_t)hd);
             }
         }
-        rc = paged_decode_attention(qkv, qkv_w, L->kc, L->vc, tables, lens, att, m, h, kv, hd,
-                                    rows, bs, maxnb, scale, threads);
+        rc = paged_attention(qkv, qkv_w, L->kc, L->vc, tables, lens, att, m, h, kv, hd, rows,
+                             bs, maxnb, scale, L->window, softcap, threads);
         if (rc) break;
         if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;
+        if (L->post_attn_norm) rms_norm_rows(y, L->post_attn_norm, y, m, hidden, eps);
         for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
         rms_norm_rows(x, L->ffn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wgu, gu, L->t_gu, m, 2 * inter, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             const float *g = gu + (int64_t)r * 2 * inter;
-            fo_swiglu(g, g + inter, act + (int64_t)r * inter, inter);
+            float *a = gated + (int64_t)r * inter;
+            if (act == ACT_GELU_TANH) fo_geglu(g, g + inter, a, inter);
+            else fo_swiglu(g, g + inter, a, inter);
         }
-        if ((rc = q_linear(act, L->wdown, y, L->t_down, m, hidden, inter, threads))) break;
+        if ((rc = q_linear(gated, L->wdown, y, L->t_down, m, hidden, inter, threads))) break;
+        if (L->post_ffn_norm) rms_norm_rows(y, L->post_ffn_norm, y, m, hidden, eps);
         for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
     }
     free(hbuf);
     free(qkv);
     free(att);
     free(gu);
-    free(act);
+    free(gated);
     free(y);
     return rc;
 }

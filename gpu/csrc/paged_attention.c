@@ -13,6 +13,9 @@
  *   lens   [D]              int32 keys per sequence (context including the new token)
  *   out    [D, H, HD]
  * Query head i reads kv head i / (H / KV) (grouped-query attention).
+ * A layer with a sliding window (window > 0) attends to the last `window` keys of each
+ * sequence only (its own included), as transformers and llama.cpp mask them; softcap > 0
+ * caps the scores at +-softcap (cap * tanh(score / cap), Gemma 2) before the softmax.
  * Softmax in fp32 with the maximum subtracted, as torch computes it. Each (sequence,
  * kv head) pair is one function of its query, key count and cache rows, whatever else
  * is in the call and on every build (fixed_order.h): a score is the lanes-and-tree sum
@@ -28,9 +31,10 @@
 #endif
 #include "fixed_order.h"
 
-static void softmax_rows(float *restrict scores, int32_t g, int32_t len) {
+static void softmax_rows(float *restrict scores, int32_t g, int32_t len, float softcap) {
     for (int32_t j = 0; j < g; j++) {
         float *sc = scores + (int64_t)j * len;
+        if (softcap > 0.0f) fo_softcap(sc, len, softcap);
         float m = sc[0];
         for (int32_t p = 1; p < len; p++) m = sc[p] > m ? sc[p] : m;
         fo_exp_sub(sc, len, m);
@@ -48,20 +52,22 @@ static inline void prefetch_block(const float *p, int32_t bs) {
 }
 
 /* head_dim 64: eight keys' dot products per query at a time, one horizontal reduction
- * for all eight; the weighted sum of values keeps the 64 outputs in registers. */
+ * for all eight; the weighted sum of values keeps the 64 outputs in registers. Keys
+ * first .. len - 1 (first > 0 under a sliding window); scores[p - first] is key p's. */
 static void one_pair64(const float *restrict q, const float *restrict kbase,
-                       const float *restrict vbase, const int32_t *restrict table, int32_t len,
-                       int32_t bs, int32_t g, float scale, float *restrict scores,
-                       float *restrict out) {
+                       const float *restrict vbase, const int32_t *restrict table, int32_t first,
+                       int32_t len, int32_t bs, int32_t g, float scale, float softcap,
+                       float *restrict scores, float *restrict out) {
     enum { HD = 64 };
-    int32_t nb = (len + bs - 1) / bs;
+    int32_t nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
     __m256 vscale = _mm256_set1_ps(scale);
-    for (int32_t b = 0; b < nb; b++) {
+    for (int32_t b = b0; b < nb; b++) {
         int32_t n = len - b * bs < bs ? len - b * bs : bs;
         const float *kb = kbase + (int64_t)table[b] * bs * HD;
         if (b + 1 < nb) prefetch_block(kbase + (int64_t)table[b + 1] * bs * HD, bs);
-        else prefetch_block(vbase + (int64_t)table[0] * bs * HD, bs);
-        int32_t t = 0;
+        else prefetch_block(vbase + (int64_t)table[b0] * bs * HD, bs);
+        int32_t t = b == b0 ? first - b * bs : 0;
+        float *sb = scores + (int64_t)b * bs - first; /* key b * bs + t scores at sb[t] */
         for (; t + 8 <= n; t += 8) {
             const float *k = kb + (int64_t)t * HD;
             for (int32_t j = 0; j < g; j++) {
@@ -74,7 +80,7 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
                         a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * HD + d), a[r]);
                 }
                 __m256 sums = fo_tree8x8(a);
-                _mm256_storeu_ps(scores + (int64_t)j * len + b * bs + t, _mm256_mul_ps(sums, vscale));
+                _mm256_storeu_ps(sb + (int64_t)j * nk + t, _mm256_mul_ps(sums, vscale));
             }
         }
         for (; t < n; t++) {
@@ -84,21 +90,21 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
                 __m256 a = _mm256_setzero_ps();
                 for (int d = 0; d < HD; d += 8)
                     a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);
-                scores[(int64_t)j * len + b * bs + t] = fo_tree8_v(a) * scale;
+                sb[(int64_t)j * nk + t] = fo_tree8_v(a) * scale;
             }
         }
     }
-    softmax_rows(scores, g, len);
+    softmax_rows(scores, g, nk, softcap);
     for (int32_t j = 0; j < g; j++) {
-        const float *sc = scores + (int64_t)j * len;
+        const float *sc = scores + (int64_t)j * nk;
         __m256 a[8];
         for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int32_t b = 0; b < nb; b++) {
+        for (int32_t b = b0; b < nb; b++) {
             int32_t n = len - b * bs < bs ? len - b * bs : bs;
             const float *vb = vbase + (int64_t)table[b] * bs * HD;
             if (j == 0 && b + 1 < nb) prefetch_block(vbase + (int64_t)table[b + 1] * bs * HD, bs);
-            for (int32_t t = 0; t < n; t++) {
-                __m256 w = _mm256_broadcast_ss(sc + b * bs + t);
+            for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
+                __m256 w = _mm256_broadcast_ss(sc + b * bs + t - first);
                 const float *v = vb + (int64_t)t * HD;
                 for (int r = 0; r < 8; r++)
                     a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
@@ -111,32 +117,32 @@ static void one_pair64(const float *restrict q, const float *restrict kbase,
 
 /* Any head_dim that is a multiple of 8: the same function in portable C. */
 static void one_pair(const float *restrict q, const float *restrict kbase,
-                     const float *restrict vbase, const int32_t *restrict table, int32_t len,
-                     int32_t bs, int32_t g, int32_t hd, float scale, float *restrict scores,
-                     float *restrict out) {
-    int32_t nb = (len + bs - 1) / bs;
-    for (int32_t b = 0; b < nb; b++) {
+                     const float *restrict vbase, const int32_t *restrict table, int32_t first,
+                     int32_t len, int32_t bs, int32_t g, int32_t hd, float scale, float softcap,
+                     float *restrict scores, float *restrict out) {
+    int32_t nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
+    for (int32_t b = b0; b < nb; b++) {
         int32_t n = len - b * bs < bs ? len - b * bs : bs;
         const float *kb = kbase + (int64_t)table[b] * bs * hd;
-        for (int32_t t = 0; t < n; t++) {
+        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
             const float *k = kb + (int64_t)t * hd;
             for (int32_t j = 0; j < g; j++) {
                 const float *qj = q + (int64_t)j * hd;
                 float l[8] = {0};
                 for (int32_t d = 0; d < hd; d++) l[d % 8] = fmaf(qj[d], k[d], l[d % 8]);
-                scores[(int64_t)j * len + b * bs + t] = fo_tree8(l) * scale;
+                scores[(int64_t)j * nk + b * bs + t - first] = fo_tree8(l) * scale;
             }
         }
     }
-    softmax_rows(scores, g, len);
+    softmax_rows(scores, g, nk, softcap);
     for (int32_t d = 0; d < g * hd; d++) out[d] = 0.0f;
-    for (int32_t b = 0; b < nb; b++) {
+    for (int32_t b = b0; b < nb; b++) {
         int32_t n = len - b * bs < bs ? len - b * bs : bs;
         const float *vb = vbase + (int64_t)table[b] * bs * hd;
-        for (int32_t t = 0; t < n; t++) {
+        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
             const float *v = vb + (int64_t)t * hd;
             for (int32_t j = 0; j < g; j++) {
-                float w = scores[(int64_t)j * len + b * bs + t];
+                float w = scores[(int64_t)j * nk + b * bs + t - first];
                 float *o = out + (int64_t)j * hd;
                 for (int32_t d = 0; d < hd; d++) o[d] = fmaf(w, v[d], o[d]);
             }
@@ -144,11 +150,13 @@ static void one_pair(const float *restrict q, const float *restrict kbase,
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (out is then unset). */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
-                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
-                           int32_t maxnb, float scale, int32_t threads) {
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then unset).
+ * window: keys per sequence a query attends to, its own included (0: all); softcap: the
+ * scores' cap (0: none). */
+int paged_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                    const int32_t *tables, const int32_t *lens, float *out, int32_t d, int32_t h,
+                    int32_t kv, int32_t hd, int64_t rows, int32_t bs, int32_t maxnb, float scale,
+                    int32_t window, float softcap, int32_t threads) {
     int32_t g = h / kv;
     int32_t maxlen = 1;
     for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
@@ -172,14 +180,24 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, co
             for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
             continue;
         }
+        int32_t first = window > 0 && lens[s] > window ? lens[s] - window : 0;
 #ifdef FO_AVX2
         if (hd == 64) {
-            one_pair64(qs, kb, vb, table, lens[s], bs, g, scale, scores, os);
+            one_pair64(qs, kb, vb, table, first, lens[s], bs, g, scale, softcap, scores, os);
             continue;
         }
 #endif
-        one_pair(qs, kb, vb, table, lens[s], bs, g, hd, scale, scores, os);
+        one_pair(qs, kb, vb, table, first, lens[s], bs, g, hd, scale, softcap, scores, os);
     }
     free(scratch);
     return 0;
+}
+
+/* paged_attention over every key, scores uncapped. */
+int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
+                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
+                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                           int32_t maxnb, float scale, int32_t threads) {
+    return paged_attention(q, q_stride, kc, vc, tables, lens, out, d, h, kv, hd, rows, bs, maxnb,
+                           scale, 0, 0.0f, threads);
 }
