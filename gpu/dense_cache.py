@@ -67,7 +67,9 @@ class DenseKVCache:
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
-        self.scale = config.head_dim**-0.5
+        self.scale = config.query_scale
+        self.sdpa_scale = config.attn_scale  # None: SDPA's own 1/sqrt(head_dim), the same
+        self.softcap = config.attn_softcap
         self.window = config.sliding_window
         self.windowed = [config.window(i) > 0 for i in range(config.n_layers)]
         self.max_seqs = max_seqs
@@ -200,11 +202,30 @@ class DenseKVCache:
             padded = q.new_zeros(b * step.q_len, q.shape[1], q.shape[2])
             padded[step.q_index] = q
             qh = padded.view(b, step.q_len, q.shape[1], q.shape[2]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True
-        )
+        if self.softcap:
+            out = self._capped_attention(qh, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                qh, keys, values, attn_mask=mask, is_causal=is_causal, scale=self.sdpa_scale,
+                enable_gqa=True,
+            )  # fmt: skip
         out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
         return out if step.q_index is None else out[step.q_index]
+
+    def _capped_attention(self, qh: Tensor, keys: Tensor, values: Tensor,
+                          mask: Tensor | None) -> Tensor:  # fmt: skip
+        """Soft-capped scores (Gemma 2), which SDPA cannot compute: ``qh [B, H, Q, D]``,
+        keys/values ``[B, KV, L, D]``; ``mask`` None is plain causal (one fresh sequence)."""
+        if mask is None:
+            q_len, kv_len = qh.shape[2], keys.shape[2]
+            pos = torch.arange(kv_len, device=qh.device)
+            mask = pos[None, :] <= pos[kv_len - q_len :, None]
+        rep = qh.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        scores = torch.matmul(qh, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(values.dtype), values)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """One query per sequence: GQA folded into batched matmuls.
@@ -216,9 +237,12 @@ class DenseKVCache:
         """
         b, kvh, length, d = keys.shape
         qg = q.reshape(b * kvh, -1, d)
-        scores = torch.baddbmm(
-            bias, qg, keys.reshape(b * kvh, length, d).transpose(1, 2), alpha=self.scale
-        )
+        k_t = keys.reshape(b * kvh, length, d).transpose(1, 2)
+        if self.softcap:  # the cap goes between the product and the mask
+            scores = torch.bmm(qg, k_t) * self.scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap + bias
+        else:
+            scores = torch.baddbmm(bias, qg, k_t, alpha=self.scale)
         probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)  # fp32 as HF does
         out = torch.bmm(probs, values.reshape(b * kvh, length, d))
         return out.view(b, -1, d)

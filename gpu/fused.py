@@ -121,6 +121,7 @@ class FusedTrunk:
                 _ptr(layer.post_ffn_norm), cos.data_ptr(), sin.data_ptr(), c.window(i),
             )  # fmt: skip
         self.table = table
+        self.act = _ACT_GELU_TANH if c.act == "gelu_tanh" else _ACT_SILU
         self.scale = cache.scale
         self.rows = cache.k.shape[2]
         self.block_size = cache.block_size
@@ -162,7 +163,7 @@ class FusedTrunk:
             x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
             c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
-            self.block_size, self.scale, _ACT_SILU, 0.0, torch.get_num_threads(),
+            self.block_size, self.scale, self.act, c.attn_softcap, torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("trunk_layers: scratch allocation failed")

@@ -91,6 +91,19 @@ def decode_bias(lens: Tensor, keys: int, n_kv: int, dtype: torch.dtype,
     return bias.expand(n_kv, *bias.shape).reshape(-1, 1, keys)
 
 
+def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                     softcap: float) -> Tensor:  # fmt: skip
+    """Attention with soft-capped scores (Gemma 2: ``cap * tanh(s / cap)`` before the mask
+    and the softmax, which SDPA cannot do): ``q [B, H, Q, D]``, ``k``/``v [B, KV, L, D]``,
+    bool ``mask`` broadcasting to ``[B, H, Q, L]``; softmax in fp32 as transformers'."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+
+
 def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
     """Zeros; on the CPU in fp32 from calloc (numpy), whose large blocks are fresh pages
     the kernel maps on first write: the cache's resident memory grows with the blocks
@@ -131,7 +144,9 @@ class PagedKVCache:
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
-        self.scale = config.head_dim**-0.5
+        self.scale = config.query_scale
+        self.sdpa_scale = config.attn_scale  # None: SDPA's own 1/sqrt(head_dim), the same
+        self.softcap = config.attn_softcap
         self.window = config.sliding_window
         self.windows = [config.window(i) for i in range(config.n_layers)]
         self.num_blocks = num_blocks
@@ -278,6 +293,7 @@ class PagedKVCache:
                     self.block_size,
                     self.scale,
                     window,
+                    self.softcap,
                 )
             )
         elif lay.dec_rows is not None and lay.dec_bias is not None:
@@ -292,14 +308,22 @@ class PagedKVCache:
             else:  # own k/v are all the keys; else every key of the sequence, gathered
                 keys, vals = kc.index_select(1, index), vc.index_select(1, index)
             qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qh,
-                keys.unsqueeze(0),
-                vals.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None and n > 1,
-                enable_gqa=True,
-            )
+            if self.softcap:  # SDPA has no cap: the scores written out
+                if mask is None:
+                    key = torch.arange(n, device=q.device)
+                    mask = key[None, :] <= key[:, None]
+                o = capped_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), mask,
+                                     self.scale, self.softcap)  # fmt: skip
+            else:
+                o = F.scaled_dot_product_attention(
+                    qh,
+                    keys.unsqueeze(0),
+                    vals.unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=mask is None and n > 1,
+                    scale=self.sdpa_scale,
+                    enable_gqa=True,
+                )
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -316,7 +340,11 @@ class PagedKVCache:
         keys = kc.view(flat).index_select(0, rows).view(shape)
         vals = vc.view(flat).index_select(0, rows).view(shape)
         qg = q.view(d, kv, h // kv, hd).transpose(0, 1).reshape(kv * d, h // kv, hd)
-        scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        if self.softcap:  # the cap goes between the product and the mask
+            scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap + bias
+        else:
+            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
         probs = scores.softmax(-1, dtype=torch.float32).to(vals.dtype)  # fp32 as HF does
         out = torch.bmm(probs, vals)
         return out.view(kv, d, h // kv, hd).transpose(0, 1).reshape(d, h, hd)

@@ -238,6 +238,9 @@ def _build_model(
     def head_norm(name: str) -> torch.Tensor | None:
         return place(get(name, (c.head_dim,))) if c.qk_norm else None
 
+    def post_norm(name: str) -> torch.Tensor | None:
+        return place(get(name, (c.hidden,))) if c.post_norms else None
+
     def qkv_parts(p: str) -> list[tuple[str, tuple[int, int], int | None]]:
         if c.fused_qkv:  # Phi-3: one tensor, q then k then v, HF's layout
             return [(p + "attn_qkv.weight", (q_rows + 2 * kv_rows, c.hidden), None)]
@@ -269,6 +272,8 @@ def _build_model(
                 bqkv=bias(p),
                 q_norm=head_norm(p + "attn_q_norm.weight"),
                 k_norm=head_norm(p + "attn_k_norm.weight"),
+                post_attn_norm=post_norm(p + "post_attention_norm.weight"),
+                post_ffn_norm=post_norm(p + "post_ffw_norm.weight"),
             )
         )
 

@@ -297,8 +297,15 @@ class Llama(nn.Module):
         cos, sin = rope_tables(inv_freq, config.context_length, attention)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        # Gemma's sqrt(hidden), rounded to the compute dtype as transformers rounds it
+        # (``Gemma2TextScaledWordEmbedding``: the scale cast to the weights' dtype).
+        dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
+        self.embed_scale: Tensor | None = None
+        if config.embed_scale != 1.0:
+            self.embed_scale = torch.tensor(config.embed_scale, dtype=dtype, device=device)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
+        self._gelu = config.act == "gelu_tanh"
         # Steps through one native call when the weights and the step allow it
         # (gpu/fused.py); False keeps every step on the torch path (benchmarks, tests).
         self.fuse_trunk = True
@@ -363,6 +370,8 @@ class Llama(nn.Module):
             x = self.embed_q.rows(input_ids)
         else:
             x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         fused = self._fused_for(attn)
         if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
             return fused(x, positions, *rows)
@@ -414,6 +423,11 @@ class Llama(nn.Module):
             x = x[logits_indices]
         h = self.final_norm(x)
         logits = self.head(h).float()
+        if cap := self.config.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            if self.quantized() and logits.device.type == "cpu" and logits.is_contiguous():
+                logits = _kernels().softcap(logits, cap)  # the same bits on every CPU
+            else:
+                logits = torch.tanh(logits / cap) * cap
         return (logits, h) if return_hidden else logits
 
     def _layer(
@@ -444,7 +458,7 @@ class Llama(nn.Module):
         x = x + y
         h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
         gate, up = w.gate_up(h).chunk(2, dim=-1)
-        y = w.down(F.silu(gate) * up)
+        y = w.down((F.gelu(gate, approximate="tanh") if self._gelu else F.silu(gate)) * up)
         if w.post_ffn_norm is not None:
             y = F.rms_norm(y, self._shape, w.post_ffn_norm, c.rms_eps)
         return x + y

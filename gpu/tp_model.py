@@ -200,6 +200,8 @@ class ShardedLlama(Llama):
             self.announce(encode_forward(input_ids.tolist(), positions.tolist()))
         with _in_step():
             x = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
             cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
             sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
             for i, layer in enumerate(self.layers):
@@ -285,6 +287,8 @@ def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -
                 bqkv=bqkv,
                 q_norm=None if w.q_norm is None else w.q_norm.data.clone(),
                 k_norm=None if w.k_norm is None else w.k_norm.data.clone(),
+                post_attn_norm=None if w.post_attn_norm is None else w.post_attn_norm.data.clone(),
+                post_ffn_norm=None if w.post_ffn_norm is None else w.post_ffn_norm.data.clone(),
             )
         )
     embed = _padded(full.embed, plan.vocab, plan.vocab_rows)

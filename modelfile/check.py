@@ -63,6 +63,9 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             out[p + "attn_q_norm.weight"] = (c.head_dim,)
             out[p + "attn_k_norm.weight"] = (c.head_dim,)
+        if c.post_norms:
+            out[p + "post_attention_norm.weight"] = (c.hidden,)
+            out[p + "post_ffw_norm.weight"] = (c.hidden,)
     out["token_embd.weight"] = (c.vocab_size, c.hidden)
     out["output_norm.weight"] = (c.hidden,)
     if not c.tied_embeddings:

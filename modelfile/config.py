@@ -12,21 +12,34 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   first); LongRoPE (``rope_factors_long`` / ``rope_factors_short`` and
   ``rope.scaling.attn_factor``); a sliding window on every layer when
   ``attention.sliding_window`` is set (transformers' reading; llama.cpp ignores it).
+- ``gemma2``: embeddings times sqrt(hidden); GeGLU (GELU's tanh form) for SwiGLU;
+  RMSNorm of the attention's and the MLP's outputs (``post_attention_norm``,
+  ``post_ffw_norm``); attention scores and final logits soft-capped
+  (``attn_logit_softcapping``, ``final_logit_softcapping``); every other layer (the
+  even ones) attends within ``attention.sliding_window`` keys. The converter has already
+  added Gemma's 1 to the norm weights.
 
 What a file stores decides the rest, whatever its architecture: fused or separate
-q/k/v and gate/up tensors, biases, q/k norms. RoPE scaling from ``{arch}.rope.scaling.*``:
-``linear`` and ``yarn`` (transformers' definitions, ``gpu.model.rope_inv_freq``).
+q/k/v and gate/up tensors, biases, q/k norms, post-norms. What it does not say is the
+architecture's row of ``ARCHITECTURES`` (llama.cpp's per-architecture facts). RoPE
+scaling from ``{arch}.rope.scaling.*``: ``linear`` and ``yarn`` (transformers'
+definitions, ``gpu.model.rope_inv_freq``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 
 __all__ = [
+    "ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
+    "Architecture",
     "ModelConfig",
     "RopeScaling",
     "config_from_gguf",
@@ -34,13 +47,47 @@ __all__ = [
     "with_context",
 ]
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "phi3", "qwen2", "qwen3"})
-# Architectures whose converter permutes q/k rows for llama.cpp's adjacent-pair RoPE
-# (convert_hf_to_gguf.py, LlamaModel.permute); the others store the HF rotate-half layout.
-_PERMUTED_ROPE = frozenset({"llama"})
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """What an architecture's files leave unsaid (llama.cpp's ``src/models/<arch>.cpp``);
+    everything else is read from the file's keys and tensors. The defaults are Llama's
+    layer in a file that stores HF's rotate-half q/k rows."""
+
+    # The converter permutes q/k rows for llama.cpp's adjacent-pair RoPE
+    # (convert_hf_to_gguf.py, LlamaModel.permute); the loader undoes it.
+    rope_permuted: bool = False
+    act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to fp32
+    # Which layers ``attention.sliding_window`` applies to: layer i when i % n < n - 1
+    # (llama.cpp's pattern n; 0: every layer), unless the file's
+    # ``attention.sliding_window_pattern`` says otherwise; None: the key is not read.
+    window_pattern: int | None = None
+    window_default: int = 0  # the window when the file has no key
+    attn_softcap: float = 0.0  # {arch}.attn_logit_softcapping when absent (0: uncapped)
+    final_softcap: float = 0.0  # {arch}.final_logit_softcapping when absent
+    # Query scale 1/sqrt(hidden / heads) at these layer counts (Gemma's 27B models, as
+    # llama.cpp recognises them), else 1/sqrt(head size).
+    hidden_scale_layers: frozenset[int] = frozenset()
+
+
+ARCHITECTURES = {
+    "llama": Architecture(rope_permuted=True),
+    "qwen2": Architecture(),
+    "qwen3": Architecture(),
+    "phi3": Architecture(window_pattern=0),
+    "gemma2": Architecture(
+        act="gelu_tanh",
+        embed_scale=True,
+        window_pattern=2,
+        window_default=4096,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        hidden_scale_layers=frozenset({46}),
+    ),
+}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 _ROPE_SCALINGS = ("none", "linear", "yarn")
-# Architectures whose ``attention.sliding_window`` applies to every layer.
-_WINDOW_EVERY_LAYER = frozenset({"phi3"})
 
 # Token texts llama.cpp (src/llama-vocab.cpp) treats as end-of-generation whatever their
 # role, plus the FIM "pad"/"repo"/"sep" texts it auto-detects and also adds to its EOG set.
@@ -139,10 +186,21 @@ class ModelConfig:
     fused_gate_up: bool = False  # ffn_up holds gate then up, no ffn_gate (Phi-3)
     sliding_window: int = 0  # keys a windowed layer attends to, its own included
     window_layers: tuple[int, ...] = ()  # the layers with the window
+    act: str = "silu"  # the MLP gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden) in fp32)
+    attn_scale: float | None = None  # the query scale; None: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0  # attention scores capped at +-this (cap tanh(s / cap))
+    final_softcap: float = 0.0  # the logits capped the same way
+    post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
         return self.sliding_window if layer in self.window_layers else 0
+
+    @property
+    def query_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
 
 def derive_eog_ids(
@@ -162,7 +220,7 @@ def derive_eog_ids(
 def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
     """Read the hyper-parameters; refuse what the model cannot run."""
     arch = f.require("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ModelFileError(
             f.path,
             f"unsupported architecture {arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
@@ -177,7 +235,8 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
     bos = f.get("tokenizer.ggml.bos_token_id")
     extra = [int(v) for k in _EOG_ID_KEYS if (v := f.get(k)) is not None]
     n_layers = int(f.require(f"{arch}.block_count"))
-    window, window_layers = _sliding_window(f, arch, n_layers)
+    a = ARCHITECTURES[arch]
+    window, window_layers = _sliding_window(f, arch, a, n_layers)
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -198,7 +257,7 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
         name=str(f.get("general.name", f.path.stem)),
         qkv_bias=f.has_tensor("blk.0.attn_q.bias"),
         qk_norm=f.has_tensor("blk.0.attn_q_norm.weight"),
-        rope_permuted=arch in _PERMUTED_ROPE,
+        rope_permuted=a.rope_permuted,
         rope_scaling=_rope_scaling(f, arch),
         rope_freq_factors=f.has_tensor("rope_freqs.weight"),
         fused_qkv=f.has_tensor("blk.0.attn_qkv.weight"),
@@ -206,15 +265,35 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
         and f.has_tensor("blk.0.ffn_up.weight"),
         sliding_window=window,
         window_layers=window_layers,
+        act=a.act,
+        embed_scale=float(np.float32(math.sqrt(hidden))) if a.embed_scale else 1.0,
+        attn_scale=(hidden / n_heads) ** -0.5 if n_layers in a.hidden_scale_layers else None,
+        attn_softcap=float(f.get(f"{arch}.attn_logit_softcapping", a.attn_softcap) or 0.0),
+        final_softcap=float(f.get(f"{arch}.final_logit_softcapping", a.final_softcap) or 0.0),
+        post_norms=f.has_tensor("blk.0.post_attention_norm.weight"),
     )
 
 
-def _sliding_window(f: GGUFMetadata, arch: str, n_layers: int) -> tuple[int, tuple[int, ...]]:
-    """``attention.sliding_window`` and the layers it applies to (none: ``(0, ())``)."""
-    window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
-    if window <= 0 or arch not in _WINDOW_EVERY_LAYER:
+def _sliding_window(f: GGUFMetadata, arch: str, a: Architecture,
+                    n_layers: int) -> tuple[int, tuple[int, ...]]:  # fmt: skip
+    """``attention.sliding_window`` and the layers it applies to (none: ``(0, ())``):
+    llama.cpp's ``load_swa_pattern``, the file's ``attention.sliding_window_pattern``
+    (a period, or a flag per layer) over the architecture's."""
+    if a.window_pattern is None:
         return 0, ()
-    return window, tuple(range(n_layers))
+    window = int(f.get(f"{arch}.attention.sliding_window", a.window_default) or 0)
+    if window <= 0:
+        return 0, ()
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", a.window_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) < n_layers:
+            raise ModelFileError(
+                f.path, f"{arch}.attention.sliding_window_pattern has {len(pattern)} of "
+                f"{n_layers} layers",
+            )  # fmt: skip
+        return window, tuple(i for i in range(n_layers) if pattern[i])
+    n = int(pattern)
+    return window, tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
 
 
 def _rope_scaling(f: GGUFMetadata, arch: str) -> RopeScaling:

@@ -8,19 +8,22 @@ it that family: Qwen2's q/k/v biases, Qwen3's q/k norms and a head size that is 
 hidden / heads, Llama 3's ``llama3`` RoPE scaling (a ``rope_freqs`` tensor in the file),
 linear and YaRN scaling, Phi-3's fused q/k/v and gate/up, LongRoPE (long factors: the
 file's context exceeds the original one) and a sliding window of 16 keys on every layer
-(shorter than the tests' 120-token prompt, so the window matters). Weights are drawn at a trained model's spread, not
+(shorter than the tests' 120-token prompt, so the window matters), Gemma 2's scaled
+embeddings, GeGLU, post-norms, soft caps and windows on every other layer. Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
-norm weights 1 + N(0, 0.1), biases as the matrices, so greedy
+norm weights 1 + N(0, 0.1) (Gemma's, which scale by 1 + w: N(0, 0.1)), biases as the
+matrices, so greedy
 choices stand well apart and a wrong sign or a missing term shows.
 
-The GGUF side follows the converter (conversion/base.py, llama.py, qwen.py, phi.py in
-the tree ``make bench-peer`` unpacks): tensor names (gguf-py's own map, as the converter
+The GGUF side follows the converter (conversion/base.py, llama.py, qwen.py, phi.py,
+gemma.py in the tree ``make bench-peer`` unpacks): tensor names (gguf-py's own map, as the converter
 looks them up), the ``llama`` q/k row permutation (weights and biases), the
 ``rope_freqs`` factors llama3 scaling becomes, the ``rope.scaling.*`` keys,
 ``attention.key_length`` when the head size is given; Phi-3's keys (the original context,
 ``attention.sliding_window``, ``rope.scaling.attn_factor``) and its
-``rope_factors_long`` / ``rope_factors_short`` tensors. Matrices
+``rope_factors_long`` / ``rope_factors_short`` tensors; Gemma's norm weights plus 1 and
+Gemma 2's soft caps and window. Matrices
 are F32 or, with ``qtype``, quantized by gguf-py's reference quantizer (what
 ``llama-quantize`` computes for the legacy types); ``dequantized_state`` gives the
 weights the file then holds, for a transformers model on exactly those values.
@@ -56,6 +59,12 @@ class Family:
     @property
     def permuted(self) -> bool:
         return self.arch == "llama"
+
+    @property
+    def gemma(self) -> bool:
+        """Norm weights stored as the offset from 1 (``Gemma2RMSNorm``: x * (1 + w)),
+        which the converter adds back."""
+        return self.arch.startswith("gemma")
 
 
 _BASE: dict[str, Any] = {
@@ -137,6 +146,26 @@ FAMILIES = {
                 "pad_token_id": 0,
             },
         ),
+        # Layers 0 and 2 windowed; caps small enough to bend the tiny model's scores and
+        # logits; query_pre_attn_scalar the head size (2B/9B's: the converter writes no
+        # other), which is not hidden / heads here.
+        Family(
+            "gemma2",
+            "gemma2",
+            "Gemma2ForCausalLM",
+            {
+                "num_hidden_layers": 4,
+                "head_dim": 32,
+                "query_pre_attn_scalar": 32,
+                "sliding_window": 16,
+                "attn_logit_softcapping": 4.0,
+                "final_logit_softcapping": 6.0,
+                "tie_word_embeddings": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },
+        ),
     )
 }
 
@@ -157,7 +186,7 @@ def build_hf(family: Family, seed: int = 0, dtype: torch.dtype = torch.float64) 
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
+                p.copy_((0.0 if family.gemma else 1.0) + 0.1 * noise)
             else:
                 p.copy_(std * noise)
     return model.to(dtype).eval()
@@ -253,9 +282,10 @@ def write_family_gguf(
     if "head_dim" in family.config:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     rope = c.rope_parameters
-    w.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes neither: llama.cpp's defaults apply
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -264,6 +294,10 @@ def write_family_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
         original = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
@@ -293,6 +327,8 @@ def write_family_gguf(
             value = _permute(value, c.num_attention_heads)
         elif family.permuted and ".attn_k." in name:
             value = _permute(value, c.num_key_value_heads)
+        elif family.gemma and hf.endswith("norm.weight"):  # GemmaModel.modify_tensors
+            value = value + np.float32(1.0)
         kind = _tensor_type(name, value, qtype, c.num_hidden_layers, c.tie_word_embeddings)
         data, raw = _quantized(name, np.ascontiguousarray(value), kind)
         w.add_tensor(name, data, raw_dtype=raw)

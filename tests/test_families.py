@@ -1,14 +1,15 @@
 """Every supported architecture against transformers, from GGUF files laid out as
 llama.cpp's converter writes them (tests/hf_reference.py: tiny random models of Llama,
 Llama 3 with ``llama3`` RoPE scaling, Llama with linear scaling, Qwen2, Qwen2 with YaRN,
-Qwen3, Phi-3 with LongRoPE and a 16-key sliding window on every layer).
+Qwen3, Phi-3 with LongRoPE and a 16-key sliding window on every layer, Gemma 2 with
+soft caps and a 16-key window on every other layer).
 
 * F32 file, fp32 weights (what CUDA and ``--tp`` run): every position's logits against
   transformers run in float64 on the same weights. Both we and transformers in float32
   compute the same function in float32, summing in different orders; our deviation
   from the float64 values must be of the order of transformers' own float32 deviation,
   measured in the same run: at most 4x it (measured 0.9-1.25x, 2026-12-05; Phi-3 0.96x,
-  2026-12-06). Greedy decoding through the KV cache gives transformers' float64 tokens,
+  Gemma 2 1.18x, 2026-12-06). Greedy decoding through the KV cache gives transformers' float64 tokens,
   exactly.
 * Q8_0 file, the CPU default (quantized weights, paged cache, fused native trunk):
   against transformers in float64 on the dequantized weights, so the only difference is
@@ -18,7 +19,8 @@ Qwen3, Phi-3 with LongRoPE and a 16-key sliding window on every layer).
   bound, so the figures are compared with what they measured: teacher-forced top-1
   agreement 0.917-0.983 over 120 positions (bound 0.85, over 2.5 binomial sd below the
   lowest) and the largest logit difference 0.25-0.46 on logits up to 7.8 (bound 1.0;
-  Phi-3: 0.975 and 0.49 on logits up to 7.2).
+  Phi-3: 0.975 and 0.49 on logits up to 7.2; Gemma 2: 0.992 and 0.18 on logits capped
+  at 6).
   The same holds for every other type the kernels read in place, since the weights are
   the file's in both: Q4_0, Q5_0, Q5_1 and a Q4_K_M file's mix (Q4_K, Q6_K, q/k/v in
   two parts; at rows of 64 llama.cpp's fallbacks Q5_0 and Q8_0) measured top-1
@@ -39,6 +41,7 @@ import pathlib
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -69,7 +72,13 @@ GREEDY = 24
 FP32_FACTOR = 4.0
 SERVED_MIN_TOP1 = 0.85
 SERVED_MAX_LOGIT_DIFF = 1.0
-SERVED = ["llama3", "qwen2", "qwen3", "phi3"]  # one family per architecture, served for real
+SERVED = [
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+]  # one family per architecture, served for real
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -115,6 +124,14 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
         windowed = list(range(hf.num_hidden_layers))
     assert [i for i in range(c.n_layers) if c.window(i)] == windowed
     assert all(c.window(i) == hf.sliding_window for i in windowed)
+    gemma = family.arch.startswith("gemma")
+    assert c.act == ("gelu_tanh" if gemma else "silu")
+    assert c.post_norms == gemma
+    assert c.embed_scale == (float(np.float32(hidden**0.5)) if gemma else 1.0)
+    assert c.attn_softcap == (getattr(hf, "attn_logit_softcapping", None) or 0.0)
+    assert c.final_softcap == (getattr(hf, "final_logit_softcapping", None) or 0.0)
+    scalar = getattr(hf, "query_pre_attn_scalar", None) or c.head_dim
+    assert c.query_scale == pytest.approx(scalar**-0.5, rel=1e-12)
 
 
 def test_fp32_logits_match_transformers(family: Family, hf_models: tuple[Any, Any],
@@ -277,7 +294,7 @@ def test_longrope_reads_the_short_factors_within_the_original_context(
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["phi3"])
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
 def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.Path) -> None:
     """The static-buffer decode step (``--decode-graphs eager``: gather + bmm with each
     layer's mask, the window's among them) gives the tokens of the plain step (the fused
@@ -295,6 +312,59 @@ def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.
         return Engine(lm, EngineConfig(64, 16, 8, 64, 512, 512, decode_graphs=graphs))
 
     assert _generate(engine("eager"), prompts, 40) == _generate(engine("off"), prompts, 40)
+
+
+def _metadata_only(path: pathlib.Path, arch: str, keys: dict[str, Any]) -> pathlib.Path:
+    """A GGUF of keys and no tensors: what ``config_from_gguf`` reads."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        if isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("layers", "scale"), [(42, 256**-0.5), (46, (4608 / 32) ** -0.5)], ids=["9b", "27b"]
+)
+def test_gemma2_query_scale_and_window_pattern(layers: int, scale: float,
+                                               tmp_path: pathlib.Path) -> None:  # fmt: skip
+    """What a Gemma 2 file does not say, as llama.cpp reads it: the 27B model (46 layers)
+    scales queries by 1/sqrt(hidden / heads) (its query_pre_attn_scalar, 144), the
+    others by 1/sqrt(head size); the window is 4096 keys on the even layers unless the
+    file says otherwise (``attention.sliding_window_pattern``: a period, or per layer)."""
+    from modelfile.config import config_from_gguf
+    from modelfile.gguf_meta import GGUFMetadata
+    from tests.tiny_gguf import tiny_vocab
+
+    keys: dict[str, Any] = {"block_count": layers, "embedding_length": 4608,
+                            "feed_forward_length": 36864, "attention.head_count": 32,
+                            "attention.head_count_kv": 16, "attention.key_length": 256}  # fmt: skip
+    tokens = tiny_vocab()[0]
+    c = config_from_gguf(GGUFMetadata(_metadata_only(tmp_path / "a.gguf", "gemma2", keys)), tokens)
+    assert c.query_scale == pytest.approx(scale, rel=1e-12)
+    assert c.sliding_window == 4096 and c.window_layers == tuple(range(0, layers, 2))
+    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0)
+    flags = [i % 3 == 0 for i in range(layers)]
+    for pattern, want in ((3, [i for i in range(layers) if i % 3 < 2]),
+                          (flags, [i for i in range(layers) if i % 3 == 0])):  # fmt: skip
+        more = {
+            **keys,
+            "attention.sliding_window": 512,
+            "attention.sliding_window_pattern": pattern,
+        }
+        c = config_from_gguf(GGUFMetadata(_metadata_only(tmp_path / "b.gguf", "gemma2", more)),
+                             tokens)  # fmt: skip
+        assert c.sliding_window == 512 and list(c.window_layers) == want
 
 
 def test_rope_scaling_kinds_outside_the_table_are_refused(tmp_path: pathlib.Path) -> None:

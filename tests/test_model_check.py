@@ -19,7 +19,7 @@ from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 BAD = {
-    "mamba": (TinySpec(arch="mamba"), "unsupported architecture 'mamba' (supported: llama"),
+    "mamba": (TinySpec(arch="mamba"), "unsupported architecture 'mamba' (supported: gemma2"),
     "f64": (
         TinySpec(quant={"ffn_down": Q.F64}),
         "tensor 'blk.0.ffn_down.weight' has unsupported type F64 (supported: F32, F16",

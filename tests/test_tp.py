@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+import torch
 
 from gpu.kv_cache import PrefillChunk
 from gpu.tp_messages import (
@@ -239,6 +240,24 @@ def test_tp2_greedy_equals_tp1_on_uneven_split(start, tiny3: TinyModel) -> None:
         c.close()
     assert runs[0] == runs[1]
     assert runs[0][-1] > 0  # the fork's prompt was (partly) a prefix-cache hit
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+def test_tp2_greedy_equals_tp1_on_other_families(start, name: str, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """What other architectures add to the layer shards too: fused q/k/v and gate/up
+    split per rank, the windows, Gemma's scaled embeddings, post-norms and caps."""
+    pytest.importorskip("transformers")
+    from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
+
+    family = FAMILIES[name]
+    path = write_family_gguf(family, build_hf(family, dtype=torch.float32), tmp_path / "f.gguf")
+    prompts = [[5 + (i * 7 + j * 3) % 250 for j in range(10 + 20 * i)] for i in range(3)]
+    runs = []
+    for args in ((), ("--tp", "2")):
+        c = start(path, "--block-size", "4", *args).connect()
+        runs.append(_greedy_runs(c, prompts, 30, 1))
+        c.close()
+    assert runs[0] == runs[1]
 
 
 def test_tp_above_kv_heads_refused_before_any_rank_starts(start, tiny3: TinyModel) -> None:  # type: ignore[no-untyped-def]
