@@ -297,6 +297,12 @@ class Llama(nn.Module):
         cos, sin = rope_tables(inv_freq, config.context_length, attention)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        # Gemma 3's windowed layers rotate with their own base, unscaled.
+        self.rope_window: tuple[Tensor, Tensor] | None = None
+        if config.window_rope_theta is not None:
+            local, _ = rope_inv_freq(config.head_dim, config.window_rope_theta)
+            cos, sin = rope_tables(local, config.context_length)
+            self.rope_window = (cos.to(device), sin.to(device))
         # Gemma's sqrt(hidden), rounded to the compute dtype as transformers rounds it
         # (``Gemma2TextScaledWordEmbedding``: the scale cast to the weights' dtype).
         dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
@@ -375,15 +381,27 @@ class Llama(nn.Module):
         fused = self._fused_for(attn)
         if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
             return fused(x, positions, *rows)
+        return self.run_layers(x, positions, attn)
+
+    def run_layers(self, x: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """The torch path's layers over embedded rows ``x``."""
         # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
         for i, layer in enumerate(self.layers):
+            table = self._rope(i)
+            if id(table[0]) not in rows:
+                rows[id(table[0])] = (
+                    table[0][positions].unsqueeze(1).to(x.dtype),
+                    table[1][positions].unsqueeze(1).to(x.dtype),
+                )
+            cos, sin = rows[id(table[0])]
             x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
         return x
 
     def _rope(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32."""
+        if self.rope_window is not None and self.config.window(layer):
+            return self.rope_window
         return self.rope_cos, self.rope_sin
 
     def _fused_for(self, attn: AttentionBackend) -> FusedTrunk | None:

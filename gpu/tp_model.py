@@ -202,11 +202,7 @@ class ShardedLlama(Llama):
             x = self.embed_tokens(input_ids)
             if self.embed_scale is not None:
                 x = x * self.embed_scale
-            cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-            sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-            for i, layer in enumerate(self.layers):
-                x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
-        return x
+            return self.run_layers(x, positions, attn)
 
     def logits(
         self, x: Tensor, logits_indices: Tensor | None = None, return_hidden: bool = False

@@ -18,6 +18,10 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   (``attn_logit_softcapping``, ``final_logit_softcapping``); every other layer (the
   even ones) attends within ``attention.sliding_window`` keys. The converter has already
   added Gemma's 1 to the norm weights.
+- ``gemma3`` (text): Gemma 2's layer with per-head q/k norms and no caps; five layers
+  in six windowed, which rotate with their own RoPE base (``rope.freq_base_swa``,
+  10000 when absent) and no scaling, the others with ``rope.freq_base`` and the file's
+  scaling (linear 8 for the 4B to 27B models).
 
 What a file stores decides the rest, whatever its architecture: fused or separate
 q/k/v and gate/up tensors, biases, q/k norms, post-norms. What it does not say is the
@@ -69,6 +73,9 @@ class Architecture:
     # Query scale 1/sqrt(hidden / heads) at these layer counts (Gemma's 27B models, as
     # llama.cpp recognises them), else 1/sqrt(head size).
     hidden_scale_layers: frozenset[int] = frozenset()
+    # The windowed layers' RoPE base when the file has no ``rope.freq_base_swa`` (they
+    # then rotate unscaled); None: they share the other layers' tables.
+    window_rope_base: float | None = None
 
 
 ARCHITECTURES = {
@@ -84,6 +91,13 @@ ARCHITECTURES = {
         attn_softcap=50.0,
         final_softcap=30.0,
         hidden_scale_layers=frozenset({46}),
+    ),
+    "gemma3": Architecture(
+        act="gelu_tanh",
+        embed_scale=True,
+        window_pattern=6,
+        hidden_scale_layers=frozenset({62}),
+        window_rope_base=10000.0,
     ),
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
@@ -192,6 +206,9 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores capped at +-this (cap tanh(s / cap))
     final_softcap: float = 0.0  # the logits capped the same way
     post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs
+    # The windowed layers' RoPE base, unscaled (Gemma 3's local layers); None: theirs
+    # are the other layers' tables.
+    window_rope_theta: float | None = None
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
@@ -271,7 +288,13 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
         attn_softcap=float(f.get(f"{arch}.attn_logit_softcapping", a.attn_softcap) or 0.0),
         final_softcap=float(f.get(f"{arch}.final_logit_softcapping", a.final_softcap) or 0.0),
         post_norms=f.has_tensor("blk.0.post_attention_norm.weight"),
+        window_rope_theta=_window_rope_theta(f, arch, a) if window_layers else None,
     )
+
+
+def _window_rope_theta(f: GGUFMetadata, arch: str, a: Architecture) -> float | None:
+    theta = f.get(f"{arch}.rope.freq_base_swa", a.window_rope_base)
+    return None if theta is None else float(theta)
 
 
 def _sliding_window(f: GGUFMetadata, arch: str, a: Architecture,

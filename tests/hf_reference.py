@@ -9,7 +9,8 @@ hidden / heads, Llama 3's ``llama3`` RoPE scaling (a ``rope_freqs`` tensor in th
 linear and YaRN scaling, Phi-3's fused q/k/v and gate/up, LongRoPE (long factors: the
 file's context exceeds the original one) and a sliding window of 16 keys on every layer
 (shorter than the tests' 120-token prompt, so the window matters), Gemma 2's scaled
-embeddings, GeGLU, post-norms, soft caps and windows on every other layer. Weights are drawn at a trained model's spread, not
+embeddings, GeGLU, post-norms, soft caps and windows on every other layer, Gemma 3's q/k
+norms, five windowed layers in six and their own RoPE base. Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
 norm weights 1 + N(0, 0.1) (Gemma's, which scale by 1 + w: N(0, 0.1)), biases as the
@@ -22,8 +23,8 @@ looks them up), the ``llama`` q/k row permutation (weights and biases), the
 ``rope_freqs`` factors llama3 scaling becomes, the ``rope.scaling.*`` keys,
 ``attention.key_length`` when the head size is given; Phi-3's keys (the original context,
 ``attention.sliding_window``, ``rope.scaling.attn_factor``) and its
-``rope_factors_long`` / ``rope_factors_short`` tensors; Gemma's norm weights plus 1 and
-Gemma 2's soft caps and window. Matrices
+``rope_factors_long`` / ``rope_factors_short`` tensors; Gemma's norm weights plus 1,
+Gemma 2's soft caps and window, Gemma 3's window and local RoPE base. Matrices
 are F32 or, with ``qtype``, quantized by gguf-py's reference quantizer (what
 ``llama-quantize`` computes for the legacy types); ``dequantized_state`` gives the
 weights the file then holds, for a transformers model on exactly those values.
@@ -55,6 +56,11 @@ class Family:
     arch: str
     model_class: str
     config: dict[str, Any]
+    config_class: str = ""  # transformers' config class; "": the model class's name's
+
+    @property
+    def config_class_name(self) -> str:
+        return self.config_class or self.model_class.replace("ForCausalLM", "Config")
 
     @property
     def permuted(self) -> bool:
@@ -166,6 +172,33 @@ FAMILIES = {
                 "pad_token_id": 0,
             },
         ),
+        # Six layers: Gemma 3's pattern (layers 0-4 windowed, 5 global) as the converter
+        # writes it, with no pattern key; the global layer's RoPE linearly scaled (the
+        # 4B-27B models' factor 8), the local ones' base 10000 unscaled.
+        Family(
+            "gemma3",
+            "gemma3",
+            "Gemma3ForCausalLM",
+            {
+                "num_hidden_layers": 6,
+                "head_dim": 32,
+                "query_pre_attn_scalar": 32,
+                "sliding_window": 16,
+                "rope_parameters": {
+                    "full_attention": {
+                        "rope_type": "linear",
+                        "factor": 8.0,
+                        "rope_theta": 1000000.0,
+                    },
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                "tie_word_embeddings": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },
+            config_class="Gemma3TextConfig",
+        ),
     )
 }
 
@@ -175,7 +208,7 @@ def build_hf(family: Family, seed: int = 0, dtype: torch.dtype = torch.float64) 
     import transformers
 
     tokens, _ = tiny_vocab()
-    config_class = getattr(transformers, family.model_class.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, family.config_class_name)
     config = config_class(vocab_size=len(tokens), **{**_BASE, **family.config})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -282,9 +315,10 @@ def write_family_gguf(
     if "head_dim" in family.config:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    rope = c.rope_parameters
-    if arch != "gemma2":  # Gemma2Model writes neither: llama.cpp's defaults apply
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    if not family.gemma:  # the Gemma converters write no dimension count
         w.add_rope_dimension_count(head_dim)
+    if arch != "gemma2":  # nor Gemma 2 a base: llama.cpp's default applies
         w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if rope.get("rope_type") == "linear":
@@ -297,6 +331,11 @@ def write_family_gguf(
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma3":  # TextModel's and Gemma3Model's set_gguf_parameters
+        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+        if c.final_logit_softcapping:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
         w.add_sliding_window(c.sliding_window)
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
         original = rope["original_max_position_embeddings"]

@@ -81,11 +81,12 @@ def test_every_build_runs_the_model_to_the_same_bits(tiny_gguf: TinyModel) -> No
         assert _run_build(isa, tiny_gguf.path) == want, isa
 
 
-@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "gemma3"])
 def test_every_build_runs_the_other_families_to_the_same_bits(name: str, tmp_path: Path) -> None:
     """The same for the architectures whose layer differs in the trunk (tests/
     hf_reference.py's tiny files in Q8_0): sliding windows shorter than the prompt, and
-    Gemma 2's GeGLU, post-norms, capped scores and capped logits."""
+    Gemma 2's GeGLU, post-norms, capped scores and capped logits, Gemma 3's per-layer
+    RoPE tables."""
     pytest.importorskip("transformers")
     from gguf import GGMLQuantizationType as Q
 

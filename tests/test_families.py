@@ -2,14 +2,15 @@
 llama.cpp's converter writes them (tests/hf_reference.py: tiny random models of Llama,
 Llama 3 with ``llama3`` RoPE scaling, Llama with linear scaling, Qwen2, Qwen2 with YaRN,
 Qwen3, Phi-3 with LongRoPE and a 16-key sliding window on every layer, Gemma 2 with
-soft caps and a 16-key window on every other layer).
+soft caps and a 16-key window on every other layer, Gemma 3 with 16-key windows on five
+layers of six and their own RoPE base).
 
 * F32 file, fp32 weights (what CUDA and ``--tp`` run): every position's logits against
   transformers run in float64 on the same weights. Both we and transformers in float32
   compute the same function in float32, summing in different orders; our deviation
   from the float64 values must be of the order of transformers' own float32 deviation,
   measured in the same run: at most 4x it (measured 0.9-1.25x, 2026-12-05; Phi-3 0.96x,
-  Gemma 2 1.18x, 2026-12-06). Greedy decoding through the KV cache gives transformers' float64 tokens,
+  Gemma 2 1.18x, Gemma 3 0.96x, 2026-12-06). Greedy decoding through the KV cache gives transformers' float64 tokens,
   exactly.
 * Q8_0 file, the CPU default (quantized weights, paged cache, fused native trunk):
   against transformers in float64 on the dequantized weights, so the only difference is
@@ -20,7 +21,7 @@ soft caps and a 16-key window on every other layer).
   agreement 0.917-0.983 over 120 positions (bound 0.85, over 2.5 binomial sd below the
   lowest) and the largest logit difference 0.25-0.46 on logits up to 7.8 (bound 1.0;
   Phi-3: 0.975 and 0.49 on logits up to 7.2; Gemma 2: 0.992 and 0.18 on logits capped
-  at 6).
+  at 6; Gemma 3: 0.983 and 0.16 on logits up to 9.9).
   The same holds for every other type the kernels read in place, since the weights are
   the file's in both: Q4_0, Q5_0, Q5_1 and a Q4_K_M file's mix (Q4_K, Q6_K, q/k/v in
   two parts; at rows of 64 llama.cpp's fallbacks Q5_0 and Q8_0) measured top-1
@@ -114,7 +115,8 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     hidden = family.config.get("hidden_size", 64)
     assert c.head_dim == family.config.get("head_dim", hidden // 4)
     assert c.rope_freq_factors == (family.name == "llama3")
-    kind = family.config.get("rope_parameters", {}).get("rope_type", "none")
+    rope = family.config.get("rope_parameters", {})
+    kind = rope.get("full_attention", rope).get("rope_type", "none")
     assert c.rope_scaling.kind == (kind if kind in ("linear", "yarn", "longrope") else "none")
     assert c.fused_qkv == c.fused_gate_up == (family.arch == "phi3")
     windowed = [
@@ -132,6 +134,8 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     assert c.final_softcap == (getattr(hf, "final_logit_softcapping", None) or 0.0)
     scalar = getattr(hf, "query_pre_attn_scalar", None) or c.head_dim
     assert c.query_scale == pytest.approx(scalar**-0.5, rel=1e-12)
+    local = rope.get("sliding_attention", {}).get("rope_theta")
+    assert c.window_rope_theta == local
 
 
 def test_fp32_logits_match_transformers(family: Family, hf_models: tuple[Any, Any],
@@ -294,7 +298,7 @@ def test_longrope_reads_the_short_factors_within_the_original_context(
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "gemma3"])
 def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.Path) -> None:
     """The static-buffer decode step (``--decode-graphs eager``: gather + bmm with each
     layer's mask, the window's among them) gives the tokens of the plain step (the fused

@@ -242,10 +242,11 @@ def test_tp2_greedy_equals_tp1_on_uneven_split(start, tiny3: TinyModel) -> None:
     assert runs[0][-1] > 0  # the fork's prompt was (partly) a prefix-cache hit
 
 
-@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "gemma3"])
 def test_tp2_greedy_equals_tp1_on_other_families(start, name: str, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
     """What other architectures add to the layer shards too: fused q/k/v and gate/up
-    split per rank, the windows, Gemma's scaled embeddings, post-norms and caps."""
+    split per rank, the windows, Gemma's scaled embeddings, post-norms and caps, Gemma
+    3's local RoPE tables."""
     pytest.importorskip("transformers")
     from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
 
