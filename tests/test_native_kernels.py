@@ -33,6 +33,18 @@ class Shape:
     n_heads: int = 9
     n_kv_heads: int = 3
     head_dim: int = 64
+    # What the cache reads of a model beyond its shape: no custom query scale, no
+    # score cap, no sliding window (Llama's defaults).
+    attn_scale: float | None = None
+    attn_softcap: float = 0.0
+    sliding_window: int = 0
+
+    @property
+    def query_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        return 0
 
 
 def caches(shape: Shape, num_blocks: int, block_size: int) -> tuple[PagedKVCache, PagedKVCache]:
