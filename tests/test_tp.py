@@ -293,8 +293,11 @@ def test_followers_exit_with_rank0(start, tiny3: TinyModel) -> None:  # type: ig
 @pytest.mark.timeout(300)
 def test_tp2_greedy_equals_tp1_on_reference_prompts(start) -> None:  # type: ignore[no-untyped-def]
     meta = json.loads((FIXTURES / "model_reference.json").read_text(encoding="utf-8"))
-    prompts = [p["ids"] for p in meta["prompts"]]
-    steps = meta["greedy_steps"]
+    # The shortest prompts, a middle one and the longest (608 tokens: 38 blocks, a
+    # partial last one), 16 steps each; the tiny-model tests above cover the mechanics.
+    chosen = [meta["prompts"][i] for i in (0, 1, 4, 12)]
+    prompts = [p["ids"] for p in chosen]
+    steps = 16
     # --tp splits fp32 weights: tp 1 runs them too (the quantized default rounds activations)
     tp1, tp2 = ("--weights", "fp32"), ("--tp", "2")
     workers = [start(None, "--kv-memory-mib", "128", *tp) for tp in (tp1, tp2)]
@@ -303,5 +306,5 @@ def test_tp2_greedy_equals_tp1_on_reference_prompts(start) -> None:  # type: ign
         c = w.connect(240)
         runs.append(_greedy_runs(c, prompts, steps, 1))
         c.close()
-    for p, one, two in zip(meta["prompts"], *runs, strict=True):
+    for p, one, two in zip(chosen, *runs, strict=True):
         assert one == two, f"{p['name']}: tp 1 {one} != tp 2 {two}"
