@@ -33,23 +33,40 @@ definitions, ``gpu.model.rope_inv_freq``).
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 
-from modelfile.gguf_meta import GGUFMetadata, ModelFileError
+from modelfile.gguf_meta import ModelFileError
 
 __all__ = [
     "ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "Architecture",
+    "Keys",
     "ModelConfig",
     "RopeScaling",
     "config_from_gguf",
     "derive_eog_ids",
     "with_context",
 ]
+
+
+class Keys(Protocol):
+    """What ``config_from_gguf`` reads: a GGUF file's metadata (``GGUFMetadata``), or
+    the keys and tensors the converter would write for a Hugging Face folder
+    (``modelfile/hf_config.py``)."""
+
+    path: pathlib.Path
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def require(self, key: str) -> Any: ...
+
+    def has_tensor(self, name: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +251,7 @@ def derive_eog_ids(
     return tuple(sorted(i for i in eog if 0 <= i < len(tokens)))
 
 
-def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
+def config_from_gguf(f: Keys, tokens: Sequence[str]) -> ModelConfig:
     """Read the hyper-parameters; refuse what the model cannot run."""
     arch = f.require("general.architecture")
     if arch not in ARCHITECTURES:
@@ -292,12 +309,12 @@ def config_from_gguf(f: GGUFMetadata, tokens: Sequence[str]) -> ModelConfig:
     )
 
 
-def _window_rope_theta(f: GGUFMetadata, arch: str, a: Architecture) -> float | None:
+def _window_rope_theta(f: Keys, arch: str, a: Architecture) -> float | None:
     theta = f.get(f"{arch}.rope.freq_base_swa", a.window_rope_base)
     return None if theta is None else float(theta)
 
 
-def _sliding_window(f: GGUFMetadata, arch: str, a: Architecture,
+def _sliding_window(f: Keys, arch: str, a: Architecture,
                     n_layers: int) -> tuple[int, tuple[int, ...]]:  # fmt: skip
     """``attention.sliding_window`` and the layers it applies to (none: ``(0, ())``):
     llama.cpp's ``load_swa_pattern``, the file's ``attention.sliding_window_pattern``
@@ -319,7 +336,7 @@ def _sliding_window(f: GGUFMetadata, arch: str, a: Architecture,
     return window, tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
 
 
-def _rope_scaling(f: GGUFMetadata, arch: str) -> RopeScaling:
+def _rope_scaling(f: Keys, arch: str) -> RopeScaling:
     key = f"{arch}.rope.scaling"
     if f.has_tensor("rope_factors_long.weight"):  # Phi-3's LongRoPE: no scaling.type key
         attn = f.get(f"{key}.attn_factor")
@@ -350,9 +367,7 @@ def _rope_scaling(f: GGUFMetadata, arch: str) -> RopeScaling:
     )
 
 
-def _check_shape_support(
-    f: GGUFMetadata, arch: str, n_heads: int, n_kv_heads: int, head_dim: int
-) -> None:
+def _check_shape_support(f: Keys, arch: str, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
     if n_heads % n_kv_heads:
         raise ModelFileError(f.path, f"{n_heads} heads not divisible by {n_kv_heads} kv heads")
     rope_dims = int(f.get(f"{arch}.rope.dimension_count", head_dim))

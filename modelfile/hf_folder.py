@@ -8,9 +8,12 @@ The folder: ``config.json`` (``modelfile/hf_config.py``), the weights in
 ``tokenizer.json`` (read by ``tokenizers`` as it is), ``tokenizer_config.json`` (the
 bos/eos tokens, ``add_bos_token``, ``chat_template`` unless ``chat_template.jinja`` holds
 it) and, if present, ``generation_config.json`` (its ``eos_token_id`` ids end a
-generation too). Llama 3's RoPE factors come from config.json as a computed
-``rope_freqs.weight`` (the tensor the converter would write). Tensors the decoder would
-not read (o_proj or MLP biases, anything unknown) are refused, not ignored.
+generation too). Tensors are renamed as the converter renames them (each
+architecture's table in ``_LAYERS``) and changed as it changes them: Gemma's norm
+weights plus 1, Gemma 3's embedding rows past its tokenizer dropped; Llama 3's RoPE
+factors (``rope_freqs.weight``) and Phi-3's LongRoPE factors (``rope_factors_long`` /
+``_short``) are computed from config.json. Tensors the decoder would not read (o_proj or
+MLP biases, anything unknown) are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from tokenizers import processors
 from modelfile.chat import ChatTemplate, ChatTemplateError
 from modelfile.config import ModelConfig
 from modelfile.gguf_meta import ModelFileError
-from modelfile.hf_config import config_from_hf, hf_architecture, llama3_rope_factors
+from modelfile.hf_config import (
+    config_from_hf,
+    hf_architecture,
+    llama3_rope_factors,
+    longrope_factors,
+    rope_kind,
+)
 from modelfile.safetensors_file import SafeTensor, read_directory, read_float32
 from modelfile.tokenizer import Tokenizer
 
@@ -40,43 +49,65 @@ _TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+# Each architecture's layer tensors, GGUF name -> the folder's (gguf-py's tensor map,
+# the converter's): exactly what its decoder reads.
+_ATTN = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+}
+_MLP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_LLAMA = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **_ATTN,
+    **_MLP,
+}
+_QK_NORM = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_TO_GGUF = {hf: name for name, hf in _LAYER.items()}
-# Per-layer tensors each architecture reads, beyond the nine every one does.
-_ARCH_EXTRAS = {
-    "llama": (),
-    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+_GEMMA = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **_ATTN,
+    **_MLP,
 }
-_BASE_LAYER = (
-    "attn_norm.weight",
-    "ffn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
+_LAYERS = {
+    "llama": _LLAMA,
+    "qwen2": {
+        **_LLAMA,
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+    },
+    "qwen3": {**_LLAMA, **_QK_NORM},
+    "phi3": {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate rows first, as GGUF's
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
+    "gemma2": _GEMMA,
+    "gemma3": {**_GEMMA, **_QK_NORM},
+}
+# Gemma's RMSNorm scales by 1 + w; its converters store w + 1 (GemmaModel.modify_tensors).
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")  # a buffer older checkpoints saved
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROPE_FREQS = "rope_freqs.weight"
+# Tensors the converter computes from config.json rather than copies.
+_COMPUTED = (_ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
+_VOCAB_ROWS = ("token_embd.weight", "output.weight")
 
 
 def _read_json(path: pathlib.Path, *, required: bool) -> dict[str, Any]:
@@ -102,6 +133,9 @@ class HFFolder:
             raise ModelFileError(self.path, "not a directory")
         self.hf_config = _read_json(self.path / "config.json", required=True)
         self.arch = hf_architecture(self.path / "config.json", self.hf_config)
+        self._layer = _LAYERS[self.arch]
+        self._to_gguf = {hf: name for name, hf in self._layer.items()}
+        self._rows: int | None = None  # the embedding rows used, once the vocabulary is read
         self._tensors = self._directory()
         self._gguf = {gguf: hf for hf in self._tensors if (gguf := self._gguf_name(hf)) is not None}
 
@@ -163,7 +197,9 @@ class HFFolder:
             extra_eog=[*gen_eos, *cfg_eos],
             add_bos=add_bos,
             name=self.path.name,
+            has_tensor=self.has_tensor,
         )
+        self._rows = config.vocab_size
         special = [i for i, t in inner.get_added_tokens_decoder().items() if t.special]
         tokenizer = Tokenizer(
             inner, bos_id=bos_id, eos_id=eos_id, eog_ids=config.eog_ids, special_ids=special
@@ -205,8 +241,8 @@ class HFFolder:
             if hf == top:
                 return name
         m = _LAYER_NAME.fullmatch(hf)
-        if m and m.group(2) in _TO_GGUF:
-            return f"blk.{m.group(1)}.{_TO_GGUF[m.group(2)]}"
+        if m and m.group(2) in self._to_gguf:
+            return f"blk.{m.group(1)}.{self._to_gguf[m.group(2)]}"
         return None
 
     def stored_name(self, name: str) -> str:
@@ -214,13 +250,28 @@ class HFFolder:
         if name in _TOP:
             return _TOP[name]
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-        if m and m.group(2) in _LAYER:
-            return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+        if m and m.group(2) in self._layer:
+            return f"model.layers.{m.group(1)}.{self._layer[m.group(2)]}"
         return name
 
-    def has_tensor(self, name: str) -> bool:
+    def _computed(self, name: str) -> np.ndarray | None:
+        """A tensor the converter computes from config.json (None: this model has none)."""
         if name == _ROPE_FREQS:
-            return _rope_type(self.hf_config) == "llama3"
+            if rope_kind(self.hf_config) != "llama3":
+                return None
+            return llama3_rope_factors(self.hf_config, self._head_dim())
+        which = name.removeprefix("rope_factors_").removesuffix(".weight")
+        factors = longrope_factors(self.hf_config, which) if self.arch == "phi3" else None
+        if factors is not None and factors.shape != (self._head_dim() // 2,):
+            raise ModelFileError(
+                self.path / "config.json", f"rope_scaling.{which}_factor has {factors.size} "
+                f"values for {self._head_dim() // 2} frequencies",
+            )  # fmt: skip
+        return factors
+
+    def has_tensor(self, name: str) -> bool:
+        if name in _COMPUTED:
+            return self._computed(name) is not None
         return name in self._gguf
 
     def _entry(self, name: str) -> SafeTensor:
@@ -230,24 +281,39 @@ class HFFolder:
         return self._tensors[hf]
 
     def tensor_type(self, name: str) -> Q:
-        if name == _ROPE_FREQS and self.has_tensor(name):
+        if name in _COMPUTED and self.has_tensor(name):
             return Q.F32
         t = self._entry(name)
         if t.dtype not in _TYPES:
             raise ModelFileError(t.file, _dtype_problem(self.stored_name(name), t.dtype))
         return _TYPES[t.dtype]
 
+    def _trimmed_rows(self, name: str, rows: int) -> int:
+        """Gemma 3's embedding rows past its tokenizer's tokens are dropped, as its
+        converter drops them (``hf_config.vocab_rows``)."""
+        if name in _VOCAB_ROWS and self._rows is not None and rows > self._rows:
+            return self._rows
+        return rows
+
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        if name == _ROPE_FREQS and self.has_tensor(name):
-            return (self._head_dim() // 2,)
-        return self._entry(name).shape
+        computed = self._computed(name) if name in _COMPUTED else None
+        if computed is not None:
+            return computed.shape
+        shape = self._entry(name).shape
+        return (self._trimmed_rows(name, shape[0]), *shape[1:]) if shape else shape
 
     def dequantize(self, name: str) -> np.ndarray:
-        """The tensor as float32 numpy (F32: a read-only view of the file)."""
-        if name == _ROPE_FREQS and self.has_tensor(name):
-            return llama3_rope_factors(self.hf_config, self._head_dim())
+        """The tensor as float32 numpy (F32: a read-only view of the file), changed as
+        the converter changes it (Gemma's norms plus 1, Gemma 3's unused rows dropped)."""
+        computed = self._computed(name) if name in _COMPUTED else None
+        if computed is not None:
+            return computed
         self.tensor_type(name)
-        return read_float32(self._entry(name))
+        out = read_float32(self._entry(name))
+        if self.arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            out = out + np.float32(1.0)
+        rows = self._trimmed_rows(name, out.shape[0])
+        return out[:rows] if rows < out.shape[0] else out
 
     def blocks(self, name: str) -> np.ndarray:
         raise ModelFileError(
@@ -256,14 +322,11 @@ class HFFolder:
 
     def check_tensor_types(self) -> None:
         """Every tensor a float type, and one the architecture reads."""
-        reads = {*_BASE_LAYER, *_ARCH_EXTRAS[self.arch]}
         for hf, t in self._tensors.items():
             if t.dtype not in _TYPES:
                 raise ModelFileError(t.file, _dtype_problem(hf, t.dtype))
             gguf = self._gguf_name(hf)
-            layer_part = gguf.split(".", 2)[2] if gguf and gguf.startswith("blk.") else None
-            known = gguf in _TOP or layer_part in reads
-            if not known and not _IGNORED.fullmatch(hf):
+            if gguf is None and not _IGNORED.fullmatch(hf):
                 raise ModelFileError(
                     t.file, f"tensor {hf!r} is not read by the {self.arch} architecture "
                     "(unsupported: the model would run without it)",
@@ -276,11 +339,6 @@ class HFFolder:
 
 def _dtype_problem(name: str, dtype: str) -> str:
     return f"tensor {name!r} has unsupported dtype {dtype} (supported: {', '.join(_TYPES)})"
-
-
-def _rope_type(cfg: dict[str, Any]) -> str:
-    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
-    return str(rope.get("rope_type") or rope.get("type") or "default")
 
 
 def _ids(value: Any) -> list[int]:

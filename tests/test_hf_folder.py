@@ -38,7 +38,7 @@ from modelfile.gguf_meta import ModelFileError
 from modelfile.hf_config import HF_ARCHITECTURES
 from modelfile.safetensors_file import read_directory, read_float32
 from modelfile.vocab import load_tokenizer
-from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
+from tests.hf_reference import FAMILIES, Family, build_hf, write_family_gguf
 from tests.scripted import lifecycle_server
 from tests.test_model import PagedSeqs, run_steps
 from tests.test_model_check import _assert_one_line, _run
@@ -141,9 +141,7 @@ def test_config_is_the_ggufs(name: str, made: Any) -> None:
     assert {k: a[k] for k in a if k not in differ} == {k: b[k] for k in b if k not in differ}
 
 
-@pytest.mark.parametrize(
-    "name", ["llama", "llama3", "qwen2", "qwen3", "llama-linear", "qwen2-yarn"]
-)
+@pytest.mark.parametrize("name", FOLDER_FAMILIES)
 def test_fp32_logits_equal_the_ggufs(name: str, made: Any) -> None:
     _, folder, gguf = made(name)
     assert torch.equal(_fp32_logits(folder), _fp32_logits(gguf))
@@ -172,7 +170,7 @@ def test_half_and_sharded_files(dtype: torch.dtype, shard: str | None,
 
 @needs_kernels
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "gemma2"])
 def test_quantized_at_load_is_the_quantized_gguf(name: str, weights: str, made: Any,
                                                  tmp_path: pathlib.Path) -> None:  # fmt: skip
     """--weights q8_0|q4_0 quantizes each matrix as the GGUF of that type stores it
@@ -250,6 +248,77 @@ def test_safetensors_read_as_the_package_reads_them(tmp_path: pathlib.Path) -> N
     assert t.dtype == "BF16" and torch.equal(torch.from_numpy(read_float32(t)), bf.float())
 
 
+# config.json as transformers 4 saved these families (the published checkpoints):
+# rope_scaling, rope_theta and Gemma 3's rope_local_base_freq at the top, no layer_types.
+TRANSFORMERS4 = {
+    "gemma2": lambda c: {"rope_theta": 10000.0, "hidden_act": "gelu_pytorch_tanh",
+                         "cache_implementation": "hybrid"},
+    "gemma3": lambda c: {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                         "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                         "sliding_window_pattern": 6, "model_type": "gemma3_text"},
+    "phi3": lambda c: {"rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                       "rope_scaling": {"type": "su", **{k: c["rope_parameters"][k]
+                                        for k in ("long_factor", "short_factor")}}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS4))
+def test_transformers4_configs_read_the_same(name: str, made: Any,
+                                             tmp_path: pathlib.Path) -> None:  # fmt: skip
+    _, folder, gguf = made(name)
+    old = shutil.copytree(folder, tmp_path / name)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+    (old / "config.json").write_text(json.dumps({**cfg, **TRANSFORMERS4[name](
+        json.loads((folder / "config.json").read_text()))}))  # fmt: skip
+    a = dataclasses.asdict(check_model(old).config)
+    b = dataclasses.asdict(check_model(gguf).config)
+    differ = {"name", "rope_permuted"}
+    assert {k: a[k] for k in a if k not in differ} == {k: b[k] for k in b if k not in differ}
+
+
+def test_mistral_window_is_on_every_layer_as_transformers_reads_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A Mistral folder's ``sliding_window`` (v0.1's 4096; here 16 keys of 80) windows
+    every layer, which no GGUF of it says (llama.cpp drops it): fp32 logits against
+    transformers' in float64, within 4x transformers' own float32 error (the bound
+    tests/test_families.py derives), and every position's top token equal."""
+    fam = Family("mistral", "llama", "MistralForCausalLM", {"sliding_window": 16})
+    hf64, hf32 = build_hf(fam), build_hf(fam, dtype=torch.float32)
+    folder = save_folder(hf32, tmp_path / "mistral")
+    config = check_model(folder).config
+    assert (config.arch, config.sliding_window, config.window_layers) == ("llama", 16, (0, 1))
+    ids = _ids()
+    with torch.no_grad():
+        want = hf64(torch.tensor([ids])).logits[0]
+        theirs = hf32(torch.tensor([ids])).logits[0].double()
+    ours = _fp32_logits(folder).double()
+    err, their_err = float((ours - want).abs().max()), float((theirs - want).abs().max())
+    assert err <= 4.0 * their_err, (err, their_err)
+    assert torch.equal(ours.argmax(-1), want.argmax(-1))
+    # without the window the logits past 16 tokens differ: the window is what matched
+    _edit_config(folder, sliding_window=None)
+    unwindowed = _fp32_logits(folder).double()
+    assert check_model(folder).config.sliding_window == 0
+    assert float((unwindowed[16:] - want[16:]).abs().max()) > 100 * their_err
+
+
+def test_gemma3_rows_past_the_tokenizer_are_dropped(made: Any, tmp_path: pathlib.Path) -> None:
+    """Gemma 3 checkpoints store more embedding rows than their tokenizer has tokens
+    (262208 for 262145); its converter drops them, and so do we: the vocabulary is the
+    tokenizer's and the logits are the unpadded folder's."""
+    _, folder, _ = made("gemma3")
+    padded = shutil.copytree(folder, tmp_path / "padded")
+    name = "model.embed_tokens.weight"
+    _edit_tensors(padded, lambda t: t.update(
+        {name: np.concatenate([t[name], np.ones((8, t[name].shape[1]), t[name].dtype)])}))  # fmt: skip
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    _edit_config(padded, vocab_size=vocab + 8)
+    assert check_model(padded).config.vocab_size == vocab
+    assert torch.equal(_fp32_logits(padded), _fp32_logits(folder))
+
+
 def test_generate_runs_a_folder(made: Any, capsys: pytest.CaptureFixture[str]) -> None:
     _, folder, _ = made("llama3")
     assert run_generate("hello", model=str(folder), max_new_tokens=4, chat=True) == 0
@@ -275,9 +344,11 @@ def _edit_tensors(folder: pathlib.Path, edit: Any) -> None:
 BAD_FOLDERS = {
     "arch": (lambda d: _edit_config(d, architectures=["MambaForCausalLM"]),
              "config.json: unsupported architecture 'MambaForCausalLM' (supported: "
-             "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+             "Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)"),
     "rope": (lambda d: _edit_config(d, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-             "RoPE scaling 'dynamic' unsupported (supported: default, linear, yarn, llama3)"),
+             "RoPE scaling 'dynamic' unsupported (supported: default, linear, yarn, llama3, "
+             "and longrope for Phi-3)"),
     "act": (lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act 'gelu' unsupported"),
     "dtype": (lambda d: _edit_tensors(d, lambda t: t.update(
                   {"model.norm.weight": t["model.norm.weight"].astype(np.float64)})),
