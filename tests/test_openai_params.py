@@ -45,7 +45,8 @@ def test_chat_defaults_and_mapping() -> None:
         },
         **OPTS,
     )
-    assert messages == [{"role": "system", "content": "x"}]
+    # parts stay parts: the template joins or loops over them (tool_prompt.render_chat)
+    assert messages == [{"role": "system", "content": [{"type": "text", "text": "x"}]}]
     assert r.sampling.max_new_tokens == 7 and r.logprobs == 0
 
 

@@ -140,25 +140,24 @@ class OpenAIAPI:
         messages: list[dict[str, Any]],
         continue_final: bool = False,
         tools: ToolSpec | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt ids; ``continue_final``: the last (assistant) message left open, so
-        the model continues it (rendered whole, then cut after that message's text);
-        ``tools``: rendered as ``tool_prompt`` says."""
+        the model continues it; ``tools``: rendered as ``tool_prompt`` says;
+        ``variables``: the request's ``chat_template_kwargs``."""
         if self.template is None:
             raise OpenAIError("This model has no chat template; use /v1/completions.")
         try:
             text = render_chat(
-                self.template, messages, tools=tools, add_generation_prompt=not continue_final
+                self.template,
+                messages,
+                tools=tools,
+                add_generation_prompt=not continue_final,
+                continue_final=continue_final,
+                variables=variables,
             )
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None
-        if continue_final:
-            last = messages[-1]["content"]
-            end = text.rfind(last) if last else -1
-            if end < 0:
-                raise OpenAIError("The chat template does not end the last message with its "
-                                  "text; it cannot be continued.", param="messages")  # fmt: skip
-            text = text[: end + len(last)]
         # The template writes its own special tokens (BOS included, when it wants one).
         return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
 

@@ -67,6 +67,7 @@ _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
 
 class OpenAIError(Exception):
@@ -338,28 +339,30 @@ def parse_completion(
     )
 
 
-def _content(message: dict[str, Any], i: int) -> str:
+def _content(message: dict[str, Any], i: int) -> str | list[dict[str, str]]:
+    """The text, or the list of text parts (the template decides: ``tool_prompt``)."""
     content = message.get("content")
     if content is None:
-        return ""
+        return ""  # beside tool_calls: "" (vLLM's), which templates render; null breaks some
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise _bad(f"messages[{i}].content: only text parts are supported.", "messages")
             text = part.get("text")
             if not isinstance(text, str):
                 raise _bad(f"messages[{i}].content: a text part needs a string text.", "messages")
-            texts.append(text)
-        return "".join(texts)
+            parts.append({"type": "text", "text": text})
+        return parts
     raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
 
 
 def chat_messages(raw: Any) -> list[dict[str, Any]]:
-    """The messages as the chat template expects them: role and text content, plus an
-    assistant's ``tool_calls`` and a tool message's ``tool_call_id`` (``tool_params``)."""
+    """The messages as the chat template expects them: role and content (text or text
+    parts), a ``name``, an assistant's ``tool_calls`` and reasoning, a tool message's
+    ``tool_call_id`` (``tool_params``)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list.", "messages")
     out: list[dict[str, Any]] = []
@@ -371,8 +374,13 @@ def chat_messages(raw: Any) -> list[dict[str, Any]]:
             )
         role = "system" if role == "developer" else role
         message: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
         if role == "assistant" and m.get("tool_calls") is not None:
             message["tool_calls"] = message_tool_calls(m["tool_calls"], i)
+        for field in _REASONING if role == "assistant" else ():
+            if isinstance(m.get(field), str):
+                message[field] = m[field]  # the template reads it (modelfile/chat.py)
         if role == "tool":
             message["tool_call_id"] = m.get("tool_call_id")
         out.append(message)

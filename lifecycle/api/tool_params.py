@@ -183,9 +183,11 @@ def tool_grammar(spec: ToolSpec) -> str:
     return text
 
 
-def _arguments(raw: Any, where: str) -> str:
-    if not isinstance(raw, str):
-        raise _bad(f"{where}.function.arguments must be a string (JSON).", "messages")
+def _arguments(raw: Any, where: str) -> str | dict[str, Any]:
+    # OpenAI sends JSON text; transformers' and vLLM's clients may send the object
+    if not isinstance(raw, str | dict):
+        raise _bad(f"{where}.function.arguments must be a string (JSON) or an object.",
+                   "messages")  # fmt: skip
     return raw
 
 

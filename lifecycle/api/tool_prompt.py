@@ -1,7 +1,8 @@
 """A chat rendered with its tools and its tool turns (docs/tools.md).
 
 A chat template that reads ``tools`` (transformers' convention) gets them as ``tools=``
-and the messages as they are, tool calls' arguments as objects (as vLLM passes them).
+and the messages as they are, tool calls' arguments as objects (as vLLM passes them; as
+JSON text to a template that refuses objects).
 Any other template (SmolLM2's is plain ChatML) gets plain text messages:
 
 - the tools described by ``tools_system_block`` at the end of the first system message
@@ -15,7 +16,7 @@ Any other template (SmolLM2's is plain ChatML) gets plain text messages:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lifecycle.api.tools import (
@@ -105,18 +106,31 @@ def _plain(messages: Sequence[dict[str, Any]], spec: ToolSpec | None) -> list[di
     return out
 
 
-def _native(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _as_text(raw: Any) -> Any:
+    return raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+
+
+def _native(messages: Sequence[dict[str, Any]], as_text: bool = False) -> list[dict[str, Any]]:
+    """The messages with each call's arguments as an object (``as_text``: as JSON text)."""
+    shape = _as_text if as_text else _arguments
     out = []
     for m in messages:
         if isinstance(m, dict) and m.get("tool_calls"):
             calls = [
                 {**c, "function": {**c["function"],
-                                   "arguments": _arguments(c["function"].get("arguments"))}}
+                                   "arguments": shape(c["function"].get("arguments"))}}
                 for c in m["tool_calls"]
             ]  # fmt: skip
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
+
+
+def _text(m: Any) -> Any:
+    """``m`` with its content parts joined into one text."""
+    if isinstance(m, dict) and isinstance(m.get("content"), list):
+        return {**m, "content": "".join(p.get("text", "") for p in m["content"])}
+    return m
 
 
 def render_chat(
@@ -125,9 +139,23 @@ def render_chat(
     *,
     tools: ToolSpec | None = None,
     add_generation_prompt: bool = True,
+    continue_final: bool = False,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
-    """The prompt text of a chat and its tools (``tools`` None: no tools rendered)."""
+    """The prompt text of a chat and its tools (``tools`` None: no tools rendered).
+    Content parts reach a template that loops over them, else their text joined;
+    ``continue_final``: the text stops after the last message's content (transformers'
+    ``continue_final_message``); ``variables``: ``chat_template_kwargs``."""
+    if not template.reads_content_parts:
+        messages = [_text(m) for m in messages]
+    kw: dict[str, Any] = {"continue_final_message": continue_final, "variables": variables}
     if template.mentions_tools:
         listed = list(tools.tools) if tools is not None else None
-        return template.render(_native(messages), add_generation_prompt, tools=listed)
-    return template.render(_plain(messages, tools), add_generation_prompt)
+        try:
+            return template.render(_native(messages), add_generation_prompt, tools=listed, **kw)
+        except ValueError:  # ChatTemplateError (modelfile stays a type-only import)
+            if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
+                raise
+        # a template that takes arguments only as JSON text (functionary v3.2's)
+        return template.render(_native(messages, True), add_generation_prompt, tools=listed, **kw)
+    return template.render(_plain(messages, tools), add_generation_prompt, **kw)
