@@ -3,7 +3,7 @@ socket: prefill only, in the same steps as generation, pooled over chunked prefi
 released at once. Every frame is validated against ``specs/wire.cddl``.
 
 The oracle is the model run over the whole prompt at once on the dense cache
-(``gpu/dense_cache.py``), with the final norm applied: no paging, no chunks, no batch.
+(``tests/dense_cache.py``), with the final norm applied: no paging, no chunks, no batch.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.dense_cache import DenseKVCache
 from gpu.loader import LoadedModel, load_model
+from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 from tests.worker_client import Result, WorkerClient, spawn_worker
 from wire import Abort, Stats, StatsReq, Step, f32s_to_list

@@ -48,10 +48,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu import native
-from gpu.dense_cache import DenseKVCache
 from gpu.kv_cache import PrefillChunk
 from gpu.loader import load_model
 from modelfile.config import RopeScaling
+from tests.dense_cache import DenseKVCache
 from tests.hf_reference import (
     FAMILIES,
     Family,

@@ -30,7 +30,6 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from gpu import native
-from gpu.dense_cache import DenseKVCache
 from gpu.generate import run_generate
 from gpu.loader import load_model
 from modelfile.check import check_model
@@ -38,6 +37,7 @@ from modelfile.gguf_meta import ModelFileError
 from modelfile.hf_config import HF_ARCHITECTURES
 from modelfile.safetensors_file import read_directory, read_float32
 from modelfile.vocab import load_tokenizer
+from tests.dense_cache import DenseKVCache
 from tests.hf_reference import FAMILIES, Family, build_hf, write_family_gguf
 from tests.scripted import lifecycle_server
 from tests.test_model import PagedSeqs, run_steps

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gpu import native
-from gpu.dense_cache import DenseKVCache
 from gpu.generate import greedy_generate
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel, load_model
 from gpu.model import Llama
+from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 
 

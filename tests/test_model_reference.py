@@ -49,10 +49,10 @@ import pytest
 import torch
 
 from gpu import native
-from gpu.dense_cache import DenseKVCache
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel, load_model
 from modelfile.gguf_file import default_model_path
+from tests.dense_cache import DenseKVCache
 
 # The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
 # 2-core machine, several times that when the cores are shared.

@@ -1,6 +1,6 @@
 """The engine in memory on a tiny GGUF: paged cache, scheduler, sampling, logprobs.
 
-The oracle for "run alone" is the contiguous ``DenseKVCache`` (``gpu/dense_cache.py``),
+The oracle for "run alone" is the contiguous ``DenseKVCache`` (``tests/dense_cache.py``),
 which shares no code with the paged cache; the first tests check that the two backends
 give the same logits and that the offline ``generate`` (the engine) matches it.
 """
@@ -16,11 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.dense_cache import DenseKVCache
 from gpu.engine import Engine, EngineConfig, ProtocolError
 from gpu.generate import greedy_generate
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
 from gpu.loader import LoadedModel, load_model
+from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids
 
