@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
     from modelfile.gguf_meta import ModelFileError
 
     try:  # before anything listens or spawns: one line, not a worker's traceback
-        model = check_model(cfg.model, cfg.context_length)
+        model = check_model(cfg.model, cfg.context_length, cfg.chat_template)
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

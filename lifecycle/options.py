@@ -103,6 +103,12 @@ OPTIONS: tuple[Option, ...] = (
         _MODEL,
         type=int,
     ),  # fmt: skip
+    _o(
+        "chat_template",
+        "a Jinja chat template file used instead of the model's (transformers' dialect)",
+        _MODEL,
+        metavar="FILE",
+    ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
     _o(
@@ -339,6 +345,7 @@ _PLAIN = (
     "dtype",
     "weights",
     "context_length",
+    "chat_template",
     "max_pending",
     "max_running",
     "kv_cache_tokens",

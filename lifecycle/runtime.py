@@ -52,6 +52,7 @@ class AppConfig:
     dtype: str | None = None
     weights: str | None = None  # auto | quantized | fp32 | q8_0 | q4_0; None: the worker's
     context_length: int | None = None  # tokens served; None: the model's own
+    chat_template: str | None = None  # a Jinja file replacing the model's chat template
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None
@@ -164,7 +165,10 @@ class Runtime:
             from modelfile.check import check_model
 
             self.model = await anyio.to_thread.run_sync(
-                check_model, self.config.model, self.config.context_length
+                check_model,
+                self.config.model,
+                self.config.context_length,
+                self.config.chat_template,
             )
         return self.model
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
-from modelfile.chat import ChatTemplate
+from modelfile.chat import ChatTemplate, ChatTemplateError
 from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_meta import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
 
-__all__ = ["CheckedModel", "check_model", "check_tensors", "expected_tensors"]
+__all__ = ["CheckedModel", "check_model", "check_tensors", "expected_tensors", "template_file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +94,32 @@ def check_tensors(f: ModelSource, config: ModelConfig) -> None:
 
 
 def check_model(
-    path: str | pathlib.Path | None = None, context_length: int | None = None
+    path: str | pathlib.Path | None = None,
+    context_length: int | None = None,
+    chat_template: str | pathlib.Path | None = None,
 ) -> CheckedModel:
     """Open and check the model at ``path`` (a GGUF file or a Hugging Face folder; None:
-    the bundled default), serving ``context_length`` tokens (None: the model's own);
-    raises ``ModelFileError`` for the first problem."""
+    the bundled default), serving ``context_length`` tokens (None: the model's own),
+    with the chat template in the file ``chat_template`` (None: the model's); raises
+    ``ModelFileError`` for the first problem."""
     f = open_model(path)
     tokenizer, chat, config = model_parts(f)
     config = with_context(config, context_length, str(f.path))
     check_tensors(f, config)
+    if chat_template is not None:
+        chat = template_file(pathlib.Path(chat_template), tokenizer, config)
     return CheckedModel(f.path, tokenizer, chat, config)
+
+
+def template_file(path: pathlib.Path, tokenizer: Tokenizer, config: ModelConfig) -> ChatTemplate:
+    """The chat template in ``path`` (``--chat-template``), with the model's BOS and EOS
+    texts as ``bos_token`` / ``eos_token``."""
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFileError(path, f"cannot read the chat template: {exc}") from None
+    bos = tokenizer.token_text(config.bos_id) if config.bos_id is not None else ""
+    try:
+        return ChatTemplate(source, bos_token=bos, eos_token=tokenizer.token_text(config.eos_id))
+    except ChatTemplateError as exc:
+        raise ModelFileError(path, str(exc)) from None

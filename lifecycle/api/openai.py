@@ -130,7 +130,9 @@ class OpenAIAPI:
     async def chat_completions(self, request: Request) -> Response:
         try:
             oreq, messages = parse_chat(await self._body(request), **self._opts())
-            ids = await self._chat_prompt(messages, oreq.continue_final, oreq.tools)
+            ids = await self._chat_prompt(
+                messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
+            )
         except OpenAIError as exc:
             return openai_error(exc)
         return await self._generate(request, oreq, [ids], [""], "messages")
@@ -168,7 +170,9 @@ class OpenAIAPI:
             oreq = parse_completion(body, **self._opts())
             return oreq.generate_request(oreq.prompts)
         oreq, messages = parse_chat(body, **self._opts())
-        ids = await self._chat_prompt(messages, oreq.continue_final, oreq.tools)
+        ids = await self._chat_prompt(
+            messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
+        )
         return oreq.generate_request([ids])
 
     async def _generate(
@@ -256,7 +260,11 @@ class OpenAIAPI:
         else:
             oreq, messages = parse_chat(body, **self._opts())
             prompts, param, echo = (
-                [await self._chat_prompt(messages, oreq.continue_final, oreq.tools)],
+                [
+                    await self._chat_prompt(
+                        messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
+                    )
+                ],
                 "messages",
                 [""],
             )

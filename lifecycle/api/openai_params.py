@@ -26,6 +26,7 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
+from modelfile.chat import RESERVED_VARIABLES
 
 __all__ = ["OpenAIError", "OpenAIRequest", "chat_messages", "parse_chat", "parse_completion"]
 
@@ -66,6 +67,7 @@ _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
+_CHAT |= {"chat_template_kwargs"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
@@ -119,6 +121,7 @@ class OpenAIRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     continue_final: bool = False  # chat: continue_final_message (the last turn left open)
     tools: ToolSpec | None = None  # chat: the tools rendered and parsed for (tool_params)
+    template_kwargs: dict[str, Any] | None = None  # chat: chat_template_kwargs (variables)
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -403,6 +406,20 @@ def _chat_tools(
     return tools, replace(sp, params=replace(sp.params, grammar=grammar))
 
 
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: extra variables for the chat template (vLLM's and
+    SGLang's), e.g. Qwen3's ``enable_thinking``; the ones the server sets are refused."""
+    raw = body.get("chat_template_kwargs")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _bad("chat_template_kwargs must be an object.", "chat_template_kwargs")
+    if clash := sorted(RESERVED_VARIABLES & raw.keys()):
+        raise _bad(f"chat_template_kwargs cannot set {clash}: the server sets them.",
+                   "chat_template_kwargs")  # fmt: skip
+    return raw
+
+
 def parse_chat(
     body: Any,
     *,
@@ -449,6 +466,7 @@ def parse_chat(
         include_usage=include_usage,
         continuous_usage=continuous,
         continue_final=cont,
+        template_kwargs=_template_kwargs(body),
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
         tools=tools,
