@@ -296,16 +296,17 @@ def _quantized(name: str, w: np.ndarray, qtype: Q | None) -> tuple[np.ndarray, Q
 
 
 def write_family_gguf(
-    family: Family, model: Any, path: pathlib.Path, qtype: FileType = None
+    family: Family, model: Any, path: pathlib.Path, qtype: FileType = None, name: str = ""
 ) -> pathlib.Path:
     """``model``'s weights as a GGUF of ``family.arch`` at ``path``, its matrices in
-    ``qtype`` (a type, "Q4_K_M", or None for F32)."""
+    ``qtype`` (a type, "Q4_K_M", or None for F32), named ``name`` (default
+    ``tiny-<family>``)."""
     c = model.config
     tokens, types = tiny_vocab()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     arch = family.arch
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{family.name}")
+    w.add_name(name or f"tiny-{family.name}")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
