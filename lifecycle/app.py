@@ -152,7 +152,10 @@ def _routes(
     api.install(router)
     model_id = cfg.served_model_name or frontend.model_config.name
     strict = cfg.strict_model_name
-    openai = OpenAIAPI(frontend, chat, model_id=model_id, model_path=path, strict_model=strict)
+    openai = OpenAIAPI(
+        frontend, chat, model_id=model_id, model_path=path, strict_model=strict,
+        reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
+    )  # fmt: skip
     openai.install(router)
     ResponsesAPI(openai).install(router)
     ScoreAPI(frontend, model_id).install(router)

@@ -44,6 +44,19 @@ def _o(name: str, help: str, group: str, **kw: Any) -> Option:
     return Option(name, help, group, **kw)
 
 
+def _known(kind: str, name: str) -> str:
+    """A parser name the API knows (argparse reports the ``ValueError``'s list)."""
+    if kind == "reasoning":
+        from lifecycle.api.reasoning import reasoning_format as lookup
+    else:
+        from lifecycle.api.tool_formats import tool_format as lookup  # type: ignore[assignment]
+    try:
+        lookup(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 _MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
     "model",
     "the worker",
@@ -108,6 +121,22 @@ OPTIONS: tuple[Option, ...] = (
         "a Jinja chat template file used instead of the model's (transformers' dialect)",
         _MODEL,
         metavar="FILE",
+    ),  # fmt: skip
+    _o(
+        "reasoning_parser",
+        "split <think> reasoning out of chat replies as reasoning_content: qwen3, "
+        "qwen3-thinking, deepseek-r1, deepseek-v3, glm45, step3, minimax, kimi (default: "
+        "qwen3 when the chat template writes <think>, else none)",
+        _MODEL,
+        type=lambda name: _known("reasoning", name),
+    ),  # fmt: skip
+    _o(
+        "tool_call_parser",
+        "the tool-call format read from replies and forced by tool_choice: hermes (qwen, "
+        "qwen25), llama3, mistral, deepseek (deepseekv3, deepseekv31) (default: the one "
+        "the chat template writes, else hermes)",
+        _MODEL,
+        type=lambda name: _known("tools", name),
     ),  # fmt: skip
     _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
     _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
@@ -346,6 +375,8 @@ _PLAIN = (
     "weights",
     "context_length",
     "chat_template",
+    "reasoning_parser",
+    "tool_call_parser",
     "max_pending",
     "max_running",
     "kv_cache_tokens",

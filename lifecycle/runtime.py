@@ -53,6 +53,8 @@ class AppConfig:
     weights: str | None = None  # auto | quantized | fp32 | q8_0 | q4_0; None: the worker's
     context_length: int | None = None  # tokens served; None: the model's own
     chat_template: str | None = None  # a Jinja file replacing the model's chat template
+    reasoning_parser: str | None = None  # <think> splitting (None: from the template)
+    tool_call_parser: str | None = None  # the tool-call format (None: from the template)
     max_pending: int | None = None  # worker credits (rids in flight)
     max_running: int | None = None
     kv_cache_tokens: int | None = None

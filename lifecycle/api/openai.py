@@ -22,6 +22,8 @@ from lifecycle.api.auth import owner
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from lifecycle.api.reasoning import ReasoningFormat, detect_reasoning, reasoning_format
+from lifecycle.api.tool_formats import ToolFormat, detect_tool_format, tool_format
 from lifecycle.api.tool_params import ToolSpec
 from lifecycle.api.tool_prompt import render_chat
 from lifecycle.core.call import ExitCause, GenerateCall
@@ -52,6 +54,8 @@ class OpenAIAPI:
         model_id: str,
         model_path: str | None = None,
         strict_model: bool = False,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         from lifecycle.core.version import __version__
 
@@ -66,6 +70,9 @@ class OpenAIAPI:
         self.created = int(time.time())
         self.fingerprint = fingerprint(__version__, model_path or model_id)
         self.texts = TokenTexts(frontend.tokenizer)
+        self.reasoning, self.tool_format = chat_formats(
+            chat_template, reasoning_parser, tool_call_parser
+        )
 
     def install(self, router: Router) -> None:
         router.add("POST", "/v1/completions", self.completions)
@@ -108,6 +115,9 @@ class OpenAIAPI:
         except HTTPError as exc:  # invalid JSON (400), a body over the limit (413)
             raise OpenAIError(exc.message, exc.status) from None
 
+    def _chat_opts(self) -> dict[str, Any]:
+        return {**self._opts(), "tool_format": self.tool_format}
+
     def _opts(self) -> dict[str, Any]:
         return {
             "vocab_size": self.fe.model_config.vocab_size,
@@ -129,13 +139,13 @@ class OpenAIAPI:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            oreq, messages = parse_chat(await self._body(request), **self._opts())
-            ids = await self._chat_prompt(
+            oreq, messages = parse_chat(await self._body(request), **self._chat_opts())
+            ids, opened = await self._chat_prompt(
                 messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
             )
         except OpenAIError as exc:
             return openai_error(exc)
-        return await self._generate(request, oreq, [ids], [""], "messages")
+        return await self._generate(request, oreq, [ids], [""], "messages", opened)
 
     async def _chat_prompt(
         self,
@@ -143,10 +153,11 @@ class OpenAIAPI:
         continue_final: bool = False,
         tools: ToolSpec | None = None,
         variables: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """The prompt ids; ``continue_final``: the last (assistant) message left open, so
-        the model continues it; ``tools``: rendered as ``tool_prompt`` says;
-        ``variables``: the request's ``chat_template_kwargs``."""
+    ) -> tuple[list[int], bool]:
+        """The prompt ids, and whether the prompt opened the reasoning (the output starts
+        inside it); ``continue_final``: the last (assistant) message left open, so the
+        model continues it; ``tools``: rendered as ``tool_prompt`` says; ``variables``:
+        the request's ``chat_template_kwargs``."""
         if self.template is None:
             raise OpenAIError("This model has no chat template; use /v1/completions.")
         try:
@@ -160,8 +171,9 @@ class OpenAIAPI:
             )
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None
+        opened = self.reasoning is not None and self.reasoning.opened_by(text)
         # The template writes its own special tokens (BOS included, when it wants one).
-        return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
+        return (await self.fe.codec.encode([text], add_special_tokens=False))[0], opened
 
     async def native_request(self, api: str, body: Any) -> GenerateRequest:
         """An OpenAI ``completions`` or ``chat`` body as the native request (for the
@@ -169,8 +181,8 @@ class OpenAIAPI:
         if api == "completions":
             oreq = parse_completion(body, **self._opts())
             return oreq.generate_request(oreq.prompts)
-        oreq, messages = parse_chat(body, **self._opts())
-        ids = await self._chat_prompt(
+        oreq, messages = parse_chat(body, **self._chat_opts())
+        ids, _ = await self._chat_prompt(
             messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
         )
         return oreq.generate_request([ids])
@@ -182,13 +194,14 @@ class OpenAIAPI:
         prompts: list[str | list[int]],
         echo: list[str],
         prompt_param: str,
+        opened: bool = False,
     ) -> Response:
         async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
             self.fe.calls.own(call, owner(request))
             refused = await start_call(call, prompt_param)
             if refused is not None:
                 return refused
-            choices = self._choices(call, oreq, echo)
+            choices = self._choices(call, oreq, echo, opened)
             ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             if oreq.stream:
                 events = self._events(call, oreq, choices, ids)
@@ -196,26 +209,42 @@ class OpenAIAPI:
             return await self._unary(call, request, oreq, choices, ids)
 
     def _choices(
-        self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str]
+        self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str], opened: bool = False
     ) -> list[ChoiceState]:
         """One state per sample, in the frontend's order (``GenerateCall.samples``); the
-        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``."""
+        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``;
+        ``opened``: the chat prompt opened the reasoning."""
         n, runs = oreq.sampling.n, call.runs
         tools = oreq.tools.names if oreq.tools is not None else None
         return [
             ChoiceState(
-                i * n + j, runs[i].samples[j], self.texts, chat=oreq.chat, echo=echo[i], tools=tools
-            )
+                i * n + j,
+                runs[i].samples[j],
+                self.texts,
+                chat=oreq.chat,
+                echo=echo[i],
+                tools=tools,
+                tool_format=self.tool_format,
+                reasoning=self.reasoning if oreq.chat else None,
+                reasoning_open=opened,
+                separate_reasoning=oreq.separate_reasoning,
+            )  # fmt: skip
             for j in range(n)
             for i in range(len(runs))
         ]
 
-    def _usage(self, call: GenerateCall) -> dict[str, Any]:
+    def _usage(
+        self, call: GenerateCall, choices: list[ChoiceState] | None = None
+    ) -> dict[str, Any]:
         firsts = [run.samples[0] for run in call.runs if run.samples]
+        reasoning = None
+        if choices and choices[0].reasoning is not None:
+            reasoning = sum(c.reasoning_tokens() for c in choices)
         return usage(
             sum(s.prompt_tokens for s in firsts),
             sum(len(s.ids) for s in call.samples()),
             sum(s.cached_tokens for s in firsts),
+            reasoning,
         )
 
     async def _unary(
@@ -240,7 +269,7 @@ class OpenAIAPI:
         e2e = call.e2e()
         body = ids.envelope("chat.completion" if oreq.chat else "text_completion")
         body["choices"] = sorted((c.result(e2e) for c in choices), key=lambda c: c["index"])
-        body["usage"] = self._usage(call)
+        body["usage"] = self._usage(call, choices)
         return body
 
     async def reply(self, url: str, body: Any, exit_cause: ExitCause) -> dict[str, Any]:
@@ -252,28 +281,23 @@ class OpenAIAPI:
             raise OpenAIError("stream is not supported here", 400, param="stream")
         if url == "/v1/completions":
             oreq = parse_completion(body, **self._opts())
-            prompts, param = oreq.prompts, "prompt"
+            prompts, param, opened = oreq.prompts, "prompt", False
             echo = [
                 (p if isinstance(p, str) else self.fe.codec.decode(p)) if oreq.echo else ""
                 for p in prompts
             ]
         else:
-            oreq, messages = parse_chat(body, **self._opts())
-            prompts, param, echo = (
-                [
-                    await self._chat_prompt(
-                        messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
-                    )
-                ],
-                "messages",
-                [""],
+            oreq, messages = parse_chat(body, **self._chat_opts())
+            ids, opened = await self._chat_prompt(
+                messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
             )
+            prompts, param, echo = [ids], "messages", [""]
         async with self.fe.call(oreq.generate_request(prompts), exit_cause) as call:
             try:
                 await call.start()
             except (RequestError, ServeError) as exc:
                 raise OpenAIError.from_cause(exc.cause, exc.message, param) from None
-            choices = self._choices(call, oreq, echo)
+            choices = self._choices(call, oreq, echo, opened)
             await call.run_to_end()
             err = call.error()
             if err is not None:
@@ -313,9 +337,27 @@ class OpenAIAPI:
             cause, message = err
             yield orjson.dumps(OpenAIError.from_cause(cause, message).body())
         elif oreq.include_usage:
-            yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": self._usage(call)})
+            final = self._usage(call, choices)
+            yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": final})
         call.close()  # ended: the rid is free before the client sees [DONE]
         yield b"[DONE]"
+
+
+def chat_formats(
+    template: ChatTemplate | None, reasoning_parser: str | None, tool_call_parser: str | None
+) -> tuple[ReasoningFormat | None, ToolFormat]:
+    """The reasoning and tool-call formats of a server: the options' (``ValueError`` for
+    an unknown name), else what the chat template shows. A template that does not render
+    tools gets Hermes' format (the one ``tool_prompt`` asks for)."""
+    source = template.source if template is not None else None
+    if reasoning_parser is not None:
+        reasoning: ReasoningFormat | None = reasoning_format(reasoning_parser)
+    else:
+        reasoning = detect_reasoning(source) if source is not None else None
+    if tool_call_parser is not None:
+        return reasoning, tool_format(tool_call_parser)
+    rendered = template is not None and template.mentions_tools
+    return reasoning, detect_tool_format(source if rendered else None)
 
 
 async def start_call(call: GenerateCall, param: str | None) -> Response | None:

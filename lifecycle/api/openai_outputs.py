@@ -5,8 +5,11 @@ completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_o
 or chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``. Token strings are the
 token's decoded text; a token that is part of a multi-byte character reads
 ``bytes:\\xNN`` as OpenAI writes it, and ``bytes`` always holds the exact UTF-8 bytes.
-A chat choice with tools reads its text for tool calls (``tools.py``): ``message.tool_calls``
-and ``finish_reason`` ``tool_calls`` in a reply, ``delta.tool_calls`` chunks in a stream.
+A chat choice with tools reads its text for tool calls (``tools.py``, in the family's
+format): ``message.tool_calls`` and ``finish_reason`` ``tool_calls`` in a reply,
+``delta.tool_calls`` chunks in a stream. With a reasoning format (``reasoning.py``) the
+reasoning is split out first, as ``message.reasoning_content`` / ``delta.reasoning_content``,
+and only the rest is read for calls.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import time
 import uuid
 from typing import Any
 
-from lifecycle.api.tools import ToolCallParser, parse_tool_calls
+from lifecycle.api.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_tokens
+from lifecycle.api.tool_formats import ToolFormat
+from lifecycle.api.tools import ToolCallParser
 from lifecycle.core.detok import TokenizerLike
 from lifecycle.core.outputs import SampleOutput
 
@@ -69,13 +74,18 @@ def finish_reason(finish: Any) -> str | None:
     return str(finish.get("type"))
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt: int, completion: int, cached: int, reasoning: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning is not None:  # a reasoning model's (the server has a reasoning parser)
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 class ReplyIds:
@@ -118,6 +128,10 @@ class ChoiceState:
         chat: bool,
         echo: str,
         tools: frozenset[str] | None = None,
+        tool_format: ToolFormat | None = None,
+        reasoning: ReasoningFormat | None = None,
+        reasoning_open: bool = False,
+        separate_reasoning: bool = True,
     ) -> None:
         self.index = index
         self.sample = sample
@@ -127,7 +141,13 @@ class ChoiceState:
         self.offset = 0  # text_offset of the next token (legacy logprobs)
         self.started = False
         self.tools = tools  # chat: the tool names whose calls the text is read for
-        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.tool_format = tool_format
+        self.parser = ToolCallParser(tools, tool_format) if tools is not None else None
+        # reasoning: the format (counted always), split out unless the request said not to
+        self.reasoning, self.reasoning_open = reasoning, reasoning_open
+        self.splitter: ReasoningSplitter | None = None
+        if chat and reasoning is not None and separate_reasoning:
+            self.splitter = ReasoningSplitter(reasoning, reasoning_open)
 
     # -- logprobs ----------------------------------------------------------------------
     def _tops(self, row: Any) -> list[tuple[str, list[int], float | None]]:
@@ -196,15 +216,46 @@ class ChoiceState:
         self.offset = 0
         lp = self.logprobs(res["meta_info"], True)
         if self.chat:
-            content: str | None = res["text"]
-            calls: list[dict[str, Any]] = []
-            if self.tools is not None:
-                content, calls = parse_tool_calls(res["text"], self.tools)
-            message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+            if self.parser is None and self.splitter is None:
+                message = {"role": "assistant", "content": res["text"], "tool_calls": None}
+                return {"index": self.index, "message": message, "logprobs": lp, **self._tail()}
+            deltas = self.deltas(res["text"], True)
+            reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+            content = "".join(d.get("content", "") for d in deltas)
+            calls = self.parser.calls if self.parser is not None else []
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": calls or None}  # fmt: skip
+            if self.splitter is not None:
+                message["reasoning_content"] = reasoning or None
             return {"index": self.index, "message": message, "logprobs": lp,
                     **self._tail(bool(calls))}  # fmt: skip
         text = self.echo + res["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **self._tail()}
+
+    def deltas(self, text: str, ended: bool) -> list[dict[str, Any]]:
+        """The chat deltas ``text`` lets out (``ended``: it is the last of the output):
+        reasoning first split out, the rest read for calls."""
+        pieces = [("content", text)] if self.splitter is None else self.splitter.feed(text)
+        if ended and self.splitter is not None:
+            pieces += self.splitter.finish()
+        out: list[dict[str, Any]] = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": piece})
+            elif self.parser is not None:
+                out += self.parser.feed(piece)
+            elif piece:
+                out.append({"content": piece})
+        if ended and self.parser is not None:
+            out += self.parser.finish(finish_reason(self.sample.finish) == "length")
+        return out
+
+    def reasoning_tokens(self) -> int:
+        """The output tokens of the reasoning (0 without a reasoning format)."""
+        if self.reasoning is None:
+            return 0
+        texts = (self.texts.tok.token_text(i) for i in self.sample.ids)
+        return reasoning_tokens(texts, self.reasoning, self.reasoning_open)
 
     def role_choice(self) -> dict[str, Any]:
         """A chat stream's first chunk for this choice: the role alone, as OpenAI sends it."""
@@ -231,15 +282,13 @@ class ChoiceState:
         """The choices of the stream chunks for ``frame``: one (or none, as
         ``chunk_choice``) without tools; with tools, one per content or tool-call delta the
         parser lets out (the frame's logprobs on the first, the finish on the last)."""
-        if self.parser is None:
+        if self.parser is None and self.splitter is None:
             choice = self.chunk_choice(frame)
             return [] if choice is None else [choice]
         ended = self.sample.finish is not None
         self.started = True
         lp = self.logprobs(frame["meta_info"], False)
-        deltas = self.parser.feed(frame["text"])
-        if ended:
-            deltas += self.parser.finish()
+        deltas = self.deltas(frame["text"], ended)
         if not deltas and (ended or (lp is not None and lp["content"])):
             deltas = [{}]
         out = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
@@ -247,5 +296,5 @@ class ChoiceState:
         if out:
             out[0]["logprobs"] = lp
         if ended:
-            out[-1].update(self._tail(bool(self.parser.calls)))
+            out[-1].update(self._tail(self.parser is not None and bool(self.parser.calls)))
         return out

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lifecycle.api.tool_formats import ToolFormat
 from lifecycle.api.tool_params import (
     ToolParamError,
     ToolSpec,
@@ -67,7 +68,7 @@ _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
-_CHAT |= {"chat_template_kwargs"}
+_CHAT |= {"chat_template_kwargs", "separate_reasoning"}
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
@@ -122,6 +123,7 @@ class OpenAIRequest:
     continue_final: bool = False  # chat: continue_final_message (the last turn left open)
     tools: ToolSpec | None = None  # chat: the tools rendered and parsed for (tool_params)
     template_kwargs: dict[str, Any] | None = None  # chat: chat_template_kwargs (variables)
+    separate_reasoning: bool = True  # chat: SGLang's; false: the reasoning stays in content
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -392,17 +394,21 @@ def chat_messages(raw: Any) -> list[dict[str, Any]]:
 
 
 def _chat_tools(
-    body: dict[str, Any], sp: SamplingRequest
+    body: dict[str, Any], sp: SamplingRequest, fmt: ToolFormat | None
 ) -> tuple[ToolSpec | None, SamplingRequest]:
     """The request's tools, and its sampling with the grammar a forcing ``tool_choice``
-    sets (with another constraint asked for as well: 400)."""
+    sets in ``fmt``'s format (with another constraint asked for as well: 400); a format
+    whose markers are special tokens keeps them in the text unless the body says."""
     tools = parse_tools(body)
+    if tools is not None and fmt is not None and fmt.special:
+        if body.get("skip_special_tokens") is None:
+            sp = replace(sp, skip_special_tokens=False)
     if tools is None or not tools.forced:
         return tools, sp
     if sp.params.grammar is not None:
         raise ToolParamError("tool_choice 'required' or a named function cannot be combined "
                              "with response_format, regex or ebnf.", "tool_choice")  # fmt: skip
-    grammar = ("lark", tool_grammar(tools))
+    grammar = ("lark", tool_grammar(tools, fmt))
     return tools, replace(sp, params=replace(sp.params, grammar=grammar))
 
 
@@ -427,8 +433,10 @@ def parse_chat(
     model_names: frozenset[str],
     default_model: str,
     strict_model: bool = False,
+    tool_format: ToolFormat | None = None,
 ) -> tuple[OpenAIRequest, list[dict[str, str]]]:
-    """A ``/v1/chat/completions`` body and its messages; the caller renders the prompt."""
+    """A ``/v1/chat/completions`` body and its messages; the caller renders the prompt
+    (``tool_format``: the family whose calls a forcing ``tool_choice`` writes)."""
     model, stream, include_usage, continuous = _common(
         body, _CHAT, model_names, default_model, strict_model
     )
@@ -445,7 +453,7 @@ def parse_chat(
         limit = _int_field(body, "max_tokens", 1)
     sp = _sampling(body, limit, vocab_size)  # None: up to the context end
     try:
-        tools, sp = _chat_tools(body, sp)
+        tools, sp = _chat_tools(body, sp, tool_format)
     except ToolParamError as exc:
         raise _bad(exc.message, exc.param) from None
     _check_size(1, sp)
@@ -467,6 +475,8 @@ def parse_chat(
         continuous_usage=continuous,
         continue_final=cont,
         template_kwargs=_template_kwargs(body),
+        separate_reasoning=body.get("separate_reasoning") is None
+        or _bool_field(body, "separate_reasoning"),
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
         tools=tools,

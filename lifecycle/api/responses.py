@@ -20,6 +20,10 @@ messages. Calls come out as ``function_call`` output items (after the message, w
 left out when it has no text); a stream with tools opens the message item at its first
 text and sends each call as ``response.output_item.added``,
 ``response.function_call_arguments.delta`` and ``.done``, ``response.output_item.done``.
+A reasoning model's reasoning (docs/api.md, "Reasoning") is a ``reasoning`` output item
+first, its text as one ``reasoning_text`` content part; streamed as
+``response.reasoning_text.delta`` and ``.done`` events between the item's ``added`` and
+``done``; ``usage.output_tokens_details.reasoning_tokens`` counts its tokens.
 """
 
 from __future__ import annotations
@@ -186,8 +190,8 @@ class ResponsesAPI:
         o = self.openai
         try:
             body = await o._body(request)
-            oreq, messages = parse_chat(chat_body(body), **o._opts())
-            ids = await o._chat_prompt(messages, tools=oreq.tools)
+            oreq, messages = parse_chat(chat_body(body), **o._chat_opts())
+            ids, opened = await o._chat_prompt(messages, tools=oreq.tools)
         except OpenAIError as exc:
             return openai_error(exc)
         reply = _Reply(body, oreq, o.model_id)
@@ -197,7 +201,8 @@ class ResponsesAPI:
             if refused is not None:
                 return refused
             choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
-                                 tools=tools)  # fmt: skip
+                                 tools=tools, tool_format=o.tool_format,
+                                 reasoning=o.reasoning, reasoning_open=opened)  # fmt: skip
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
             refused = await run_call(call, request)
@@ -206,20 +211,23 @@ class ResponsesAPI:
             result = choice.result(call.e2e())
             message = result["message"]
             calls = [reply.function_call(c, "completed") for c in message["tool_calls"] or ()]
-            out = reply.final(
-                message["content"] or "", result["finish_reason"], self._usage(call), calls
-            )
+            text = message["content"] or ""
+            items = [reply.message(text, "completed")] if text or not calls else []
+            if message.get("reasoning_content"):  # the reasoning item comes first
+                items.insert(0, reply.reasoning(message["reasoning_content"], "completed"))
+            usage = self._usage(call, choice)
+            out = reply.final(text, result["finish_reason"], usage, items=items + calls)
             call.close()  # done: the rid is free before the client reads the reply
             return JSONResponse(out)
 
-    def _usage(self, call: GenerateCall) -> dict[str, Any]:
+    def _usage(self, call: GenerateCall, choice: ChoiceState) -> dict[str, Any]:
         u = self.openai._usage(call)
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {
             "input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens()},
             "total_tokens": u["total_tokens"],
         }
 
@@ -227,8 +235,8 @@ class ResponsesAPI:
         self, call: GenerateCall, choice: ChoiceState, reply: _Reply
     ) -> AsyncIterator[bytes]:
         """The typed events; owns nothing (the handler's call scope does)."""
-        if choice.parser is not None:
-            async for event in self._tool_events(call, choice, reply):
+        if choice.parser is not None or choice.splitter is not None:
+            async for event in self._item_events(call, choice, reply):
                 yield event
             return
         yield reply.event("response.created", response=reply.envelope("in_progress"))
@@ -258,26 +266,37 @@ class ResponsesAPI:
         yield reply.event("response.content_part.done", **reply.where(), part=_text_part(text))
         yield reply.event("response.output_item.done", output_index=0,
                           item=reply.message(text, "completed"))  # fmt: skip
-        final = reply.final(text, finish, self._usage(call))
+        final = reply.final(text, finish, self._usage(call, choice))
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         call.close()  # ended: the rid is free before the client sees the last event
         yield reply.event(kind, response=final)
 
-    async def _tool_events(
+    async def _item_events(
         self, call: GenerateCall, choice: ChoiceState, reply: _Reply
     ) -> AsyncIterator[bytes]:
-        """With tools: output items in the order they appear, the message at its first
-        text, each call whole as the parser finds it."""
-        assert choice.parser is not None
+        """With tools or reasoning: output items in the order they appear, the reasoning
+        item at its first text, the message at its first text, each call whole as the
+        parser finds it."""
         yield reply.event("response.created", response=reply.envelope("in_progress"))
         yield reply.event("response.in_progress", response=reply.envelope("in_progress"))
         items: list[dict[str, Any]] = []  # the output so far, completed ones as sent
-        text, msg_index = "", None
+        text, msg_index, thought, rs_index = "", None, "", None
         async for _index, _sample, frame in call.frames(True):
-            deltas = choice.parser.feed(frame["text"])
-            if choice.sample.finish is not None:
-                deltas += choice.parser.finish()
-            for d in deltas:
+            for d in choice.deltas(frame["text"], choice.sample.finish is not None):
+                if d.get("reasoning_content"):
+                    if rs_index is None:
+                        rs_index = len(items)
+                        items.append(reply.reasoning("", "in_progress"))
+                        yield reply.event("response.output_item.added", output_index=rs_index,
+                                          item=items[rs_index])  # fmt: skip
+                    thought += d["reasoning_content"]
+                    yield reply.event("response.reasoning_text.delta", item_id=reply.rs_id,
+                                      output_index=rs_index, content_index=0,
+                                      delta=d["reasoning_content"])  # fmt: skip
+                    continue
+                if rs_index is not None and items[rs_index]["status"] != "completed":
+                    async for event in _reasoning_done(reply, items, rs_index, thought):
+                        yield event
                 if d.get("content"):
                     if msg_index is None:
                         msg_index = reply.open_message(len(items))
@@ -290,7 +309,7 @@ class ResponsesAPI:
                     yield reply.event("response.output_text.delta", **reply.where(),
                                       delta=d["content"], logprobs=[])  # fmt: skip
                 for tc in d.get("tool_calls") or ():
-                    if "id" not in tc:
+                    if "id" not in tc or choice.parser is None:
                         continue  # the arguments delta: the call is whole in the parser
                     done = reply.function_call(choice.parser.calls[tc["index"]], "completed")
                     index = len(items)
@@ -309,6 +328,9 @@ class ResponsesAPI:
                 yield event
             call.close()
             return
+        if rs_index is not None and items[rs_index]["status"] != "completed":
+            async for event in _reasoning_done(reply, items, rs_index, thought):
+                yield event
         if msg_index is not None:
             items[msg_index] = reply.message(text, "completed")
             yield reply.event("response.output_text.done", **reply.where(), text=text,
@@ -317,11 +339,24 @@ class ResponsesAPI:
                               part=_text_part(text))  # fmt: skip
             yield reply.event("response.output_item.done", output_index=msg_index,
                               item=items[msg_index])  # fmt: skip
-        finish = choice._tail(bool(choice.parser.calls))["finish_reason"]
-        final = reply.final(text, finish, self._usage(call), items=items)
+        called = choice.parser is not None and bool(choice.parser.calls)
+        finish = choice._tail(called)["finish_reason"]
+        if msg_index is None and not called:  # reasoning only: an empty message follows
+            items.append(reply.message("", "completed"))
+        final = reply.final(text, finish, self._usage(call, choice), items=items)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         call.close()  # ended: the rid is free before the client sees the last event
         yield reply.event(kind, response=final)
+
+
+async def _reasoning_done(
+    reply: _Reply, items: list[dict[str, Any]], index: int, text: str
+) -> AsyncIterator[bytes]:
+    """The reasoning item ends: its text whole, then the item completed."""
+    items[index] = reply.reasoning(text, "completed")
+    yield reply.event("response.reasoning_text.done", item_id=reply.rs_id, output_index=index,
+                      content_index=0, text=text)  # fmt: skip
+    yield reply.event("response.output_item.done", output_index=index, item=items[index])
 
 
 async def _failed(reply: _Reply, cause: Any, message: str) -> AsyncIterator[bytes]:
@@ -343,6 +378,7 @@ class _Reply:
     def __init__(self, body: dict[str, Any], oreq: OpenAIRequest, model: str) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.body, self.oreq, self.model = body, oreq, model
         self.seq = 0
@@ -362,6 +398,13 @@ class _Reply:
         return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call",
                 "status": status, "call_id": call["id"], "name": fn["name"],
                 "arguments": fn["arguments"]}  # fmt: skip
+
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        """The reasoning output item (its text as ``reasoning_text`` content, as OpenAI's
+        open-weight models return it; no summary)."""
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"id": self.rs_id, "type": "reasoning", "summary": [], "content": content,
+                "encrypted_content": None, "status": status}  # fmt: skip
 
     def event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.seq, **fields}

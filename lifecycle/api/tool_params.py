@@ -6,7 +6,8 @@ turns them into OpenAI's 400. ``tool_choice`` ``"none"`` (the default without to
 means the request runs as if it had no tools: they are not rendered and the output is not
 parsed. ``"required"`` and a named function set a Lark grammar (``wire.grammar``) that
 admits only calls in the format of ``tools.py``, each call's arguments matching its
-function's ``parameters`` schema (embedded with ``%json``); ``"auto"`` constrains nothing.
+function's ``parameters`` schema (embedded with ``%json``), in the family's format
+(``tool_formats``: Hermes' by default); ``"auto"`` constrains nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lifecycle.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from lifecycle.api.tool_formats import TOOL_FORMATS, ToolFormat
 from wire.grammar import JSON_SEPARATORS, check_grammar
 
 __all__ = [
@@ -152,28 +153,30 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a Lark string literal has JSON's escapes
 
 
-def _call_rule(tool: dict[str, Any]) -> str:
+def _call_rule(tool: dict[str, Any], fmt: ToolFormat) -> str:
     """One call of ``tool``: its fixed text around ``%json`` of its parameters (kept as
     the root of their own schema, so its ``$ref``s resolve)."""
     fn = tool["function"]
     schema = {"type": "object", **fn["parameters"], "x-guidance": _COMPACT}
-    head = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": '
-    tail = f"}}\n{TOOL_CALL_CLOSE}"
+    head, tail = fmt.call_parts(fn["name"])
     return f"{_lark_string(head)} %json {json.dumps(schema)} {_lark_string(tail)}"
 
 
-def tool_grammar(spec: ToolSpec) -> str:
-    """The Lark grammar of a forcing ``tool_choice`` (``"required"``: one call or more of
-    any tool, one when ``parallel_tool_calls`` is false, calls one per line; a named
+def tool_grammar(spec: ToolSpec, fmt: ToolFormat | None = None) -> str:
+    """The Lark grammar of a forcing ``tool_choice`` in ``fmt``'s format (``"required"``:
+    one call or more of any tool, one when ``parallel_tool_calls`` is false; a named
     function: exactly one call of it), checked by llguidance; ``ToolParamError`` says what
     it found wrong (a parameters schema it cannot compile)."""
+    fmt = fmt or TOOL_FORMATS["hermes"]
     if spec.choice == "function":
         tools = tuple(t for t in spec.tools if t["function"]["name"] == spec.name)
-        start = "start: call"
+        calls = "call"
     else:
         tools = spec.tools
-        start = "start: call" if not spec.parallel else 'start: call ("\\n" call)*'
-    rules = [f"call_{i}: {_call_rule(t)}" for i, t in enumerate(tools)]
+        calls = "call" if not spec.parallel else f"call ({_lark_string(fmt.separator)} call)*"
+    ends = [_lark_string(x) for x in (fmt.prefix, fmt.suffix)]
+    start = "start: " + " ".join([ends[0], calls, ends[1]] if fmt.prefix else [calls])
+    rules = [f"call_{i}: {_call_rule(t, fmt)}" for i, t in enumerate(tools)]
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
     text = "\n".join(["%llguidance {}", start, f"call: {alternatives}", *rules]) + "\n"
     try:

@@ -1,25 +1,29 @@
 """Tool calls read back from a chat completion's text (docs/tools.md).
 
-The model writes each call as the prompt showed it (``tool_prompt.py``), Hermes/Qwen
-style::
+The model writes each call in its family's format (``tool_formats.py``; Hermes/Qwen's
+by default, the one ``tool_prompt.py`` asks for)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-A block whose body parses as a JSON object with a ``name`` among the request's tools and
-an ``arguments`` object (absent reads as ``{}``) becomes an OpenAI tool call
-(``{"id": "call_<24 alphanumerics>", "type": "function", "function": {"name",
-"arguments": <the arguments as a JSON string>}}``); any other block (bad JSON, an unknown
-name, no closing tag by the end) stays in the content as written. Whitespace touching a
-call is dropped; the content is None when nothing else is left.
+A call whose ``name`` is among the request's tools and whose arguments are an object
+(absent reads as ``{}``) becomes an OpenAI tool call (``{"id": "call_<24 alphanumerics>",
+"type": "function", "function": {"name", "arguments": <the arguments as a JSON string>}}``);
+any other block (bad JSON, an unknown name) stays in the content as written. Whitespace
+touching a call is dropped; the content is None when nothing else is left.
+
+A call the text ends inside of is never content: cut by the length limit
+(``truncated``), it is dropped (``finish_reason`` stays "length", the calls completed
+before it are kept); when the model stopped on its own it is read as far as it goes (a
+Hermes block missing only its ``</tool_call>`` is a call), else kept as written.
 
 ``ToolCallParser`` reads the text as it streams: content goes out as soon as it cannot be
-the start of a ``<tool_call>`` (a possible partial opener, and trailing whitespace, are
-held back), a block is held until its ``</tool_call>``, then sent as OpenAI streams a
-call: one ``delta.tool_calls`` entry with ``index``, ``id``, ``type``, ``function.name``
-and empty ``arguments``, then one with the whole arguments string. ``parse_tool_calls``
-runs the same parser over a whole text, so a stream and its unary reply always agree.
+the start of a call (a possible partial opener, and trailing whitespace, are held back),
+a call is held until it is complete, then sent as OpenAI streams a call: one
+``delta.tool_calls`` entry with ``index``, ``id``, ``type``, ``function.name`` and empty
+``arguments``, then one with the whole arguments string. ``parse_tool_calls`` runs the
+same parser over a whole text, so a stream and its unary reply always agree.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import json
 import secrets
 import string
 from typing import Any
+
+from lifecycle.api.tool_formats import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_FORMATS,
+    Take,
+    ToolFormat,
+)
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -39,11 +51,10 @@ __all__ = [
     "parse_tool_calls",
 ]
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 _ID_ALPHABET = string.ascii_letters + string.digits
+_WS = " \t\r\n"
 
 
 def call_id() -> str:
@@ -51,30 +62,31 @@ def call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
-def _partial_opener(text: str) -> int:
-    """The length of the longest suffix of ``text`` that starts ``<tool_call>``."""
-    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-k:]):
-            return k
-    return 0
+def _partial(text: str, openers: tuple[str, ...]) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of an opener."""
+    best = 0
+    for opener in openers:
+        for k in range(min(len(text), len(opener) - 1), best, -1):
+            if opener.startswith(text[-k:]):
+                best = k
+                break
+    return best
 
 
-def _call(body: str, names: frozenset[str]) -> dict[str, Any] | None:
-    """The OpenAI tool call a block's body means, or None when it means none."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", {})
-    if not isinstance(args, dict):
+def _call(name: str, args: Any, names: frozenset[str]) -> dict[str, Any] | None:
+    """The OpenAI tool call a parsed ``(name, arguments)`` means, or None."""
+    if isinstance(args, str):  # some families write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if name not in names or not isinstance(args, dict):
         return None
     return {
         "id": call_id(),
         "type": "function",
         # json.dumps' separators: what the grammar makes the model write (wire.grammar)
-        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
     }
 
 
@@ -82,74 +94,108 @@ class ToolCallParser:
     """One choice's text, fed in pieces; ``feed`` and ``finish`` return the OpenAI
     ``delta`` objects to send (``{"content": ...}`` or ``{"tool_calls": [...]}``)."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], fmt: ToolFormat | None = None) -> None:
         self.names = names
+        self.fmt = fmt or TOOL_FORMATS["hermes"]
         self.calls: list[dict[str, Any]] = []  # the complete calls so far
         self.content = ""  # the content sent so far
-        self._buf = ""  # text not decided yet (a partial opener, or a call's body)
-        self._in_call = False  # after an opener, waiting for its closer
+        self._buf = ""  # text not decided yet (a partial opener, or a call region)
+        self._region = False  # _buf starts with an opener: a call region being read
+        self._at_start = True  # lead openers count here (the output's start, after a call)
         self._ws = ""  # whitespace held back: dropped if a call follows
-        self._after_call = False  # whitespace right after a call is dropped
+        self._after_call = False  # whitespace (and separators) right after a call go
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self._buf += text
         out: list[dict[str, Any]] = []
-        while True:
-            if self._in_call:
-                end = self._buf.find(TOOL_CALL_CLOSE)
-                if end < 0:
-                    return out
-                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE) :]
-                self._in_call = False
-                self._close(body, out)
-                continue
-            start = self._buf.find(TOOL_CALL_OPEN)
-            if start < 0:
-                keep = _partial_opener(self._buf)
-                cut = len(self._buf) - keep
-                self._text(self._buf[:cut], out)
-                self._buf = self._buf[cut:]
-                return out
-            self._text(self._buf[:start], out)
-            self._buf = self._buf[start + len(TOOL_CALL_OPEN) :]
-            self._in_call = True
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The text is complete: what was held back goes out as content."""
-        out: list[dict[str, Any]] = []
-        rest = (TOOL_CALL_OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        self._text(rest, out)
-        if self._ws:
-            self._emit(self._ws, out)
-            self._ws = ""
+        self._run(False, False, out)
         return out
 
-    def _close(self, body: str, out: list[dict[str, Any]]) -> None:
-        call = _call(body, self.names)
-        if call is None:  # not a call: the block is content as written
-            self._text(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, out)
+    def finish(self, truncated: bool = False) -> list[dict[str, Any]]:
+        """The text is complete (``truncated``: cut by the length limit): a call still
+        open is read or dropped, what was held back goes out as content."""
+        out: list[dict[str, Any]] = []
+        self._run(True, truncated, out)
+        rest, self._buf = self._buf, ""
+        self._text(rest, out)
+        if self._ws and not self._after_call:
+            self._emit(self._ws, out)
+        self._ws = ""
+        return out
+
+    def _run(self, final: bool, truncated: bool, out: list[dict[str, Any]]) -> None:
+        while True:
+            if self._region:
+                take = self.fmt.take(self._buf, final)
+                if take is None:
+                    return
+                if take.cut and truncated:  # the limit cut a call: no markup in content
+                    self._buf, self._region = "", False
+                    return
+                self._apply(take, out)
+                continue
+            if self._after_call:
+                self._buf = self._buf.lstrip(_WS + self.fmt.between)
+                if not self._buf:
+                    return
+                self._after_call = False
+            start = self._opener(final)
+            if start is None:  # wait: what is held may still open a call
+                return
+            if start < 0:
+                keep = _partial(self._buf, self.fmt.openers)
+                cut = len(self._buf) - keep
+                self._text(self._buf[:cut], out)
+                # the start of a marker the limit cut is dropped too; else it is text
+                self._buf = "" if final and truncated else self._buf[cut:]
+                if final and not truncated:
+                    self._text(self._buf, out)
+                    self._buf = ""
+                return
+            self._text(self._buf[:start], out)
+            self._buf, self._region = self._buf[start:], True
+
+    def _opener(self, final: bool) -> int | None:
+        """Where the next call region starts (-1: none yet; None: undecided)."""
+        buf, fmt = self._buf, self.fmt
+        if self._at_start and fmt.lead_openers:
+            lead = len(buf) - len(buf.lstrip(_WS))
+            rest = buf[lead:]
+            if any(rest.startswith(o) for o in fmt.lead_openers):
+                return lead
+            if not final and any(o.startswith(rest) for o in fmt.lead_openers):
+                return None
+            self._at_start = False
+        found = [i for i in (buf.find(o) for o in fmt.openers) if i >= 0]
+        return min(found) if found else -1
+
+    def _apply(self, take: Take, out: list[dict[str, Any]]) -> None:
+        region, self._buf = self._buf[: take.used], self._buf[take.used :]
+        self._region = False
+        calls = [_call(name, args, self.names) for name, args in take.calls]
+        if not take.ok or None in calls:  # not a call: the region is content as written
+            self._at_start = False
+            self._text(region, out)
             return
-        self._ws, self._after_call = "", True
-        index = len(self.calls)
-        self.calls.append(call)
-        fn = call["function"]
-        head = {"index": index, "id": call["id"], "type": "function",
-                "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
-        out.append({"tool_calls": [head]})
-        out.append({"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]})
+        self._ws, self._after_call, self._at_start = "", True, True
+        for call in calls:
+            assert call is not None
+            index = len(self.calls)
+            self.calls.append(call)
+            fn = call["function"]
+            head = {"index": index, "id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+            out.append({"tool_calls": [head]})
+            args = {"index": index, "function": {"arguments": fn["arguments"]}}
+            out.append({"tool_calls": [args]})
 
     def _text(self, text: str, out: list[dict[str, Any]]) -> None:
         """Content known not to be a call; its trailing whitespace waits for what follows."""
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
         body = text.rstrip()
         if body:
             self._emit(self._ws + body, out)
             self._ws = ""
+            self._at_start = False
         self._ws += text[len(body) :]
 
     def _emit(self, text: str, out: list[dict[str, Any]]) -> None:
@@ -157,9 +203,11 @@ class ToolCallParser:
         out.append({"content": text})
 
 
-def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, names: frozenset[str], fmt: ToolFormat | None = None, truncated: bool = False
+) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole completion -> (its content, None when empty; its tool calls)."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, fmt)
     parser.feed(text)
-    parser.finish()
+    parser.finish(truncated)
     return parser.content or None, parser.calls

@@ -296,7 +296,11 @@ class Engine:
 
         model_id = self.config.served_model_name or self.frontend.model_config.name
         rt = self.runtime
-        return OpenAIAPI(self.frontend, rt.chat, model_id=model_id, model_path=rt.model_path)
+        return OpenAIAPI(
+            self.frontend, rt.chat, model_id=model_id, model_path=rt.model_path,
+            reasoning_parser=self.config.reasoning_parser,
+            tool_call_parser=self.config.tool_call_parser,
+        )  # fmt: skip
 
     # -- looking inside --------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
