@@ -143,8 +143,10 @@ class ToolCallParser:
             if start is None:  # wait: what is held may still open a call
                 return
             if start < 0:
-                keep = _partial(self._buf, self.fmt.openers)
-                cut = len(self._buf) - keep
+                # a limit cut inside a marker's multi-byte character leaves U+FFFD
+                tail = self._buf.rstrip("\ufffd") if truncated else self._buf
+                keep = _partial(tail, self.fmt.openers)
+                cut = len(tail) - keep
                 self._text(self._buf[:cut], out)
                 # the start of a marker the limit cut is dropped too; else it is text
                 self._buf = "" if final and truncated else self._buf[cut:]
