@@ -86,9 +86,12 @@ def load_model(
     dtype: str | None = None,
     weights: str = "auto",
     context_length: int | None = None,
+    shard: Callable[[ModelSource, ModelConfig], tuple[ModelSource, ModelConfig]] | None = None,
 ) -> LoadedModel:
     """``context_length``: the tokens to serve (``modelfile.config.with_context``; None:
-    the model's own); the RoPE tables are made for that many positions."""
+    the model's own); the RoPE tables are made for that many positions. ``shard``
+    (``gpu.tp_model.ShardLoad``): the file and config one tensor-parallel rank reads
+    instead, its slices only (fp32 weights); the model is built to that config."""
     dev, dt = resolve_device(device, dtype)
     t0 = time.perf_counter()
     f = open_model(path)
@@ -101,6 +104,10 @@ def load_model(
     source: ModelSource = f
     if weights in _AT_LOAD:
         source = _QuantizedAtLoad(f, _AT_LOAD[weights], expected_tensors(config))
+    if shard is not None:
+        if quant is not None:
+            raise ValueError("tensor-parallel shards are read as fp32 weights")
+        source, config = shard(source, config)
     with torch.inference_mode():
         model = _build_model(source, config, dev, dt, _progress_printer(f.path.name), quant)
     model.eval()

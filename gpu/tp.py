@@ -55,7 +55,7 @@ from gpu.tp_messages import (  # noqa: E402
     encode_prepare,
     encode_stop,
 )
-from gpu.tp_model import ShardedLlama, shard_model, shard_plan  # noqa: E402
+from gpu.tp_model import ShardedLlama, ShardLoad, shard_plan  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
 from modelfile.source import model_parts, open_model  # noqa: E402
 
@@ -202,10 +202,12 @@ def _join(store: dist.Store, rank: int, world: int, device: str) -> dist.Process
     return dist.new_group(backend="gloo", timeout=_NO_TIMEOUT) if cuda else None
 
 
-def _shard(lm: LoadedModel, world: int, rank: int) -> LoadedModel:
-    plan = shard_plan(lm.config, world, rank)
+def _load_shard(path: str, dev: str, dt: str, world: int, rank: int) -> LoadedModel:
+    """Rank ``rank``'s shard, read from the file as its slices (``ShardLoad``)."""
+    shard = ShardLoad(world, rank)
+    lm = load_model(path, device=dev, dtype=dt, weights="fp32", shard=shard)
     with torch.inference_mode():
-        model = shard_model(lm.model, plan, None)
+        model = shard.model(lm.model, None)
     model.eval()
     return dataclasses.replace(lm, config=model.config, model=model)
 
@@ -245,9 +247,8 @@ def start_leader(
         cmd = [sys.executable, "-m", "lifecycle.core.child", "gpu.tp", *args]
         procs.append(subprocess.Popen(cmd, env=env))
     followers = Followers(procs, Channel(None))
-    lm = load_model(path, device=dev, dtype=dt, weights="fp32")  # shards are fp32 slices
+    loaded = _load_shard(path, dev, dt, world, 0)  # shards are fp32 slices
     followers.channel.group = _join(store, 0, world, dev)
-    loaded = _shard(lm, world, 0)
     assert isinstance(loaded.model, ShardedLlama)
     loaded.model.announce = followers.announce
     log.info("tensor parallel: rank 0 of %d holds %s", world, loaded.model.plan)
@@ -322,10 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     dev, dt = _rank_device(a.device or None, a.dtype or None, rank)
     host, port = os.environ[_ENV_STORE].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, is_master=False, timeout=_JOIN_TIMEOUT)
-    lm = load_model(a.model, device=dev, dtype=dt, weights="fp32")
+    loaded = _load_shard(a.model, dev, dt, world, rank)
     control = _join(store, rank, world, dev)
-    loaded = _shard(lm, world, rank)
-    del lm
     assert isinstance(loaded.model, ShardedLlama)
     log.info("tensor parallel: rank %d of %d holds %s", rank, world, loaded.model.plan)
     follow(loaded, Channel(control))

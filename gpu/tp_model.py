@@ -15,6 +15,10 @@ looked up in each rank's vocabulary range (zeros elsewhere) and all-reduced: exa
 as every row has a single non-zero term. The LM head computes each rank's vocabulary
 slice (padded to equal size for the collective) and gathers it on rank 0, the only rank
 that samples.
+
+Each rank reads its own slices from the file as the loader reads it (``ShardSource``,
+``load_model(shard=ShardLoad(world, rank))``): the loader and the decoder are the
+single-process ones, and no rank holds the whole model at any time.
 """
 
 from __future__ import annotations
@@ -27,22 +31,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import Tensor
 
 from gpu.model import AttentionBackend, Llama, LlamaWeights, PackedLinear
 from gpu.tp_messages import encode_forward, encode_logits
 from modelfile.config import ModelConfig
+from modelfile.gguf_meta import ModelFileError
+from modelfile.source import ModelSource
 
 __all__ = [
     "GatheringLinear",
     "ReducingLinear",
+    "ShardLoad",
     "ShardPlan",
+    "ShardSource",
     "ShardedLlama",
     "even_runs",
-    "shard_model",
     "shard_plan",
 ]
 
@@ -235,63 +244,117 @@ def _in_step() -> Iterator[None]:
         os._exit(1)
 
 
-def _rows(w: Tensor, heads: range, head_dim: int) -> Tensor:
-    return w[heads.start * head_dim : heads.stop * head_dim]
+class ShardSource:
+    """A model file as one rank reads it (``modelfile.source.ModelSource``): each
+    tensor the plan splits comes back as this rank's slice, cut from the file's tensor
+    as it is read, so no rank ever holds the whole model. Rows of the q/k/v projections
+    (and biases) by head, whole heads, so llama's permuted q/k rows un-permute within
+    them as before; columns of the o projection; rows of gate/up and columns of down by
+    the MLP's slice (Phi-3's fused q/k/v and gate/up: each part's slice, joined); rows
+    of the embedding and an untied LM head by the vocabulary range, zero-padded to
+    ``vocab_rows``. Everything else (norms, RoPE factors) is the file's."""
+
+    def __init__(self, f: ModelSource, config: ModelConfig, plan: ShardPlan) -> None:
+        self._f, self._c, self._plan, self.path = f, config, plan, f.path
+
+    def has_tensor(self, name: str) -> bool:
+        return self._f.has_tensor(name)
+
+    def stored_name(self, name: str) -> str:
+        return self._f.stored_name(name)
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return self._f.tensor_type(name)
+
+    def stored_bytes(self) -> dict[str, int]:
+        return self._f.stored_bytes()
+
+    def check_tensor_types(self) -> None:
+        self._f.check_tensor_types()
+
+    def blocks(self, name: str) -> np.ndarray:
+        raise ModelFileError(self.path, "tensor-parallel shards are read as floats")
+
+    def _cut(self, name: str) -> tuple[str, list[slice]] | None:
+        """How ``name`` is cut: ("rows" or "cols", the slices joined), or None (whole)."""
+        c, p, hd = self._c, self._plan, self._c.head_dim
+        q = slice(p.q_heads.start * hd, p.q_heads.stop * hd)
+        kv = slice(p.kv_heads.start * hd, p.kv_heads.stop * hd)
+        f = slice(p.ffn.start, p.ffn.stop)
+        q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part == "attn_q":
+            return "rows", [q]
+        if part in ("attn_k", "attn_v"):
+            return "rows", [kv]
+        if part == "attn_qkv":
+            at = q_rows + kv_rows
+            return "rows", [q, _shift(kv, q_rows), _shift(kv, at)]
+        if part == "attn_output":
+            return "cols", [q]
+        if part == "ffn_gate" or (part == "ffn_up" and not c.fused_gate_up):
+            return "rows", [f]
+        if part == "ffn_up":  # Phi-3: gate rows, then up rows
+            return "rows", [f, _shift(f, c.ffn)]
+        if part == "ffn_down":
+            return "cols", [f]
+        return None
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        shape = self._f.tensor_shape(name)
+        if name in _VOCAB_TENSORS:
+            return (self._plan.vocab_rows, *shape[1:])
+        cut = self._cut(name)
+        if cut is None:
+            return shape
+        n = sum(s.stop - s.start for s in cut[1])
+        return (n, *shape[1:]) if cut[0] == "rows" else (shape[0], n)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        full = self._f.dequantize(name)
+        if name in _VOCAB_TENSORS:
+            v = self._plan.vocab
+            out = np.zeros((self._plan.vocab_rows, *full.shape[1:]), np.float32)
+            out[: len(v)] = full[v.start : v.stop]
+            return out
+        cut = self._cut(name)
+        if cut is None:
+            return full
+        axis = 0 if cut[0] == "rows" else 1
+        parts = [full[s] if axis == 0 else full[:, s] for s in cut[1]]
+        return np.ascontiguousarray(np.concatenate(parts, axis=axis), dtype=np.float32)
 
 
-def _padded(w: Tensor, rows: range, n: int) -> Tensor:
-    """Rows ``rows`` of ``w``, zero-padded to ``n`` rows (a copy: the full tensor can go)."""
-    out = w.new_zeros((n, *w.shape[1:]))
-    out[: len(rows)] = w[rows.start : rows.stop]
-    return out
+_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
-def shard_model(full: Llama, plan: ShardPlan, group: dist.ProcessGroup | None) -> ShardedLlama:
-    """This rank's shard of a loaded model (copies: nothing keeps the full weights alive)."""
-    c, hd = full.config, full.config.head_dim
-    q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
-    layers = []
-    for layer in full.layers:
-        w = cast(LlamaWeights, layer)
-        q, k, v = w.wqkv.split([q_rows, kv_rows, kv_rows])
-        gate, up = w.w_gate_up.chunk(2)
-        f = plan.ffn
-        bqkv = None
-        if w.bqkv is not None:
-            bq, bk, bv = w.bqkv.split([q_rows, kv_rows, kv_rows])
-            bqkv = torch.cat(
-                [
-                    _rows(bq, plan.q_heads, hd),
-                    _rows(bk, plan.kv_heads, hd),
-                    _rows(bv, plan.kv_heads, hd),
-                ]
-            )
-        layers.append(
-            LlamaWeights(
-                attn_norm=w.attn_norm.data.clone(),
-                wqkv=torch.cat(
-                    [
-                        _rows(q, plan.q_heads, hd),
-                        _rows(k, plan.kv_heads, hd),
-                        _rows(v, plan.kv_heads, hd),
-                    ]
-                ),
-                wo=w.wo[:, plan.q_heads.start * hd : plan.q_heads.stop * hd].contiguous(),
-                ffn_norm=w.ffn_norm.data.clone(),
-                w_gate_up=torch.cat([gate[f.start : f.stop], up[f.start : f.stop]]),
-                w_down=w.w_down[:, f.start : f.stop].contiguous(),
-                bqkv=bqkv,
-                q_norm=None if w.q_norm is None else w.q_norm.data.clone(),
-                k_norm=None if w.k_norm is None else w.k_norm.data.clone(),
-                post_attn_norm=None if w.post_attn_norm is None else w.post_attn_norm.data.clone(),
-                post_ffn_norm=None if w.post_ffn_norm is None else w.post_ffn_norm.data.clone(),
-            )
+def _shift(s: slice, by: int) -> slice:
+    return slice(s.start + by, s.stop + by)
+
+
+class ShardLoad:
+    """``load_model(shard=...)`` for rank ``rank`` of ``world``: the file read through
+    ``ShardSource`` into a model of the rank's own heads, MLP slice and vocabulary rows,
+    which ``model`` then turns into the ``ShardedLlama`` (the parallel linears)."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.plan: ShardPlan | None = None
+        self.config: ModelConfig | None = None
+
+    def __call__(self, f: ModelSource, config: ModelConfig) -> tuple[ShardSource, ModelConfig]:
+        self.plan, self.config = shard_plan(config, self.world, self.rank), config
+        local = self.plan.local_config(config)
+        return ShardSource(f, config, self.plan), dataclasses.replace(
+            local, vocab_size=self.plan.vocab_rows
         )
-    embed = _padded(full.embed, plan.vocab, plan.vocab_rows)
-    head = (
-        None if full.lm_head is full.embed else _padded(full.lm_head, plan.vocab, plan.vocab_rows)
-    )
-    return ShardedLlama(
-        plan.local_config(c), plan, embed, layers, full.norm.data.clone(), head, group,
-        full.rope_freqs,
-    )  # fmt: skip
+
+    def model(self, built: Llama, group: dist.ProcessGroup | None) -> ShardedLlama:
+        """The rank's ``ShardedLlama`` over the weights ``load_model`` built."""
+        assert self.plan is not None and self.config is not None, "load_model first"
+        tied = built.lm_head is built.embed
+        return ShardedLlama(
+            self.plan.local_config(self.config), self.plan, built.embed.data,
+            [cast(LlamaWeights, layer) for layer in built.layers], built.norm.data,
+            None if tied else built.lm_head.data, group, built.rope_freqs,
+        )  # fmt: skip

@@ -38,7 +38,7 @@ from gpu.tp_messages import (
     encode_prepare,
     encode_stop,
 )
-from gpu.tp_model import even_runs, shard_plan
+from gpu.tp_model import ShardLoad, even_runs, shard_plan
 from modelfile.config import ModelConfig
 from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 from tests.worker_client import WorkerClient, spawn_worker
@@ -163,6 +163,42 @@ def tiny3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """3 KV heads (6 query heads), an MLP of 160 and a vocabulary of 269."""
     spec = TinySpec(n_heads=6, n_kv_heads=3, hidden=96, ffn=160, untied=True)
     return write_tiny_gguf(tmp_path_factory.mktemp("tp") / "tiny3.gguf", spec)
+
+
+def test_each_rank_reads_only_its_slices(tiny3: TinyModel) -> None:
+    """ShardLoad: every rank's weights are its slices of the single-process model's,
+    read as such from the file (o and down by columns, the rest by rows, the vocabulary
+    padded), and together the ranks hold each weight once."""
+    from gpu.loader import load_model
+
+    full = load_model(tiny3.path, device="cpu", weights="fp32")
+    c, hd = full.config, full.config.head_dim
+    shards = []
+    for rank in range(2):
+        shard = ShardLoad(2, rank)
+        lm = load_model(tiny3.path, device="cpu", weights="fp32", shard=shard)
+        assert shard.plan is not None
+        shards.append((shard.plan, lm.model))
+    (p0, m0), (p1, m1) = shards
+    for i, layer in enumerate(full.model.layers):
+        q, k, v = layer.wqkv.split([c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd])
+        gate, up = layer.w_gate_up.chunk(2)
+        for plan, m in shards:
+            mine = m.layers[i]
+            qs = slice(plan.q_heads.start * hd, plan.q_heads.stop * hd)
+            ks = slice(plan.kv_heads.start * hd, plan.kv_heads.stop * hd)
+            f = slice(plan.ffn.start, plan.ffn.stop)
+            assert torch.equal(mine.wqkv, torch.cat([q[qs], k[ks], v[ks]]))
+            assert torch.equal(mine.wo, layer.wo[:, qs])
+            assert torch.equal(mine.w_gate_up, torch.cat([gate[f], up[f]]))
+            assert torch.equal(mine.w_down, layer.w_down[:, f])
+        assert m0.layers[i].wqkv.shape[0] + m1.layers[i].wqkv.shape[0] == layer.wqkv.shape[0]
+    for plan, m in shards:
+        v = plan.vocab
+        assert m.embed.shape[0] == plan.vocab_rows
+        assert torch.equal(m.embed[: len(v)], full.model.embed[v.start : v.stop])
+        assert torch.equal(m.lm_head[: len(v)], full.model.lm_head[v.start : v.stop])
+        assert not m.embed[len(v) :].any()
 
 
 class Worker:
