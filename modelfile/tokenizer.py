@@ -1,8 +1,9 @@
-"""A byte-level BPE tokenizer built only from GGUF metadata, with streaming decode.
+"""The tokenizer built only from GGUF metadata, with streaming decode.
 
-The pipeline mirrors llama.cpp's ``llm_tokenizer_bpe`` for the pre-tokenizer named by
-``tokenizer.ggml.pre``; for SmolLM2 it matched llama.cpp on 284/284 reference strings
-(docs/model.md).
+``tokenizer.ggml.model`` picks llama.cpp's tokenizer: "gpt2" byte-level BPE with the
+pre-tokenizer named by ``tokenizer.ggml.pre`` (``modelfile.pretokenizers``), "llama"
+SentencePiece-style, "gemma4" and "bert" WordPiece (``modelfile.vocab_models``). Each gives
+llama.cpp's ids on every case of llama.cpp's own ``ggml-vocab-*`` tests (docs/model.md).
 """
 
 from __future__ import annotations
@@ -11,80 +12,29 @@ from collections.abc import Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, processors
 from tokenizers.decoders import DecodeStream
 
+from modelfile.byte_decode import ByteDecoding, ByteStreamDecoder, token_bytes
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
+from modelfile.pretokenizers import IGNORE_MERGES, SUPPORTED_PRE_TOKENIZERS
+from modelfile.vocab_models import gemma4_pipeline, spm_pipeline, wordpiece_pipeline
 
 __all__ = [
     "SUPPORTED_PRE_TOKENIZERS",
+    "TOKENIZER_MODELS",
     "StreamDecoder",
     "Tokenizer",
     "build_tokenizer",
     "tokenizer_from_gguf",
 ]
 
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
-# llama.cpp's LLAMA3 pre-tokenizer regex (src/llama-vocab.cpp), same as HF's llama-3 split.
-_LLAMA3_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-# llama.cpp's QWEN2 regex: LLAMA3's with every digit on its own.
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
-
-
-def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
-    # llama.cpp: regex list ["\p{N}", GPT-2 regex]: every digit isolated, then the GPT-2 split.
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-
-
-def _gpt2() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-
-
-def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]
-    )
-
-
-def _llama3() -> pre_tokenizers.PreTokenizer:
-    return _split_then_bytes(_LLAMA3_REGEX)
-
-
-def _qwen2() -> pre_tokenizers.PreTokenizer:
-    return _split_then_bytes(_QWEN2_REGEX)
-
-
-SUPPORTED_PRE_TOKENIZERS = {
-    "smollm": _digits_then_gpt2,
-    "starcoder": _digits_then_gpt2,
-    "refact": _digits_then_gpt2,
-    "command-r": _digits_then_gpt2,
-    "gpt-2": _gpt2,
-    "llama-bpe": _llama3,
-    "llama3": _llama3,
-    "qwen2": _qwen2,
-}
-
-
-# Pre-tokenizers after which llama.cpp takes a piece that is a whole token as that token,
-# without merging (llama_vocab::get_ignore_merges; HF's "ignore_merges" in Llama 3's
-# tokenizer.json).
-_IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})
+TOKENIZER_MODELS = ("bert", "gemma4", "gpt2", "llama")
 
 
 class StreamDecoder:
@@ -128,8 +78,10 @@ class Tokenizer:
         eos_id: int,
         eog_ids: Sequence[int],
         special_ids: Sequence[int],
+        byte_decoding: ByteDecoding | None = None,
     ) -> None:
         self._inner = inner
+        self._bytes = byte_decoding
         self.vocab_size: int = inner.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -165,16 +117,25 @@ class Tokenizer:
         tokenizers and llama.cpp, byte-level BPE joins special-token text without spaces.
         """
         del spaces_between_special_tokens
+        if self._bytes is not None:
+            return self._bytes.decode(ids, skip_special_tokens)
         return self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
+    def decode_stream(self, skip_special_tokens: bool = True) -> StreamDecoder | ByteStreamDecoder:
+        if self._bytes is not None:
+            return self._bytes.stream(skip_special_tokens)
         return StreamDecoder(self._inner, skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """Decoded text of one token (special tokens included), cached."""
+        """Decoded text of one token (special tokens included), cached; a SentencePiece
+        token keeps its leading space ("▁the" is " the"), which decoding a whole text drops
+        from the text's start."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._inner.decode([token_id], skip_special_tokens=False)
+            if self._bytes is not None:
+                text = self._bytes.piece(token_id).decode("utf-8", "replace")
+            else:
+                text = self._inner.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
 
@@ -201,55 +162,130 @@ def build_tokenizer(
     if make_pre is None:
         supported = ", ".join(sorted(SUPPORTED_PRE_TOKENIZERS))
         raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: {supported})")
-    vocab = {text: i for i, text in enumerate(tokens)}
-    pairs = [_split_merge(m) for m in merges]
     bpe = models.BPE(
-        vocab=vocab,
-        merges=pairs,
+        vocab={text: i for i, text in enumerate(tokens)},
+        merges=[_split_merge(m) for m in merges],
         unk_token=None,
         fuse_unk=False,
         byte_fallback=False,
-        ignore_merges=pre in _IGNORE_MERGES,
+        ignore_merges=pre in IGNORE_MERGES,
     )
     inner = tokenizers.Tokenizer(bpe)
     inner.pre_tokenizer = make_pre()
     inner.decoder = decoders.ByteLevel()
-    special = [i for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL]
-    user = [i for i, t in enumerate(token_types) if t == TOKEN_TYPE_USER_DEFINED]
-    inner.add_special_tokens([_added(tokens[i], special=True) for i in special])
-    if user:
-        inner.add_tokens([_added(tokens[i], special=False) for i in user])
-    if add_bos and bos_id is not None:
-        bos = tokens[bos_id]
-        inner.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    return Tokenizer(inner, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, special_ids=special)
+    return _assemble(
+        inner, tokens, token_types, bos=bos_id if add_bos else None, eos=None,
+        bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
+    )  # fmt: skip
 
 
 def tokenizer_from_gguf(f: GGUFMetadata, *, eog_ids: Sequence[int]) -> Tokenizer:
     """The tokenizer described by ``f``'s ``tokenizer.ggml.*`` keys."""
     model = f.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in TOKENIZER_MODELS:
+        supported = ", ".join(repr(m) for m in TOKENIZER_MODELS)
         raise ModelFileError(
-            f.path, f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2' byte-level BPE)"
+            f.path, f"unsupported tokenizer.ggml.model {model!r} (supported: {supported})"
         )
     tokens = f.strings("tokenizer.ggml.tokens")
-    types = f.array("tokenizer.ggml.token_type")
-    bos = f.get("tokenizer.ggml.bos_token_id")
+    types_ = f.array("tokenizer.ggml.token_type")
+    types = [1] * len(tokens) if types_ is None else types_.tolist()
     try:
-        return build_tokenizer(
-            tokens=tokens,
-            token_types=[] if types is None else types.tolist(),
-            merges=f.strings("tokenizer.ggml.merges"),
-            pre=str(f.get("tokenizer.ggml.pre", "default")),
-            bos_id=None if bos is None else int(bos),
-            eos_id=int(f.require("tokenizer.ggml.eos_token_id")),
-            eog_ids=eog_ids,
-            add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)),
-        )
+        if model == "gpt2":
+            return build_tokenizer(
+                tokens=tokens,
+                token_types=types,
+                merges=f.strings("tokenizer.ggml.merges"),
+                pre=str(f.get("tokenizer.ggml.pre", "default")),
+                bos_id=_token_id(f, "bos", None),
+                eos_id=int(f.require("tokenizer.ggml.eos_token_id")),
+                eog_ids=eog_ids,
+                add_bos=bool(f.get("tokenizer.ggml.add_bos_token", False)),
+            )
+        return _from_gguf(f, str(model), tokens, types, eog_ids)
     except ValueError as exc:
         raise ModelFileError(f.path, str(exc)) from None
+
+
+def _from_gguf(
+    f: GGUFMetadata, model: str, tokens: list[str], types: list[int], eog_ids: Sequence[int]
+) -> Tokenizer:
+    """The "llama", "gemma4" and "bert" models, with llama.cpp's defaults for their special
+    ids and flags (llama_vocab::impl::load)."""
+    strip_space: bool | None = None  # None: decode with the pipeline's decoder
+    if model == "llama":
+        bos, eos, unk = _token_id(f, "bos", 1), _token_id(f, "eos", 2), _token_id(f, "unknown", 0)
+        scores = f.array("tokenizer.ggml.scores")
+        strip_space = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+        inner = spm_pipeline(
+            tokens,
+            [0.0] * len(tokens) if scores is None else scores.tolist(),
+            unk=None if unk is None else tokens[unk],
+            add_space_prefix=strip_space,
+        )
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", True))
+    elif model == "gemma4":
+        bos, eos = _token_id(f, "bos", None), _token_id(f, "eos", None)
+        merges = [_split_merge(m) for m in f.strings("tokenizer.ggml.merges")]
+        inner, strip_space = gemma4_pipeline(tokens, merges), False
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+    else:  # bert: [CLS] text [SEP]
+        bos, eos, unk = (
+            _token_id(f, "cls", 101),
+            _token_id(f, "seperator", 102),
+            _token_id(f, "unknown", 100),
+        )
+        inner = wordpiece_pipeline(tokens, types, unk=tokens[unk or 0])
+        add_bos = True
+    if eos is None:
+        raise ValueError("tokenizer.ggml.eos_token_id is missing")
+    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", model == "bert"))
+    return _assemble(
+        inner, tokens, types, bos=bos if add_bos else None, eos=eos if add_eos else None,
+        bos_id=bos, eos_id=eos, eog_ids=eog_ids, strip_space=strip_space,
+    )  # fmt: skip
+
+
+def _assemble(
+    inner: tokenizers.Tokenizer,
+    tokens: Sequence[str],
+    types: Sequence[int],
+    *,
+    bos: int | None,
+    eos: int | None,
+    bos_id: int | None,
+    eos_id: int,
+    eog_ids: Sequence[int],
+    strip_space: bool | None = None,
+) -> Tokenizer:
+    """Control and unknown tokens become special added tokens (parsed in text, skipped
+    when decoding skips specials), user-defined ones plain added tokens (always parsed,
+    as llama.cpp does); ``bos`` / ``eos`` are added around the text when given.
+    ``strip_space`` not None: a byte-fallback vocabulary, decoded from its tokens' bytes."""
+    special = [i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)]
+    user = [i for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
+    inner.add_special_tokens([_added(tokens[i], special=True) for i in special])
+    if user:
+        inner.add_tokens([_added(tokens[i], special=False) for i in user])
+    if bos is not None or eos is not None:
+        ends = list({tokens[i]: i for i in (bos, eos) if i is not None}.items())
+        head = f"{tokens[bos]} " if bos is not None else ""
+        tail = f" {tokens[eos]}" if eos is not None else ""
+        inner.post_processor = processors.TemplateProcessing(
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}", special_tokens=ends
+        )
+    decoding = None
+    if strip_space is not None:
+        decoding = ByteDecoding(token_bytes(tokens, types), frozenset(special), strip_space)
+    return Tokenizer(
+        inner, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, special_ids=special,
+        byte_decoding=decoding,
+    )  # fmt: skip
+
+
+def _token_id(f: GGUFMetadata, name: str, default: int | None) -> int | None:
+    value = f.get(f"tokenizer.ggml.{name}_token_id")
+    return default if value is None else int(value)
 
 
 def _split_merge(merge: str) -> tuple[str, str]:

@@ -283,7 +283,7 @@ def test_unsupported_tensor_type(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "problem"),
     [
-        (TinySpec(tokenizer_model="llama"), "unsupported tokenizer.ggml.model 'llama'"),
+        (TinySpec(tokenizer_model="t5"), "unsupported tokenizer.ggml.model 't5'"),
         (TinySpec(pre="qwen9"), "unsupported tokenizer.ggml.pre 'qwen9'"),
         (TinySpec(chat_template="{% for %}"), "chat template does not compile"),
         (TinySpec(omit_tensors=("output_norm.weight",)), "tensor 'output_norm.weight' is missing"),

@@ -25,8 +25,8 @@ BAD = {
         "tensor 'blk.0.ffn_down.weight' has unsupported type F64 (supported: F32, F16",
     ),
     "tokenizer": (
-        TinySpec(tokenizer_model="llama"),
-        "unsupported tokenizer.ggml.model 'llama' (supported: 'gpt2'",
+        TinySpec(tokenizer_model="t5"),
+        "unsupported tokenizer.ggml.model 't5' (supported: 'bert', 'gemma4', 'gpt2', 'llama')",
     ),
     "pre": (TinySpec(pre="qwen9"), "unsupported tokenizer.ggml.pre 'qwen9' (supported: "),
     "missing": (

@@ -1,7 +1,8 @@
 """Tiny GGUF files written with ``gguf.GGUFWriter`` for loader, tokenizer and model tests.
 
 The vocabulary is a real byte-level BPE (every byte plus a handful of merges) so any
-text round-trips; weights are random, written the way convert_hf_to_gguf writes them
+text round-trips, or with ``tokenizer_model="llama"`` a SentencePiece-style one (the same
+control tokens, the 256 ``<0xXX>`` byte tokens, a few scored pieces); weights are random, written the way convert_hf_to_gguf writes them
 (q/k rows permuted for llama.cpp's RoPE), and the HF-layout originals are returned so a
 test can check the loader undid the permutation.
 """
@@ -21,11 +22,16 @@ __all__ = [
     "TinyModel",
     "byte_level_alphabet",
     "hf_permute",
+    "spm_vocab",
     "tiny_vocab",
     "write_tiny_gguf",
 ]
 
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<reponame>"]
+# SentencePiece pieces, best score first: the merges above with "▁" for "Ġ".
+SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello",
+              "\u2581h", "\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581worl",
+              "\u2581world"]  # fmt: skip
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -101,6 +107,16 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """Tokens, GGUF token types and scores of the SentencePiece-style vocabulary: control
+    tokens first (the same ids as ``tiny_vocab``'s), byte tokens (type 6), then pieces
+    scored by their order."""
+    tokens = CONTROL + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [3] * len(CONTROL) + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [0.0] * (len(CONTROL) + 256) + [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, types, scores
+
+
 def _roundtrip(w: np.ndarray, qtype: Q | None) -> tuple[np.ndarray, np.ndarray]:
     """(bytes or floats to write, what a reader dequantises them to)."""
     if qtype is None:
@@ -143,7 +159,10 @@ def _tensors(spec: TinySpec, vocab_size: int) -> dict[str, tuple[np.ndarray, str
 
 
 def write_tiny_gguf(path: pathlib.Path, spec: TinySpec = TinySpec()) -> TinyModel:
+    spm = spec.tokenizer_model == "llama"
     tokens, types = tiny_vocab()
+    if spm:
+        tokens, types, scores = spm_vocab()
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name("tiny-test-llama")
     w.add_block_count(spec.n_layers)
@@ -157,10 +176,13 @@ def write_tiny_gguf(path: pathlib.Path, spec: TinySpec = TinySpec()) -> TinyMode
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model(spec.tokenizer_model)
-    w.add_tokenizer_pre(spec.pre)
+    w.add_tokenizer_pre("default" if spm else spec.pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(MERGES)
+    if spm:
+        w.add_token_scores(scores)
+    else:
+        w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(spec.add_bos)
