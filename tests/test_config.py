@@ -37,6 +37,8 @@ def _samples(tmp_path: Path) -> dict[str, object]:
         "otlp_traces_endpoint": "http://127.0.0.1:4318/v1/traces",
         "router_policy": "least_load",
         "access_log_format": "common",
+        "reasoning_parser": "deepseek-r1",
+        "tool_call_parser": "mistral",
     }
     out: dict[str, object] = {}
     for o in OPTIONS:
