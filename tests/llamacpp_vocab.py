@@ -1,10 +1,11 @@
-"""llama.cpp's tokenizer test files (``models/ggml-vocab-*.gguf`` with ``.inp`` / ``.out``),
-found or fetched without building anything.
+"""llama.cpp's tokenizer test files (``models/ggml-vocab-*.gguf`` with ``.inp`` / ``.out``)
+and its real chat templates (``models/templates/*.jinja``), found or fetched without
+building anything.
 
 The files come from the llama.cpp tree vendored in the llama-cpp-python sdist that
 ``tools/build_llama_server.sh`` pins. Where ``make bench-peer`` has unpacked that tree
-(``<cache>/llama.cpp``) its files are used; otherwise only the ``ggml-vocab-*`` members
-are unpacked from the sdist (kept in ``<cache>/dl``, else downloaded with pip: about
+(``<cache>/llama.cpp``) its files are used; otherwise only the ``ggml-vocab-*`` and
+``templates/`` members are unpacked from the sdist (kept in ``<cache>/dl``, else downloaded with pip: about
 75 MB, then a second or two) into ``<cache>/vocab-tests/models``, a folder of their own
 so that nothing mistakes it for the whole tree.
 """
@@ -22,7 +23,7 @@ import tempfile
 
 from bench.llama_server import cache_dir
 
-__all__ = ["VOCABS", "vocab_cases", "vocab_dir"]
+__all__ = ["VOCABS", "templates_dir", "vocab_cases", "vocab_dir"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -42,11 +43,18 @@ def _pinned_version() -> str:
 
 
 def _complete(models: pathlib.Path) -> bool:
-    return all(
+    return any((models / "templates").glob("*.jinja")) and all(
         (models / f"ggml-vocab-{n}.gguf{ext}").is_file()
         for n in VOCABS
         for ext in ("", ".inp", ".out")
     )
+
+
+def templates_dir() -> tuple[pathlib.Path | None, str]:
+    """(the folder of llama.cpp's ``*.jinja`` chat templates, "") or (None, why not)."""
+    models, why = vocab_dir()
+    return (None, why.replace("vocab test files", "chat templates")) if models is None else (
+        models / "templates", "")  # fmt: skip
 
 
 def vocab_dir() -> tuple[pathlib.Path | None, str]:
@@ -70,7 +78,8 @@ def _unpack(cache: pathlib.Path, version: str) -> pathlib.Path:
              ":all:", f"llama-cpp-python=={version}", "-d", str(sdist.parent)],
             check=True, capture_output=True, timeout=DOWNLOAD_TIMEOUT_S,
         )  # fmt: skip
-    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/models/ggml-vocab-"
+    models = f"llama_cpp_python-{version}/vendor/llama.cpp/models/"
+    prefixes = (models + "ggml-vocab-", models + "templates/")
     final = cache / "vocab-tests"
     # Unpacked beside the final folder and renamed into place: a concurrent run never
     # sees half the files.
@@ -78,15 +87,17 @@ def _unpack(cache: pathlib.Path, version: str) -> pathlib.Path:
     try:
         with tarfile.open(sdist, "r:gz") as tar:
             for member in tar:
-                if member.isfile() and member.name.startswith(prefix):
-                    name = member.name.rsplit("/", 1)[1]
+                if member.isfile() and member.name.startswith(prefixes):
+                    name = member.name.removeprefix(models)
+                    if "/" in name.removeprefix("templates/"):
+                        continue  # nothing nested deeper is read
                     src = tar.extractfile(member)
                     assert src is not None
-                    (tmp / "models").mkdir(exist_ok=True)
+                    (tmp / "models" / "templates").mkdir(parents=True, exist_ok=True)
                     with src, open(tmp / "models" / name, "wb") as out:
                         shutil.copyfileobj(src, out)
         if not _complete(tmp / "models"):
-            raise ValueError(f"{sdist.name} lacks some of llama.cpp's ggml-vocab-* files")
+            raise ValueError(f"{sdist.name} lacks llama.cpp's ggml-vocab-* files or templates")
         shutil.rmtree(final, ignore_errors=True)
         try:
             os.replace(tmp, final)

@@ -6,8 +6,9 @@ with a ``ChatTemplateError``.
 
 transformers is the reference, called as ``apply_chat_template`` calls it (messages
 normalised, then ``render_jinja_template`` with the same special tokens), without a
-tokenizer. The templates live in llama.cpp's tree in the peer cache
-(``bench.llama_server.cache_dir()``); without it these tests skip.
+tokenizer. The templates come from llama.cpp's tree in the peer cache, else from the
+pinned llama-cpp-python sdist (``tests/llamacpp_vocab.py``, seconds); only when neither
+can be had do these tests skip, with the reason.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ from typing import Any
 
 import pytest
 
-from bench.llama_server import cache_dir
 from lifecycle.api.openai_params import parse_chat
 from lifecycle.api.tool_prompt import render_chat
 from modelfile.chat import ChatTemplate, ChatTemplateError
+from tests.llamacpp_vocab import templates_dir
 
 hf_chat = pytest.importorskip("transformers.utils.chat_template_utils")
 
-TEMPLATES = cache_dir() / "llama.cpp" / "models" / "templates"
-PATHS = sorted(TEMPLATES.glob("*.jinja")) if TEMPLATES.is_dir() else []
-NO_TEMPLATES = f"no llama.cpp templates at {TEMPLATES} (the llama.cpp tree is not unpacked)"
+TEMPLATES, NO_TEMPLATES = templates_dir()  # fetched from the pinned sdist when absent
+PATHS = sorted(TEMPLATES.glob("*.jinja")) if TEMPLATES is not None else []
 BOS, EOS = "<s>", "</s>"
 
 TOOLS = [
