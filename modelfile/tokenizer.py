@@ -139,6 +139,12 @@ class Tokenizer:
             self._token_text[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """One token's exact bytes where the vocabulary spells them out (SentencePiece
+        byte fallback, gemma4: ``<0xE2>`` is the byte 0xE2, "▁" a space); None for the
+        byte-level BPE vocabularies, whose pieces are GPT-2's byte alphabet."""
+        return self._bytes.piece(token_id) if self._bytes is not None else None
+
     def token_to_id(self, token: str) -> int | None:
         return self._inner.token_to_id(token)
 

@@ -96,3 +96,15 @@ def test_stream_survives_bytes_that_are_not_utf8(spm: tuple[Tokenizer, list[str]
     stream = tok.decode_stream()
     text = "".join(stream.step(i) for i in ids) + stream.flush()
     assert text == tok.decode(ids) == "0\ufffd\ufffd wor\ufffd"
+
+
+def test_logprob_bytes_are_the_tokens_bytes(spm: tuple[Tokenizer, list[str]]) -> None:
+    """OpenAI logprobs' ``bytes`` of a byte-fallback token are its byte, and its token
+    string OpenAI's ``bytes:\\xNN``; a piece's are its text's, "▁" a space."""
+    from lifecycle.api.openai_outputs import TokenTexts
+
+    tok, tokens = spm
+    texts = TokenTexts(tok)
+    assert texts.get(tokens.index("<0xE2>")) == ("bytes:\\xe2", [0xE2])
+    assert texts.get(tokens.index("<0x30>")) == ("0", [0x30])
+    assert texts.get(tokens.index("\u2581w")) == (" w", [0x20, ord("w")])

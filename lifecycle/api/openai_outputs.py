@@ -59,6 +59,13 @@ class TokenTexts:
         return hit
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        exact = getattr(self.tok, "token_bytes", None)
+        spelled = exact(token_id) if exact is not None else None
+        if spelled is not None:  # a vocabulary that spells its bytes out (SentencePiece)
+            try:
+                return spelled.decode("utf-8"), list(spelled)
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in spelled), list(spelled)
         text = self.tok.token_text(token_id)
         piece = self._piece(token_id) if self._piece is not None else None
         if "\ufffd" in text and piece and all(c in _BYTES for c in piece):
