@@ -157,6 +157,8 @@ def _routes(
         reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
     )  # fmt: skip
     openai.install(router)
+    reasoning = openai.reasoning.name if openai.reasoning is not None else None
+    api.parsers = (reasoning, openai.tool_format.name or None)
     ResponsesAPI(openai).install(router)
     ScoreAPI(frontend, model_id).install(router)
     EmbeddingsAPI(

@@ -157,3 +157,11 @@ def test_responses_api_reasoning_item(server: tuple[str, str, openai.OpenAI]) ->
     done = events[-1]  # response.incomplete: the limit ended the echo
     assert done.type == "response.incomplete"
     assert [item.type for item in done.response.output] == ["reasoning", "message"]
+
+
+def test_model_info_names_the_formats_in_effect(server: tuple[str, str, openai.OpenAI]) -> None:
+    """Detected from the template (no option given): its marker's family, and qwen3's
+    <think> reasoning."""
+    family, url, _ = server
+    info = httpx.get(url + "/model_info", timeout=10).json()
+    assert (info["reasoning_parser"], info["tool_call_parser"]) == ("qwen3", family)

@@ -88,6 +88,9 @@ class NativeAPI:
     def __init__(self, frontend: Frontend, server_args: dict[str, Any]) -> None:
         self.fe = frontend
         self.server_args = server_args
+        # The reasoning and tool-call formats in effect (the options', else the chat
+        # template's; set by the OpenAI API that reads them), for /model_info.
+        self.parsers: tuple[str | None, str | None] = (None, None)
 
     def install(self, router: Router) -> None:
         router.add(["POST", "PUT"], "/generate", self.generate)
@@ -192,6 +195,8 @@ class NativeAPI:
                 "architectures": [getattr(cfg, "arch", "llama")],
                 "max_model_len": cfg.context_length,
                 "vocab_size": cfg.vocab_size,
+                "reasoning_parser": self.parsers[0],
+                "tool_call_parser": self.parsers[1],
             }
         )
 
