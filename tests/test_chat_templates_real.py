@@ -233,3 +233,34 @@ def test_generation_tag_namespace_and_tojson_arguments() -> None:
     assert ChatTemplate(source).render(messages) == transformers_render(source, messages, None)
     with pytest.raises(ChatTemplateError):
         ChatTemplate("{% set ns = namespace(_x=1) %}").render(messages)
+
+
+@pytest.mark.skipif(not PATHS, reason=NO_TEMPLATES)
+@pytest.mark.parametrize(
+    "name", ["mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"]
+)
+def test_mistral_templates_take_our_mistral_call_ids(name: str) -> None:
+    """A reply's tool calls sent back as history: Mistral's templates refuse any id but 9
+    letters and digits, which is what the mistral tool format gives its calls."""
+    from lifecycle.api.tool_formats import TOOL_FORMATS
+    from lifecycle.api.tools import call_id
+
+    assert TEMPLATES is not None
+    source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    chars = TOOL_FORMATS["mistral"].id_chars
+    for cid, ok in ((call_id(chars), True), (call_id(), False)):
+        call = {
+            "id": cid,
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        }
+        messages = [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": cid, "content": "sunny"},
+        ]
+        got = outcome(
+            ChatTemplate(source, bos_token=BOS, eos_token=EOS).render, messages, True, tools=TOOLS
+        )
+        want = outcome(transformers_render, source, messages, TOOLS)
+        assert (got[0] == "ok") == ok == (want[0] == "ok"), (cid, got, want)

@@ -116,6 +116,7 @@ class ToolFormat:
     lead_openers: tuple[str, ...] = ()
     between = ""  # characters between two calls, dropped (besides whitespace)
     special = False  # the markers are special tokens: the text must keep them
+    id_chars = 0  # a call id of this many letters and digits; 0: OpenAI's call_ + 24
     # the grammar: prefix, then calls joined by separator, then suffix
     prefix, separator, suffix = "", "\n", ""
 
@@ -186,6 +187,7 @@ class Mistral(ToolFormat):
     name = "mistral"
     openers = (MISTRAL_CALLS,)
     special = True
+    id_chars = 9  # Mistral's templates refuse a tool history with other ids
     prefix, separator, suffix = MISTRAL_CALLS + "[", ", ", "]"
 
     def take(self, buf: str, final: bool) -> Take | None:

@@ -57,8 +57,11 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 _WS = " \t\r\n"
 
 
-def call_id() -> str:
-    """A tool call's id: ``call_`` and 24 random letters and digits (OpenAI's shape)."""
+def call_id(chars: int = 0) -> str:
+    """A tool call's id: ``call_`` and 24 random letters and digits (OpenAI's shape), or
+    ``chars`` of them alone where the family's template demands that (Mistral: 9)."""
+    if chars:
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(chars))
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
@@ -73,7 +76,7 @@ def _partial(text: str, openers: tuple[str, ...]) -> int:
     return best
 
 
-def _call(name: str, args: Any, names: frozenset[str]) -> dict[str, Any] | None:
+def _call(name: str, args: Any, names: frozenset[str], id_chars: int = 0) -> dict[str, Any] | None:
     """The OpenAI tool call a parsed ``(name, arguments)`` means, or None."""
     if isinstance(args, str):  # some families write the arguments as JSON text
         try:
@@ -83,7 +86,7 @@ def _call(name: str, args: Any, names: frozenset[str]) -> dict[str, Any] | None:
     if name not in names or not isinstance(args, dict):
         return None
     return {
-        "id": call_id(),
+        "id": call_id(id_chars),
         "type": "function",
         # json.dumps' separators: what the grammar makes the model write (wire.grammar)
         "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
@@ -174,7 +177,7 @@ class ToolCallParser:
     def _apply(self, take: Take, out: list[dict[str, Any]]) -> None:
         region, self._buf = self._buf[: take.used], self._buf[take.used :]
         self._region = False
-        calls = [_call(name, args, self.names) for name, args in take.calls]
+        calls = [_call(name, args, self.names, self.fmt.id_chars) for name, args in take.calls]
         if not take.ok or None in calls:  # not a call: the region is content as written
             self._at_start = False
             self._text(region, out)
