@@ -16,10 +16,9 @@ import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ByteDecoding", "ByteStreamDecoder", "token_bytes"]
+from modelfile.vocab_models import SPACE, TOKEN_TYPE_BYTE
 
-SPACE = "\u2581"  # "▁"
-TOKEN_TYPE_BYTE = 6
+__all__ = ["ByteDecoding", "ByteStreamDecoder", "token_bytes"]
 
 
 def token_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> tuple[bytes, ...]:

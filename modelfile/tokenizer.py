@@ -18,7 +18,14 @@ from tokenizers.decoders import DecodeStream
 from modelfile.byte_decode import ByteDecoding, ByteStreamDecoder, token_bytes
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 from modelfile.pretokenizers import IGNORE_MERGES, SUPPORTED_PRE_TOKENIZERS
-from modelfile.vocab_models import gemma4_pipeline, spm_pipeline, wordpiece_pipeline
+from modelfile.vocab_models import (
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_USER_DEFINED,
+    gemma4_pipeline,
+    spm_pipeline,
+    wordpiece_pipeline,
+)
 
 __all__ = [
     "SUPPORTED_PRE_TOKENIZERS",
@@ -28,11 +35,6 @@ __all__ = [
     "build_tokenizer",
     "tokenizer_from_gguf",
 ]
-
-# GGUF token types (llama.cpp's llama_token_type).
-TOKEN_TYPE_UNKNOWN = 2
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 
 TOKENIZER_MODELS = ("bert", "gemma4", "gpt2", "llama")
 

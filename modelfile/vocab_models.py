@@ -16,11 +16,24 @@ from collections.abc import Sequence
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
-__all__ = ["gemma4_pipeline", "merges_by_score", "spm_pipeline", "wordpiece_pipeline"]
+__all__ = [
+    "SPACE",
+    "TOKEN_TYPE_BYTE",
+    "TOKEN_TYPE_CONTROL",
+    "TOKEN_TYPE_UNKNOWN",
+    "TOKEN_TYPE_USER_DEFINED",
+    "gemma4_pipeline",
+    "merges_by_score",
+    "spm_pipeline",
+    "wordpiece_pipeline",
+]
 
 SPACE = "\u2581"  # "▁": SentencePiece's escaped space
-# GGUF token types (llama.cpp's llama_token_type) that keep their text in WordPiece's vocab.
-_UNKNOWN, _CONTROL = 2, 3
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_BYTE = 6
 
 
 def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -113,7 +126,7 @@ def wordpiece_pipeline(
     form (control tokens keep their text)."""
     vocab: dict[str, int] = {}
     for i, (text, kind) in enumerate(zip(tokens, token_types, strict=True)):
-        if kind in (_UNKNOWN, _CONTROL):
+        if kind in (TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL):  # their text kept as is
             name = text
         else:
             name = text[1:] if text.startswith(SPACE) else "##" + text
