@@ -18,18 +18,41 @@ from dataclasses import dataclass
 
 from modelfile.vocab_models import SPACE, TOKEN_TYPE_BYTE
 
-__all__ = ["ByteDecoding", "ByteStreamDecoder", "token_bytes"]
+__all__ = ["GPT2_BYTES", "ByteDecoding", "ByteStreamDecoder", "piece_byte", "token_bytes"]
+
+
+def piece_byte(text: str) -> bytes | None:
+    """The byte a byte-fallback piece (``<0xE2>``) stands for; None for any other piece."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            return None
+    return None
 
 
 def token_bytes(tokens: Sequence[str], token_types: Sequence[int]) -> tuple[bytes, ...]:
     """Each token's bytes: a byte token's one byte, any other's text with "▁" a space."""
     out = []
     for text, kind in zip(tokens, token_types, strict=True):
-        if kind == TOKEN_TYPE_BYTE and len(text) == 6 and text.startswith("<0x"):
-            out.append(bytes([int(text[3:5], 16)]))
-        else:
-            out.append(text.replace(SPACE, " ").encode())
+        byte = piece_byte(text) if kind == TOKEN_TYPE_BYTE else None
+        out.append(byte if byte is not None else text.replace(SPACE, " ").encode())
     return tuple(out)
+
+
+def _gpt2_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: vocabulary character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+GPT2_BYTES = _gpt2_alphabet()
 
 
 @dataclass(frozen=True, slots=True)

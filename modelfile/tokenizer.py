@@ -15,7 +15,13 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, processors
 from tokenizers.decoders import DecodeStream
 
-from modelfile.byte_decode import ByteDecoding, ByteStreamDecoder, token_bytes
+from modelfile.byte_decode import (
+    GPT2_BYTES,
+    ByteDecoding,
+    ByteStreamDecoder,
+    piece_byte,
+    token_bytes,
+)
 from modelfile.gguf_meta import GGUFMetadata, ModelFileError
 from modelfile.pretokenizers import IGNORE_MERGES, SUPPORTED_PRE_TOKENIZERS
 from modelfile.vocab_models import (
@@ -141,11 +147,21 @@ class Tokenizer:
             self._token_text[token_id] = text
         return text
 
-    def token_bytes(self, token_id: int) -> bytes | None:
-        """One token's exact bytes where the vocabulary spells them out (SentencePiece
-        byte fallback, gemma4: ``<0xE2>`` is the byte 0xE2, "▁" a space); None for the
-        byte-level BPE vocabularies, whose pieces are GPT-2's byte alphabet."""
-        return self._bytes.piece(token_id) if self._bytes is not None else None
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's exact bytes (its part of a character, for a token that holds
+        one): a byte-fallback token's ``<0xE2>`` is the byte 0xE2 (GGUF SentencePiece and
+        gemma4 vocabularies, or a folder's tokenizer.json), a byte-level BPE piece maps
+        back through GPT-2's alphabet, any other token is its text's UTF-8."""
+        if self._bytes is not None:
+            return self._bytes.piece(token_id)
+        piece = self._inner.id_to_token(token_id) or ""
+        byte = piece_byte(piece)
+        if byte is not None:
+            return byte
+        text = self.token_text(token_id)
+        if "\ufffd" in text and piece and all(c in GPT2_BYTES for c in piece):
+            return bytes(GPT2_BYTES[c] for c in piece)
+        return text.encode()
 
     def token_to_id(self, token: str) -> int | None:
         return self._inner.token_to_id(token)

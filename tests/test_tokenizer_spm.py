@@ -108,3 +108,18 @@ def test_logprob_bytes_are_the_tokens_bytes(spm: tuple[Tokenizer, list[str]]) ->
     assert texts.get(tokens.index("<0xE2>")) == ("bytes:\\xe2", [0xE2])
     assert texts.get(tokens.index("<0x30>")) == ("0", [0x30])
     assert texts.get(tokens.index("\u2581w")) == (" w", [0x20, ord("w")])
+
+
+def test_a_folders_byte_pieces_are_their_bytes() -> None:
+    """A tokenizer.json with SentencePiece byte fallback (Llama 2, Mistral folders):
+    ``<0xE2>`` is the byte 0xE2 in logprobs too, not the six characters of its name."""
+    import tokenizers
+    from tokenizers import models
+
+    from lifecycle.api.openai_outputs import TokenTexts
+
+    vocab = {"<unk>": 0, "<0xE2>": 1, "\u2581hi": 2, "<0x41>": 3}
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok = Tokenizer(inner, bos_id=None, eos_id=0, eog_ids=(0,), special_ids=[0])
+    assert tok.token_bytes(1) == b"\xe2" and tok.token_bytes(3) == b"A"
+    assert TokenTexts(tok).get(1) == ("bytes:\\xe2", [0xE2])

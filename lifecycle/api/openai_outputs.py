@@ -28,28 +28,11 @@ from lifecycle.core.outputs import SampleOutput
 __all__ = ["ChoiceState", "ReplyIds", "TokenTexts", "fingerprint", "finish_reason", "usage"]
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: vocabulary character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
-_BYTES = _byte_decoder()
-
-
 class TokenTexts:
     """Per-token text and bytes for logprobs, computed once per token id."""
 
     def __init__(self, tokenizer: TokenizerLike) -> None:
         self.tok = tokenizer
-        backend = getattr(tokenizer, "backend", None)
-        self._piece = getattr(backend, "id_to_token", None)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
@@ -59,19 +42,12 @@ class TokenTexts:
         return hit
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
-        exact = getattr(self.tok, "token_bytes", None)
-        spelled = exact(token_id) if exact is not None else None
-        if spelled is not None:  # a vocabulary that spells its bytes out (SentencePiece)
-            try:
-                return spelled.decode("utf-8"), list(spelled)
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in spelled), list(spelled)
-        text = self.tok.token_text(token_id)
-        piece = self._piece(token_id) if self._piece is not None else None
-        if "\ufffd" in text and piece and all(c in _BYTES for c in piece):
-            raw = bytes(_BYTES[c] for c in piece)
+        exact = getattr(self.tok, "token_bytes", None)  # the tokenizer's own (modelfile)
+        raw = exact(token_id) if exact is not None else self.tok.token_text(token_id).encode()
+        try:
+            return raw.decode("utf-8"), list(raw)
+        except UnicodeDecodeError:  # part of a character: OpenAI's bytes:\xNN form
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
-        return text, list(text.encode())
 
 
 def finish_reason(finish: Any) -> str | None:
