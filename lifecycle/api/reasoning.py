@@ -27,6 +27,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lifecycle.core.detok import held_back
+
 __all__ = [
     "REASONING_PARSERS",
     "ReasoningFormat",
@@ -94,14 +96,6 @@ class _At(enum.Enum):
     CONTENT = "content"
 
 
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ReasoningSplitter:
     """One choice's text, fed in pieces; ``feed`` and ``finish`` return
     ``(kind, text)`` pieces, ``kind`` "reasoning" or "content", in order."""
@@ -155,7 +149,7 @@ class ReasoningSplitter:
             self._at, self.closed, self._fresh = _At.CONTENT, True, True
             self._buf = buf[end + len(fmt.end) :]
             return True
-        keep = _partial(buf, fmt.end)
+        keep = held_back(buf, (fmt.end,))
         body = buf[: len(buf) - keep]
         sent = body.rstrip()  # trailing space waits: it is dropped before the end tag
         self._emit("reasoning", sent, out)

@@ -31,6 +31,7 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "TOOL_FORMATS",
+    "WHITESPACE",
     "Take",
     "ToolFormat",
     "detect_tool_format",
@@ -48,7 +49,7 @@ DS_CALL_BEGIN, DS_CALL_END, DS_SEP = (
     "<｜tool▁call▁end｜>",
     "<｜tool▁sep｜>",
 )
-_WS = " \t\r\n"
+WHITESPACE = " \t\r\n"  # JSON's whitespace, what may surround a call
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,7 @@ def _named(obj: Any, *keys: str) -> tuple[str, Any] | None:
 
 
 def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
+    while i < len(text) and text[i] in WHITESPACE:
         i += 1
     return i
 

@@ -37,9 +37,11 @@ from lifecycle.api.tool_formats import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_FORMATS,
+    WHITESPACE,
     Take,
     ToolFormat,
 )
+from lifecycle.core.detok import held_back
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -54,7 +56,6 @@ __all__ = [
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 _ID_ALPHABET = string.ascii_letters + string.digits
-_WS = " \t\r\n"
 
 
 def call_id(chars: int = 0) -> str:
@@ -63,17 +64,6 @@ def call_id(chars: int = 0) -> str:
     if chars:
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(chars))
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
-def _partial(text: str, openers: tuple[str, ...]) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of an opener."""
-    best = 0
-    for opener in openers:
-        for k in range(min(len(text), len(opener) - 1), best, -1):
-            if opener.startswith(text[-k:]):
-                best = k
-                break
-    return best
 
 
 def _call(name: str, args: Any, names: frozenset[str], id_chars: int = 0) -> dict[str, Any] | None:
@@ -138,7 +128,7 @@ class ToolCallParser:
                 self._apply(take, out)
                 continue
             if self._after_call:
-                self._buf = self._buf.lstrip(_WS + self.fmt.between)
+                self._buf = self._buf.lstrip(WHITESPACE + self.fmt.between)
                 if not self._buf:
                     return
                 self._after_call = False
@@ -148,7 +138,7 @@ class ToolCallParser:
             if start < 0:
                 # a limit cut inside a marker's multi-byte character leaves U+FFFD
                 tail = self._buf.rstrip("\ufffd") if truncated else self._buf
-                keep = _partial(tail, self.fmt.openers)
+                keep = held_back(tail, self.fmt.openers)
                 cut = len(tail) - keep
                 self._text(self._buf[:cut], out)
                 # the start of a marker the limit cut is dropped too; else it is text
@@ -164,7 +154,7 @@ class ToolCallParser:
         """Where the next call region starts (-1: none yet; None: undecided)."""
         buf, fmt = self._buf, self.fmt
         if self._at_start and fmt.lead_openers:
-            lead = len(buf) - len(buf.lstrip(_WS))
+            lead = len(buf) - len(buf.lstrip(WHITESPACE))
             rest = buf[lead:]
             if any(rest.startswith(o) for o in fmt.lead_openers):
                 return lead

@@ -20,7 +20,7 @@ import anyio.lowlevel
 
 from wire.faults import fault_point
 
-__all__ = ["SampleText", "TextCodec", "TokenizerLike"]
+__all__ = ["SampleText", "TextCodec", "TokenizerLike", "held_back"]
 
 
 class TokenizerLike(Protocol):
@@ -108,6 +108,19 @@ class TextCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How much of ``text``'s end to hold back while streaming: the longest suffix that
+    is a proper prefix of one of ``markers`` (a stop string, a tag, a tool-call opener
+    that the next tokens may complete)."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(text), len(marker) - 1), best, -1):
+            if marker.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
 class SampleText:
     """The text of one output sample, grown token by token.
 
@@ -153,10 +166,7 @@ class SampleText:
             if at >= 0:
                 end = min(end, at)
                 continue
-            for k in range(min(len(stop) - 1, len(raw)), 0, -1):
-                if raw.endswith(stop[:k]):  # could become a match: hold it back
-                    end = min(end, len(raw) - k)
-                    break
+            end = min(end, len(raw) - held_back(raw, (stop,)))  # could become a match
         return raw[: max(sent, end)]
 
     def final(self, finish: Any, sent: int) -> str:
