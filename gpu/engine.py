@@ -116,6 +116,10 @@ class Engine:
             self._footprint = MemoryFootprint(self.model.weight_bytes(), self.cache.nbytes(), name)
         return self._footprint
 
+    def holds(self, rid: int) -> bool:
+        """Whether ``rid`` is live here (a sequence, or a fork not made yet)."""
+        return rid in self.seqs or rid in self.reserved
+
     def load(self) -> dict[str, Any]:
         s = self.scheduler
         return {

@@ -100,7 +100,13 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
                 if isinstance(frame, wire.Probe):
                     conn.send(wire.ProbeReply(frame.nonce, engine.load()))
                 elif isinstance(
-                    frame, wire.Submit | wire.Abort | wire.StatsReq | wire.Flush | wire.Shutdown
+                    frame,
+                    wire.Submit
+                    | wire.Abort
+                    | wire.Audit
+                    | wire.StatsReq
+                    | wire.Flush
+                    | wire.Shutdown,
                 ):
                     inbox.put(frame)
                 else:
@@ -175,6 +181,9 @@ def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
         entries = engine.abort(frame.rids)
         if entries:
             conn.send(wire.Step(engine.step_no, entries))
+    elif isinstance(frame, wire.Audit):  # in order with SUBMIT: what never arrived
+        missing = [r for r in frame.rids if not engine.holds(r)]
+        conn.send(wire.AuditReply(frame.nonce, missing))
     elif isinstance(frame, wire.StatsReq):
         conn.send(wire.Stats(frame.nonce, _stats(engine)))
     elif isinstance(frame, wire.Flush):
@@ -184,6 +193,7 @@ def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
 
 
 def _step(engine: Engine, conn: _Connection) -> None:
+    before = engine.step_no
     try:
         entries = engine.step()
     except Exception:
@@ -197,6 +207,8 @@ def _step(engine: Engine, conn: _Connection) -> None:
             conn.send(wire.ReqError(errs))
         return
     if not entries:
+        if engine.step_no != before:  # a prompt chunk: progress the frontend can see
+            conn.send(wire.Step(engine.step_no, []))
         return
     try:
         conn.send(wire.Step(engine.step_no, entries))

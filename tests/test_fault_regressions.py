@@ -199,8 +199,10 @@ def test_lost_dispatch_is_hung_even_while_stats_are_polled(srv: LiveServer) -> N
     """Found by the simulation (seed 729): a submission lost on the way to the worker
     (fault ``frontend.dispatch`` drop) stayed a tombstone for as long as anyone polled
     ``/server_info``, because every STATS reply counted as progress and the hung-worker
-    watchdog never fired. Protection: only STEP and REQ-ERROR frames count as progress
-    (``WorkerClient._reader``)."""
+    watchdog never fired; once it did fire, it restarted a healthy worker. Protection:
+    the watchdog's AUDIT (``WorkerClient.audit``) finds the rid the worker never got and
+    ends that request alone; the worker is not restarted."""
+    pid = srv.worker()["pid"]
     srv.replan_frontend([FaultRule("frontend.dispatch", "drop", nth=1)])
     try:
         stop = threading.Event()
@@ -221,6 +223,7 @@ def test_lost_dispatch_is_hung_even_while_stats_are_polled(srv: LiveServer) -> N
     finally:
         srv.replan_frontend([])
     srv.wait_ready(timeout=10)
+    assert srv.worker()["pid"] == pid
     srv.assert_invariants()
 
 

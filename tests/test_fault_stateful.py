@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.live_calls import ABORT_MESSAGE
 from lifecycle.core.params import parse_generate
 from lifecycle.core.states import Cause
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
@@ -118,7 +119,7 @@ class FrontendMachine(RuleBasedStateMachine):
         def go() -> None:
             live = [o for o in self.h.owners if not o.ended and o.call.client is not None]
             if live:
-                live[i % len(live)].call.abort("Abort by the /abort_request API")
+                live[i % len(live)].call.abort(ABORT_MESSAGE)
 
         self.h.portal.call(go)
 

@@ -8,7 +8,18 @@ from collections.abc import Iterator
 import pytest
 
 from tests.worker_client import WorkerClient, spawn_worker
-from wire import Abort, Flush, FlushReply, Probe, ProbeReply, Stats, StatsReq, Step
+from wire import (
+    Abort,
+    Audit,
+    AuditReply,
+    Flush,
+    FlushReply,
+    Probe,
+    ProbeReply,
+    Stats,
+    StatsReq,
+    Step,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -122,6 +133,32 @@ def test_abort_queued_mid_prefill_and_mid_decode_frees_everything(worker: Worker
     worker.wait([c], until=lambda f: isinstance(f, Step))
     worker.send(Abort([c, 999_999_999]))  # unknown rids are ignored
     worker.wait([c])
+    _idle_sound(worker)
+
+
+def test_prompt_chunks_send_empty_steps_and_audit_names_what_never_arrived(
+    worker: WorkerClient,
+) -> None:
+    """A step that only prefills sends an empty STEP (the hung-worker watchdog's evidence
+    of progress during a long prompt); AUDIT, answered in order with SUBMIT, names the
+    rids the worker does not hold (issue 37 items 1 and 10)."""
+    a = next(_rid)
+    long_prompt = [1] + [500 + i % 7000 for i in range(1500)]  # three prefill chunks
+    worker.submit(a, long_prompt, {**GREEDY, "max_new_tokens": 2, "n": 2})
+    never = next(_rid) + 1000
+    reply = worker.request(Audit(next(_rid), [a, a + 1, never]), AuditReply)
+    assert reply.missing == [never]
+    empty = 0
+    while not worker.results[a].ids:
+        frame = worker.recv()
+        assert frame is not None
+        if isinstance(frame, Step) and not frame.entries:
+            empty += 1
+        worker.apply(frame)
+    assert empty >= 1  # chunks 1 and 2 of 3 carried no token (one may pass in request())
+    worker.wait([a, a + 1])
+    reply = worker.request(Audit(next(_rid), [a, a + 1]), AuditReply)
+    assert reply.missing == [a, a + 1]  # ended: the worker holds neither
     _idle_sound(worker)
 
 

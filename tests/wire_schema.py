@@ -33,6 +33,8 @@ RULE_BY_KIND = {
     13: "fatal",
     14: "challenge",
     15: "auth",
+    16: "audit",
+    17: "audit-reply",
 }
 
 

@@ -16,6 +16,8 @@ import numpy as np
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Audit",
+    "AuditReply",
     "Auth",
     "Challenge",
     "Fatal",
@@ -48,6 +50,7 @@ K_HELLO, K_SUBMIT, K_ABORT, K_STEP, K_REQ_ERROR = 1, 2, 3, 4, 5
 K_PROBE, K_PROBE_REPLY, K_STATS_REQ, K_STATS = 6, 7, 8, 9
 K_FLUSH, K_FLUSH_REPLY, K_SHUTDOWN, K_FATAL = 10, 11, 12, 13
 K_CHALLENGE, K_AUTH = 14, 15
+K_AUDIT, K_AUDIT_REPLY = 16, 17
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -148,6 +151,22 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class Audit:
+    """Which of ``rids`` (each sent in an earlier SUBMIT) does the worker not hold?"""
+
+    nonce: int
+    rids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReply:
+    """The rids of the AUDIT the worker does not hold: lost on the way to it."""
+
+    nonce: int
+    missing: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Flush:
     nonce: int
 
@@ -194,6 +213,8 @@ Frame = (
     | ProbeReply
     | StatsReq
     | Stats
+    | Audit
+    | AuditReply
     | Flush
     | FlushReply
     | Shutdown
@@ -223,6 +244,10 @@ def _to_array(frame: Frame) -> list[Any]:
             return [K_STATS_REQ, nonce]
         case Stats(nonce, load):
             return [K_STATS, nonce, load]
+        case Audit(nonce, rids):
+            return [K_AUDIT, nonce, list(rids)]
+        case AuditReply(nonce, missing):
+            return [K_AUDIT_REPLY, nonce, list(missing)]
         case Flush(nonce):
             return [K_FLUSH, nonce]
         case FlushReply(nonce, ok, message):
@@ -344,6 +369,10 @@ def decode_frame(payload: bytes) -> Frame:
         if kind in (K_PROBE_REPLY, K_STATS) and n == 3:
             cls2 = ProbeReply if kind == K_PROBE_REPLY else Stats
             return cls2(_uint(a[1], "nonce"), _map(a[2], "load"))
+        if kind in (K_AUDIT, K_AUDIT_REPLY) and n == 3 and isinstance(a[2], list):
+            rids = [_uint(r, "rid") for r in a[2]]
+            nonce = _uint(a[1], "nonce")
+            return Audit(nonce, rids) if kind == K_AUDIT else AuditReply(nonce, rids)
         if kind == K_FLUSH_REPLY and n == 4:
             return FlushReply(_uint(a[1], "nonce"), bool(a[2]), str(a[3]))
         if kind == K_SHUTDOWN and n == 1:

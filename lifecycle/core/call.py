@@ -106,7 +106,7 @@ class _Sink:
 
 
 class _ItemRun:
-    __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted")
+    __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted", "ended")
 
     def __init__(self, rec: RequestRecord, item: GenerateItem) -> None:
         self.rec = rec
@@ -115,6 +115,9 @@ class _ItemRun:
         self.buffers: list[OutputBuffer] = []
         self.sub: Submission | None = None  # what the worker holds: asked, never copied
         self.admitted = False
+        # How its samples end when an abort or a cut came before the submission did
+        # (while the prompt was being tokenized): it is then never submitted.
+        self.ended: Any = None
 
 
 class GenerateCall:
@@ -204,6 +207,10 @@ class GenerateCall:
             buf = OutputBuffer(max_new + host.output_margin)
             run.buffers.append(buf)
             sinks.append(_Sink(buf, run.rec, self))
+        if run.ended is not None:  # ended while being tokenized: never submitted
+            for sink in sinks:
+                sink.finish(run.ended)
+            return
         assert self.client is not None
         rec_id = run.rec.id
         run.sub = run.rec.submission = self.client.submit(
@@ -229,9 +236,12 @@ class GenerateCall:
         """End the call's requests (or the one ``rec_id``) with finish_reason abort: the
         owner still reads their partial output and sends it."""
         for run in self.runs:
-            if (rec_id is None or run.rec.id == rec_id) and run.sub is not None:
-                if self.client is not None:
-                    self.client.abort(run.sub, message=message)
+            if rec_id is not None and run.rec.id != rec_id:
+                continue
+            if run.sub is None:  # not submitted yet (being tokenized): it never will be
+                run.ended = run.ended or {"type": "abort", "message": message}
+            elif self.client is not None:
+                self.client.abort(run.sub, message=message)
 
     def interrupt(self, cause: Cause, message: str) -> None:
         """End every sample that has not ended with an explicit error the owner sends
@@ -240,6 +250,8 @@ class GenerateCall:
         for run in self.runs:
             for buf in run.buffers:
                 buf.finish(failure)  # the first end wins: a finished sample keeps its own
+            if run.sub is None:
+                run.ended = run.ended or failure
             if run.sub is not None and self.client is not None:
                 self.client.abort(run.sub, forget=True, message=message)
         self.wake()
@@ -332,7 +344,9 @@ class GenerateCall:
     ) -> AsyncIterator[tuple[int, SampleOutput, dict[str, Any]]]:
         while not self.done:
             for index, sample in await self.wait():
-                if sample.failure is None:
+                # A sample that failed still sends what it got before the failure (a
+                # lagging reader's last chunk holds it), then the owner sends the error.
+                if sample.failure is None or len(sample.ids) > sample.sent_ids:
                     yield index, sample, sample.frame(incremental, self.e2e())
 
     # -- every exit ------------------------------------------------------------------------

@@ -17,7 +17,11 @@ import anyio
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause
 
-__all__ = ["LiveCall", "LiveCalls"]
+__all__ = ["ABORT_MESSAGE", "LiveCall", "LiveCalls"]
+
+# The finish message of every request ended by ``/abort_request``, in whatever state
+# (being tokenized, queued here, queued or running in the worker).
+ABORT_MESSAGE = "Abort by the /abort_request API"
 
 
 class LiveCall(Protocol):
@@ -74,7 +78,7 @@ class LiveCalls(Generic[C]):
         """``/abort_request``: end the request named by its client rid, or every live one;
         with ``owner``, only among the calls that owner made (another's rid is as good as
         unknown). Each ends with finish_reason abort (its partial output); returns how many."""
-        message = "Abort by the /abort_request API"
+        message = ABORT_MESSAGE
         if abort_all:
             calls = [c for c in self.calls() if owner is None or self._owners.get(c) == owner]
             for each in calls:

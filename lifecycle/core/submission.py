@@ -60,7 +60,9 @@ class Submission:
     handed to the worker, ``on_release`` when a hold the worker had ends.
     """
 
-    __slots__ = ("rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release")
+    __slots__ = (
+        "rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release", "abort_message"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -78,6 +80,9 @@ class Submission:
         self.open = self.n  # samples the worker has not ended yet
         self.on_dispatch = on_dispatch
         self.on_release = on_release
+        # Why the frontend aborted it: the worker's abort entry says only that it ended,
+        # so this is the one message its samples report.
+        self.abort_message: str | None = None
 
     def move(self, event: str) -> None:
         dst = _HOLD_MOVES.get((self.hold, event))

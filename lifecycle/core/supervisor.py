@@ -45,10 +45,14 @@ class SupervisorConfig:
     hung_timeout: float = 60.0  # has work, no frame for this long: hung
     max_queued: int = DEFAULT_MAX_QUEUED  # the dispatch queue's bound (WorkerClient)
     watchdog_interval: float = 0.5
+    audit_interval: float = 5.0  # while work is held: ask the worker what never arrived
     backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
     stable_after: float = 30.0  # a life this long resets the back-off
     token: str | None = None  # answers a remote worker's CHALLENGE (wire.auth)
     tls_ca: str | None = None  # CA file a tls: worker's certificate is checked with
+
+
+AUDIT_TIMEOUT = 5.0  # seconds an AUDIT may wait for the worker's step to end
 
 
 class WarmupFailed(RuntimeError):
@@ -207,12 +211,30 @@ class Supervisor:
             callback(client)
 
     async def _watchdog(self, client: WorkerClient) -> None:
-        limit_ns = int(self.config.hung_timeout * 1e9)
+        """Hung: work held and no progress for ``hung_timeout``. Before that verdict, and
+        every ``audit_interval`` while work is held, the worker is asked which requests
+        it never received (``WorkerClient.audit``): those end alone, the worker stays."""
+        cfg = self.config
+        limit_ns = int(cfg.hung_timeout * 1e9)
+        audit_ns = int(min(cfg.audit_interval, cfg.hung_timeout) * 1e9)
+        last_audit = time.monotonic_ns()
         while True:
-            await anyio.sleep(self.config.watchdog_interval)
-            if client.busy and time.monotonic_ns() - client.last_progress_ns > limit_ns:
+            await anyio.sleep(cfg.watchdog_interval)
+            now = time.monotonic_ns()
+            if not client.busy:
+                last_audit = now
+                continue
+            stalled = now - client.last_progress_ns > limit_ns
+            if not stalled and now - last_audit < audit_ns:
+                continue
+            last_audit = now
+            try:
+                await client.audit(timeout=min(cfg.hung_timeout, AUDIT_TIMEOUT))
+            except (TimeoutError, ConnectionError):
+                pass  # no answer: a stalled worker is hung
+            if stalled and client.busy and time.monotonic_ns() - client.last_progress_ns > limit_ns:
                 self.status = "hung"
-                self.last_error = f"no progress for {self.config.hung_timeout:.1f}s with work held"
+                self.last_error = f"no progress for {cfg.hung_timeout:.1f}s with work held"
                 log.error("worker hung: %s; restarting it", self.last_error)
                 self._set_ready(False)
                 await client.close()

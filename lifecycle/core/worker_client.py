@@ -35,9 +35,12 @@ from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_re
 from lifecycle.core.wire_stream import FrameStream
 from wire.faults import fault_point
 
-__all__ = ["DEFAULT_MAX_QUEUED", "WorkerClient", "WorkerRefused"]
+__all__ = ["DEFAULT_MAX_QUEUED", "LOST_ON_THE_WAY", "WorkerClient", "WorkerRefused"]
 
 log = logging.getLogger("lifecycle.worker")
+
+
+LOST_ON_THE_WAY = "worker lost: the request never reached the worker"
 
 
 class WorkerRefused(ConnectionError):
@@ -63,6 +66,7 @@ class WorkerClient:
         self._held: dict[int, tuple[Submission, int]] = {}  # wire rid -> (submission, sample)
         self._in_flight = 0
         self._abort_lane: list[int] = []
+        self._sent_upto = 0  # every rid up to this one went out in a SUBMIT frame
         self._replies: dict[int, list[Any]] = {}  # nonce -> [Event, reply]
         self._wake = anyio.Event()
         self.closed = False
@@ -138,6 +142,8 @@ class WorkerClient:
             return
         if sub.hold is not WorkerHold.RUNNING:
             return
+        if sub.abort_message is None:
+            sub.abort_message = message
         live = [sub.rid + i for i, s in enumerate(sub.sinks) if s is not None or forget]
         live = [r for r in live if r in self._held]
         if forget:
@@ -179,7 +185,7 @@ class WorkerClient:
         return bool(self._in_flight)
 
     # -- control round trips -------------------------------------------------------------
-    async def _call(self, frame_cls: Any, timeout: float) -> Any:
+    async def _call(self, frame_cls: Callable[[int], Any], timeout: float) -> Any:
         nonce = next(self._nonces)
         slot: list[Any] = [anyio.Event(), None]
         self._replies[nonce] = slot
@@ -203,6 +209,21 @@ class WorkerClient:
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         reply: wire.Stats = await self._call(wire.StatsReq, timeout)
         return reply.load
+
+    async def audit(self, timeout: float = 5.0) -> int:
+        """End every request the frontend sent that the worker does not hold (lost on
+        the way: ``wire.cddl`` AUDIT) with worker_lost; returns how many. The others,
+        and the worker, go on."""
+        upto = self._sent_upto
+        asked = [rid for rid in self._held if rid <= upto]
+        if not asked:
+            return 0
+        reply: wire.AuditReply = await self._call(lambda n: wire.Audit(n, asked), timeout)
+        lost = [rid for rid in reply.missing if rid in self._held]
+        for rid in lost:
+            log.error("rid %d never reached the worker; ending it", rid)
+            self._end(rid, WorkerFailure("worker_lost", LOST_ON_THE_WAY))
+        return len(lost)
 
     async def flush(self, timeout: float = 30.0) -> tuple[bool, str]:
         reply: wire.FlushReply = await self._call(wire.Flush, timeout)
@@ -243,10 +264,13 @@ class WorkerClient:
                     rids, self._abort_lane = self._abort_lane, []
                     await self._frames.send(wire.Abort(rids))
                 batch = self._take_ready()
+                upto = max((e.rid + e.sampling.get("n", 1) - 1 for e in batch), default=0)
                 if batch:
                     batch = await _dispatch_faults(batch)
                 if batch:
                     await self._frames.send(wire.Submit(batch))
+                if upto:  # a SUBMIT now precedes any AUDIT that asks for these rids
+                    self._sent_upto = max(self._sent_upto, upto)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._frames.aclose()  # the reader sees EOF and ends the connection
 
@@ -287,7 +311,12 @@ class WorkerClient:
                     self.last_progress_ns = time.monotonic_ns()
                     for rid, code, message in errors:
                         self._end(rid, WorkerFailure(code, message))
-                case wire.ProbeReply(nonce) | wire.Stats(nonce) | wire.FlushReply(nonce):
+                case (
+                    wire.ProbeReply(nonce)
+                    | wire.Stats(nonce)
+                    | wire.FlushReply(nonce)
+                    | wire.AuditReply(nonce)
+                ):
                     slot = self._replies.get(nonce)
                     if slot is not None:
                         slot[1] = frame
@@ -314,7 +343,10 @@ class WorkerClient:
                     self.abort_sample(sub, i, "invalid output")
                     sink.finish(WorkerFailure("internal", "the worker sent invalid output"))
             if e.finish is not None:
-                self._end(e.rid, finish_reason(e.finish))
+                reason = finish_reason(e.finish)
+                if reason["type"] == "abort" and sub.abort_message is not None:
+                    reason["message"] = sub.abort_message  # ours, not the worker's words
+                self._end(e.rid, reason)
 
     def _end(self, rid: int, reason: Any) -> None:
         found = self._held.pop(rid, None)

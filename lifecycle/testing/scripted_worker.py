@@ -41,6 +41,10 @@ class ScriptConfig:
     step_delay: float = 0.0  # seconds per scheduler step
     burst: int = 16  # undelayed steps run back to back and sent in one write
     prefill_delay: float = 0.0  # extra seconds in the step that admits a sequence
+    # > 0: a prompt is prefilled in chunks of this many tokens, one step each (each
+    # costing ``prefill_delay``); a step that only prefills sends an empty STEP, as the
+    # model's worker does
+    prefill_chunk: int = 0
     max_running: int = 64
     max_pending: int = 256
     kv_blocks: int = 4096
@@ -67,6 +71,7 @@ class _Seq:
     generated: int = 0
     started: bool = False
     aborted: bool = False
+    chunks_left: int = 0  # prefill steps still to run before the first token
     out: list[int] = field(default_factory=list)
 
 
@@ -79,6 +84,7 @@ class ScriptedWorker:
         self.steps = 0
         self._wake = anyio.Event()
         self._errors: list[tuple[int, str, str]] = []
+        self._unsent: set[int] = set()  # rids ended in a frame not written yet
 
     # -- books ------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
@@ -121,6 +127,7 @@ class ScriptedWorker:
         self.running.clear()
         self.free_blocks = self.config.kv_blocks
         self._errors.clear()
+        self._unsent.clear()
 
     def submit(self, frame: wire.Submit) -> None:
         c = self.config
@@ -161,8 +168,10 @@ class ScriptedWorker:
             stops = set(s.get("stop_token_ids", ()))
             if not s.get("ignore_eos"):
                 stops.add(c.eos_id)
+            chunks = math.ceil(len(prompt) / c.prefill_chunk) - 1 if c.prefill_chunk else 0
             for i in range(n):
                 seq = _Seq(e.rid + i, prompt, i, max_new, frozenset(stops), e.options)
+                seq.chunks_left = max(0, chunks)
                 self.waiting.append(seq)
         self._wake.set()
 
@@ -188,7 +197,10 @@ class ScriptedWorker:
             admitted = True
         return admitted
 
-    def _advance(self, seq: _Seq) -> wire.StepEntry:
+    def _advance(self, seq: _Seq) -> wire.StepEntry | None:
+        if seq.chunks_left and not seq.aborted:  # one more prompt chunk, no output yet
+            seq.chunks_left -= 1
+            return None
         extra: dict[str, Any] = {}
         if not seq.started:
             seq.started = True
@@ -228,15 +240,19 @@ class ScriptedWorker:
             self.waiting.remove(s)
         entries = [self._end(s, [], ["abort", "aborted while waiting"], {}) for s in gone]
         self._admit()
-        for seq in self.running:
-            entries.append(self._advance(seq))
-        self.running = [
-            s for s, e in zip(self.running, entries[len(gone) :], strict=True) if e.finish is None
-        ]
-        if not entries:
+        advanced = [(seq, self._advance(seq)) for seq in self.running]
+        entries += [e for _, e in advanced if e is not None]
+        self.running = [s for s, e in advanced if e is None or e.finish is None]
+        if not entries and not advanced:
             return None
         self.steps += 1
         return wire.Step(self.steps, entries)
+
+    def holds(self, rid: int) -> bool:
+        """Whether ``rid`` is live here or its end is not written yet (AUDIT)."""
+        if rid in self._unsent or any(e[0] == rid for e in self._errors):
+            return True
+        return any(s.rid == rid for s in (*self.waiting, *self.running))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._errors)
@@ -250,10 +266,14 @@ class ScriptedWorker:
                 continue
             if self._errors:
                 errors, self._errors = self._errors, []
+                ended = {e[0] for e in errors}
+                self._unsent |= ended
                 await out.send(wire.ReqError(errors))
+                self._unsent -= ended
             if c.hang_after_steps and self.steps >= c.hang_after_steps:
                 await anyio.sleep_forever()
-            delay = c.step_delay + (c.prefill_delay if self.waiting else 0.0)
+            prefilling = self.waiting or any(s.chunks_left for s in self.running)
+            delay = c.step_delay + (c.prefill_delay if prefilling else 0.0)
             await anyio.sleep(delay)  # with no delay, still a checkpoint: SUBMITs and ABORTs get in
             # Undelayed steps cost nothing, so up to `burst` of them run back to back and
             # go out in one write, as an instant model's would; a delayed step goes alone.
@@ -265,6 +285,7 @@ class ScriptedWorker:
                 if frame is None:
                     break
                 frames.append(frame)
+                self._unsent.update(e.rid for e in frame.entries if e.finish is not None)
                 if c.die_after_steps and self.steps >= c.die_after_steps:
                     await out.send_many(frames)
                     os._exit(3)
@@ -272,6 +293,7 @@ class ScriptedWorker:
                     break
             if frames:
                 await out.send_many(frames)
+            self._unsent.clear()
 
     # -- one frontend connection --------------------------------------------------------
     async def serve_connection(self, out: FrameStream) -> None:
@@ -300,6 +322,8 @@ class ScriptedWorker:
                 await out.send(wire.ProbeReply(nonce, self.load()))
             case wire.StatsReq(nonce):
                 await out.send(wire.Stats(nonce, self.load()))
+            case wire.Audit(nonce, rids):
+                await out.send(wire.AuditReply(nonce, [r for r in rids if not self.holds(r)]))
             case wire.Flush(nonce):
                 await out.send(wire.FlushReply(nonce, True, "Cache flushed."))
             case wire.Shutdown():
