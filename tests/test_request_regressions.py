@@ -198,3 +198,35 @@ def test_lagging_reader_gets_every_token_before_the_error(srv: LiveServer) -> No
     assert trace["tokens"] == len(delivered) > 100
     assert delivered == ([11, 12, 13] * 700)[: len(delivered)]
     srv.assert_invariants()
+
+
+def test_a_request_bigger_than_a_frame_is_split_not_fatal(srv: LiveServer) -> None:
+    """Issue 37 item 4: one valid batch request (its stop list copied into each of its
+    prompts' entries) made a SUBMIT frame over the 64 MiB frame limit; the dispatcher
+    died on it, every running stream ended 503 worker_lost and the worker restarted.
+    Protection: ``WorkerClient._take_ready`` cuts SUBMIT frames under the limit (and
+    ``submit`` refuses, before dispatch, one request that alone would not fit)."""
+    pid = srv.worker()["pid"]
+    results: dict[str, Any] = {}
+
+    def stream() -> None:
+        body = {"input_ids": [7, 8], "sampling_params": LONG, "stream": True}
+        with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        results["stream"] = json.loads(events[-2])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    srv.wait_state("streaming", 1, timeout=10)
+    stops = [f"{i:05d}" + "x" * 995 for i in range(7000)]  # 7 MB, under the 8 MiB body
+    body = {
+        "input_ids": [[9, i] for i in range(10)],  # 10 entries of 7 MB: 70 MB to send
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": True, "stop": stops},
+    }
+    r = httpx.post(srv.url + "/generate", json=body, timeout=60)
+    t.join(60)
+    assert r.status_code == 200, r.text[:300]
+    assert [x["output_ids"] for x in r.json()] == [[9, i] for i in range(10)]
+    assert results["stream"]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert srv.worker()["pid"] == pid
+    srv.assert_invariants()

@@ -169,3 +169,48 @@ async def test_generate_probe_passes_on_its_own_output_and_wakes_on_an_end_witho
         assert not ok and detail.startswith("worker_lost: ")
         ok, detail = await generate_probe(stuck)  # closed now: refused at submit
         assert (ok, detail) == (False, "worker_lost: the worker is not connected")
+
+
+async def test_submit_frames_stay_under_the_limit_and_an_oversized_request_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 37 item 4: entries are cut into SUBMIT frames that each stay under the frame
+    limit (here lowered to 2,000 bytes); one request that alone exceeds it is refused
+    before dispatch, and nothing else is disturbed."""
+    import lifecycle.core.worker_client as wc
+    import wire
+
+    monkeypatch.setattr(wc, "SUBMIT_ENTRY_LIMIT", 2000)
+    with scripted_worker("--max-pending", "64") as addr:
+        client = await _client(addr)
+        sent: list[int] = []
+        frames = client._frames
+
+        class Spy:  # the client's frame stream, recording each SUBMIT's entry bytes
+            async def send(self, frame: Any) -> None:
+                if isinstance(frame, wire.Submit):
+                    sent.append(sum(wire.submit_entry_bytes(e) for e in frame.entries))
+                await frames.send(frame)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(frames, name)
+
+        client._frames = Spy()  # type: ignore[assignment]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run)
+            stop = ["x" * 590]  # each entry ~650 bytes: three to a frame
+            sinks = [RecordingSink() for _ in range(7)]
+            for i, s in enumerate(sinks):
+                sampling = {"max_new_tokens": 2, "ignore_eos": True, "stop": stop}
+                client.submit([10 + i, 20], sampling, {}, [s])
+            big = RecordingSink()
+            sub = client.submit([1], {"max_new_tokens": 2, "stop": ["y" * 3000]}, {}, [big])
+            assert sub.hold.value == "released"
+            assert isinstance(big.end, WorkerFailure) and big.end.code == "invalid"
+            assert "bytes on the worker link" in big.end.message
+            with anyio.fail_after(10):
+                for s in sinks:
+                    await s.done.wait()
+            assert [s.ids for s in sinks] == [[10 + i, 20] for i in range(7)]
+            assert len(sent) >= 3 and max(sent) <= 2000 and sum(sent) > 4000
+            tg.cancel_scope.cancel()

@@ -87,6 +87,12 @@ MUTS = [
         "                if sample.failure is None:\n",
     ),
     (
+        "test_request_regressions.py::test_a_request_bigger_than_a_frame_is_split_not_fatal",
+        "lifecycle/core/worker_client.py",
+        "            if batch and size + sub.entry_bytes > SUBMIT_ENTRY_LIMIT:\n",
+        "            if False:\n",
+    ),
+    (
         "test_burst_queue_bounded",
         "lifecycle/core/fsm.py",
         "        rec.fire(Event.ADMIT, queue)\n",

@@ -38,6 +38,7 @@ __all__ = [
     "WireError",
     "decode_frame",
     "encode_frame",
+    "submit_entry_bytes",
     "f32s_to_list",
     "ids_to_list",
     "pack_f32s",
@@ -266,6 +267,12 @@ def _to_array(frame: Frame) -> list[Any]:
 def encode_frame(frame: Frame) -> bytes:
     """One frame -> CBOR bytes (without the length prefix; see ``framing``)."""
     return cbor2.dumps(_to_array(frame))
+
+
+def submit_entry_bytes(entry: SubmitEntry) -> int:
+    """The CBOR size of one SUBMIT entry: a SUBMIT frame's size is the sum of its
+    entries' plus a few bytes, so a sender can cut its frames under ``MAX_FRAME_BYTES``."""
+    return len(cbor2.dumps([entry.rid, entry.prompt, entry.sampling, entry.options]))
 
 
 def _uint(v: Any, what: str) -> int:

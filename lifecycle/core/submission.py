@@ -61,7 +61,8 @@ class Submission:
     """
 
     __slots__ = (
-        "rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release", "abort_message"
+        "rid", "n", "entry", "sinks", "hold", "open", "on_dispatch", "on_release",
+        "abort_message", "entry_bytes",
     )  # fmt: skip
 
     def __init__(
@@ -83,6 +84,7 @@ class Submission:
         # Why the frontend aborted it: the worker's abort entry says only that it ended,
         # so this is the one message its samples report.
         self.abort_message: str | None = None
+        self.entry_bytes = 0  # the entry's CBOR size (set by the dispatcher)
 
     def move(self, event: str) -> None:
         dst = _HOLD_MOVES.get((self.hold, event))

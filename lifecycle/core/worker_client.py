@@ -35,11 +35,19 @@ from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_re
 from lifecycle.core.wire_stream import FrameStream
 from wire.faults import fault_point
 
-__all__ = ["DEFAULT_MAX_QUEUED", "LOST_ON_THE_WAY", "WorkerClient", "WorkerRefused"]
+__all__ = [
+    "DEFAULT_MAX_QUEUED",
+    "LOST_ON_THE_WAY",
+    "SUBMIT_ENTRY_LIMIT",
+    "WorkerClient",
+    "WorkerRefused",
+]
 
 log = logging.getLogger("lifecycle.worker")
 
 
+# The most one SUBMIT frame's entries may take (the frame's own header is a few bytes).
+SUBMIT_ENTRY_LIMIT = wire.MAX_FRAME_BYTES - 1024
 LOST_ON_THE_WAY = "worker lost: the request never reached the worker"
 
 
@@ -122,6 +130,14 @@ class WorkerClient:
             refusal = WorkerFailure("invalid", msg)
         elif len(self._queue) >= self.max_queued:
             refusal = WorkerFailure("overloaded", "the dispatch queue is full; retry later")
+        elif (size := wire.submit_entry_bytes(entry)) > SUBMIT_ENTRY_LIMIT:
+            msg = (
+                f"the request's prompt and parameters take {size} bytes on the worker link, "
+                f"more than the {SUBMIT_ENTRY_LIMIT} one request may"
+            )
+            refusal = WorkerFailure("invalid", msg)
+        else:
+            sub.entry_bytes = size
         if refusal is not None:
             sub.end_all(refusal)
             sub.move("refuse")
@@ -263,19 +279,22 @@ class WorkerClient:
                 if self._abort_lane:
                     rids, self._abort_lane = self._abort_lane, []
                     await self._frames.send(wire.Abort(rids))
-                batch = self._take_ready()
-                upto = max((e.rid + e.sampling.get("n", 1) - 1 for e in batch), default=0)
-                if batch:
+                for batch in self._take_ready():  # each under the frame size limit
+                    upto = max(e.rid + e.sampling.get("n", 1) - 1 for e in batch)
                     batch = await _dispatch_faults(batch)
-                if batch:
-                    await self._frames.send(wire.Submit(batch))
-                if upto:  # a SUBMIT now precedes any AUDIT that asks for these rids
+                    if batch:
+                        await self._frames.send(wire.Submit(batch))
+                    # a SUBMIT now precedes any AUDIT that asks for these rids
                     self._sent_upto = max(self._sent_upto, upto)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._frames.aclose()  # the reader sees EOF and ends the connection
 
-    def _take_ready(self) -> list[wire.SubmitEntry]:
+    def _take_ready(self) -> list[list[wire.SubmitEntry]]:
+        """What the credits allow, in submission order, cut into SUBMIT frames that each
+        stay under the frame size limit."""
+        batches: list[list[wire.SubmitEntry]] = []
         batch: list[wire.SubmitEntry] = []
+        size = 0
         while self._queue:
             sub = self._queue[0]
             if self._in_flight + sub.n > self.max_pending:
@@ -287,10 +306,16 @@ class WorkerClient:
                 self._held[sub.rid + i] = (sub, i)
             self._in_flight += sub.n
             assert sub.entry is not None
+            if batch and size + sub.entry_bytes > SUBMIT_ENTRY_LIMIT:
+                batches.append(batch)
+                batch, size = [], 0
             batch.append(sub.entry)
+            size += sub.entry_bytes
             sub.entry = None  # the prompt is the worker's now
             sub.move("dispatch")
-        return batch
+        if batch:
+            batches.append(batch)
+        return batches
 
     async def _reader(self) -> str:
         while True:
