@@ -118,11 +118,13 @@ class Tracer:
 
     # -- installation --------------------------------------------------------------------
     def install(self) -> None:
-        fsm.set_observer(self)
+        self._previous = fsm.set_observer(self)
 
     def uninstall(self) -> None:
+        """Give the observer back to the one this tracer replaced (a second Engine in a
+        process that shuts down first leaves the first one's tracer working)."""
         if fsm._observer is self:
-            fsm.set_observer(None)
+            fsm.set_observer(getattr(self, "_previous", None))
 
     def close(self) -> None:
         self.uninstall()
