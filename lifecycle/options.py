@@ -222,11 +222,10 @@ OPTIONS: tuple[Option, ...] = (
     _o("port", "port to listen on", _HTTP, type=int, default=30000, server=True),
     _o(
         "send_timeout",
-        "seconds a client may stall a send",
+        "seconds a client (or an Engine stream's consumer) may stall a send",
         _HTTP,
         type=float,
         default=30.0,
-        server=True,
     ),  # fmt: skip
     _o(
         "drain_timeout",

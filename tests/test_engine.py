@@ -152,6 +152,43 @@ def test_streams_give_the_http_chunks_and_break_aborts(engine: Engine) -> None:
     assert {c["index"] for c in batch} == {0, 1}
 
 
+def test_abandoned_stream_with_a_reference_kept_ends_stalled() -> None:
+    """Issue 37 item 2: a stream the caller left after one chunk, keeping the iterator,
+    stayed live in ``streaming`` (its rid refused as a duplicate) until the iterator was
+    garbage-collected. Protection: the producer in the Engine's loop gives up on a
+    caller that takes no chunk for ``send_timeout`` (``EngineLoop._produce``) and closes
+    the stream there; the request ends ``client_stalled``, its rid is free, and the kept
+    iterator yields what was handed and then raises that error. Sync and async."""
+    long = {"max_new_tokens": 5000, "ignore_eos": True}
+    with Engine(scripted_worker=True, worker_args="--step-delay 0.005", send_timeout=1) as e:
+        kept = e.generate("hi", long, stream=True, rid="kept")
+        next(kept)  # then the caller goes elsewhere, keeping ``kept``
+        t0 = time.monotonic()
+        info = _idle(e, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert info["failed_requests"].get("client_stalled") == 1
+        assert e.generate("hi", {"max_new_tokens": 2}, rid="kept")["meta_info"]["id"] == "kept"
+        with pytest.raises(EngineError) as err:
+            list(kept)
+        assert err.value.cause == "client_stalled"
+
+        async def main() -> str:
+            ait = await e.async_generate("hi", long, stream=True, rid="kept-async")
+            await ait.__anext__()
+            t0 = time.monotonic()
+            while e.server_info()["live_requests"]:  # noqa: ASYNC110 - another loop's state
+                assert time.monotonic() - t0 < 5
+                await asyncio.sleep(0.05)
+            with pytest.raises(EngineError) as err:
+                async for _ in ait:
+                    pass
+            return str(err.value.cause)
+
+        assert asyncio.run(main()) == "client_stalled"
+        info = _idle(e)
+        assert info["failed_requests"].get("client_stalled") == 2
+
+
 def test_async_generate_stream_and_cancel(engine: Engine) -> None:
     async def main() -> tuple[dict, list[dict], int]:
         one = await engine.async_generate("hi", {"max_new_tokens": 3})
@@ -233,10 +270,17 @@ def test_a_model_or_worker_that_cannot_start_fails_the_engine_fast(tmp_path: Pat
 def test_shutdown_twice_and_no_requests_after() -> None:
     e = Engine(scripted_worker=True)
     pid = e.server_info()["internal_states"][0]["pid"]
+    kept = e.generate("hi", {"max_new_tokens": 5000, "ignore_eos": True}, stream=True)
+    next(kept)
     e.shutdown()
     e.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
+    # Issue 37 item 11: an Engine error after shutdown, never the portal's RuntimeError.
+    with pytest.raises(EngineError, match="shut down") as err:
         e.generate("hi")
+    assert err.value.cause == "shutting_down"
+    with pytest.raises(EngineError) as err:
+        list(kept)  # a stream taken before the shutdown: its error, or the Engine's
+    assert err.value.cause == "shutting_down"
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -14,7 +14,7 @@ import atexit
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +28,7 @@ from lifecycle.engine.loop import EngineLoop
 from lifecycle.engine.requests import (
     EngineError,
     Requests,
+    StreamExit,
     generate_bodies,
     interleave,
     prompt_items,
@@ -64,7 +65,7 @@ class Engine:
         values = engine_values(model, {**layered(config, os.environ, server=False), **options})
         self.config = app_config(values, debug_routes=True)
         self._faults(values.get("faults"))
-        self._loop: EngineLoop | None = EngineLoop()
+        self._loop: EngineLoop | None = EngineLoop(_shut_down)
         self._runtime_task: Future[Any] | None = None
         self.runtime: Runtime
         try:
@@ -129,7 +130,7 @@ class Engine:
     @property
     def _live(self) -> EngineLoop:
         if self._loop is None:
-            raise RuntimeError("the Engine is shut down")
+            raise _shut_down()
         return self._loop
 
     # -- generate --------------------------------------------------------------------------
@@ -150,7 +151,10 @@ class Engine:
         ``rid``. A batch shows a progress bar on a terminal unless ``progress=False``."""
         bodies, batch = generate_bodies(prompt, input_ids, sampling_params, fields)
         if stream:
-            return self._live.iterate(lambda: self._stream(bodies, batch))
+            left = StreamExit(self.config.send_timeout)
+            return self._live.iterate(
+                lambda: self._stream(bodies, batch, left), self.config.send_timeout, left.stall
+            )
         bar = _progress_bar(len(bodies), progress) if batch else None
         try:
             per_body = self._live.call(self._requests.run_many, bodies, self._window(), bar)
@@ -172,14 +176,19 @@ class Engine:
         Cancelling the awaiting task aborts the request."""
         bodies, batch = generate_bodies(prompt, input_ids, sampling_params, fields)
         if stream:
-            return self._live.aiterate(lambda: self._stream(bodies, batch))
+            left = StreamExit(self.config.send_timeout)
+            return self._live.aiterate(
+                lambda: self._stream(bodies, batch, left), self.config.send_timeout, left.stall
+            )
         per_body = await self._live.bridge(self._requests.run_many, bodies, self._window())
         return _answer(per_body, batch)
 
-    def _stream(self, bodies: list[dict[str, Any]], batch: bool) -> AsyncIterator[dict[str, Any]]:
+    def _stream(
+        self, bodies: list[dict[str, Any]], batch: bool, left: StreamExit
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """A stream is one call: a batch goes as one body (``index`` in each chunk)."""
         body = bodies[0] if not batch else _batch_body(bodies)
-        return self._requests.stream(body, self.config.incremental_streaming_output)
+        return self._requests.stream(body, self.config.incremental_streaming_output, left)
 
     def _window(self) -> int:
         """Requests in flight for a batch: enough to keep every worker credit busy with
@@ -333,6 +342,10 @@ class Engine:
 
             faults.install(faults.load_plan(path))
             os.environ[faults.ENV_VAR] = os.path.abspath(path)
+
+
+def _shut_down() -> EngineError:
+    return EngineError(Cause.SHUTTING_DOWN, "the Engine is shut down")
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

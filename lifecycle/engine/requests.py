@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -20,6 +20,7 @@ from lifecycle.core.states import Cause
 __all__ = [
     "EngineError",
     "Requests",
+    "StreamExit",
     "caller_left",
     "generate_bodies",
     "interleave",
@@ -61,6 +62,28 @@ def caller_left() -> tuple[Cause, str]:
     """The exit cause of an Engine call whose caller stopped waiting (the task was
     cancelled, the iterator closed): the Engine's client disconnect."""
     return Cause.CLIENT_GONE, "the caller stopped waiting"
+
+
+class StreamExit:
+    """The exit cause of an Engine stream: the caller left (``caller_left``), or, once
+    ``stall`` was called, stopped taking chunks for ``after`` seconds while keeping the
+    iterator (the HTTP send timeout's twin: ``client_stalled``)."""
+
+    __slots__ = ("after", "stalled")
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self.stalled = False
+
+    def stall(self) -> EngineError:
+        self.stalled = True
+        return EngineError(Cause.CLIENT_STALLED, self._message())
+
+    def _message(self) -> str:
+        return f"the caller took no chunk for {self.after:g} s"
+
+    def __call__(self) -> tuple[Cause, str]:
+        return (Cause.CLIENT_STALLED, self._message()) if self.stalled else caller_left()
 
 
 def prompt_items(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
@@ -225,12 +248,15 @@ class Requests:
         return [item for part in out for item in part]
 
     async def stream(
-        self, body: dict[str, Any], incremental: bool
-    ) -> AsyncIterator[dict[str, Any]]:
+        self,
+        body: dict[str, Any],
+        incremental: bool,
+        exit_cause: Callable[[], tuple[Cause, str]] = caller_left,
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """One body's stream chunks; an error after some chunks raises EngineError."""
         req = self.parse(body)
         try:
-            async with self.fe.call(req, caller_left) as call:
+            async with self.fe.call(req, exit_cause) as call:
                 await call.start()
                 async for chunk in chunks(call, incremental):
                     yield chunk
