@@ -218,6 +218,13 @@ OPTIONS: tuple[Option, ...] = (
         default=1024,
     ),  # fmt: skip
     _o("incremental_streaming_output", "stream deltas, not cumulative text", _REQ, **_SWITCH),
+    _o(
+        "request_timeout",
+        "seconds a request may take from arrival to its end before it ends 504 (deadline);"
+        " a client's X-Request-Timeout header sets its own",
+        _REQ,
+        type=float,
+    ),  # fmt: skip
     _o("host", "address to listen on", _HTTP, default="127.0.0.1", server=True),
     _o("port", "port to listen on", _HTTP, type=int, default=30000, server=True),
     _o(
@@ -387,6 +394,7 @@ _PLAIN = (
     "router_policy",
     "max_queued",
     "incremental_streaming_output",
+    "request_timeout",
     "send_timeout",
     "hung_timeout",
     "drain_timeout",

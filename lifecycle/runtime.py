@@ -66,6 +66,7 @@ class AppConfig:
     router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
     max_queued: int = 1024  # admission bound in the frontend
     incremental_streaming_output: bool = False
+    request_timeout: float | None = None  # every request's deadline (None: none)
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
     drain_timeout: float = DRAIN.timeout_s  # SIGTERM: in-flight requests finish until then
@@ -186,12 +187,14 @@ class Runtime:
             FrontendConfig(
                 max_queued=cfg.max_queued,
                 incremental_streaming_output=cfg.incremental_streaming_output,
+                request_timeout=cfg.request_timeout,
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path
         self.metrics = Metrics(fe)
         if cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)
+            self.metrics.watch_tracer(self.tracer)
             tg.start_soon(self.tracer.run)
         elif cfg.trace.record_prompts:
             log.warning("--trace-prompts records nothing without debug routes or --trace-log")

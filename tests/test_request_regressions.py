@@ -230,3 +230,57 @@ def test_a_request_bigger_than_a_frame_is_split_not_fatal(srv: LiveServer) -> No
     assert results["stream"]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
     assert srv.worker()["pid"] == pid
     srv.assert_invariants()
+
+
+def test_a_request_past_its_deadline_ends_504(srv: LiveServer) -> None:
+    """Issue 37 item 1: no request had a deadline (``Cause.DEADLINE`` was never raised).
+    A request's ``X-Request-Timeout`` header (or ``--request-timeout``, below) is the
+    seconds it may take; past them it ends ``deadline``: 504 unary, an error event then
+    ``[DONE]`` streaming, the OpenAI error shape on ``/v1``; the worker stops its work."""
+    body = {"input_ids": [4, 5], "sampling_params": LONG, "rid": "late"}
+    t0 = time.monotonic()
+    r = httpx.post(srv.url + "/generate", json=body, headers={"X-Request-Timeout": "0.5"})
+    took = time.monotonic() - t0
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["message"] == "the request's deadline passed (0.5 s)"
+    assert 0.5 <= took < 3.0  # 400 tokens take 8 s here
+    trace = _trace(srv, "late")
+    assert trace["state"] == "error" and trace["cause"] == "deadline"
+    srv.assert_invariants()  # the worker let go of it
+    with httpx.stream(
+        "POST", srv.url + "/generate", json={**body, "rid": "late-stream", "stream": True},
+        headers={"X-Request-Timeout": "0.5"},
+    ) as s:  # fmt: skip
+        assert s.status_code == 200
+        events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 504 and "deadline" in err["message"], err
+    assert json.loads(events[-3])["output_ids"]  # what it made before the deadline came
+    chat = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    r = httpx.post(
+        srv.url + "/v1/chat/completions", json=chat, headers={"X-Request-Timeout": "0.3"}
+    )
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
+    for bad in ("0", "-1", "soon", "nan"):
+        r = httpx.post(srv.url + "/generate", json=body, headers={"X-Request-Timeout": bad})
+        assert r.status_code == 400 and "X-Request-Timeout" in r.json()["error"]["message"]
+    srv.assert_invariants()
+
+
+def test_request_timeout_is_every_requests_default() -> None:
+    """Issue 37 item 1: ``--request-timeout`` gives every request a deadline; a request's
+    header overrides it (here: longer)."""
+    args = ("--scripted-worker", "--worker-args", "--step-delay 0.02", "--request-timeout", "0.5")
+    with start_server(*args) as srv:
+        body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 60}}
+        r = httpx.post(srv.url + "/generate", json=body)
+        assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/generate", json=body, headers={"X-Request-Timeout": "10"})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 60
+        srv.assert_invariants()

@@ -20,6 +20,7 @@ having been registered in time. What a call needs of the process is its ``CallHo
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +33,7 @@ from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
 from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fsm import RequestRecord, admit, new_request
+from lifecycle.core.origin import CALL_ORIGIN
 from lifecycle.core.outputs import OutputOptions, SampleOutput
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.states import Cause, Event
@@ -39,7 +41,9 @@ from lifecycle.core.submission import Sink, Submission, WorkerFailure
 from lifecycle.core.worker_client import WorkerClient
 from wire import pack_ids
 
-__all__ = ["CallHost", "ExitCause", "GenerateCall", "owner_left"]
+__all__ = ["TIMEOUT_HEADER", "CallHost", "ExitCause", "GenerateCall", "owner_left"]
+
+TIMEOUT_HEADER = b"x-request-timeout"  # a request's own deadline, in seconds
 
 log = logging.getLogger("lifecycle.core.call")
 
@@ -122,7 +126,11 @@ class _ItemRun:
 
 class GenerateCall:
     def __init__(
-        self, host: CallHost, req: GenerateRequest, exit_cause: ExitCause = owner_left
+        self,
+        host: CallHost,
+        req: GenerateRequest,
+        exit_cause: ExitCause = owner_left,
+        timeout: float | None = None,
     ) -> None:
         self.host = host
         self.req = req
@@ -132,6 +140,10 @@ class GenerateCall:
         self._wake = anyio.Event()
         self.started_ns = time.monotonic_ns()
         self.closed = False
+        # Seconds from the start this call may take (its request's X-Request-Timeout
+        # header, else the server's --request-timeout); past them it ends deadline (504).
+        self.timeout = timeout
+        self._t0 = anyio.current_time()
 
     def wake(self) -> None:
         self._wake.set()
@@ -162,10 +174,40 @@ class GenerateCall:
         """Raises RequestError (400) or ServeError; the records are failed with their
         cause before it propagates (the scope's exit then only tidies up)."""
         try:
-            await self._start()
+            self._take_origin_timeout()
+            with anyio.move_on_after(self._remaining()) as scope:
+                await self._start()
+            if scope.cancelled_caught:
+                raise ServeError(Cause.DEADLINE, self._deadline_message())
         except (RequestError, ServeError) as exc:
             self.close(exc.cause, exc.message)
             raise
+
+    def _take_origin_timeout(self) -> None:
+        """The HTTP request's own ``X-Request-Timeout`` (seconds), over the default."""
+        origin = CALL_ORIGIN.get()
+        if origin is None:
+            return
+        raw = next((v for k, v in origin.headers.raw if k == TIMEOUT_HEADER), None)
+        if raw is None:
+            return
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = math.nan
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise RequestError(
+                f"X-Request-Timeout must be a positive number of seconds, got {raw.decode()!r}"
+            )
+        self.timeout = timeout
+
+    def _remaining(self) -> float:
+        if self.timeout is None:
+            return math.inf
+        return self._t0 + self.timeout - anyio.current_time()
+
+    def _deadline_message(self) -> str:
+        return f"the request's deadline passed ({self.timeout:g} s)"
 
     async def _start(self) -> None:
         host = self.host
@@ -316,7 +358,11 @@ class GenerateCall:
             changed = self.poll()
             if changed or self.done:
                 return changed
-            await self._wake.wait()
+            with anyio.move_on_after(self._remaining()):
+                await self._wake.wait()
+            if self._remaining() <= 0 and not self.done:
+                self.interrupt(Cause.DEADLINE, self._deadline_message())
+                continue
             self._wake = anyio.Event()
 
     async def run_to_end(self) -> None:

@@ -39,6 +39,7 @@ class FrontendConfig:
     max_queued: int = 1024  # admitted and not yet dispatched; beyond: 503 + Retry-After
     incremental_streaming_output: bool = False
     output_margin: int = 8  # OutputBuffer limit = max_new_tokens + margin
+    request_timeout: float | None = None  # a call's deadline, from its start (None: none)
 
 
 class Frontend:
@@ -69,8 +70,10 @@ class Frontend:
         self.open_observers: list[Callable[[GenerateCall], None]] = []
 
     def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
-        """A new call for ``req``; enter it with ``async with`` before starting it."""
-        call = GenerateCall(self, req, exit_cause or owner_left)
+        """A new call for ``req``; enter it with ``async with`` before starting it. Its
+        deadline: the request's ``X-Request-Timeout`` header (``CALL_ORIGIN``), else
+        ``request_timeout``."""
+        call = GenerateCall(self, req, exit_cause or owner_left, self.config.request_timeout)
         for observe in self.open_observers:
             try:
                 observe(call)
