@@ -29,6 +29,7 @@ from transport import Request, Response, Router
 if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall
     from lifecycle.core.frontend import Frontend
+    from lifecycle.tracing.tracer import Tracer
 
 __all__ = ["PREFIX", "Metrics", "record_timings"]
 
@@ -72,6 +73,7 @@ def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]
 class Metrics:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
+        self.tracer: Tracer | None = None  # watch_tracer: its health is scraped too
         self.registry = CollectorRegistry(auto_describe=True)
         self._loads: list[dict[str, Any]] = []  # each worker's STATS, by pool index
         r, p = self.registry, PREFIX
@@ -106,6 +108,10 @@ class Metrics:
         )  # fmt: skip
         self.registry.register(_LiveCollector(self))
         frontend.close_observers.append(self.observe_call)
+
+    def watch_tracer(self, tracer: Tracer) -> None:
+        """Report the tracer's health: its failures and whether ``--trace-log`` writes."""
+        self.tracer = tracer
 
     # -- hooks ----------------------------------------------------------------------------
     def observe_http(self, endpoint: str, method: str, status: int) -> None:
@@ -193,6 +199,8 @@ class _LiveCollector(Collector):
                      fe.admission.depth)  # fmt: skip
         yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
                      fe.admission.capacity)  # fmt: skip
+        if self.m.tracer is not None:
+            yield from _tracer_health(self.m.tracer)
         # One series per worker (label "worker": its index in the pool, "0" alone).
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
@@ -235,3 +243,15 @@ class _LiveCollector(Collector):
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _tracer_health(tracer: Tracer) -> Iterator[Metric]:
+    yield CounterMetricFamily(f"{PREFIX}_tracer_errors", "Tracer failures (a bug, logged "
+                              "once); the requests went on.", value=tracer.errors)  # fmt: skip
+    status = tracer.log_status()
+    if status is None:  # no --trace-log
+        return
+    yield _gauge("trace_log_ok", "1 while --trace-log writes; 0 once it failed and was "
+                 "turned off (the server log says why).", int(status["ok"]))  # fmt: skip
+    yield CounterMetricFamily(f"{PREFIX}_trace_log_unlogged", "Finished requests the trace "
+                              "log did not take after it failed.", value=status["unlogged"])  # fmt: skip

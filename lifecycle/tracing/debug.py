@@ -3,7 +3,8 @@
 ``install_debug(router, tracer)`` adds::
 
     GET /debug                  the live page (lifecycle/tracing/static/debug.html)
-    GET /debug/requests         live requests: state, age, time in state, tokens, worker
+    GET /debug/requests         live requests: state, age, time in state, tokens, worker;
+                                the trace log's health and the tracer's failures
     GET /debug/requests/{key}   one request's trace, by internal id or client rid
     GET /debug/traces           the finished traces the ring holds (the CLI's --url source)
     GET /debug/feed             WebSocket: one JSON message per tick with every transition
@@ -104,7 +105,9 @@ def install_debug(
         return Response(page_html(), content_type="text/html; charset=utf-8")
 
     async def requests(request: Request) -> Response:
-        return JSONResponse({"counts": tracer.counts(), "requests": tracer.live()})
+        return JSONResponse({"counts": tracer.counts(), "requests": tracer.live(),
+                             "trace_log": tracer.log_status(),
+                             "tracer_errors": tracer.errors})  # fmt: skip
 
     def trace_of(request: Request) -> dict[str, Any]:
         key = request.path_params["key"]

@@ -228,6 +228,11 @@ class TraceLog:
     ``path`` grows to ``max_bytes``, then becomes ``path.1`` (``path.1`` becomes
     ``path.2``, ...) and ``backups`` old files are kept. Lines are buffered and reach
     the file on ``flush()`` (the tracer's tick) or when the buffer fills.
+
+    Every method may raise ``OSError`` (a full disk, a directory removed) or
+    ``ValueError`` (the file closed by an earlier failure); the tracer then calls
+    ``abandon()`` and logs nothing more. A log moved away by someone else is not an
+    error: lines go on to the moved file until the next rotation opens ``path`` anew.
     """
 
     def __init__(self, path: str | Path, max_bytes: int = 64 << 20, backups: int = 3) -> None:
@@ -253,7 +258,8 @@ class TraceLog:
                 older = self.path.with_name(f"{self.path.name}.{i}")
                 if older.exists():
                     os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            if self.path.exists():  # else moved away meanwhile: nothing to keep here
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         else:
             self.path.unlink(missing_ok=True)
         self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
@@ -265,6 +271,14 @@ class TraceLog:
 
     def close(self) -> None:
         self._file.close()
+
+    def abandon(self) -> None:
+        """Close after a failure, dropping what the buffer still holds (a buffered file
+        closes its descriptor even when the last flush fails)."""
+        try:
+            self._file.close()
+        except (OSError, ValueError):
+            pass
 
 
 def read_log(path: str | Path, *, rotated: bool = True) -> list[dict[str, Any]]:

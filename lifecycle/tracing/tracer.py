@@ -8,6 +8,12 @@ feed, the edge is appended to one pending list. ``run()`` is the driver: every
 (a few hundred live requests make one message per tick, not one per edge) and flushes
 the log.
 
+The observer runs inside the request path (``RequestRecord.advance`` and ``fail``, the
+worker link's release), so it never raises: a bug in it is logged once with its
+traceback and counted (``errors``), and the request goes on. A trace log that fails
+(a full disk, its directory removed) is logged once, turned off and reported
+(``log_status()``: ``/metrics`` and ``/debug/requests``); serving and the ring go on.
+
 Usage::
 
     tracer = Tracer(TraceConfig(log_path="traces.jsonl"), registry=registry)
@@ -100,11 +106,15 @@ class Tracer:
         # be private, so without it no trace holds a prompt or output id.
         self.recorder = recorder if config.record_prompts else None
         self.ring = TraceRing(config.ring_size)
-        self.log = (
-            TraceLog(config.log_path, config.log_max_bytes, config.log_backups)
-            if config.log_path
-            else None
-        )
+        self.log: TraceLog | None = None
+        self.log_error: str | None = None  # why the trace log was turned off
+        self.unlogged = 0  # finished traces the log did not take after it failed
+        self.errors = 0  # observer calls that raised (a bug); the request went on
+        if config.log_path:
+            try:
+                self.log = TraceLog(config.log_path, config.log_max_bytes, config.log_backups)
+            except OSError as exc:
+                self._log_failed(exc, "open")
         # Monotonic trace times + offset = wall-clock time (measured once: one clock pair).
         self.offset_ns = time.time_ns() - time.monotonic_ns()
         self._subscribers: list[_Subscriber] = []
@@ -132,7 +142,10 @@ class Tracer:
             self._write(ft)  # the worker never confirmed; log what we have
         self._awaiting.clear()
         if self.log is not None:
-            self.log.close()
+            try:
+                self.log.close()
+            except (OSError, ValueError) as exc:
+                self._log_failed(exc, "close")
         for sub in self._subscribers:
             sub.send.close()
 
@@ -147,13 +160,23 @@ class Tracer:
     def transition(self, rec: RequestRecord, entry: RawEntry) -> None:
         # Identity tests and ``_value_``: hashing an Enum member or reading ``.value``
         # runs Python-level code, and this runs on every edge of every request.
-        dst = entry[2]
-        if self._subscribers:
-            self._feed(rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_, entry[4])
-        if dst is _DONE or dst is _ERROR:
-            self._finish(rec, entry[0])
+        try:  # free unless it raises (3.11's zero-cost try)
+            dst = entry[2]
+            if self._subscribers:
+                self._feed(rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_,
+                           entry[4])  # fmt: skip
+            if dst is _DONE or dst is _ERROR:
+                self._finish(rec, entry[0])
+        except Exception:  # the edge is taken already: the request must go on
+            self._failed(rec, "transition")
 
     def released(self, rec: RequestRecord) -> None:
+        try:
+            self._released(rec)
+        except Exception:  # runs in the worker link's reader: it must go on
+            self._failed(rec, "release")
+
+    def _released(self, rec: RequestRecord) -> None:
         now = time.monotonic_ns()
         if self._subscribers:
             state = rec.state._value_
@@ -167,6 +190,15 @@ class Tracer:
             if len(early) >= self.config.max_awaiting_release:
                 del early[next(iter(early))]  # a record dropped without ending: forget it
             early[rec.id] = now
+
+    def _failed(self, rec: RequestRecord, where: str) -> None:
+        """An observer bug: logged once with its traceback, then only counted."""
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("the tracer failed on request %d (%s); the request goes on, "
+                          "later failures are only counted (/metrics)", rec.id, where)  # fmt: skip
+        else:
+            log.debug("the tracer failed on request %d (%s)", rec.id, where, exc_info=True)
 
     def _feed(
         self, rec: RequestRecord, t_ns: int, src: str, dst: str, event: str, detail: Any
@@ -203,9 +235,50 @@ class Tracer:
             self._write(ft)
 
     def _write(self, ft: FinishedTrace) -> None:
+        if self.log is None:
+            if self.log_error is not None:
+                self.unlogged += 1
+            return
+        trace = ft.to_json(self.offset_ns)
+        try:
+            self.log.write(trace)
+        except (OSError, ValueError) as exc:
+            self._log_failed(exc, "write")
+            self.unlogged += 1
+            return
+        self.logged += 1
+
+    def _flush(self) -> None:
         if self.log is not None:
-            self.log.write(ft.to_json(self.offset_ns))
-            self.logged += 1
+            try:
+                self.log.flush()
+            except (OSError, ValueError) as exc:
+                self._log_failed(exc, "flush")
+
+    def _log_failed(self, exc: BaseException, doing: str) -> None:
+        """The trace log failed: one clear error line, then no log (the lines its buffer
+        held are lost); requests, the ring and the feed go on."""
+        broken, self.log = self.log, None
+        if broken is not None:
+            broken.abandon()
+        self.log_error = f"{doing} {self.config.log_path}: {exc}"
+        log.error("trace log %s failed to %s (%s): trace logging is off until restart; "
+                  "serving goes on, finished traces stay in /debug/traces while the ring "
+                  "holds them", self.config.log_path, doing, exc)  # fmt: skip
+
+    def log_status(self) -> dict[str, Any] | None:
+        """The trace log's health (None without ``--trace-log``): ``ok`` false once it
+        failed and was turned off, ``error`` says why; ``lines`` written, ``unlogged``
+        finished traces it did not take since."""
+        if self.config.log_path is None:
+            return None
+        return {
+            "path": self.config.log_path,
+            "ok": self.log_error is None,
+            "error": self.log_error,
+            "lines": self.logged,
+            "unlogged": self.unlogged,
+        }
 
     # -- reading -------------------------------------------------------------------------
     def lookup(self, key: str) -> dict[str, Any] | None:
@@ -273,8 +346,7 @@ class Tracer:
         for gone in [s for s in self._subscribers if s.closed]:
             gone.send.close()
             self._subscribers.remove(gone)
-        if self.log is not None:
-            self.log.flush()
+        self._flush()
         if not self._subscribers:
             self._pending.clear()
             return 0
@@ -300,10 +372,17 @@ class Tracer:
         return orjson.dumps(body)
 
     async def run(self) -> None:
-        """The driver: tick every ``feed_interval`` until cancelled."""
+        """The driver: tick every ``feed_interval`` until cancelled. It runs in the
+        server's task group, so a tick that raises (a bug) is logged and counted, never
+        let out to end the server."""
         while True:
             await anyio.sleep(self.config.feed_interval)
-            self.tick()
+            try:
+                self.tick()
+            except Exception:
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("the tracer's tick failed; the server goes on")
 
     @property
     def subscribers(self) -> int:
