@@ -17,7 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
+from lifecycle.core.fsm import RequestRecord, new_request
+from lifecycle.core.states import Cause, Event
 from lifecycle.testing.pytest_plugin import LiveServer, start_server
+from lifecycle.tracing.tracer import TraceConfig, Tracer
+from tests.test_fsm import drive
 
 ARGS = ("--scripted-worker", "--worker-args", "--step-delay 0.01")
 STREAM_TOKENS = 150
@@ -177,3 +181,30 @@ def test_trace_log_file_moved_away_goes_on_in_a_new_file(tmp_path: Path) -> None
         assert status["ok"] is True and status["error"] is None and status["unlogged"] == 0
         assert path.exists() and path.stat().st_size > 0
         srv.assert_invariants()
+
+
+def test_a_tracer_bug_never_reaches_the_request_path(caplog: pytest.LogCaptureFixture) -> None:
+    """issue 37 item 3: the tracer runs inside ``RequestRecord.advance``/``fail`` and the
+    worker link's release; an exception there came out of the edge after it was taken,
+    so the request path stopped half way. Protection: ``Tracer.transition`` and
+    ``released`` never raise; the first failure is logged with its traceback, every one
+    is counted, and the record reaches its terminal state."""
+
+    def broken_probe(rec: RequestRecord) -> dict[str, Any]:
+        raise KeyError("probe bug")
+
+    with Tracer(TraceConfig(), probe=broken_probe) as tracer:
+        tracer.subscribe().close()  # a feed subscriber: each edge is fed too
+        tracer._pending = None  # type: ignore[assignment]  # the feed itself broken
+        for end in ("finish", "fail"):
+            rec = new_request()
+            drive(rec, [Event.VALIDATE, Event.ADMIT, Event.DISPATCH])
+            if end == "finish":
+                assert rec.advance(Event.FINISH)
+            else:
+                assert rec.fail(Cause.CLIENT_GONE, "gone")
+            rec.worker_released()
+            assert rec.terminal
+        assert tracer.errors == 2 * 5  # every edge and release of both requests
+    failures = [r for r in caplog.records if "the tracer failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
