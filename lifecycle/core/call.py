@@ -143,7 +143,7 @@ class GenerateCall:
         # Seconds from the start this call may take (its request's X-Request-Timeout
         # header, else the server's --request-timeout); past them it ends deadline (504).
         self.timeout = timeout
-        self._t0 = anyio.current_time()
+        self._t0 = math.inf  # when start() began, on the event loop's clock
 
     def wake(self) -> None:
         self._wake.set()
@@ -173,6 +173,7 @@ class GenerateCall:
     async def start(self) -> None:
         """Raises RequestError (400) or ServeError; the records are failed with their
         cause before it propagates (the scope's exit then only tidies up)."""
+        self._t0 = anyio.current_time()
         try:
             self._take_origin_timeout()
             with anyio.move_on_after(self._remaining()) as scope:
