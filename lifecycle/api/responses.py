@@ -10,7 +10,12 @@ A stream sends ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, the
 ``response.output_text.delta`` events, then the ``.done`` events and
 ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); an
-error after the start is an ``error`` event, then ``response.failed``.
+error after the start is an ``error`` event, then ``response.failed``. An aborted
+response (``/abort_request``) ends ``cancelled``, the Responses API's status for a
+response stopped on request, never ``completed``: its output so far with the open items
+``incomplete``; streamed, the items' ``.done`` events and then ``response.incomplete``
+carrying it (the API has no ``response.cancelled`` event; ``response.incomplete`` is its
+terminal event for a response that did not complete).
 
 Function tools (``tools`` of type ``function``, written flat as the Responses API does,
 ``tool_choice``, ``parallel_tool_calls``) become chat tools, so they are rendered,
@@ -209,14 +214,19 @@ class ResponsesAPI:
             if refused is not None:
                 return refused
             result = choice.result(call.e2e())
-            message = result["message"]
+            message, finish = result["message"], result["finish_reason"]
             calls = [reply.function_call(c, "completed") for c in message["tool_calls"] or ()]
             text = message["content"] or ""
-            items = [reply.message(text, "completed")] if text or not calls else []
-            if message.get("reasoning_content"):  # the reasoning item comes first
-                items.insert(0, reply.reasoning(message["reasoning_content"], "completed"))
+            status, thought = _item_status(finish), message.get("reasoning_content")
+            # As a stream sends them: no empty message beside calls, nor after reasoning
+            # an abort cut (a finished reasoning-only reply has an empty message).
+            cut_thinking = bool(thought) and status == "incomplete" and not text
+            items = [reply.message(text, status)] if text or not (calls or cut_thinking) else []
+            if thought:  # the reasoning item comes first
+                ended = "completed" if text or calls else status  # else cut in the reasoning
+                items.insert(0, reply.reasoning(thought, ended))
             usage = self._usage(call, choice)
-            out = reply.final(text, result["finish_reason"], usage, items=items + calls)
+            out = reply.final(text, finish, usage, items=items + calls)
             call.close()  # done: the rid is free before the client reads the reply
             return JSONResponse(out)
 
@@ -265,11 +275,10 @@ class ResponsesAPI:
         yield reply.event("response.output_text.done", **reply.where(), text=text, logprobs=[])
         yield reply.event("response.content_part.done", **reply.where(), part=_text_part(text))
         yield reply.event("response.output_item.done", output_index=0,
-                          item=reply.message(text, "completed"))  # fmt: skip
+                          item=reply.message(text, _item_status(finish)))  # fmt: skip
         final = reply.final(text, finish, self._usage(call, choice))
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         call.close()  # ended: the rid is free before the client sees the last event
-        yield reply.event(kind, response=final)
+        yield reply.event(_terminal_event(final), response=final)
 
     async def _item_events(
         self, call: GenerateCall, choice: ChoiceState, reply: _Reply
@@ -328,32 +337,33 @@ class ResponsesAPI:
                 yield event
             call.close()
             return
+        called = choice.parser is not None and bool(choice.parser.calls)
+        finish = choice._tail(called)["finish_reason"]
+        status = _item_status(finish)
         if rs_index is not None and items[rs_index]["status"] != "completed":
-            async for event in _reasoning_done(reply, items, rs_index, thought):
+            async for event in _reasoning_done(reply, items, rs_index, thought, status):
                 yield event
         if msg_index is not None:
-            items[msg_index] = reply.message(text, "completed")
+            items[msg_index] = reply.message(text, status)
             yield reply.event("response.output_text.done", **reply.where(), text=text,
                               logprobs=[])  # fmt: skip
             yield reply.event("response.content_part.done", **reply.where(),
                               part=_text_part(text))  # fmt: skip
             yield reply.event("response.output_item.done", output_index=msg_index,
                               item=items[msg_index])  # fmt: skip
-        called = choice.parser is not None and bool(choice.parser.calls)
-        finish = choice._tail(called)["finish_reason"]
-        if msg_index is None and not called:  # reasoning only: an empty message follows
-            items.append(reply.message("", "completed"))
+        if msg_index is None and not called and status == "completed":
+            items.append(reply.message("", status))  # reasoning only: an empty message
         final = reply.final(text, finish, self._usage(call, choice), items=items)
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         call.close()  # ended: the rid is free before the client sees the last event
-        yield reply.event(kind, response=final)
+        yield reply.event(_terminal_event(final), response=final)
 
 
 async def _reasoning_done(
-    reply: _Reply, items: list[dict[str, Any]], index: int, text: str
+    reply: _Reply, items: list[dict[str, Any]], index: int, text: str, status: str = "completed"
 ) -> AsyncIterator[bytes]:
-    """The reasoning item ends: its text whole, then the item completed."""
-    items[index] = reply.reasoning(text, "completed")
+    """The reasoning item ends: its text whole, then the item (``incomplete`` when the
+    response was aborted inside the reasoning)."""
+    items[index] = reply.reasoning(text, status)
     yield reply.event("response.reasoning_text.done", item_id=reply.rs_id, output_index=index,
                       content_index=0, text=text)  # fmt: skip
     yield reply.event("response.output_item.done", output_index=index, item=items[index])
@@ -366,6 +376,22 @@ async def _failed(reply: _Reply, cause: Any, message: str) -> AsyncIterator[byte
                       param=None)  # fmt: skip
     yield reply.event("response.failed", response=reply.envelope("failed", error={
         "code": "server_error", "message": message}))  # fmt: skip
+
+
+# finish_reason -> the response's status (docs/api.md): cut by max_output_tokens is
+# "incomplete", aborted (/abort_request) "cancelled", anything else "completed".
+_STATUS = {"length": "incomplete", "abort": "cancelled"}
+
+
+def _item_status(finish: str | None) -> str:
+    """An output item's status at the end: ``incomplete`` when the response was aborted."""
+    return "incomplete" if finish == "abort" else "completed"
+
+
+def _terminal_event(final: dict[str, Any]) -> str:
+    """``response.completed``, else ``response.incomplete`` (also for ``cancelled``: the
+    Responses API streams no ``response.cancelled`` event)."""
+    return "response.completed" if final["status"] == "completed" else "response.incomplete"
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -402,7 +428,7 @@ class _Reply:
     def reasoning(self, text: str, status: str) -> dict[str, Any]:
         """The reasoning output item (its text as ``reasoning_text`` content, as OpenAI's
         open-weight models return it; no summary)."""
-        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
         return {"id": self.rs_id, "type": "reasoning", "summary": [], "content": content,
                 "encrypted_content": None, "status": status}  # fmt: skip
 
@@ -412,7 +438,7 @@ class _Reply:
         return orjson.dumps(event)
 
     def message(self, text: str, status: str) -> dict[str, Any]:
-        content = [_text_part(text)] if status == "completed" else []
+        content = [] if status == "in_progress" else [_text_part(text)]
         return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant",
                 "content": content}  # fmt: skip
 
@@ -456,12 +482,12 @@ class _Reply:
     ) -> dict[str, Any]:
         """The finished ``response``: ``items`` as a stream sent them, else the message
         (left out when it has no text and there are calls) and then the calls."""
-        cut = finish == "length"
-        out = self.envelope("incomplete" if cut else "completed", usage=usage)
+        status = _STATUS.get(finish or "", "completed")
+        out = self.envelope(status, usage=usage)
         if items is None:
-            items = [self.message(text, "completed")] if text or not calls else []
+            items = [self.message(text, _item_status(finish))] if text or not calls else []
             items += calls or []
-        out["output"] = items or [self.message(text, "completed")]
-        if cut:
+        out["output"] = items or [self.message(text, _item_status(finish))]
+        if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
