@@ -4,7 +4,9 @@ For each item, the prompt ``query + item`` (``item + query`` with ``item_first``
 joined as text, token ids as lists) runs one prefill through the generate call, and the
 reply gives the next-token probabilities of ``label_token_ids`` there: ``exp(logprob)``,
 or with ``apply_softmax`` the softmax over the labels' logprobs. The same checks and
-errors as ``/generate`` (the OpenAI error shape), one request record per item.
+errors as ``/generate`` (the OpenAI error shape), one request record per item. An item
+aborted by ``/abort_request`` has no score: the request is a 400 with code ``aborted``,
+as ``/v1/embeddings`` answers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from lifecycle.api.native import gone_cause
 from lifecycle.api.openai import openai_error, run_call, start_call
 from lifecycle.api.openai_params import OpenAIError
+from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, parse_generate
@@ -86,6 +89,16 @@ def scores(logprobs: list[float], softmax: bool) -> list[float]:
     return [e / total for e in exps]
 
 
+def _abort_message(call: GenerateCall) -> str | None:
+    """The abort's message when an item was aborted (``/abort_request``), else None."""
+    for run in call.runs:
+        for sample in run.samples:
+            finish = sample.finish
+            if isinstance(finish, dict) and finish.get("type") == "abort":
+                return str(finish.get("message", "aborted"))
+    return None
+
+
 class ScoreAPI:
     def __init__(self, frontend: Frontend, model_id: str) -> None:
         self.fe = frontend
@@ -110,6 +123,9 @@ class ScoreAPI:
             refused = await start_call(call, "items") or await run_call(call, request)
             if refused is not None:
                 return refused
+            aborted = _abort_message(call)
+            if aborted is not None:  # no logprobs to score: embeddings' answer
+                return openai_error(OpenAIError(aborted, 400, code="aborted"))
             out, prompt_tokens = [], 0
             for run in call.runs:
                 sample = run.samples[0]
