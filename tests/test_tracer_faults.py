@@ -1,9 +1,9 @@
 """A trace log that fails never takes serving down (issue 37 item 3), against a real
 server process and a real scripted worker: a full disk (``--trace-log /dev/full``), the
-log's directory renamed under load, the log file moved away before a rotation. Each
-time every stream ends with its finish reason, the worker link stays up, new requests
-are served, and the failure is reported once (the server log, ``/metrics``,
-``/debug/requests``)."""
+log's directory renamed under load, the log file moved away before a rotation; and the
+access log on a full disk. Each time every stream ends with its finish reason, the
+worker link stays up, new requests are served, and the failure is reported once (the
+server log; for the trace log ``/metrics`` and ``/debug/requests`` too)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,25 @@ def test_full_disk_trace_log_is_reported_and_serving_goes_on(
     logged = capfd.readouterr().err
     assert logged.count(FAILED_LINE) == 1, logged
     assert "/dev/full" in logged and "Traceback" not in logged
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_full_disk_access_log_is_reported_and_serving_goes_on(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """issue 37 item 3 (the access log, the other observer that writes a file): on a full
+    disk every exchange's line raised in its handler, so every request (``/health``
+    too) was a 500 and the server never became ready. Protection: ``AccessLog._write``
+    logs the failure once and turns the access log off."""
+    with start_server(*ARGS, "--access-log", "/dev/full") as srv:
+        for _ in range(3):
+            _short(srv)
+        _assert_stream_whole(_stream(srv, 7))
+        assert srv.health() == 200 and srv.proc.poll() is None
+        srv.assert_invariants()
+    logged = capfd.readouterr().err
+    assert logged.count("access logging is off until restart") == 1, logged
+    assert "Traceback" not in logged
 
 
 def test_trace_log_directory_renamed_under_load(

@@ -7,11 +7,16 @@ tokens, time to first token, and the exchange's total time; a WebSocket session,
 per generation on it when the socket closes. An exchange without a call (a 400 from the
 checks, a 503, a probe, ``/metrics``) gets one line with its status. Never the prompt
 text unless ``--log-requests`` asks for it.
+
+A write that fails (a full disk, a closed stderr) is logged once and turns the access log
+off: the line is written as the exchange ends, inside the handler, and must never turn
+an answered request (or ``/health``) into a 500.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import sys
 import time
@@ -32,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["AccessLog", "Exchange"]
 
 FORMATS = ("json", "common")
+
+log = logging.getLogger("lifecycle.access")
 
 
 @dataclass(slots=True)
@@ -55,6 +62,8 @@ class AccessLog:
             raise ValueError(f"access log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.log_requests = log_requests
+        self.target = target
+        self.error: str | None = None  # why the access log was turned off
         self._own_fd = target != "-"
         self.fd = (
             os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -78,7 +87,17 @@ class AccessLog:
         lines = [self._line(ex, status, total_ms, c) for c in ex.calls] or [
             self._line(ex, status, total_ms, None)
         ]
-        os.write(self.fd, b"".join(lines))
+        self._write(b"".join(lines))
+
+    def _write(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        try:
+            os.write(self.fd, data)
+        except OSError as exc:
+            self.error = str(exc)
+            log.error("access log %s failed to write (%s): access logging is off until "
+                      "restart; serving goes on", self.target, exc)  # fmt: skip
 
     def session(
         self, route: str, request: Request, run: Callable[[WebSocket], Awaitable[None]]
