@@ -56,6 +56,6 @@ def test_what_the_options_set() -> None:
 def test_the_engine_refuses_unknown_and_server_options() -> None:
     with pytest.raises(TypeError, match="did you mean 'kv_cache_tokens'"):
         engine_values(None, {"kv_cache_token": 1})
-    for name in ("host", "port", "api_key", "ssl_certfile", "send_timeout"):
+    for name in ("host", "port", "api_key", "ssl_certfile"):
         with pytest.raises(TypeError, match="HTTP server"):
             engine_values(None, {name: None})
