@@ -21,6 +21,7 @@ from lifecycle.core.fsm import RequestRecord, new_request
 from lifecycle.core.states import Cause, Event
 from lifecycle.testing.pytest_plugin import LiveServer, start_server
 from lifecycle.tracing.tracer import TraceConfig, Tracer
+from tests.test_fault_regressions import _stream_events
 from tests.test_fsm import drive
 
 ARGS = ("--scripted-worker", "--worker-args", "--step-delay 0.01")
@@ -29,16 +30,9 @@ FAILED_LINE = "trace logging is off until restart"
 
 
 def _stream(srv: LiveServer, first: int) -> list[Any]:
-    body = {"input_ids": [first], "stream": True,
+    body = {"input_ids": [first],
             "sampling_params": {"max_new_tokens": STREAM_TOKENS, "ignore_eos": True}}  # fmt: skip
-    out: list[Any] = []
-    with httpx.stream("POST", srv.url + "/generate", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[6:]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+    return _stream_events(srv, body)
 
 
 def _short(srv: LiveServer) -> None:
