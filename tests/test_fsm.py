@@ -451,3 +451,26 @@ def test_diagram_doc_is_generated_from_the_spec() -> None:
     assert (ROOT / "docs" / "lifecycle.md").read_text() == text
     for e in SPEC["edges"]:
         assert f"{e['src']} --> {e['dst']}: {e['event']}" in text
+
+
+def test_an_observer_that_raises_never_stops_a_transition() -> None:
+    """Issue 37: every observer can fail without leaving a record live. A broken
+    process-wide observer is logged, and each edge still moves the record."""
+    from lifecycle.core import fsm as fsm_mod
+
+    class Broken:
+        def transition(self, rec: object, entry: object) -> None:
+            raise RuntimeError("observer bug")
+
+        def released(self, rec: object) -> None:
+            raise KeyError("observer bug")
+
+    previous = fsm_mod.set_observer(Broken())
+    try:
+        rec = fsm_mod.new_request("obs")
+        assert rec.advance(fsm_mod.Event.VALIDATE)
+        assert rec.fail(fsm_mod.Cause.INTERNAL, "x")
+        rec.worker_released()
+        assert rec.terminal and rec.cause is fsm_mod.Cause.INTERNAL
+    finally:
+        fsm_mod.set_observer(previous)

@@ -20,6 +20,7 @@ that must exist. Fire on lifecycle edges only; per-token progress is a counter.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from time import monotonic_ns
@@ -39,6 +40,8 @@ from lifecycle.core.states import (
     State,
     WorkerHold,
 )
+
+log = logging.getLogger("lifecycle.core.fsm")
 
 __all__ = [
     "EDGE_TABLE",
@@ -141,6 +144,22 @@ def set_observer(observer: TransitionObserver | None) -> TransitionObserver | No
     return previous
 
 
+def _tell(hook: Callable[..., None], *args: Any) -> None:
+    """An observer's bug must never stop a transition: the state has moved already, and
+    the request must still reach its end and release what it holds. Logged once per
+    kind of error."""
+    try:
+        hook(*args)
+    except Exception as exc:
+        key = (getattr(hook, "__qualname__", "?"), type(exc).__name__)
+        if key not in _observer_errors:
+            _observer_errors.add(key)
+            log.exception("the transition observer failed (%s); requests go on", key[0])
+
+
+_observer_errors: set[tuple[str, str]] = set()
+
+
 class RequestRecord:
     """One request's lifecycle: its state, error cause, trace, and where to ask what the
     worker holds for it (its ``submission``; the record keeps no copy of that fact).
@@ -224,7 +243,7 @@ class RequestRecord:
         self._trace.append(entry)
         self.state = dst
         if _observer is not None:
-            _observer.transition(self, entry)
+            _tell(_observer.transition, self, entry)
         return True
 
     def fire(self, event: Event, detail: Any = None) -> None:
@@ -252,13 +271,13 @@ class RequestRecord:
         self._trace.append(entry)
         self.state = edge[0]
         if _observer is not None:
-            _observer.transition(self, entry)
+            _tell(_observer.transition, self, entry)
         return True
 
     def worker_released(self) -> None:
         """Tell the observer that the hold ended (the submission said so)."""
         if _observer is not None:
-            _observer.released(self)
+            _tell(_observer.released, self)
 
 
 def new_request(client_rid: str | None = None) -> RequestRecord:
