@@ -11,9 +11,14 @@ silent losses), a stalled SSE reader among 31 normal streams (their inter-token 
 against a run without it, the stalled one's outcome), slowloris connections (a normal
 client's latency), a burst at 10x capacity (503 share with Retry-After, RSS growth, time
 to recover), the issue's random disconnects (bench/disconnects.py: leaked requests,
-KV blocks, reused rids) and the seeded simulation (tests/simulation.py: scenarios run,
-leaks found, broken invariants; 10,000 with --full). The counts used are printed with
-each figure.
+KV blocks, reused rids), the seeded simulation (tests/simulation.py: scenarios run,
+leaks found, broken invariants; 10,000 with --full) and the deterministic simulation
+(tests/dsim: the real server on virtual time with a seeded schedule, in memory;
+scenarios run, distinct shapes, violations; 100,000 with --full). The counts used are
+printed with each figure.
+
+    python bench/reliability.py --dsim 100000   # the deterministic simulation alone,
+                                                # no server started (2 processes)
 """
 
 from __future__ import annotations
@@ -397,6 +402,26 @@ async def fig_simulation(seeds: int) -> None:
         print(f"    seed {seed}: {problem} (replay: python -m tests.simulation --seed {seed})")
 
 
+def fig_dsim(seeds: int, jobs: int) -> None:
+    """The deterministic simulation (tests/dsim), in ``jobs`` processes: no server of
+    this run is involved, every scenario builds its own in memory."""
+    from tests.dsim.run import replay_command
+    from tests.dsim.sweep import sweep
+
+    report = sweep(range(seeds), jobs=jobs)
+    rate = report.scenarios / report.seconds if report.seconds else 0.0
+    counts = f"{report.scenarios} scenarios, {jobs} processes, {report.seconds:.0f} s"
+    row("deterministic simulation: scenarios run", counts, f"{report.scenarios} ({rate:.0f}/s)",
+        ">= 100,000 in 10 min")  # fmt: skip
+    row("deterministic simulation: distinct shapes", counts, str(len(report.shapes)), "-")
+    row("deterministic simulation: violations", counts, str(len(report.failures)), "0")
+    row("deterministic simulation: known findings", counts, str(len(report.known)),
+        "listed in tests/dsim/known.py")  # fmt: skip
+    for seed, violations in report.failures[:10]:
+        name, what = violations[0]
+        print(f"    seed {seed}: {name}: {what} (replay: {replay_command(seed)})")
+
+
 async def fig_random_disconnects(b: Bench, clients: int, max_new: int) -> None:
     """The issue's scenario (bench/disconnects.py) against this run's server."""
     from bench.disconnects import random_disconnects
@@ -420,6 +445,7 @@ async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
         "burst": lambda: fig_burst(b, 8),
         "random-disconnects": lambda: fig_random_disconnects(b, 1_000 if full else 300, 256),
         "simulation": lambda: fig_simulation(args.scenarios or (10_000 if full else 1_000)),
+        "dsim": lambda: asyncio.to_thread(fig_dsim, 100_000 if full else 10_000, args.jobs),
     }
     for name, figure in figures.items():
         if args.only and name not in args.only:
@@ -445,11 +471,19 @@ def main() -> int:
             "burst",
             "random-disconnects",
             "simulation",
+            "dsim",
         ],
         help="run just this figure (repeatable)",
     )
     p.add_argument("--scenarios", type=int, default=0, help="simulation seeds (default 1,000)")
+    p.add_argument("--dsim", type=int, default=0, metavar="N",
+                   help="only the deterministic simulation, N seeds, no server started")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=2, help="processes for the deterministic simulation")
     args = p.parse_args()
+    if args.dsim:
+        fig_dsim(args.dsim, args.jobs)
+        print_table("deterministic simulation, no server")
+        return 0
     port = free_port()
     cmd = serve_argv(
         port,
@@ -469,14 +503,18 @@ def main() -> int:
     finally:
         srv.stop()
     worker = "scripted worker" if args.scripted else "SmolLM2-135M on CPU"
-    print(f"\nReliability ({worker}; {'full' if args.full else 'reduced'} counts)\n")
+    print_table(f"{worker}; {'full' if args.full else 'reduced'} counts")
+    return 0
+
+
+def print_table(title: str) -> None:
+    print(f"\nReliability ({title})\n")
     w = [max(len(r[i]) for r in ROWS) for i in range(4)]
     head = ("figure", "counts", "value", "target")
     print(" | ".join(h.ljust(w[i]) for i, h in enumerate(head)))
     print("-+-".join("-" * x for x in w))
     for r in ROWS:
         print(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)))
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
   a native request's ``output_ids`` are the scripted output.
 - ``aborts``: a request an ``/abort_request`` found live never finishes normally, unless
   the worker had already finished it before the abort was taken.
-- ``rids``: every client rid is free again once its request ended (a batch reusing them
-  all is served).
+- ``rids``: every client rid is free again once its request ended: the registry names
+  none of them, and (half the seeds) a batch reusing them all is served.
 - ``no_hang``: every client is done within the scenario's virtual budget.
 - ``worker_kept``: the worker is never restarted unless the scenario killed it, stalled
   it or broke its link: a restart fails every request it held, so restarting a healthy
@@ -73,7 +73,12 @@ def check(scn: Scenario, world: World, played: Played, plan: FaultPlan) -> list[
         out += _internal(scn, world, played)
     out += _tokens_books(world)
     out += _aborts(world)
-    if played.reuse is not None and not (played.reuse.status == 200 and played.reuse.complete):
+    registry = world.frontend.registry
+    taken = [log.label for log in world.scenario_records.values() if log.rec.client_rid
+             and registry.by_client_rid(log.rec.client_rid) is not None]  # fmt: skip
+    if taken:
+        out.append(("rids", f"rids still taken after their requests ended: {taken}"))
+    elif played.reuse is not None and not (played.reuse.status == 200 and played.reuse.complete):
         out.append(("rids", f"reusing the rids: {played.reuse.status} {played.reuse.body[:200]!r}"))
     return out
 

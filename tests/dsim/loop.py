@@ -53,11 +53,10 @@ class _ShuffledReady(deque[Any]):
     def popleft(self) -> Any:
         n = len(self)
         if n > 1:
-            k = self.rng.randrange(n)
+            k = int(self.rng.random() * n)
             if k:
-                self.rotate(-k)
-                item = super().popleft()
-                self.rotate(k)
+                item = self[k]
+                del self[k]
                 return item
         return super().popleft()
 

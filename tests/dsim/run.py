@@ -93,13 +93,16 @@ async def _main(scn: Scenario, result: Result, plan: FaultPlan, keep_trace: bool
         world.config_link_off()
         await _settle(world)
         world.scenario_records = dict(world.records)  # the reuse batch is not the scenario's
-        if not played.drained:
+        if not played.drained and scn.reuse:
             played.reuse = await _reuse_rids(world)
             await _settle(world)
         result.virtual_s = anyio.current_time() - t0
         result.violations = invariants.check(scn, world, played, plan)
         if result.violations:
-            result.known = known_reason(world.link_fired)
+            lagging = {q.label for c in scn.conns if c.slow for q in c.reqs}
+            result.known = known_reason(
+                world.link_fired, result.violations, played.drained, lagging
+            )
         if keep_trace or result.violations:
             result.trace = trace_lines(scn, world, played, plan)
         tg.cancel_scope.cancel()

@@ -103,6 +103,7 @@ class Scenario:
     fault: str
     rules: tuple[FaultRule, ...]
     world: WorldConfig = field(default_factory=WorldConfig)
+    reuse: bool = True  # end with a batch reusing every rid (else the registry is asked)
 
     @property
     def reqs(self) -> list[Req]:
@@ -115,7 +116,7 @@ class Scenario:
                         for r in c.reqs})  # fmt: skip
         behaviours = sorted({r.behaviour for r in self.reqs})
         return (tuple(kinds), tuple(behaviours), tuple(sorted({c[1] for c in self.controls})),
-                self.fault, any(c.pipelined for c in self.conns))  # fmt: skip
+                self.fault, any(c.pipelined for c in self.conns), self.world.prefill_delay)  # fmt: skip
 
 
 def draw(seed: int) -> Scenario:
@@ -162,8 +163,20 @@ def draw(seed: int) -> Scenario:
         rules.append(
             FaultRule("frontend.tokenize", "delay", times=0, delay=r.uniform(0.0005, 0.005))
         )
-    world = WorldConfig(link=link, prefill_chunk=r.choice((0, 0, 2)), prefill_delay=0.001)
-    return Scenario(seed, tuple(conns), tuple(sorted(controls)), fault, tuple(rules), world)
+    # Now and then a prefill longer than the hung-worker timeout (chunks of one token,
+    # 0.2 s each, against a 0.5 s timeout): progress the watchdog must see, not a hang
+    # (issue 37 item 10).
+    long_prefill = r.random() < 0.04
+    world = WorldConfig(
+        link=link,
+        prefill_chunk=1 if long_prefill else r.choice((0, 0, 2)),
+        prefill_delay=0.2 if long_prefill else 0.001,
+        hung_timeout=0.5 if long_prefill else 3.0,
+        audit_interval=0.25 if long_prefill else 1.0,
+        drain_timeout=r.choice((0.02, 0.1, 2.0)),  # short ones cut requests still running
+    )
+    reuse = r.random() < 0.5  # half the seeds: a whole request costs ~15% of a scenario
+    return Scenario(seed, tuple(conns), tuple(sorted(controls)), fault, tuple(rules), world, reuse)
 
 
 def _fault(fault: str, nth: int, r: random.Random) -> tuple[list[FaultRule], Any]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.dsim.run import run_seed
+from tests.dsim.world import model
 
 __all__ = ["Report", "hunt", "sweep"]
 
@@ -57,6 +58,7 @@ def sweep(seeds: Iterable[int], jobs: int = 1) -> Report:
         for seed in seeds:
             report.add(*_one(seed))
     else:
+        model()  # loaded once, before the fork: every process shares it
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(jobs) as pool:
             for item in pool.imap_unordered(_one, seeds, chunksize=64):

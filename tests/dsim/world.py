@@ -51,6 +51,21 @@ def model() -> Any:
     return check_model(None)
 
 
+_shared_metrics: list[Metrics] = []
+
+
+def _metrics(fe: Frontend) -> Metrics:
+    """One ``Metrics`` per process, pointed at each new frontend: building its
+    prometheus registry costs a tenth of a scenario, and nothing in it steers a run."""
+    if not _shared_metrics:
+        _shared_metrics.append(Metrics(fe))
+        return _shared_metrics[0]
+    metrics = _shared_metrics[0]
+    metrics.fe = fe
+    fe.close_observers.append(metrics.observe_call)
+    return metrics
+
+
 @dataclass(frozen=True, slots=True)
 class WorldConfig:
     max_pending: int = 4  # worker credits: small, so requests queue in the frontend too
@@ -282,7 +297,7 @@ class World:
         calls.world = self
         fe.calls = calls
         self.frontend = fe
-        metrics = Metrics(fe)
+        metrics = _metrics(fe)
         router, api, auth = _routes(app_config, fe, metrics, checked.chat, "")
         server_config = ServerConfig(
             send_timeout=c.send_timeout,
