@@ -219,6 +219,13 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o("incremental_streaming_output", "stream deltas, not cumulative text", _REQ, **_SWITCH),
     _o(
+        "strict_fields",
+        "refuse (400) a request with a body field this server does not know; by default"
+        " it is ignored, logged once per field and counted",
+        _REQ,
+        **_SWITCH,
+    ),  # fmt: skip
+    _o(
         "request_timeout",
         "seconds a request may take from arrival to its end before it ends 504 (deadline);"
         " a client's X-Request-Timeout header sets its own",
@@ -394,6 +401,7 @@ _PLAIN = (
     "router_policy",
     "max_queued",
     "incremental_streaming_output",
+    "strict_fields",
     "request_timeout",
     "send_timeout",
     "hung_timeout",

@@ -18,6 +18,7 @@ import anyio.abc
 
 from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
 from lifecycle.api.metrics import Metrics
+from lifecycle.core import fields
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.pool import POLICIES, Router, WorkerPool
@@ -67,6 +68,7 @@ class AppConfig:
     max_queued: int = 1024  # admission bound in the frontend
     incremental_streaming_output: bool = False
     request_timeout: float | None = None  # every request's deadline (None: none)
+    strict_fields: bool = False  # an unknown body field is a 400 (else ignored, counted)
     send_timeout: float = 30.0
     hung_timeout: float = 60.0
     drain_timeout: float = DRAIN.timeout_s  # SIGTERM: in-flight requests finish until then
@@ -191,6 +193,7 @@ class Runtime:
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path
+        fields.install(fields.UnknownFields(strict=cfg.strict_fields))
         self.metrics = Metrics(fe)
         if cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)

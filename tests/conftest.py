@@ -14,6 +14,16 @@ if not any(ep.value == "lifecycle.testing.pytest_plugin" for ep in entry_points(
     pytest_plugins = ["lifecycle.testing.pytest_plugin"]
 
 
+@pytest.fixture
+def strict_fields():  # noqa: ANN201
+    """This process's parsers refuse unknown body fields (``--strict-fields``) for the test."""
+    from lifecycle.core import fields
+
+    previous = fields.install(fields.UnknownFields(strict=True))
+    yield
+    fields.install(previous)
+
+
 @pytest.fixture(scope="session")
 def cpu_model():  # noqa: ANN201 (gpu.loader.LoadedModel; imported lazily so collection stays cheap)
     """The default GGUF model, fp32 on CPU, shared by every test that needs it."""

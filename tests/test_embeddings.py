@@ -172,7 +172,6 @@ def test_dimensions_only_the_hidden_size(client: openai.OpenAI) -> None:
         ({"input": "x", "dimensions": 0}, "dimensions"),
         ({"input": "x", "pooling": "max"}, "pooling"),
         ({"input": "x", "normalize": "yes"}, "normalize"),
-        ({"input": "x", "suffix": "y"}, "suffix"),
         ({"input": "x", "user": 3}, "user"),
     ],
 )

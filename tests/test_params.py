@@ -150,7 +150,7 @@ from .params_helpers import V, gen, message_of
         ),
     ],
 )
-def test_generate_rule_messages(body: Any, message: str) -> None:
+def test_generate_rule_messages(body: Any, message: str, strict_fields: None) -> None:
     assert message_of(gen, body) == message
 
 

@@ -109,7 +109,6 @@ def test_text_format_json_schema_shapes_the_output(model_server: str) -> None:
             {"input": "hi", "text": {"format": {"type": "xml"}}},
             "text.format",
         ),  # fmt: skip
-        ({"input": "hi", "frobnicate": 1}, "frobnicate"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input"),
         ({"input": [{"type": "file_search_call", "id": "x"}]}, "input"),
         ({"input": "hi", "temperature": -1}, None),

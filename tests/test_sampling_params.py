@@ -150,7 +150,9 @@ def test_grammar_fields_reach_the_wire() -> None:
         ),
     ],
 )
-def test_sampling_type_errors_are_400_not_500(kw: dict[str, Any], message: str) -> None:
+def test_sampling_type_errors_are_400_not_500(
+    kw: dict[str, Any], message: str, strict_fields: None
+) -> None:
     with pytest.raises(RequestError) as err:
         sp(**kw)
     assert err.value.message == message

@@ -87,7 +87,6 @@ def test_item_first_and_token_ids(model_server: str) -> None:
             {"query": "q", "items": ["a"], "label_token_ids": [1], "apply_softmax": "yes"},
             "apply_softmax",
         ),  # fmt: skip
-        ({"query": "q", "items": ["a"], "label_token_ids": [1], "top_k": 3}, "top_k"),
     ],
 )
 def test_bad_requests_are_400(model_server: str, body: dict, param: str) -> None:

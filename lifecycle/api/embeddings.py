@@ -24,6 +24,7 @@ from lifecycle.api.openai import openai_error
 from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.embed import Embeddings, EmbedInputs, embed, hidden_size
 from lifecycle.core.errors import RequestError, ServeError
+from lifecycle.core.fields import accept_unknown
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.states import Cause
 from transport import HTTPError, JSONResponse, Request, Response, Router
@@ -157,7 +158,7 @@ class EmbeddingsAPI:
         if not isinstance(body, dict):
             raise OpenAIError("The request body must be a JSON object.")
         for key in body:
-            if key not in _OPENAI_FIELDS:
+            if key not in _OPENAI_FIELDS and not accept_unknown("/v1/embeddings", key):
                 raise OpenAIError(f"Unrecognized request argument supplied: {key}", param=key)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -214,7 +215,10 @@ class EmbeddingsAPI:
         if not isinstance(body, dict):
             raise bad("The request body must be a JSON object.")
         for key in body:
-            if key not in _ENCODE_FIELDS and key not in _ENCODE_IGNORED:
+            if key == "stream" and body[key] not in (None, False):
+                raise bad("stream is not supported by /encode.")
+            known = key in _ENCODE_FIELDS or key in _ENCODE_IGNORED
+            if not known and not accept_unknown("/encode", key):
                 raise bad(f"Unknown field in the request body: {key!r}.")
         refusal = _dimensions(body, hidden_size(self.fe))
         if refusal is not None:

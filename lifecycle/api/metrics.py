@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from lifecycle.core import fields
 from lifecycle.core.fsm import TraceEntry
 from lifecycle.core.states import Cause, Event, State
 from transport import Request, Response, Router
@@ -29,9 +30,18 @@ from transport import Request, Response, Router
 if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall
     from lifecycle.core.frontend import Frontend
-    from lifecycle.tracing.tracer import Tracer
 
-__all__ = ["PREFIX", "Metrics", "record_timings"]
+__all__ = ["PREFIX", "Metrics", "TracerHealth", "record_timings"]
+
+
+class TracerHealth(Protocol):
+    """What /metrics reads of the tracer (``lifecycle.tracing.tracer.Tracer``)."""
+
+    @property
+    def errors(self) -> int: ...
+
+    def log_status(self) -> dict[str, Any] | None: ...
+
 
 log = logging.getLogger("lifecycle.api.metrics")
 
@@ -73,7 +83,7 @@ def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]
 class Metrics:
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
-        self.tracer: Tracer | None = None  # watch_tracer: its health is scraped too
+        self.tracer: TracerHealth | None = None  # watch_tracer: its health is scraped too
         self.registry = CollectorRegistry(auto_describe=True)
         self._loads: list[dict[str, Any]] = []  # each worker's STATS, by pool index
         r, p = self.registry, PREFIX
@@ -109,7 +119,7 @@ class Metrics:
         self.registry.register(_LiveCollector(self))
         frontend.close_observers.append(self.observe_call)
 
-    def watch_tracer(self, tracer: Tracer) -> None:
+    def watch_tracer(self, tracer: TracerHealth) -> None:
         """Report the tracer's health: its failures and whether ``--trace-log`` writes."""
         self.tracer = tracer
 
@@ -199,6 +209,15 @@ class _LiveCollector(Collector):
                      fe.admission.depth)  # fmt: skip
         yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
                      fe.admission.capacity)  # fmt: skip
+        unknown = CounterMetricFamily(
+            f"{p}_unknown_fields",
+            "Requests that sent a body field this server does not know (ignored; "
+            "--strict-fields refuses them), by where and field.",
+            labels=["field"],
+        )
+        for name, count in sorted(fields.policy().counts.items()):
+            unknown.add_metric([name], count)
+        yield unknown
         if self.m.tracer is not None:
             yield from _tracer_health(self.m.tracer)
         # One series per worker (label "worker": its index in the pool, "0" alone).
@@ -245,7 +264,7 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
 
 
-def _tracer_health(tracer: Tracer) -> Iterator[Metric]:
+def _tracer_health(tracer: TracerHealth) -> Iterator[Metric]:
     yield CounterMetricFamily(f"{PREFIX}_tracer_errors", "Tracer failures (a bug, logged "
                               "once); the requests went on.", value=tracer.errors)  # fmt: skip
     status = tracer.log_status()

@@ -24,6 +24,7 @@ from lifecycle.api.tool_params import (
     tool_grammar,
 )
 from lifecycle.core.errors import RequestError
+from lifecycle.core.fields import accept_unknown
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
@@ -154,8 +155,9 @@ def _bad(message: str, param: str | None = None) -> OpenAIError:
 
 
 def _check_keys(body: dict[str, Any], known: frozenset[str]) -> None:
+    where = "/v1/chat/completions" if "messages" in known else "/v1/completions"
     for key in body:
-        if key not in known and key not in _IGNORED:
+        if key not in known and key not in _IGNORED and not accept_unknown(where, key):
             raise _bad(f"Unrecognized request argument supplied: {key}", key)
 
 

@@ -45,6 +45,7 @@ from lifecycle.api.openai import OpenAIAPI, openai_error, run_call, start_call
 from lifecycle.api.openai_outputs import ChoiceState
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
+from lifecycle.core.fields import accept_unknown
 from transport import JSONResponse, Request, Response, Router, SSEResponse
 
 __all__ = ["ResponsesAPI", "chat_body"]
@@ -67,7 +68,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
     for key in body:
-        if key not in _ACCEPTED:
+        if key not in _ACCEPTED and not accept_unknown("/v1/responses", key):
             raise _bad(f"Unrecognized request argument supplied: {key}", key)
     if body.get("previous_response_id") is not None:
         raise _bad("previous_response_id is not supported: responses are not stored.",

@@ -19,6 +19,7 @@ from lifecycle.api.openai import openai_error, run_call, start_call
 from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError
+from lifecycle.core.fields import accept_unknown
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, parse_generate
 from transport import HTTPError, JSONResponse, Request, Response, Router
@@ -41,7 +42,7 @@ def score_body(body: Any, vocab_size: int) -> tuple[dict[str, Any], list[int], b
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
     for key in body:
-        if key not in _FIELDS:
+        if key not in _FIELDS and not accept_unknown("/v1/score", key):
             raise _bad(f"Unrecognized request argument supplied: {key}", key)
     query, items = body.get("query"), body.get("items")
     labels = body.get("label_token_ids")

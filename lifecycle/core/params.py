@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifecycle.core.errors import RequestError
+from lifecycle.core.fields import accept_unknown
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
 from wire import EmbedOptions
@@ -167,7 +168,8 @@ def _check_keys(body: dict[str, Any]) -> None:
             if value is not None and value is not False:
                 raise _bad(f"{key} is not supported by this server")
             continue
-        raise _bad(f"Unknown field in the request body: {key!r}.")
+        if not accept_unknown("/generate", key):
+            raise _bad(f"Unknown field in the request body: {key!r}.")
 
 
 def _token_list(ids: Any, vocab_size: int) -> list[int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lifecycle.core.errors import RequestError
+from lifecycle.core.fields import accept_unknown
 from wire.grammar import check_grammar
 from wire.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -230,7 +231,7 @@ KNOWN = frozenset(FIELDS + ("sampling_seed", *UNSUPPORTED, *IGNORED))
 
 def _check_fields(obj: dict[str, Any]) -> None:
     for key in obj:
-        if key not in KNOWN:
+        if key not in KNOWN and not accept_unknown("sampling_params", key):
             raise _bad(f"Unknown sampling parameter: {key!r}.")
     grammars = [obj.get(k) for k in GRAMMAR_FIELDS]
     if sum(g is not None for g in grammars) > 1:
