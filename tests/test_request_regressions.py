@@ -20,7 +20,7 @@ from lifecycle.core.live_calls import ABORT_MESSAGE
 from lifecycle.testing.pytest_plugin import LiveServer, RawClients, start_server
 from wire.faults import FaultRule
 
-LONG = {"max_new_tokens": 400, "ignore_eos": True}
+LONG = {"max_new_tokens": 250, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +106,13 @@ def test_lost_dispatch_ends_alone_while_others_stream(srv: LiveServer) -> None:
     assert r.status_code == 503, r.text
     assert r.json()["error"]["message"].startswith("worker lost")
     # Within the audit's bound (hung timeout 1 s: one audit a second), long before the
-    # 8 s the other streams run.
+    # 5 s the other streams run.
     assert ended - sent < 4.0
     assert all(ended < results[f"s{i}"][0] for i in range(4))
     for i in range(4):
         last = results[f"s{i}"][1]
-        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
-        assert last["output_ids"] == ([7, i + 1] * 200)
+        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 250}
+        assert last["output_ids"] == ([7, i + 1] * 125)
     assert srv.worker()["pid"] == pid  # the worker was never restarted
     srv.assert_invariants()
 
@@ -227,7 +227,7 @@ def test_a_request_bigger_than_a_frame_is_split_not_fatal(srv: LiveServer) -> No
     t.join(60)
     assert r.status_code == 200, r.text[:300]
     assert [x["output_ids"] for x in r.json()] == [[9, i] for i in range(10)]
-    assert results["stream"]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert results["stream"]["meta_info"]["finish_reason"] == {"type": "length", "length": 250}
     assert srv.worker()["pid"] == pid
     srv.assert_invariants()
 
@@ -243,7 +243,7 @@ def test_a_request_past_its_deadline_ends_504(srv: LiveServer) -> None:
     took = time.monotonic() - t0
     assert r.status_code == 504, r.text
     assert r.json()["error"]["message"] == "the request's deadline passed (0.5 s)"
-    assert 0.5 <= took < 3.0  # 400 tokens take 8 s here
+    assert 0.5 <= took < 3.0  # 250 tokens take 5 s here
     trace = _trace(srv, "late")
     assert trace["state"] == "error" and trace["cause"] == "deadline"
     srv.assert_invariants()  # the worker let go of it

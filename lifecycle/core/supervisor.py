@@ -229,7 +229,7 @@ class Supervisor:
                 continue
             last_audit = now
             try:
-                await client.audit(timeout=min(cfg.hung_timeout, AUDIT_TIMEOUT))
+                await client.audit(timeout=min(cfg.hung_timeout / 2, AUDIT_TIMEOUT))
             except (TimeoutError, ConnectionError):
                 pass  # no answer: a stalled worker is hung
             if stalled and client.busy and time.monotonic_ns() - client.last_progress_ns > limit_ns:
