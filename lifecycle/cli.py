@@ -6,6 +6,7 @@ import argparse
 import functools
 import importlib.util
 import logging
+import os
 import runpy
 import signal
 import sys
@@ -209,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         gen += ["--chat"] if args.chat else []
         return run_worker_module("gpu.generate", gen)
     if args.command == "trace":
-        return run_trace(args)
+        try:
+            return run_trace(args)
+        except BrokenPipeError:  # `lifecycle trace ... | head`: the reader had enough
+            # Python's recipe: stdout goes nowhere, so its flush at exit raises nothing.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     if args.command == "batch":
         return _batch(args)
     print(f"unknown command {args.command}", file=sys.stderr)

@@ -183,3 +183,20 @@ async def test_live_server_source(capsys, anyio_backend) -> None:
         live = await anyio.to_thread.run_sync(cli, "timeline", "still-running")
         assert live["state"] == "running" and live["id"] == held.id
         assert live["finished_ns"] is None
+
+
+def test_a_closed_pipe_ends_quietly(recorded) -> None:
+    """Issue 40: ``lifecycle trace list | head -1`` ended in a BrokenPipeError traceback."""
+    path, _, _ = recorded
+    lister = subprocess.Popen(
+        [sys.executable, "-m", "lifecycle", "trace", "list", "--log", str(path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert lister.stdout is not None and lister.stderr is not None
+    lister.stdout.close()  # what head does once it has its lines: before any is written
+    with lister.stderr:
+        err = lister.stderr.read().decode()
+    assert lister.wait(60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
