@@ -148,7 +148,7 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o(
         "kv_memory_mib",
-        "the KV cache's size in MiB, K and V of every layer in --dtype (default: 1024 on "
+        "the KV cache's size in MiB, K and V of every layer in --dtype (default: 640 on "
         "the CPU; on CUDA, --mem-fraction); not with --kv-cache-tokens",
         _WORKER,
         type=int,
@@ -318,7 +318,8 @@ def add_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
         elif o.repeat:
             g.add_argument(o.flag, action="append", default=None, type=o.type, help=o.help)
         else:
-            g.add_argument(o.flag, type=o.type, default=o.default, help=o.help, metavar=o.metavar)
+            shown = o.help if o.default in (None, "") else f"{o.help} (default: %(default)s)"
+            g.add_argument(o.flag, type=o.type, default=o.default, help=shown, metavar=o.metavar)
 
 
 def option_values(args: argparse.Namespace, *, server: bool = True) -> dict[str, Any]:

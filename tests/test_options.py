@@ -59,3 +59,30 @@ def test_the_engine_refuses_unknown_and_server_options() -> None:
     for name in ("host", "port", "api_key", "ssl_certfile"):
         with pytest.raises(TypeError, match="HTTP server"):
             engine_values(None, {name: None})
+
+
+def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
+    """Issue 40: ``--help`` showed no defaults (and one it described, the CPU KV cache's
+    1024 MiB, was not the code's). Each option with a default shows it, and the config a
+    server runs with by default holds exactly that value."""
+    import dataclasses
+
+    from gpu.worker_config import DEFAULT_CPU_KV_MIB
+    from lifecycle.options import _PLAIN
+
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    running = app_config(engine_values(None, {}))
+    fields = {f.name: f.default for f in dataclasses.fields(AppConfig)}
+    checked = 0
+    for o in OPTIONS:
+        if o.type is None or o.repeat or o.default in (None, ""):
+            continue
+        assert f"(default: {o.default})" in text, o.name
+        if o.name in _PLAIN:
+            assert getattr(running, o.name) == o.default, o.name
+            assert fields[o.name] == o.default, f"AppConfig's {o.name} default differs"
+            checked += 1
+    assert checked >= 8
+    assert f"(default: {DEFAULT_CPU_KV_MIB} on the CPU" in text  # the worker's own figure
