@@ -29,7 +29,7 @@ from lifecycle.core.frontend import Frontend
 from lifecycle.core.pool import WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor
-from lifecycle.runtime import AppConfig, Runtime, server_args, worker_args
+from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.replay import replay_in_process
 from lifecycle.tracing.tracer import Tracer
@@ -105,7 +105,7 @@ async def serve_app(
             router.access_log = access
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
             if rt.tracer is not None:
-                served_id = rt.served_model_id(frontend)
+                served_id = rt.served_model_id()
 
                 async def replay(trace: dict[str, Any]) -> dict[str, Any]:
                     return await replay_in_process(frontend, trace, served_id)
@@ -150,19 +150,19 @@ def _routes(
     )
     router = AppRouter(auth, metrics)
     api.install(router)
-    model_id = cfg.served_model_name or frontend.model_config.name
+    served = model_id(cfg, path)
     strict = cfg.strict_model_name
     openai = OpenAIAPI(
-        frontend, chat, model_id=model_id, model_path=path, strict_model=strict,
+        frontend, chat, model_id=served, model_path=path, strict_model=strict,
         reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
     )  # fmt: skip
     openai.install(router)
     reasoning = openai.reasoning.name if openai.reasoning is not None else None
     api.parsers = (reasoning, openai.tool_format.name or None)
     ResponsesAPI(openai).install(router)
-    ScoreAPI(frontend, model_id).install(router)
+    ScoreAPI(frontend, served).install(router)
     EmbeddingsAPI(
-        frontend, model_id=model_id, model_names=openai.model_names, strict_model=strict
+        frontend, model_id=served, model_names=openai.model_names, strict_model=strict
     ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     metrics.install(router)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -119,10 +120,22 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
 _UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys", "worker_token"})
 
 
+def model_id(cfg: AppConfig, model_path: str) -> str:
+    """The model's name in the APIs (``/v1/models``, each reply's ``model``):
+    ``--served-model-name``, else the model file's name without ``.gguf`` (a folder's
+    name), as llama-server and SGLang name it by its path; never the file's free-text
+    ``general.name``, which may hold spaces."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    name = Path(model_path).name
+    return name.removesuffix(".gguf") if not Path(model_path).is_dir() else name
+
+
 def server_args(cfg: AppConfig, model_path: str) -> dict[str, Any]:
-    """What ``/server_info`` (and ``Engine.server_info``) echo of the configuration."""
+    """What ``/server_info`` (and ``Engine.server_info``) echo of the configuration; its
+    ``served_model_name`` is the one in effect (``model_id``)."""
     out = {k: v for k, v in asdict(cfg).items() if k not in _UNSHOWN}
-    out.update(cfg.extra, model_path=model_path)
+    out.update(cfg.extra, model_path=model_path, served_model_name=model_id(cfg, model_path))
     return out
 
 
@@ -219,13 +232,13 @@ class Runtime:
         tracer.install()
         return tracer
 
-    def served_model_id(self, fe: Frontend) -> str | None:
-        return self.config.served_model_name or getattr(fe.model_config, "name", None)
+    def served_model_id(self) -> str:
+        return model_id(self.config, self.model_path)
 
     def _recorder(self, fe: Frontend) -> Recorder:
         """--trace-prompts: what a finished request's trace keeps to replay it, read from
         its call (still live at its records' terminal edges)."""
-        served_id = self.served_model_id(fe)
+        served_id = self.served_model_id()
 
         def record(rec: RequestRecord) -> dict[str, Any] | None:
             call = fe.calls.of(rec.id)
@@ -236,7 +249,7 @@ class Runtime:
     def _otlp(self, fe: Frontend, endpoint: str) -> OtlpExporter:
         from lifecycle.tracing.otel import OtlpConfig, OtlpExporter
 
-        config = OtlpConfig(endpoint, model=self.served_model_id(fe))
+        config = OtlpConfig(endpoint, model=self.served_model_id())
         otlp = OtlpExporter(config, worker=self.worker_name)
         otlp.install(fe)
         return otlp

@@ -86,3 +86,18 @@ def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
             checked += 1
     assert checked >= 8
     assert f"(default: {DEFAULT_CPU_KV_MIB} on the CPU" in text  # the worker's own figure
+
+
+def test_the_model_id_is_the_files_name_without_spaces(tmp_path) -> None:
+    """Issue 40: the default id was the file's ``general.name``, "Smollm2 135M 8k Lc100K
+    Mix1 Ep2", spaces included. It is the file's name without ``.gguf`` (a folder's name,
+    dots kept), unless ``--served-model-name`` says otherwise."""
+    from lifecycle.runtime import model_id
+
+    assert model_id(AppConfig(), "/m/SmolLM2-135M-Instruct.Q4_1.gguf") == (
+        "SmolLM2-135M-Instruct.Q4_1"
+    )
+    folder = tmp_path / "Qwen2.5-0.5B-Instruct"
+    folder.mkdir()
+    assert model_id(AppConfig(), str(folder)) == "Qwen2.5-0.5B-Instruct"
+    assert model_id(AppConfig(served_model_name="mine"), str(folder)) == "mine"

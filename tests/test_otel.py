@@ -151,7 +151,7 @@ async def test_one_span_per_request_in_the_callers_trace() -> None:
             await wait_for(lambda: len(rx.by_rid()) >= 13 and exporter.unsampled == 1)
         spans = rx.by_rid()
     assert "otel-off" not in spans and len(spans) == 13 and exporter.exported == 13
-    model = app.frontend.model_config.name
+    model = app.api.server_args["served_model_name"]  # the id in effect (the file's name)
     resource = rx.spans[0][0]
     assert resource["service.name"] == "lifecycle"
     for i in range(10):

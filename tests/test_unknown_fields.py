@@ -66,6 +66,16 @@ def test_unknown_fields_are_ignored_logged_once_and_counted(lenient: LiveServer)
     assert plain["output_ids"] == extra["output_ids"]
 
 
+def test_the_default_model_id_is_the_files_name(lenient: LiveServer) -> None:
+    """Issue 40: the served id has no spaces: the bundled file's name without .gguf."""
+    (model,) = httpx.get(lenient.url + "/v1/models").json()["data"]
+    assert model["id"] == "SmolLM2-135M-Instruct.Q4_1"
+    info = httpx.get(lenient.url + "/model_info").json()
+    assert info["served_model_name"] == model["id"]
+    chat = httpx.post(lenient.url + "/v1/chat/completions", json=CHAT).json()
+    assert chat["model"] == model["id"]
+
+
 def test_known_but_unsupported_fields_stay_400(lenient: LiveServer) -> None:
     """A field we know whose effect would be lost is refused whatever the policy."""
     r = httpx.post(lenient.url + "/v1/completions", json={"prompt": "hi", "suffix": "x"})

@@ -303,8 +303,8 @@ class Engine:
     def _openai(self) -> Any:
         from lifecycle.api.openai import OpenAIAPI
 
-        model_id = self.config.served_model_name or self.frontend.model_config.name
         rt = self.runtime
+        model_id = rt.served_model_id()
         return OpenAIAPI(
             self.frontend, rt.chat, model_id=model_id, model_path=rt.model_path,
             reasoning_parser=self.config.reasoning_parser,
