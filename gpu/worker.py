@@ -314,16 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     kv_tokens = engine.config.kv_blocks * config.block_size
     context = engine.mc.context_length
     log.info(
-        "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d); "
-        "cpu runtime %s",
+        "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d)",
         config.listen,
         engine.mc.name,
         context,
         kv_tokens,
         engine.config.kv_blocks,
         config.block_size,
-        _CPU_TUNING or "as the environment set it",
     )
+    log.debug("cpu runtime: %s", _CPU_TUNING or "as the environment set it")
     if kv_tokens < context:
         log.warning(
             "the KV cache holds %d tokens, fewer than one full context of %d: a request "

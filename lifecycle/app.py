@@ -112,6 +112,9 @@ async def serve_app(
 
                 install_debug(router, rt.tracer, enabled=cfg.debug_routes, replay=replay)
             handler[0] = router
+            url = f"{scheme}://{cfg.host}:{_port(server)}"
+            tg.start_soon(_announce_ready, url, rt.served_model_id(), rt.supervisor, cfg)
+            tg.start_soon(_report_load, frontend)
             task_status.started(
                 App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
             )
@@ -119,6 +122,42 @@ async def serve_app(
         finally:
             if access is not None:
                 access.close()
+
+
+async def _announce_ready(url: str, model: str, sup: Any, cfg: AppConfig) -> None:
+    """One line once the server serves (``/health`` 200): where, what, how much."""
+    client = await sup.wait_ready()
+    cap, card = client.capacity, client.model
+    kv = int(cap.get("kv_blocks", 0)) * int(cap.get("block_size", 0))
+    workers = len(sup.members)
+    where = f"{url}/debug and {url}/metrics" if cfg.debug_routes else f"{url}/metrics"
+    log.info(
+        "ready: %s serves %s (context %s tokens, KV cache %d tokens, %s running at most%s); "
+        "see %s",
+        url, model, card.get("context_length"), kv, cap.get("max_running"),
+        f", per worker of {workers}" if workers > 1 else "", where,
+    )  # fmt: skip
+
+
+LOAD_REPORT_S = 10.0  # a throughput line this often while requests are served
+
+
+async def _report_load(frontend: Frontend) -> None:
+    """Every ``LOAD_REPORT_S`` while busy: live requests, finished ones, tokens out."""
+    fe = frontend
+    done, tokens = fe.finished + sum(fe.failed.values()), fe.output_tokens
+    while True:
+        await anyio.sleep(LOAD_REPORT_S)
+        now_done, now_tokens = fe.finished + sum(fe.failed.values()), fe.output_tokens
+        live = len(fe.calls)
+        if live or now_done != done:
+            log.info(
+                "serving: %d live, %d ended in %.0f s (%d with an error so far), "
+                "%.1f output tokens/s",
+                live, now_done - done, LOAD_REPORT_S, sum(fe.failed.values()),
+                (now_tokens - tokens) / LOAD_REPORT_S,
+            )  # fmt: skip
+        done, tokens = now_done, now_tokens
 
 
 def _access_log(cfg: AppConfig, frontend: Frontend) -> AccessLog | None:

@@ -61,6 +61,7 @@ class Frontend:
         self.received = 0  # records that entered the registry; each ends finished or failed
         self.finished = 0
         self.failed: dict[str, int] = {}
+        self.output_tokens = 0  # of every closed call, all samples
         self.draining = False
         # Called once per call, after close() has driven every record to its terminal state
         # (metrics count there, never per token).
@@ -112,6 +113,7 @@ class Frontend:
             rec = run.rec
             self.registry.remove(rec)
             self.calls.untrack(rec.id)
+            self.output_tokens += sum(len(s.ids) for s in run.samples)
             if rec.state is State.DONE:
                 self.finished += 1
             elif rec.cause is not None:
