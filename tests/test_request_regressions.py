@@ -284,3 +284,31 @@ def test_request_timeout_is_every_requests_default() -> None:
         r = httpx.post(srv.url + "/generate", json=body, headers={"X-Request-Timeout": "10"})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 60
         srv.assert_invariants()
+
+
+def test_one_abort_message_in_every_state(srv: LiveServer) -> None:
+    """Issue 37 item 11: an aborted request's finish message depended on where it was
+    (the frontend's words while queued, the worker's once running: three spellings).
+    Protection: the dispatcher reports its own abort message for every rid it aborted
+    (``Submission.abort_message``); tokenizing: ``test_abort_during_tokenization_...``."""
+    for stream in (False, True):
+        rid = f"abort-running-{stream}"
+        body = {"input_ids": [8, 9], "rid": rid, "sampling_params": LONG, "stream": stream}
+        result: dict[str, Any] = {}
+
+        def send(body: dict[str, Any] = body, result: dict[str, Any] = result) -> None:
+            if not body["stream"]:
+                result["last"] = httpx.post(srv.url + "/generate", json=body, timeout=60).json()
+                return
+            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+                events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            result["last"] = json.loads(events[-2])
+
+        t = threading.Thread(target=send)
+        t.start()
+        srv.wait_until(lambda i: i["requests_by_state"].get("streaming", 0) >= 1)
+        assert httpx.post(srv.url + "/abort_request", json={"rid": rid}).status_code == 200
+        t.join(60)
+        finish = result["last"]["meta_info"]["finish_reason"]
+        assert finish == {"type": "abort", "message": ABORT_MESSAGE}, finish
+    srv.assert_invariants()
