@@ -139,8 +139,6 @@ class HttpClient:
                         answer.retry_after = v.decode()
             elif isinstance(event, h11.Data):
                 body += event.data
-                if answer.status == 200 and b"\n\n" in event.data:
-                    pass
                 if leave_after is not None and len(body) >= leave_after:
                     answer.body = bytes(body)
                     answer.left = True

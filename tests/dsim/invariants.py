@@ -86,9 +86,8 @@ def check(scn: Scenario, world: World, played: Played, plan: FaultPlan) -> list[
 def _records_by_label(world: World) -> dict[str, list[RecordLog]]:
     out: dict[str, list[RecordLog]] = {}
     for log in world.scenario_records.values():
-        rid = log.rec.client_rid
-        if rid:
-            out.setdefault(rid.split("_")[0], []).append(log)
+        if not log.label.startswith("#"):
+            out.setdefault(log.label.split("_")[0], []).append(log)
     return out
 
 
@@ -100,13 +99,21 @@ def _answered(q: Req, a: Answer, recs: list[RecordLog], cut_by_fault: bool) -> l
         if admitted:
             return [("answered", f"{q.label} ({q.face}) admitted, then cut: {a.cut}")]
         return []
-    if a.status == 200 and q.stream and q.face != "responses" and a.status != 101:
-        ev = a.events
+    ev = a.events
+    if a.status == 200 and q.stream and q.face == "responses":
+        last = ev[-1].get("type") if ev and isinstance(ev[-1], dict) else None
+        if last not in _RESPONSE_ENDS:
+            return [("answered", f"{q.label} response stream ended with {last!r}")]
+    elif a.status == 200 and q.stream:
         if not ev or ev[-1] != "[DONE]":
             return [("answered", f"{q.label} stream did not end with [DONE]")]
         if not any(_is_error(e) for e in ev) and not _stream_finished(q, ev):
             return [("answered", f"{q.label} stream ended without a finish reason or an error")]
     return []
+
+
+# The terminal events of a /v1/responses stream (OpenAI's Responses streaming events).
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _is_error(event: Any) -> bool:
@@ -136,15 +143,25 @@ def _client_end(q: Req, a: Answer) -> str | None:
         return "abort" if finish.get("type") == "abort" else "ok"
     if a.status != 200:
         return "error"
+    if q.face == "responses":
+        return _response_end(q, a)
+    if q.stream and any(_is_error(e) for e in a.events):
+        return "error"
+    return "abort" if b'"abort"' in a.body else "ok"
+
+
+def _response_end(q: Req, a: Answer) -> str:
+    """A /v1/responses answer: completed, or incomplete for max_output_tokens, is a
+    normal end; incomplete for another reason or cancelled is an abort; else an error."""
+    final: dict[str, Any] = _json(a.body)
     if q.stream:
-        if any(_is_error(e) for e in a.events):
-            return "error"
-        if q.face == "responses":
-            kinds = [e.get("type") for e in a.events if isinstance(e, dict)]
-            return (
-                "ok" if "response.completed" in kinds or "response.incomplete" in kinds else "error"
-            )
-        return "abort" if b'"abort"' in a.body else "ok"
+        ends = [e for e in a.events if isinstance(e, dict) and e.get("type") in _RESPONSE_ENDS]
+        final = (ends[-1].get("response") or {}) if ends else {}
+    status = final.get("status")
+    reason = (final.get("incomplete_details") or {}).get("reason")
+    if status == "completed" or (status == "incomplete" and reason == "max_output_tokens"):
+        return "ok"
+    return "abort" if status in ("incomplete", "cancelled") else "error"
     if q.face == "responses":
         return (
             "ok"

@@ -11,6 +11,7 @@ transport's send timeout is for.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from typing import Any
@@ -135,6 +136,7 @@ class SimListener(anyio.abc.Listener[PipeEnd]):
         send, recv = anyio.create_memory_object_stream[PipeEnd](math.inf)
         self._send, self._recv = send, recv
         self.closed = False
+        self.serving: dict[Any, PipeEnd] = {}  # connection task -> its server end
 
     def connect(self, end: PipeEnd) -> bool:
         if self.closed:
@@ -145,7 +147,15 @@ class SimListener(anyio.abc.Listener[PipeEnd]):
     async def serve(self, handler: Any, task_group: anyio.abc.TaskGroup | None = None) -> None:
         assert task_group is not None
         async for end in self._recv:
-            task_group.start_soon(handler, end)
+            task_group.start_soon(self._serve_one, handler, end)
+
+    async def _serve_one(self, handler: Any, end: PipeEnd) -> None:
+        task = asyncio.current_task()
+        self.serving[task] = end  # which connection a handler runs for (``World``)
+        try:
+            await handler(end)
+        finally:
+            del self.serving[task]
 
     async def aclose(self) -> None:
         self.closed = True

@@ -67,10 +67,10 @@ class Req:
         elif f == "chat":
             msgs = [{"role": "user", "content": self.text}]
             b = {"model": "sim", "messages": msgs, "max_tokens": n, "rid": self.label}
-        elif f == "responses":
-            b = {"model": "sim", "input": self.text, "max_output_tokens": n}
+        elif f == "responses":  # no rid on these two: "user" names the call (World)
+            b = {"model": "sim", "input": self.text, "max_output_tokens": n, "user": self.label}
         elif f == "embeddings":
-            b = {"model": "sim", "input": self.text}
+            b = {"model": "sim", "input": self.text, "user": self.label}
         else:
             b = {"model": "sim", "query": self.text, "items": ["alpha", "beta"],
                  "label_token_ids": [1, 2], "rid": self.label}  # fmt: skip
@@ -163,14 +163,14 @@ def draw(seed: int) -> Scenario:
         rules.append(
             FaultRule("frontend.tokenize", "delay", times=0, delay=r.uniform(0.0005, 0.005))
         )
-    # Now and then a prefill longer than the hung-worker timeout (chunks of one token,
-    # 0.2 s each, against a 0.5 s timeout): progress the watchdog must see, not a hang
-    # (issue 37 item 10).
-    long_prefill = r.random() < 0.04
+    # Now and then a prefill longer than the hung-worker timeout (chunks of four tokens,
+    # 0.3 s each, against a 0.5 s timeout): progress the watchdog must see, not a hang
+    # (issue 37 item 10). Not with slow steps as well: the clients' budget would not do.
+    long_prefill = r.random() < 0.04 and fault != "forward_delay"
     world = WorldConfig(
         link=link,
-        prefill_chunk=1 if long_prefill else r.choice((0, 0, 2)),
-        prefill_delay=0.2 if long_prefill else 0.001,
+        prefill_chunk=4 if long_prefill else r.choice((0, 0, 2)),
+        prefill_delay=0.3 if long_prefill else 0.001,
         hung_timeout=0.5 if long_prefill else 3.0,
         audit_interval=0.25 if long_prefill else 1.0,
         drain_timeout=r.choice((0.02, 0.1, 2.0)),  # short ones cut requests still running

@@ -16,6 +16,7 @@ worker had finished before the abort" is an exact question.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 from collections import defaultdict
@@ -24,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import orjson
 
 import wire
 from lifecycle.api.metrics import Metrics
@@ -212,7 +214,8 @@ class _Observer:
         w = self.world
         log = w.records.get(rec.id)
         if log is None:
-            log = w.records[rec.id] = RecordLog(rec, rec.client_rid or f"#{len(w.records)}")
+            label = rec.client_rid or w.call_labels.get(id(w.frontend.calls.of(rec.id)))
+            log = w.records[rec.id] = RecordLog(rec, label or f"#{len(w.records)}")
         detail = entry[4]
         shown = (
             detail.value if isinstance(detail, Cause) else detail if isinstance(detail, str) else ""
@@ -297,6 +300,8 @@ class World:
         calls.world = self
         fe.calls = calls
         self.frontend = fe
+        self.call_labels: dict[int, str] = {}  # id(call) -> its request's "user" (no rid)
+        fe.open_observers.append(self._opened)
         metrics = _metrics(fe)
         router, api, auth = _routes(app_config, fe, metrics, checked.chat, "")
         server_config = ServerConfig(
@@ -329,6 +334,18 @@ class World:
         if rid is None:
             return None, ()
         return self.supervisor.life_of.get(id(client)), tuple(range(rid, rid + n))
+
+    def _opened(self, call: Any) -> None:
+        """Name a call of a face without rids (/v1/responses, /v1/embeddings) after the
+        ``user`` field of the HTTP request whose handler opened it."""
+        end = self.server.listener.serving.get(asyncio.current_task())
+        conn = next((c for c in self.server._connections if c.stream is end), None)
+        request = conn.channel.current if conn is not None else None
+        body = getattr(request, "_cached", None)
+        if body:
+            user = orjson.loads(body).get("user")
+            if isinstance(user, str):
+                self.call_labels[id(call)] = user
 
     def link_faults(self, fe_end: PipeEnd, w_end: PipeEnd) -> None:
         """A frame lost or duplicated on the worker link (``WorldConfig.link``)."""
