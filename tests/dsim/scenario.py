@@ -275,20 +275,30 @@ async def _play_ws(end: Any, conn: Conn, out: Played, chunk: int, pause: float) 
             out.answers[q.label] = Answer(q.label, status=101)
             if await ws.send({"type": q.face, "id": q.label, "body": q.body()}):
                 out.sent.add(q.label)
+        kinds = {q.behaviour for q in conn.reqs}
+        if "half_close" in kinds:  # a FIN after the messages: the client is leaving
+            await end.send_eof()
         leave = min((q.leave_at for q in conn.reqs if q.behaviour == "leave"), default=None)
+        # leave_mid / reset_mid: the socket goes after a few server messages
+        after = min((int(q.leave_at) % 5 + 1 for q in conn.reqs if q.behaviour.endswith("_mid")),
+                    default=None)  # fmt: skip
         cancels = [(q.cancel_at, q.label) for q in conn.reqs if q.cancel_at is not None]
+        finished = False
         async with anyio.create_task_group() as tg:
             for at, label in cancels:
                 tg.start_soon(_ws_cancel, ws, at, label)
             with anyio.move_on_after(leave if leave is not None else 1e9):
-                await _ws_read(ws, conn, out)
+                finished = await _ws_read(ws, conn, out, after)
                 tg.cancel_scope.cancel()
-                return
             tg.cancel_scope.cancel()
+        if finished and "half_close" not in kinds:
+            return
         for q in conn.reqs:  # left: what had not ended is the client's doing
             a = out.answers[q.label]
             if not a.complete:
                 a.left = True
+        if "reset_mid" in kinds:
+            end.reset()
     finally:
         await end.aclose()
 
@@ -298,8 +308,11 @@ async def _ws_cancel(ws: WsClient, at: float, label: str) -> None:
     await ws.send({"type": "cancel", "id": label})
 
 
-async def _ws_read(ws: WsClient, conn: Conn, out: Played) -> None:
+async def _ws_read(ws: WsClient, conn: Conn, out: Played, after: int | None) -> bool:
+    """Read until every stream ended (True), the server closed, or ``after`` messages
+    came and the client leaves (False)."""
     open_ids = {q.label for q in conn.reqs}
+    seen = 0
     async for msg in ws.messages():
         a = out.answers.get(str(msg.get("id")))
         if a is None:
@@ -310,11 +323,15 @@ async def _ws_read(ws: WsClient, conn: Conn, out: Played) -> None:
             open_ids.discard(a.label)
             if not open_ids:
                 await ws.send_close()
-                return
+                return True
+        seen += 1
+        if after is not None and seen >= after:
+            return False
     for label in open_ids:
         a = out.answers[label]
         a.close_code = ws.close_code
         a.cut = "closed" if ws.close_code is None else f"close {ws.close_code}"
+    return True
 
 
 async def play_control(world: World, at: float, action: str, rid: str, out: Played) -> None:
