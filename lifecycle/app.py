@@ -69,7 +69,7 @@ class App:
         fe, timeout = self.frontend, self.config.drain_timeout
         grace = min(_CUT_GRACE, timeout / 5)  # for the cut requests' owners to answer
         fe.begin_drain()
-        self.server.begin_drain()
+        self.server.begin_drain(retry_after=DRAIN.refused.retry_after)
         log.info("draining: %d live calls, up to %.1fs", len(fe.calls), timeout)
         cut = 0
         if not await fe.calls.wait_drained(timeout - grace):

@@ -29,6 +29,7 @@ log = logging.getLogger("transport")
 
 Handler = Callable[[Request], Awaitable[Response]]
 DEFAULT_CONFIG = ServerConfig()  # frozen, so one shared default is safe
+_DEFAULT_RETRY_AFTER = 1  # seconds; an app's begin_drain(retry_after=) replaces it
 _REJECT_READ_SECONDS = 0.5  # read the refused client's request head before answering 503
 
 
@@ -64,6 +65,7 @@ class Server:
         self._all_closed = anyio.Event()
         self._stopped = anyio.Event()
         self._shutdown_timeout = config.shutdown_timeout
+        self.retry_after = _DEFAULT_RETRY_AFTER  # seconds, on every drain/overload 503 here
 
     @property
     def connection_count(self) -> int:
@@ -90,10 +92,13 @@ class Server:
                     _unlink(self.config.uds)
             self._stopped.set()
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, retry_after: int | None = None) -> None:
         """Refuse new connections (503 + Retry-After) and close idle ones; in-flight
-        responses go on, and their connections close when they end."""
+        responses go on, and their connections close when they end. ``retry_after``: the
+        app's one Retry-After for its own drain 503s, so a client sees one value."""
         self.draining = True
+        if retry_after is not None:
+            self.retry_after = retry_after
         for conn in list(self._connections):
             conn.close_idle()
 
@@ -150,10 +155,10 @@ class Server:
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         if self.draining:
-            await _reject(stream, _SHUTTING_DOWN_BODY)
+            await _reject(stream, _SHUTTING_DOWN_BODY, self.retry_after)
             return
         if len(self._connections) >= self.config.max_connections:
-            await _reject(stream, _OVERLOADED_BODY)
+            await _reject(stream, _OVERLOADED_BODY, _DEFAULT_RETRY_AFTER)
             return
         conn = HTTPConnection(stream, self.app, self.config, _client(stream), self)
         self._connections.add(conn)
@@ -189,12 +194,14 @@ _OVERLOADED_BODY = error_body("Server overloaded: too many connections")
 _SHUTTING_DOWN_BODY = error_body("Server shutting down; retry elsewhere")
 
 
-async def _reject(stream: anyio.abc.ByteStream, body: bytes) -> None:
+async def _reject(stream: anyio.abc.ByteStream, body: bytes, retry_after: int) -> None:
     """Answer 503 and close without parsing: the cheapest way to say "not now"."""
     head = (
         b"HTTP/1.1 503 Service Unavailable\r\ndate: "
         + http_util.http_date()
-        + b"\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
+        + b"\r\ncontent-type: application/json\r\nretry-after: "
+        + str(retry_after).encode()
+        + b"\r\nconnection: close\r\n"
         + b"content-length: "
         + str(len(body)).encode()
         + b"\r\n\r\n"
