@@ -32,6 +32,7 @@ STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 class ServerState(Protocol):
     draining: bool
+    retry_after: int  # seconds, on the server's own 503s while draining
 
 
 class ClientGone(Exception):

@@ -24,9 +24,12 @@ from .respond import ResponseWriter
 
 __all__ = ["HTTPConnection", "watch_deadlines"]
 
+_REFUSE_SECONDS = 0.5  # at shutdown, for the 503 to a request that got no answer
+
 
 class _Idle:
     draining = False
+    retry_after = 1
 
 
 class HTTPConnection:
@@ -55,6 +58,7 @@ class HTTPConnection:
         self.idle = True  # no request in flight: shutdown may close this connection at once
         self.scope = anyio.CancelScope()
         self._tg: anyio.abc.TaskGroup | None = None
+        self._refuse_unanswered = False  # shutdown: answer the request in flight 503 first
 
     async def run(self) -> None:
         with self.scope:
@@ -72,11 +76,23 @@ class HTTPConnection:
             finally:
                 self._tg = self.reader.tasks = None
                 with anyio.CancelScope(shield=True):
+                    if self._refuse_unanswered:
+                        await self._refuse()
                     await http_util.close_stream(self.stream, graceful=self.channel.graceful)
 
+    async def _refuse(self) -> None:
+        with anyio.move_on_after(_REFUSE_SECONDS):
+            try:
+                if await self.writer.refuse_unanswered(self.server.retry_after):
+                    self.channel.graceful = True  # FIN after the 503, so the client reads it
+            except ClientGone:
+                pass
+
     def close_idle(self) -> None:
-        """Close now if no request is in flight (shutdown): FIN, not a reset."""
-        if self.idle:
+        """Close now if no request is in flight and no byte of a next one has arrived
+        (shutdown): FIN, not a reset. A request partly received (a slow upload, a
+        pipelined one) is read and answered instead."""
+        if self.idle and not self.channel.has_pending():
             self.scope.cancel()
 
     def abort(self, reason: str) -> None:
@@ -85,6 +101,7 @@ class HTTPConnection:
         if current is not None:
             current.mark_disconnected(reason)
         self.channel.graceful = False
+        self._refuse_unanswered = reason == "shutdown"
         self.scope.cancel()
 
     async def _serve(self) -> None:
@@ -96,7 +113,8 @@ class HTTPConnection:
                 return
             keep_alive = await writer.respond(item)
             self.channel.current = None
-            if not keep_alive or self.server.draining or not reader.next_cycle():
+            draining = self.server.draining and not self.channel.has_pending()
+            if not keep_alive or draining or not reader.next_cycle():
                 return
             self.idle = True
 

@@ -44,6 +44,7 @@ class ResponseWriter:
         self.app = app
         self._hand_over = hand_over
         self.stream_gate: StreamGate | None = None
+        self.answering: Request | None = None  # the request whose response has begun
 
     async def respond(self, request: Request) -> bool:
         """Run the handler and write its response; False when the connection must close."""
@@ -82,9 +83,42 @@ class ResponseWriter:
         response = http_util.error_response(HTTPError(status, message))
         response.headers.append(("connection", "close"))
         request = Request("GET", "/", Headers([]), ch.client)
+        self.answering = ch.current
         await self._send_whole(request, response)
 
+    async def refuse_unanswered(self, retry_after: int) -> bool:
+        """Answer 503 + Retry-After + Connection: close to a request that got no byte of
+        a response (shutdown cut it: its handler still running, its body or head still
+        arriving), so the client learns it was not served and may retry, instead of a
+        reset. True when it was answered."""
+        ch = self.ch
+        request = ch.current
+        if request is None:  # a head or a fast request's body still arriving
+            if not ch.has_pending():
+                return False
+            request = Request("GET", "/", Headers([]), ch.client)
+            if not ch.live:
+                ch.go_live()
+        elif self.answering is request:
+            return False
+        elif not ch.live:
+            ch.replay()
+        # h11 lets a server answer before a request is whole (IDLE), as for a 408.
+        if ch.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return False
+        headers = [("retry-after", str(retry_after)), ("connection", "close")]
+        response = http_util.error_response(
+            HTTPError(503, "Server shutting down; retry elsewhere", headers)
+        )
+        self.answering = request
+        data = self._h11_whole(request, response)
+        if data is None:
+            return False
+        await ch.write(request, data)
+        return True
+
     async def _send_response(self, request: Request, response: Response) -> bool:
+        self.answering = request
         if request.is_disconnected():
             self.ch.graceful = False
             return False
@@ -115,7 +149,7 @@ class ResponseWriter:
     def _fast_whole(self, request: Request, response: Response) -> bytes | None:
         """The whole response as the fast path frames it; None where only h11 can."""
         ch = self.ch
-        closing = ch.close_after or ch.server.draining
+        closing = ch.close_after or self._draining_close()
         data = fastpath.encode_response(
             response.status,
             http_util.reason(response.status),
@@ -159,7 +193,13 @@ class ResponseWriter:
         """Whether an h11 response must say ``Connection: close``: when draining, or when
         the request's body is not all in (it timed out, failed, or was left unread), since
         the connection then cannot carry another request (RFC 9112 section 9.6)."""
-        return self.ch.server.draining or self.ch.h11.their_state is h11.SEND_BODY
+        return self._draining_close() or self.ch.h11.their_state is h11.SEND_BODY
+
+    def _draining_close(self) -> bool:
+        """Draining: close after this response, unless the client has already pipelined
+        another request, which is then answered too (the app refuses what it will not
+        serve) rather than dropped unanswered; the last answer says close."""
+        return self.ch.server.draining and not self.ch.has_pending()
 
     # ----------------------------------------------------------------- streams
     async def _send_stream(self, request: Request, response: StreamResponse) -> bool:
@@ -186,7 +226,7 @@ class ResponseWriter:
         ch = self.ch
         reason = http_util.reason(response.status)
         if not ch.live and request.method != "HEAD":
-            closing = ch.close_after or ch.server.draining
+            closing = ch.close_after or self._draining_close()
             preamble = http_util.preamble(self.config.server_header)
             head = fastpath.encode_stream_head(
                 response.status, reason, preamble, response.headers, closing
