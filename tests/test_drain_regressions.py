@@ -11,6 +11,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from lifecycle.core.child import stop_process
 from lifecycle.core.states import DRAIN
@@ -114,3 +116,35 @@ async def test_drain_503s_share_one_retry_after() -> None:
     assert b"connection: close" in head
     assert unary["status"] == DRAIN.cut.status
     assert unary["headers"]["retry-after"] == want
+
+
+async def test_drain_closes_websockets_1001_after_their_errors() -> None:
+    """issue 37 item 7: at the drain cut a WebSocket with a generation running gets its
+    error message, then a close frame with 1001 (going away); an idle one gets 1001 too.
+    Before, both ended with no close frame (1006)."""
+    proc, url = _serve()
+    ws_url = url.replace("http", "ws") + "/v1/stream"
+    got: dict[str, Any] = {}
+    try:
+        async with connect(ws_url) as busy, connect(ws_url) as idle:
+            await busy.send(
+                json.dumps({"type": "generate", "id": 1, "body": _body(9, LONG, False)})
+            )
+            await anyio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            messages = []
+            with anyio.fail_after(15):
+                try:
+                    async for raw in busy:
+                        messages.append(json.loads(raw))
+                except ConnectionClosed:
+                    pass
+                await busy.wait_closed()
+                await idle.wait_closed()
+            got.update(messages=messages, busy=busy.close_code, idle=idle.close_code)
+        await anyio.to_thread.run_sync(lambda: proc.wait(20))
+    finally:
+        stop_process(proc)
+    last = got["messages"][-1]
+    assert last["type"] == "error" and last["error"]["code"] == DRAIN.cut.status, last
+    assert got["busy"] == 1001 and got["idle"] == 1001, got

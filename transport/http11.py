@@ -95,6 +95,11 @@ class HTTPConnection:
         if self.idle and not self.channel.has_pending():
             self.scope.cancel()
 
+    def go_away(self) -> None:
+        """Shutdown: a WebSocket on this connection ends its session and closes 1001."""
+        if self.writer.websocket is not None:
+            self.writer.websocket.go_away()
+
     def abort(self, reason: str) -> None:
         """Cancel this connection now (shutdown deadline): the in-flight request learns why."""
         current = self.channel.current

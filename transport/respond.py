@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import h11
 
@@ -22,6 +23,9 @@ from .errors import HTTPError
 from .request import Headers, Request
 from .responses import Response, SSEResponse, StreamResponse, WebSocketResponse
 from .streaming import StreamGate, discard, pump
+
+if TYPE_CHECKING:
+    from .websocket import WebSocket
 
 __all__ = ["ResponseWriter"]
 
@@ -45,6 +49,7 @@ class ResponseWriter:
         self._hand_over = hand_over
         self.stream_gate: StreamGate | None = None
         self.answering: Request | None = None  # the request whose response has begun
+        self.websocket: WebSocket | None = None  # the session this socket runs
 
     async def respond(self, request: Request) -> bool:
         """Run the handler and write its response; False when the connection must close."""
@@ -116,6 +121,9 @@ class ResponseWriter:
             return False
         await ch.write(request, data)
         return True
+
+    def _opened(self, ws: WebSocket) -> None:
+        self.websocket = ws
 
     async def _send_response(self, request: Request, response: Response) -> bool:
         self.answering = request
@@ -287,7 +295,9 @@ class ResponseWriter:
             ),
         )
         trailing = ch.h11.trailing_data[0]
-        await websocket.run_session(ch.stream, request, response.session, self.config, trailing)
+        await websocket.run_session(
+            ch.stream, request, response.session, self.config, trailing, self._opened
+        )
         return False
 
 

@@ -120,6 +120,7 @@ class Server:
         self.draining = True
         for conn in list(self._connections):
             conn.close_idle()
+            conn.go_away()
         if self._connections:
             with anyio.move_on_after(self._shutdown_timeout):
                 await self._all_closed.wait()

@@ -114,6 +114,14 @@ class WebSocket:
         self._parts: list[str | bytes] = []
         self._size = 0
         self.reader_done = anyio.Event()
+        self._session_scope = anyio.CancelScope()
+        self._going_away = False
+
+    def go_away(self) -> None:
+        """End the session now and close with 1001 (RFC 6455 section 7.4.1: the server
+        is going away), not a reset: the server is shutting down."""
+        self._going_away = True
+        self._session_scope.cancel()
 
     @property
     def closed(self) -> WebSocketClosed | None:
@@ -229,9 +237,13 @@ async def run_session(
     session: Callable[[WebSocket], Awaitable[None]],
     config: ServerConfig,
     trailing: bytes,
+    opened: Callable[[WebSocket], None] | None = None,
 ) -> None:
-    """Run ``session`` on an upgraded connection; close 1000 when it returns, 1011 on error."""
+    """Run ``session`` on an upgraded connection; close 1000 when it returns, 1011 on
+    error, 1001 after ``WebSocket.go_away``. ``opened`` learns the WebSocket first."""
     ws = WebSocket(request, stream, config, trailing)
+    if opened is not None:
+        opened(ws)
     with ws._inbox_recv:
         await _supervise(ws, session, config)
 
@@ -245,7 +257,11 @@ async def _supervise(
         if config.ws_ping_interval:
             tg.start_soon(_pings, ws, config.ws_ping_interval)
         try:
-            await session(ws)
+            with ws._session_scope:
+                await session(ws)
+            if ws._going_away:
+                with anyio.CancelScope(shield=True):
+                    await ws.close(1001, "server shutting down")
             await ws.close(1000)
         except WebSocketClosed:
             await ws.close(1000)
