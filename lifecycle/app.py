@@ -43,6 +43,7 @@ __all__ = ["App", "AppConfig", "serve_app", "worker_args"]
 log = logging.getLogger("lifecycle.app")
 
 
+_STOP_GRACE = 0.5  # second signal: seconds for the cut requests' owners, then the sockets
 _CUT_GRACE = 2.0  # seconds of the drain kept for cut requests to send their error
 
 
@@ -77,6 +78,16 @@ class App:
             log.warning("drain timeout: %d requests ended with an error", cut)
             await fe.calls.wait_drained(grace / 2)
         await self.server.shutdown(grace / 2)
+        return cut
+
+    async def stop_now(self) -> int:
+        """The second signal: end every live call at once with ``DRAIN.cut``
+        (shutting_down, never internal), give their owners a moment to send that error,
+        then close the listener. Returns how many requests were cut."""
+        calls = self.frontend.calls
+        cut = calls.cut_all(DRAIN.cut, "the server is shutting down")
+        await calls.wait_drained(_STOP_GRACE)
+        await self.server.shutdown(_STOP_GRACE)
         return cut
 
 

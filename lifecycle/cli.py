@@ -107,6 +107,9 @@ async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
         async def watch_signals() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
+                    if apps and apps[0].frontend.draining:
+                        with anyio.move_on_after(2.0):  # the cut's errors, then the close
+                            await apps[0].stop_now()
                     if not apps or apps[0].frontend.draining:
                         tg.cancel_scope.cancel()
                         return

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 
 from lifecycle.core.child import stop_process
 from lifecycle.core.states import DRAIN
-from tests.test_drain import LONG, _body, _serve
+from tests.test_drain import LONG, _body, _serve, _stream
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -148,3 +148,28 @@ async def test_drain_closes_websockets_1001_after_their_errors() -> None:
     last = got["messages"][-1]
     assert last["type"] == "error" and last["error"]["code"] == DRAIN.cut.status, last
     assert got["busy"] == 1001 and got["idle"] == 1001, got
+
+
+async def test_second_sigterm_ends_streams_shutting_down() -> None:
+    """issue 37 item 7: a second SIGTERM during the drain ends each live stream with an
+    explicit shutting_down error event then [DONE]; before, the streams were cancelled
+    and labelled internal ("handler ended early") with no event."""
+    proc, url = _serve()
+    out: dict[str, Any] = {}
+    try:
+        async with httpx.AsyncClient(timeout=30) as c, anyio.create_task_group() as tg:
+            tg.start_soon(_stream, c, url, 3, LONG, out)
+            with anyio.fail_after(20):
+                while "started" not in out:
+                    await anyio.sleep(0.01)
+                await out["started"].wait()
+            proc.send_signal(signal.SIGTERM)
+            await anyio.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+        await anyio.to_thread.run_sync(lambda: proc.wait(20))
+    finally:
+        stop_process(proc)
+    assert out["done"], out["events"][-1:]
+    last = out["events"][-1]
+    assert last["error"]["type"] == DRAIN.cut.err_type, last
+    assert last["error"]["code"] == DRAIN.cut.status
