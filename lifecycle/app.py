@@ -68,7 +68,8 @@ class App:
         an explicit error (an SSE error event then [DONE], a WebSocket error, a 503),
         then the listener closes. Returns how many requests were cut."""
         fe, timeout = self.frontend, self.config.drain_timeout
-        grace = min(_CUT_GRACE, timeout / 5)  # for the cut requests' owners to answer
+        # Kept for the cut requests' owners to send their error, even at --drain-timeout 0
+        grace = max(min(_CUT_GRACE, timeout / 5), _STOP_GRACE)
         fe.begin_drain()
         self.server.begin_drain(retry_after=DRAIN.refused.retry_after)
         log.info("draining: %d live calls, up to %.1fs", len(fe.calls), timeout)

@@ -39,6 +39,19 @@ def test_seeds_hold_every_invariant() -> None:
     assert not failures, "\n".join(failures)
 
 
+def test_a_drain_cut_reaches_a_lagging_reader_with_its_error() -> None:
+    """Issue 37 item 7: a drain whose deadline passed (``--drain-timeout`` 0.02 here)
+    while a reader lagged behind its stream closed the connection under it: no error
+    event, no ``[DONE]``, no WebSocket close frame (seed 868: a slow keep-alive
+    connection; 7412: a WebSocket whose second cut generation's error was still unsent).
+    Protection: the drain keeps at least ``_STOP_GRACE`` for the cut requests' owners
+    (``App.drain``), and the server closes WebSockets 1001 only after the first half of
+    its shutdown time (``Server._drain``)."""
+    for seed in (868, 7412):
+        result = run_seed(seed)
+        assert not result.violations, (seed, result.violations)
+
+
 def test_a_seed_replays_the_same_schedule() -> None:
     for seed in (3, 17, 116, 1216):
         first, again = run_seed(seed, keep_trace=True), run_seed(seed, keep_trace=True)

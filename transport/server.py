@@ -117,15 +117,20 @@ class Server:
             await watch_deadlines(self._connections, self.config)
 
     async def _drain(self) -> None:
+        """Idle connections close at once; responses in flight get the first half of the
+        shutdown timeout to end, and WebSocket sessions to send what they still have
+        (a cut generation's error); then each WebSocket closes 1001 (``go_away``), and
+        what is left at the end of the second half is aborted."""
         self.draining = True
         for conn in list(self._connections):
             conn.close_idle()
-            conn.go_away()
-        if self._connections:
-            with anyio.move_on_after(self._shutdown_timeout):
-                await self._all_closed.wait()
-        for conn in list(self._connections):
-            conn.abort("shutdown")
+        half = self._shutdown_timeout / 2
+        for step in (lambda conn: conn.go_away(), lambda conn: conn.abort("shutdown")):
+            if self._connections:
+                with anyio.move_on_after(half):
+                    await self._all_closed.wait()
+            for conn in list(self._connections):
+                step(conn)
 
     async def _open_listener(self) -> anyio.abc.Listener[Any]:
         cfg = self.config

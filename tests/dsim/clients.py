@@ -24,6 +24,7 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.utilities import LocalProtocolError
 
 from tests.dsim.net import PipeEnd
 
@@ -201,7 +202,13 @@ class WsClient:
         return True
 
     async def send(self, obj: dict[str, Any]) -> bool:
-        return await self._send(self.ws.send(Message(data=orjson.dumps(obj).decode())))
+        """False once the session is closing (the server sent its close frame, 1001 on a
+        drain): a real client library raises there, as wsproto does."""
+        try:
+            data = self.ws.send(Message(data=orjson.dumps(obj).decode()))
+        except LocalProtocolError:
+            return False
+        return await self._send(data)
 
     async def _events(self) -> list[Any] | None:
         try:
@@ -238,4 +245,8 @@ class WsClient:
                 return
 
     async def send_close(self) -> None:
-        await self._send(self.ws.send(CloseConnection(code=1000)))
+        try:
+            data = self.ws.send(CloseConnection(code=1000))
+        except LocalProtocolError:  # the server closed first
+            return
+        await self._send(data)

@@ -8,7 +8,7 @@ handles it; the test then holds the fix.
 
 from __future__ import annotations
 
-__all__ = ["KNOWN_DRAIN_LAGGING", "KNOWN_LINK", "known_reason"]
+__all__ = ["KNOWN_LINK", "known_reason"]
 
 # Frame faults on the worker link the protocol cannot survive without sequence numbers:
 # it relies on the stream under it (a socket) delivering each frame exactly once, in order.
@@ -23,26 +23,9 @@ KNOWN_LINK = {
 }
 
 
-# Issue 37 item 7, being fixed: a drain whose timeout passes while a reader lags behind
-# its stream closes the connection under it (a WebSocket without a close frame, an SSE
-# stream without an error event or [DONE]).
-KNOWN_DRAIN_LAGGING = (
-    "issue 37 item 7: the drain's deadline cuts a lagging reader's connection with no "
-    "error event, no [DONE] and no WebSocket close frame"
-)
-
-
-def known_reason(
-    link_fired: list[str], violations: list[tuple[str, str]], drained: bool, lagging: set[str]
-) -> str | None:
-    """Why a failing seed is a known finding, or None when it is a real failure.
-    ``lagging``: the labels of the requests on slow connections."""
-    if (
-        drained
-        and violations
-        and all(name == "answered" and what.split()[0] in lagging for name, what in violations)
-    ):
-        return f"known ({KNOWN_DRAIN_LAGGING})"
+def known_reason(link_fired: list[str]) -> str | None:
+    """Why a failing seed is a known finding (a listed worker-link fault fired in it), or
+    None when it is a real failure."""
     for event in link_fired:
         action, kind, _direction = event.split()
         reason = KNOWN_LINK.get(f"{action} {kind}")

@@ -99,10 +99,7 @@ async def _main(scn: Scenario, result: Result, plan: FaultPlan, keep_trace: bool
         result.virtual_s = anyio.current_time() - t0
         result.violations = invariants.check(scn, world, played, plan)
         if result.violations:
-            lagging = {q.label for c in scn.conns if c.slow for q in c.reqs}
-            result.known = known_reason(
-                world.link_fired, result.violations, played.drained, lagging
-            )
+            result.known = known_reason(world.link_fired)
         if keep_trace or result.violations:
             result.trace = trace_lines(scn, world, played, plan)
         tg.cancel_scope.cancel()
