@@ -142,8 +142,9 @@ def test_prompt_chunks_send_empty_steps_and_audit_names_what_never_arrived(
     """A step that only prefills sends an empty STEP (the hung-worker watchdog's evidence
     of progress during a long prompt); AUDIT, answered in order with SUBMIT, names the
     rids the worker does not hold (issue 37 items 1 and 10)."""
+    worker.request(Flush(next(_rid)), FlushReply)  # no cached prefix: every chunk runs
     a = next(_rid)
-    long_prompt = [1] + [500 + i % 7000 for i in range(1500)]  # three prefill chunks
+    long_prompt = [1] + [900 + i % 5000 for i in range(1500)]  # three prefill chunks
     worker.submit(a, long_prompt, {**GREEDY, "max_new_tokens": 200, "n": 2})
     empty = 0
     while not worker.results[a].ids:
