@@ -359,11 +359,14 @@ class GenerateCall:
             changed = self.poll()
             if changed or self.done:
                 return changed
-            with anyio.move_on_after(self._remaining()):
+            if self.timeout is None:  # the common case: no cancel scope per wake-up
                 await self._wake.wait()
-            if self._remaining() <= 0 and not self.done:
-                self.interrupt(Cause.DEADLINE, self._deadline_message())
-                continue
+            else:
+                with anyio.move_on_after(self._remaining()):
+                    await self._wake.wait()
+                if self._remaining() <= 0 and not self.done:
+                    self.interrupt(Cause.DEADLINE, self._deadline_message())
+                    continue
             self._wake = anyio.Event()
 
     async def run_to_end(self) -> None:
