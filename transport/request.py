@@ -166,6 +166,7 @@ class Request:
         "_on_gone",
         "_responder",
         "responded",
+        "response_headers",
         "client",
         "_disconnected",
         "disconnect_reason",
@@ -205,6 +206,10 @@ class Request:
         # Set by the connection: writes a response from inside the handler (``respond``).
         self._responder: Callable[[Request, Any], Awaitable[bool]] | None = None
         self.responded: Any = None  # the response ``respond`` sent, if any
+        # Extra headers for whatever answers this request (the handler's response, one it
+        # sends with ``respond``, an error response, a WebSocket's 101), added when its
+        # head is written: the app may set or change them until then (docs/transport.md).
+        self.response_headers: list[tuple[str, str]] | None = None
         # Who the app's authentication says sent this (the app sets it; the transport never).
         self.user: Any = None
 

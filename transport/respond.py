@@ -162,7 +162,7 @@ class ResponseWriter:
             response.status,
             http_util.reason(response.status),
             http_util.preamble(self.config.server_header),
-            response.headers,
+            _headers(request, response),
             response.body,
             request.method == "HEAD",
             closing,
@@ -176,7 +176,9 @@ class ResponseWriter:
         ch = self.ch
         conn = ch.h11
         body = response.body
-        headers = http_util.response_headers(response.headers, self.config, self._closing())
+        headers = http_util.response_headers(
+            _headers(request, response), self.config, self._closing()
+        )
         bodiless = response.status < 200 or response.status in (204, 304)
         if not bodiless:
             headers.append((b"content-length", str(len(body)).encode()))
@@ -237,13 +239,15 @@ class ResponseWriter:
             closing = ch.close_after or self._draining_close()
             preamble = http_util.preamble(self.config.server_header)
             head = fastpath.encode_stream_head(
-                response.status, reason, preamble, response.headers, closing
+                response.status, reason, preamble, _headers(request, response), closing
             )
             if head is not None:
                 ch.close_after = closing
                 return head, True
         ch.replay()
-        headers = http_util.response_headers(response.headers, self.config, self._closing())
+        headers = http_util.response_headers(
+            _headers(request, response), self.config, self._closing()
+        )
         head = ch.h11.send(
             h11.Response(status_code=response.status, headers=headers, reason=reason)
         )
@@ -286,6 +290,9 @@ class ResponseWriter:
             return True
         await self._hand_over()  # the WebSocket takes over the socket's read side
         accept = websocket.accept_headers(request, response.subprotocol, self.config)
+        accept += [
+            (k.encode("latin-1"), v.encode("latin-1")) for k, v in request.response_headers or ()
+        ]
         await ch.write(
             request,
             ch.h11.send(
@@ -299,6 +306,13 @@ class ResponseWriter:
             ch.stream, request, response.session, self.config, trailing, self._opened
         )
         return False
+
+
+def _headers(request: Request, response: Response) -> list[tuple[str, str]]:
+    """The response's headers plus the request's extra ``response_headers`` (a new list:
+    a response object may be shared by several requests)."""
+    extra = request.response_headers
+    return response.headers if not extra else [*response.headers, *extra]
 
 
 def _is_chunked(head: bytes) -> bool:

@@ -172,6 +172,8 @@ class RequestRecord:
     __slots__ = (
         "id",
         "client_rid",
+        "request_id",
+        "route",
         "state",
         "cause",
         "detail",
@@ -181,9 +183,19 @@ class RequestRecord:
         "tokens",
     )
 
-    def __init__(self, id: int, client_rid: str | None = None) -> None:
+    def __init__(
+        self,
+        id: int,
+        client_rid: str | None = None,
+        request_id: str | None = None,
+        route: str | None = None,
+    ) -> None:
         self.id = id
         self.client_rid = client_rid
+        # The id the client knows it by (``X-Request-Id``, the body's rid, or one the server
+        # made; ``{id}_{i}`` for prompt i of a batch): not unique, unlike ``client_rid``.
+        self.request_id = request_id
+        self.route = route  # where it came in (a route template), None for the Engine
         self.state = INITIAL
         self.cause: Cause | None = None
         self.detail: str | None = None
@@ -280,9 +292,11 @@ class RequestRecord:
             _tell(_observer.released, self)
 
 
-def new_request(client_rid: str | None = None) -> RequestRecord:
+def new_request(
+    client_rid: str | None = None, request_id: str | None = None, route: str | None = None
+) -> RequestRecord:
     """A fresh record in RECEIVED with the next process-unique id."""
-    return RequestRecord(next(_next_id), client_rid)
+    return RequestRecord(next(_next_id), client_rid, request_id, route)
 
 
 def admit(rec: RequestRecord, queue: Any) -> bool:

@@ -12,10 +12,24 @@ request; nothing reads it unless an observer asks.
 
 from __future__ import annotations
 
+import uuid
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["CALL_ORIGIN", "Origin"]
+__all__ = [
+    "CALL_ORIGIN",
+    "EXCHANGE",
+    "REQUEST_ID_HEADER",
+    "Exchange",
+    "Origin",
+    "client_request_id",
+    "current_request_id",
+    "new_request_id",
+]
+
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_ID = 128  # characters of a client's X-Request-Id kept; a longer one is replaced
 
 
 class _Headers(Protocol):
@@ -36,3 +50,55 @@ class Origin(Protocol):
 
 
 CALL_ORIGIN: ContextVar[Origin | None] = ContextVar("lifecycle_call_origin", default=None)
+
+
+def new_request_id() -> str:
+    """A request id for a request whose client named none (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's ``X-Request-Id`` as the server adopts it: trimmed, 1 to 128 printable
+    ASCII characters; None (the server then makes one) for anything else."""
+    if value is None:
+        return None
+    value = value.strip()
+    if 0 < len(value) <= _MAX_ID and value.isascii() and value.isprintable():
+        return value
+    return None
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One HTTP exchange as the calls made for it see it (``EXCHANGE``): its request id
+    (``X-Request-Id``), route template and client address. The router makes it before
+    the handler runs; ``headers`` is the request's extra response headers (the transport's
+    ``Request.response_headers``), whose first pair is the ``X-Request-Id`` every answer
+    carries."""
+
+    id: str
+    given: bool  # the client named it (its X-Request-Id, or the body's rid adopted)
+    route: str | None = None
+    client: str | None = None
+    headers: list[tuple[str, str]] | None = None
+    calls: int = 0  # generate calls made for it (a rejection counts as one)
+
+    def adopt(self, rid: str) -> None:
+        """The body's ``rid`` names the exchange when the client sent no X-Request-Id
+        (SGLang clients name requests that way); a header the client sent wins."""
+        if self.given:
+            return
+        self.id, self.given = rid, True
+        if self.headers:
+            self.headers[0] = (REQUEST_ID_HEADER, rid)
+
+
+# Set by the HTTP router for the task that handles a request; None for the Engine.
+EXCHANGE: ContextVar[Exchange | None] = ContextVar("lifecycle_exchange", default=None)
+
+
+def current_request_id() -> str:
+    """The request id of the exchange being handled, else a new one (the response ids
+    ``chatcmpl-{id}``, ``cmpl-{id}``, ``resp_{id}`` are made from it)."""
+    ex = EXCHANGE.get()
+    return ex.id if ex is not None else new_request_id()

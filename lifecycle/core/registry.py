@@ -30,11 +30,13 @@ class Registry:
     tombstone until ``worker_released(id)``: its KV blocks are not free until then.
     """
 
-    __slots__ = ("_live", "_by_rid", "_tombstones")
+    __slots__ = ("_live", "_by_rid", "_by_request_id", "_tombstones")
 
     def __init__(self) -> None:
         self._live: dict[int, RequestRecord] = {}
         self._by_rid: dict[str, RequestRecord] = {}
+        # Request ids are not unique (a client may reuse its X-Request-Id): the latest wins.
+        self._by_request_id: dict[str, RequestRecord] = {}
         self._tombstones: dict[int, RequestRecord] = {}
 
     def add(self, rec: RequestRecord) -> None:
@@ -44,6 +46,8 @@ class Registry:
                 raise DuplicateRid(rid)
             self._by_rid[rid] = rec
         self._live[rec.id] = rec
+        if rec.request_id is not None:
+            self._by_request_id[rec.request_id] = rec
 
     def remove(self, rec: RequestRecord) -> None:
         """Forget a request; one that is not terminal yet is failed INTERNAL first, so
@@ -53,6 +57,8 @@ class Registry:
         rec.fail(Cause.INTERNAL, "removed from the registry while still live")
         if rec.client_rid is not None:
             self._by_rid.pop(rec.client_rid, None)
+        if rec.request_id is not None and self._by_request_id.get(rec.request_id) is rec:
+            del self._by_request_id[rec.request_id]
         if rec.held_by_worker:
             self._tombstones[rec.id] = rec
 
@@ -76,6 +82,10 @@ class Registry:
 
     def by_client_rid(self, rid: str) -> RequestRecord | None:
         return self._by_rid.get(rid)
+
+    def by_request_id(self, request_id: str) -> RequestRecord | None:
+        """The latest live request with this request id (``X-Request-Id`` and the like)."""
+        return self._by_request_id.get(request_id)
 
     def __len__(self) -> int:
         return len(self._live)

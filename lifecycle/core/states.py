@@ -141,6 +141,8 @@ class Cause(enum.Enum):
 
     INVALID = "invalid"
     TOO_LONG = "too_long"
+    # Refused by the API-key check (401, or 403 for a user key on an admin route).
+    UNAUTHORIZED = "unauthorized"
     OVERLOADED = "overloaded"
     NOT_READY = "not_ready"
     CLIENT_GONE = "client_gone"
@@ -186,6 +188,7 @@ class Cause(enum.Enum):
 CAUSE_TABLE: dict[Cause, CauseInfo] = {
     Cause.INVALID: CauseInfo(400, "invalid_request_error", None, False),
     Cause.TOO_LONG: CauseInfo(400, "invalid_request_error", None, False),
+    Cause.UNAUTHORIZED: CauseInfo(401, "authentication_error", None, False),
     Cause.OVERLOADED: CauseInfo(503, "overloaded_error", 1, True),
     Cause.NOT_READY: CauseInfo(503, "unavailable_error", 5, True),
     Cause.CLIENT_GONE: CauseInfo(499, "client_closed_request", None, False),
