@@ -17,6 +17,7 @@ import anyio.abc
 
 from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth, AuthConfig
+from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import Metrics
 from lifecycle.api.native import NativeAPI, error_response
@@ -123,7 +124,7 @@ async def serve_app(
                     return await replay_in_process(frontend, trace, served_id)
 
                 install_debug(router, rt.tracer, enabled=cfg.debug_routes, replay=replay)
-            handler[0] = router
+            handler[0] = cors(router, cfg.cors_allow_origins)  # itself without origins
             url = f"{scheme}://{cfg.host}:{_port(server)}"
             tg.start_soon(_announce_ready, url, rt.served_model_id(), rt.supervisor, cfg)
             tg.start_soon(_report_load, frontend)

@@ -75,6 +75,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     _o("served_model_name", "the model's name in the OpenAI API", _MODEL),
     _o(
+        "weight_version",
+        "the weights' version, reported as meta_info.weight_version and by /model_info",
+        _MODEL,
+        default="default",
+    ),  # fmt: skip
+    _o(
         "strict_model_name",
         "another model name gets 404 model_not_found (default: the "
         "one model serves any name, as SGLang)",
@@ -301,6 +307,15 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o("access_log_format", "json | common", _HTTP, default="json", server=True),
     _o("log_requests", "put the prompt text in access log lines", _HTTP, server=True, **_SWITCH),
+    _o(
+        "cors_allow_origins",
+        "answer CORS requests from this origin ('*': any; repeatable or comma-separated;"
+        " default: no CORS headers)",
+        _HTTP,
+        repeat=True,
+        server=True,
+        metavar="ORIGIN",
+    ),  # fmt: skip
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -370,6 +385,9 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
             record_prompts=v["trace_prompts"],
         ),
         debug_routes=not v["disable_debug_routes"],
+        cors_allow_origins=tuple(
+            o.strip() for g in v.get("cors_allow_origins") or () for o in g.split(",") if o.strip()
+        ),
     )
     return AppConfig(**{**fields, **fixed})
 
@@ -380,6 +398,7 @@ _PLAIN = (
     "port",
     "model",
     "served_model_name",
+    "weight_version",
     "strict_model_name",
     "worker",
     "worker_token",

@@ -44,6 +44,7 @@ class AppConfig:
     port: int = 30000
     model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
     served_model_name: str | None = None
+    weight_version: str = "default"  # meta_info.weight_version, /model_info (SGLang's)
     strict_model_name: bool = False  # another model name: 404 (default: served)
     worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
     worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
@@ -87,6 +88,7 @@ class AppConfig:
     access_log: str | None = None  # "-": stderr; a path; None: off
     access_log_format: str = "json"  # json | common
     log_requests: bool = False  # the prompt text in access log lines
+    cors_allow_origins: tuple[str, ...] = ()  # CORS answered for these ("*": any); () off
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -45,7 +45,7 @@ def _tokenize(url: str, text: str) -> list[int]:
 
 
 def _detokenize(url: str, ids: list[int]) -> str:
-    return httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    return httpx.post(url + "/detokenize", json={"tokens": ids}).json()["text"]
 
 
 def _echoed(prompt: list[int], n_tokens: int, sample: int) -> list[int]:

@@ -88,7 +88,7 @@ def test_unary_text_prompt(url: str) -> None:
     out = r.json()
     expected = (ids * 3)[:6]
     assert out["output_ids"] == expected
-    detok = httpx.post(url + "/detokenize", json={"tokens": expected}).json()["prompt"]
+    detok = httpx.post(url + "/detokenize", json={"tokens": expected}).json()["text"]
     assert out["text"] == detok
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 6}
@@ -334,7 +334,7 @@ def test_tokenize_detokenize(url: str) -> None:
         body = r.json()
         assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 8192
         back = httpx.post(url + prefix + "/detokenize", json={"tokens": body["tokens"]}).json()
-        assert back == {"prompt": "Hello world"}
+        assert back == {"text": "Hello world"}
     assert httpx.post(url + "/detokenize", json={"tokens": [-1]}).status_code == 400
 
 

@@ -67,10 +67,10 @@ def test_cut_half_way_and_rerun_answers_each_line_once(tmp_path: Path) -> None:
     assert "200 lines" not in err and f"{written} skipped" in err, err
     records = _lines(out)
     counts = Counter(r["line"] for r in records)
-    assert sorted(counts) == list(range(200)) and set(counts.values()) == {1}
+    assert sorted(counts) == list(range(1, 201)) and set(counts.values()) == {1}
     for r in records:
-        assert r["custom_id"] == f"req-{r['line']}"
-        if r["line"] % 4 == 0:
+        assert r["custom_id"] == f"req-{r['line'] - 1}"  # lines count from 1
+        if (r["line"] - 1) % 4 == 0:
             assert r["response"]["status_code"] == 200, r
             body = r["response"]["body"]
             assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0
@@ -90,6 +90,14 @@ def test_bad_lines_get_an_error_line_and_the_rest_run(tmp_path: Path) -> None:
                 json.dumps({"url": "/v1/embeddingz", "body": {}}),
                 "",
                 json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}),
+                json.dumps(
+                    {
+                        "custom_id": "e",
+                        "method": "POST",
+                        "url": "/v1/embeddings",
+                        "body": {"model": "default", "input": ["one", "two"]},
+                    }
+                ),
             ]
         )
         + "\n"
@@ -98,13 +106,19 @@ def test_bad_lines_get_an_error_line_and_the_rest_run(tmp_path: Path) -> None:
     _, err = run.communicate(timeout=60)
     assert run.returncode == 1, err  # some lines failed
     by_line = {r["line"]: r for r in _lines(out)}
-    assert sorted(by_line) == [0, 1, 2, 3, 4, 6]  # the blank line is no request
-    assert by_line[0]["result"]["meta_info"]["completion_tokens"] == 2
-    assert by_line[1]["error"]["cause"] == "invalid" and by_line[1]["error"]["status"] == 400
-    assert "temperature" in by_line[1]["error"]["message"]
-    assert "not JSON" in by_line[2]["error"]["message"]
-    assert by_line[3]["response"]["status_code"] == 400
-    assert "error" in by_line[3]["response"]["body"]
+    # numbered from 1 as an editor shows them (issue 40: line 5 was reported as 4)
+    assert sorted(by_line) == [1, 2, 3, 4, 5, 7, 8]  # the blank line 6 is no request
+    assert by_line[1]["result"]["meta_info"]["completion_tokens"] == 2
+    assert by_line[2]["error"]["cause"] == "invalid" and by_line[2]["error"]["status"] == 400
+    assert "temperature" in by_line[2]["error"]["message"]
+    assert "line 3 is not JSON" in by_line[3]["error"]["message"]
     assert by_line[4]["response"]["status_code"] == 400
-    assert by_line[6]["result"]["meta_info"]["prompt_tokens"] == 3
+    assert "error" in by_line[4]["response"]["body"]
+    assert by_line[5]["response"]["status_code"] == 400
+    assert by_line[7]["result"]["meta_info"]["prompt_tokens"] == 3
+    # OpenAI's Batch API takes /v1/embeddings lines: the route's reply, in input order
+    emb = by_line[8]["response"]
+    assert emb["status_code"] == 200 and by_line[8]["custom_id"] == "e", emb
+    assert emb["body"]["object"] == "list" and [d["index"] for d in emb["body"]["data"]] == [0, 1]
+    assert len(emb["body"]["data"][0]["embedding"]) == 576
     assert "4 failed" in err, err

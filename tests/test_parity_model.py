@@ -78,14 +78,16 @@ def test_stop_regex_ends_trims_and_reports_the_match(model_server: str) -> None:
     m = re.search(pattern, full)
     assert m is not None
     trimmed = _gen(model_server, stop_regex=pattern)
-    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": m.group(0)}
+    # the finish names the pattern that matched, as SGLang's does (not the matched text)
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
     assert trimmed["text"] == full[: m.start()]
     kept = _gen(model_server, stop_regex=[r"\d{7}", pattern], no_stop_trim=True)
     assert kept["text"] == full[: m.end()]
+    assert kept["meta_info"]["finish_reason"]["matched"] == pattern  # of the two, the one
     chat = _post(model_server, "/v1/completions", {"prompt": CHAT, "max_tokens": 16,
                  "temperature": 0, "stop_regex": pattern})  # fmt: skip
     assert chat["choices"][0]["finish_reason"] == "stop"
-    assert chat["choices"][0]["matched_stop"] == m.group(0)
+    assert chat["choices"][0]["matched_stop"] == pattern
     assert chat["choices"][0]["text"] == full[: m.start()]
 
 

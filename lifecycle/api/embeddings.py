@@ -15,13 +15,15 @@ with code ``aborted``.
 from __future__ import annotations
 
 import base64
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import anyio
 
 from lifecycle.api.native import error_response, gone_cause
 from lifecycle.api.openai import openai_error
 from lifecycle.api.openai_params import OpenAIError
+from lifecycle.core.call import ExitCause
 from lifecycle.core.embed import Embeddings, EmbedInputs, embed, hidden_size
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fields import accept_unknown
@@ -31,6 +33,8 @@ from transport import HTTPError, JSONResponse, Request, Response, Router
 from wire import pack_f32s
 
 __all__ = ["EmbeddingsAPI"]
+
+_T = TypeVar("_T")
 
 _OPENAI_FIELDS = frozenset(
     {"input", "model", "encoding_format", "dimensions", "user", "pooling", "normalize"}
@@ -134,25 +138,25 @@ class EmbeddingsAPI:
             return openai_error(OpenAIError(exc.message, exc.status))
         try:
             inputs, fmt = self._openai_body(body)
-            result = await self._run(request, inputs, body, None)
+            result = await _openai_errors(self._run(request, inputs, body, None))
         except OpenAIError as exc:
-            return openai_error(exc)
-        except RequestError as exc:
-            if exc.cause is Cause.TOO_LONG:
-                return openai_error(OpenAIError.from_cause(exc.cause, exc.message, "input"))
-            first = exc.message.split(" ", 1)[0]  # "input 3 ...", "pooling must ..."
-            name = "input" if first in ("input", "inputs") else first
-            param = name if name in _OPENAI_FIELDS else None
-            return openai_error(OpenAIError(exc.message, exc.status, param=param))
-        except ServeError as exc:
-            if exc.cause is Cause.ABORTED:
-                return openai_error(OpenAIError(exc.message, 400, code="aborted"))
-            return openai_error(
-                OpenAIError.from_cause(exc.cause, exc.message), exc.cause.retry_after
-            )
+            return openai_error(exc, exc.retry_after)
         if result is None:
             return Response(b"", 499)  # nobody reads it
         return JSONResponse(self._openai_reply(result, fmt))
+
+    async def reply(self, body: Any, exit_cause: ExitCause) -> dict[str, Any]:
+        """A ``/v1/embeddings`` reply without HTTP (``lifecycle batch``'s lines); raises
+        ``OpenAIError`` as the route answers it."""
+        inputs, fmt = self._openai_body(body)
+
+        async def run() -> Embeddings:
+            pooling, normalize = _options(body)  # a RequestError as the route's 400
+            return await embed(
+                self.fe, inputs, pooling=pooling, normalize=normalize, exit_cause=exit_cause
+            )
+
+        return self._openai_reply(await _openai_errors(run()), fmt)
 
     def _openai_body(self, body: Any) -> tuple[EmbedInputs, str]:
         if not isinstance(body, dict):
@@ -236,6 +240,26 @@ class EmbeddingsAPI:
                 "text must be a string or a list of strings; input_ids a list of ints or lists."
             )
         return inputs, is_batch, _encode_rids(body.get("rid"), len(inputs), is_batch)
+
+
+async def _openai_errors(run: Awaitable[_T]) -> _T:
+    """``run``'s result; its refusal as the ``OpenAIError`` /v1/embeddings answers (with
+    ``retry_after`` set for a 503)."""
+    try:
+        return await run
+    except RequestError as exc:
+        if exc.cause is Cause.TOO_LONG:
+            raise OpenAIError.from_cause(exc.cause, exc.message, "input") from None
+        first = exc.message.split(" ", 1)[0]  # "input 3 ...", "pooling must ..."
+        name = "input" if first in ("input", "inputs") else first
+        param = name if name in _OPENAI_FIELDS else None
+        raise OpenAIError(exc.message, exc.status, param=param) from None
+    except ServeError as exc:
+        if exc.cause is Cause.ABORTED:
+            raise OpenAIError(exc.message, 400, code="aborted") from None
+        err = OpenAIError.from_cause(exc.cause, exc.message)
+        err.retry_after = exc.cause.retry_after
+        raise err from None
 
 
 def _encode_rids(rid: Any, n: int, is_batch: bool) -> list[str] | None:

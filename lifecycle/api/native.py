@@ -11,6 +11,7 @@ true`` in the request body.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
+from lifecycle.core.pool import WorkerPool
 from lifecycle.core.results import chunks, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
 from lifecycle.core.supervisor import Supervisor
@@ -91,6 +93,8 @@ class NativeAPI:
         # The reasoning and tool-call formats in effect (the options', else the chat
         # template's; set by the OpenAI API that reads them), for /model_info.
         self.parsers: tuple[str | None, str | None] = (None, None)
+        # SGLang's meta_info.weight_version: --weight-version, "default" as SGLang's
+        self.weight_version = str(server_args.get("weight_version") or "default")
 
     def install(self, router: Router) -> None:
         router.add(["POST", "PUT"], "/generate", self.generate)
@@ -102,6 +106,7 @@ class NativeAPI:
             router.add("GET", path, self.server_info)
         router.add("POST", "/abort_request", self.abort_request)
         router.add(["GET", "POST"], "/flush_cache", self.flush_cache)
+        router.add("GET", "/get_load", self.get_load)
         for prefix in ("", "/v1"):
             router.add("POST", prefix + "/tokenize", self.tokenize)
             router.add("POST", prefix + "/detokenize", self.detokenize)
@@ -143,6 +148,8 @@ class NativeAPI:
         if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
             await _client_write_fault(f)
         results = unary_results(call)
+        for item in results:
+            item["meta_info"]["weight_version"] = self.weight_version
         call.close()  # done: the rid is free before the client reads the reply
         return JSONResponse(results if is_multi(call) else results[0])
 
@@ -151,6 +158,7 @@ class NativeAPI:
         async for frame in chunks(call, incremental):
             if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
                 await _client_write_fault(f)
+            frame["meta_info"]["weight_version"] = self.weight_version
             yield orjson.dumps(frame)
         err = call.error()
         if err is not None:
@@ -170,11 +178,29 @@ class NativeAPI:
         return Response(b"")
 
     async def health_generate(self, request: Request) -> Response:
+        """A real one-token generation on every ready worker (``--dp``: each of them, at
+        once); 200 only when each gave its token."""
+        sup = self.fe.supervisor
         try:
-            ok, detail = await self.fe.probe(HEALTH_PROBE_TIMEOUT)
+            self.fe.ready_client()  # ready at all, not draining
         except ServeError as exc:
             return _serve_error(exc)
-        if not ok:
+        failed: list[str] = []
+
+        async def one(i: int, member: Supervisor) -> None:
+            try:
+                ok, detail = await self.fe.probe(HEALTH_PROBE_TIMEOUT, member.client)
+            except ServeError as exc:
+                ok, detail = False, exc.message
+            if not ok:
+                failed.append(f"worker {i}: {detail}" if len(sup.members) > 1 else detail)
+
+        async with anyio.create_task_group() as tg:
+            for i, member in enumerate(sup.members):
+                if member.ready and member.client is not None:
+                    tg.start_soon(one, i, member)
+        if failed:
+            detail = "; ".join(sorted(failed))
             log.error("health probe failed: %s", detail)
             return error_response(503, f"health probe failed: {detail}", 5)
         return Response(b"")
@@ -190,7 +216,7 @@ class NativeAPI:
                 "served_model_name": self.server_args.get("served_model_name") or cfg.name,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                "weight_version": "default",
+                "weight_version": self.weight_version,
                 "model_type": getattr(cfg, "arch", None),
                 "architectures": [getattr(cfg, "arch", "llama")],
                 "max_model_len": cfg.context_length,
@@ -218,16 +244,30 @@ class NativeAPI:
         return Response(b"")
 
     async def flush_cache(self, request: Request) -> Response:
+        """Every ready worker flushes (``--dp``: each of them; the router forgets their
+        prefixes); 400 with the messages when one refused, as SGLang's."""
+        sup = self.fe.supervisor
         try:
             client = self.fe.ready_client()
-            ok, message = await client.flush()
+            if isinstance(sup, WorkerPool):
+                replies = await sup.flush()
+            else:
+                replies = [(0, *await client.flush())]
         except ServeError as exc:
             return _serve_error(exc)
         except (TimeoutError, ConnectionError) as exc:
             return error_response(503, f"flush failed: {exc}")
-        if not ok:
-            return error_response(400, message)
-        return Response(f"Cache flushed.\n{message}\n".encode())
+        several = len(sup.members) > 1
+        lines = [f"worker {i}: {m}" if several else m for i, _, m in replies]
+        if not all(ok for _, ok, _ in replies):
+            return error_response(400, "\n".join(lines))
+        return Response(("Cache flushed.\n" + "".join(f"{m}\n" for m in lines)).encode())
+
+    async def get_load(self, request: Request) -> Response:
+        """SGLang's ``/get_load``: one entry per worker (``dp_rank``, its index)."""
+        return JSONResponse(
+            [await _worker_load(i, m) for i, m in enumerate(self.fe.supervisor.members)]
+        )
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
@@ -248,17 +288,23 @@ class NativeAPI:
         return JSONResponse({"tokens": ids, "count": [len(t) for t in ids], "max_model_len": ctx})
 
     async def detokenize(self, request: Request) -> Response:
+        """``{"text": str}`` for a list of ids, ``{"text": [str, ...]}`` for a list of
+        lists (SGLang's shape)."""
         body = await request.json()
         tokens = body.get("tokens") if isinstance(body, dict) else None
         vocab = self.fe.model_config.vocab_size
-        if not isinstance(tokens, list) or not all(
-            type(t) is int and 0 <= t < vocab for t in tokens
-        ):
-            raise HTTPError(
-                400, {"error": {"message": f"tokens must be a list of integers in [0, {vocab})"}}
-            )
+
+        def ids(v: Any) -> bool:
+            return isinstance(v, list) and all(type(t) is int and 0 <= t < vocab for t in v)
+
+        batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+        if not (all(ids(t) for t in tokens) if batch else ids(tokens)):  # type: ignore[union-attr]
+            message = f"tokens must be a list of integers in [0, {vocab}), or a list of such lists"
+            raise HTTPError(400, {"error": {"message": message}})
         skip = body.get("skip_special_tokens", True) is not False
-        return JSONResponse({"prompt": self.fe.codec.decode(tokens, skip)})
+        if batch:
+            return JSONResponse({"text": [self.fe.codec.decode(t, skip) for t in tokens]})  # type: ignore[union-attr]
+        return JSONResponse({"text": self.fe.codec.decode(tokens, skip)})  # type: ignore[arg-type]
 
 
 async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +334,8 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
     router = getattr(sup, "router", None)
     if router is not None:  # several workers (--dp)
         out["router"] = {"policy": router.policy, "picks": list(router.picks),
-                         "affinity_hits": router.affinity_hits}  # fmt: skip
+                         "affinity_hits": router.affinity_hits,
+                         "indexed_blocks": router.indexed_blocks}  # fmt: skip
     return out
 
 
@@ -316,6 +363,26 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
             model=client.model,  # the HELLO's model card: what `trace replay` compares
         )
     return state
+
+
+async def _worker_load(rank: int, sup: Supervisor) -> dict[str, Any]:
+    """One worker's load as SGLang's ``/get_load`` entry: requests held (running and
+    waiting at the worker, plus queued here for it), waiting ones, KV tokens in use."""
+    client = sup.client
+    out: dict[str, Any] = {"dp_rank": rank, "num_reqs": 0, "num_waiting_reqs": 0,
+                           "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.time()}  # fmt: skip
+    if client is None or not sup.ready:
+        return out
+    try:
+        load = await client.stats(timeout=2.0)
+    except (TimeoutError, ConnectionError):
+        return out
+    block = int(client.capacity.get("block_size", 0))
+    used = int(load.get("kv_blocks_total", 0)) - int(load.get("kv_blocks_free", 0))
+    waiting = int(load.get("waiting", 0)) + client.queued
+    out.update(num_reqs=int(load.get("running", 0)) + waiting, num_waiting_reqs=waiting,
+               num_tokens=used * block, ts_tic=time.time())  # fmt: skip
+    return out
 
 
 def _version() -> str:

@@ -88,6 +88,7 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.retry_after: int | None = None  # seconds, sent as Retry-After (a 503's)
         self.err_type = err_type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:

@@ -9,8 +9,10 @@ Stored conversations (``previous_response_id``) are refused with a 400 that says
 A stream sends ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, the
 ``response.output_text.delta`` events, then the ``.done`` events and
-``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``); an
-error after the start is an ``error`` event, then ``response.failed``. An aborted
+``response.completed`` (also when cut by ``max_output_tokens``: its response then says
+``status: incomplete``); an error after the start is an ``error`` event, then
+``response.failed``. ``usage`` carries SGLang's ``prompt_tokens`` and
+``completion_tokens`` beside OpenAI's ``input_tokens`` and ``output_tokens``. An aborted
 response (``/abort_request``) ends ``cancelled``, the Responses API's status for a
 response stopped on request, never ``completed``: its output so far with the open items
 ``incomplete``; streamed, the items' ``.done`` events and then ``response.incomplete``
@@ -46,6 +48,7 @@ from lifecycle.api.openai_outputs import ChoiceState
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.fields import accept_unknown
+from lifecycle.core.origin import current_request_id
 from transport import JSONResponse, Request, Response, Router, SSEResponse
 
 __all__ = ["ResponsesAPI", "chat_body"]
@@ -200,9 +203,9 @@ class ResponsesAPI:
             ids, opened = await o._chat_prompt(messages, tools=oreq.tools)
         except OpenAIError as exc:
             return openai_error(exc)
-        reply = _Reply(body, oreq, o.model_id)
         tools = oreq.tools.names if oreq.tools is not None else None
         async with self.fe.call(oreq.generate_request([ids]), gone_cause(request)) as call:
+            reply = _Reply(body, oreq, o.model_id)  # after the call named the request
             refused = await start_call(call, "input")
             if refused is not None:
                 return refused
@@ -240,6 +243,9 @@ class ResponsesAPI:
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens()},
             "total_tokens": u["total_tokens"],
+            # SGLang's names for the same counts (its usage is chat's UsageInfo)
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
         }
 
     async def _events(
@@ -390,9 +396,14 @@ def _item_status(finish: str | None) -> str:
 
 
 def _terminal_event(final: dict[str, Any]) -> str:
-    """``response.completed``, else ``response.incomplete`` (also for ``cancelled``: the
-    Responses API streams no ``response.cancelled`` event)."""
-    return "response.completed" if final["status"] == "completed" else "response.incomplete"
+    """``response.completed`` for a response that ran to its end: finished, or cut by
+    ``max_output_tokens`` (its ``status`` then says ``incomplete``, with
+    ``incomplete_details``; OpenAI's API streams ``response.incomplete`` there, but the
+    official client's ``responses.stream()`` helper and SGLang's clients take the final
+    response only from ``response.completed``: docs/api.md). A ``cancelled`` response
+    (``/abort_request``) ends with ``response.incomplete``: the Responses API streams no
+    ``response.cancelled`` event, and an abort is never reported completed."""
+    return "response.incomplete" if final["status"] == "cancelled" else "response.completed"
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -403,7 +414,7 @@ class _Reply:
     """The ``response`` object's fixed parts and the stream's numbering."""
 
     def __init__(self, body: dict[str, Any], oreq: OpenAIRequest, model: str) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = f"resp_{current_request_id()}"  # X-Request-Id: finds its trace
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.created = int(time.time())

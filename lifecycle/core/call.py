@@ -427,6 +427,7 @@ def _output_options(item: GenerateItem) -> OutputOptions:
         return_hidden_states=item.return_hidden_states,
         skip_special_tokens=sp.skip_special_tokens,
         stops=tuple(sp.stop),
+        stop_regex=tuple(sp.params.stop_regex),
         no_stop_trim=sp.no_stop_trim,
     )
 

@@ -125,9 +125,10 @@ class Frontend:
                 log.exception("close observer failed")
 
     # -- health and drain ------------------------------------------------------------------
-    async def probe(self, timeout: float) -> tuple[bool, str]:
-        """One real generation through admission (``/health_generate``)."""
-        client = self.ready_client()
+    async def probe(self, timeout: float, client: WorkerClient | None = None) -> tuple[bool, str]:
+        """One real generation through admission (``/health_generate``), on ``client``
+        (one worker of several), else on a ready worker."""
+        client = client or self.ready_client()
         if not self.admission.try_admit():
             raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
         try:

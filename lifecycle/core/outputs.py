@@ -9,6 +9,7 @@ text for logprobs is decoded once per token, never again per frame.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,19 @@ class OutputOptions:
     return_hidden_states: bool = False
     skip_special_tokens: bool = True
     stops: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()  # the patterns: a match's finish names its pattern
     no_stop_trim: bool = False
+
+
+def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
+    """A ``stop_regex`` match's finish names the pattern that matched, as SGLang's does
+    (the worker reports the matched text, which the text was trimmed by)."""
+    matched = finish.get("matched") if finish.get("type") == "stop" else None
+    if not opts.stop_regex or not isinstance(matched, str) or matched in opts.stops:
+        return finish
+    found = next((p for p in opts.stop_regex if re.fullmatch(p, matched)), None)
+    found = found or next((p for p in opts.stop_regex if re.search(p, matched)), None)
+    return {**finish, "matched": found or opts.stop_regex[0]}
 
 
 def _lp(v: float) -> float | None:
@@ -153,8 +166,8 @@ class SampleOutput:
             self.embedding is None or len(self.embedding) != finish.get("dimensions")
         ):
             raise ValueError("an embed finish without an embedding of its dimensions")
-        self.finish = finish
-        self.final_text = self.text.final(finish, self.sent_chars)
+        self.final_text = self.text.final(finish, self.sent_chars)  # trims the matched text
+        self.finish = _regex_finish(finish, self.opts)
 
     def meta(self, e2e: float | None) -> dict[str, Any]:
         m: dict[str, Any] = {

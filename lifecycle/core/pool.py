@@ -11,7 +11,8 @@ picks among the ready ones:
 - ``cache_aware``: the worker that last served the longest prefix of this prompt (in
   16-token blocks), while its load is within ``balance_abs`` requests and
   ``balance_rel`` times the least loaded one's; otherwise the least loaded. The prefix
-  index is bounded (least recently used blocks go first).
+  index is bounded (least recently used blocks go first) and forgets a worker's blocks
+  when its cache is flushed (``WorkerPool.flush``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,25 @@ class Router:
                     return w
                 break
         return int(least[0])
+
+    @property
+    def indexed_blocks(self) -> int:
+        """Prefix blocks the index remembers (``/server_info``'s ``router``)."""
+        return len(self._index)
+
+    def forget(self, workers: set[int] | None = None) -> int:
+        """Drop what the prefix index says of ``workers`` (all: None), whose caches were
+        flushed, so no call follows a prefix that is no longer cached; returns how many
+        prefix blocks were dropped."""
+        if workers is None:
+            dropped = len(self._index)
+            self._index.clear()
+            self._cached = [0] * len(self._cached)
+            return dropped
+        gone = [k for k, w in self._index.items() if w in workers]
+        for k in gone:
+            self._cached[self._index.pop(k)] -= 1
+        return len(gone)
 
     def _remember(self, key: bytes, worker: int) -> None:
         old = self._index.get(key)
@@ -164,6 +184,26 @@ class WorkerPool:
             return None
         i = self.router.pick(ready, prompt)  # type: ignore[arg-type]
         return self.members[i].client
+
+    async def flush(self, timeout: float = 30.0) -> list[tuple[int, bool, str]]:
+        """``/flush_cache`` on every ready worker, at once: ``(index, ok, message)`` each.
+        The router forgets the prefixes of the workers that flushed. A worker not ready
+        is left out: it comes back from a restart with an empty cache."""
+        out: list[tuple[int, bool, str]] = []
+
+        async def one(i: int, client: WorkerClient) -> None:
+            try:
+                ok, message = await client.flush(timeout)
+            except (TimeoutError, ConnectionError) as exc:
+                ok, message = False, f"flush failed: {exc or type(exc).__name__}"
+            out.append((i, ok, message))
+
+        async with anyio.create_task_group() as tg:
+            for i, s in enumerate(self.members):
+                if s.ready and s.client is not None:
+                    tg.start_soon(one, i, s.client)
+        self.router.forget({i for i, ok, _ in out if ok})
+        return sorted(out)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> None:

@@ -2,9 +2,10 @@
 one result line per input line, resumable (docs/engine.md).
 
 Input lines are OpenAI batch-file requests (``{"custom_id", "method", "url", "body"}``
-for ``/v1/chat/completions`` or ``/v1/completions``) or native ones (``{"text"|"prompt"
-| "input_ids", "sampling_params", ...}``, any ``/generate`` field, optional
-``custom_id``). Each output line names its input line (``line``, 0-based) and is written
+for ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings``) or native ones
+(``{"text"|"prompt" | "input_ids", "sampling_params", ...}``, any ``/generate`` field,
+optional ``custom_id``). Each output line names its input line (``line``, counted from 1
+as an editor counts them) and is written
 whole, in one ``write``, as its request ends; a rerun with the same output first drops a
 torn last line, then skips every line already written, so each line's result is there
 exactly once however often the run is cut.
@@ -69,13 +70,13 @@ def read_lines(path: Path, skip: set[int]) -> Iterator[tuple[int, Any]]:
     """``(line number, parsed JSON or the parse error)`` of each non-blank line not in
     ``skip``, read as the run goes (the file is never all in memory)."""
     with open(path, "rb") as f:
-        for i, raw in enumerate(f):
+        for i, raw in enumerate(f, 1):  # numbered from 1, as editors and messages count
             if i in skip or not raw.strip():
                 continue
             try:
                 yield i, orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
-                yield i, ValueError(f"line {i + 1} is not JSON: {exc}")
+                yield i, ValueError(f"line {i} is not JSON: {exc}")
 
 
 async def run_lines(
@@ -132,11 +133,16 @@ async def _answer(requests: Requests, openai: Any, i: int, obj: Any) -> dict[str
 
 
 async def _openai_line(openai: Any, i: int, custom_id: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    from lifecycle.api.embeddings import EmbeddingsAPI
     from lifecycle.api.openai_params import OpenAIError
 
     request_id = f"batch_req_{uuid.uuid4().hex}"
     try:
-        reply = await openai.reply(obj.get("url"), obj.get("body"), caller_left)
+        if obj.get("url") == "/v1/embeddings":  # OpenAI's Batch API takes them too
+            api = EmbeddingsAPI(openai.fe, model_id=openai.model_id, model_names=openai.model_names)
+            reply = await api.reply(obj.get("body"), caller_left)
+        else:
+            reply = await openai.reply(obj.get("url"), obj.get("body"), caller_left)
         response = {"status_code": 200, "request_id": request_id, "body": reply}
     except OpenAIError as exc:
         response = {"status_code": exc.status, "request_id": request_id, "body": exc.body()}
@@ -158,7 +164,8 @@ def _count(summary: BatchSummary, record: dict[str, Any]) -> None:
     response = record.get("response")
     if response is not None and response["status_code"] == 200:
         summary.ok += 1
-        summary.completion_tokens += response["body"]["usage"]["completion_tokens"]
+        # an embeddings reply has no completion tokens
+        summary.completion_tokens += response["body"]["usage"].get("completion_tokens", 0)
         return
     summary.failed += 1
     cause = (
