@@ -12,6 +12,7 @@ import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -26,7 +27,16 @@ from gpu.memory import MemoryFootprint
 from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
-from wire import EMBED_FINISH, MAX_N, StepEntry, SubmitEntry, ids_to_list, pack_f32s, pack_ids
+from wire import (
+    EMBED_FINISH,
+    MAX_N,
+    StepEntry,
+    StepStats,
+    SubmitEntry,
+    ids_to_list,
+    pack_f32s,
+    pack_ids,
+)
 from wire.faults import fault_point
 from wire.sampling import STOP_REGEX_WINDOW
 
@@ -91,6 +101,7 @@ class Engine:
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
+        self.step_stats = StepStats()  # every step's time, sequences and tokens
         self.kv_plan: Any = None  # gpu.memory.KVPlan when sized from the card's memory
         self._footprint: MemoryFootprint | None = None
         self.graphs = None if graphs is None else StepGraphs(
@@ -250,11 +261,19 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEntry]:
+        t0 = perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         self.step_no += 1
         step = StepInput()
+        entries = self._step(batch, step)
+        # Once per step, never per token: its time (scheduling to the STEP entries), its
+        # sequences and its tokens, for STATS (wire/stats.py).
+        self.step_stats.record(perf_counter() - t0, len(batch), len(step.ids))
+        return entries
+
+    def _step(self, batch: list[tuple[Sequence, int]], step: StepInput) -> list[StepEntry]:
         ids, pos, decodes, prefills = step.ids, step.pos, step.decodes, step.prefills
         rows = LogprobRows()
         samplers: list[Sequence] = []

@@ -26,6 +26,7 @@ __all__ = [
     "KVPlan",
     "MemoryFootprint",
     "decode_bytes",
+    "device_memory",
     "kv_bytes_per_token",
     "plan_kv",
     "prefill_bytes",
@@ -146,6 +147,24 @@ class MemoryFootprint:
             text += (f" (on {self.device}: weights {self.weights_bytes / 2**20:.0f} MiB, "
                      f"kv {self.kv_bytes / 2**20:.0f} MiB)")  # fmt: skip
         return text
+
+
+def device_memory(device: str) -> dict[str, int]:
+    """A CUDA device's memory now, for STATS (``{}`` elsewhere): what torch's allocator
+    holds in tensors (``device_allocated_bytes``) and has reserved from the driver
+    (``device_reserved_bytes``, the process's share as the card counts it, less the CUDA
+    context), and the card's total (``device_total_bytes``). Cheap driver queries: read
+    when STATS is asked for, never per step."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    _free, total = torch.cuda.mem_get_info(device)
+    return {
+        "device_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+        "device_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+        "device_total_bytes": int(total),
+    }
 
 
 def cuda_free_bytes(device: object) -> int:

@@ -30,6 +30,7 @@ _CPU_TUNING = tune_cpu_runtime()
 import wire  # noqa: E402
 from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
+from gpu.memory import device_memory  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
@@ -157,7 +158,10 @@ def _stats(engine: Engine) -> dict[str, Any]:
     load["integrity_ok"] = not problems
     if problems:
         load["integrity_problems"] = problems[:8]
-    load["memory"] = engine.footprint().split()  # RSS now: STATS is asked for, not periodic
+    footprint = engine.footprint()
+    # RSS now (STATS is asked for, not periodic), and on CUDA the card's memory.
+    load["memory"] = {**footprint.split(), **device_memory(footprint.device)}
+    load.update(engine.step_stats.to_wire())  # the steps since start-up (wire/stats.py)
     return load
 
 

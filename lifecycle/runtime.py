@@ -209,7 +209,7 @@ class Runtime:
         )
         self.frontend, self.chat, self.model_path = fe, chat, path
         fields.install(fields.UnknownFields(strict=cfg.strict_fields))
-        self.metrics = Metrics(fe)
+        self.metrics = Metrics(fe, model=model_id(cfg, path))
         if cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)
             self.metrics.watch_tracer(self.tracer)

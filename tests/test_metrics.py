@@ -1,12 +1,16 @@
 """``GET /metrics``: Prometheus text that ``prometheus_client.parser`` reads, and counters
 that move by exactly the right amounts over a scripted sequence of requests (a real server
-process driving the scripted worker process)."""
+process driving the scripted worker process); the worker's step, memory, KV and
+retraction series from a real server on the real model with a KV cache small enough
+that its requests must preempt each other."""
 
 from __future__ import annotations
 
 import json
+import platform
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import httpx
@@ -14,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+import lifecycle
 from lifecycle.api.metrics import record_timings
 from lifecycle.core.fsm import TraceEntry
 from lifecycle.core.states import Event, State
@@ -27,6 +32,16 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     with lifecycle_server("--scripted-worker", "--worker-args", "--step-delay 0.01") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def model_url() -> Iterator[str]:
+    """The real model (its quantized default) with a KV cache of 64 tokens (4 blocks of
+    16) and 4 sequences at most: four requests of 8 + 12 tokens (2 blocks each at the
+    end) cannot all hold their blocks, so the worker preempts (retracts) some."""
+    with lifecycle_server("--device", "cpu", "--kv-cache-tokens", "64",
+                          "--max-running", "4") as base:  # fmt: skip
         yield base
 
 
@@ -64,7 +79,9 @@ def test_record_timings_from_a_trace() -> None:
         TraceEntry(30 * ms, State.STREAMING, State.DONE, Event.FINISH, None),
     ]
     t = record_timings(trace, 0)
-    assert t == pytest.approx({"e2e": 0.030, "queue": 0.003, "ttft": 0.009, "decode": 0.021})
+    assert t == pytest.approx(
+        {"e2e": 0.030, "queue": 0.003, "ttft": 0.009, "decode": 0.021, "prefill": 0.004}
+    )
     assert record_timings(trace[:2], 0) == {"e2e": 0.002}
 
 
@@ -92,6 +109,8 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
                  endpoint="/v1/stream", method="GET", status="426") == 1  # fmt: skip
     assert delta(m0, m1, "lifecycle_requests_total", outcome="done") == 3
     assert delta(m0, m1, "lifecycle_request_errors_total", cause="too_long") == 1
+    assert delta(m0, m1, "lifecycle_finish_reasons_total", reason="too_long") == 1
+    assert delta(m0, m1, "lifecycle_finish_reasons_total", reason="length") == 3
     assert delta(m0, m1, "lifecycle_prompt_tokens_total") == 9
     assert delta(m0, m1, "lifecycle_generation_tokens_total") == 5 + 6 + 7
     for hist in ("time_to_first_token", "e2e_request_latency", "queue_time"):
@@ -124,6 +143,10 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
         assert time.monotonic() < deadline, "the closed socket's generation was not counted"
         await anyio.sleep(0.05)
     assert delta(m1, m3, "lifecycle_request_errors_total", cause="aborted") == 1
+    # The cancelled sample's finish reason is abort (what its reply says); the one whose
+    # client left counts its cause.
+    assert delta(m1, m3, "lifecycle_finish_reasons_total", reason="abort") == 1
+    assert delta(m1, m3, "lifecycle_finish_reasons_total", reason="client_gone") == 1
     assert delta(m1, m3, "lifecycle_requests_total", outcome="aborted") == 1
     assert delta(m1, m3, "lifecycle_requests_total", outcome="done") == 0
     assert delta(m1, m3, "lifecycle_http_requests_total",
@@ -139,6 +162,74 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
     assert m3[("lifecycle_worker_ready", W0)] == 1
     assert m3[("lifecycle_admission_queue_depth", ())] == 0
     assert m3[("lifecycle_tombstones", ())] == 0
+
+
+def test_wire_histograms_read_as_prometheus_buckets() -> None:
+    from wire import StepStats, read_histogram
+
+    st = StepStats()
+    for seconds, seqs in ((0.004, 1), (0.012, 3), (0.012, 3), (20.0, 600)):
+        st.record(seconds, seqs, seqs * 2)
+    w = st.to_wire()
+    read = read_histogram(w["step_batch"])
+    assert read is not None
+    buckets, total = read
+    assert dict(buckets)[1.0] == 1 and dict(buckets)[4.0] == 3 and buckets[-1] == (float("inf"), 4)
+    assert total == 607
+    read = read_histogram(w["step_seconds"])
+    assert read is not None
+    buckets, total = read
+    assert dict(buckets)[0.005] == 1 and dict(buckets)[0.015] == 3 and dict(buckets)[10.0] == 3
+    assert total == pytest.approx(20.028)
+    for bad in (None, {"le": [1, 2], "counts": [1, 2], "sum": 0},  # one count short
+                {"le": [2, 1], "counts": [0, 0, 0], "sum": 0},  # not ascending
+                {"le": [1], "counts": [-1, 0], "sum": 0}, {"le": [1], "counts": [0, 0]}):  # fmt: skip
+        assert read_histogram(bad) is None, bad
+
+
+def test_finish_reasons_lengths_phases_and_build_info(url: str) -> None:
+    """A max_tokens cut counts reason length, a stop token reason stop; each prompt and
+    output length lands in its bucket; prefill and decode time are observed per request;
+    every worker step is in the step histograms; no `_created` series."""
+    wait_idle(url)
+    m0 = scrape(url)
+    cut = {"input_ids": [101, 102, 103, 104, 105], "sampling_params": {"max_new_tokens": 3}}
+    stop = {"input_ids": [201, 202, 203], "sampling_params": {"max_new_tokens": 50,
+            "stop_token_ids": [203]}}  # fmt: skip
+    got = [httpx.post(url + "/generate", json=b, timeout=30).json() for b in (cut, stop)]
+    assert [g["meta_info"]["finish_reason"]["type"] for g in got] == ["length", "stop"]
+    r = httpx.get(url + "/metrics", timeout=10)
+    assert "_created" not in r.text  # prometheus_client's created series are switched off
+    m1 = scrape(url)
+    assert delta(m0, m1, "lifecycle_finish_reasons_total", reason="length") == 1
+    assert delta(m0, m1, "lifecycle_finish_reasons_total", reason="stop") == 1
+    # Prompts of 5 and 3 tokens; outputs of 3 and 3 (the stop token is the third).
+    for le, want in (("2.0", 0), ("4.0", 1), ("8.0", 2), ("+Inf", 2)):
+        assert delta(m0, m1, "lifecycle_request_prompt_tokens_bucket", le=le) == want, le
+    assert delta(m0, m1, "lifecycle_request_prompt_tokens_sum") == 8
+    for le, want in (("2.0", 0), ("4.0", 2), ("+Inf", 2)):
+        assert delta(m0, m1, "lifecycle_request_generation_tokens_bucket", le=le) == want, le
+    assert delta(m0, m1, "lifecycle_request_generation_tokens_sum") == 6
+    # --step-delay 0.01: two more steps after the first token, each at least 10 ms.
+    assert delta(m0, m1, "lifecycle_request_decode_time_seconds_count") == 2
+    assert delta(m0, m1, "lifecycle_request_decode_time_seconds_sum") >= 2 * 2 * 0.01
+    assert delta(m0, m1, "lifecycle_request_prefill_time_seconds_count") == 2
+    assert delta(m0, m1, "lifecycle_request_prefill_time_seconds_sum") > 0
+    # One sequence a step, three steps a request: the worker's STATS, since its start.
+    assert delta(m0, m1, "lifecycle_worker_batch_size_count", worker="0") == 6
+    assert delta(m0, m1, "lifecycle_worker_batch_size_bucket", worker="0", le="1.0") == 6
+    assert delta(m0, m1, "lifecycle_worker_step_seconds_count", worker="0") == 6
+    assert delta(m0, m1, "lifecycle_worker_step_tokens_sum", worker="0") == 6
+    assert m1[("lifecycle_worker_kv_usage_ratio", W0)] == 0  # idle again
+    assert delta(m0, m1, "lifecycle_retractions_total") == 0  # the scripted worker never preempts
+    info = [k for k in m1 if k[0] == "lifecycle_build_info"]
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    assert len(info) == 1 and m1[info[0]] == 1
+    assert dict(info[0][1]) == {"version": lifecycle.__version__, "model": model,
+                                "python": platform.python_version()}  # fmt: skip
+    (worker,) = [dict(k[1]) for k in m1 if k[0] == "lifecycle_worker_info"]
+    assert worker["worker"] == "0" and worker["name"] == "scripted" and worker["device"] == "cpu"
+    assert m1[("lifecycle_process_resident_memory_bytes", ())] > 10 * 2**20  # the frontend
 
 
 def test_worker_restarts_and_worker_lost_are_counted(url: str) -> None:
@@ -159,3 +250,49 @@ def test_worker_restarts_and_worker_lost_are_counted(url: str) -> None:
         assert time.monotonic() < deadline, "the worker did not come back"
         time.sleep(0.1)
     assert httpx.post(url + "/generate", json=echo_body(0, 2), timeout=30).status_code == 200
+
+
+def test_model_worker_steps_memory_kv_and_retractions(model_url: str) -> None:
+    """Four requests that outgrow the KV cache together: the retractions counted equal
+    those the replies report, KV usage was high while they ran and is 0 after, every step
+    is in the step histograms with its time, sequences and tokens, and the worker's RSS
+    is reported (no GPU gauges on the CPU)."""
+    wait_idle(model_url)
+    m0 = scrape(model_url)
+    new = 12
+    bodies = [{"input_ids": [1000 + 10 * i + k for k in range(8)],
+               "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+              for i in range(4)]  # fmt: skip
+    peak = 0.0
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, model_url + "/generate", json=b, timeout=60)
+                   for b in bodies]  # fmt: skip
+        while not all(f.done() for f in futures):
+            peak = max(peak, scrape(model_url).get(("lifecycle_worker_kv_usage_ratio", W0), 0))
+            time.sleep(0.02)
+        replies = [f.result().json()["meta_info"] for f in futures]
+    assert [(r["finish_reason"]["type"], r["completion_tokens"]) for r in replies] == [
+        ("length", new)
+    ] * 4
+    wait_idle(model_url)
+    m1 = scrape(model_url)
+    retracted = sum(r["num_retractions"] for r in replies)
+    assert retracted > 0, "the KV cache was meant to be too small for the four together"
+    assert delta(m0, m1, "lifecycle_retractions_total") == retracted
+    assert delta(m0, m1, "lifecycle_finish_reasons_total", reason="length") == 4
+    assert peak >= 0.5, peak  # preemption happens only when every block is taken
+    assert m1[("lifecycle_worker_kv_usage_ratio", W0)] == 0
+    steps = delta(m0, m1, "lifecycle_worker_step_seconds_count", worker="0")
+    assert steps >= new  # at least one step per token of each request
+    assert delta(m0, m1, "lifecycle_worker_batch_size_count", worker="0") == steps
+    assert delta(m0, m1, "lifecycle_worker_step_seconds_sum", worker="0") > 0
+    # Some steps ran several sequences together.
+    assert delta(m0, m1, "lifecycle_worker_batch_size_bucket", worker="0", le="1.0") < steps
+    assert delta(m0, m1, "lifecycle_worker_batch_size_sum", worker="0") >= 4 * new
+    # Every prompt token and every fed-back output token is a row at least once
+    # (recomputed ones after a retraction again).
+    assert delta(m0, m1, "lifecycle_worker_step_tokens_sum", worker="0") >= 4 * (8 + new - 1)
+    assert m1[("lifecycle_worker_memory_rss_bytes", W0)] > 50 * 2**20
+    assert ("lifecycle_worker_gpu_memory_reserved_bytes", W0) not in m1  # CUDA only
+    (worker,) = [dict(k[1]) for k in m1 if k[0] == "lifecycle_worker_info"]
+    assert worker["device"] == "cpu" and worker["weights"] == "quantized"

@@ -87,6 +87,18 @@ EXAMPLES = [
     wire.ProbeReply(1, {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8}),
     wire.StatsReq(2),
     wire.Stats(2, {"running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6}),
+    # The model worker's: its memory (on CUDA, the card's too) and its steps' histograms.
+    wire.Stats(
+        3,
+        {
+            "running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6,
+            "memory": {"rss_bytes": 9, "weights_bytes": 0, "kv_bytes": 0, "other_bytes": 9,
+                       "device_allocated_bytes": 5, "device_reserved_bytes": 6,
+                       "device_total_bytes": 7},
+            "step_seconds": {"le": [0.01, 0.1], "counts": [2, 1, 0], "sum": 0.07},
+            "step_batch": {"le": [1, 2], "counts": [1, 2, 0], "sum": 5},
+        },
+    ),  # fmt: skip
     wire.Audit(4, [1, 7]),
     wire.AuditReply(4, [7]),
     wire.Audit(5, []),

@@ -4,7 +4,8 @@ Nothing here runs per token. Counters and histograms move once per HTTP request 
 route wrapper calls ``observe_http``) and once per generation record when its call is
 closed (``observe_call``, a ``Frontend`` close observer: the one place every request
 reaches its terminal state). Gauges are read at scrape time from the registry, the
-admission queue, the supervisor and one STATS round trip to the worker.
+admission queue, the supervisor and one STATS round trip to the worker, which also
+carries the worker's step histograms (``wire/stats.py``: counted once per step there).
 
 The registry is our own ``CollectorRegistry``, never the process-global one, so several
 apps (tests) in one process do not collide.
@@ -13,19 +14,34 @@ apps (tests) in one process do not collide.
 from __future__ import annotations
 
 import logging
+import math
+import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from lifecycle.core import fields
 from lifecycle.core.fsm import TraceEntry
 from lifecycle.core.states import Cause, Event, State
+from lifecycle.core.version import __version__
 from transport import Request, Response, Router
+from wire import read_histogram
 
 if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall
@@ -58,6 +74,13 @@ _ITL_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.2, 0.5, 1.0, 2.5,
 )  # fmt: skip
+# Tokens: powers of two from one token to a 128K context.
+_TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))
+
+# A finished sample's reason: the worker's finish type (stop, length, abort, embed) when
+# its request ended done; the error cause when it ended in error, "abort" for a client's
+# abort (its reply says finish_reason abort).
+_ABORT = "abort"
 
 
 def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]:
@@ -77,12 +100,30 @@ def record_timings(trace: list[TraceEntry], created_ns: int) -> dict[str, float]
     if Event.FIRST_TOKEN in t:
         out["ttft"] = (t[Event.FIRST_TOKEN] - created_ns) / 1e9
         out["decode"] = (end_ns - t[Event.FIRST_TOKEN]) / 1e9
+        if Event.DISPATCH in t:
+            out["prefill"] = (t[Event.FIRST_TOKEN] - t[Event.DISPATCH]) / 1e9
     return out
 
 
+def finish_label(state: State, cause: Cause | None, finish: Any) -> str:
+    """``lifecycle_finish_reasons_total``'s ``reason`` for one sample: its finish type
+    when its request ended done; its request's cause when that ended in error, the
+    cause ``aborted`` as ``abort`` (what the client's finish_reason says)."""
+    if state is State.DONE:
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        return kind if isinstance(kind, str) else Cause.INTERNAL.value
+    c = _cause(cause)
+    return _ABORT if c == Cause.ABORTED.value else c
+
+
 class Metrics:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, model: str = "") -> None:
+        """``model``: the served model id, a label of ``lifecycle_build_info``."""
+        # No `_created` series beside each counter and histogram (prometheus_client's
+        # switch: it is process-wide, and this process serves one exposition).
+        disable_created_metrics()
         self.fe = frontend
+        self.model = model
         self.tracer: TracerHealth | None = None  # watch_tracer: its health is scraped too
         self.registry = CollectorRegistry(auto_describe=True)
         self._loads: list[dict[str, Any]] = []  # each worker's STATS, by pool index
@@ -116,6 +157,30 @@ class Metrics:
             "Mean time between output tokens, one observation per sample.",
             registry=r, buckets=_ITL_BUCKETS,
         )  # fmt: skip
+        self.prefill = _latency(r, "request_prefill_time_seconds",
+                                "Dispatch to the first token (the prompt's computation).")  # fmt: skip
+        self.decode = _latency(r, "request_decode_time_seconds",
+                               "First token to the terminal state.")  # fmt: skip
+        self.finish_reasons = Counter(
+            f"{p}_finish_reasons", "Samples that ended, by finish reason (stop, length, "
+            "abort, embed) or, for a request that ended in error, its cause.",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_len = Histogram(
+            f"{p}_request_prompt_tokens", "Prompt length of each ended request, in tokens.",
+            registry=r, buckets=_TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.output_len = Histogram(
+            f"{p}_request_generation_tokens", "Output length of each ended sample, in tokens.",
+            registry=r, buckets=_TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.retractions = Counter(
+            f"{p}_retractions", "Times the worker preempted a sequence to free KV blocks "
+            "(recomputed later), summed over ended samples.", registry=r,
+        )  # fmt: skip
+        # The frontend's own process: lifecycle_process_resident_memory_bytes, CPU seconds,
+        # open file descriptors (Linux /proc; nothing elsewhere).
+        ProcessCollector(namespace=p, registry=r)
         self.registry.register(_LiveCollector(self))
         frontend.close_observers.append(self.observe_call)
 
@@ -141,12 +206,22 @@ class Metrics:
                 self.queue.observe(timings["queue"])
             if "ttft" in timings:
                 self.ttft.observe(timings["ttft"])
+                self.decode.observe(timings["decode"])
+            if "prefill" in timings:
+                self.prefill.observe(timings["prefill"])
             if run.samples:
                 self.prompt_tokens.inc(run.samples[0].prompt_tokens)
+                self.prompt_len.observe(run.samples[0].prompt_tokens)
+            else:  # refused or cut before it had samples: one count, its cause
+                self.finish_reasons.labels(finish_label(rec.state, rec.cause, None)).inc()
             for sample in run.samples:
                 n = len(sample.ids)
                 self.generation_tokens.inc(n)
                 self.cache_hit_tokens.inc(sample.cached_tokens)
+                self.output_len.observe(n)
+                self.finish_reasons.labels(finish_label(rec.state, rec.cause, sample.finish)).inc()
+                if sample.num_retractions:
+                    self.retractions.inc(sample.num_retractions)
                 if n > 1 and "decode" in timings:
                     self.itl.observe(timings["decode"] / (n - 1))
 
@@ -197,6 +272,12 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         fe, p = self.m.fe, PREFIX
+        info = GaugeMetricFamily(
+            f"{p}_build_info", "Always 1: this server's version, served model id and Python.",
+            labels=["version", "model", "python"],
+        )  # fmt: skip
+        info.add_metric([__version__, self.m.model, platform.python_version()], 1)
+        yield info
         states = GaugeMetricFamily(
             f"{p}_requests_in_state", "Live requests in each lifecycle state.", labels=["state"]
         )
@@ -231,6 +312,12 @@ class _LiveCollector(Collector):
                 families[name] = cls(f"{p}_{name}", help_text, labels=["worker"])
             families[name].add_metric([worker], value)
 
+        histograms: dict[str, HistogramMetricFamily] = {}
+        worker_info = GaugeMetricFamily(
+            f"{p}_worker_info", "Always 1: what the worker's HELLO says it runs.",
+            labels=["worker", "name", "arch", "device", "dtype", "weights", "decode_graphs"],
+        )  # fmt: skip
+
         loads = self.m._loads
         for i, sup in enumerate(fe.supervisor.members):
             w = str(i)
@@ -242,6 +329,11 @@ class _LiveCollector(Collector):
                 add("dispatch_queue_depth", "Requests waiting for worker credits.", w,
                     client.queued)  # fmt: skip
                 add("worker_in_flight", "Requests the worker holds.", w, client.in_flight)
+                mc, cap = client.model, client.capacity
+                worker_info.add_metric(
+                    [w, *(str(mc.get(k, "")) for k in ("name", "arch", "device", "dtype")),
+                     str(cap.get("weights", "")), str(cap.get("decode_graphs", ""))], 1,
+                )  # fmt: skip
             load = loads[i] if i < len(loads) else {}
             # (STATS key, gauge name): a gauge may not end in _total (promtool check metrics).
             for key, name, help_text in (
@@ -257,7 +349,48 @@ class _LiveCollector(Collector):
             total, free = load.get("kv_blocks_total"), load.get("kv_blocks_free")
             if isinstance(total, int) and isinstance(free, int):
                 add("worker_kv_blocks_used", "KV cache blocks in use.", w, total - free)
+                if total > 0:
+                    add("worker_kv_usage_ratio", "KV cache blocks in use over all of them "
+                        "(0 to 1; free blocks holding a cached prefix are not in use).", w,
+                        (total - free) / total)  # fmt: skip
+            memory = load.get("memory")
+            for key, name, help_text in (
+                ("rss_bytes", "memory_rss_bytes", "The worker process's resident memory."),
+                ("device_allocated_bytes", "gpu_memory_allocated_bytes",
+                 "CUDA memory the worker's tensors hold."),
+                ("device_reserved_bytes", "gpu_memory_reserved_bytes",
+                 "CUDA memory the worker's allocator reserved from the driver."),
+                ("device_total_bytes", "gpu_memory_total_bytes", "The worker's card's memory."),
+            ):  # fmt: skip
+                if isinstance(memory, dict) and isinstance(memory.get(key), int):
+                    add(f"worker_{name}", help_text, w, memory[key])
+            for key, name, help_text in (
+                ("step_seconds", "step_seconds",
+                 "Each worker step's time, scheduling to its STEP entries."),
+                ("step_batch", "batch_size",
+                 "Sequences in each worker step (decodes and prompt chunks)."),
+                ("step_tokens", "step_tokens", "Tokens run through the model in each step."),
+            ):  # fmt: skip
+                read = read_histogram(load.get(key))
+                if read is None:
+                    continue
+                if name not in histograms:
+                    histograms[name] = HistogramMetricFamily(
+                        f"{p}_worker_{name}", help_text, labels=["worker"]
+                    )
+                buckets, total_sum = read
+                histograms[name].add_metric(
+                    [w], [(_le(b), c) for b, c in buckets], sum_value=total_sum
+                )
         yield from families.values()
+        yield from histograms.values()
+        if worker_info.samples:
+            yield worker_info
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes it (``+Inf``, ``0.005``, ``16.0``)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,7 @@ class ScriptedWorker:
         self.running: list[_Seq] = []
         self.free_blocks = config.kv_blocks
         self.steps = 0
+        self.step_stats = wire.StepStats()
         self._wake = anyio.Event()
         self._errors: list[tuple[int, str, str]] = []
         self._unsent: set[int] = set()  # rids ended in a frame not written yet
@@ -234,6 +236,7 @@ class ScriptedWorker:
         return wire.StepEntry(seq.rid, wire.pack_ids(ids), finish, extra)
 
     def step(self) -> wire.Step | None:
+        t0 = time.perf_counter()
         # Aborted waiting sequences end without ever running.
         gone = [s for s in self.waiting if s.aborted]
         for s in gone:
@@ -246,6 +249,8 @@ class ScriptedWorker:
         if not entries and not advanced:
             return None
         self.steps += 1
+        # As the model's worker counts its steps (the step delay is a sleep outside).
+        self.step_stats.record(time.perf_counter() - t0, len(advanced), len(advanced))
         return wire.Step(self.steps, entries)
 
     def holds(self, rid: int) -> bool:
@@ -321,7 +326,7 @@ class ScriptedWorker:
             case wire.Probe(nonce):
                 await out.send(wire.ProbeReply(nonce, self.load()))
             case wire.StatsReq(nonce):
-                await out.send(wire.Stats(nonce, self.load()))
+                await out.send(wire.Stats(nonce, {**self.load(), **self.step_stats.to_wire()}))
             case wire.Audit(nonce, rids):
                 await out.send(wire.AuditReply(nonce, [r for r in rids if not self.holds(r)]))
             case wire.Flush(nonce):
