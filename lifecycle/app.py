@@ -200,7 +200,7 @@ def _routes(
     auth = Auth(
         AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes, cfg.open_admin_routes)
     )
-    router = AppRouter(auth, metrics)
+    router = AppRouter(auth, metrics, frontend=frontend)
     api.install(router)
     served = model_id(cfg, path)
     strict = cfg.strict_model_name

@@ -26,7 +26,7 @@ from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
 from lifecycle.tracing.replay import replay_record
-from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, worker_probe
+from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
 from wire.auth import resolve_token
 
 if TYPE_CHECKING:
@@ -227,8 +227,17 @@ class Runtime:
             return ", ".join(remote)
         return f"local pid {getattr(self.supervisor, 'worker_pid', None)}"
 
+    def worker_of(self, client: Any) -> tuple[int, str] | None:
+        """The worker whose client is ``client``: its index (``--dp``) and its address, or
+        its pid when it runs here; None for a client a restart replaced."""
+        for i, member in enumerate(self.supervisor.members):
+            if member.client is client:
+                return i, member.config.worker or f"local pid {member.worker_pid}"
+        return None
+
     def _tracer(self, fe: Frontend) -> Tracer:
-        probe = worker_probe(self.worker_name)
+        prompts = self.config.trace.record_prompts
+        probe = call_probe(fe.calls, self.worker_of, self.worker_name, prompts)
         recorder = self._recorder(fe) if self.config.trace.record_prompts else None
         tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe, recorder=recorder)
         tracer.install()

@@ -20,7 +20,7 @@ from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Submission
 from lifecycle.tracing.debug import Auth, install_debug
-from lifecycle.tracing.tracer import TraceConfig, Tracer
+from lifecycle.tracing.tracer import Probe, TraceConfig, Tracer, default_probe
 from transport import Router, Server, ServerConfig
 
 TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)
@@ -36,10 +36,17 @@ class DebugServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, rid: str | None = None, upto: int = len(TO_STREAMING)) -> RequestRecord:
+    def start(
+        self,
+        rid: str | None = None,
+        upto: int = len(TO_STREAMING),
+        *,
+        request_id: str | None = None,
+        route: str | None = None,
+    ) -> RequestRecord:
         """A new request, registered and moved ``upto`` edges along the happy path; from
         dispatch on the worker holds it (a submission, as the dispatcher keeps one)."""
-        rec = new_request(rid)
+        rec = new_request(rid, request_id, route)
         self.registry.add(rec)
         for ev in TO_STREAMING[:upto]:
             if ev is Event.DISPATCH:
@@ -64,10 +71,10 @@ class DebugServer:
 
 @asynccontextmanager
 async def debug_server(
-    *, auth: Auth | None = None, enabled: bool = True, **trace: Any
+    *, auth: Auth | None = None, enabled: bool = True, probe: Probe = default_probe, **trace: Any
 ) -> AsyncIterator[DebugServer]:
     registry = Registry()
-    tracer = Tracer(TraceConfig(**trace), registry=registry)
+    tracer = Tracer(TraceConfig(**trace), registry=registry, probe=probe)
     router = Router()
     install_debug(router, tracer, enabled=enabled, auth=auth)
     server = Server(router, ServerConfig(port=0, shutdown_timeout=2))

@@ -72,7 +72,9 @@ async def test_one_line_per_request_with_how_it_ended(tmp_path: Path) -> None:
     stream = by_rid["stream-1"]
     assert (stream["status"], stream["outcome"], stream["output_tokens"]) == (200, "done", 4)
     bad = [x for x in lines if x["status"] == 400]
-    assert len(bad) == 1 and bad[0]["route"] == "/generate" and "rid" not in bad[0]
+    assert len(bad) == 1 and bad[0]["route"] == "/generate"
+    # A refused request is still a request: its id, how it ended (tests/test_rejected_traces)
+    assert bad[0]["outcome"] == "invalid" and bad[0]["rid"] == bad[0]["request_id"]
     gone = by_rid["gone-1"]
     assert gone["outcome"] == "client_gone" and gone["status"] == 499
     ws = by_rid["ws-1"]

@@ -92,7 +92,7 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
     bodies = [echo_body(i, 5 + i) for i in range(3)]  # 3 prompt tokens each; 5, 6, 7 new
     for body in bodies:
         assert httpx.post(url + "/generate", json=body, timeout=30).status_code == 200
-    bad = {"text": "x", "sampling_params": {"top_p": -1}}  # refused before it has a record
+    bad = {"text": "x", "sampling_params": {"top_p": -1}}  # refused: a record that ends invalid
     assert httpx.post(url + "/generate", json=bad, timeout=30).status_code == 400
     too_long = {"input_ids": [5] * 9000, "sampling_params": {"max_new_tokens": 4}}
     assert httpx.post(url + "/generate", json=too_long, timeout=30).status_code == 400
@@ -117,7 +117,8 @@ async def test_counters_move_by_the_right_amounts(url: str) -> None:
         assert delta(m0, m1, f"lifecycle_{hist}_seconds_count") >= 3, hist
     assert delta(m0, m1, "lifecycle_time_to_first_token_seconds_count") == 3
     assert delta(m0, m1, "lifecycle_inter_token_latency_seconds_count") == 3
-    assert delta(m0, m1, "lifecycle_e2e_request_latency_seconds_count") == 4  # + too long
+    assert delta(m0, m1, "lifecycle_requests_total", outcome="invalid") == 1
+    assert delta(m0, m1, "lifecycle_e2e_request_latency_seconds_count") == 5  # + too long, invalid
     assert delta(m0, m1, "lifecycle_time_to_first_token_seconds_sum") > 0
 
     # An abort (a WebSocket cancel) and a client that goes away mid-stream.

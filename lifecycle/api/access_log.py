@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from lifecycle.api.metrics import record_timings
+from lifecycle.core.origin import EXCHANGE
+from lifecycle.core.origin import Exchange as Named
 from lifecycle.core.states import State
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ class Exchange:
     request: Request
     started: float = field(default_factory=time.monotonic)
     calls: list[GenerateCall] = field(default_factory=list)
+    # The request's id (read when the line is written: the body's rid may name it later).
+    named: Named | None = field(default_factory=EXCHANGE.get)
 
 
 _current: contextvars.ContextVar[Exchange | None] = contextvars.ContextVar(
@@ -135,6 +139,8 @@ class AccessLog:
             "route": ex.route,
             "status": status,
         }
+        if ex.named is not None:
+            rec["request_id"] = ex.named.id
         if call is not None:
             rec.update(_call_fields(call))
             if self.log_requests:
@@ -165,7 +171,7 @@ def _call_fields(call: GenerateCall) -> dict[str, Any]:
             output += len(s.ids)
             rids.append(s.rid)
         if not run.samples:
-            rids.append(rec.client_rid or str(rec.id))
+            rids.append(rec.client_rid or rec.request_id or str(rec.id))
     return {
         "rid": rids[0] if len(rids) == 1 else rids,
         "outcome": outcome if call.runs else "invalid",

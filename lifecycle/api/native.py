@@ -19,7 +19,7 @@ import anyio
 import orjson
 
 from lifecycle.api.auth import Caller, owner
-from lifecycle.core.call import ExitCause, GenerateCall
+from lifecycle.core.call import ExitCause, GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
@@ -120,7 +120,8 @@ class NativeAPI:
         try:
             req = parse_generate(body, vocab_size=self.fe.model_config.vocab_size)
         except RequestError as exc:
-            if stream:
+            if stream:  # a 200 stream: the router cannot see it was refused, so say it here
+                reject(self.fe, exc.cause, exc.message)
                 return SSEResponse(_error_events(exc.message, Cause.INVALID))
             return error_response(exc.status, exc.message)
         incremental = self.fe.config.incremental_streaming_output or per_request is True

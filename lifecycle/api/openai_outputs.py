@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-import uuid
 from typing import Any
 
 from lifecycle.api.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_tokens
 from lifecycle.api.tool_formats import ToolFormat
 from lifecycle.api.tools import ToolCallParser
 from lifecycle.core.detok import TokenizerLike
+from lifecycle.core.origin import current_request_id
 from lifecycle.core.outputs import SampleOutput
 
 __all__ = ["ChoiceState", "ReplyIds", "TokenTexts", "fingerprint", "finish_reason", "usage"]
@@ -75,7 +75,8 @@ class ReplyIds:
     """``id``, ``created`` and ``system_fingerprint`` shared by a reply and its chunks."""
 
     def __init__(self, chat: bool, model: str, fingerprint: str) -> None:
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # The request's id (X-Request-Id, docs/api.md): the trace is found by this id too.
+        self.id = ("chatcmpl-" if chat else "cmpl-") + current_request_id()
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint

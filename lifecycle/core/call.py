@@ -33,15 +33,24 @@ from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
 from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fsm import RequestRecord, admit, new_request
-from lifecycle.core.origin import CALL_ORIGIN
+from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
 from lifecycle.core.outputs import OutputOptions, SampleOutput
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
+from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
 from lifecycle.core.worker_client import WorkerClient
 from wire import pack_ids
 
-__all__ = ["TIMEOUT_HEADER", "CallHost", "ExitCause", "GenerateCall", "owner_left"]
+__all__ = [
+    "TIMEOUT_HEADER",
+    "CallHost",
+    "ExitCause",
+    "GenerateCall",
+    "RejectHost",
+    "owner_left",
+    "reject",
+]
 
 TIMEOUT_HEADER = b"x-request-timeout"  # a request's own deadline, in seconds
 
@@ -112,7 +121,8 @@ class _Sink:
 class _ItemRun:
     __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted", "ended")
 
-    def __init__(self, rec: RequestRecord, item: GenerateItem) -> None:
+    # ``item`` None: a request refused before it was parsed (``reject``), never submitted.
+    def __init__(self, rec: RequestRecord, item: GenerateItem | None) -> None:
         self.rec = rec
         self.item = item
         self.samples: list[SampleOutput] = []
@@ -144,6 +154,25 @@ class GenerateCall:
         # header, else the server's --request-timeout); past them it ends deadline (504).
         self.timeout = timeout
         self._t0 = math.inf  # when start() began, on the event loop's clock
+        # The HTTP exchange it is made for (None for the Engine): its request id names the
+        # call's records (``X-Request-Id``; the body's rid when the client sent no header).
+        self.exchange: Exchange | None = EXCHANGE.get()
+        self.http_status: int | None = None  # a rejection's status, when not its cause's
+        self.request_id = self._name_exchange(req)
+
+    def _name_exchange(self, req: GenerateRequest) -> str:
+        ex = self.exchange
+        first = req.items[0].client_rid if len(req.items) == 1 else None
+        if ex is None:
+            return first or new_request_id()
+        ex.calls += 1
+        if first:
+            ex.adopt(first)
+        return ex.id
+
+    def _item_request_id(self, index: int) -> str:
+        """Prompt ``index``'s request id: the call's, or ``{id}_{index}`` in a batch."""
+        return self.request_id if len(self.req.items) == 1 else f"{self.request_id}_{index}"
 
     def wake(self) -> None:
         self._wake.set()
@@ -212,9 +241,16 @@ class GenerateCall:
 
     async def _start(self) -> None:
         host = self.host
-        for item in self.req.items:
-            rec = new_request(item.client_rid)
-            host.opened(rec, self)  # DuplicateRid: 400 with SGLang's message
+        route = self.exchange.route if self.exchange is not None else None
+        for i, item in enumerate(self.req.items):
+            rec = new_request(item.client_rid, self._item_request_id(i), route)
+            try:
+                host.opened(rec, self)
+            except DuplicateRid:  # 400 with SGLang's message; traced by its request id
+                rec = new_request(None, rec.request_id, route)
+                host.opened(rec, self)
+                self.runs.append(_ItemRun(rec, item))
+                raise
             self.runs.append(_ItemRun(rec, item))
             rec.fire(Event.VALIDATE)
         self.client = host.ready_client()
@@ -222,11 +258,11 @@ class GenerateCall:
             if not admit(run.rec, host.admission):
                 raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
             run.admitted = True
-        texts = [r.item.text or "" for r in self.runs if r.item.input_ids is None]
+        items = [r.item for r in self.runs if r.item is not None]
+        texts = [item.text or "" for item in items if item.input_ids is None]
         encoded = iter(await host.codec.encode(texts) if texts else [])
         prompts = [
-            list(r.item.input_ids if r.item.input_ids is not None else next(encoded))
-            for r in self.runs
+            list(item.input_ids if item.input_ids is not None else next(encoded)) for item in items
         ]
         if prompts:  # the router sees the prompt (one worker for the whole call)
             self.client = host.ready_client(prompts[0])
@@ -235,6 +271,7 @@ class GenerateCall:
 
     def _submit(self, run: _ItemRun, prompt: list[int]) -> None:
         host, item = self.host, run.item
+        assert item is not None  # a rejection is never submitted
         sp = item.sampling
         max_new = check_lengths(
             len(prompt),
@@ -242,7 +279,7 @@ class GenerateCall:
             context_length=host.model_config.context_length,
         )
         opts = _output_options(item)
-        base_id = item.client_rid or uuid.uuid4().hex
+        base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []
         for j in range(sp.n):
             rid = base_id if sp.n == 1 else f"{base_id}_{j}"
@@ -461,3 +498,29 @@ def _grammar_detail(samples: list[SampleOutput]) -> str | None:
         f"grammar: compiled in {first['compile_ms']:.2f} ms ({hit}); "
         f"complete in {done} of {len(samples)} samples"
     )
+
+
+class RejectHost(CallHost, Protocol):
+    """A ``CallHost`` that makes calls (``lifecycle.core.frontend.Frontend``)."""
+
+    def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall: ...
+
+
+_NOTHING = GenerateRequest(items=[], is_batch=False, stream=False)
+
+
+def reject(host: RejectHost, cause: Cause, message: str, status: int | None = None) -> GenerateCall:
+    """Record a request refused before it became a call of its own (a body that is not
+    JSON, a field of the wrong type, an unknown field under ``--strict-fields``, empty
+    ``messages``, a missing API key): one record, failed at once from ``received`` with
+    ``cause``, so that it ends like any other request: a trace (route, cause, message,
+    client), a line in the access log, a count in the metrics. ``status``: the HTTP
+    status it got, when it is not the cause's (a 413, a 401)."""
+    call = host.call(_NOTHING)
+    ex = call.exchange
+    rec = new_request(None, call.request_id, ex.route if ex is not None else None)
+    host.opened(rec, call)
+    call.runs.append(_ItemRun(rec, None))
+    call.http_status = status if status != cause.status else None
+    call.close(cause, message)
+    return call

@@ -59,6 +59,7 @@ def add_trace_parser(sub: Any) -> None:
     flt.add_argument("--since", help="finished at or after: unix s, ISO 8601, or an age (15m)")
     flt.add_argument("--until", help="finished at or before (same forms)")
     flt.add_argument("--status", help="done | error | an error cause | an HTTP status")
+    flt.add_argument("--route", help="the route it came in on, e.g. /v1/chat/completions")
     common.add_argument("--json", action="store_true", help="print JSON")
 
     trace = sub.add_parser("trace", help="inspect finished request traces")
@@ -66,7 +67,9 @@ def add_trace_parser(sub: Any) -> None:
     actions.add_parser("summary", parents=[common], help="p50/p99 ms spent in each state")
     actions.add_parser("list", parents=[common], help="every matching request, one line each")
     tl = actions.add_parser("timeline", parents=[common], help="one request's timeline")
-    tl.add_argument("request", help="internal id or client rid")
+    tl.add_argument(
+        "request", help="internal id, rid, X-Request-Id, or a reply id (chatcmpl-..., meta_info.id)"
+    )
     sl = actions.add_parser("slowest", parents=[common], help="the slowest requests")
     sl.add_argument("-n", type=int, default=10)
     sl.add_argument("--by", default="total", help="total, or a state (e.g. queued)")
@@ -126,17 +129,31 @@ def _ended(t: Trace) -> str:
 
 
 def _line(t: Trace, extra: str = "") -> str:
-    rid = t["rid"] or "-"
+    rid = t["rid"] or t.get("request_id") or "-"
+    route = t.get("route") or "-"
     return (
-        f"{t['id']:>8} {rid:<24.24} {_when(t['created'])} {t['total_ms']:>10.2f} ms "
-        f"{t['status']:>4} {_ended(t)}{extra}"
+        f"{t['id']:>8} {rid:<32.32} {route:<22.22} {_when(t['created'])} "
+        f"{t['total_ms']:>10.2f} ms {t['status']:>4} {_ended(t)}{extra}"
     )
 
 
 def _print_timeline(t: Trace) -> None:
-    print(f"request {t['id']} rid={t['rid'] or '-'} {_ended(t)} status={t['status']}")
+    print(f"request {t['id']} rid={t['rid'] or '-'} request_id={t.get('request_id') or '-'} "
+          f"{_ended(t)} status={t['status']}")  # fmt: skip
     if t.get("message"):
         print(f"  message: {t['message']}")
+    facts = [
+        ("route", t.get("route")), ("client", t.get("client")),
+        ("prompt tokens", t.get("prompt_tokens")), ("cached", t.get("cached_tokens")),
+        ("output tokens", t.get("tokens")),
+        ("ttft ms", None if t.get("ttft_ms") is None else f"{t['ttft_ms']:.1f}"),
+        ("tokens/s", None if t.get("tokens_per_s") is None else f"{t['tokens_per_s']:.1f}"),
+        ("finish", ",".join(map(str, t["finish_reasons"])) if t.get("finish_reasons") else None),
+        ("worker", t.get("worker")),
+    ]  # fmt: skip
+    said = "  ".join(f"{k}={v}" for k, v in facts if v is not None)
+    if said:
+        print(f"  {said}")
     for row in timeline(t):
         detail = "" if row["detail"] is None else f"  ({row['detail']})"
         leave = f" -{row['event']}->" if row["event"] else ""
@@ -149,7 +166,9 @@ def _filtered(args: argparse.Namespace) -> list[Trace]:
     try:
         since = parse_time(args.since) if args.since else None
         until = parse_time(args.until) if args.until else None
-        return filter_traces(load_traces(args), since=since, until=until, status=args.status)
+        return filter_traces(
+            load_traces(args), since=since, until=until, status=args.status, route=args.route
+        )
     except ValueError as exc:
         raise SystemExit(f"lifecycle trace: {exc}") from None
 

@@ -5,8 +5,10 @@
     GET /debug                  the live page (lifecycle/tracing/static/debug.html)
     GET /debug/requests         live requests: state, age, time in state, tokens, worker;
                                 the trace log's health and the tracer's failures
-    GET /debug/requests/{key}   one request's trace, by internal id or client rid
-    GET /debug/traces           the finished traces the ring holds (the CLI's --url source)
+    GET /debug/requests/{key}   one request's trace, by internal id, client rid, request id
+                                (X-Request-Id) or a reply id made from it (chatcmpl-...)
+    GET /debug/traces           the finished traces the ring holds (the CLI's --url source;
+                                ?since= &until= &status= &route=)
     GET /debug/feed             WebSocket: one JSON message per tick with every transition
     POST /debug/requests/{key}/replay   rerun a finished request from its trace (with
                                 ``replay``: the server's ``replay_in_process``; docs/replay.md)
@@ -132,7 +134,11 @@ def install_debug(
             since = parse_time(q["since"]) if "since" in q else None
             until = parse_time(q["until"]) if "until" in q else None
             found = filter_traces(
-                tracer.finished_traces(), since=since, until=until, status=q.get("status")
+                tracer.finished_traces(),
+                since=since,
+                until=until,
+                status=q.get("status"),
+                route=q.get("route"),
             )
         except ValueError as exc:  # a time or a status it cannot read: says which
             raise HTTPError(400, str(exc)) from None

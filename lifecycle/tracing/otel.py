@@ -121,7 +121,7 @@ class _Ended(NamedTuple):
     cause: Cause | None
     message: str | None
     origin: tuple[str, list[tuple[bytes, bytes]]]  # the request's path and raw headers
-    sampling: SamplingRequest
+    sampling: SamplingRequest | None  # None: refused before it was parsed
     embed: bool
     prompt_tokens: int | None
     output_tokens: int
@@ -225,8 +225,9 @@ class OtlpExporter:
             queue.append(
                 _Ended(
                     rec.id, rec.client_rid or (first.rid if first else None), rec.created_ns,
-                    rec.raw_trace, rec.state, rec.cause, rec.detail, origin, item.sampling,
-                    item.embed is not None, first.prompt_tokens if first else None, out,
+                    rec.raw_trace, rec.state, rec.cause, rec.detail, origin,
+                    item.sampling if item is not None else None,
+                    item is not None and item.embed is not None, first.prompt_tokens if first else None, out,
                     cached, reasons, worker,
                 )
             )  # fmt: skip
@@ -338,20 +339,11 @@ class OtlpExporter:
         )
 
     def _attributes(self, e: _Ended, operation: str, cause: str | None) -> dict[str, Any]:
-        max_tokens, sp = e.sampling.max_new_tokens, e.sampling.params
-        temperature, top_p, top_k, n = sp.temperature, sp.top_p, sp.top_k, sp.n
         a: dict[str, Any] = {"gen_ai.operation.name": operation}
         if self.config.model:
             a["gen_ai.request.model"] = self.config.model
-        if max_tokens is not None and not e.embed:
-            a["gen_ai.request.max_tokens"] = max_tokens
-        if not e.embed:
-            a["gen_ai.request.temperature"] = temperature
-            a["gen_ai.request.top_p"] = top_p
-            if top_k > 0:
-                a["gen_ai.request.top_k"] = top_k
-        if n != 1:
-            a["gen_ai.request.choice.count"] = n
+        if e.sampling is not None:
+            _sampling_attributes(a, e.sampling, e.embed)
         if e.prompt_tokens is not None:
             a["gen_ai.usage.input_tokens"] = e.prompt_tokens
         a["gen_ai.usage.output_tokens"] = e.output_tokens
@@ -370,6 +362,19 @@ class OtlpExporter:
             a["lifecycle.cause"] = cause
             a["error.type"] = cause
         return a
+
+
+def _sampling_attributes(a: dict[str, Any], sampling: SamplingRequest, embed: bool) -> None:
+    max_tokens, sp = sampling.max_new_tokens, sampling.params
+    if max_tokens is not None and not embed:
+        a["gen_ai.request.max_tokens"] = max_tokens
+    if not embed:
+        a["gen_ai.request.temperature"] = sp.temperature
+        a["gen_ai.request.top_p"] = sp.top_p
+        if sp.top_k > 0:
+            a["gen_ai.request.top_k"] = sp.top_k
+    if sp.n != 1:
+        a["gen_ai.request.choice.count"] = sp.n
 
 
 def _event_attributes(event: Event, detail: Any, e: _Ended) -> dict[str, Any]:

@@ -20,6 +20,7 @@ __all__ = [
     "Trace",
     "filter_traces",
     "find",
+    "key_candidates",
     "parse_time",
     "percentile",
     "slowest",
@@ -69,10 +70,12 @@ def filter_traces(
     since: float | None = None,
     until: float | None = None,
     status: str | None = None,
+    route: str | None = None,
 ) -> list[Trace]:
-    """Traces that finished in ``[since, until]`` and match ``status``.
+    """Traces that finished in ``[since, until]`` and match ``status`` and ``route``.
 
-    ``status`` is ``done``, ``error``, an error cause (``deadline``) or an HTTP status.
+    ``status`` is ``done``, ``error``, an error cause (``deadline``) or an HTTP status;
+    ``route`` a route template (``/v1/chat/completions``).
     """
     if status is not None and not (
         status.isdigit() or status in ("done", "error") or status in {c.value for c in Cause}
@@ -87,15 +90,42 @@ def filter_traces(
             continue
         if status is not None and not _status_matches(t, status):
             continue
+        if route is not None and t.get("route") != route:
+            continue
         out.append(t)
     return out
 
 
+# The reply ids made from a request id (docs/api.md, "Request ids").
+_REPLY_PREFIXES = ("chatcmpl-", "cmpl-", "resp_")
+_SAMPLE = re.compile(r"^(.+)_\d+$")
+
+
+def key_candidates(key: str) -> list[str]:
+    """What ``key`` may name, most exact first: itself (an internal id, a client rid, a
+    request id); a reply id's request id (``chatcmpl-X``, ``cmpl-X``, ``resp_X`` -> ``X``);
+    the request of a sample's ``meta_info.id`` (``X_1`` -> ``X``, n > 1); the first
+    prompt of a batch named ``X`` (``X_0``)."""
+    out = [key]
+    for prefix in _REPLY_PREFIXES:
+        if key.startswith(prefix) and len(key) > len(prefix):
+            out.append(key[len(prefix) :])
+            break
+    base = out[-1]
+    m = _SAMPLE.match(base)
+    if m is not None:
+        out.append(m.group(1))
+    out.append(base + "_0")
+    return list(dict.fromkeys(out))
+
+
 def find(traces: list[Trace], key: str) -> Trace | None:
-    """The trace whose internal id or client rid is ``key`` (the last one, if repeated)."""
-    for t in reversed(traces):
-        if str(t["id"]) == key or t["rid"] == key:
-            return t
+    """The trace that ``key`` names: its internal id, client rid or request id, or an id
+    made from those (``key_candidates``); the last one, if repeated."""
+    for k in key_candidates(key):
+        for t in reversed(traces):
+            if str(t["id"]) == k or t["rid"] == k or t.get("request_id") == k:
+                return t
     return None
 
 

@@ -102,14 +102,15 @@ def replay_record(
     """The trace's ``replay`` object for ``rec``, one prompt of ``call``; None for an
     embedding or a prompt that never reached the worker."""
     run = next((r for r in call.runs if r.rec is rec), None)
-    if run is None or not run.samples or run.item.embed is not None:
+    item = run.item if run is not None else None
+    if run is None or item is None or not run.samples or item.embed is not None:
         return None
     client = call.client
     card = client.model if client is not None else {}
     capacity = client.capacity if client is not None else {}
     return {
         "prompt_ids": list(run.samples[0].prompt),
-        "sampling_params": sampling_json(run.item.sampling),
+        "sampling_params": sampling_json(item.sampling),
         "output_ids": [list(s.ids) for s in run.samples],
         "model": model_identity(served_id, card, capacity),
     }

@@ -19,6 +19,7 @@ import orjson
 
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.states import State
+from lifecycle.tracing.replay import sampling_json
 
 __all__ = [
     "HANDOFFS",
@@ -105,28 +106,67 @@ class FinishedTrace:
             name: None if (h := at.get(event)) is None else {"t_ns": h, "time": _wall(h, offset_ns)}
             for name, event in HANDOFFS.items()
         }
-        cause = rec.cause
+        cause, extra = rec.cause, self.extra
+        tokens = extra.get("tokens")
+        first = at.get("first_token")
         out: dict[str, Any] = {
             "id": rec.id,
             "rid": rec.client_rid,
+            "request_id": rec.request_id,
+            "route": rec.route,
+            "client": extra.get("client"),
             "state": rec.state._value_,
             "cause": cause._value_ if cause is not None else None,
-            "status": cause.status if cause is not None else 200,
+            "status": extra.get("status") or (cause.status if cause is not None else 200),
             "message": rec.detail,
             "created_ns": rec.created_ns,
             "created": _wall(rec.created_ns, offset_ns),
             "finished_ns": self.finished_ns,
             "total_ms": self.total_ns / 1e6,
-            "tokens": self.extra.get("tokens"),
-            "worker": self.extra.get("worker"),
+            "tokens": tokens,
+            "prompt_tokens": extra.get("prompt_tokens"),
+            "cached_tokens": extra.get("cached_tokens"),
+            "ttft_ms": None if first is None else (first - rec.created_ns) / 1e6,
+            "tokens_per_s": _rate(tokens, first, self.finished_ns),
+            "finish_reasons": extra.get("finish_reasons"),
+            "params": _params(extra.get("sampling")),
+            "worker": extra.get("worker"),
+            "worker_index": extra.get("worker_index"),
             "states_ms": states,
             "transitions": transitions,
             "handoffs": handoffs,
         }
-        replay = self.extra.get("replay")
+        prompt = extra.get("prompt")
+        if prompt is not None:  # only with --trace-prompts: prompts may be private
+            out["prompt"] = prompt
+        replay = extra.get("replay")
         if replay is not None:  # only with --trace-prompts (lifecycle.tracing.replay)
             out["replay"] = replay
         return out
+
+
+def _rate(tokens: int | None, first_ns: int | None, end_ns: int) -> float | None:
+    """Output tokens per second from the first token to the end (the decode speed seen
+    by the client); None before a first token or when no time passed."""
+    if not tokens or first_ns is None or end_ns <= first_ns:
+        return None
+    return tokens / ((end_ns - first_ns) / 1e9)
+
+
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _params(sampling: Any) -> dict[str, Any] | None:
+    """A request's sampling parameters as ``/generate`` takes them; a grammar's source is
+    shortened to its size (a JSON schema may be kilobytes)."""
+    if sampling is None:
+        return None
+    out = sampling_json(sampling)
+    for name in _GRAMMARS:
+        source = out.get(name)
+        if isinstance(source, str) and len(source) > _DETAIL_CHARS:
+            out[name] = f"({len(source)} characters)"
+    return out
 
 
 def live_summary(rec: RequestRecord, now_ns: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +176,8 @@ def live_summary(rec: RequestRecord, now_ns: int, extra: dict[str, Any]) -> dict
     return {
         "id": rec.id,
         "rid": rec.client_rid,
+        "request_id": rec.request_id,
+        "route": rec.route,
         "state": rec.state.value,
         "age_ms": (now_ns - rec.created_ns) / 1e6,
         "in_state_ms": (now_ns - entered) / 1e6,
@@ -166,6 +208,7 @@ class TraceRing:
         self._items: dict[int, FinishedTrace] = {}
         self._refs: dict[int, int] = {}
         self._by_rid: dict[str, int] = {}
+        self._by_request_id: dict[str, int] = {}  # the latest trace with that request id
 
     def __len__(self) -> int:
         return len(self._items)
@@ -176,6 +219,8 @@ class TraceRing:
         self._refs[id] = 0
         if ft.rec.client_rid is not None:
             self._by_rid[ft.rec.client_rid] = id
+        if ft.rec.request_id is not None:
+            self._by_request_id[ft.rec.request_id] = id
         self._push(self._recent, id, self._n_recent)
         if ft.failed:
             self._push(self._failed, id, self._n_failed)
@@ -209,12 +254,18 @@ class TraceRing:
         rid = ft.rec.client_rid
         if rid is not None and self._by_rid.get(rid) == id:
             del self._by_rid[rid]
+        rid = ft.rec.request_id
+        if rid is not None and self._by_request_id.get(rid) == id:
+            del self._by_request_id[rid]
 
     def get(self, id: int) -> FinishedTrace | None:
         return self._items.get(id)
 
     def by_rid(self, rid: str) -> FinishedTrace | None:
+        """By the client's rid, else by request id (``X-Request-Id`` and the like)."""
         id = self._by_rid.get(rid)
+        if id is None:
+            id = self._by_request_id.get(rid)
         return None if id is None else self._items.get(id)
 
     def all(self) -> list[FinishedTrace]:

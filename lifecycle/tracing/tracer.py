@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import orjson
@@ -39,9 +39,21 @@ from lifecycle.core import fsm
 from lifecycle.core.fsm import RawEntry, RequestRecord
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import TERMINAL, Event, State
+from lifecycle.tracing.query import key_candidates
 from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 
-__all__ = ["Probe", "Recorder", "TraceConfig", "Tracer", "default_probe", "worker_probe"]
+if TYPE_CHECKING:
+    from lifecycle.core.call import GenerateCall
+
+__all__ = [
+    "Probe",
+    "Recorder",
+    "TraceConfig",
+    "Tracer",
+    "call_probe",
+    "default_probe",
+    "worker_probe",
+]
 
 log = logging.getLogger("lifecycle.tracing")
 
@@ -60,19 +72,78 @@ def worker_probe(worker: Callable[[], str | None]) -> Probe:
     live request while the worker holds it, for a finished one if it was ever dispatched."""
 
     def probe(rec: RequestRecord) -> dict[str, Any]:
-        # DONE implies it was dispatched: only an error needs the (short) trace scanned.
-        state = rec.state
-        served = (
-            rec.held_by_worker
-            or state is _DONE
-            or (state is _ERROR and any(e[3] is _DISPATCH for e in rec._trace))
-        )
-        return {"tokens": rec.tokens, "worker": worker() if served else None}
+        return {"tokens": rec.tokens, "worker": worker() if _served(rec) else None}
 
     return probe
 
 
+def _served(rec: RequestRecord) -> bool:
+    """Whether a worker has (had) the request: held now, or dispatched once."""
+    # DONE implies it was dispatched: only an error needs the (short) trace scanned.
+    state = rec.state
+    return (
+        rec.held_by_worker
+        or state is _DONE
+        or (state is _ERROR and any(e[3] is _DISPATCH for e in rec._trace))
+    )
+
+
 default_probe: Probe = worker_probe(lambda: "worker")
+
+
+class CallIndex(Protocol):
+    """The live calls by record (``lifecycle.core.live_calls.LiveCalls``)."""
+
+    def of(self, rec_id: int) -> GenerateCall | None: ...
+
+
+# The worker a call's client belongs to: (its index in the pool, its name), or None.
+WorkerOf = Callable[[Any], "tuple[int, str] | None"]
+
+
+def call_probe(
+    calls: CallIndex, worker_of: WorkerOf, fallback: Callable[[], str | None], prompts: bool
+) -> Probe:
+    """``worker_probe``'s answer plus what the request's call knows: the client's address,
+    prompt and cached tokens, each sample's finish reason, the sampling parameters, the
+    worker that served it (its index under ``--dp``), a rejection's HTTP status and, with
+    ``prompts`` (``--trace-prompts``), the prompt's text. Asked when a request is listed
+    and once at its terminal edge, while its call still owns it."""
+    base = worker_probe(fallback)
+
+    def probe(rec: RequestRecord) -> dict[str, Any]:
+        out = base(rec)
+        call = calls.of(rec.id)
+        if call is None:
+            return out
+        ex = call.exchange
+        if ex is not None:
+            out["client"] = ex.client
+        if call.http_status is not None:
+            out["status"] = call.http_status
+        if out["worker"] is not None and call.client is not None:
+            served = worker_of(call.client)
+            if served is not None:
+                out["worker_index"], out["worker"] = served
+        run = next((r for r in call.runs if r.rec is rec), None)
+        if run is None or run.item is None:
+            return out
+        out["sampling"] = run.item.sampling
+        if run.samples:
+            first = run.samples[0]
+            out["prompt_tokens"] = first.prompt_tokens
+            out["cached_tokens"] = first.cached_tokens
+            out["finish_reasons"] = [
+                s.finish.get("type") if isinstance(s.finish, dict) else None for s in run.samples
+            ]
+            if prompts:
+                text = run.item.text
+                out["prompt"] = (
+                    text if text is not None else call.host.codec.decode(list(first.prompt), False)
+                )
+        return out
+
+    return probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +277,8 @@ class Tracer:
         if len(self._pending) >= self.config.feed_max_pending:
             self._overflow = True
             return
-        self._pending.append([rec.id, rec.client_rid, t_ns, src, dst, event, detail_json(detail)])
+        self._pending.append([rec.id, rec.client_rid, t_ns, src, dst, event, detail_json(detail),
+                              rec.request_id, rec.route])  # fmt: skip
 
     def _finish(self, rec: RequestRecord, t_ns: int) -> None:
         self.finished += 1
@@ -282,7 +354,15 @@ class Tracer:
 
     # -- reading -------------------------------------------------------------------------
     def lookup(self, key: str) -> dict[str, Any] | None:
-        """One request's trace by internal id or client rid: live, tombstoned or finished."""
+        """One request's trace, live, tombstoned or finished, by internal id, client rid or
+        request id, or a reply id made from one (``query.key_candidates``)."""
+        for k in key_candidates(key):
+            found = self._lookup(k)
+            if found is not None:
+                return found
+        return None
+
+    def _lookup(self, key: str) -> dict[str, Any] | None:
         rec = self._find_live(key)
         if rec is not None:
             if rec.terminal:
@@ -302,7 +382,7 @@ class Tracer:
             rec = reg.get(int(key)) or reg.tombstone(int(key))
             if rec is not None:
                 return rec
-        return reg.by_client_rid(key)
+        return reg.by_client_rid(key) or reg.by_request_id(key)
 
     def _live_trace(self, rec: RequestRecord) -> dict[str, Any]:
         now = time.monotonic_ns()
