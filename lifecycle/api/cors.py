@@ -2,17 +2,16 @@
 
 Off by default: no CORS header is sent and a preflight ``OPTIONS`` gets the router's
 405. With origins named (``*`` for any, as SGLang's open CORS), a request whose
-``Origin`` is one of them gets ``Access-Control-Allow-Origin`` on its response (streamed
-ones too: the header goes out with the stream's head), and a preflight (``OPTIONS`` with
-``Access-Control-Request-Method``) is answered here, before the API-key check, with 204,
-the methods and the headers it asked for. Wraps the app's handler; nothing else changes.
+``Origin`` is one of them gets ``Access-Control-Allow-Origin`` on whatever answers it
+(the transport's ``Request.response_headers``: a stream's head and errors too), and a
+preflight (``OPTIONS`` with ``Access-Control-Request-Method``) is answered here, before
+the API-key check, with 204, the methods and the headers it asked for. Wraps the app's
+handler; nothing else changes.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from transport import Handler, HTTPError, Request, Response
+from transport import Handler, Request, Response
 
 __all__ = ["cors"]
 
@@ -49,27 +48,9 @@ def cors(handler: Handler, origins: tuple[str, ...]) -> Handler:
                 ("access-control-allow-headers", asked or "*"),
                 ("access-control-max-age", _MAX_AGE),
             ])  # fmt: skip
-        _on_respond(request, headers)  # a stream's head goes out inside the handler
-        try:
-            response = await handler(request)
-        except HTTPError as exc:
-            exc.headers.extend(headers)
-            raise
-        if request.responded is None:
-            response.headers.extend(headers)
-        return response
+        # whatever answers it: the response, a stream's head, an error (the transport's
+        # response_headers)
+        request.response_headers = [*(request.response_headers or ()), *headers]
+        return await handler(request)
 
     return wrapped
-
-
-def _on_respond(request: Request, headers: list[tuple[str, str]]) -> None:
-    """Add ``headers`` to a response the handler sends itself (``request.respond``)."""
-    send = getattr(request, "_responder", None)
-    if send is None:
-        return
-
-    async def responder(req: Request, response: Any) -> bool:
-        response.headers.extend(headers)
-        return await send(req, response)
-
-    request._responder = responder
