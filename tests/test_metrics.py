@@ -254,24 +254,23 @@ def test_worker_restarts_and_worker_lost_are_counted(url: str) -> None:
 
 
 def test_model_worker_steps_memory_kv_and_retractions(model_url: str) -> None:
-    """Four requests that outgrow the KV cache together: the retractions counted equal
+    """Four prompts that outgrow the KV cache together: the retractions counted equal
     those the replies report, KV usage was high while they ran and is 0 after, every step
     is in the step histograms with its time, sequences and tokens, and the worker's RSS
     is reported (no GPU gauges on the CPU)."""
     wait_idle(model_url)
     m0 = scrape(model_url)
     new = 12
-    bodies = [{"input_ids": [1000 + 10 * i + k for k in range(8)],
-               "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
-              for i in range(4)]  # fmt: skip
+    # One batch: its four prompts reach the worker in one SUBMIT, so they run together.
+    batch = {"input_ids": [[1000 + 10 * i + k for k in range(8)] for i in range(4)],
+             "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     peak = 0.0
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, model_url + "/generate", json=b, timeout=60)
-                   for b in bodies]  # fmt: skip
-        while not all(f.done() for f in futures):
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, model_url + "/generate", json=batch, timeout=60)
+        while not future.done():
             peak = max(peak, scrape(model_url).get(("lifecycle_worker_kv_usage_ratio", W0), 0))
             time.sleep(0.02)
-        replies = [f.result().json()["meta_info"] for f in futures]
+        replies = [r["meta_info"] for r in future.result().json()]
     assert [(r["finish_reason"]["type"], r["completion_tokens"]) for r in replies] == [
         ("length", new)
     ] * 4
