@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     traces, access = tmp / "traces.jsonl", tmp / "access.jsonl"
     with lifecycle_server(
         "--scripted-worker", "--worker-args", "--step-delay 0.005",
-        "--trace-log", str(traces), "--access-log", str(access),
+        "--trace-log", str(traces), "--access-log", str(access), "--trace-prompts",
     ) as url:  # fmt: skip
         yield url, traces, access
 
@@ -131,6 +131,10 @@ def test_a_request_is_found_by_every_id_it_gave(
             assert t.status_code == 200, key
             assert t.json()["request_id"] == rq and t.json()["state"] == "done", key
         assert c.get("/debug/requests/chatcmpl-nobody").status_code == 404
+        # With --trace-prompts a trace keeps the prompt's text (a chat's rendered template).
+        chat = c.get(f"/debug/requests/{next(k for k in found if k.startswith('chatcmpl-'))}")
+        assert "hi" in chat.json()["prompt"] and "user" in chat.json()["prompt"]
+        assert chat.json()["params"]["max_new_tokens"] == 2
 
     # The trace log: every line has its request id and route, and the same keys find it.
     logged = _logged(traces, lambda lines: len(lines) >= 10)
