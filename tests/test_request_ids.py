@@ -87,12 +87,18 @@ def test_every_answer_carries_its_id(server: tuple[str, Path, Path]) -> None:
             chunk = next(line for line in s.iter_lines() if line.startswith("data: {"))
         assert json.loads(chunk[6:])["id"] == "chatcmpl-sse-1"
 
-    async def upgrade() -> str:
+    async def upgrade() -> tuple[str, str]:
         ws_url = url.replace("http", "ws") + "/v1/stream"
         async with websockets.connect(ws_url, additional_headers={"X-Request-Id": "ws-1"}) as ws:
-            return ws.response.headers["x-request-id"]
+            await ws.send(json.dumps({"type": "generate", "id": 1, "body": BODY}))
+            while (msg := json.loads(await ws.recv()))["type"] != "done":
+                pass
+            return ws.response.headers["x-request-id"], msg["meta_info"]["id"]
 
-    assert anyio.run(upgrade) == "ws-1"
+    upgrade_id, generation_id = anyio.run(upgrade)
+    assert upgrade_id == "ws-1" and HEX.match(generation_id)  # each generation: its own id
+    trace = httpx.get(f"{url}/debug/requests/{generation_id}").json()
+    assert trace["route"] == "/v1/stream" and trace["request_id"] == generation_id
 
 
 def test_a_request_is_found_by_every_id_it_gave(
@@ -137,7 +143,7 @@ def test_a_request_is_found_by_every_id_it_gave(
         assert chat.json()["params"]["max_new_tokens"] == 2
 
     # The trace log: every line has its request id and route, and the same keys find it.
-    logged = _logged(traces, lambda lines: len(lines) >= 10)
+    logged = _logged(traces, lambda lines: all(find(lines, k) for k in found))
     assert all(t["route"] and t["request_id"] for t in logged)
     on_disk = read_log(traces)
     for key, rq in found.items():

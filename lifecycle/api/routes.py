@@ -16,7 +16,7 @@ in error (``lifecycle.core.call.reject``): traced, logged and counted like the o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import orjson
@@ -34,7 +34,15 @@ from lifecycle.core.origin import (
     new_request_id,
 )
 from lifecycle.core.states import Cause
-from transport import Handler, HTTPError, Request, Response, Router, WebSocketResponse
+from transport import (
+    Handler,
+    HTTPError,
+    Request,
+    Response,
+    Router,
+    WebSocket,
+    WebSocketResponse,
+)
 
 if TYPE_CHECKING:
     from lifecycle.core.frontend import Frontend
@@ -42,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["AppRouter", "GENERATION_ROUTES", "UNMATCHED", "rejection_cause"]
 
 log = logging.getLogger("lifecycle.api.routes")
+
+Session = Callable[[WebSocket], Awaitable[None]]
 
 UNMATCHED = "(unmatched)"  # the endpoint label of a request no route took (404, 405)
 
@@ -125,7 +135,10 @@ class AppRouter(Router):
         self, route: str, handler: Handler, request: Request, ex: Exchange | None, generation: bool
     ) -> Response:
         if not generation:
-            return await self._handle(route, handler, request)
+            response = await self._handle(route, handler, request)
+            if isinstance(response, WebSocketResponse) and ex is not None:
+                response.session = _session(ex, response.session)
+            return response
         try:
             response = await self._handle(route, handler, request)
         except HTTPError as exc:
@@ -189,6 +202,21 @@ def _exchange(request: Request) -> Exchange:
     request.response_headers = headers
     client = f"{request.client[0]}:{request.client[1]}" if request.client else None
     return Exchange(rid, given is not None, client=client, headers=headers)
+
+
+def _session(ex: Exchange, run: Session) -> Session:
+    """A WebSocket session whose generations know their route and client (each is a
+    request with an id of its own: ``Exchange.per_call``)."""
+    shared = Exchange(ex.id, ex.given, ex.route, ex.client, per_call=True)
+
+    async def session(ws: WebSocket) -> None:
+        token = EXCHANGE.set(shared)
+        try:
+            await run(ws)
+        finally:
+            EXCHANGE.reset(token)
+
+    return session
 
 
 def _message(response: Response) -> str:

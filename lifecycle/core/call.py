@@ -163,7 +163,7 @@ class GenerateCall:
     def _name_exchange(self, req: GenerateRequest) -> str:
         ex = self.exchange
         first = req.items[0].client_rid if len(req.items) == 1 else None
-        if ex is None:
+        if ex is None or ex.per_call:
             return first or new_request_id()
         ex.calls += 1
         if first:

@@ -82,11 +82,14 @@ class Exchange:
     client: str | None = None
     headers: list[tuple[str, str]] | None = None
     calls: int = 0  # generate calls made for it (a rejection counts as one)
+    # A WebSocket session: each generation on it is a request of its own, with its own id
+    # (its rid, else a new one); the exchange gives them only their route and client.
+    per_call: bool = False
 
     def adopt(self, rid: str) -> None:
         """The body's ``rid`` names the exchange when the client sent no X-Request-Id
         (SGLang clients name requests that way); a header the client sent wins."""
-        if self.given:
+        if self.given or self.per_call:
             return
         self.id, self.given = rid, True
         if self.headers:
