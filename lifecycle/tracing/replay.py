@@ -16,6 +16,7 @@ the CLI stays light.
 from __future__ import annotations
 
 from dataclasses import fields
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,22 +54,27 @@ class ReplayRefused(Exception):
 # -- recording (the tracer's recorder, at the terminal edge) -------------------------------
 
 
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 def sampling_json(sr: SamplingRequest) -> dict[str, Any]:
     """``sampling_params`` as ``/generate`` takes them that validate to ``sr`` again: every
     field, defaults included (greedy is SGLang's temperature 1.0 with top_k 1)."""
     p = sr.params
     out: dict[str, Any] = {}
-    for f in fields(p):
-        value = getattr(p, f.name)
-        if f.name == "grammar":
+    for name in _field_names(type(p)):
+        value = getattr(p, name)
+        if name == "grammar":
             if value is not None:
                 out[value[0]] = value[1]  # json_schema / regex / ebnf: its source
             continue
-        if f.name == "logit_bias":
+        if name == "logit_bias":
             value = {str(token): bias for token, bias in value}
         elif isinstance(value, tuple):
             value = list(value)
-        out[f.name] = value
+        out[name] = value
     if sr.to_context_end:
         out["max_new_tokens"] = None  # as asked: up to the context's end
     for name in _TEXT_OPTIONS:
