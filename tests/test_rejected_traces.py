@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import jsonschema
 import pytest
+import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from lifecycle.cli import main as cli_main
@@ -32,6 +34,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         "--trace-log", str(traces),
     ) as url:  # fmt: skip
         yield url, traces
+
+
+async def refused_on_a_socket(url: str) -> dict[str, Any]:
+    ws_url = url.replace("http", "ws") + "/v1/stream"
+    async with websockets.connect(ws_url, additional_headers=AUTH) as ws:
+        body = {"text": "x", "sampling_params": {"top_p": "high"}}
+        await ws.send(json.dumps({"type": "generate", "id": 1, "body": body}))
+        return dict(json.loads(await ws.recv()))
 
 
 def outcomes(c: httpx.Client) -> dict[str, float]:
@@ -78,6 +88,9 @@ def test_every_refusal_is_traced_and_counted(
             ids.append(rid)
         # Not a generation route: answered, not recorded as a request.
         assert c.post("/tokenize", content=b"{", headers=AUTH).status_code == 400
+        # A generation on a WebSocket refused by validation: traced under its route.
+        ws_error = anyio.run(refused_on_a_socket, url)
+        assert ws_error["type"] == "error" and "top_p" in ws_error["error"]["message"]
         after = outcomes(c)
         for i, (route, _, _, status, cause, part) in enumerate(CASES):
             t = c.get(f"/debug/requests/{ids[i]}", headers=AUTH).json()
@@ -90,7 +103,9 @@ def test_every_refusal_is_traced_and_counted(
         assert {t["request_id"] for t in errors} >= set(ids)
         page = c.get("/debug/requests", headers=AUTH).json()
         assert page["counts"]["error"] >= len(CASES)
-    wanted: dict[str, int] = {}
+    ws_traces = [t for t in errors if t["route"] == "/v1/stream"]
+    assert len(ws_traces) == 1 and ws_traces[0]["cause"] == "invalid"
+    wanted = {"invalid": 1}  # the socket's
     for *_, cause, _ in CASES:
         wanted[cause] = wanted.get(cause, 0) + 1
     for cause, n in wanted.items():
@@ -110,7 +125,8 @@ def test_every_refusal_is_traced_and_counted(
         assert logged[rid]["route"] and logged[rid]["client"]
     assert cli_main(["trace", "errors", "invalid", "--log", str(traces), "--json"]) == 0
     listed = {t["request_id"] for t in json.loads(capsys.readouterr().out)}
-    assert listed == {rid for rid, case in zip(ids, CASES, strict=True) if case[4] == "invalid"}
+    refused = {rid for rid, case in zip(ids, CASES, strict=True) if case[4] == "invalid"}
+    assert listed == refused | {ws_traces[0]["request_id"]}
     assert cli_main(["trace", "list", "--log", str(traces), "--route", "/v1/chat/completions",
                      "--json"]) == 0  # fmt: skip
     chats = json.loads(capsys.readouterr().out)

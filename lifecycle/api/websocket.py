@@ -28,7 +28,7 @@ from lifecycle.api.auth import owner
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.openai_params import OpenAIError
-from lifecycle.core.call import GenerateCall
+from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.params import GenerateRequest, parse_generate
 from lifecycle.core.results import chunks, is_multi
@@ -239,7 +239,8 @@ class StreamSession:
         fe = self.native.fe
         try:
             req = await self._request(body, kind)
-        except RequestError as exc:
+        except RequestError as exc:  # refused before its call: still traced and counted
+            reject(fe, Cause.INVALID, exc.message)
             return _error(mid, Cause.INVALID, exc.message)
         async with fe.call(req, self._gone) as call:
             fe.calls.own(call, owner(self.ws.request))  # the key the socket opened with
