@@ -144,6 +144,9 @@ class AppRouter(Router):
         except HTTPError as exc:
             self._refused(ex, exc.status, _message(Response(exc.body, exc.status)))
             raise
+        except Exception as exc:  # a bug before the call: the 500 is traced as internal
+            self._refused(ex, 500, f"handler failed: {type(exc).__name__}")
+            raise
         if response.status >= 400 and request.responded is None:
             self._refused(ex, response.status, _message(response))
         return response

@@ -16,7 +16,6 @@ the CLI stays light.
 from __future__ import annotations
 
 from dataclasses import fields
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,9 +53,14 @@ class ReplayRefused(Exception):
 # -- recording (the tracer's recorder, at the terminal edge) -------------------------------
 
 
-@cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
 
 
 def sampling_json(sr: SamplingRequest) -> dict[str, Any]:
