@@ -35,7 +35,7 @@ from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
 from modelfile.source import model_bytes  # noqa: E402
-from wire.address import parse_address  # noqa: E402
+from wire.address import listen_unix, parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
@@ -262,12 +262,8 @@ def _listen(text: str, tls: bool = False) -> socket.socket:
     if tls and address.kind == "unix":
         raise SystemExit("TLS is for a TCP link: --listen tls:HOST:PORT or tcp:HOST:PORT")
     if address.kind == "unix":
-        if os.path.exists(address.path):
-            os.unlink(address.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(address.path)
-    else:
-        s = socket.create_server((address.host, address.port), reuse_port=False)
+        return listen_unix(address.path, backlog=1)
+    s = socket.create_server((address.host, address.port), reuse_port=False)
     s.listen(1)
     return s
 

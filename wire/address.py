@@ -4,9 +4,11 @@ worker's ``--listen`` and the frontend's ``--worker`` take the same spelling."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
-__all__ = ["Address", "parse_address"]
+__all__ = ["Address", "listen_unix", "parse_address"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,3 +36,23 @@ def parse_address(text: str) -> Address:
             f"bad worker address {text!r}: use unix:/path, tcp:HOST:PORT or tls:HOST:PORT"
         )
     return Address("tcp", host=host.strip("[]") or "127.0.0.1", port=int(port), tls=tls)
+
+
+def listen_unix(path: str, backlog: int = 16) -> socket.socket:
+    """A listening Unix socket at ``path`` that appears there only once it listens: bound
+    under a temporary name, listening, then renamed into place (replacing a stale one).
+    A peer that waits for the path to exist never meets a bound socket that refuses it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(tmp)
+        s.listen(backlog)
+        os.replace(tmp, path)
+    except BaseException:
+        s.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return s

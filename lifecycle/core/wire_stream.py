@@ -24,7 +24,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from wire import Frame, FrameBuffer, decode_frame, encode_frame, frame_bytes
-from wire.address import Address, parse_address
+from wire.address import Address, listen_unix, parse_address
 from wire.faults import Fault, fault_point
 
 __all__ = [
@@ -89,7 +89,7 @@ async def connect(address: Address, tls: ssl.SSLContext | None = None) -> FrameS
 
 async def listen(address: Address) -> anyio.abc.Listener[anyio.abc.ByteStream]:
     if address.kind == "unix":
-        return await anyio.create_unix_listener(address.path)
+        return await anyio.abc.SocketListener.from_socket(listen_unix(address.path))
     return await anyio.create_tcp_listener(local_host=address.host, local_port=address.port)
 
 
@@ -115,7 +115,7 @@ async def serve(
         return _FrameConnection(on_made=accepted.send_nowait)
 
     if address.kind == "unix":
-        server = await loop.create_unix_server(factory, address.path)
+        server = await loop.create_unix_server(factory, sock=listen_unix(address.path))
     else:
         server = await loop.create_server(factory, address.host, address.port)
     try:
