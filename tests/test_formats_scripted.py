@@ -158,8 +158,10 @@ def test_responses_api_reasoning_item(server: tuple[str, str, openai.OpenAI]) ->
         getattr(e, "delta", "") for e in events if e.type == "response.reasoning_text.delta"
     )
     assert deltas == "The user wants two things."
-    done = events[-1]  # response.incomplete: the limit ended the echo
-    assert done.type == "response.incomplete"
+    # The limit ended the echo: response.completed carrying status incomplete (docs/api.md:
+    # what SGLang sends and the official client's stream helper reads)
+    done = events[-1]
+    assert done.type == "response.completed" and done.response.status == "incomplete"
     assert [item.type for item in done.response.output] == ["reasoning", "message"]
 
 
