@@ -162,6 +162,38 @@ def test_a_request_is_found_by_every_id_it_gave(
     assert find(on_disk, line["rid"])["request_id"] == "client-cmpl"
 
 
+def test_abort_request_by_request_id_ends_each_of_its_prompts(
+    server: tuple[str, Path, Path],
+) -> None:
+    """``/abort_request`` with an id that is no body ``rid`` names the request id: both
+    prompts of a batch sent with ``X-Request-Id`` end abort with their partial output."""
+    import threading
+
+    url = server[0]
+    body = {
+        "input_ids": [[11, 12], [13, 14]],
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        out["r"] = httpx.post(url + "/generate", json=body, timeout=30,
+                              headers={"X-Request-Id": "to-abort"})  # fmt: skip
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/debug/requests/to-abort").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert httpx.post(url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    t.join(30)
+    r = out["r"]
+    assert r.status_code == 200 and r.headers["x-request-id"] == "to-abort"
+    assert [x["meta_info"]["finish_reason"]["type"] for x in r.json()] == ["abort", "abort"]
+    assert all(x["meta_info"]["completion_tokens"] < 2000 for x in r.json())
+
+
 @pytest.mark.anyio
 async def test_transport_extra_headers_reach_every_answer() -> None:
     """``Request.response_headers``: on a returned response, one sent with ``respond``

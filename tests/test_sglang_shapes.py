@@ -135,6 +135,8 @@ def test_cors_preflight_and_allow_origin_for_the_origins_named(url: str) -> None
     assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
     unary = httpx.get(url + "/v1/models", headers={"Origin": ORIGIN})
     assert unary.headers["access-control-allow-origin"] == ORIGIN
+    assert unary.headers["access-control-expose-headers"] == "X-Request-Id"
+    assert unary.headers["x-request-id"]
     body = {"input_ids": [5, 6], "stream": True, "sampling_params": {"max_new_tokens": 2}}
     with httpx.stream("POST", url + "/generate", json=body,
                       headers={"Origin": "http://other.example"}) as s:  # fmt: skip

@@ -124,10 +124,10 @@ def test_two_turns_with_a_tool_message(client: openai.OpenAI, weather_call: Any)
 def test_unknown_tool_name_is_400_and_nothing_is_queued(
     client: openai.OpenAI, model_server: str
 ) -> None:
-    before = requests_seen(model_server)
+    ran, refused = requests_seen(model_server)
     with pytest.raises(openai.BadRequestError) as info:
         _ask(client, tool_choice={"type": "function", "function": {"name": "send_email"}})
     err = info.value.body
     assert isinstance(err, dict) and err["param"] == "tool_choice", err
     assert "'send_email', which is not in tools (get_weather, add)" in err["message"]
-    assert requests_seen(model_server) == before
+    assert requests_seen(model_server) == (ran, refused + 1)  # traced as refused, none ran

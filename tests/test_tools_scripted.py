@@ -79,17 +79,20 @@ def test_no_tool_choice_none_no_parsing(url: str, client: openai.OpenAI) -> None
     assert choice.message.content == "system\n" + SUM
 
 
-def requests_seen(url: str) -> float:
-    """Generation requests the server has a record of: finished ones, by any outcome."""
+def requests_seen(url: str) -> tuple[float, float]:
+    """Generation requests the server has a record of, (past validation, refused by it):
+    ``lifecycle_requests_total`` by outcome, ``invalid`` apart (a refused request is
+    traced and counted with that cause; it never reaches the queue)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        s.value
+    counts = [
+        (s.labels.get("outcome") == "invalid", s.value)
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name in ("lifecycle_requests_total", "lifecycle_e2e_request_latency_seconds_count")
-    )
+        if s.name == "lifecycle_requests_total"
+    ]
+    return sum(v for bad, v in counts if not bad), sum(v for bad, v in counts if bad)
 
 
 def test_unknown_tool_name_is_400_before_anything_is_queued(
@@ -98,10 +101,10 @@ def test_unknown_tool_name_is_400_before_anything_is_queued(
     body = {**_echo_body(url), "tool_choice": {"type": "function", "function": {"name": "rm"}}}
     body.update(body.pop("extra_body"))
     client.chat.completions.create(**{**_echo_body(url), "n": 1, "max_tokens": 2})
-    before = requests_seen(url)
-    assert before > 0
+    ran, refused = requests_seen(url)
+    assert ran > 0
     r = httpx.post(url + "/v1/chat/completions", json=body)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "tool_choice" and "'rm', which is not in tools" in err["message"]
-    assert requests_seen(url) == before
+    assert requests_seen(url) == (ran, refused + 1)  # traced as refused, nothing ran

@@ -3,7 +3,8 @@
 Off by default: no CORS header is sent and a preflight ``OPTIONS`` gets the router's
 405. With origins named (``*`` for any, as SGLang's open CORS), a request whose
 ``Origin`` is one of them gets ``Access-Control-Allow-Origin`` on whatever answers it
-(the transport's ``Request.response_headers``: a stream's head and errors too), and a
+(the transport's ``Request.response_headers``: a stream's head and errors too) with
+``Access-Control-Expose-Headers: X-Request-Id`` so a page can read its request id, and a
 preflight (``OPTIONS`` with ``Access-Control-Request-Method``) is answered here, before
 the API-key check, with 204, the methods and the headers it asked for. Wraps the app's
 handler; nothing else changes.
@@ -17,6 +18,8 @@ __all__ = ["cors"]
 
 _METHODS = "GET, POST, PUT, DELETE, OPTIONS"
 _MAX_AGE = "600"  # seconds a browser may cache a preflight's answer
+# a page's script may read the request id of what it called (docs/api.md, "Request ids")
+_EXPOSE = ("access-control-expose-headers", "X-Request-Id")
 
 
 def cors(handler: Handler, origins: tuple[str, ...]) -> Handler:
@@ -32,9 +35,9 @@ def cors(handler: Handler, origins: tuple[str, ...]) -> Handler:
         if not origin:
             return []
         if any_origin:
-            return [("access-control-allow-origin", "*")]
+            return [("access-control-allow-origin", "*"), _EXPOSE]
         if origin.rstrip("/") in allowed:
-            return [("access-control-allow-origin", origin), ("vary", "Origin")]
+            return [("access-control-allow-origin", origin), ("vary", "Origin"), _EXPOSE]
         return []
 
     async def wrapped(request: Request) -> Response:

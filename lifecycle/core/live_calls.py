@@ -75,7 +75,8 @@ class LiveCalls(Generic[C]):
     def abort(
         self, client_rid: str | None = None, *, abort_all: bool = False, owner: object = None
     ) -> int:
-        """``/abort_request``: end the request named by its client rid, or every live one;
+        """``/abort_request``: end the request named by its client rid (else every live
+        call with that request id, the ``X-Request-Id`` it came with), or every live one;
         with ``owner``, only among the calls that owner made (another's rid is as good as
         unknown). Each ends with finish_reason abort (its partial output); returns how many."""
         message = ABORT_MESSAGE
@@ -84,11 +85,20 @@ class LiveCalls(Generic[C]):
             for each in calls:
                 each.abort(message)
             return len(calls)
-        rec = self._registry.by_client_rid(client_rid) if client_rid else None
-        call = self._by_record.get(rec.id) if rec is not None else None
-        if call is None or rec is None:
+        if not client_rid:
             return 0
-        if owner is not None and self._owners.get(call) != owner:
+        rec = self._registry.by_client_rid(client_rid)
+        if rec is None:  # a request id: the whole call of each exchange that sent it
+            named = {id(c): c for c in self.calls() if getattr(c, "request_id", None) == client_rid}
+            for r in self._registry:  # a call without one of its own: its records'
+                if r.request_id == client_rid and (c := self._by_record.get(r.id)) is not None:
+                    named[id(c)] = c
+            calls = [c for c in named.values() if owner is None or self._owners.get(c) == owner]
+            for each in calls:
+                each.abort(message)
+            return len(calls)
+        call = self._by_record.get(rec.id)
+        if call is None or (owner is not None and self._owners.get(call) != owner):
             return 0
         call.abort(message, rec.id)
         return 1
