@@ -2,10 +2,11 @@
 of clients leaving, stalling, cancelling and reusing rids, with faults, against one real
 server and scripted worker; no request may leak and every invariant must hold.
 
-``LIFECYCLE_SIM_SEEDS`` sets how many seeds (150 by default: the deterministic simulation,
-``tests/test_dsim.py``, runs 2,000 scenarios on virtual time beside it; this one keeps real
-sockets, real processes and real time); a failing seed is printed with the command that
-replays it.
+``LIFECYCLE_SIM_SEEDS`` sets how many seeds (60 by default, to keep the suite under its
+time: the deterministic simulation, ``tests/test_dsim.py``, runs 1,000 scenarios on
+virtual time beside it and ``bench/reliability.py --dsim N`` any number; this one keeps
+real sockets, real processes and real time); a failing seed is printed with the command
+that replays it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.simulation import print_report, run_scenarios
 
 pytestmark = pytest.mark.anyio
 
-SEEDS = int(os.environ.get("LIFECYCLE_SIM_SEEDS", "150"))
+SEEDS = int(os.environ.get("LIFECYCLE_SIM_SEEDS", "60"))
 
 
 @pytest.fixture

@@ -145,7 +145,7 @@ def test_prompt_chunks_send_empty_steps_and_audit_names_what_never_arrived(
     worker.request(Flush(next(_rid)), FlushReply)  # no cached prefix: every chunk runs
     a = next(_rid)
     long_prompt = [1] + [900 + i % 5000 for i in range(1500)]  # three prefill chunks
-    worker.submit(a, long_prompt, {**GREEDY, "max_new_tokens": 200, "n": 2})
+    worker.submit(a, long_prompt, {**GREEDY, "max_new_tokens": 40, "n": 2})
     empty = 0
     while not worker.results[a].ids:
         frame = worker.recv()

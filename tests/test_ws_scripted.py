@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import cbor2
@@ -63,11 +64,18 @@ async def test_sixteen_concurrent_generations_each_get_their_own_tokens(url: str
         for mid, body in bodies.items():
             await ws.send(gen_msg(mid, body))
         got = await collect(ws, 16)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        return httpx.post(url + "/generate", json=body, timeout=30).json()
+
+    with ThreadPoolExecutor(16) as pool:  # the unary twins side by side, as the streams ran
+        unaries = dict(zip(bodies, pool.map(post, bodies.values()), strict=True))
     for mid, body in bodies.items():
         final = got.final[mid]
         assert final["type"] == "done", final
         assert got.ids(mid) == echo_ids(body)
-        unary = httpx.post(url + "/generate", json=body, timeout=30).json()
+        unary = unaries[mid]
         assert got.ids(mid) == unary["output_ids"]
         assert got.text(mid) == unary["text"]
         assert final["meta_info"]["finish_reason"] == {
