@@ -88,7 +88,7 @@ def _requirement_names() -> list[str]:
 
 def wheel_from_installed(name: str, dest: Path) -> Path:
     """A wheel of the distribution ``name`` as this venv has it installed: what the install
-    takes from here when no local index holds it (transitions and llguidance, on this
+    takes from here when no local index holds it (llguidance, on this
     machine, came from the registry). A binary one keeps the tag its WHEEL file names
     (llguidance: one abi3 library)."""
     dist = importlib.metadata.distribution(name)
