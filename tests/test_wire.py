@@ -91,10 +91,19 @@ EXAMPLES = [
     wire.Stats(
         3,
         {
-            "running": 1, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 6,
-            "memory": {"rss_bytes": 9, "weights_bytes": 0, "kv_bytes": 0, "other_bytes": 9,
-                       "device_allocated_bytes": 5, "device_reserved_bytes": 6,
-                       "device_total_bytes": 7},
+            "running": 1,
+            "waiting": 0,
+            "kv_blocks_total": 8,
+            "kv_blocks_free": 6,
+            "memory": {
+                "rss_bytes": 9,
+                "weights_bytes": 0,
+                "kv_bytes": 0,
+                "other_bytes": 9,
+                "device_allocated_bytes": 5,
+                "device_reserved_bytes": 6,
+                "device_total_bytes": 7,
+            },
             "step_seconds": {"le": [0.01, 0.1], "counts": [2, 1, 0], "sum": 0.07},
             "step_batch": {"le": [1, 2], "counts": [1, 2, 0], "sum": 5},
         },
