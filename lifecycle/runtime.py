@@ -205,6 +205,7 @@ class Runtime:
                 max_queued=cfg.max_queued,
                 incremental_streaming_output=cfg.incremental_streaming_output,
                 request_timeout=cfg.request_timeout,
+                weight_version=cfg.weight_version,
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path

@@ -123,6 +123,16 @@ def test_generate_meta_info_carries_the_weight_version(url: str) -> None:
         frames = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
     assert frames and all(f["meta_info"]["weight_version"] == "v7" for f in frames)
     assert httpx.get(url + "/model_info").json()["weight_version"] == "v7"
+    # a generation on the WebSocket: the same meta_info builder, the same field
+    from websockets.sync.client import connect
+
+    with connect(url.replace("http://", "ws://") + "/v1/stream") as ws:
+        ws.send(json.dumps({"type": "generate", "id": "w", "body": body}))
+        events = []
+        while not events or events[-1]["type"] == "delta":
+            events.append(json.loads(ws.recv()))
+    assert events[-1]["type"] == "done", events[-1]
+    assert all(e["meta_info"]["weight_version"] == "v7" for e in events)
 
 
 def test_cors_preflight_and_allow_origin_for_the_origins_named(url: str) -> None:

@@ -93,8 +93,6 @@ class NativeAPI:
         # The reasoning and tool-call formats in effect (the options', else the chat
         # template's; set by the OpenAI API that reads them), for /model_info.
         self.parsers: tuple[str | None, str | None] = (None, None)
-        # SGLang's meta_info.weight_version: --weight-version, "default" as SGLang's
-        self.weight_version = str(server_args.get("weight_version") or "default")
 
     def install(self, router: Router) -> None:
         router.add(["POST", "PUT"], "/generate", self.generate)
@@ -149,8 +147,6 @@ class NativeAPI:
         if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
             await _client_write_fault(f)
         results = unary_results(call)
-        for item in results:
-            item["meta_info"]["weight_version"] = self.weight_version
         call.close()  # done: the rid is free before the client reads the reply
         return JSONResponse(results if is_multi(call) else results[0])
 
@@ -159,7 +155,6 @@ class NativeAPI:
         async for frame in chunks(call, incremental):
             if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
                 await _client_write_fault(f)
-            frame["meta_info"]["weight_version"] = self.weight_version
             yield orjson.dumps(frame)
         err = call.error()
         if err is not None:
@@ -217,7 +212,7 @@ class NativeAPI:
                 "served_model_name": self.server_args.get("served_model_name") or cfg.name,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                "weight_version": self.weight_version,
+                "weight_version": self.fe.weight_version,
                 "model_type": getattr(cfg, "arch", None),
                 "architectures": [getattr(cfg, "arch", "llama")],
                 "max_model_len": cfg.context_length,

@@ -91,6 +91,9 @@ class CallHost(Protocol):
     @property
     def output_margin(self) -> int: ...
 
+    @property
+    def weight_version(self) -> str: ...
+
     def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient: ...
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
@@ -278,7 +281,7 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
-        opts = _output_options(item)
+        opts = _output_options(item, host.weight_version)
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []
         for j in range(sp.n):
@@ -453,9 +456,10 @@ class GenerateCall:
         self.host.closed(self)
 
 
-def _output_options(item: GenerateItem) -> OutputOptions:
+def _output_options(item: GenerateItem, weight_version: str) -> OutputOptions:
     sp = item.sampling
     return OutputOptions(
+        weight_version=weight_version,
         return_logprob=item.return_logprob,
         logprob_start_len=item.logprob_start_len,
         top_logprobs_num=item.top_logprobs_num,

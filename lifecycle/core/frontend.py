@@ -40,6 +40,7 @@ class FrontendConfig:
     incremental_streaming_output: bool = False
     output_margin: int = 8  # OutputBuffer limit = max_new_tokens + margin
     request_timeout: float | None = None  # a call's deadline, from its start (None: none)
+    weight_version: str = "default"  # meta_info.weight_version (SGLang's; --weight-version)
 
 
 class Frontend:
@@ -83,6 +84,10 @@ class Frontend:
         return call
 
     # -- what a call asks (CallHost) ---------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        return self.config.weight_version
+
     @property
     def output_margin(self) -> int:
         return self.config.output_margin

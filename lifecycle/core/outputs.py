@@ -34,6 +34,7 @@ class OutputOptions:
     stops: tuple[str, ...] = ()
     stop_regex: tuple[str, ...] = ()  # the patterns: a match's finish names its pattern
     no_stop_trim: bool = False
+    weight_version: str = "default"  # the server's, in every meta_info (SGLang's key)
 
 
 def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
@@ -177,6 +178,7 @@ class SampleOutput:
             "completion_tokens": len(self.ids),
             "cached_tokens": self.cached_tokens,
             "num_retractions": self.num_retractions,
+            "weight_version": self.opts.weight_version,
         }
         if e2e is not None:
             m["e2e_latency"] = e2e
