@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from lifecycle.core.child import stop_process
 from lifecycle.core.states import DRAIN
 from tests.test_drain import LONG, _body, _serve, _stream
+from tests.transport_helpers import read_until_closed
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -26,37 +27,33 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def _read_to_eof(sock: Any, seconds: float = 10) -> bytes:
-    data = b""
-    with anyio.fail_after(seconds):
-        try:
-            while chunk := await sock.receive():
-                data += chunk
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
-    return data
-
-
 def _post(body: bytes) -> bytes:
     head = b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
     return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+async def _sigterm_after_sending(sent: bytes, pause: float) -> bytes:
+    """A fresh server; ``sent`` written on one connection, SIGTERM ``pause`` s later: every
+    byte the connection then gets until the server closes it (the server exits)."""
+    proc, url = _serve()
+    try:
+        async with await anyio.connect_tcp(*_host_port(url)) as sock:
+            await sock.send(sent)
+            await anyio.sleep(pause)
+            proc.send_signal(signal.SIGTERM)
+            data = await read_until_closed(sock, 10)
+        await anyio.to_thread.run_sync(lambda: proc.wait(20))
+    finally:
+        stop_process(proc)
+    return data
 
 
 async def test_drain_answers_every_pipelined_request() -> None:
     """issue 37 item 7: three requests pipelined on one connection before SIGTERM get
     three answers (the first served, the rest 503), the last saying Connection: close;
     before, the two behind the first were dropped unanswered."""
-    proc, url = _serve()
-    try:
-        async with await anyio.connect_tcp(*_host_port(url)) as sock:
-            bodies = [json.dumps(_body(i, 30, False)).encode() for i in range(3)]
-            await sock.send(b"".join(_post(b) for b in bodies))
-            await anyio.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
-            data = await _read_to_eof(sock)
-        await anyio.to_thread.run_sync(lambda: proc.wait(20))
-    finally:
-        stop_process(proc)
+    bodies = [json.dumps(_body(i, 30, False)).encode() for i in range(3)]
+    data = await _sigterm_after_sending(b"".join(_post(b) for b in bodies), 0.2)
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", data) == [b"200", b"503", b"503"], data
     assert data.lower().count(b"connection: close") == 1
     assert data.lower().count(f"retry-after: {DRAIN.refused.retry_after}".encode()) == 2
@@ -65,17 +62,8 @@ async def test_drain_answers_every_pipelined_request() -> None:
 async def test_drain_answers_a_slow_upload_503() -> None:
     """issue 37 item 7: a request whose body is still uploading when the drain ends gets
     503 + Retry-After + Connection: close, not a reset (a broken pipe before)."""
-    proc, url = _serve()
-    try:
-        async with await anyio.connect_tcp(*_host_port(url)) as sock:
-            body = json.dumps(_body(1, 10, False)).encode()
-            await sock.send(_post(body)[: -len(body) // 2])
-            await anyio.sleep(0.3)
-            proc.send_signal(signal.SIGTERM)
-            data = await _read_to_eof(sock)
-        await anyio.to_thread.run_sync(lambda: proc.wait(20))
-    finally:
-        stop_process(proc)
+    body = json.dumps(_body(1, 10, False)).encode()
+    data = await _sigterm_after_sending(_post(body)[: -len(body) // 2], 0.3)
     head = data.split(b"\r\n\r\n", 1)[0].lower()
     assert head.startswith(b"http/1.1 503"), data
     assert f"retry-after: {DRAIN.refused.retry_after}".encode() in head
@@ -86,7 +74,7 @@ async def _raw_refusal(url: str) -> bytes:
     """A fresh connection's whole answer while draining, read off the socket."""
     async with await anyio.connect_tcp(*_host_port(url)) as sock:
         await sock.send(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-        return await _read_to_eof(sock, 5)
+        return await read_until_closed(sock)
 
 
 async def test_drain_503s_share_one_retry_after() -> None:

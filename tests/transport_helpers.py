@@ -51,10 +51,10 @@ def request_bytes(method: str = "GET", path: str = "/", body: bytes = b"", **hea
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def read_until_closed(stream: anyio.abc.SocketStream) -> bytes:
+async def read_until_closed(stream: anyio.abc.SocketStream, seconds: float = 5) -> bytes:
     """Every byte the peer sends until it closes (or resets) the connection."""
     data = b""
-    with anyio.fail_after(5):
+    with anyio.fail_after(seconds):
         try:
             while chunk := await stream.receive():
                 data += chunk
