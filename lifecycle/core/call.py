@@ -34,13 +34,12 @@ from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fsm import RequestRecord, admit, new_request
 from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
-from lifecycle.core.outputs import OutputOptions, SampleOutput
+from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
 from lifecycle.core.worker_client import WorkerClient
-from wire import pack_ids
 
 __all__ = [
     "TIMEOUT_HEADER",
@@ -281,7 +280,7 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
-        opts = _output_options(item, host.weight_version)
+        opts = OutputOptions.of(item, host.weight_version)
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []
         for j in range(sp.n):
@@ -299,7 +298,7 @@ class GenerateCall:
         run.sub = run.rec.submission = self.client.submit(
             prompt,
             {"max_new_tokens": 0} if item.embed is not None else sp.to_wire(max_new),
-            _wire_options(item),
+            item.wire_options(),
             sinks,
             on_dispatch=lambda: self._dispatched(run),
             on_release=lambda: host.worker_released(rec_id),
@@ -386,7 +385,7 @@ class GenerateCall:
                 return
         if any(s.finish.get("type") == "abort" for s in run.samples):
             rec.fail(Cause.ABORTED, "aborted")
-        elif not rec.advance(Event.FINISH, _grammar_detail(run.samples)):
+        elif not rec.advance(Event.FINISH, grammar_detail(run.samples)):
             rec.fail(Cause.INTERNAL, f"finished in state {rec.state.value}")
 
     @property
@@ -454,54 +453,6 @@ class GenerateCall:
                 self.client.abort(run.sub, forget=True, message=detail or cause.value)
             self._release_admission(run)
         self.host.closed(self)
-
-
-def _output_options(item: GenerateItem, weight_version: str) -> OutputOptions:
-    sp = item.sampling
-    return OutputOptions(
-        weight_version=weight_version,
-        return_logprob=item.return_logprob,
-        logprob_start_len=item.logprob_start_len,
-        top_logprobs_num=item.top_logprobs_num,
-        token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
-        return_text_in_logprobs=item.return_text_in_logprobs,
-        return_hidden_states=item.return_hidden_states,
-        skip_special_tokens=sp.skip_special_tokens,
-        stops=tuple(sp.stop),
-        stop_regex=tuple(sp.params.stop_regex),
-        no_stop_trim=sp.no_stop_trim,
-    )
-
-
-def _wire_options(item: GenerateItem) -> dict[str, Any]:
-    o: dict[str, Any] = {}
-    if item.return_logprob:
-        o["return_logprob"] = True
-        o["logprob_start_len"] = item.logprob_start_len
-        if item.top_logprobs_num:
-            o["top_logprobs_num"] = item.top_logprobs_num
-        if item.token_ids_logprob:
-            o["token_ids_logprob"] = pack_ids(item.token_ids_logprob)
-    if item.return_hidden_states:
-        o["return_hidden_states"] = True
-    if item.embed is not None:
-        o["embed"] = item.embed.to_wire()
-    return o
-
-
-def _grammar_detail(samples: list[SampleOutput]) -> str | None:
-    """The finish edge's detail for a constrained request (its trace says what the
-    grammar cost and whether it, not a length or a stop, ended the output)."""
-    info = [s.grammar for s in samples if s.grammar is not None]
-    if not info:
-        return None
-    first = info[0]
-    hit = "cache hit" if first["cached"] else "cache miss"
-    done = sum(g["done"] for g in info)
-    return (
-        f"grammar: compiled in {first['compile_ms']:.2f} ms ({hit}); "
-        f"complete in {done} of {len(samples)} samples"
-    )
 
 
 class RejectHost(CallHost, Protocol):

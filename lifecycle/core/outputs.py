@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.detok import SampleText, TokenizerLike
 from wire import EMBED_FINISH, f32s_to_list, ids_to_list
 
-__all__ = ["OutputOptions", "SampleOutput"]
+if TYPE_CHECKING:
+    from lifecycle.core.params import GenerateItem
+
+__all__ = ["OutputOptions", "SampleOutput", "grammar_detail"]
 
 Entry = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -35,6 +38,24 @@ class OutputOptions:
     stop_regex: tuple[str, ...] = ()  # the patterns: a match's finish names its pattern
     no_stop_trim: bool = False
     weight_version: str = "default"  # the server's, in every meta_info (SGLang's key)
+
+    @classmethod
+    def of(cls, item: GenerateItem, weight_version: str) -> OutputOptions:
+        """What one prompt's samples report, and how their text is cut."""
+        sp = item.sampling
+        return cls(
+            weight_version=weight_version,
+            return_logprob=item.return_logprob,
+            logprob_start_len=item.logprob_start_len,
+            top_logprobs_num=item.top_logprobs_num,
+            token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
+            return_text_in_logprobs=item.return_text_in_logprobs,
+            return_hidden_states=item.return_hidden_states,
+            skip_special_tokens=sp.skip_special_tokens,
+            stops=tuple(sp.stop),
+            stop_regex=tuple(sp.params.stop_regex),
+            no_stop_trim=sp.no_stop_trim,
+        )
 
 
 def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
@@ -233,3 +254,18 @@ class SampleOutput:
                 out_from:
             ]
         return fields
+
+
+def grammar_detail(samples: list[SampleOutput]) -> str | None:
+    """The finish edge's detail for a constrained request (its trace says what the
+    grammar cost and whether it, not a length or a stop, ended the output)."""
+    info = [s.grammar for s in samples if s.grammar is not None]
+    if not info:
+        return None
+    first = info[0]
+    hit = "cache hit" if first["cached"] else "cache miss"
+    done = sum(g["done"] for g in info)
+    return (
+        f"grammar: compiled in {first['compile_ms']:.2f} ms ({hit}); "
+        f"complete in {done} of {len(samples)} samples"
+    )

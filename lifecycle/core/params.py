@@ -20,7 +20,7 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EmbedOptions
+from wire import EmbedOptions, pack_ids
 
 __all__ = [
     "GenerateItem",
@@ -129,6 +129,22 @@ class GenerateItem:
     # An embed request (``lifecycle.core.embed``): prefill only, the pooled final hidden
     # state instead of tokens (n is 1, no logprobs).
     embed: EmbedOptions | None = None
+
+    def wire_options(self) -> dict[str, Any]:
+        """What the worker must return besides tokens: a SUBMIT entry's options."""
+        o: dict[str, Any] = {}
+        if self.return_logprob:
+            o["return_logprob"] = True
+            o["logprob_start_len"] = self.logprob_start_len
+            if self.top_logprobs_num:
+                o["top_logprobs_num"] = self.top_logprobs_num
+            if self.token_ids_logprob:
+                o["token_ids_logprob"] = pack_ids(self.token_ids_logprob)
+        if self.return_hidden_states:
+            o["return_hidden_states"] = True
+        if self.embed is not None:
+            o["embed"] = self.embed.to_wire()
+        return o
 
 
 @dataclass(frozen=True, slots=True)
