@@ -90,15 +90,10 @@ class Router:
         """Prefix blocks the index remembers (``/server_info``'s ``router``)."""
         return len(self._index)
 
-    def forget(self, workers: set[int] | None = None) -> int:
-        """Drop what the prefix index says of ``workers`` (all: None), whose caches were
-        flushed, so no call follows a prefix that is no longer cached; returns how many
-        prefix blocks were dropped."""
-        if workers is None:
-            dropped = len(self._index)
-            self._index.clear()
-            self._cached = [0] * len(self._cached)
-            return dropped
+    def forget(self, workers: set[int]) -> int:
+        """Drop what the prefix index says of ``workers``, whose caches were flushed, so no
+        call follows a prefix that is no longer cached; returns how many prefix blocks
+        were dropped."""
         gone = [k for k, w in self._index.items() if w in workers]
         for k in gone:
             self._cached[self._index.pop(k)] -= 1
