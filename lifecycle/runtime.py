@@ -19,6 +19,7 @@ import anyio.abc
 
 from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
 from lifecycle.api.metrics import Metrics
+from lifecycle.api.reasoning import reasoning_in_effect
 from lifecycle.core import fields
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RequestRecord
@@ -206,6 +207,9 @@ class Runtime:
                 incremental_streaming_output=cfg.incremental_streaming_output,
                 request_timeout=cfg.request_timeout,
                 weight_version=cfg.weight_version,
+                reasoning=reasoning_in_effect(
+                    cfg.reasoning_parser, chat.source if chat is not None else None
+                ),
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path

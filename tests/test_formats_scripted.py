@@ -171,3 +171,25 @@ def test_model_info_names_the_formats_in_effect(server: tuple[str, str, openai.O
     family, url, _ = server
     info = httpx.get(url + "/model_info", timeout=10).json()
     assert (info["reasoning_parser"], info["tool_call_parser"]) == ("qwen3", family)
+
+
+def test_generate_meta_info_counts_reasoning_tokens(
+    server: tuple[str, str, openai.OpenAI],
+) -> None:
+    """``/generate`` reports ``meta_info.reasoning_tokens`` as SGLang does: the output's
+    tokens through the end tag under the reasoning format in effect (here qwen3's, from
+    the template), unary and in a stream's frames; 0 for an output that opens none."""
+    _, url, _ = server
+    think = httpx.post(url + "/tokenize", json={"prompt": THINK.rstrip()}).json()["tokens"]
+    text = THINK + "Plain answer."
+    n = len(httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"])
+    body = {"text": text, "sampling_params": {"max_new_tokens": n}}
+    meta = httpx.post(url + "/generate", json=body, timeout=30).json()["meta_info"]
+    assert (meta["completion_tokens"], meta["reasoning_tokens"]) == (n, len(think))
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}) as r:
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line[6:].startswith("{")]
+    counts = [f["meta_info"]["reasoning_tokens"] for f in frames]
+    assert counts == sorted(counts) and counts[-1] == len(think), counts
+    plain = {"text": "Plain answer.", "sampling_params": {"max_new_tokens": 3}}
+    meta = httpx.post(url + "/generate", json=plain, timeout=30).json()["meta_info"]
+    assert meta["reasoning_tokens"] == 0

@@ -22,7 +22,7 @@ from lifecycle.api.auth import owner
 from lifecycle.api.native import gone_cause, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
-from lifecycle.api.reasoning import ReasoningFormat, detect_reasoning, reasoning_format
+from lifecycle.api.reasoning import ReasoningFormat, reasoning_in_effect
 from lifecycle.api.tool_formats import ToolFormat, detect_tool_format, tool_format
 from lifecycle.api.tool_params import ToolSpec
 from lifecycle.api.tool_prompt import render_chat
@@ -350,10 +350,7 @@ def chat_formats(
     an unknown name), else what the chat template shows. A template that does not render
     tools gets Hermes' format (the one ``tool_prompt`` asks for)."""
     source = template.source if template is not None else None
-    if reasoning_parser is not None:
-        reasoning: ReasoningFormat | None = reasoning_format(reasoning_parser)
-    else:
-        reasoning = detect_reasoning(source) if source is not None else None
+    reasoning = reasoning_in_effect(reasoning_parser, source)
     if tool_call_parser is not None:
         return reasoning, tool_format(tool_call_parser)
     rendered = template is not None and template.mentions_tools

@@ -17,17 +17,17 @@ reply, which runs the same splitter over the whole text, always agree.
   for what follows.
 - Reasoning never closed (the length limit cut it) is all reasoning; the content is None.
 
-``reasoning_tokens`` counts the output tokens of the reasoning, its tags included, from
-the tokens' texts (SGLang counts up to the end-of-thinking token).
+``ReasoningFormat`` and the count of the reasoning's tokens (``reasoning_tokens``) are
+the request core's (``lifecycle.core.reasoning``): ``/generate``'s ``meta_info`` reports
+the count too.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 from lifecycle.core.detok import held_back
+from lifecycle.core.reasoning import ReasoningFormat, reasoning_tokens
 
 __all__ = [
     "REASONING_PARSERS",
@@ -35,26 +35,10 @@ __all__ = [
     "ReasoningSplitter",
     "detect_reasoning",
     "reasoning_format",
+    "reasoning_in_effect",
     "reasoning_tokens",
     "split_reasoning",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningFormat:
-    """How one family writes its reasoning."""
-
-    name: str
-    start: str = "<think>"
-    end: str = "</think>"
-    forced: bool = False  # the output starts inside the reasoning (SGLang's force_reasoning)
-
-    def opened_by(self, prompt: str) -> bool:
-        """Whether the output of ``prompt`` starts inside the reasoning."""
-        tail = prompt.rstrip()
-        if tail.endswith(self.start):
-            return True
-        return self.forced and not tail.endswith(self.end)
 
 
 # SGLang's --reasoning-parser names that write <think> blocks (gpt-oss's channels are not).
@@ -80,6 +64,14 @@ def reasoning_format(name: str) -> ReasoningFormat:
     except KeyError:
         known = ", ".join(REASONING_PARSERS)
         raise ValueError(f"unknown reasoning parser {name!r} (known: {known})") from None
+
+
+def reasoning_in_effect(parser: str | None, template_source: str | None) -> ReasoningFormat | None:
+    """A server's reasoning format: its ``--reasoning-parser`` (``ValueError`` for an
+    unknown name), else what its chat template shows; None: not a reasoning model."""
+    if parser is not None:
+        return reasoning_format(parser)
+    return detect_reasoning(template_source) if template_source is not None else None
 
 
 def detect_reasoning(template_source: str) -> ReasoningFormat | None:
@@ -174,22 +166,3 @@ def split_reasoning(text: str, fmt: ReasoningFormat, inside: bool = False) -> tu
     parts = splitter.feed(text) + splitter.finish()
     reasoning = "".join(t for k, t in parts if k == "reasoning")
     return reasoning, "".join(t for k, t in parts if k == "content")
-
-
-def reasoning_tokens(token_texts: Iterable[str], fmt: ReasoningFormat, inside: bool) -> int:
-    """How many of an output's tokens (given by their texts) are its reasoning: up to
-    and including the one that completes the end tag; all when it never closes; 0 when
-    no reasoning opened."""
-    text, count = "", 0
-    for piece in token_texts:
-        text += piece
-        count += 1
-        if not inside:
-            lead = text.lstrip()
-            if lead.startswith(fmt.start):
-                inside = True
-            elif not (len(lead) < len(fmt.start) and fmt.start.startswith(lead)):
-                return 0
-        if inside and fmt.end in text:
-            return count
-    return count if inside else 0

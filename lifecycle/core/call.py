@@ -36,6 +36,7 @@ from lifecycle.core.fsm import RequestRecord, admit, new_request
 from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
 from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
+from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
@@ -92,6 +93,9 @@ class CallHost(Protocol):
 
     @property
     def weight_version(self) -> str: ...
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None: ...
 
     def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient: ...
 
@@ -280,7 +284,7 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
-        opts = OutputOptions.of(item, host.weight_version)
+        opts = OutputOptions.of(item, host.weight_version, *self._reasoning(item, prompt))
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []
         for j in range(sp.n):
@@ -303,6 +307,19 @@ class GenerateCall:
             on_dispatch=lambda: self._dispatched(run),
             on_release=lambda: host.worker_released(rec_id),
         )
+
+    def _reasoning(
+        self, item: GenerateItem, prompt: list[int]
+    ) -> tuple[ReasoningFormat | None, bool]:
+        """The reasoning format the output's count reads, and whether the prompt opened
+        it (read from the prompt's text, or its last tokens' text)."""
+        fmt = self.host.reasoning
+        if fmt is None:
+            return None, False
+        text = item.text
+        if text is None:
+            text = self.host.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        return fmt, fmt.opened_by(text)
 
     def _dispatched(self, run: _ItemRun) -> None:
         run.rec.advance(Event.DISPATCH)  # refused once the request failed: nothing to do

@@ -24,6 +24,7 @@ from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.live_calls import LiveCalls
 from lifecycle.core.params import GenerateRequest
 from lifecycle.core.pool import WorkerPool
+from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import DRAIN, Cause, State
 from lifecycle.core.supervisor import Supervisor, generate_probe
@@ -41,6 +42,8 @@ class FrontendConfig:
     output_margin: int = 8  # OutputBuffer limit = max_new_tokens + margin
     request_timeout: float | None = None  # a call's deadline, from its start (None: none)
     weight_version: str = "default"  # meta_info.weight_version (SGLang's; --weight-version)
+    # meta_info.reasoning_tokens counts this format's reasoning (None: always 0)
+    reasoning: ReasoningFormat | None = None
 
 
 class Frontend:
@@ -87,6 +90,10 @@ class Frontend:
     @property
     def weight_version(self) -> str:
         return self.config.weight_version
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        return self.config.reasoning
 
     @property
     def output_margin(self) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.detok import SampleText, TokenizerLike
+from lifecycle.core.reasoning import ReasoningCount, ReasoningFormat
 from wire import EMBED_FINISH, f32s_to_list, ids_to_list
 
 if TYPE_CHECKING:
@@ -38,13 +39,23 @@ class OutputOptions:
     stop_regex: tuple[str, ...] = ()  # the patterns: a match's finish names its pattern
     no_stop_trim: bool = False
     weight_version: str = "default"  # the server's, in every meta_info (SGLang's key)
+    reasoning: ReasoningFormat | None = None  # what meta_info.reasoning_tokens counts
+    reasoning_open: bool = False  # the prompt opened the reasoning
 
     @classmethod
-    def of(cls, item: GenerateItem, weight_version: str) -> OutputOptions:
+    def of(
+        cls,
+        item: GenerateItem,
+        weight_version: str,
+        reasoning: ReasoningFormat | None = None,
+        reasoning_open: bool = False,
+    ) -> OutputOptions:
         """What one prompt's samples report, and how their text is cut."""
         sp = item.sampling
         return cls(
             weight_version=weight_version,
+            reasoning=reasoning,
+            reasoning_open=reasoning_open,
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
@@ -101,6 +112,9 @@ class SampleOutput:
         self.sent_chars = 0
         self.final_text: str | None = None
         self._lp_pos = 0  # output position of the next logprob entry while consuming
+        self.reasoning = (
+            ReasoningCount(opts.reasoning, opts.reasoning_open) if opts.reasoning else None
+        )
 
     # -- input ---------------------------------------------------------------------------
     def consume(self, chunk: Chunk) -> None:
@@ -110,6 +124,9 @@ class SampleOutput:
         if chunk.ids:
             self.ids += chunk.ids
             self.text.feed(chunk.ids)
+            if self.reasoning is not None:
+                for i in chunk.ids:
+                    self.reasoning.feed(self.tok.token_text(i))
         for extra in chunk.extras:
             self._extra(extra)
 
@@ -197,6 +214,7 @@ class SampleOutput:
             "finish_reason": self.finish,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.ids),
+            "reasoning_tokens": self.reasoning.tokens if self.reasoning is not None else 0,
             "cached_tokens": self.cached_tokens,
             "num_retractions": self.num_retractions,
             "weight_version": self.opts.weight_version,
