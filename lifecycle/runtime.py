@@ -235,10 +235,11 @@ class Runtime:
     def worker_of(self, client: Any) -> tuple[int, str] | None:
         """The worker whose client is ``client``: its index (``--dp``) and its address, or
         its pid when it runs here; None for a client a restart replaced."""
-        for i, member in enumerate(self.supervisor.members):
-            if member.client is client:
-                return i, member.config.worker or f"local pid {member.worker_pid}"
-        return None
+        i = self.frontend.worker_index(client) if self.frontend is not None else None
+        if i is None:
+            return None
+        member = self.supervisor.members[i]
+        return i, member.config.worker or f"local pid {member.worker_pid}"
 
     def _tracer(self, fe: Frontend) -> Tracer:
         prompts = self.config.trace.record_prompts

@@ -30,8 +30,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def _stream(c: httpx.AsyncClient, i: int, n: int) -> tuple[str, int]:
-    """("done" | "error", tokens seen) for one stream of ``n`` tokens."""
+async def _stream(
+    c: httpx.AsyncClient, i: int, n: int, ranks: list[int] | None = None
+) -> tuple[str, int]:
+    """("done" | "error", tokens seen) for one stream of ``n`` tokens; ``ranks`` gets
+    the ``meta_info.dp_rank`` of each of its frames."""
     body = {"input_ids": [100 + i, 200 + i, 300], "stream": True,
             "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}  # fmt: skip
     seen, outcome = 0, "cut"
@@ -46,6 +49,8 @@ async def _stream(c: httpx.AsyncClient, i: int, n: int) -> tuple[str, int]:
                 outcome = "error"
             else:
                 seen = len(event["output_ids"])
+                if ranks is not None:
+                    ranks.append(event["meta_info"]["dp_rank"])
                 if event["meta_info"]["finish_reason"] is not None:
                     outcome = "done"
     return outcome, seen
@@ -58,11 +63,16 @@ def _info(base: str) -> dict:
 @pytest.mark.anyio
 async def test_two_workers_share_the_load_and_one_lost_fails_only_its_streams() -> None:
     for base in _dp_server("least_load", "--worker-args", "--step-delay 0.01"):
+        ranks: list[list[int]] = [[] for _ in range(64)]
         async with httpx.AsyncClient(base_url=base, timeout=60) as c:
-            outcomes = await asyncio.gather(*(_stream(c, i, 64) for i in range(64)))
+            outcomes = await asyncio.gather(*(_stream(c, i, 64, ranks[i]) for i in range(64)))
         assert all(o == ("done", 64) for o in outcomes), outcomes
         info = _info(base)
         assert len(info["internal_states"]) == 2 and min(info["router"]["picks"]) >= 16
+        # meta_info.dp_rank names each stream's worker, the same in every frame
+        assert all(len(set(r)) == 1 for r in ranks), ranks
+        served = [r[0] for r in ranks]
+        assert [served.count(k) for k in (0, 1)] == info["router"]["picks"], served
         assert info["live_requests"] == 0
 
         # 64 long streams, then kill the worker of one of them mid-load

@@ -97,6 +97,8 @@ class CallHost(Protocol):
     @property
     def reasoning(self) -> ReasoningFormat | None: ...
 
+    def dp_rank(self, client: WorkerClient) -> int | None: ...
+
     def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient: ...
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
@@ -284,7 +286,13 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
-        opts = OutputOptions.of(item, host.weight_version, *self._reasoning(item, prompt))
+        assert self.client is not None
+        opts = OutputOptions.of(
+            item,
+            host.weight_version,
+            *self._reasoning(item, prompt),
+            dp_rank=host.dp_rank(self.client),
+        )
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []
         for j in range(sp.n):
@@ -297,7 +305,6 @@ class GenerateCall:
             for sink in sinks:
                 sink.finish(run.ended)
             return
-        assert self.client is not None
         rec_id = run.rec.id
         run.sub = run.rec.submission = self.client.submit(
             prompt,

@@ -95,6 +95,16 @@ class Frontend:
     def reasoning(self) -> ReasoningFormat | None:
         return self.config.reasoning
 
+    def worker_index(self, client: WorkerClient) -> int | None:
+        """The index of ``client``'s worker (``--dp``); None for a client a restart
+        replaced."""
+        members = self.supervisor.members
+        return next((i for i, m in enumerate(members) if m.client is client), None)
+
+    def dp_rank(self, client: WorkerClient) -> int | None:
+        """``meta_info.dp_rank``: the worker's index, only when there are several."""
+        return self.worker_index(client) if len(self.supervisor.members) > 1 else None
+
     @property
     def output_margin(self) -> int:
         return self.config.output_margin

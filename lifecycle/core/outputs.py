@@ -41,6 +41,7 @@ class OutputOptions:
     weight_version: str = "default"  # the server's, in every meta_info (SGLang's key)
     reasoning: ReasoningFormat | None = None  # what meta_info.reasoning_tokens counts
     reasoning_open: bool = False  # the prompt opened the reasoning
+    dp_rank: int | None = None  # the --dp worker that runs it (SGLang's key; None: one)
 
     @classmethod
     def of(
@@ -49,6 +50,7 @@ class OutputOptions:
         weight_version: str,
         reasoning: ReasoningFormat | None = None,
         reasoning_open: bool = False,
+        dp_rank: int | None = None,
     ) -> OutputOptions:
         """What one prompt's samples report, and how their text is cut."""
         sp = item.sampling
@@ -56,6 +58,7 @@ class OutputOptions:
             weight_version=weight_version,
             reasoning=reasoning,
             reasoning_open=reasoning_open,
+            dp_rank=dp_rank,
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
@@ -219,6 +222,8 @@ class SampleOutput:
             "num_retractions": self.num_retractions,
             "weight_version": self.opts.weight_version,
         }
+        if self.opts.dp_rank is not None:
+            m["dp_rank"] = self.opts.dp_rank
         if e2e is not None:
             m["e2e_latency"] = e2e
         return m
