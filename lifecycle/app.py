@@ -17,10 +17,11 @@ import anyio.abc
 
 from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth, AuthConfig
+from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import Metrics
-from lifecycle.api.native import NativeAPI, error_response
+from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.routes import AppRouter

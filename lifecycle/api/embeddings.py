@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from lifecycle.api.native import error_response, gone_cause
+from lifecycle.api.auth import owner
+from lifecycle.api.calls import error_response, gone_cause
 from lifecycle.api.openai import openai_error
 from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.call import ExitCause
@@ -125,6 +126,7 @@ class EmbeddingsAPI:
                     normalize=normalize,
                     rids=rids,
                     exit_cause=gone_cause(request),
+                    owner=owner(request),
                 )
             finally:
                 forget()

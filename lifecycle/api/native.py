@@ -18,8 +18,9 @@ from typing import Any
 import anyio
 import orjson
 
-from lifecycle.api.auth import Caller, owner
-from lifecycle.core.call import ExitCause, GenerateCall, reject
+from lifecycle.api.auth import Caller
+from lifecycle.api.calls import error_response, http_call, run_unary
+from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
@@ -30,48 +31,15 @@ from lifecycle.core.supervisor import Supervisor
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from wire.faults import fault_point
 
-__all__ = ["NativeAPI", "error_response", "gone_cause", "run_unary", "server_state"]
+__all__ = ["NativeAPI", "server_state"]
 
 log = logging.getLogger("lifecycle.api")
 
 HEALTH_PROBE_TIMEOUT = 20.0
 
 
-def error_response(status: int, message: str, retry_after: int | None = None) -> Response:
-    headers = [("retry-after", str(retry_after))] if retry_after else None
-    return JSONResponse({"error": {"message": message}}, status, headers)
-
-
 def _serve_error(exc: ServeError) -> Response:
     return error_response(exc.cause.status, exc.message, exc.cause.retry_after)
-
-
-def gone_cause(request: Request) -> ExitCause:
-    """Why a call owned by the handler of ``request`` ended early (its ``exit_cause``)."""
-
-    def cause() -> tuple[Cause, str]:
-        reason = request.disconnect_reason
-        if reason == "send_stall":
-            return Cause.CLIENT_STALLED, "the client stopped reading"
-        if reason == "shutdown":
-            return Cause.SHUTTING_DOWN, "server shutdown"
-        if request.is_disconnected():
-            return Cause.CLIENT_GONE, "client disconnected"
-        return Cause.INTERNAL, "handler ended early"
-
-    return cause
-
-
-async def run_unary(call: GenerateCall, request: Request) -> bool:
-    """Run ``call`` to its end unless the client leaves first (watched without writing);
-    False when the client left (the call's scope then closes it with the cause)."""
-    with anyio.CancelScope() as scope:
-        forget = request.on_disconnect(scope.cancel)  # no watcher task per request
-        try:
-            await call.run_to_end()
-        finally:
-            forget()
-    return call.done
 
 
 async def _error_events(message: str, cause: Cause) -> AsyncIterator[bytes]:
@@ -123,8 +91,7 @@ class NativeAPI:
                 return SSEResponse(_error_events(exc.message, Cause.INVALID))
             return error_response(exc.status, exc.message)
         incremental = self.fe.config.incremental_streaming_output or per_request is True
-        async with self.fe.call(req, gone_cause(request)) as call:
-            self.fe.calls.own(call, owner(request))
+        async with http_call(self.fe, req, request) as call:
             try:
                 await call.start()
             except RequestError as exc:
@@ -147,7 +114,6 @@ class NativeAPI:
         if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
             await _client_write_fault(f)
         results = unary_results(call)
-        call.close()  # done: the rid is free before the client reads the reply
         return JSONResponse(results if is_multi(call) else results[0])
 
     async def _events(self, call: GenerateCall, incremental: bool) -> AsyncIterator[bytes]:
@@ -160,7 +126,6 @@ class NativeAPI:
         if err is not None:
             cause, message = err
             yield orjson.dumps(cause.body(message))
-        call.close()  # ended: the rid is free before the client sees [DONE]
         yield b"[DONE]"
 
     # -- health ------------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from lifecycle.api.auth import owner
-from lifecycle.api.native import gone_cause, run_unary
+from lifecycle.api.calls import http_call, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
 from lifecycle.api.reasoning import ReasoningFormat, reasoning_in_effect
@@ -196,8 +195,7 @@ class OpenAIAPI:
         prompt_param: str,
         opened: bool = False,
     ) -> Response:
-        async with self.fe.call(oreq.generate_request(prompts), gone_cause(request)) as call:
-            self.fe.calls.own(call, owner(request))
+        async with http_call(self.fe, oreq.generate_request(prompts), request) as call:
             refused = await start_call(call, prompt_param)
             if refused is not None:
                 return refused
@@ -259,7 +257,6 @@ class OpenAIAPI:
         if refused is not None:
             return refused
         body = self._reply(call, oreq, choices, ids)
-        call.close()  # done: the rid is free before the client reads the reply
         return JSONResponse(body)
 
     def _reply(
@@ -305,7 +302,6 @@ class OpenAIAPI:
             reply = self._reply(
                 call, oreq, choices, ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             )
-            call.close()
             return reply
 
     async def _events(
@@ -339,7 +335,6 @@ class OpenAIAPI:
         elif oreq.include_usage:
             final = self._usage(call, choices)
             yield orjson.dumps({**ids.envelope(obj), "choices": [], "usage": final})
-        call.close()  # ended: the rid is free before the client sees [DONE]
         yield b"[DONE]"
 
 

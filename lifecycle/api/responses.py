@@ -42,7 +42,7 @@ from typing import Any
 
 import orjson
 
-from lifecycle.api.native import gone_cause
+from lifecycle.api.calls import http_call
 from lifecycle.api.openai import OpenAIAPI, openai_error, run_call, start_call
 from lifecycle.api.openai_outputs import ChoiceState
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
@@ -204,7 +204,7 @@ class ResponsesAPI:
         except OpenAIError as exc:
             return openai_error(exc)
         tools = oreq.tools.names if oreq.tools is not None else None
-        async with self.fe.call(oreq.generate_request([ids]), gone_cause(request)) as call:
+        async with http_call(self.fe, oreq.generate_request([ids]), request) as call:
             reply = _Reply(body, oreq, o.model_id)  # after the call named the request
             refused = await start_call(call, "input")
             if refused is not None:
@@ -231,7 +231,6 @@ class ResponsesAPI:
                 items.insert(0, reply.reasoning(thought, ended))
             usage = self._usage(call, choice)
             out = reply.final(text, finish, usage, items=items + calls)
-            call.close()  # done: the rid is free before the client reads the reply
             return JSONResponse(out)
 
     def _usage(self, call: GenerateCall, choice: ChoiceState) -> dict[str, Any]:
@@ -277,14 +276,12 @@ class ResponsesAPI:
         if failed is not None:
             async for event in _failed(reply, *failed):
                 yield event
-            call.close()
             return
         yield reply.event("response.output_text.done", **reply.where(), text=text, logprobs=[])
         yield reply.event("response.content_part.done", **reply.where(), part=_text_part(text))
         yield reply.event("response.output_item.done", output_index=0,
                           item=reply.message(text, _item_status(finish)))  # fmt: skip
         final = reply.final(text, finish, self._usage(call, choice))
-        call.close()  # ended: the rid is free before the client sees the last event
         yield reply.event(_terminal_event(final), response=final)
 
     async def _item_events(
@@ -342,7 +339,6 @@ class ResponsesAPI:
         if failed is not None:
             async for event in _failed(reply, *failed):
                 yield event
-            call.close()
             return
         called = choice.parser is not None and bool(choice.parser.calls)
         finish = choice._tail(called)["finish_reason"]
@@ -361,7 +357,6 @@ class ResponsesAPI:
         if msg_index is None and not called and status == "completed":
             items.append(reply.message("", status))  # reasoning only: an empty message
         final = reply.final(text, finish, self._usage(call, choice), items=items)
-        call.close()  # ended: the rid is free before the client sees the last event
         yield reply.event(_terminal_event(final), response=final)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lifecycle.api.native import gone_cause
+from lifecycle.api.calls import http_call
 from lifecycle.api.openai import openai_error, run_call, start_call
 from lifecycle.api.openai_params import OpenAIError
 from lifecycle.core.call import GenerateCall
@@ -120,7 +120,7 @@ class ScoreAPI:
             return openai_error(OpenAIError.from_cause(exc.cause, exc.message, "items"))
         except OpenAIError as exc:
             return openai_error(exc)
-        async with self.fe.call(req, gone_cause(request)) as call:
+        async with http_call(self.fe, req, request) as call:
             refused = await start_call(call, "items") or await run_call(call, request)
             if refused is not None:
                 return refused
@@ -134,7 +134,6 @@ class ScoreAPI:
                 given = {t: lp for lp, t, _ in meta["output_token_ids_logprobs"][0]}
                 out.append(scores([given[t] for t in labels], softmax))
                 prompt_tokens += sample.prompt_tokens
-            call.close()
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
                  "total_tokens": prompt_tokens}  # fmt: skip
         return JSONResponse({"scores": out, "model": self.model_id, "usage": usage,

@@ -242,8 +242,14 @@ class StreamSession:
         except RequestError as exc:  # refused before its call: still traced and counted
             reject(fe, Cause.INVALID, exc.message)
             return _error(mid, Cause.INVALID, exc.message)
-        async with fe.call(req, self._gone) as call:
-            fe.calls.own(call, owner(self.ws.request))  # the key the socket opened with
+
+        def gone() -> tuple[Cause, str]:  # a cancel message, or the socket's end
+            if scope.cancel_called:
+                return Cause.ABORTED, "cancelled by the client"
+            return self._gone()
+
+        # owned by the key the socket opened with
+        async with fe.call(req, gone, owner=owner(self.ws.request)) as call:
             with scope:
                 try:
                     await call.start()
@@ -252,15 +258,14 @@ class StreamSession:
                 except ServeError as exc:
                     return _error(mid, exc.cause, exc.message)
                 return await self._pump(mid, call)
-            # Only a cancel message gets here: the session's own cancellation propagates.
-            call.close(Cause.ABORTED, "cancelled by the client")
+            # Only a cancel message gets here (the session's own cancellation propagates);
+            # leaving the scope ends the call as cancelled.
             return _error(mid, Cause.ABORTED, "cancelled by the client")
 
     async def _pump(self, mid: Any, call: GenerateCall) -> dict[str, Any]:
         async for frame in chunks(call, incremental=True):
             await self.send({"type": "delta", "id": mid, **frame})
         err = call.error()
-        call.close()
         if err is not None:
             cause, message = err
             return _error(mid, cause, message)

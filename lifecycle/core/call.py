@@ -4,10 +4,12 @@ A ``GenerateCall`` holds one ``RequestRecord`` per prompt (a batch has several),
 samples each, every sample with its own ``OutputBuffer``. Its scope is entered before
 anything can fail::
 
-    async with frontend.call(req, exit_cause=...) as call:
+    async with frontend.call(req, exit_cause=..., owner=...) as call:
         await call.start()
         ...
 
+The call closes itself once every record has ended (``wait`` sees it first), before
+its owner sends the last of it, so the rid is free by then; faces never close a call.
 Leaving that scope for any reason (finish, error, the client leaving, cancellation, a
 bug that raises) closes the call: every record reaches exactly one terminal state, what
 the worker still holds is aborted (the record stays a tombstone in the registry until
@@ -420,7 +422,10 @@ class GenerateCall:
         """Wait for progress; returns what changed (empty only when the call is done)."""
         while True:
             changed = self.poll()
-            if changed or self.done:
+            if self.done:
+                self.close()  # every record ended: the rid is free before the owner sends
+                return changed
+            if changed:
                 return changed
             if self.timeout is None:  # the common case: no cancel scope per wake-up
                 await self._wake.wait()

@@ -146,12 +146,14 @@ async def embed(
     normalize: bool = True,
     rids: Sequence[str] | None = None,
     exit_cause: ExitCause | None = None,
+    owner: object = None,
 ) -> Embeddings:
     """Every input's pooled, by default L2-normalised, final hidden state.
 
     Raises RequestError (4xx: bad input, ``too_long``) or ServeError (not ready,
     overloaded, worker lost, aborted, ...). Cancelling the caller aborts the requests;
-    ``exit_cause`` says why the owner left (e.g. ``gone_cause(request)`` over HTTP)."""
+    ``exit_cause`` says why the owner left (e.g. ``gone_cause(request)`` over HTTP);
+    ``owner`` who made it (``Frontend.call``)."""
     req = embed_request(
         inputs,
         vocab_size=frontend.model_config.vocab_size,
@@ -159,7 +161,7 @@ async def embed(
         normalize=normalize,
         rids=rids,
     )
-    async with frontend.call(req, exit_cause) as call:
+    async with frontend.call(req, exit_cause, owner=owner) as call:
         await call.start()
         await call.run_to_end()
         err = call.error()
@@ -177,5 +179,4 @@ async def embed(
                 raise ServeError(Cause.INTERNAL, "the worker does not support embeddings")
             items.append(Embedding(i, s.embedding, s.prompt_tokens, s.cached_tokens, s.rid))
         e2e = call.e2e()
-        call.close()  # done: the rids are free before the caller sees the result
     return Embeddings(items, e2e)

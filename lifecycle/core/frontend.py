@@ -74,11 +74,16 @@ class Frontend:
         # OpenTelemetry export read the HTTP request's context there).
         self.open_observers: list[Callable[[GenerateCall], None]] = []
 
-    def call(self, req: GenerateRequest, exit_cause: ExitCause | None = None) -> GenerateCall:
-        """A new call for ``req``; enter it with ``async with`` before starting it. Its
+    def call(
+        self, req: GenerateRequest, exit_cause: ExitCause | None = None, *, owner: object = None
+    ) -> GenerateCall:
+        """A new call for ``req``; enter it with ``async with`` before starting it.
+        ``exit_cause``: why it ends when its owner leaves early; ``owner``: who made it
+        (an API key's digest; ``LiveCalls.abort`` on that owner's behalf reaches it). Its
         deadline: the request's ``X-Request-Timeout`` header (``CALL_ORIGIN``), else
-        ``request_timeout``."""
+        ``request_timeout``. It closes itself once its last sample ended."""
         call = GenerateCall(self, req, exit_cause or owner_left, self.config.request_timeout)
+        self.calls.own(call, owner)
         for observe in self.open_observers:
             try:
                 observe(call)

@@ -197,7 +197,6 @@ class Requests:
                 if err is not None:
                     raise EngineError(*err)
                 results = unary_results(call)
-                call.close()
                 return results
         except (RequestError, ServeError) as exc:
             raise EngineError(exc.cause, exc.message) from None
@@ -263,7 +262,6 @@ class Requests:
                 err = call.error()
                 if err is not None:
                     raise EngineError(*err)
-                call.close()
         except (RequestError, ServeError) as exc:
             raise EngineError(exc.cause, exc.message) from None
 

@@ -272,7 +272,6 @@ async def replay_in_process(
             now = None
             if client is not None:
                 now = model_identity(served_id, client.model, client.capacity)
-            call.close()
     except RequestError as exc:
         raise ReplayRefused(
             exc.status, f"the recorded request is refused now: {exc.message}"
