@@ -20,7 +20,7 @@ from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
-from lifecycle.api.metrics import Metrics
+from lifecycle.api.metrics import install_metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
@@ -33,6 +33,7 @@ from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor
 from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
+from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_in_process
 from lifecycle.tracing.tracer import Tracer
 from transport import Handler, Request, Response, Server, ServerConfig
@@ -218,7 +219,7 @@ def _routes(
         frontend, model_id=served, model_names=openai.model_names, strict_model=strict
     ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
-    metrics.install(router)
+    install_metrics(router, metrics)
     return router, api, auth
 
 

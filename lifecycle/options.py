@@ -14,14 +14,24 @@ import difflib
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
 
 if TYPE_CHECKING:
-    from lifecycle.app import AppConfig
+    from lifecycle.runtime import AppConfig
 
-__all__ = ["OPTIONS", "Option", "add_flags", "app_config", "engine_values", "option_values"]
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "add_flags",
+    "app_config",
+    "engine_values",
+    "option_values",
+    "read_key_file",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +57,24 @@ def _o(name: str, help: str, group: str, **kw: Any) -> Option:
 def _known(kind: str, name: str) -> str:
     """A parser name the API knows (argparse reports the ``ValueError``'s list)."""
     if kind == "reasoning":
-        from lifecycle.api.reasoning import reasoning_format as lookup
+        from lifecycle.chat.reasoning import reasoning_format as lookup
     else:
-        from lifecycle.api.tool_formats import tool_format as lookup  # type: ignore[assignment]
+        from lifecycle.chat.tool_formats import tool_format as lookup  # type: ignore[assignment]
     try:
         lookup(name)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return name
+
+
+def read_key_file(path: str | Path) -> tuple[str, ...]:
+    """``--api-key-file``: one key per line; blank lines and ``#`` comments are skipped."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line)
+    return tuple(keys)
 
 
 _MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
@@ -267,7 +287,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     _o(
         "public_route",
-        "a route that needs no key (repeatable; default: /health and /metrics)",
+        "a route that needs no key (repeatable; default: "
+        + " and ".join(DEFAULT_PUBLIC_ROUTES)
+        + ")",
         _HTTP,
         repeat=True,
         server=True,
@@ -360,8 +382,7 @@ def engine_values(model: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any
 def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     """The ``AppConfig`` for a full set of option values (``option_values`` or
     ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
-    from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES, read_key_file
-    from lifecycle.app import AppConfig
+    from lifecycle.runtime import AppConfig
     from lifecycle.tracing.tracer import TraceConfig
 
     v = dict(values)

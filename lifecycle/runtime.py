@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from lifecycle.api.auth import DEFAULT_PUBLIC_ROUTES
-from lifecycle.api.metrics import Metrics
-from lifecycle.api.reasoning import reasoning_in_effect
+from lifecycle.chat.reasoning import reasoning_in_effect
 from lifecycle.core import fields
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RequestRecord
+from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
 from wire.auth import resolve_token

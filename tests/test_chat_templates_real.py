@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from lifecycle.api.openai_params import parse_chat
-from lifecycle.api.tool_prompt import render_chat
+from lifecycle.chat.tool_prompt import render_chat
 from modelfile.chat import ChatTemplate, ChatTemplateError
 from tests.llamacpp_vocab import templates_dir
 
@@ -242,8 +242,8 @@ def test_generation_tag_namespace_and_tojson_arguments() -> None:
 def test_mistral_templates_take_our_mistral_call_ids(name: str) -> None:
     """A reply's tool calls sent back as history: Mistral's templates refuse any id but 9
     letters and digits, which is what the mistral tool format gives its calls."""
-    from lifecycle.api.tool_formats import TOOL_FORMATS
-    from lifecycle.api.tools import call_id
+    from lifecycle.chat.tool_formats import TOOL_FORMATS
+    from lifecycle.chat.tools import call_id
 
     assert TEMPLATES is not None
     source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from lifecycle.api.auth import Auth, AuthConfig, Caller, read_key_file
+from lifecycle.api.auth import Auth, AuthConfig, Caller
 from lifecycle.cli import _build_parser
-from lifecycle.options import app_config, option_values
+from lifecycle.options import app_config, option_values, read_key_file
 from transport import Headers, Request
 
 from .app_helpers import running_app

@@ -10,6 +10,7 @@ runs both on a process that does import torch, so a witness that went blind fail
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -141,3 +142,36 @@ def test_control_both_witnesses_see_a_process_that_imports_torch(tmp_path: Path)
         proc.communicate(b"", timeout=30)
     assert "torch" in torch_imports(log.read_text())
     assert any("_C" in p for p in libraries) and any("libtorch" in p for p in libraries)
+
+
+# An Engine that served a generation and a chat, then listed what it imported.
+_ENGINE_SCRIPT = """
+import json, sys
+from lifecycle.engine import Engine
+with Engine(scripted_worker=True) as e:
+    out = e.generate("hi", {"max_new_tokens": 2, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 2, out
+    chat = e.chat([{"role": "user", "content": "hi"}], {"max_new_tokens": 2})
+loaded = [m for m in sys.modules if m.split(".")[0] in ("transport", "torch")
+          or m.startswith("lifecycle.api")]
+print(json.dumps(loaded))
+"""
+
+
+def test_the_engine_imports_no_http_code() -> None:
+    """Issue 38: ``lifecycle/engine`` is the runtime without HTTP, so importing it, and
+    an Engine that starts, generates and chats, load neither the transport nor the HTTP
+    faces (``lifecycle.api``), nor torch (the worker is another process)."""
+    bare = subprocess.run(
+        [sys.executable, "-c", "import sys, lifecycle.engine; print(sorted(sys.modules))"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    mods = bare.stdout.split("'")
+    assert "lifecycle.engine" in mods
+    assert not [m for m in mods if m.startswith(("transport", "lifecycle.api", "torch"))]
+    ran = subprocess.run(
+        [sys.executable, "-c", _ENGINE_SCRIPT], capture_output=True, text=True, cwd=ROOT,
+        timeout=90,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1]) == []

@@ -3,8 +3,13 @@
     transport <- lifecycle -> wire <- gpu
                  lifecycle -> modelfile <- gpu
 
-and, inside ``lifecycle``, api -> core, tracing -> core, testing -> core, never back.
-The frontend spawns the worker by module name (``python -m gpu.worker``): not an import."""
+and, inside ``lifecycle``, never back:
+
+    api -> tracing -> core,  api -> chat -> core,  testing -> core
+
+(the faces report to the observability room, which knows no face; ``chat`` is the text
+side, HTTP-free, which the Engine uses without the faces). The frontend spawns the worker
+by module name (``python -m gpu.worker``): not an import."""
 
 from __future__ import annotations
 
@@ -32,11 +37,13 @@ _TOP = {
     "lifecycle.engine",
     "lifecycle.options",
 }
+_ROOMS = {"lifecycle.api", "lifecycle.chat", "lifecycle.tracing", "lifecycle.testing"}
 FORBIDDEN_INSIDE = {
-    "lifecycle/core": {"lifecycle.api", "lifecycle.tracing", "lifecycle.testing", *_TOP},
-    "lifecycle/api": {"lifecycle.tracing", "lifecycle.testing", *_TOP},
-    "lifecycle/tracing": {"lifecycle.api", "lifecycle.testing", *_TOP},
-    "lifecycle/testing": {"lifecycle.api", "lifecycle.tracing", *_TOP},
+    "lifecycle/core": {*_ROOMS, *_TOP},
+    "lifecycle/chat": {*_ROOMS - {"lifecycle.chat"}, *_TOP},
+    "lifecycle/api": {"lifecycle.testing", *_TOP},
+    "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP},
+    "lifecycle/testing": {*_ROOMS - {"lifecycle.testing"}, *_TOP},
 }
 
 

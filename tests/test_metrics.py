@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 import lifecycle
-from lifecycle.api.metrics import record_timings
 from lifecycle.core.fsm import TraceEntry
 from lifecycle.core.states import Event, State
+from lifecycle.tracing.metrics import record_timings
 
 from .scripted import lifecycle_server
 from .ws_helpers import Collected, echo_body, gen_msg, wait_idle

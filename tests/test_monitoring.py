@@ -108,7 +108,7 @@ MODEL_WORKER_ONLY = {
 def test_every_metric_the_dashboard_queries_is_served(metrics_text: str) -> None:
     served = {s.name for f in text_string_to_metric_families(metrics_text) for s in f.samples}
     assert not [n for n in served if n.endswith("_created")]  # switched off
-    source = (ROOT / "lifecycle" / "api" / "metrics.py").read_text()
+    source = (ROOT / "lifecycle" / "tracing" / "metrics.py").read_text()
     for name in MODEL_WORKER_ONLY:  # not served here, but made by the collector
         assert name not in served and f'"{name.removeprefix("lifecycle_worker_")}"' in source
     served |= MODEL_WORKER_ONLY

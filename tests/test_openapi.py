@@ -8,13 +8,14 @@ from typing import Any
 import yaml
 
 from lifecycle.api.embeddings import EmbeddingsAPI
-from lifecycle.api.metrics import Metrics
+from lifecycle.api.metrics import install_metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.tracing.debug import install_debug
+from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.tracer import Tracer
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
@@ -40,7 +41,7 @@ def test_every_installed_route_is_specified() -> None:
     ResponsesAPI.install(ResponsesAPI.__new__(ResponsesAPI), recorder)  # type: ignore[arg-type]
     ScoreAPI.install(ScoreAPI.__new__(ScoreAPI), recorder)  # type: ignore[arg-type]
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
-    Metrics.install(Metrics.__new__(Metrics), recorder)  # type: ignore[arg-type]
+    install_metrics(recorder, Metrics.__new__(Metrics))  # type: ignore[arg-type]
     install_debug(recorder, Tracer(), replay=_no_replay)  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 

@@ -1,4 +1,4 @@
-"""The reasoning splitter (``lifecycle.api.reasoning``) on each family's documented
+"""The reasoning splitter (``lifecycle.chat.reasoning``) on each family's documented
 output: the whole text, and streamed split at every possible boundary (one split, and a
 character at a time), which must agree; a tag split across pieces; the forced formats
 (DeepSeek-R1: the prompt opened ``<think>``); the reasoning token count; the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifecycle.api.reasoning import (
+from lifecycle.chat.reasoning import (
     REASONING_PARSERS,
     ReasoningSplitter,
     detect_reasoning,

@@ -1,4 +1,4 @@
-"""Each family's tool-call format (``lifecycle.api.tool_formats``) read by the parser core:
+"""Each family's tool-call format (``lifecycle.chat.tool_formats``) read by the parser core:
 the whole text, and streamed split at every possible boundary (one split, and one
 character at a time), which must give the same content and calls; a call cut by the
 length limit leaves no markup; the template detection; the grammar of a forcing
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from lifecycle.api.tool_formats import TOOL_FORMATS, detect_tool_format, tool_format
-from lifecycle.api.tool_params import ToolSpec, tool_grammar
-from lifecycle.api.tools import ToolCallParser, parse_tool_calls
+from lifecycle.chat.tool_formats import TOOL_FORMATS, detect_tool_format, tool_format
+from lifecycle.chat.tool_params import ToolSpec, tool_grammar
+from lifecycle.chat.tools import ToolCallParser, parse_tool_calls
 
 from .test_tools import _accepts
 from .tool_cases import NAMES, TOOLS

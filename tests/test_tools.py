@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle.api.openai_params import OpenAIError, parse_chat
-from lifecycle.api.tool_params import ToolSpec, tool_grammar
-from lifecycle.api.tool_prompt import TOOLS_PROMPT, render_chat
-from lifecycle.api.tools import ToolCallParser, call_id, parse_tool_calls
+from lifecycle.chat.tool_params import ToolSpec, tool_grammar
+from lifecycle.chat.tool_prompt import TOOLS_PROMPT, render_chat
+from lifecycle.chat.tools import ToolCallParser, call_id, parse_tool_calls
 from modelfile.chat import ChatTemplate
 from wire.grammar import check_grammar
 

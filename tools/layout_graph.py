@@ -27,6 +27,7 @@ END = "<!-- layout_graph: end -->"
 ROOMS: dict[str, str] = {
     "lifecycle": "frontend",
     "lifecycle.api": "frontend",
+    "lifecycle.chat": "frontend",
     "lifecycle.tracing": "frontend",
     "lifecycle.testing": "frontend",
     "lifecycle.core": "frontend",

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from lifecycle.api.metrics import record_timings
 from lifecycle.core.origin import EXCHANGE
 from lifecycle.core.origin import Exchange as Named
 from lifecycle.core.states import State
+from lifecycle.tracing.metrics import record_timings
 
 if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall

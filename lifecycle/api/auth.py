@@ -19,26 +19,23 @@ import hashlib
 import hmac
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
+from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from transport import JSONResponse, Request, Response
 
 __all__ = [
     "ADMIN_PREFIXES",
     "ADMIN_ROUTES",
-    "DEFAULT_PUBLIC_ROUTES",
     "Auth",
     "AuthConfig",
     "Caller",
     "forbidden",
     "owner",
-    "read_key_file",
     "unauthorized",
 ]
 
 log = logging.getLogger("lifecycle.api.auth")
 
-DEFAULT_PUBLIC_ROUTES: tuple[str, ...] = ("/health", "/metrics")
 ADMIN_ROUTES: frozenset[str] = frozenset({"/abort_request", "/flush_cache"})
 ADMIN_PREFIXES: tuple[str, ...] = ("/debug",)
 
@@ -82,16 +79,6 @@ def owner(request: Request) -> bytes | None:
     when the request came in without one (no keys configured)."""
     caller = request.user
     return caller.key if isinstance(caller, Caller) else None
-
-
-def read_key_file(path: str | Path) -> tuple[str, ...]:
-    """One key per line; blank lines and ``#`` comments are skipped."""
-    keys = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line)
-    return tuple(keys)
 
 
 def _digest(key: str) -> bytes:

@@ -21,10 +21,10 @@ import orjson
 from lifecycle.api.calls import http_call, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
-from lifecycle.api.reasoning import ReasoningFormat, reasoning_in_effect
-from lifecycle.api.tool_formats import ToolFormat, detect_tool_format, tool_format
-from lifecycle.api.tool_params import ToolSpec
-from lifecycle.api.tool_prompt import render_chat
+from lifecycle.chat.reasoning import ReasoningFormat, reasoning_in_effect
+from lifecycle.chat.tool_formats import ToolFormat, detect_tool_format, tool_format
+from lifecycle.chat.tool_params import ToolSpec
+from lifecycle.chat.tool_prompt import render_chat
 from lifecycle.core.call import ExitCause, GenerateCall
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend

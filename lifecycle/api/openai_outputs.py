@@ -18,9 +18,9 @@ import hashlib
 import time
 from typing import Any
 
-from lifecycle.api.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_tokens
-from lifecycle.api.tool_formats import ToolFormat
-from lifecycle.api.tools import ToolCallParser
+from lifecycle.chat.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_tokens
+from lifecycle.chat.tool_formats import ToolFormat
+from lifecycle.chat.tools import ToolCallParser
 from lifecycle.core.detok import TokenizerLike
 from lifecycle.core.origin import current_request_id
 from lifecycle.core.outputs import SampleOutput

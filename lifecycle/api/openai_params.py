@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lifecycle.api.tool_formats import ToolFormat
-from lifecycle.api.tool_params import (
+from lifecycle.chat.tool_formats import ToolFormat
+from lifecycle.chat.tool_params import (
     ToolParamError,
     ToolSpec,
     check_tool_answers,

@@ -23,7 +23,6 @@ import orjson
 
 from lifecycle.api.access_log import AccessLog
 from lifecycle.api.auth import Auth
-from lifecycle.api.metrics import Metrics
 from lifecycle.core.call import reject
 from lifecycle.core.origin import (
     CALL_ORIGIN,
@@ -34,6 +33,7 @@ from lifecycle.core.origin import (
     new_request_id,
 )
 from lifecycle.core.states import Cause
+from lifecycle.tracing.metrics import Metrics
 from transport import (
     Handler,
     HTTPError,

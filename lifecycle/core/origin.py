@@ -19,6 +19,7 @@ from typing import Protocol
 
 __all__ = [
     "CALL_ORIGIN",
+    "DEFAULT_PUBLIC_ROUTES",
     "EXCHANGE",
     "REQUEST_ID_HEADER",
     "Exchange",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 REQUEST_ID_HEADER = "x-request-id"
+# The routes that need no API key unless --public-route / --no-public-routes say otherwise.
+DEFAULT_PUBLIC_ROUTES: tuple[str, ...] = ("/health", "/metrics")
 _MAX_ID = 128  # characters of a client's X-Request-Id kept; a longer one is replaced
 
 

@@ -10,7 +10,7 @@ opened. It opens when the prompt already opened it (``ReasoningFormat.opened_by`
 when the output starts with the start tag (after whitespace), never in the middle. The
 count reads the tokens' texts one by one and keeps a few characters, so a stream pays
 O(1) per token. Nothing here does I/O; the splitting of the text into reasoning and
-content is the API's (``lifecycle.api.reasoning``).
+content is the API's (``lifecycle.chat.reasoning``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from lifecycle.api.tool_prompt import render_chat
+from lifecycle.chat.tool_prompt import render_chat
 from lifecycle.core.states import Cause
 from lifecycle.engine.batch import BatchSummary, done_lines, read_lines, run_lines
 from lifecycle.engine.loop import EngineLoop

@@ -28,7 +28,6 @@ import anyio.abc
 import orjson
 
 import wire
-from lifecycle.api.metrics import Metrics
 from lifecycle.app import App, _routes
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RawEntry, RequestRecord, set_observer
@@ -39,6 +38,7 @@ from lifecycle.core.wire_stream import FrameStream
 from lifecycle.core.worker_client import WorkerClient
 from lifecycle.runtime import AppConfig
 from lifecycle.testing.scripted_worker import ScriptConfig, ScriptedWorker
+from lifecycle.tracing.metrics import Metrics
 from tests.dsim.net import PipeEnd, SimListener, pipe
 from transport import Server, ServerConfig
 

@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lifecycle.api.tools import (
+from lifecycle.chat.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
@@ -27,7 +27,7 @@ from lifecycle.api.tools import (
 )
 
 if TYPE_CHECKING:
-    from lifecycle.api.tool_params import ToolSpec
+    from lifecycle.chat.tool_params import ToolSpec
     from modelfile.chat import ChatTemplate
 
 __all__ = ["TOOLS_PROMPT", "render_chat", "tool_call_block", "tools_system_block"]

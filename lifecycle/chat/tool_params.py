@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lifecycle.api.tool_formats import TOOL_FORMATS, ToolFormat
+from lifecycle.chat.tool_formats import TOOL_FORMATS, ToolFormat
 from wire.grammar import JSON_SEPARATORS, check_grammar
 
 __all__ = [

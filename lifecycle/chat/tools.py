@@ -33,7 +33,7 @@ import secrets
 import string
 from typing import Any
 
-from lifecycle.api.tool_formats import (
+from lifecycle.chat.tool_formats import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_FORMATS,
