@@ -21,29 +21,15 @@ from torch import Tensor
 
 from gpu.grammar import allowed_tokens
 from gpu.native import load_kernels
-from wire.embed import EmbedOptions
-from wire.sampling import SamplingParams, get_bool, get_int, token_ids
+from wire.options import RequestOptions
+from wire.sampling import SamplingParams
 
 __all__ = [
-    "RequestOptions",
     "SampleRow",
     "SampleResult",
     "parse_request",
     "sample",
 ]
-
-# Prompt logprobs travel in one STEP entry; frames are capped at 64 MiB (wire.cddl).
-PROMPT_LOGPROB_BYTES = 16 * 2**20
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOptions:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
-    return_hidden_states: bool = False
-    embed: EmbedOptions | None = None  # prefill only: the pooled final hidden state
 
 
 def parse_request(
@@ -51,26 +37,9 @@ def parse_request(
 ) -> tuple[SamplingParams, RequestOptions]:
     """Validate one SUBMIT entry's maps; ``ValueError`` carries a user-facing message."""
     params = SamplingParams.from_wire(sampling, vocab)
-    tids = options.get("token_ids_logprob")
-    opts = RequestOptions(
-        return_logprob=get_bool(options, "return_logprob"),
-        logprob_start_len=get_int(options, "logprob_start_len", -1, -1, max(prompt_len - 1, 0)),
-        top_logprobs_num=get_int(options, "top_logprobs_num", 0, 0, min(vocab, 1024)),
-        token_ids_logprob=() if tids is None else token_ids(tids, "token_ids_logprob", vocab),
-        return_hidden_states=get_bool(options, "return_hidden_states"),
-        embed=None if options.get("embed") is None else EmbedOptions.from_wire(options["embed"]),
-    )
-    if opts.embed is not None and (params.n != 1 or opts.return_logprob):
+    opts = RequestOptions.from_wire(options, vocab, prompt_len)
+    if opts.embed is not None and params.n != 1:
         raise ValueError("an embed request samples nothing: n must be 1, without logprobs")
-    if opts.return_logprob and opts.logprob_start_len >= 0:
-        per_pos = 1 + 2 * opts.top_logprobs_num + len(opts.token_ids_logprob)
-        if (prompt_len - opts.logprob_start_len) * per_pos * 4 > PROMPT_LOGPROB_BYTES:
-            raise ValueError(
-                f"prompt logprobs for {prompt_len - opts.logprob_start_len} positions with "
-                f"top_logprobs_num {opts.top_logprobs_num} and {len(opts.token_ids_logprob)} "
-                "token_ids_logprob exceed the worker's frame budget: raise logprob_start_len "
-                "or ask for fewer"
-            )
     return params, opts
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gpu.kv_cache import BlockManager
-from gpu.sampling import RequestOptions
+from wire.options import RequestOptions
 from wire.sampling import SamplingParams
 
 __all__ = ["Scheduler", "SchedulerConfig", "Sequence"]

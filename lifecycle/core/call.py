@@ -288,6 +288,7 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
+        options = item.request_options(host.model_config.vocab_size, len(prompt))
         assert self.client is not None
         opts = OutputOptions.of(
             item,
@@ -311,7 +312,7 @@ class GenerateCall:
         run.sub = run.rec.submission = self.client.submit(
             prompt,
             {"max_new_tokens": 0} if item.embed is not None else sp.to_wire(max_new),
-            item.wire_options(),
+            options.to_wire(),
             sinks,
             on_dispatch=lambda: self._dispatched(run),
             on_release=lambda: host.worker_released(rec_id),

@@ -20,7 +20,7 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EmbedOptions, pack_ids
+from wire import EmbedOptions, RequestOptions
 
 __all__ = [
     "GenerateItem",
@@ -130,21 +130,23 @@ class GenerateItem:
     # state instead of tokens (n is 1, no logprobs).
     embed: EmbedOptions | None = None
 
-    def wire_options(self) -> dict[str, Any]:
-        """What the worker must return besides tokens: a SUBMIT entry's options."""
-        o: dict[str, Any] = {}
-        if self.return_logprob:
-            o["return_logprob"] = True
-            o["logprob_start_len"] = self.logprob_start_len
-            if self.top_logprobs_num:
-                o["top_logprobs_num"] = self.top_logprobs_num
-            if self.token_ids_logprob:
-                o["token_ids_logprob"] = pack_ids(self.token_ids_logprob)
-        if self.return_hidden_states:
-            o["return_hidden_states"] = True
-        if self.embed is not None:
-            o["embed"] = self.embed.to_wire()
-        return o
+    def request_options(self, vocab_size: int, prompt_len: int) -> RequestOptions:
+        """What the worker must return besides tokens (a SUBMIT entry's options), checked
+        against the tokenized prompt with the worker's own bounds: ``RequestError`` (400)
+        for what the worker would refuse."""
+        opts = RequestOptions(
+            return_logprob=self.return_logprob,
+            logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num,
+            token_ids_logprob=tuple(self.token_ids_logprob or ()),
+            return_hidden_states=self.return_hidden_states,
+            embed=self.embed,
+        )
+        try:
+            opts.check(vocab_size, prompt_len)
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
+        return opts
 
 
 @dataclass(frozen=True, slots=True)

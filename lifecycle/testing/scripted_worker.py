@@ -66,8 +66,7 @@ class _Seq:
     offset: int  # sample index: where the echo starts
     max_new: int
     stop_ids: frozenset[int]
-    options: dict[str, Any]
-    embed: wire.EmbedOptions | None = None
+    options: wire.RequestOptions
     blocks: int = 0
     generated: int = 0
     started: bool = False
@@ -152,27 +151,23 @@ class ScriptedWorker:
                 msg = f"{len(prompt) + max_new} tokens exceed the KV cache of {c.kv_blocks * c.block_size}"
                 self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
                 continue
-            try:
-                embed = (
-                    None
-                    if e.options.get("embed") is None
-                    else wire.EmbedOptions.from_wire(e.options["embed"])
-                )
+            try:  # the worker's own reading and bounds
+                opts = wire.RequestOptions.from_wire(e.options, c.vocab_size, len(prompt))
             except ValueError as exc:
                 self._errors += [(e.rid + i, "invalid", str(exc)) for i in range(n)]
                 continue
-            if embed is not None:
+            if opts.embed is not None:
                 if n != 1:
                     self._errors += [(e.rid + i, "invalid", "embed with n > 1") for i in range(n)]
                     continue
-                self.waiting.append(_Seq(e.rid, prompt, 0, 0, frozenset(), e.options, embed))
+                self.waiting.append(_Seq(e.rid, prompt, 0, 0, frozenset(), opts))
                 continue
             stops = set(s.get("stop_token_ids", ()))
             if not s.get("ignore_eos"):
                 stops.add(c.eos_id)
             chunks = math.ceil(len(prompt) / c.prefill_chunk) - 1 if c.prefill_chunk else 0
             for i in range(n):
-                seq = _Seq(e.rid + i, prompt, i, max_new, frozenset(stops), e.options)
+                seq = _Seq(e.rid + i, prompt, i, max_new, frozenset(stops), opts)
                 seq.chunks_left = max(0, chunks)
                 self.waiting.append(seq)
         self._wake.set()
@@ -210,8 +205,8 @@ class ScriptedWorker:
             _prompt_logprobs(seq, extra)
         if seq.aborted:
             return self._end(seq, [], ["abort", "aborted by request"], extra)
-        if seq.embed is not None:
-            vec = scripted_embedding(seq.prompt, seq.embed, self.config.hidden_size)
+        if seq.options.embed is not None:
+            vec = scripted_embedding(seq.prompt, seq.options.embed, self.config.hidden_size)
             extra["embedding"] = wire.pack_f32s(vec)
             return self._end(seq, [], [wire.EMBED_FINISH, len(vec)], extra)
         if seq.max_new == 0:
@@ -359,17 +354,16 @@ def scripted_embedding(prompt: list[int], embed: wire.EmbedOptions, size: int) -
 
 def _token_logprobs(seq: _Seq, tok: int, extra: dict[str, Any]) -> None:
     o = seq.options
-    if not o.get("return_logprob"):
+    if not o.return_logprob:
         return
     lp = -0.1 * (1 + seq.generated % 7)
     extra["logprobs"] = wire.pack_f32s([lp])
-    k = int(o.get("top_logprobs_num", 0))
+    k = o.top_logprobs_num
     if k:
         extra["top_ids"] = [wire.pack_ids([tok + i for i in range(k)])]
         extra["top_logprobs"] = [wire.pack_f32s([lp - i for i in range(k)])]
-    given = o.get("token_ids_logprob")
-    if given:
-        extra["ids_logprobs"] = [wire.pack_f32s([-1.0] * (len(given) // 4))]
+    if o.token_ids_logprob:
+        extra["ids_logprobs"] = [wire.pack_f32s([-1.0] * len(o.token_ids_logprob))]
 
 
 def _sample_fault(fault: Any, extra: dict[str, Any]) -> None:
@@ -381,8 +375,8 @@ def _sample_fault(fault: Any, extra: dict[str, Any]) -> None:
 
 def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
     o = seq.options
-    start = int(o.get("logprob_start_len", -1))
-    if not o.get("return_logprob") or start < 0 or start >= len(seq.prompt):
+    start = o.logprob_start_len
+    if not o.return_logprob or start < 0 or start >= len(seq.prompt):
         return
     values = [-0.5] * (len(seq.prompt) - start)
     if start == 0:
