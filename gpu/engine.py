@@ -424,10 +424,10 @@ class Engine:
             for s in p.stop:
                 if s in tail:
                     return ["stop", s]
-            for pattern in seq.stop_patterns:
+            for i, pattern in enumerate(seq.stop_patterns):
                 m = next((m for m in pattern.finditer(tail) if m.end() > m.start()), None)
                 if m is not None:
-                    return ["stop", m.group(0)]
+                    return ["stop", m.group(0), i]
         if seq.num_output >= p.max_new_tokens:
             return ["length", p.max_new_tokens]
         return None

@@ -46,10 +46,10 @@ def test_stop_regex_match_is_trimmed_at_its_last_occurrence(tok) -> None:  # typ
     ids = tok.encode("call 12. then call 34. done", add_special_tokens=False)
     st = SampleText(tok, stops=("zz",))
     st.feed(ids)
-    assert st.final({"type": "stop", "matched": "call"}, 0) == "call 12. then "
+    assert st.final({"type": "stop", "matched": "call", "regex": 0}, 0) == "call 12. then "
     kept = SampleText(tok, no_stop_trim=True)
     kept.feed(ids)
-    assert kept.final({"type": "stop", "matched": "call"}, 0) == tok.decode(ids)
+    assert kept.final({"type": "stop", "matched": "call", "regex": 0}, 0) == tok.decode(ids)
 
 
 def test_stop_token_text_is_trimmed(tok) -> None:  # type: ignore[no-untyped-def]

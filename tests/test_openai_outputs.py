@@ -39,3 +39,22 @@ def test_token_texts_and_bytes(tok: Any) -> None:
     partial = [t for t, b in pieces if t.startswith("bytes:")]
     assert partial and all("\ufffd" not in t for t, _ in pieces)
     assert texts.get(2) == ("<|im_end|>", list(b"<|im_end|>"))
+
+
+def test_a_stop_regex_finish_names_the_pattern_the_worker_matched(tok: Any) -> None:
+    """The worker's finish carries the index of the pattern that matched; the name comes
+    from it. The frontend used to guess the pattern from the matched text (a full match,
+    then a search): here the first pattern fully matches "foo" but never matched in the
+    output (its ``\\b`` needs a word boundary the text lacks), so the guess named it."""
+    from lifecycle.core.submission import finish_reason
+
+    patterns = (r"\bfoo", "foo")
+    ids = tok.encode("xfoo bar", add_special_tokens=False)
+    sample = SampleOutput(tok, OutputOptions(stop_regex=patterns), [1, 2], "r")
+    sample.consume(Chunk(ids, []))
+    sample.end(finish_reason(["stop", "foo", 1]))
+    assert sample.finish == {"type": "stop", "matched": "foo"}
+    assert sample.final_text == "x"  # trimmed at the match
+    bad = SampleOutput(tok, OutputOptions(stop_regex=patterns), [1, 2], "r")
+    with pytest.raises(ValueError, match="pattern 2 of 2"):  # a worker bug, not a guess
+        bad.end(finish_reason(["stop", "foo", 2]))

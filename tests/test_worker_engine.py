@@ -279,7 +279,8 @@ def test_stop_token_ids_stop_strings_and_bias(lm: LoadedModel) -> None:
 def test_stop_regex_ends_on_the_first_match_in_the_tail(lm: LoadedModel) -> None:
     """The worker searches each step's last 32 output tokens; the oracle does the same
     in Python on the uncut output. The ids include the token completing the match; the
-    finish carries the matched text. An invalid pattern is REQ-ERROR invalid."""
+    finish carries the matched text and the index of the pattern that matched (the second
+    of two here). An invalid pattern is REQ-ERROR invalid."""
     p = prompts(1, lm.config.vocab_size, seed=5)[0]
     engine = Engine(lm, EngineConfig(kv_blocks=200, block_size=4))
     bias = {lm.tokenizer.token_to_id(ch): 100.0 for ch in "abcdefghijklmnopqrstuvwxyz"}
@@ -293,7 +294,7 @@ def test_stop_regex_ends_on_the_first_match_in_the_tail(lm: LoadedModel) -> None
         if (m := re.search(pattern, lm.tokenizer.decode(letters[:k][-32:]))) is not None
     )
     got = run(engine, [(2, p, {**s, "stop_regex": [r"\d{3}", pattern]}, {})])[2]
-    assert ids_of(got) == letters[:k] and got[-1].finish == ["stop", m.group(0)]
+    assert ids_of(got) == letters[:k] and got[-1].finish == ["stop", m.group(0), 1]
     errors, _ = engine.submit([SubmitEntry(3, pack_ids(p), {"stop_regex": ["(x"]}, {})])
     assert errors[0][:2] == (3, "invalid") and "not a valid regular expression" in errors[0][2]
 

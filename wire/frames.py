@@ -115,7 +115,8 @@ class Abort:
 class StepEntry(NamedTuple):
     rid: int
     new_ids: bytes  # pack_ids(...)
-    finish: list[Any] | None = None  # ["stop", id|str] / ["length", n] / ["abort", msg]
+    # ["stop", id|str] / ["stop", matched text, stop_regex index] / ["length", n] / ["abort", msg]
+    finish: list[Any] | None = None
     extra: dict[str, Any] | None = None
 
 
@@ -335,8 +336,11 @@ def _decode_step(a: list[Any]) -> Step:
             raise WireError("rid must be an unsigned integer")
         if type(new_ids) is not bytes or len(new_ids) % 4:
             raise WireError("new_ids must be a byte string of 4-byte items")
-        if finish is not None and not (type(finish) is list and len(finish) == 2):
-            raise WireError("finish must be null or a 2-element array")
+        if finish is not None and not (
+            type(finish) is list
+            and (len(finish) == 2 or (len(finish) == 3 and finish[0] == "stop"))
+        ):
+            raise WireError("finish must be null or a 2-element array (3 for a regex stop)")
         if extra is not None and not isinstance(extra, dict):
             raise WireError("extra must be a map")
         entries.append(StepEntry(rid, new_ids, finish, extra))

@@ -176,7 +176,7 @@ class SampleText:
         if not self._trim or not isinstance(finish, dict) or finish.get("type") != "stop":
             return raw
         matched = finish.get("matched")
-        if isinstance(matched, str) and matched and matched not in self._stops:
+        if isinstance(matched, str) and matched and finish.get("regex") is not None:
             # A stop_regex match: the worker found it in the text's last tokens, so it
             # is the last occurrence (an earlier one would have ended the text there).
             idx = raw.rfind(matched)

@@ -9,7 +9,6 @@ text for logprobs is decoded once per token, never again per frame.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,14 +72,15 @@ class OutputOptions:
 
 
 def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
-    """A ``stop_regex`` match's finish names the pattern that matched, as SGLang's does
-    (the worker reports the matched text, which the text was trimmed by)."""
-    matched = finish.get("matched") if finish.get("type") == "stop" else None
-    if not opts.stop_regex or not isinstance(matched, str) or matched in opts.stops:
+    """A ``stop_regex`` match's finish names the pattern that matched, as SGLang's does:
+    the worker reports the matched text (which the text was trimmed by) and the
+    pattern's index."""
+    i = finish.get("regex")
+    if i is None:
         return finish
-    found = next((p for p in opts.stop_regex if re.fullmatch(p, matched)), None)
-    found = found or next((p for p in opts.stop_regex if re.search(p, matched)), None)
-    return {**finish, "matched": found or opts.stop_regex[0]}
+    if not (type(i) is int and 0 <= i < len(opts.stop_regex)):
+        raise ValueError(f"a stop_regex finish names pattern {i!r} of {len(opts.stop_regex)}")
+    return {"type": "stop", "matched": opts.stop_regex[i]}
 
 
 def _lp(v: float) -> float | None:

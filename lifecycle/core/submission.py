@@ -38,9 +38,12 @@ class WorkerFailure:
 
 
 def finish_reason(finish: list[Any]) -> dict[str, Any]:
-    """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object."""
-    kind, value = finish
+    """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object (a stop_regex
+    match keeps the pattern's index as ``regex`` until ``OutputOptions`` names it)."""
+    kind, value = finish[0], finish[1]
     if kind == "stop":
+        if len(finish) == 3:
+            return {"type": "stop", "matched": value, "regex": finish[2]}
         return {"type": "stop", "matched": value}
     if kind == "length":
         return {"type": "length", "length": value}
