@@ -81,3 +81,27 @@ def _worker_for(options: dict[str, Any], prompt_len: int) -> RequestOptions | No
     except ValueError as exc:
         assert "frame budget" in str(exc)
         return None
+
+
+def test_sampling_ranges_are_one_table() -> None:
+    """The bounded sampling numbers (``wire.RANGES``): every value at and around each
+    bound is accepted by the frontend exactly when the worker accepts it, and a refusal
+    names the same interval on both sides."""
+    from lifecycle.core.sampling import parse_sampling_params
+    from wire import RANGES, SamplingParams
+
+    for key, r in RANGES.items():
+        for v in (r.lo - 0.5, r.lo, r.lo + 1e-9, r.default, r.hi, r.hi + 1e-9, r.hi + 0.5):
+            try:
+                parse_sampling_params({key: v}, vocab_size=VOCAB)
+                ours = None
+            except RequestError as exc:
+                ours = exc.message
+            try:
+                SamplingParams.from_wire({key: v}, VOCAB)
+                theirs = None
+            except ValueError as exc:
+                theirs = str(exc)
+            assert (ours is None) == (theirs is None), (key, v, ours, theirs)
+            if ours is not None and theirs is not None:
+                assert ours == theirs == r.message(key, repr(v)), (ours, theirs)

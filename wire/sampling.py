@@ -4,9 +4,9 @@ The frontend validates a client's ``sampling_params`` once, with SGLang's messag
 (``lifecycle/core/sampling.py``), builds a ``SamplingParams`` and sends ``to_wire()``; the
 worker reads the map back with ``from_wire`` and samples with it (``gpu/sampling.py``).
 ``from_wire`` checks again, because a worker trusts no peer: a bad field is a REQ-ERROR
-``invalid`` for that rid, never a failed step. Its bounds are never stricter than the
-frontend's, and a test holds them to that (whatever the frontend accepts, the worker
-reads back unchanged). Only what the worker reads travels: the detokenizer's options
+``invalid`` for that rid, never a failed step. The bounded numbers have one table,
+``RANGES``, with their messages, which both sides apply (``tests/test_options_contract.py``
+holds them to it); whatever the frontend accepts, the worker reads back unchanged. Only what the worker reads travels: the detokenizer's options
 (``skip_special_tokens``, ``no_stop_trim``, ...) stay in the frontend. Stop strings do
 travel, because the worker ends a sequence on them; trimming them off the text is the
 frontend's. So do stop regexes (``stop_regex``), checked here once for both sides
@@ -30,9 +30,11 @@ __all__ = [
     "GREEDY_EPS",
     "LOGIT_BIAS_LIMIT",
     "MAX_N",
+    "RANGES",
     "STOP_REGEX_MAX_CHARS",
     "STOP_REGEX_MAX_COUNT",
     "STOP_REGEX_WINDOW",
+    "Range",
     "SamplingParams",
     "check_stop_regex",
     "get_bool",
@@ -56,6 +58,40 @@ _MAX_TOKENS = 1 << 30
 STOP_REGEX_MAX_CHARS = 256
 STOP_REGEX_MAX_COUNT = 16
 STOP_REGEX_WINDOW = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A number field's default, its valid values, and the message for the others (the
+    frontend's, SGLang's words; the worker's are the same)."""
+
+    default: float
+    lo: float
+    hi: float
+    lo_open: bool = False
+    note: str = ""  # said after the interval
+
+    def __contains__(self, v: float) -> bool:
+        return self.lo <= v <= self.hi and not (self.lo_open and v == self.lo)
+
+    def message(self, key: str, shown: Any) -> str:
+        opening = "(" if self.lo_open else "["
+        return f"{key} must be in {opening}{self.lo:g}, {self.hi:g}]{self.note}, got {shown}."
+
+
+# The bounded number fields of ``sampling``, in the order SGLang's verify() checks them
+# (top_k, checked between min_p and the penalties, is -1 or at least 1; temperature is
+# any finite number from 0).
+RANGES: dict[str, Range] = {
+    "top_p": Range(1.0, 0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 0.0, 1.0),
+    "frequency_penalty": Range(0.0, -2.0, 2.0),
+    "presence_penalty": Range(0.0, -2.0, 2.0),
+    "repetition_penalty": Range(1.0, 0.0, 2.0, lo_open=True, note=" (1.0 = no penalty)"),
+}
+
+_TEMPERATURE = Range(1.0, 0.0, math.inf)
+_LOGIT_BIAS = Range(0.0, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
 def is_greedy(temperature: float, top_k: int) -> bool:
@@ -115,17 +151,13 @@ class SamplingParams:
         top_k = get_int(s, "top_k", -1, -1, _INT64 - 1)
         if top_k == 0:
             raise ValueError("top_k must be -1 (disable), or at least 1, got 0.")
-        temperature = _number(s, "temperature", 1.0, 0.0, math.inf)
+        temperature = _number(s, "temperature", _TEMPERATURE)
         return cls(
             max_new_tokens=max_new,
             min_new_tokens=get_int(s, "min_new_tokens", 0, 0, max_new),
             temperature=temperature,
-            top_p=_number(s, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=top_k,
-            min_p=_number(s, "min_p", 0.0, 0.0, 1.0),
-            frequency_penalty=_number(s, "frequency_penalty", 0.0, -2.0, 2.0),
-            presence_penalty=_number(s, "presence_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=_number(s, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+            **{key: _number(s, key, r) for key, r in RANGES.items()},
             stop=_stop(s.get("stop")),
             stop_regex=_stop_regex(s.get("stop_regex")),
             stop_token_ids=tuple(
@@ -176,18 +208,16 @@ def token_ids(v: Any, key: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _number(
-    d: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = d.get(key, default)
+def _number(d: dict[str, Any], key: str, r: Range) -> float:
+    v = d.get(key, r.default)
     if v is None:
-        return default
+        return r.default
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise ValueError(f"{key} must be a finite number, got {v!r}.")
-    if v < lo or v > hi or (lo_open and v == lo):
-        if hi == math.inf:
-            raise ValueError(f"{key} must be at least {lo:g}, got {v!r}.")
-        raise ValueError(f"{key} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}.")
+    if v not in r:
+        if r.hi == math.inf:
+            raise ValueError(f"{key} must be at least {r.lo:g}, got {v!r}.")
+        raise ValueError(r.message(key, repr(v)))
     return float(v)
 
 
@@ -281,6 +311,6 @@ def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     for k, bias in v.items():
         if type(k) is not int or not 0 <= k < vocab_size:
             raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {k!r}.")
-        name, lim = f"logit_bias[{k}]", LOGIT_BIAS_LIMIT
-        out.append((k, _number({name: bias}, name, 0.0, -lim, lim)))
+        name = f"logit_bias[{k}]"
+        out.append((k, _number({name: bias}, name, _LOGIT_BIAS)))
     return tuple(sorted(out))

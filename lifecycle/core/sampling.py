@@ -30,6 +30,7 @@ from wire.sampling import (
     GREEDY_EPS,
     LOGIT_BIAS_LIMIT,
     MAX_N,
+    RANGES,
     STOP_REGEX_MAX_COUNT,
     SamplingParams,
     check_stop_regex,
@@ -281,33 +282,17 @@ def _verify(kw: dict[str, Any], raw: dict[str, Any]) -> None:
         raise _bad(
             f"temperature must be a non-negative finite number, got {_shown(raw, 'temperature', t)}."
         )
-    checks = (
-        ("top_p", 1.0, lambda x: 0.0 < x <= 1.0, "top_p must be in (0, 1]"),
-        ("min_p", 0.0, lambda x: 0.0 <= x <= 1.0, "min_p must be in [0, 1]"),
-        ("top_k", -1, lambda x: x == -1 or x >= 1, "top_k must be -1 (disable) or at least 1"),
-        (
-            "frequency_penalty",
-            0.0,
-            lambda x: -2.0 <= x <= 2.0,
-            "frequency_penalty must be in [-2, 2]",
-        ),
-        (
-            "presence_penalty",
-            0.0,
-            lambda x: -2.0 <= x <= 2.0,
-            "presence_penalty must be in [-2, 2]",
-        ),
-        (
-            "repetition_penalty",
-            1.0,
-            lambda x: 0.0 < x <= 2.0,
-            "repetition_penalty must be in (0, 2] (1.0 = no penalty)",
-        ),
-    )
-    for key, default, ok, text in checks:
-        value = kw.get(key, default)
-        if not ok(value):
-            raise _bad(f"{text}, got {_shown(raw, key, value)}.")
+    for key in ("top_p", "min_p", "top_k", *list(RANGES)[2:]):  # SGLang's order
+        if key == "top_k":
+            top_k = kw.get("top_k", -1)
+            if not (top_k == -1 or top_k >= 1):
+                shown = _shown(raw, "top_k", top_k)
+                raise _bad(f"top_k must be -1 (disable) or at least 1, got {shown}.")
+            continue
+        r = RANGES[key]
+        value = kw.get(key, r.default)
+        if value not in r:
+            raise _bad(r.message(key, _shown(raw, key, value)))
     lo, hi = kw.get("min_new_tokens", 0), kw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if lo < 0:
         raise _bad(f"min_new_tokens must be in [0, max_new_tokens], got {lo}.")
