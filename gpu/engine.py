@@ -28,8 +28,9 @@ from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import SampleRow, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import (
-    EMBED_FINISH,
     MAX_N,
+    ErrorCode,
+    Finish,
     StepEntry,
     StepStats,
     SubmitEntry,
@@ -156,14 +157,14 @@ class Engine:
             except ValueError as exc:
                 if isinstance(exc, ProtocolError):
                     raise
-                code = "too_long" if isinstance(exc, TooLong) else "invalid"
+                code = ErrorCode.TOO_LONG if isinstance(exc, TooLong) else ErrorCode.INVALID
                 # Every rid the request would occupy gets its terminal entry.
                 errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + _declared_n(e))]
                 continue
             if seq.params.max_new_tokens == 0 and not _prefills(seq):
                 extra = {"prompt_tokens": seq.prompt_len}
                 done += [
-                    StepEntry(r, b"", ["length", 0], extra)
+                    StepEntry(r, b"", [Finish.LENGTH, 0], extra)
                     for r in range(e.rid, e.rid + 1 + seq.forks)
                 ]
                 continue
@@ -234,14 +235,14 @@ class Engine:
             seq = self.seqs.pop(rid, None)
             if seq is not None:
                 self.scheduler.remove(seq)
-                out.append(self._terminal(seq, b"", ["abort", message]))
+                out.append(self._terminal(seq, b"", [Finish.ABORT, message]))
                 # Forks not yet made go with their parent: each gets its own terminal entry.
                 for r in [r for r, p in self.reserved.items() if p is seq]:
                     del self.reserved[r]
-                    out.append(StepEntry(r, b"", ["abort", message], None))
+                    out.append(StepEntry(r, b"", [Finish.ABORT, message], None))
             elif rid in self.reserved:
                 del self.reserved[rid]
-                out.append(StepEntry(rid, b"", ["abort", message], None))
+                out.append(StepEntry(rid, b"", [Finish.ABORT, message], None))
         return out
 
     def abort_all(self, message: str) -> list[StepEntry]:
@@ -348,7 +349,7 @@ class Engine:
             "cached_tokens": seq.cached_tokens,
             "embedding": pack_f32s(vec.cpu().numpy()),
         }
-        return self._terminal(seq, b"", [EMBED_FINISH, vec.numel()], extra)
+        return self._terminal(seq, b"", [Finish.EMBED, vec.numel()], extra)
 
     def _scored(self, seq: Sequence) -> list[StepEntry]:
         """A ``max_new_tokens`` 0 request whose prompt is computed: its terminal entries,
@@ -356,10 +357,10 @@ class Engine:
         del self.seqs[seq.rid]
         self.scheduler.remove(seq)
         extra = {"cached_tokens": seq.cached_tokens, **prompt_extra(seq)}
-        out = [self._terminal(seq, b"", ["length", 0], extra)]
+        out = [self._terminal(seq, b"", [Finish.LENGTH, 0], extra)]
         for r in [r for r, p in self.reserved.items() if p is seq]:
             del self.reserved[r]
-            out.append(self._terminal(seq, b"", ["length", 0], extra)._replace(rid=r))
+            out.append(self._terminal(seq, b"", [Finish.LENGTH, 0], extra)._replace(rid=r))
         return out
 
     def _finish_step(
@@ -414,20 +415,20 @@ class Engine:
     def _finish_reason(self, seq: Sequence) -> list[Any] | None:
         p, tok = seq.params, seq.tokens[-1]
         if seq.grammar_error is not None:
-            return ["abort", seq.grammar_error]
+            return [Finish.ABORT, seq.grammar_error]
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.mc.eog_ids):
-            return ["stop", tok]
+            return [Finish.STOP, tok]
         if seq.grammar_done:  # nothing but the end could follow: end now, a step sooner
-            return ["stop", self._grammar_end]
+            return [Finish.STOP, self._grammar_end]
         if seq.stop_window:
             tail = self.loaded.tokenizer.decode(seq.output[-seq.stop_window :])
             for s in p.stop:
                 if s in tail:
-                    return ["stop", s]
+                    return [Finish.STOP, s]
             for i, pattern in enumerate(seq.stop_patterns):
                 m = next((m for m in pattern.finditer(tail) if m.end() > m.start()), None)
                 if m is not None:
-                    return ["stop", m.group(0), i]
+                    return [Finish.STOP, m.group(0), i]
         if seq.num_output >= p.max_new_tokens:
-            return ["length", p.max_new_tokens]
+            return [Finish.LENGTH, p.max_new_tokens]
         return None

@@ -19,7 +19,7 @@ tune_cpu_runtime()  # before torch is imported (gpu.engine imports it)
 from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
-from wire import SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
+from wire import Finish, SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
 
@@ -66,7 +66,7 @@ def _engine_tokens(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) 
     while True:
         for e in entries:
             new = ids_to_list(e.new_ids)
-            if e.finish is not None and e.finish[0] == "stop":
+            if e.finish is not None and e.finish[0] == Finish.STOP:
                 new = new[:-1]  # the end-of-generation id itself is not part of the text
             yield from new
             if e.finish is not None:

@@ -204,8 +204,9 @@ def _step(engine: Engine, conn: _Connection) -> None:
         # Ours, not the frontend's: fail what is live, keep serving.
         log.exception("step %d failed; failing every live request", engine.step_no)
         aborted = engine.abort_all("internal error")
-        errs = [
-            (e.rid, "internal", "the worker failed while running this request") for e in aborted
+        errs: list[tuple[int, str, str]] = [
+            (e.rid, wire.ErrorCode.INTERNAL, "the worker failed while running this request")
+            for e in aborted
         ]
         if errs:
             conn.send(wire.ReqError(errs))
@@ -220,7 +221,12 @@ def _step(engine: Engine, conn: _Connection) -> None:
         log.error("step %d: %s", engine.step_no, exc)
         engine.abort([e.rid for e in entries if e.finish is None], "internal error")
         conn.send(
-            wire.ReqError([(e.rid, "internal", "output too large for one frame") for e in entries])
+            wire.ReqError(
+                [
+                    (e.rid, wire.ErrorCode.INTERNAL, "output too large for one frame")
+                    for e in entries
+                ]
+            )
         )
 
 

@@ -274,3 +274,21 @@ def test_bad_addresses_are_refused(text: str) -> None:
 
     with pytest.raises(ValueError, match="bad worker address"):
         parse_address(text)
+
+
+def test_finish_kinds_and_error_codes_are_the_specs() -> None:
+    """``wire.Finish`` and ``wire.ErrorCode`` are the finish kinds and REQ-ERROR codes the
+    CDDL names, no more, no fewer; each error code is the frontend's cause of that name
+    (``WorkerFailure.of_req_error``), and an unknown code from a peer is internal."""
+    import re
+
+    from lifecycle.core.states import Cause
+    from lifecycle.core.submission import WorkerFailure
+
+    kinds = set(re.findall(r'^finish-\w+ = \["(\w+)"', SPEC_TEXT, re.M))
+    assert kinds == {f.value for f in wire.Finish}
+    line = next(x for x in SPEC_TEXT.splitlines() if x.startswith("; codes:"))
+    assert set(re.findall(r'"(\w+)"', line)) == {c.value for c in wire.ErrorCode}
+    for code in wire.ErrorCode:
+        assert WorkerFailure.of_req_error(code, "m").cause is Cause(code.value)
+    assert WorkerFailure.of_req_error("bogus", "m").cause is Cause.INTERNAL

@@ -7,6 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
+from lifecycle.core.states import Cause
 from lifecycle.core.submission import WorkerFailure
 from lifecycle.core.supervisor import generate_probe
 from lifecycle.core.wire_stream import connect, parse_address
@@ -116,7 +117,7 @@ async def test_worker_death_fails_everything_held() -> None:
             reason = await client.run()
         assert "closed" in reason
         for s in sinks:
-            assert isinstance(s.end, WorkerFailure) and s.end.code == "worker_lost"
+            assert isinstance(s.end, WorkerFailure) and s.end.cause is Cause.WORKER_LOST
         late = RecordingSink()
         client.submit([1], {}, {}, [late])
         assert isinstance(late.end, WorkerFailure)
@@ -133,7 +134,7 @@ async def test_req_error_is_terminal_for_its_rid_only() -> None:
             with anyio.fail_after(10):
                 await bad.done.wait()
                 await good.done.wait()
-            assert isinstance(bad.end, WorkerFailure) and bad.end.code == "too_long"
+            assert isinstance(bad.end, WorkerFailure) and bad.end.cause is Cause.TOO_LONG
             assert good.ids == [3, 3]
             assert client.in_flight == 0
             tg.cancel_scope.cancel()
@@ -206,7 +207,7 @@ async def test_submit_frames_stay_under_the_limit_and_an_oversized_request_is_re
             big = RecordingSink()
             sub = client.submit([1], {"max_new_tokens": 2, "stop": ["y" * 3000]}, {}, [big])
             assert sub.hold.value == "released"
-            assert isinstance(big.end, WorkerFailure) and big.end.code == "invalid"
+            assert isinstance(big.end, WorkerFailure) and big.end.cause is Cause.INVALID
             assert "bytes on the worker link" in big.end.message
             with anyio.fail_after(10):
                 for s in sinks:

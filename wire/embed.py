@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EMBED_FINISH", "POOLINGS", "EmbedOptions"]
+__all__ = ["POOLINGS", "EmbedOptions"]
 
 POOLINGS = ("last", "mean")  # the last prompt position, or the mean over every position
-EMBED_FINISH = "embed"  # the finish kind of an embed request's terminal STEP entry
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ little-endian byte strings (measured ~30x cheaper than CBOR integer lists).
 
 from __future__ import annotations
 
+import enum
 import struct as _struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -20,7 +21,9 @@ __all__ = [
     "AuditReply",
     "Auth",
     "Challenge",
+    "ErrorCode",
     "Fatal",
+    "Finish",
     "Flush",
     "FlushReply",
     "Frame",
@@ -110,6 +113,24 @@ class Abort:
     rids: list[int]
 
 
+class Finish(enum.StrEnum):
+    """A STEP entry's finish kind (``finish[0]``; wire.cddl ``finish``), which is also the
+    ``type`` of SGLang's ``meta_info.finish_reason``."""
+
+    STOP = "stop"  # ["stop", token id | stop string] / ["stop", matched text, regex index]
+    LENGTH = "length"  # ["length", max_new_tokens]
+    ABORT = "abort"  # ["abort", message]
+    EMBED = "embed"  # ["embed", dimensions]: an embed request's one entry
+
+
+class ErrorCode(enum.StrEnum):
+    """A REQ-ERROR's code (wire.cddl ``req-error``)."""
+
+    INVALID = "invalid"  # a field the worker refuses
+    TOO_LONG = "too_long"  # can never fit the context or the KV cache
+    INTERNAL = "internal"
+
+
 # STEP frames are the hot path (one per scheduler step, one entry per running sequence):
 # named tuples cost a fifth of a frozen dataclass to build, and read the same.
 class StepEntry(NamedTuple):
@@ -127,7 +148,7 @@ class Step(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class ReqError:
-    errors: list[tuple[int, str, str]]  # (rid, code, message)
+    errors: list[tuple[int, str, str]]  # (rid, code: an ErrorCode, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +359,7 @@ def _decode_step(a: list[Any]) -> Step:
             raise WireError("new_ids must be a byte string of 4-byte items")
         if finish is not None and not (
             type(finish) is list
-            and (len(finish) == 2 or (len(finish) == 3 and finish[0] == "stop"))
+            and (len(finish) == 2 or (len(finish) == 3 and finish[0] == Finish.STOP))
         ):
             raise WireError("finish must be null or a 2-element array (3 for a regex stop)")
         if extra is not None and not isinstance(extra, dict):

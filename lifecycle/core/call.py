@@ -43,6 +43,7 @@ from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
 from lifecycle.core.worker_client import WorkerClient
+from wire import Finish
 
 __all__ = [
     "TIMEOUT_HEADER",
@@ -57,14 +58,6 @@ __all__ = [
 TIMEOUT_HEADER = b"x-request-timeout"  # a request's own deadline, in seconds
 
 log = logging.getLogger("lifecycle.core.call")
-
-_FAILURE_CAUSE = {
-    "worker_lost": Cause.WORKER_LOST,
-    "too_long": Cause.TOO_LONG,
-    "invalid": Cause.INVALID,
-    "overloaded": Cause.OVERLOADED,
-    **{c.value: c for c in (Cause.SHUTTING_DOWN, Cause.CLIENT_STALLED, Cause.DEADLINE)},
-}
 
 # Why the owner left a call that had not ended: asked when its scope exits.
 ExitCause = Callable[[], tuple[Cause, str]]
@@ -348,14 +341,14 @@ class GenerateCall:
             if rec_id is not None and run.rec.id != rec_id:
                 continue
             if run.sub is None:  # not submitted yet (being tokenized): it never will be
-                run.ended = run.ended or {"type": "abort", "message": message}
+                run.ended = run.ended or {"type": Finish.ABORT, "message": message}
             elif self.client is not None:
                 self.client.abort(run.sub, message=message)
 
     def interrupt(self, cause: Cause, message: str) -> None:
         """End every sample that has not ended with an explicit error the owner sends
         (an error event, a 503, a WebSocket error), and stop what the worker does."""
-        failure = WorkerFailure(cause.value, message)
+        failure = WorkerFailure(cause, message)
         for run in self.runs:
             for buf in run.buffers:
                 buf.finish(failure)  # the first end wins: a finished sample keeps its own
@@ -398,7 +391,7 @@ class GenerateCall:
         """A malformed output field (a worker bug) ends this sample with an explicit
         error, never the handler or the stream without one; the worker is told to stop."""
         log.error("request %d: malformed output from the worker: %s", run.rec.id, exc)
-        run.samples[j].failure = WorkerFailure("internal", "the worker sent invalid output")
+        run.samples[j].failure = WorkerFailure(Cause.INTERNAL, "the worker sent invalid output")
         if run.sub is not None and self.client is not None:
             self.client.abort_sample(run.sub, j, "invalid output")
 
@@ -408,9 +401,9 @@ class GenerateCall:
             return
         for s in run.samples:
             if isinstance(s.failure, WorkerFailure):
-                rec.fail(_FAILURE_CAUSE.get(s.failure.code, Cause.INTERNAL), s.failure.message)
+                rec.fail(s.failure.cause, s.failure.message)
                 return
-        if any(s.finish.get("type") == "abort" for s in run.samples):
+        if any(s.finish.get("type") == Finish.ABORT for s in run.samples):
             rec.fail(Cause.ABORTED, "aborted")
         elif not rec.advance(Event.FINISH, grammar_detail(run.samples)):
             rec.fail(Cause.INTERNAL, f"finished in state {rec.state.value}")

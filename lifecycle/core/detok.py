@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
+from wire import Finish
 from wire.faults import fault_point
 
 __all__ = ["SampleText", "TextCodec", "TokenizerLike", "held_back"]
@@ -126,7 +127,7 @@ class SampleText:
 
     While streaming, a tail that could be the beginning of a stop string is held back, so
     text shown to the client never has to be taken back when the stop string completes
-    (the worker ends the request on the token that completes it, ``["stop", str]``). A
+    (the worker ends the request on the token that completes it, ``[Finish.STOP, str]``). A
     ``stop_regex`` match is trimmed at the end only: what could still become a match of
     a regex is not known while streaming (SGLang holds nothing back either).
     """
@@ -173,7 +174,7 @@ class SampleText:
         """The whole text once the sample ended with ``finish`` (a finish-reason dict)."""
         self.raw += self._decoder.flush()
         raw = self.raw
-        if not self._trim or not isinstance(finish, dict) or finish.get("type") != "stop":
+        if not self._trim or not isinstance(finish, dict) or finish.get("type") != Finish.STOP:
             return raw
         matched = finish.get("matched")
         if isinstance(matched, str) and matched and finish.get("regex") is not None:

@@ -23,7 +23,7 @@ from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EMBED_FINISH, EmbedOptions
+from wire import EmbedOptions, Finish
 
 __all__ = ["EmbedInputs", "Embedding", "Embeddings", "embed", "embed_request", "hidden_size"]
 
@@ -46,7 +46,7 @@ class Embedding:
         """SGLang's ``/encode`` ``meta_info`` (its finish reason for embeddings, too)."""
         return {
             "id": self.id,
-            "finish_reason": {"type": "length", "length": 0},
+            "finish_reason": {"type": Finish.LENGTH, "length": 0},
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "e2e_latency": e2e,
@@ -173,9 +173,9 @@ async def embed(
         items = []
         for i, run in enumerate(call.runs):
             s = run.samples[0]
-            if s.finish.get("type") == "abort":
+            if s.finish.get("type") == Finish.ABORT:
                 raise ServeError(Cause.ABORTED, str(s.finish.get("message", "aborted")))
-            if s.finish.get("type") != EMBED_FINISH or s.embedding is None:
+            if s.finish.get("type") != Finish.EMBED or s.embedding is None:
                 raise ServeError(Cause.INTERNAL, "the worker does not support embeddings")
             items.append(Embedding(i, s.embedding, s.prompt_tokens, s.cached_tokens, s.rid))
         e2e = call.e2e()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.detok import SampleText, TokenizerLike
 from lifecycle.core.reasoning import ReasoningCount, ReasoningFormat
-from wire import EMBED_FINISH, f32s_to_list, ids_to_list
+from wire import Finish, f32s_to_list, ids_to_list
 
 if TYPE_CHECKING:
     from lifecycle.core.params import GenerateItem
@@ -80,7 +80,7 @@ def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
         return finish
     if not (type(i) is int and 0 <= i < len(opts.stop_regex)):
         raise ValueError(f"a stop_regex finish names pattern {i!r} of {len(opts.stop_regex)}")
-    return {"type": "stop", "matched": opts.stop_regex[i]}
+    return {"type": Finish.STOP, "matched": opts.stop_regex[i]}
 
 
 def _lp(v: float) -> float | None:
@@ -204,7 +204,7 @@ class SampleOutput:
     # -- output --------------------------------------------------------------------------
     def end(self, finish: Any) -> None:
         """The worker's finish; ValueError for an embed finish without its vector."""
-        if finish.get("type") == EMBED_FINISH and (
+        if finish.get("type") == Finish.EMBED and (
             self.embedding is None or len(self.embedding) != finish.get("dimensions")
         ):
             raise ValueError("an embed finish without an embedding of its dimensions")

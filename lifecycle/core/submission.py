@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lifecycle.core.states import HOLD_EDGES, WorkerHold
-from wire import EMBED_FINISH, SubmitEntry
+from lifecycle.core.states import HOLD_EDGES, Cause, WorkerHold
+from wire import ErrorCode, Finish, SubmitEntry
 
 __all__ = ["Sink", "Submission", "WorkerFailure", "finish_reason"]
 
@@ -27,29 +27,38 @@ class Sink(Protocol):
     def finish(self, reason: Any) -> object: ...
 
 
+_REQ_ERROR_CODES = frozenset(ErrorCode)  # each a Cause's value too (tests/test_wire.py)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerFailure:
-    """Terminal reason when the worker refused a request or the connection was lost.
+    """Terminal reason when the worker refused a request (a REQ-ERROR, ``of_req_error``),
+    the connection was lost, or the frontend ended the sample with an error."""
 
-    ``code``: "invalid" | "too_long" | "internal" (REQ-ERROR codes) or "worker_lost"."""
-
-    code: str
+    cause: Cause
     message: str
+
+    @classmethod
+    def of_req_error(cls, code: str, message: str) -> WorkerFailure:
+        """A REQ-ERROR's failure: its code is the cause of the same name; a code this
+        frontend does not know is internal."""
+        cause = Cause(code) if code in _REQ_ERROR_CODES else Cause.INTERNAL
+        return cls(cause, message)
 
 
 def finish_reason(finish: list[Any]) -> dict[str, Any]:
     """A wire ``finish`` -> SGLang's ``meta_info.finish_reason`` object (a stop_regex
     match keeps the pattern's index as ``regex`` until ``OutputOptions`` names it)."""
     kind, value = finish[0], finish[1]
-    if kind == "stop":
+    if kind == Finish.STOP:
         if len(finish) == 3:
-            return {"type": "stop", "matched": value, "regex": finish[2]}
-        return {"type": "stop", "matched": value}
-    if kind == "length":
-        return {"type": "length", "length": value}
-    if kind == EMBED_FINISH:  # an embed request's end: its vector came with it
-        return {"type": EMBED_FINISH, "dimensions": value}
-    return {"type": "abort", "message": str(value)}
+            return {"type": Finish.STOP, "matched": value, "regex": finish[2]}
+        return {"type": Finish.STOP, "matched": value}
+    if kind == Finish.LENGTH:
+        return {"type": Finish.LENGTH, "length": value}
+    if kind == Finish.EMBED:  # an embed request's end: its vector came with it
+        return {"type": Finish.EMBED, "dimensions": value}
+    return {"type": Finish.ABORT, "message": str(value)}
 
 
 _HOLD_MOVES = {(e.src, e.event): e.dst for e in HOLD_EDGES}

@@ -284,7 +284,7 @@ async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple
     assert chunk is not None  # the sample ended: its end is there to take
     got, end = len(chunk.ids), chunk.end
     if isinstance(end, WorkerFailure):
-        return False, f"{end.code}: {end.message}"
+        return False, f"{end.cause.value}: {end.message}"
     if got != max_new_tokens:
         return False, f"expected {max_new_tokens} tokens, got {got} ({end})"
     return True, "ok"

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 import wire
-from lifecycle.core.states import WorkerHold
+from lifecycle.core.states import Cause, WorkerHold
 from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_reason
 from lifecycle.core.wire_stream import FrameStream
 from wire.faults import fault_point
@@ -124,18 +124,18 @@ class WorkerClient:
         sub = Submission(base, sinks, entry, on_dispatch, on_release)
         refusal = None
         if self.closed:
-            refusal = WorkerFailure("worker_lost", "the worker is not connected")
+            refusal = WorkerFailure(Cause.WORKER_LOST, "the worker is not connected")
         elif n > self.max_pending:
             msg = f"n={n} exceeds the worker's capacity of {self.max_pending} sequences"
-            refusal = WorkerFailure("invalid", msg)
+            refusal = WorkerFailure(Cause.INVALID, msg)
         elif len(self._queue) >= self.max_queued:
-            refusal = WorkerFailure("overloaded", "the dispatch queue is full; retry later")
+            refusal = WorkerFailure(Cause.OVERLOADED, "the dispatch queue is full; retry later")
         elif (size := wire.submit_entry_bytes(entry)) > SUBMIT_ENTRY_LIMIT:
             msg = (
                 f"the request's prompt and parameters take {size} bytes on the worker link, "
                 f"more than the {SUBMIT_ENTRY_LIMIT} one request may"
             )
-            refusal = WorkerFailure("invalid", msg)
+            refusal = WorkerFailure(Cause.INVALID, msg)
         else:
             sub.entry_bytes = size
         if refusal is not None:
@@ -153,7 +153,7 @@ class WorkerClient:
         its output from now on."""
         if sub.hold is WorkerHold.QUEUED:
             self._queue.remove(sub)
-            sub.end_all({"type": "abort", "message": message})
+            sub.end_all({"type": wire.Finish.ABORT, "message": message})
             sub.move("drop")
             return
         if sub.hold is not WorkerHold.RUNNING:
@@ -238,7 +238,7 @@ class WorkerClient:
         lost = [rid for rid in reply.missing if rid in self._held]
         for rid in lost:
             log.error("rid %d never reached the worker; ending it", rid)
-            self._end(rid, WorkerFailure("worker_lost", LOST_ON_THE_WAY))
+            self._end(rid, WorkerFailure(Cause.WORKER_LOST, LOST_ON_THE_WAY))
         return len(lost)
 
     async def flush(self, timeout: float = 30.0) -> tuple[bool, str]:
@@ -259,7 +259,7 @@ class WorkerClient:
     # -- the connection's two loops --------------------------------------------------------
     async def run(self) -> str:
         """Serve the connection until it ends; returns why. Every request still held is
-        then finished with ``WorkerFailure("worker_lost")``."""
+        then finished with ``WorkerFailure(Cause.WORKER_LOST)``."""
         reason = "connection closed"
         try:
             async with anyio.create_task_group() as tg:
@@ -335,7 +335,7 @@ class WorkerClient:
                 case wire.ReqError(errors):
                     self.last_progress_ns = time.monotonic_ns()
                     for rid, code, message in errors:
-                        self._end(rid, WorkerFailure(code, message))
+                        self._end(rid, WorkerFailure.of_req_error(code, message))
                 case (
                     wire.ProbeReply(nonce)
                     | wire.Stats(nonce)
@@ -366,10 +366,10 @@ class WorkerClient:
                 except Exception as exc:  # e.g. OutputOverflow: a worker bug, end this rid
                     log.error("rid %d: bad output from the worker: %s", e.rid, exc)
                     self.abort_sample(sub, i, "invalid output")
-                    sink.finish(WorkerFailure("internal", "the worker sent invalid output"))
+                    sink.finish(WorkerFailure(Cause.INTERNAL, "the worker sent invalid output"))
             if e.finish is not None:
                 reason = finish_reason(e.finish)
-                if reason["type"] == "abort" and sub.abort_message is not None:
+                if reason["type"] == wire.Finish.ABORT and sub.abort_message is not None:
                     reason["message"] = sub.abort_message  # ours, not the worker's words
                 self._end(e.rid, reason)
 
@@ -390,7 +390,7 @@ class WorkerClient:
 
     def _fail_all(self, reason: str) -> None:
         self.closed = True
-        lost = WorkerFailure("worker_lost", f"worker lost: {reason}")
+        lost = WorkerFailure(Cause.WORKER_LOST, f"worker lost: {reason}")
         held = list({id(s): s for s, _ in self._held.values()}.values())
         queued = list(self._queue)
         self._held.clear()

@@ -139,26 +139,28 @@ class ScriptedWorker:
             n = int(s.get("n", 1))
             if not prompt or any(t < 0 or t >= c.vocab_size for t in prompt):
                 self._errors += [
-                    (e.rid + i, "invalid", "prompt ids out of range") for i in range(n)
+                    (e.rid + i, wire.ErrorCode.INVALID, "prompt ids out of range") for i in range(n)
                 ]
                 continue
             if len(prompt) + max_new > c.context_length:
                 msg = f"{len(prompt) + max_new} tokens exceed the context of {c.context_length}"
-                self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                self._errors += [(e.rid + i, wire.ErrorCode.TOO_LONG, msg) for i in range(n)]
                 continue
             need = math.ceil((len(prompt) + max_new) / c.block_size)
             if need > c.kv_blocks:  # could never be admitted: refuse now, never wait forever
                 msg = f"{len(prompt) + max_new} tokens exceed the KV cache of {c.kv_blocks * c.block_size}"
-                self._errors += [(e.rid + i, "too_long", msg) for i in range(n)]
+                self._errors += [(e.rid + i, wire.ErrorCode.TOO_LONG, msg) for i in range(n)]
                 continue
             try:  # the worker's own reading and bounds
                 opts = wire.RequestOptions.from_wire(e.options, c.vocab_size, len(prompt))
             except ValueError as exc:
-                self._errors += [(e.rid + i, "invalid", str(exc)) for i in range(n)]
+                self._errors += [(e.rid + i, wire.ErrorCode.INVALID, str(exc)) for i in range(n)]
                 continue
             if opts.embed is not None:
                 if n != 1:
-                    self._errors += [(e.rid + i, "invalid", "embed with n > 1") for i in range(n)]
+                    self._errors += [
+                        (e.rid + i, wire.ErrorCode.INVALID, "embed with n > 1") for i in range(n)
+                    ]
                     continue
                 self.waiting.append(_Seq(e.rid, prompt, 0, 0, frozenset(), opts))
                 continue
@@ -204,22 +206,22 @@ class ScriptedWorker:
             extra = {"prompt_tokens": len(seq.prompt), "cached_tokens": 0}
             _prompt_logprobs(seq, extra)
         if seq.aborted:
-            return self._end(seq, [], ["abort", "aborted by request"], extra)
+            return self._end(seq, [], [wire.Finish.ABORT, "aborted by request"], extra)
         if seq.options.embed is not None:
             vec = scripted_embedding(seq.prompt, seq.options.embed, self.config.hidden_size)
             extra["embedding"] = wire.pack_f32s(vec)
-            return self._end(seq, [], [wire.EMBED_FINISH, len(vec)], extra)
+            return self._end(seq, [], [wire.Finish.EMBED, len(vec)], extra)
         if seq.max_new == 0:
-            return self._end(seq, [], ["length", 0], extra)
+            return self._end(seq, [], [wire.Finish.LENGTH, 0], extra)
         tok = seq.prompt[(seq.generated + seq.offset) % len(seq.prompt)]
         seq.generated += 1
         _token_logprobs(seq, tok, extra)
         if (f := fault_point("worker.sample", seq.rid)) is not None:
             _sample_fault(f.apply(), extra)
         if tok in seq.stop_ids:
-            return self._end(seq, [tok], ["stop", tok], extra)
+            return self._end(seq, [tok], [wire.Finish.STOP, tok], extra)
         if seq.generated >= seq.max_new:
-            return self._end(seq, [tok], ["length", seq.max_new], extra)
+            return self._end(seq, [tok], [wire.Finish.LENGTH, seq.max_new], extra)
         return wire.StepEntry(seq.rid, wire.pack_ids([tok]), None, extra or None)
 
     def _end(
@@ -236,7 +238,7 @@ class ScriptedWorker:
         gone = [s for s in self.waiting if s.aborted]
         for s in gone:
             self.waiting.remove(s)
-        entries = [self._end(s, [], ["abort", "aborted while waiting"], {}) for s in gone]
+        entries = [self._end(s, [], [wire.Finish.ABORT, "aborted while waiting"], {}) for s in gone]
         self._admit()
         advanced = [(seq, self._advance(seq)) for seq in self.running]
         entries += [e for _, e in advanced if e is not None]
