@@ -52,10 +52,14 @@ class TooLong(ValueError):
     """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
 
 
+# Tokens per KV block (the worker's --block-size); the frontend reads it from HELLO.
+DEFAULT_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     kv_blocks: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_running: int = 64
     max_pending: int = 256
     step_tokens: int = 512

@@ -16,14 +16,12 @@ from gpu.cpu_runtime import tune_cpu_runtime
 
 tune_cpu_runtime()  # before torch is imported (gpu.engine imports it)
 
-from gpu.engine import Engine, EngineConfig  # noqa: E402
+from gpu.engine import DEFAULT_BLOCK_SIZE, Engine, EngineConfig  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
 from wire import Finish, SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
-
-BLOCK_SIZE = 16
 
 
 def greedy_generate(
@@ -56,8 +54,10 @@ def greedy_generate(
 
 def _engine_tokens(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
     """The request's tokens as the engine steps; a matched end-of-generation id ends it."""
-    blocks = max(1, math.ceil((len(prompt_ids) + max(max_new_tokens, 0)) / BLOCK_SIZE))
-    engine = Engine(lm, EngineConfig(kv_blocks=blocks, block_size=BLOCK_SIZE, max_running=1))
+    blocks = max(1, math.ceil((len(prompt_ids) + max(max_new_tokens, 0)) / DEFAULT_BLOCK_SIZE))
+    engine = Engine(
+        lm, EngineConfig(kv_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, max_running=1)
+    )
     sampling = SamplingParams(max_new_tokens=max_new_tokens, top_k=1).to_wire()
     errors, done = engine.submit([SubmitEntry(0, pack_ids(prompt_ids), sampling, {})])
     if errors:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import wire
-from gpu.engine import Engine, EngineConfig
+from gpu.engine import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
 from gpu.graphs import GRAPH_MODES
 from gpu.loader import WEIGHT_MODES, load_model
 from gpu.memory import DEFAULT_MEM_FRACTION, cuda_free_bytes, plan_kv
@@ -48,7 +48,7 @@ class WorkerConfig:
     decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
     weights: str = "auto"  # auto | quantized | fp32 | q8_0 | q4_0 (gpu/loader.py; --tp > 1: fp32)
     context_length: int | None = None  # tokens served; None: the model's (with_context)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_running: int = 64
     max_pending: int = 256
     step_tokens: int = 512

@@ -9,7 +9,7 @@ picks among the ready ones:
 - ``round_robin``: in turn.
 - ``least_load``: the fewest requests held (in flight at the worker plus queued for it).
 - ``cache_aware``: the worker that last served the longest prefix of this prompt (in
-  16-token blocks), while its load is within ``balance_abs`` requests and
+  the workers' KV blocks, whose size HELLO gives), while its load is within ``balance_abs`` requests and
   ``balance_rel`` times the least loaded one's; otherwise the least loaded. The prefix
   index is bounded (least recently used blocks go first) and forgets a worker's blocks
   when its cache is flushed (``WorkerPool.flush``).
@@ -32,7 +32,6 @@ from lifecycle.core.worker_client import WorkerClient
 __all__ = ["POLICIES", "Router", "WorkerPool"]
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
-_BLOCK = 16  # tokens per prefix block, as the worker's KV blocks
 _MAX_BLOCKS = 64  # prefix blocks looked at per prompt
 _INDEX_SIZE = 100_000  # prefix blocks remembered
 
@@ -64,7 +63,9 @@ class Router:
             choice = min(ready, key=lambda r: (_load(r[1]), self.picks[r[0]], r[0]))[0]
         else:  # a new prefix goes where the least is cached (SGLang's smallest tree)
             least = min(ready, key=lambda r: (_load(r[1]), self._cached[r[0]], r[0]))
-            keys = _prefix_keys(prompt) if prompt else []
+            # prefix blocks are the workers' KV blocks (HELLO's capacity; the same for all)
+            block = int(ready[0][1].capacity["block_size"])
+            keys = _prefix_keys(prompt, block) if prompt else []
             choice = self._follow(keys, ready, least) if keys else int(least[0])
             for k in keys:
                 self._remember(k, choice)
@@ -111,12 +112,12 @@ class Router:
             self._cached[gone] -= 1
 
 
-def _prefix_keys(prompt: Sequence[int]) -> list[bytes]:
-    """One key per whole 16-token block of the prompt's start: a hash of all tokens up to
-    the block's end (so equal keys mean equal prefixes)."""
+def _prefix_keys(prompt: Sequence[int], block: int) -> list[bytes]:
+    """One key per whole ``block``-token block of the prompt's start: a hash of all
+    tokens up to the block's end (so equal keys mean equal prefixes)."""
     keys, h = [], hashlib.blake2b(digest_size=16)
-    n = min(len(prompt) // _BLOCK, _MAX_BLOCKS)
-    data, step = array("q", prompt[: n * _BLOCK]).tobytes(), _BLOCK * 8
+    n = min(len(prompt) // block, _MAX_BLOCKS)
+    data, step = array("q", prompt[: n * block]).tobytes(), block * 8
     for b in range(n):
         h.update(data[b * step : (b + 1) * step])
         keys.append(h.copy().digest())
