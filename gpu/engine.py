@@ -40,6 +40,7 @@ from wire import (
 )
 from wire.faults import fault_point
 from wire.sampling import STOP_REGEX_WINDOW
+from wire.worker_options import DEFAULT_BLOCK_SIZE
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -50,10 +51,6 @@ class ProtocolError(ValueError):
 
 class TooLong(ValueError):
     """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
-
-
-# Tokens per KV block (the worker's --block-size); the frontend reads it from HELLO.
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 
 from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
+from wire.worker_options import GRAPH_MODES
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
-    "GRAPH_MODES",
     "CudaBackend",
     "EagerBackend",
     "GraphBackend",
@@ -91,9 +91,6 @@ class CudaBackend:
             fn()
         self.graphs.append(graph)
         return graph.replay
-
-
-GRAPH_MODES = ("auto", "on", "eager", "off")
 
 
 def graph_backend(mode: str, device: torch.device) -> GraphBackend | None:

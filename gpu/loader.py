@@ -37,10 +37,10 @@ from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_file import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
+from wire.worker_options import WEIGHT_MODES
 
-__all__ = ["WEIGHT_MODES", "LoadedModel", "load_model", "resolve_device"]
+__all__ = ["LoadedModel", "load_model", "resolve_device"]
 
-WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")
 _AT_LOAD = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --weights that quantize every matrix
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
 

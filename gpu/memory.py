@@ -22,7 +22,6 @@ import psutil
 from modelfile.config import ModelConfig
 
 __all__ = [
-    "DEFAULT_MEM_FRACTION",
     "KVPlan",
     "MemoryFootprint",
     "decode_bytes",
@@ -31,8 +30,6 @@ __all__ = [
     "plan_kv",
     "prefill_bytes",
 ]
-
-DEFAULT_MEM_FRACTION = 0.85
 
 
 def kv_bytes_per_token(mc: ModelConfig, elem: int) -> int:

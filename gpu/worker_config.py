@@ -13,13 +13,18 @@ from dataclasses import dataclass, replace
 import torch
 
 import wire
-from gpu.engine import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
-from gpu.graphs import GRAPH_MODES
-from gpu.loader import WEIGHT_MODES, load_model
-from gpu.memory import DEFAULT_MEM_FRACTION, cuda_free_bytes, plan_kv
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.memory import cuda_free_bytes, plan_kv
+from wire.worker_options import (
+    CPU_MIXED_PREFILL_TOKENS,
+    DEFAULT_CPU_KV_MIB,
+    DEFAULT_MEM_FRACTION,
+    WORKER_OPTIONS,
+    worker_defaults,
+)
 
 __all__ = [
-    "CPU_MIXED_PREFILL_TOKENS",
     "WorkerConfig",
     "build_engine",
     "kv_blocks_for",
@@ -29,46 +34,35 @@ __all__ = [
 
 log = logging.getLogger("gpu.worker")
 
-# 14,560 tokens of SmolLM2 in fp32 (46,080 bytes each): with the quantized weights (96 MiB)
-# and the rest (~260 MiB) the worker stays near llama-server's own resident size with
-# its default 32k-token f16 cache (862 MiB here), where 1024 MiB made it 1.6x that.
-DEFAULT_CPU_KV_MIB = 640
 _DESCRIPTION = "The worker process: python -m gpu.worker --listen unix:/path | tcp:HOST:PORT."
+_D = worker_defaults()  # every default, from the one table (wire/worker_options.py)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    model_path: str | None = None
-    device: str | None = None  # None: CUDA when present, else CPU
-    dtype: str | None = None  # None: bf16 on CUDA, fp32 on CPU
-    listen: str = "unix:/tmp/lifecycle-worker.sock"
-    kv_cache_tokens: int | None = None  # None: sized from kv_memory_mib or mem_fraction
-    kv_memory_mib: int | None = None  # None: DEFAULT_CPU_KV_MIB on the CPU; on CUDA, mem_fraction
-    mem_fraction: float | None = None  # CUDA: share of free memory after the weights (0.85)
-    decode_graphs: str = "auto"  # auto | on | eager | off (gpu/graphs.py)
-    weights: str = "auto"  # auto | quantized | fp32 | q8_0 | q4_0 (gpu/loader.py; --tp > 1: fp32)
-    context_length: int | None = None  # tokens served; None: the model's (with_context)
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_running: int = 64
-    max_pending: int = 256
-    step_tokens: int = 512
-    # Prompt tokens per step while others decode; None: CPU_MIXED_PREFILL_TOKENS on the
-    # CPU, step_tokens on CUDA (where a step's time hardly grows with its rows).
-    mixed_prefill_tokens: int | None = None
-    threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
-    tp: int = 1  # tensor-parallel ranks (gpu/tp.py), each a process; 1: this one alone
-    token: str | None = None  # serve only a frontend that proves it (None: LIFECYCLE_WORKER_TOKEN)
-    tls_cert: str | None = None  # TLS on the TCP link with this certificate chain (PEM)
-    tls_key: str | None = None  # its private key, when not in the certificate file
+    """The options of ``WORKER_OPTIONS``, by name (the help there says what each means)."""
 
-
-# On the CPU a step's time grows with its rows (about 1.8 ms a row at 32-64 rows), so a
-# prompt chunk that joins the decodes lengthens every stream's gap. Capping a mixed
-# step's prompt tokens at 32, measured 2026-12-04 (64 tokens in, 64 out, streaming):
-# at 32 streams ITL p50 / p99 104 / 126 ms at 277 tok/s, against 75 / 144 at cap 64
-# (305 tok/s) and 77 / 654 with no cap (512: waves of new prompts make 0.7 s steps);
-# at 4 and 16 streams throughput and TTFT p50 as without a cap.
-CPU_MIXED_PREFILL_TOKENS = 32
+    model_path: str | None = _D["model_path"]
+    device: str | None = _D["device"]  # None: CUDA when present, else CPU
+    dtype: str | None = _D["dtype"]  # None: bf16 on CUDA, fp32 on CPU
+    listen: str = _D["listen"]
+    kv_cache_tokens: int | None = _D["kv_cache_tokens"]  # None: from kv_memory_mib / mem_fraction
+    kv_memory_mib: int | None = _D["kv_memory_mib"]  # None: DEFAULT_CPU_KV_MIB on the CPU
+    mem_fraction: float | None = _D["mem_fraction"]  # CUDA: DEFAULT_MEM_FRACTION when unsized
+    decode_graphs: str = _D["decode_graphs"]  # gpu/graphs.py
+    weights: str = _D["weights"]  # gpu/loader.py; --tp > 1: fp32
+    context_length: int | None = _D["context_length"]  # None: the model's (with_context)
+    block_size: int = _D["block_size"]
+    max_running: int = _D["max_running"]
+    max_pending: int = _D["max_pending"]
+    step_tokens: int = _D["step_tokens"]
+    # None: CPU_MIXED_PREFILL_TOKENS on the CPU, step_tokens on CUDA
+    mixed_prefill_tokens: int | None = _D["mixed_prefill_tokens"]
+    threads: int | None = _D["threads"]  # None: torch's default (all cores)
+    tp: int = _D["tp"]  # tensor-parallel ranks (gpu/tp.py), each a process; 1: this one alone
+    token: str | None = _D["token"]  # None: LIFECYCLE_WORKER_TOKEN
+    tls_cert: str | None = _D["tls_cert"]
+    tls_key: str | None = _D["tls_key"]  # when not in the certificate file
 
 
 def mixed_prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
@@ -97,79 +91,12 @@ def _sized_by_fraction(config: WorkerConfig, device: torch.device) -> bool:
 
 
 def parse_config(argv: list[str] | None) -> WorkerConfig:
-    d = WorkerConfig()
     p = argparse.ArgumentParser(prog="python -m gpu.worker", description=_DESCRIPTION)
-    p.add_argument("--model", dest="model_path", default=d.model_path)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--listen", default=d.listen)
-    p.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=d.kv_cache_tokens,
-        help="tokens the KV cache holds, in whole blocks (SGLang's --max-total-tokens)",
-    )
-    p.add_argument(
-        "--kv-memory-mib",
-        type=int,
-        default=d.kv_memory_mib,
-        help=f"KV cache size in MiB (default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction)",
-    )
-    p.add_argument(
-        "--mem-fraction",
-        type=float,
-        default=d.mem_fraction,
-        help=f"CUDA: the KV cache's share of free memory after the weights, less a "
-        f"step's working set and the graph pool (default {DEFAULT_MEM_FRACTION})",
-    )
-    p.add_argument(
-        "--decode-graphs",
-        choices=GRAPH_MODES,
-        default=d.decode_graphs,
-        help="decode steps replayed from captured graphs: auto = CUDA graphs on CUDA",
-    )
-    p.add_argument(
-        "--context-length",
-        type=int,
-        default=d.context_length,
-        help="tokens a request may span, prompt and output (default: the model's; higher "
-        "only with RoPE scaling in the file)",
-    )
-    p.add_argument(
-        "--weights",
-        choices=WEIGHT_MODES,
-        default=d.weights,
-        help="auto: on the CPU keep the GGUF's quantized blocks and compute on them "
-        "(native kernels), else dequantize to --dtype; quantized: blocks for every "
-        "projection (floats requantized to Q8_0); fp32: dequantize all; q8_0 / q4_0: "
-        "quantize every matrix to that type at load (CPU)",
-    )
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--max-running", type=int, default=d.max_running)
-    p.add_argument("--max-pending", type=int, default=d.max_pending)
-    p.add_argument("--step-tokens", type=int, default=d.step_tokens)
-    p.add_argument(
-        "--mixed-prefill-tokens",
-        type=int,
-        default=d.mixed_prefill_tokens,
-        help="prompt tokens per step while other requests decode (bounds their ITL; "
-        f"default {CPU_MIXED_PREFILL_TOKENS} on the CPU, --step-tokens on CUDA)",
-    )
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=d.tp,
-        help="tensor-parallel ranks, one process each (at most the model's KV heads; "
-        "one torch thread per rank unless --threads)",
-    )
-    p.add_argument(
-        "--token",
-        default=d.token,
-        help=f"serve only a frontend that knows this secret (default: ${wire.TOKEN_ENV})",
-    )
-    p.add_argument("--tls-cert", default=d.tls_cert, help="TLS on the TCP link (PEM chain)")
-    p.add_argument("--tls-key", default=d.tls_key, help="the certificate's key (PEM)")
+    for o in WORKER_OPTIONS:
+        p.add_argument(
+            o.cli, dest=o.name, type=o.type, default=o.default, choices=o.choices,
+            help=o.help_with_default,
+        )  # fmt: skip
     config = WorkerConfig(**vars(p.parse_args(argv)))
     if config.tp < 1:
         p.error(f"--tp must be at least 1, got {config.tp}")

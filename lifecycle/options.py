@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
+from wire.worker_options import WORKER_OPTIONS
 
 if TYPE_CHECKING:
     from lifecycle.runtime import AppConfig
@@ -54,6 +55,16 @@ def _o(name: str, help: str, group: str, **kw: Any) -> Option:
     return Option(name, help, group, **kw)
 
 
+def _forwarded(name: str, group: str) -> Option:
+    """A worker option ``lifecycle serve`` offers and passes on (``runtime.worker_args``):
+    its help and type are the worker's (``wire.worker_options``); unset, the worker's own
+    default applies."""
+    o = _WORKER_OPTIONS[name]
+    assert o.forwarded, name
+    choices = f"{' | '.join(o.choices)}: " if o.choices else ""
+    return Option(name, choices + o.help_with_default, group, type=o.type)
+
+
 def _known(kind: str, name: str) -> str:
     """A parser name the API knows (argparse reports the ``ValueError``'s list)."""
     if kind == "reasoning":
@@ -77,6 +88,7 @@ def read_key_file(path: str | Path) -> tuple[str, ...]:
     return tuple(keys)
 
 
+_WORKER_OPTIONS = {o.name: o for o in WORKER_OPTIONS}
 _MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
     "model",
     "the worker",
@@ -126,22 +138,10 @@ OPTIONS: tuple[Option, ...] = (
         _WORKER,
         metavar="FILE",
     ),  # fmt: skip
-    _o("device", "cpu | cuda (default: cuda when present)", _WORKER),
-    _o("dtype", "the worker's weights and KV cache dtype", _WORKER),
-    _o(
-        "weights",
-        "auto | quantized | fp32 | q8_0 | q4_0: compute on the GGUF's quantized blocks "
-        "(auto: on the CPU), dequantize them at load (fp32), or quantize every matrix to "
-        "Q8_0 / Q4_0 at load (a float GGUF or a Hugging Face folder, on the CPU)",
-        _WORKER,
-    ),  # fmt: skip
-    _o(
-        "context_length",
-        "tokens a request may span, prompt and output (default: the model's; higher only "
-        "with RoPE scaling in the file)",
-        _MODEL,
-        type=int,
-    ),  # fmt: skip
+    _forwarded("device", _WORKER),
+    _forwarded("dtype", _WORKER),
+    _forwarded("weights", _WORKER),
+    _forwarded("context_length", _MODEL),
     _o(
         "chat_template",
         "a Jinja chat template file used instead of the model's (transformers' dialect)",
@@ -164,40 +164,13 @@ OPTIONS: tuple[Option, ...] = (
         _MODEL,
         type=lambda name: _known("tools", name),
     ),  # fmt: skip
-    _o("max_pending", "requests the worker may hold (running + waiting)", _WORKER, type=int),
-    _o("max_running", "requests the worker runs in one batch", _WORKER, type=int),
-    _o(
-        "kv_cache_tokens",
-        "tokens the KV cache holds (SGLang's --max-total-tokens; default: from --kv-memory-mib)",
-        _WORKER,
-        type=int,
-    ),  # fmt: skip
-    _o(
-        "kv_memory_mib",
-        "the KV cache's size in MiB, K and V of every layer in --dtype (default: 640 on "
-        "the CPU; on CUDA, --mem-fraction); not with --kv-cache-tokens",
-        _WORKER,
-        type=int,
-    ),  # fmt: skip
-    _o(
-        "mem_fraction",
-        "CUDA: the KV cache's share of free memory after the weights "
-        "(default 0.85 when no KV size is given)",
-        _WORKER,
-        type=float,
-    ),  # fmt: skip
-    _o(
-        "decode_graphs",
-        "decode steps from captured graphs: auto | on | eager | off (auto: CUDA graphs on CUDA)",
-        _WORKER,
-    ),  # fmt: skip
-    _o(
-        "tp",
-        "tensor-parallel ranks per spawned worker, one process each (default 1; at most "
-        "the model's KV heads)",
-        _WORKER,
-        type=int,
-    ),  # fmt: skip
+    _forwarded("max_pending", _WORKER),
+    _forwarded("max_running", _WORKER),
+    _forwarded("kv_cache_tokens", _WORKER),
+    _forwarded("kv_memory_mib", _WORKER),
+    _forwarded("mem_fraction", _WORKER),
+    _forwarded("decode_graphs", _WORKER),
+    _forwarded("tp", _WORKER),
     _o(
         "dp",
         "spawn this many workers, one router in front (data parallel; default 1, or 0 "

@@ -29,6 +29,7 @@ from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
 from wire.auth import resolve_token
+from wire.worker_options import WORKER_OPTIONS
 
 if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
@@ -96,26 +97,13 @@ class AppConfig:
 def worker_args(cfg: AppConfig) -> tuple[str, ...]:
     """The ``gpu.worker`` command-line options this configuration implies."""
     args: list[str] = []
-    options: list[tuple[str, Any]] = [
-        ("--max-pending", cfg.max_pending),
-        ("--max-running", cfg.max_running),
-    ]
-    if cfg.worker_module == "gpu.worker":  # the scripted worker loads no model
-        options += [
-            ("--model", cfg.model),
-            ("--device", cfg.device),
-            ("--dtype", cfg.dtype),
-            ("--weights", cfg.weights),
-            ("--context-length", cfg.context_length),
-            ("--kv-cache-tokens", cfg.kv_cache_tokens),
-            ("--kv-memory-mib", cfg.kv_memory_mib),
-            ("--mem-fraction", cfg.mem_fraction),
-            ("--decode-graphs", cfg.decode_graphs),
-            ("--tp", cfg.tp),
-        ]
-    for flag, value in options:
+    scripted = cfg.worker_module != "gpu.worker"  # the scripted worker loads no model
+    for o in WORKER_OPTIONS:
+        if not o.forwarded or (scripted and not o.scripted):
+            continue
+        value = getattr(cfg, o.serve_name or o.name)
         if value is not None:
-            args += [flag, str(value)]
+            args += [o.cli, str(value)]
     return (*args, *cfg.worker_extra_args)
 
 

@@ -208,8 +208,9 @@ def test_kv_plan_takes_the_fraction_less_the_step_reserve(lm: LoadedModel) -> No
 def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
     """The numbers /server_info would show on the card the CUDA issue names: SmolLM2's
     shape in bf16 with 139 GiB free (less ~0.3 GiB of weights) at the default 0.85."""
-    from gpu.memory import DEFAULT_MEM_FRACTION, plan_kv
+    from gpu.memory import plan_kv
     from modelfile.config import ModelConfig
+    from wire.worker_options import DEFAULT_MEM_FRACTION
 
     mc = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 100000.0, 1e-5, 8192, 49152, True,
                      1, 2, (2,), False, "SmolLM2")  # fmt: skip

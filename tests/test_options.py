@@ -67,8 +67,8 @@ def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
     server runs with by default holds exactly that value."""
     import dataclasses
 
-    from gpu.worker_config import DEFAULT_CPU_KV_MIB
     from lifecycle.options import _PLAIN
+    from wire.worker_options import DEFAULT_CPU_KV_MIB
 
     with pytest.raises(SystemExit):
         _build_parser().parse_args(["serve", "--help"])
@@ -101,3 +101,38 @@ def test_the_model_id_is_the_files_name_without_spaces(tmp_path) -> None:
     folder.mkdir()
     assert model_id(AppConfig(), str(folder)) == "Qwen2.5-0.5B-Instruct"
     assert model_id(AppConfig(served_model_name="mine"), str(folder)) == "mine"
+
+
+def test_the_worker_options_are_one_table() -> None:
+    """Issue 38: the worker's options are declared once (``wire.worker_options``). Its
+    argparse, ``WorkerConfig``'s fields and defaults, ``lifecycle serve``'s forwarded
+    options (name, type, help) and what ``worker_args`` passes on all come from that
+    table: every forwarded option set on ``lifecycle serve`` reaches the worker's config
+    with its value."""
+    import dataclasses
+
+    from gpu.worker_config import WorkerConfig, parse_config
+    from lifecycle.runtime import worker_args
+    from wire.worker_options import WORKER_OPTIONS, worker_defaults
+
+    fields = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    assert fields == worker_defaults()
+    assert dataclasses.replace(parse_config([]), token=None) == WorkerConfig()
+    by_name = {o.name: o for o in OPTIONS}
+    samples = {int: 7, float: 0.5, str: "x"}
+    given: dict[str, object] = {}
+    for w in WORKER_OPTIONS:
+        if not w.forwarded:
+            continue
+        serve = by_name[w.serve_name or w.name]
+        if w.serve_name is None:  # "model" says more on the serve side
+            assert serve.type == w.type and serve.help.endswith(w.help_with_default), w.name
+        given[w.serve_name or w.name] = w.choices[-1] if w.choices else samples[w.type]
+    # the worker takes one KV size at a time: each in its own round
+    for drop in ("kv_cache_tokens", "kv_memory_mib"):
+        values = {k: v for k, v in given.items() if k != drop}
+        worker = parse_config(list(worker_args(app_config(engine_values(None, values)))))
+        for w in WORKER_OPTIONS:
+            name = w.serve_name or w.name
+            if w.forwarded and name != drop:
+                assert getattr(worker, w.name) == values[name], w.name

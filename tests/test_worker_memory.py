@@ -8,13 +8,13 @@ import torch
 
 from gpu.memory import MemoryFootprint, kv_bytes_per_token
 from gpu.worker_config import (
-    DEFAULT_CPU_KV_MIB,
     WorkerConfig,
     build_engine,
     kv_blocks_for,
     parse_config,
 )
 from tests.tiny_gguf import TinyModel
+from wire.worker_options import DEFAULT_CPU_KV_MIB
 
 MIB = 2**20
 
@@ -117,7 +117,8 @@ def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
 def test_the_mixed_prefill_cap_defaults_by_device() -> None:
     """32 prompt tokens a mixed step on the CPU (ITL at 32 streams), the step budget on
     CUDA; a given value wins on both."""
-    from gpu.worker_config import CPU_MIXED_PREFILL_TOKENS, mixed_prefill_tokens
+    from gpu.worker_config import mixed_prefill_tokens
+    from wire.worker_options import CPU_MIXED_PREFILL_TOKENS
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert mixed_prefill_tokens(WorkerConfig(), cpu) == CPU_MIXED_PREFILL_TOKENS == 32

@@ -1,0 +1,120 @@
+"""The worker's options, declared once as torch-free data (``python -m gpu.worker --help``).
+
+``gpu/worker_config.py`` builds the worker's argparse and ``WorkerConfig``'s defaults
+from this table; ``lifecycle serve`` offers the options marked ``forwarded`` under the
+same name and help, and passes the ones set on to the worker it spawns
+(``lifecycle.runtime.worker_args``); the scripted worker takes those marked
+``scripted``. Defaults that the worker picks at start (by device) are ``None`` here, and
+the help says what it picks. Neither side imports the other: this module is the contract
+between them, like the rest of ``wire``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CPU_MIXED_PREFILL_TOKENS",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CPU_KV_MIB",
+    "DEFAULT_MEM_FRACTION",
+    "GRAPH_MODES",
+    "WEIGHT_MODES",
+    "WORKER_OPTIONS",
+    "WorkerOption",
+    "worker_defaults",
+]
+
+GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
+WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
+# 14,560 tokens of SmolLM2 in fp32 (46,080 bytes each): with the quantized weights (96 MiB)
+# and the rest (~260 MiB) the worker stays near llama-server's own resident size with
+# its default 32k-token f16 cache (862 MiB here), where 1024 MiB made it 1.6x that.
+DEFAULT_CPU_KV_MIB = 640
+DEFAULT_MEM_FRACTION = 0.85  # CUDA: the KV cache's share of free memory (gpu/memory.py)
+# On the CPU a step's time grows with its rows (about 1.8 ms a row at 32-64 rows), so a
+# prompt chunk that joins the decodes lengthens every stream's gap. Capping a mixed
+# step's prompt tokens at 32, measured 2026-12-04 (64 tokens in, 64 out, streaming):
+# at 32 streams ITL p50 / p99 104 / 126 ms at 277 tok/s, against 75 / 144 at cap 64
+# (305 tok/s) and 77 / 654 with no cap (512: waves of new prompts make 0.7 s steps);
+# at 4 and 16 streams throughput and TTFT p50 as without a cap.
+CPU_MIXED_PREFILL_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOption:
+    name: str  # the WorkerConfig field (and lifecycle's option of the same name)
+    help: str
+    type: type = str
+    default: Any = None  # the worker's; None: picked at start (the help says how)
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None  # None: --name with dashes
+    forwarded: bool = False  # lifecycle serve offers it and passes it on
+    serve_name: str | None = None  # lifecycle serve's name for it, when not ``name``
+    scripted: bool = False  # the scripted worker takes it too
+
+    @property
+    def cli(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def help_with_default(self) -> str:
+        """The help, ending with the default when the table has one."""
+        if self.default is None or "default" in self.help:
+            return self.help
+        return f"{self.help} (default: {self.default})"
+
+
+def _w(name: str, help: str, **kw: Any) -> WorkerOption:
+    return WorkerOption(name, help, **kw)
+
+
+WORKER_OPTIONS: tuple[WorkerOption, ...] = (
+    _w("model_path", "the model: a GGUF file or a Hugging Face folder", flag="--model",
+       forwarded=True, serve_name="model"),
+    _w("device", "cpu | cuda (default: cuda when present)", forwarded=True),
+    _w("dtype", "the weights' and the KV cache's dtype (default: bf16 on CUDA, fp32 on the "
+       "CPU)", forwarded=True),
+    _w("listen", "where the worker listens: unix:/path or tcp:HOST:PORT",
+       default="unix:/tmp/lifecycle-worker.sock"),
+    _w("weights", "auto: on the CPU keep the GGUF's quantized blocks and compute on them "
+       "(native kernels), else dequantize to --dtype; quantized: blocks for every "
+       "projection (floats requantized to Q8_0); fp32: dequantize all; q8_0 / q4_0: "
+       "quantize every matrix to that type at load (a float GGUF or a Hugging Face "
+       "folder, on the CPU)", choices=WEIGHT_MODES, default="auto", forwarded=True),
+    _w("context_length", "tokens a request may span, prompt and output (default: the "
+       "model's; higher only with RoPE scaling in the file)", type=int, forwarded=True),
+    _w("kv_cache_tokens", "tokens the KV cache holds, in whole blocks (SGLang's "
+       "--max-total-tokens; default: from --kv-memory-mib)", type=int, forwarded=True),
+    _w("kv_memory_mib", "the KV cache's size in MiB, K and V of every layer in --dtype "
+       f"(default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction); not with "
+       "--kv-cache-tokens", type=int, forwarded=True),
+    _w("mem_fraction", "CUDA: the KV cache's share of free memory after the weights, less "
+       f"a step's working set and the graph pool (default {DEFAULT_MEM_FRACTION} when no "
+       "KV size is given)", type=float, forwarded=True),
+    _w("decode_graphs", "decode steps replayed from captured graphs (auto: CUDA graphs on "
+       "CUDA)", choices=GRAPH_MODES, default="auto", forwarded=True),
+    _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE),
+    _w("max_running", "requests the worker runs in one batch", type=int, default=64,
+       forwarded=True, scripted=True),
+    _w("max_pending", "requests the worker may hold (running + waiting)", type=int,
+       default=256, forwarded=True, scripted=True),
+    _w("step_tokens", "tokens one step computes at most", type=int, default=512),
+    _w("mixed_prefill_tokens", "prompt tokens per step while other requests decode "
+       f"(bounds their ITL; default {CPU_MIXED_PREFILL_TOKENS} on the CPU, --step-tokens "
+       "on CUDA)", type=int),
+    _w("threads", "torch intra-op threads (default: torch's, all cores)", type=int),
+    _w("tp", "tensor-parallel ranks, one process each (at most the model's KV heads; one "
+       "torch thread per rank unless --threads)", type=int, default=1, forwarded=True),
+    _w("token", "serve only a frontend that knows this secret (default: "
+       "$LIFECYCLE_WORKER_TOKEN)"),
+    _w("tls_cert", "TLS on the TCP link (PEM chain)"),
+    _w("tls_key", "the certificate's key (PEM)"),
+)  # fmt: skip
+
+
+def worker_defaults() -> dict[str, Any]:
+    """Each option's default by name (``WorkerConfig``'s)."""
+    return {o.name: o.default for o in WORKER_OPTIONS}
