@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lifecycle.core.buffers import ADMISSION_BOUND
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
 from wire.worker_options import WORKER_OPTIONS
@@ -214,7 +215,7 @@ OPTIONS: tuple[Option, ...] = (
         "requests admitted and not yet dispatched; beyond: 503",
         _REQ,
         type=int,
-        default=1024,
+        default=ADMISSION_BOUND,
     ),  # fmt: skip
     _o("incremental_streaming_output", "stream deltas, not cumulative text", _REQ, **_SWITCH),
     _o(

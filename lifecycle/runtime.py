@@ -19,12 +19,13 @@ import anyio.abc
 
 from lifecycle.chat.reasoning import reasoning_in_effect
 from lifecycle.core import fields
+from lifecycle.core.buffers import CONTROL_HEADROOM
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.pool import POLICIES, Router, WorkerPool
-from lifecycle.core.states import DRAIN
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.options import OPTIONS
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
@@ -40,14 +41,22 @@ __all__ = ["AppConfig", "Runtime", "server_args", "worker_addresses", "worker_ar
 log = logging.getLogger("lifecycle.runtime")
 
 
+# The options' defaults (lifecycle/options.py), which AppConfig's fields of the same name take.
+_DEFAULT = {o.name: o.default for o in OPTIONS}
+
+
 @dataclass(frozen=True, slots=True)
 class AppConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = _DEFAULT["host"]
+    port: int = _DEFAULT["port"]
     model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
     served_model_name: str | None = None
-    weight_version: str = "default"  # meta_info.weight_version, /model_info (SGLang's)
-    strict_model_name: bool = False  # another model name: 404 (default: served)
+    weight_version: str = _DEFAULT[
+        "weight_version"
+    ]  # meta_info.weight_version, /model_info (SGLang's)
+    strict_model_name: bool = _DEFAULT[
+        "strict_model_name"
+    ]  # another model name: 404 (default: served)
     worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
     worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
     worker_tls_ca: str | None = None  # CA for tls: workers' certificates; None: the system's
@@ -68,19 +77,25 @@ class AppConfig:
     decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
-    router_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
-    max_queued: int = 1024  # admission bound in the frontend
-    incremental_streaming_output: bool = False
+    router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
+    max_queued: int = _DEFAULT["max_queued"]  # admission bound in the frontend
+    incremental_streaming_output: bool = _DEFAULT["incremental_streaming_output"]
     request_timeout: float | None = None  # every request's deadline (None: none)
-    strict_fields: bool = False  # an unknown body field is a 400 (else ignored, counted)
-    send_timeout: float = 30.0
-    hung_timeout: float = 60.0
-    drain_timeout: float = DRAIN.timeout_s  # SIGTERM: in-flight requests finish until then
+    strict_fields: bool = _DEFAULT[
+        "strict_fields"
+    ]  # an unknown body field is a 400 (else ignored, counted)
+    send_timeout: float = _DEFAULT["send_timeout"]
+    hung_timeout: float = _DEFAULT["hung_timeout"]
+    drain_timeout: float = _DEFAULT[
+        "drain_timeout"
+    ]  # SIGTERM: in-flight requests finish until then
     restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
     warmup: bool = True
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()  # also guard /debug/* (AppRouter treats it as admin)
-    open_admin_routes: bool = False  # user keys and no admin key: admin routes open to all
+    open_admin_routes: bool = _DEFAULT[
+        "open_admin_routes"
+    ]  # user keys and no admin key: admin routes open to all
     public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -88,8 +103,8 @@ class AppConfig:
     debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP span export (docs/monitoring.md)
     access_log: str | None = None  # "-": stderr; a path; None: off
-    access_log_format: str = "json"  # json | common
-    log_requests: bool = False  # the prompt text in access log lines
+    access_log_format: str = _DEFAULT["access_log_format"]  # json | common
+    log_requests: bool = _DEFAULT["log_requests"]  # the prompt text in access log lines
     cors_allow_origins: tuple[str, ...] = ()  # CORS answered for these ("*": any); () off
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -321,7 +336,7 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
         worker_args=worker_args(cfg),
         hung_timeout=cfg.hung_timeout,
         warmup=cfg.warmup,
-        max_queued=cfg.max_queued + 8,  # every admitted request fits, plus the warm-up
+        max_queued=cfg.max_queued + CONTROL_HEADROOM,  # every admitted request, and probes
     )
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)

@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AdmissionQueue", "Chunk", "OutputBuffer", "OutputOverflow"]
+__all__ = ["ADMISSION_BOUND", "CONTROL_HEADROOM", "AdmissionQueue", "Chunk", "OutputBuffer",
+           "OutputOverflow"]  # fmt: skip
+
+ADMISSION_BOUND = 1024  # requests admitted and not yet dispatched (--max-queued's default)
+# Dispatch-queue places beyond the admission bound: control probes (the warm-up, the
+# health generation) go through the worker client without taking an admission slot.
+CONTROL_HEADROOM = 8
 
 
 class AdmissionQueue:

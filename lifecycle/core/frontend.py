@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle.core.buffers import AdmissionQueue
+from lifecycle.core.buffers import ADMISSION_BOUND, AdmissionQueue
 from lifecycle.core.call import ExitCause, GenerateCall, owner_left
 from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import ServeError
@@ -37,7 +37,7 @@ log = logging.getLogger("lifecycle.core.frontend")
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
-    max_queued: int = 1024  # admitted and not yet dispatched; beyond: 503 + Retry-After
+    max_queued: int = ADMISSION_BOUND  # admitted, not yet dispatched; beyond: 503 + Retry-After
     incremental_streaming_output: bool = False
     output_margin: int = 8  # OutputBuffer limit = max_new_tokens + margin
     request_timeout: float | None = None  # a call's deadline, from its start (None: none)

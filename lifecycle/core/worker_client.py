@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 
 import wire
+from lifecycle.core.buffers import ADMISSION_BOUND, CONTROL_HEADROOM
 from lifecycle.core.states import Cause, WorkerHold
 from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_reason
 from lifecycle.core.wire_stream import FrameStream
@@ -55,7 +56,7 @@ class WorkerRefused(ConnectionError):
     """The worker would not serve this frontend (no token, or a wrong one)."""
 
 
-DEFAULT_MAX_QUEUED = 1024 + 8  # the frontend's admission bound plus control probes
+DEFAULT_MAX_QUEUED = ADMISSION_BOUND + CONTROL_HEADROOM  # admitted requests and probes
 
 
 class WorkerClient:
