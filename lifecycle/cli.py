@@ -12,7 +12,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from lifecycle.options import add_flags, app_config, option_values
+from lifecycle.options import add_flags, option_values
+from lifecycle.runtime import app_config
 from lifecycle.tracing.cli import add_trace_parser, run_trace
 
 if TYPE_CHECKING:

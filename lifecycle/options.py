@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lifecycle.core.buffers import ADMISSION_BOUND
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
 from wire.worker_options import WORKER_OPTIONS
 
-if TYPE_CHECKING:
-    from lifecycle.runtime import AppConfig
-
 __all__ = [
     "OPTIONS",
     "Option",
     "add_flags",
-    "app_config",
     "engine_values",
     "option_values",
     "read_key_file",
@@ -351,99 +346,3 @@ def engine_values(model: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any
             raise TypeError(f"{name!r} is an option of the HTTP server; the Engine has none")
     values = {o.name: o.default for o in OPTIONS}
     return {**values, **kwargs, "model": model if model is not None else kwargs.get("model")}
-
-
-def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
-    """The ``AppConfig`` for a full set of option values (``option_values`` or
-    ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
-    from lifecycle.runtime import AppConfig
-    from lifecycle.tracing.tracer import TraceConfig
-
-    v = dict(values)
-    keys = list(v["api_key"] or ())
-    if v["api_key_file"]:
-        keys += read_key_file(v["api_key_file"])
-    public = tuple(v["public_route"] or DEFAULT_PUBLIC_ROUTES)
-    fields: dict[str, Any] = dict(
-        **{k: v[k] for k in _PLAIN},
-        worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
-        worker_extra_args=tuple(_split_args(v["worker_args"])),
-        restart_backoff=_backoff(v["restart_backoff"]),
-        api_keys=tuple(keys),
-        admin_api_keys=tuple(v["admin_api_key"] or ()),
-        public_routes=() if v["no_public_routes"] else public,
-        trace=TraceConfig(
-            ring_size=v["trace_ring_size"],
-            log_path=v["trace_log"],
-            log_max_bytes=v["trace_log_max_bytes"],
-            log_backups=v["trace_log_backups"],
-            record_prompts=v["trace_prompts"],
-        ),
-        debug_routes=not v["disable_debug_routes"],
-        cors_allow_origins=tuple(
-            o.strip() for g in v.get("cors_allow_origins") or () for o in g.split(",") if o.strip()
-        ),
-    )
-    return AppConfig(**{**fields, **fixed})
-
-
-# Options that are AppConfig fields of the same name and value.
-_PLAIN = (
-    "host",
-    "port",
-    "model",
-    "served_model_name",
-    "weight_version",
-    "strict_model_name",
-    "worker",
-    "worker_token",
-    "worker_tls_ca",
-    "device",
-    "dtype",
-    "weights",
-    "context_length",
-    "chat_template",
-    "reasoning_parser",
-    "tool_call_parser",
-    "max_pending",
-    "max_running",
-    "kv_cache_tokens",
-    "kv_memory_mib",
-    "mem_fraction",
-    "decode_graphs",
-    "tp",
-    "dp",
-    "router_policy",
-    "max_queued",
-    "incremental_streaming_output",
-    "strict_fields",
-    "request_timeout",
-    "send_timeout",
-    "hung_timeout",
-    "drain_timeout",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "otlp_traces_endpoint",
-    "open_admin_routes",
-    "access_log",
-    "access_log_format",
-    "log_requests",
-)
-
-
-def _split_args(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    if not value:
-        return []
-    return shlex.split(value) if isinstance(value, str) else list(value)
-
-
-def _backoff(
-    value: str | float | list[float] | tuple[float, ...] | None,
-) -> tuple[float, ...] | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        return tuple(float(x) for x in value.split(","))
-    if isinstance(value, int | float):
-        return (float(value),)
-    return tuple(float(x) for x in value)

@@ -8,7 +8,8 @@ chat template, the frontend, the tracer and the metrics, built from one ``AppCon
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import shlex
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.pool import POLICIES, Router, WorkerPool
 from lifecycle.core.supervisor import Supervisor, SupervisorConfig
-from lifecycle.options import OPTIONS
+from lifecycle.options import OPTIONS, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
     from modelfile.check import CheckedModel
 
-__all__ = ["AppConfig", "Runtime", "server_args", "worker_addresses", "worker_args"]
+__all__ = ["AppConfig", "Runtime", "app_config", "server_args", "worker_addresses", "worker_args"]
 
 log = logging.getLogger("lifecycle.runtime")
 
@@ -341,3 +342,96 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)
     return Supervisor(sup_config)
+
+
+def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
+    """The ``AppConfig`` for a full set of option values (``option_values`` or
+    ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
+    v = dict(values)
+    keys = list(v["api_key"] or ())
+    if v["api_key_file"]:
+        keys += read_key_file(v["api_key_file"])
+    public = tuple(v["public_route"] or DEFAULT_PUBLIC_ROUTES)
+    fields: dict[str, Any] = dict(
+        **{k: v[k] for k in _PLAIN},
+        worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
+        worker_extra_args=tuple(_split_args(v["worker_args"])),
+        restart_backoff=_backoff(v["restart_backoff"]),
+        api_keys=tuple(keys),
+        admin_api_keys=tuple(v["admin_api_key"] or ()),
+        public_routes=() if v["no_public_routes"] else public,
+        trace=TraceConfig(
+            ring_size=v["trace_ring_size"],
+            log_path=v["trace_log"],
+            log_max_bytes=v["trace_log_max_bytes"],
+            log_backups=v["trace_log_backups"],
+            record_prompts=v["trace_prompts"],
+        ),
+        debug_routes=not v["disable_debug_routes"],
+        cors_allow_origins=tuple(
+            o.strip() for g in v.get("cors_allow_origins") or () for o in g.split(",") if o.strip()
+        ),
+    )
+    return AppConfig(**{**fields, **fixed})
+
+
+# Options that are AppConfig fields of the same name and value.
+_PLAIN = (
+    "host",
+    "port",
+    "model",
+    "served_model_name",
+    "weight_version",
+    "strict_model_name",
+    "worker",
+    "worker_token",
+    "worker_tls_ca",
+    "device",
+    "dtype",
+    "weights",
+    "context_length",
+    "chat_template",
+    "reasoning_parser",
+    "tool_call_parser",
+    "max_pending",
+    "max_running",
+    "kv_cache_tokens",
+    "kv_memory_mib",
+    "mem_fraction",
+    "decode_graphs",
+    "tp",
+    "dp",
+    "router_policy",
+    "max_queued",
+    "incremental_streaming_output",
+    "strict_fields",
+    "request_timeout",
+    "send_timeout",
+    "hung_timeout",
+    "drain_timeout",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "otlp_traces_endpoint",
+    "open_admin_routes",
+    "access_log",
+    "access_log_format",
+    "log_requests",
+)
+
+
+def _split_args(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    if not value:
+        return []
+    return shlex.split(value) if isinstance(value, str) else list(value)
+
+
+def _backoff(
+    value: str | float | list[float] | tuple[float, ...] | None,
+) -> tuple[float, ...] | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return tuple(float(x) for x in value.split(","))
+    if isinstance(value, int | float):
+        return (float(value),)
+    return tuple(float(x) for x in value)

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from lifecycle.cli import _build_parser
-from lifecycle.options import app_config, option_values
+from lifecycle.options import option_values
+from lifecycle.runtime import app_config
 
 from .app_helpers import running_app
 from .test_edge_security import KEY, KEY2

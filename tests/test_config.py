@@ -11,7 +11,8 @@ import pytest
 
 from lifecycle.cli import parse_args
 from lifecycle.config import ConfigError, env_values, file_values
-from lifecycle.options import OPTIONS, app_config, engine_values, option_values
+from lifecycle.options import OPTIONS, engine_values, option_values
+from lifecycle.runtime import app_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,8 @@ from websockets.asyncio.client import connect
 
 from lifecycle.api.auth import Auth, AuthConfig, Caller
 from lifecycle.cli import _build_parser
-from lifecycle.options import app_config, option_values, read_key_file
+from lifecycle.options import option_values, read_key_file
+from lifecycle.runtime import app_config
 from transport import Headers, Request
 
 from .app_helpers import running_app

@@ -7,7 +7,8 @@ import pytest
 
 from lifecycle.app import AppConfig
 from lifecycle.cli import _build_parser
-from lifecycle.options import OPTIONS, app_config, engine_values, option_values
+from lifecycle.options import OPTIONS, engine_values, option_values
+from lifecycle.runtime import app_config
 
 
 def _serve(*argv: str) -> AppConfig:
@@ -67,7 +68,7 @@ def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
     server runs with by default holds exactly that value."""
     import dataclasses
 
-    from lifecycle.options import _PLAIN
+    from lifecycle.runtime import _PLAIN
     from wire.worker_options import DEFAULT_CPU_KV_MIB
 
     with pytest.raises(SystemExit):

@@ -33,8 +33,8 @@ from lifecycle.engine.requests import (
     interleave,
     prompt_items,
 )
-from lifecycle.options import app_config, engine_values
-from lifecycle.runtime import Runtime, server_args
+from lifecycle.options import engine_values
+from lifecycle.runtime import Runtime, app_config, server_args
 from modelfile.gguf_meta import ModelFileError
 
 __all__ = ["Engine", "EngineError"]
