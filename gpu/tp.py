@@ -9,7 +9,7 @@ ints, then joins the collectives; a follower applies the same ops to its own sha
 KV cache in the same order. Engine and scheduler are unchanged.
 
 Messages go over a gloo group (the default group on CPU, a second one beside NCCL on
-CUDA). Followers run under ``lifecycle.core.child`` (``PR_SET_PDEATHSIG``), so they die
+CUDA). Followers run under ``wire.child`` (``PR_SET_PDEATHSIG``), so they die
 with rank 0, which spawns them from its main thread (the signal follows the thread that
 forked) and reaps them on shutdown; a follower that exits early takes rank 0 down, as
 a group out of step cannot recover.
@@ -244,7 +244,7 @@ def start_leader(
     for rank in range(1, world):
         env = {**os.environ, _ENV_RANK: str(rank), _ENV_WORLD: str(world)}
         env[_ENV_STORE] = f"127.0.0.1:{store.port}"
-        cmd = [sys.executable, "-m", "lifecycle.core.child", "gpu.tp", *args]
+        cmd = [sys.executable, "-m", "wire.child", "gpu.tp", *args]
         procs.append(subprocess.Popen(cmd, env=env))
     followers = Followers(procs, Channel(None))
     loaded = _load_shard(path, dev, dt, world, 0)  # shards are fp32 slices

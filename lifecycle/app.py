@@ -28,9 +28,9 @@ from lifecycle.api.routes import AppRouter
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
-from lifecycle.core.pool import WorkerPool
 from lifecycle.core.states import DRAIN
-from lifecycle.core.supervisor import Supervisor
+from lifecycle.link.pool import WorkerPool
+from lifecycle.link.supervisor import Supervisor
 from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics

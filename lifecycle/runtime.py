@@ -24,8 +24,8 @@ from lifecycle.core.buffers import CONTROL_HEADROOM
 from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
-from lifecycle.core.pool import POLICIES, Router, WorkerPool
-from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.link.pool import POLICIES, Router, WorkerPool
+from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 from lifecycle.options import OPTIONS, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import websockets
 
-from lifecycle.core.child import stop_process
+from wire.child import stop_process
 
 FLAGS = [
     "--headless",

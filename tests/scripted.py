@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lifecycle.core.child import stop_process
+from wire.child import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 

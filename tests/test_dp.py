@@ -1,4 +1,4 @@
-"""``serve --dp N``: several workers behind one frontend (lifecycle/core/pool.py), each a
+"""``serve --dp N``: several workers behind one frontend (lifecycle/link/pool.py), each a
 real scripted worker process under its own supervisor: both take a share, killing one
 mid-load fails only the streams it held while the rest complete and it comes back, and
 the router policies send a call where they say."""

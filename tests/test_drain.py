@@ -22,9 +22,9 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from lifecycle.core.child import stop_process
 from lifecycle.core.states import DRAIN
 from tests.scripted import ROOT, free_port
+from wire.child import stop_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -14,10 +14,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from lifecycle.core.child import stop_process
 from lifecycle.core.states import DRAIN
 from tests.test_drain import LONG, _body, _serve, _stream
 from tests.transport_helpers import read_until_closed
+from wire.child import stop_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

@@ -29,7 +29,7 @@ from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.live_calls import ABORT_MESSAGE
 from lifecycle.core.params import parse_generate
 from lifecycle.core.states import Cause
-from lifecycle.core.supervisor import Supervisor, SupervisorConfig
+from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 
 SUPERVISOR = SupervisorConfig(
     worker_module="lifecycle.testing.scripted_worker",

@@ -124,8 +124,8 @@ def test_kill_action_kills_the_process() -> None:
 async def test_control_call_on_a_lost_worker_connection_is_a_connection_error(tmp_path) -> None:  # noqa: ANN001
     """Found by the fault suite: /server_info polled in the instant between a worker's
     loss and the supervisor noticing answered 500 (an uncaught ClosedResourceError)."""
-    from lifecycle.core.wire_stream import FrameStream, listen, parse_address
-    from lifecycle.core.worker_client import WorkerClient
+    from lifecycle.link.wire_stream import FrameStream, listen, parse_address
+    from lifecycle.link.worker_client import WorkerClient
     from wire import Hello
 
     address = parse_address(f"unix:{tmp_path / 'w.sock'}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lifecycle.core.child import stop_process
+from wire.child import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lifecycle.core.child import stop_process
 from tests.test_frontend_no_torch import generate_once, serve_process, torch_libraries
 from tests.tiny_gguf import TinyModel
+from wire.child import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lifecycle", "transport", "wire", "modelfile", "gpu")

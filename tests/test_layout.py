@@ -5,11 +5,12 @@
 
 and, inside ``lifecycle``, never back:
 
-    api -> tracing -> core,  api -> chat -> core,  testing -> core
+    api -> tracing -> core,  api -> chat -> core,  testing -> link -> core
 
 (the faces report to the observability room, which knows no face; ``chat`` is the text
-side, HTTP-free, which the Engine uses without the faces). The frontend spawns the worker
-by module name (``python -m gpu.worker``): not an import."""
+side, HTTP-free, which the Engine uses without the faces; ``link`` is the process and
+socket side, which the sans-IO core reaches only through ``lifecycle.core.ports``). The
+frontend spawns the worker by module name (``python -m gpu.worker``): not an import."""
 
 from __future__ import annotations
 
@@ -37,13 +38,21 @@ _TOP = {
     "lifecycle.engine",
     "lifecycle.options",
 }
-_ROOMS = {"lifecycle.api", "lifecycle.chat", "lifecycle.tracing", "lifecycle.testing"}
+_ROOMS = {
+    "lifecycle.api",
+    "lifecycle.chat",
+    "lifecycle.link",
+    "lifecycle.tracing",
+    "lifecycle.testing",
+}
 FORBIDDEN_INSIDE = {
     "lifecycle/core": {*_ROOMS, *_TOP},
     "lifecycle/chat": {*_ROOMS - {"lifecycle.chat"}, *_TOP},
+    "lifecycle/link": {*_ROOMS - {"lifecycle.link"}, *_TOP},
     "lifecycle/api": {"lifecycle.testing", *_TOP},
     "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP},
-    "lifecycle/testing": {*_ROOMS - {"lifecycle.testing"}, *_TOP},
+    # the scripted worker is a wire peer: it frames the protocol with the link's stream
+    "lifecycle/testing": {*_ROOMS - {"lifecycle.testing", "lifecycle.link"}, *_TOP},
 }
 
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from lifecycle import app as app_module
-from lifecycle.core.child import stop_process
 from lifecycle.testing.pytest_plugin import free_port
+from wire.child import stop_process
 
 
 def test_the_ready_line_comes_once_health_is_200() -> None:

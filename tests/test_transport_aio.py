@@ -1,5 +1,5 @@
 """The asyncio socket stream and listener (``transport/aio.py``) and the worker side's
-frame connection (``lifecycle/core/wire_stream.py``), over real sockets."""
+frame connection (``lifecycle/link/wire_stream.py``), over real sockets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from lifecycle.core.wire_stream import (
+from lifecycle.link.wire_stream import (
     _MAX_READY,
     Address,
     FrameStream,

@@ -7,11 +7,11 @@ from typing import Any
 import anyio
 import pytest
 
+from lifecycle.core.ports import generate_probe
 from lifecycle.core.states import Cause
 from lifecycle.core.submission import WorkerFailure
-from lifecycle.core.supervisor import generate_probe
-from lifecycle.core.wire_stream import connect, parse_address
-from lifecycle.core.worker_client import WorkerClient
+from lifecycle.link.wire_stream import connect, parse_address
+from lifecycle.link.worker_client import WorkerClient
 
 from .scripted import scripted_worker
 
@@ -178,7 +178,7 @@ async def test_submit_frames_stay_under_the_limit_and_an_oversized_request_is_re
     """Issue 37 item 4: entries are cut into SUBMIT frames that each stay under the frame
     limit (here lowered to 2,000 bytes); one request that alone exceeds it is refused
     before dispatch, and nothing else is disturbed."""
-    import lifecycle.core.worker_client as wc
+    import lifecycle.link.worker_client as wc
     import wire
 
     monkeypatch.setattr(wc, "SUBMIT_ENTRY_LIMIT", 2000)

@@ -28,7 +28,7 @@ MUTS = [
     ),
     (
         "test_kv_not_leaked_on_abort_during_handoff",
-        "lifecycle/core/worker_client.py",
+        "lifecycle/link/worker_client.py",
         "            self._abort_lane.extend(live)\n",
         "            pass\n",
     ),
@@ -40,13 +40,13 @@ MUTS = [
     ),
     (
         "test_health_503_while_engine_hung",
-        "lifecycle/core/supervisor.py",
+        "lifecycle/link/supervisor.py",
         "        limit_ns = int(cfg.hung_timeout * 1e9)\n",
         "        limit_ns = 10**15\n",
     ),
     (
         "test_lost_dispatch_is_hung_even_while_stats_are_polled",
-        "lifecycle/core/worker_client.py",
+        "lifecycle/link/worker_client.py",
         "        lost = [rid for rid in reply.missing if rid in self._held]\n",
         "        lost: list[int] = []\n",
     ),
@@ -64,7 +64,7 @@ MUTS = [
     ),
     (
         "test_request_regressions.py::test_lost_dispatch_ends_alone_while_others_stream",
-        "lifecycle/core/worker_client.py",
+        "lifecycle/link/worker_client.py",
         "        lost = [rid for rid in reply.missing if rid in self._held]\n",
         "        lost: list[int] = []\n",
     ),
@@ -88,13 +88,13 @@ MUTS = [
     ),
     (
         "test_request_regressions.py::test_a_request_bigger_than_a_frame_is_split_not_fatal",
-        "lifecycle/core/worker_client.py",
+        "lifecycle/link/worker_client.py",
         "            if batch and size + sub.entry_bytes > SUBMIT_ENTRY_LIMIT:\n",
         "            if False:\n",
     ),
     (
         "test_request_regressions.py::test_one_abort_message_in_every_state",
-        "lifecycle/core/worker_client.py",
+        "lifecycle/link/worker_client.py",
         '                    reason["message"] = sub.abort_message  # ours, not the worker\'s words\n',
         "                    pass\n",
     ),

@@ -28,6 +28,7 @@ ROOMS: dict[str, str] = {
     "lifecycle": "frontend",
     "lifecycle.api": "frontend",
     "lifecycle.chat": "frontend",
+    "lifecycle.link": "frontend",
     "lifecycle.tracing": "frontend",
     "lifecycle.testing": "frontend",
     "lifecycle.core": "frontend",

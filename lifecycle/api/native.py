@@ -24,10 +24,11 @@ from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
-from lifecycle.core.pool import WorkerPool
 from lifecycle.core.results import chunks, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
-from lifecycle.core.supervisor import Supervisor
+from lifecycle.link.pool import WorkerPool
+from lifecycle.link.supervisor import Supervisor
+from lifecycle.link.worker_client import WorkerClient
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from wire.faults import fault_point
 
@@ -210,6 +211,7 @@ class NativeAPI:
         sup = self.fe.supervisor
         try:
             client = self.fe.ready_client()
+            assert isinstance(client, WorkerClient)  # the link's, behind the core's protocol
             if isinstance(sup, WorkerPool):
                 replies = await sup.flush()
             else:

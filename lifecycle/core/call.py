@@ -38,11 +38,11 @@ from lifecycle.core.fsm import RequestRecord, admit, new_request
 from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
 from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
+from lifecycle.core.ports import WorkerLink
 from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
-from lifecycle.core.worker_client import WorkerClient
 from wire import Finish
 
 __all__ = [
@@ -92,9 +92,9 @@ class CallHost(Protocol):
     @property
     def reasoning(self) -> ReasoningFormat | None: ...
 
-    def dp_rank(self, client: WorkerClient) -> int | None: ...
+    def dp_rank(self, client: WorkerLink) -> int | None: ...
 
-    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient: ...
+    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerLink: ...
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
 
@@ -149,7 +149,7 @@ class GenerateCall:
         self.req = req
         self.exit_cause = exit_cause
         self.runs: list[_ItemRun] = []
-        self.client: WorkerClient | None = None
+        self.client: WorkerLink | None = None
         self._wake = anyio.Event()
         self.started_ns = time.monotonic_ns()
         self.closed = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -23,12 +23,10 @@ from lifecycle.core.errors import ServeError
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.live_calls import LiveCalls
 from lifecycle.core.params import GenerateRequest
-from lifecycle.core.pool import WorkerPool
+from lifecycle.core.ports import WorkerLink, Workers, generate_probe
 from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import DRAIN, Cause, State
-from lifecycle.core.supervisor import Supervisor, generate_probe
-from lifecycle.core.worker_client import WorkerClient
 
 __all__ = ["Frontend", "FrontendConfig"]
 
@@ -46,16 +44,19 @@ class FrontendConfig:
     reasoning: ReasoningFormat | None = None
 
 
-class Frontend:
+W = TypeVar("W", bound=Workers)  # the runtime's Supervisor or WorkerPool
+
+
+class Frontend(Generic[W]):
     def __init__(
         self,
-        supervisor: Supervisor | WorkerPool,
+        supervisor: W,
         tokenizer: TokenizerLike,
         model_config: Any,
         config: FrontendConfig = FrontendConfig(),
     ) -> None:
         self.config = config
-        self.supervisor = supervisor
+        self.supervisor: W = supervisor
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.registry = Registry()
@@ -100,13 +101,13 @@ class Frontend:
     def reasoning(self) -> ReasoningFormat | None:
         return self.config.reasoning
 
-    def worker_index(self, client: WorkerClient) -> int | None:
+    def worker_index(self, client: WorkerLink) -> int | None:
         """The index of ``client``'s worker (``--dp``); None for a client a restart
         replaced."""
         members = self.supervisor.members
         return next((i for i, m in enumerate(members) if m.client is client), None)
 
-    def dp_rank(self, client: WorkerClient) -> int | None:
+    def dp_rank(self, client: WorkerLink) -> int | None:
         """``meta_info.dp_rank``: the worker's index, only when there are several."""
         return self.worker_index(client) if len(self.supervisor.members) > 1 else None
 
@@ -114,7 +115,7 @@ class Frontend:
     def output_margin(self) -> int:
         return self.config.output_margin
 
-    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerClient:
+    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerLink:
         """A ready worker's client; with several (``WorkerPool``), the one the router
         picks for ``prompt``."""
         if self.draining:
@@ -152,7 +153,7 @@ class Frontend:
                 log.exception("close observer failed")
 
     # -- health and drain ------------------------------------------------------------------
-    async def probe(self, timeout: float, client: WorkerClient | None = None) -> tuple[bool, str]:
+    async def probe(self, timeout: float, client: WorkerLink | None = None) -> tuple[bool, str]:
         """One real generation through admission (``/health_generate``), on ``client``
         (one worker of several), else on a ready worker."""
         client = client or self.ready_client()

@@ -1,7 +1,7 @@
 """What the worker holds for one submitted prompt, and where its samples' output goes.
 
 A ``Submission`` is the one record of that fact (``WorkerHold``, moved only along
-``states.HOLD_EDGES``). The dispatcher (``lifecycle.core.worker_client``) moves it; the
+``states.HOLD_EDGES``). The dispatcher (``lifecycle.link.worker_client``) moves it; the
 request record, the registry's tombstones, the abort lane and the egress ask it. Each
 sample's output goes to a ``Sink``; a sample that ends without a finish reason of the
 worker's ends with a ``WorkerFailure``.

@@ -37,7 +37,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 
-from lifecycle.core.child import stop_process
+from wire.child import stop_process
 from wire.faults import ENV_VAR, FaultPlan, FaultRule
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 import wire
-from lifecycle.core.wire_stream import FrameStream, parse_address, serve
+from lifecycle.link.wire_stream import FrameStream, parse_address, serve
 from wire.faults import fault_point
 
 __all__ = ["ScriptConfig", "ScriptedWorker", "main", "scripted_embedding"]

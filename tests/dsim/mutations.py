@@ -20,8 +20,8 @@ from lifecycle.core import call as call_mod
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause
-from lifecycle.core.supervisor import Supervisor
-from lifecycle.core.worker_client import WorkerClient
+from lifecycle.link.supervisor import Supervisor
+from lifecycle.link.worker_client import WorkerClient
 
 __all__ = ["MUTATIONS", "Mutation", "mutated"]
 

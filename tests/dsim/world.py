@@ -33,9 +33,9 @@ from lifecycle.core.frontend import Frontend, FrontendConfig
 from lifecycle.core.fsm import RawEntry, RequestRecord, set_observer
 from lifecycle.core.live_calls import LiveCalls
 from lifecycle.core.states import TERMINAL, Cause
-from lifecycle.core.supervisor import Supervisor, SupervisorConfig
-from lifecycle.core.wire_stream import FrameStream
-from lifecycle.core.worker_client import WorkerClient
+from lifecycle.link.supervisor import Supervisor, SupervisorConfig
+from lifecycle.link.wire_stream import FrameStream
+from lifecycle.link.worker_client import WorkerClient
 from lifecycle.runtime import AppConfig
 from lifecycle.testing.scripted_worker import ScriptConfig, ScriptedWorker
 from lifecycle.tracing.metrics import Metrics

@@ -1,4 +1,4 @@
-"""Run a module as a child that dies with its parent: ``python -m lifecycle.core.child MODULE ARGS``.
+"""Run a module as a child that dies with its parent: ``python -m wire.child MODULE ARGS``.
 
 A supervised worker must not outlive the frontend that started it (a killed frontend
 would otherwise leave a worker holding the device). On Linux the kernel delivers SIGTERM

@@ -33,7 +33,7 @@ import wire
 from lifecycle.core.buffers import ADMISSION_BOUND, CONTROL_HEADROOM
 from lifecycle.core.states import Cause, WorkerHold
 from lifecycle.core.submission import Sink, Submission, WorkerFailure, finish_reason
-from lifecycle.core.wire_stream import FrameStream
+from lifecycle.link.wire_stream import FrameStream
 from wire.faults import fault_point
 
 __all__ = [

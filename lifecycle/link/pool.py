@@ -26,8 +26,8 @@ from typing import Any
 
 import anyio
 
-from lifecycle.core.supervisor import Supervisor, supervision_info
-from lifecycle.core.worker_client import WorkerClient
+from lifecycle.link.supervisor import Supervisor, supervision_info
+from lifecycle.link.worker_client import WorkerClient
 
 __all__ = ["POLICIES", "Router", "WorkerPool"]
 

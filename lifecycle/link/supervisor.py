@@ -23,15 +23,14 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from lifecycle.core.buffers import OutputBuffer
-from lifecycle.core.submission import WorkerFailure
-from lifecycle.core.wire_stream import FrameStream, client_tls_context, connect, parse_address
-from lifecycle.core.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
+from lifecycle.core.ports import generate_probe
+from lifecycle.link.wire_stream import FrameStream, client_tls_context, connect, parse_address
+from lifecycle.link.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 
 __all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
 
-log = logging.getLogger("lifecycle.core.supervisor")
+log = logging.getLogger("lifecycle.link.supervisor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +157,7 @@ class Supervisor:
                     await _reap(proc, grace=3.0 if self._stopping else 0.0)
 
     async def _spawn(self, address: str) -> anyio.abc.Process:
-        argv = [sys.executable, "-m", "lifecycle.core.child", self.config.worker_module]
+        argv = [sys.executable, "-m", "wire.child", self.config.worker_module]
         argv += ["--listen", address]
         argv += list(self.config.worker_args)
         log.info("starting worker: %s", " ".join(argv))
@@ -249,45 +248,6 @@ class Supervisor:
 
     def info(self) -> dict[str, Any]:
         return supervision_info(self)
-
-
-class _ProbeSink:
-    """The probe's one sample: an ``OutputBuffer`` (its bound is the probe's length)
-    that wakes the probe when the sample ends."""
-
-    __slots__ = ("buffer", "ended")
-
-    def __init__(self, limit: int) -> None:
-        self.buffer = OutputBuffer(limit)
-        self.ended = anyio.Event()
-
-    def append(self, ids: list[int], extra: dict[str, Any] | None = None) -> None:
-        self.buffer.append(ids, extra)
-
-    def finish(self, reason: Any) -> None:
-        self.buffer.finish(reason)
-        self.ended.set()
-
-
-async def generate_probe(client: WorkerClient, max_new_tokens: int = 1) -> tuple[bool, str]:
-    """One real generation; passes only on its own output. Admission is the caller's
-    (``Frontend.probe``); the warm-up runs before any request is admitted."""
-    sink = _ProbeSink(max_new_tokens)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    sub = client.submit([0], sampling, {}, [sink])
-    try:
-        await sink.ended.wait()
-    finally:
-        if not sink.buffer.ended:
-            client.abort(sub, forget=True)
-    chunk = sink.buffer.take_nowait()
-    assert chunk is not None  # the sample ended: its end is there to take
-    got, end = len(chunk.ids), chunk.end
-    if isinstance(end, WorkerFailure):
-        return False, f"{end.cause.value}: {end.message}"
-    if got != max_new_tokens:
-        return False, f"expected {max_new_tokens} tokens, got {got} ({end})"
-    return True, "ok"
 
 
 async def _reap(proc: anyio.abc.Process, grace: float) -> None:
