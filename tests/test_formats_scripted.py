@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from lifecycle.chat.reasoning import REASONING_PARSERS
+
 from .scripted import lifecycle_server
 from .tool_cases import TOOLS
 
@@ -193,3 +195,45 @@ def test_generate_meta_info_counts_reasoning_tokens(
     plain = {"text": "Plain answer.", "sampling_params": {"max_new_tokens": 3}}
     meta = httpx.post(url + "/generate", json=plain, timeout=30).json()["meta_info"]
     assert meta["reasoning_tokens"] == 0
+
+
+@pytest.fixture(scope="module", params=sorted(REASONING_PARSERS))
+def parser_server(request: Any, tmp_path_factory: Any) -> Iterator[tuple[str, str, openai.OpenAI]]:
+    """A server with ``--reasoning-parser NAME`` and the echo template (no tools)."""
+    path = Path(tmp_path_factory.mktemp("tpl")) / "echo.jinja"
+    path.write_text("{{ messages[-1]['content'] }}<|im_end|>")
+    with lifecycle_server("--scripted-worker", "--chat-template", str(path),
+                          "--reasoning-parser", request.param) as url:  # fmt: skip
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        yield request.param, url, client
+
+
+def test_every_reasoning_parser_unary_and_streamed(
+    parser_server: tuple[str, str, openai.OpenAI],
+) -> None:
+    """Each ``--reasoning-parser`` on a reply in its family's format, through the real
+    server and the official client: a forced one (DeepSeek-R1, Qwen3-Thinking, ...)
+    starts inside the reasoning, so its reply has no start tag; Kimi's tags are its own.
+    The reasoning and the answer come apart the same way unary and streamed, and the
+    usage counts the reasoning's tokens, its tags included."""
+    name, url, client = parser_server
+    fmt = REASONING_PARSERS[name]
+    thought = f"{fmt.start}\n" if not fmt.forced else ""
+    thought += f"The user wants two things.\n{fmt.end}"
+    end = httpx.post(url + "/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    body = {"model": "m", "messages": [{"role": "user", "content": thought + "\n\nAnswer."}],
+            "max_tokens": 200, "extra_body": {"stop_token_ids": end}}  # fmt: skip
+    r = client.chat.completions.create(**body)
+    message = r.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (
+        "The user wants two things.", "Answer.",
+    ), name  # fmt: skip
+    ids = httpx.post(url + "/tokenize", json={"prompt": thought}).json()["tokens"]
+    assert r.usage is not None and r.usage.completion_tokens_details is not None
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(ids), name
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == ("The user wants two things.", "Answer."), name

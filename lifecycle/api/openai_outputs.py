@@ -238,7 +238,10 @@ class ChoiceState:
         """The output tokens of the reasoning (0 without a reasoning format)."""
         if self.reasoning is None:
             return 0
-        texts = (self.texts.tok.token_text(i) for i in self.sample.ids)
+        if self.sample.reasoning is not None:  # counted as the tokens came
+            return self.sample.reasoning.tokens
+        stream = self.texts.tok.decode_stream(skip_special_tokens=False)
+        texts = (stream.step(i) for i in self.sample.ids)
         return reasoning_tokens(texts, self.reasoning, self.reasoning_open)
 
     def role_choice(self) -> dict[str, Any]:

@@ -115,9 +115,12 @@ class SampleOutput:
         self.sent_chars = 0
         self.final_text: str | None = None
         self._lp_pos = 0  # output position of the next logprob entry while consuming
-        self.reasoning = (
-            ReasoningCount(opts.reasoning, opts.reasoning_open) if opts.reasoning else None
-        )
+        # the reasoning's count reads each token's text as a stream decodes it (a token
+        # that ends inside a multi-byte character adds "" and still counts)
+        self.reasoning: ReasoningCount | None = None
+        if opts.reasoning is not None:
+            self.reasoning = ReasoningCount(opts.reasoning, opts.reasoning_open)
+            self._reasoning_text = tokenizer.decode_stream(skip_special_tokens=False)
 
     # -- input ---------------------------------------------------------------------------
     def consume(self, chunk: Chunk) -> None:
@@ -129,7 +132,7 @@ class SampleOutput:
             self.text.feed(chunk.ids)
             if self.reasoning is not None:
                 for i in chunk.ids:
-                    self.reasoning.feed(self.tok.token_text(i))
+                    self.reasoning.feed(self._reasoning_text.step(i))
         for extra in chunk.extras:
             self._extra(extra)
 
