@@ -250,7 +250,7 @@ class Runtime:
         probe = call_probe(fe.calls, self.worker_of, self.worker_name, prompts)
         recorder = self._recorder(fe) if self.config.trace.record_prompts else None
         tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe, recorder=recorder)
-        tracer.install()
+        fe.events.subscribe(tracer)  # its transition and released hooks
         return tracer
 
     def served_model_id(self) -> str:
@@ -276,8 +276,10 @@ class Runtime:
         return otlp
 
     def close(self) -> None:
-        """Logs the traces left and uninstalls the observer: after every request task
-        ended, so those cancelled at shutdown reach the log too."""
+        """Logs the traces left and gives the state machine's observer back: after every
+        request task ended, so those cancelled at shutdown reach the log too."""
+        if self.frontend is not None:
+            self.frontend.events.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.otlp is not None:

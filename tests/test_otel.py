@@ -111,7 +111,7 @@ def attributes(kvs: Any) -> dict[str, Any]:
 
 
 def exporter_of(app: App) -> OtlpExporter:
-    owners = [getattr(o, "__self__", None) for o in app.frontend.close_observers]
+    owners = [getattr(o, "__self__", None) for o in app.frontend.events._hooks["closed"]]
     return next(o for o in owners if isinstance(o, OtlpExporter))
 
 

@@ -74,7 +74,7 @@ class AccessLog:
             if self._own_fd
             else sys.stderr.fileno()
         )
-        frontend.open_observers.append(self._opened)
+        frontend.events.subscribe(self)
 
     def begin(self, route: str, request: Request) -> contextvars.Token[Exchange | None]:
         """The exchange of ``request``, current in the handler's task until ``end``."""
@@ -123,7 +123,7 @@ class AccessLog:
             os.close(self.fd)
             self._own_fd = False
 
-    def _opened(self, call: GenerateCall) -> None:
+    def opened(self, call: GenerateCall) -> None:
         ex = _current.get()
         if ex is not None:
             ex.calls.append(call)

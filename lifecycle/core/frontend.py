@@ -10,7 +10,7 @@ its ``CallHost``. Knows nothing of HTTP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +20,7 @@ from lifecycle.core.buffers import ADMISSION_BOUND, AdmissionQueue
 from lifecycle.core.call import ExitCause, GenerateCall, owner_left
 from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import ServeError
+from lifecycle.core.events import Events
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.live_calls import LiveCalls
 from lifecycle.core.params import GenerateRequest
@@ -68,12 +69,9 @@ class Frontend(Generic[W]):
         self.failed: dict[str, int] = {}
         self.output_tokens = 0  # of every closed call, all samples
         self.draining = False
-        # Called once per call, after close() has driven every record to its terminal state
-        # (metrics count there, never per token).
-        self.close_observers: list[Callable[[GenerateCall], None]] = []
-        # Called with each new call, in the task that made it (the access log and the
-        # OpenTelemetry export read the HTTP request's context there).
-        self.open_observers: list[Callable[[GenerateCall], None]] = []
+        # The one feed the tracer, metrics, access log and export subscribe to
+        # (opened / transition / released / closed; lifecycle.core.events).
+        self.events = Events()
 
     def call(
         self, req: GenerateRequest, exit_cause: ExitCause | None = None, *, owner: object = None
@@ -85,11 +83,7 @@ class Frontend(Generic[W]):
         ``request_timeout``. It closes itself once its last sample ended."""
         call = GenerateCall(self, req, exit_cause or owner_left, self.config.request_timeout)
         self.calls.own(call, owner)
-        for observe in self.open_observers:
-            try:
-                observe(call)
-            except Exception:  # an observer's bug must not refuse the request
-                log.exception("open observer failed")
+        self.events.opened(call)
         return call
 
     # -- what a call asks (CallHost) ---------------------------------------------------------
@@ -146,11 +140,7 @@ class Frontend(Generic[W]):
                 self.finished += 1
             elif rec.cause is not None:
                 self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
-        for observe in self.close_observers:
-            try:
-                observe(call)
-            except Exception:  # an observer's bug must not leak the request
-                log.exception("close observer failed")
+        self.events.closed(call)
 
     # -- health and drain ------------------------------------------------------------------
     async def probe(self, timeout: float, client: WorkerLink | None = None) -> tuple[bool, str]:

@@ -4,7 +4,7 @@ without HTTP.
 
 Nothing here runs per token. Counters and histograms move once per HTTP request (the
 route wrapper calls ``observe_http``) and once per generation record when its call is
-closed (``observe_call``, a ``Frontend`` close observer: the one place every request
+closed (``closed``, from the frontend's event feed: the one place every request
 reaches its terminal state). Gauges are read at scrape time from the registry, the
 admission queue, the supervisor and one STATS round trip to the worker, which also
 carries the worker's step histograms (``wire/stats.py``: counted once per step there).
@@ -133,19 +133,10 @@ class Metrics:
             f"{p}_http_requests", "HTTP requests by route and status.",
             ["endpoint", "method", "status"], registry=r,
         )  # fmt: skip
-        self.requests = Counter(
-            f"{p}_requests", "Generation requests that reached a terminal state, by outcome "
-            "(done, or the error cause).", ["outcome"], registry=r,
-        )  # fmt: skip
-        self.errors = Counter(
-            f"{p}_request_errors", "Generation requests that ended in error, by cause.",
-            ["cause"], registry=r,
-        )  # fmt: skip
+        # Requests by outcome and the tokens generated are the frontend's own tallies
+        # (Frontend.finished / failed / output_tokens), read at scrape: counted once.
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter(
-            f"{p}_generation_tokens", "Tokens generated (all samples).", registry=r
         )
         self.cache_hit_tokens = Counter(
             f"{p}_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
@@ -183,7 +174,7 @@ class Metrics:
         # open file descriptors (Linux /proc; nothing elsewhere).
         ProcessCollector(namespace=p, registry=r)
         self.registry.register(_LiveCollector(self))
-        frontend.close_observers.append(self.observe_call)
+        frontend.events.subscribe(self)
 
     def watch_tracer(self, tracer: TracerHealth) -> None:
         """Report the tracer's health: its failures and whether ``--trace-log`` writes."""
@@ -193,14 +184,10 @@ class Metrics:
     def observe_http(self, endpoint: str, method: str, status: int) -> None:
         self.http_requests.labels(endpoint, method, str(status)).inc()
 
-    def observe_call(self, call: GenerateCall) -> None:
+    def closed(self, call: GenerateCall) -> None:
         """One observation per record of a closed call (each has reached its terminal state)."""
         for run in call.runs:
             rec = run.rec
-            outcome = rec.state.value if rec.state is State.DONE else _cause(rec.cause)
-            self.requests.labels(outcome).inc()
-            if rec.state is not State.DONE:
-                self.errors.labels(outcome).inc()
             timings = record_timings(rec.trace, rec.created_ns)
             self.e2e.observe(timings["e2e"])
             if "queue" in timings:
@@ -217,7 +204,6 @@ class Metrics:
                 self.finish_reasons.labels(finish_label(rec.state, rec.cause, None)).inc()
             for sample in run.samples:
                 n = len(sample.ids)
-                self.generation_tokens.inc(n)
                 self.cache_hit_tokens.inc(sample.cached_tokens)
                 self.output_len.observe(n)
                 self.finish_reasons.labels(finish_label(rec.state, rec.cause, sample.finish)).inc()
@@ -278,6 +264,7 @@ class _LiveCollector(Collector):
         for state, count in fe.registry.counts_by_state().items():
             states.add_metric([state], count)
         yield states
+        yield from _outcomes(fe)
         yield _gauge("tombstones", "Ended requests the worker has not released yet.",
                      fe.registry.tombstones)  # fmt: skip
         yield _gauge("admission_queue_depth", "Requests admitted and not yet dispatched.",
@@ -385,6 +372,29 @@ class _LiveCollector(Collector):
 def _le(bound: float) -> str:
     """A bucket bound as Prometheus writes it (``+Inf``, ``0.005``, ``16.0``)."""
     return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+def _outcomes(fe: Frontend) -> Iterator[Metric]:
+    """The frontend's tallies of ended requests and generated tokens, as counters."""
+    p = PREFIX
+    requests = CounterMetricFamily(
+        f"{p}_requests", "Generation requests that reached a terminal state, by outcome "
+        "(done, or the error cause).", labels=["outcome"],
+    )  # fmt: skip
+    errors = CounterMetricFamily(
+        f"{p}_request_errors", "Generation requests that ended in error, by cause.",
+        labels=["cause"],
+    )  # fmt: skip
+    if fe.finished:
+        requests.add_metric(["done"], fe.finished)
+    for cause, count in sorted(fe.failed.items()):
+        requests.add_metric([cause], count)
+        errors.add_metric([cause], count)
+    yield requests
+    yield errors
+    yield CounterMetricFamily(
+        f"{p}_generation_tokens", "Tokens generated (all samples).", fe.output_tokens
+    )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

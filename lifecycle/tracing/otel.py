@@ -179,8 +179,7 @@ class OtlpExporter:
 
     # -- installation ---------------------------------------------------------------------
     def install(self, frontend: Frontend) -> None:
-        frontend.open_observers.append(self.opened)
-        frontend.close_observers.append(self.closed)
+        frontend.events.subscribe(self)
         logging.getLogger(_SDK_LOGGER).addFilter(self._silencer)
         self._thread.start()
         log.info("exporting request spans to %s", self.config.endpoint)

@@ -64,7 +64,7 @@ def _metrics(fe: Frontend) -> Metrics:
         return _shared_metrics[0]
     metrics = _shared_metrics[0]
     metrics.fe = fe
-    fe.close_observers.append(metrics.observe_call)
+    fe.events.subscribe(metrics)
     return metrics
 
 
@@ -301,7 +301,7 @@ class World:
         fe.calls = calls
         self.frontend = fe
         self.call_labels: dict[int, str] = {}  # id(call) -> its request's "user" (no rid)
-        fe.open_observers.append(self._opened)
+        fe.events.subscribe(self)  # its opened hook
         metrics = _metrics(fe)
         router, api, auth = _routes(app_config, fe, metrics, checked.chat, "")
         server_config = ServerConfig(
@@ -335,7 +335,7 @@ class World:
             return None, ()
         return self.supervisor.life_of.get(id(client)), tuple(range(rid, rid + n))
 
-    def _opened(self, call: Any) -> None:
+    def opened(self, call: Any) -> None:
         """Name a call of a face without rids (/v1/responses, /v1/embeddings) after the
         ``user`` field of the HTTP request whose handler opened it."""
         end = self.server.listener.serving.get(asyncio.current_task())
