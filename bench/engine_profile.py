@@ -1,7 +1,7 @@
 """Where a whole engine step's time goes at a large batch: the worker's host work per row.
 
-    python bench/engine_profile.py [--model GGUF] [--device cuda|cpu] [--batch 256]
-                                   [--prompt 64] [--steps 20] [--json PATH]
+    python bench/engine_profile.py [--model GGUF | --tiny] [--device cuda|cpu]
+                                   [--batch 256] [--prompt 64] [--steps 20] [--json PATH]
 
 Served on a GPU at 256 streams the worker's step took ~35 ms against ~3-4 ms of captured
 decode on the device (docs/benchmarks.md, the H200 figures): the rest is the host. This
@@ -10,6 +10,12 @@ worker builds it, decode graphs on CUDA), runs their prefills, then times ``--st
 pure-decode steps twice: plain (wall time per step and per row), and under cProfile,
 printing the functions with the most time of their own. ``--device cpu`` runs the same
 on the CPU (where the model itself is most of a step).
+
+Each step's time is split at the model call (``ModelRunner.run``): the host's share is
+the rest of the step (scheduling, input preparation, sampling and its bookkeeping, the
+STEP entries) plus encoding the STEP frame the worker would send. ``--tiny`` runs a
+random two-layer model (``tests/tiny_gguf.py``), so on the CPU the model call is small
+and the host's cost per row shows (issue 39's figure: at most 1 ms a step at batch 256).
 """
 
 from __future__ import annotations
@@ -34,12 +40,20 @@ import torch  # noqa: E402
 
 from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
-from wire import SubmitEntry, pack_ids  # noqa: E402
+from wire import Step, SubmitEntry, encode_frame, pack_ids  # noqa: E402
+
+
+def new_tokens(args: argparse.Namespace) -> int:
+    """Enough output that no request ends before the timed steps: the prefills of the
+    whole batch take about ``batch * prompt / step budget`` steps while the first ones
+    already decode (a request that ended would shrink the batch, and ``fill`` would wait
+    for a full batch forever)."""
+    return args.steps * 3 + 4 + -(-args.batch * args.prompt // 128)
 
 
 def build(args: argparse.Namespace) -> Engine:
     lm = load_model(args.model, device=args.device)
-    blocks = args.batch * (-(-(args.prompt + args.steps * 3 + 8) // 16))
+    blocks = args.batch * (-(-(args.prompt + new_tokens(args) + 4) // 16))
     graphs = "auto" if lm.device.type == "cuda" else "off"
     return Engine(lm, EngineConfig(blocks, 16, args.batch, args.batch, 512, 512, graphs))
 
@@ -47,7 +61,7 @@ def build(args: argparse.Namespace) -> Engine:
 def fill(engine: Engine, args: argparse.Namespace) -> None:
     """Every request admitted and decoding."""
     vocab = engine.model.config.vocab_size
-    sampling = {"temperature": 0, "ignore_eos": True, "max_new_tokens": args.steps * 3 + 4}
+    sampling = {"temperature": 0, "ignore_eos": True, "max_new_tokens": new_tokens(args)}
     prompts = [[(17 + i * 31 + j) % vocab for j in range(args.prompt)] for i in range(args.batch)]
     errors, _ = engine.submit(
         [SubmitEntry(i + 1, pack_ids(p), sampling, {}) for i, p in enumerate(prompts)]
@@ -61,18 +75,42 @@ def fill(engine: Engine, args: argparse.Namespace) -> None:
         engine.step()
 
 
-def timed(engine: Engine, steps: int) -> list[float]:
+class _ModelClock:
+    """Wraps the engine's model call and adds up its time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.run, self.ms = engine.runner.run, 0.0
+        engine.runner.run = self  # type: ignore[method-assign]
+
+    def __call__(self, step: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.run(step)
+        finally:
+            self.ms += (time.perf_counter() - t) * 1e3
+
+
+def timed(
+    engine: Engine, steps: int, clock: _ModelClock | None = None
+) -> list[tuple[float, float]]:
+    """(whole step with its STEP frame's encoding, model call) in ms, per step."""
     out = []
     for _ in range(steps):
+        before = clock.ms if clock is not None else 0.0
         t = time.perf_counter()
-        engine.step()
-        out.append((time.perf_counter() - t) * 1e3)
+        entries = engine.step()
+        encode_frame(Step(engine.step_no, entries))
+        whole = (time.perf_counter() - t) * 1e3
+        out.append((whole, (clock.ms - before) if clock is not None else 0.0))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--tiny", action="store_true", help="a random two-layer model (tests/tiny_gguf.py)"
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=64)
@@ -80,13 +118,27 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.tiny:
+        import tempfile
+
+        from tests.tiny_gguf import write_tiny_gguf
+
+        args.model = str(pathlib.Path(tempfile.mkdtemp()) / "tiny.gguf")
+        write_tiny_gguf(pathlib.Path(args.model))
     engine = build(args)
     fill(engine, args)
-    ms = sorted(timed(engine, args.steps))
-    med = ms[len(ms) // 2]
+    clock = _ModelClock(engine)
+    pairs = timed(engine, args.steps, clock)
+    ms = sorted(w for w, _ in pairs)
+    host = sorted(w - m for w, m in pairs)
+    model = sorted(m for _, m in pairs)
+    med, host_med, model_med = ms[len(ms) // 2], host[len(host) // 2], model[len(model) // 2]
     print(f"{engine.model.config.name} on {engine.cache.device}, batch {args.batch}: "
           f"decode step median {med:.2f} ms (min {ms[0]:.2f}), "
           f"{med * 1e3 / args.batch:.1f} us a row")  # fmt: skip
+    print(f"  model call {model_med:.2f} ms; host (the rest of the step and the STEP frame) "
+          f"{host_med:.2f} ms = {host_med * 1e3 / args.batch:.1f} us a row, "
+          f"{100 * host_med / med:.0f}% of the step")  # fmt: skip
     prof = cProfile.Profile()
     prof.enable()
     timed(engine, args.steps)
@@ -96,6 +148,7 @@ def main() -> int:
     print(text.getvalue())
     if args.json:
         out: dict[str, Any] = {"batch": args.batch, "step_ms": ms, "median_ms": med,
+                               "host_median_ms": host_med, "model_median_ms": model_med,
                                "device": str(engine.cache.device), "torch": torch.__version__,
                                "profile": text.getvalue()}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
