@@ -208,7 +208,7 @@ def _routes(
     strict = cfg.strict_model_name
     openai = OpenAIAPI(
         frontend, chat, model_id=served, model_path=path, strict_model=strict,
-        reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
+        tool_call_parser=cfg.tool_call_parser,
     )  # fmt: skip
     openai.install(router)
     reasoning = openai.reasoning.name if openai.reasoning is not None else None

@@ -21,7 +21,7 @@ import orjson
 from lifecycle.api.calls import http_call, run_unary
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
-from lifecycle.chat.reasoning import ReasoningFormat, reasoning_in_effect
+from lifecycle.chat.reasoning import ReasoningFormat
 from lifecycle.chat.tool_formats import ToolFormat, detect_tool_format, tool_format
 from lifecycle.chat.tool_params import ToolSpec
 from lifecycle.chat.tool_prompt import render_chat
@@ -53,7 +53,6 @@ class OpenAIAPI:
         model_id: str,
         model_path: str | None = None,
         strict_model: bool = False,
-        reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
         from lifecycle.core.version import __version__
@@ -69,9 +68,9 @@ class OpenAIAPI:
         self.created = int(time.time())
         self.fingerprint = fingerprint(__version__, model_path or model_id)
         self.texts = TokenTexts(frontend.tokenizer)
-        self.reasoning, self.tool_format = chat_formats(
-            chat_template, reasoning_parser, tool_call_parser
-        )
+        # the server's reasoning format is the frontend's (the one the core counts by)
+        self.reasoning: ReasoningFormat | None = frontend.reasoning
+        self.tool_format = chat_tool_format(chat_template, tool_call_parser)
 
     def install(self, router: Router) -> None:
         router.add("POST", "/v1/completions", self.completions)
@@ -139,12 +138,12 @@ class OpenAIAPI:
     async def chat_completions(self, request: Request) -> Response:
         try:
             oreq, messages = parse_chat(await self._body(request), **self._chat_opts())
-            ids, opened = await self._chat_prompt(
+            ids = await self._chat_prompt(
                 messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
             )
         except OpenAIError as exc:
             return openai_error(exc)
-        return await self._generate(request, oreq, [ids], [""], "messages", opened)
+        return await self._generate(request, oreq, [ids], [""], "messages")
 
     async def _chat_prompt(
         self,
@@ -152,10 +151,9 @@ class OpenAIAPI:
         continue_final: bool = False,
         tools: ToolSpec | None = None,
         variables: dict[str, Any] | None = None,
-    ) -> tuple[list[int], bool]:
-        """The prompt ids, and whether the prompt opened the reasoning (the output starts
-        inside it); ``continue_final``: the last (assistant) message left open, so the
-        model continues it; ``tools``: rendered as ``tool_prompt`` says; ``variables``:
+    ) -> list[int]:
+        """The prompt ids; ``continue_final``: the last (assistant) message left open, so
+        the model continues it; ``tools``: rendered as ``tool_prompt`` says; ``variables``:
         the request's ``chat_template_kwargs``."""
         if self.template is None:
             raise OpenAIError("This model has no chat template; use /v1/completions.")
@@ -170,9 +168,8 @@ class OpenAIAPI:
             )
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None
-        opened = self.reasoning is not None and self.reasoning.opened_by(text)
         # The template writes its own special tokens (BOS included, when it wants one).
-        return (await self.fe.codec.encode([text], add_special_tokens=False))[0], opened
+        return (await self.fe.codec.encode([text], add_special_tokens=False))[0]
 
     async def native_request(self, api: str, body: Any) -> GenerateRequest:
         """An OpenAI ``completions`` or ``chat`` body as the native request (for the
@@ -181,7 +178,7 @@ class OpenAIAPI:
             oreq = parse_completion(body, **self._opts())
             return oreq.generate_request(oreq.prompts)
         oreq, messages = parse_chat(body, **self._chat_opts())
-        ids, _ = await self._chat_prompt(
+        ids = await self._chat_prompt(
             messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
         )
         return oreq.generate_request([ids])
@@ -193,13 +190,12 @@ class OpenAIAPI:
         prompts: list[str | list[int]],
         echo: list[str],
         prompt_param: str,
-        opened: bool = False,
     ) -> Response:
         async with http_call(self.fe, oreq.generate_request(prompts), request) as call:
             refused = await start_call(call, prompt_param)
             if refused is not None:
                 return refused
-            choices = self._choices(call, oreq, echo, opened)
+            choices = self._choices(call, oreq, echo)
             ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             if oreq.stream:
                 events = self._events(call, oreq, choices, ids)
@@ -207,11 +203,10 @@ class OpenAIAPI:
             return await self._unary(call, request, oreq, choices, ids)
 
     def _choices(
-        self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str], opened: bool = False
+        self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str]
     ) -> list[ChoiceState]:
         """One state per sample, in the frontend's order (``GenerateCall.samples``); the
-        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``;
-        ``opened``: the chat prompt opened the reasoning."""
+        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``."""
         n, runs = oreq.sampling.n, call.runs
         tools = oreq.tools.names if oreq.tools is not None else None
         return [
@@ -224,7 +219,6 @@ class OpenAIAPI:
                 tools=tools,
                 tool_format=self.tool_format,
                 reasoning=self.reasoning if oreq.chat else None,
-                reasoning_open=opened,
                 separate_reasoning=oreq.separate_reasoning,
             )  # fmt: skip
             for j in range(n)
@@ -278,14 +272,14 @@ class OpenAIAPI:
             raise OpenAIError("stream is not supported here", 400, param="stream")
         if url == "/v1/completions":
             oreq = parse_completion(body, **self._opts())
-            prompts, param, opened = oreq.prompts, "prompt", False
+            prompts, param = oreq.prompts, "prompt"
             echo = [
                 (p if isinstance(p, str) else self.fe.codec.decode(p)) if oreq.echo else ""
                 for p in prompts
             ]
         else:
             oreq, messages = parse_chat(body, **self._chat_opts())
-            ids, opened = await self._chat_prompt(
+            ids = await self._chat_prompt(
                 messages, oreq.continue_final, oreq.tools, oreq.template_kwargs
             )
             prompts, param, echo = [ids], "messages", [""]
@@ -294,7 +288,7 @@ class OpenAIAPI:
                 await call.start()
             except (RequestError, ServeError) as exc:
                 raise OpenAIError.from_cause(exc.cause, exc.message, param) from None
-            choices = self._choices(call, oreq, echo, opened)
+            choices = self._choices(call, oreq, echo)
             await call.run_to_end()
             err = call.error()
             if err is not None:
@@ -338,18 +332,14 @@ class OpenAIAPI:
         yield b"[DONE]"
 
 
-def chat_formats(
-    template: ChatTemplate | None, reasoning_parser: str | None, tool_call_parser: str | None
-) -> tuple[ReasoningFormat | None, ToolFormat]:
-    """The reasoning and tool-call formats of a server: the options' (``ValueError`` for
-    an unknown name), else what the chat template shows. A template that does not render
-    tools gets Hermes' format (the one ``tool_prompt`` asks for)."""
-    source = template.source if template is not None else None
-    reasoning = reasoning_in_effect(reasoning_parser, source)
+def chat_tool_format(template: ChatTemplate | None, tool_call_parser: str | None) -> ToolFormat:
+    """The tool-call format of a server: the option's (``ValueError`` for an unknown
+    name), else what the chat template shows. A template that does not render tools gets
+    Hermes' format (the one ``tool_prompt`` asks for)."""
     if tool_call_parser is not None:
-        return reasoning, tool_format(tool_call_parser)
+        return tool_format(tool_call_parser)
     rendered = template is not None and template.mentions_tools
-    return reasoning, detect_tool_format(source if rendered else None)
+    return detect_tool_format(template.source if rendered and template else None)
 
 
 async def start_call(call: GenerateCall, param: str | None) -> Response | None:

@@ -18,7 +18,7 @@ import hashlib
 import time
 from typing import Any
 
-from lifecycle.chat.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_tokens
+from lifecycle.chat.reasoning import ReasoningFormat, ReasoningSplitter
 from lifecycle.chat.tool_formats import ToolFormat
 from lifecycle.chat.tools import ToolCallParser
 from lifecycle.core.detok import TokenizerLike
@@ -114,7 +114,6 @@ class ChoiceState:
         tools: frozenset[str] | None = None,
         tool_format: ToolFormat | None = None,
         reasoning: ReasoningFormat | None = None,
-        reasoning_open: bool = False,
         separate_reasoning: bool = True,
     ) -> None:
         self.index = index
@@ -127,11 +126,12 @@ class ChoiceState:
         self.tools = tools  # chat: the tool names whose calls the text is read for
         self.tool_format = tool_format
         self.parser = ToolCallParser(tools, tool_format) if tools is not None else None
-        # reasoning: the format (counted always), split out unless the request said not to
-        self.reasoning, self.reasoning_open = reasoning, reasoning_open
+        # reasoning: the format (counted always), split out unless the request said not to;
+        # whether the prompt opened it is the request core's reading (OutputOptions)
+        self.reasoning = reasoning
         self.splitter: ReasoningSplitter | None = None
         if chat and reasoning is not None and separate_reasoning:
-            self.splitter = ReasoningSplitter(reasoning, reasoning_open)
+            self.splitter = ReasoningSplitter(reasoning, sample.opts.reasoning_open)
 
     # -- logprobs ----------------------------------------------------------------------
     def _tops(self, row: Any) -> list[tuple[str, list[int], float | None]]:
@@ -238,11 +238,9 @@ class ChoiceState:
         """The output tokens of the reasoning (0 without a reasoning format)."""
         if self.reasoning is None:
             return 0
-        if self.sample.reasoning is not None:  # counted as the tokens came
-            return self.sample.reasoning.tokens
-        stream = self.texts.tok.decode_stream(skip_special_tokens=False)
-        texts = (stream.step(i) for i in self.sample.ids)
-        return reasoning_tokens(texts, self.reasoning, self.reasoning_open)
+        # counted by the request core as the tokens came, in the same (the server's) format
+        counted = self.sample.reasoning
+        return counted.tokens if counted is not None else 0
 
     def role_choice(self) -> dict[str, Any]:
         """A chat stream's first chunk for this choice: the role alone, as OpenAI sends it."""

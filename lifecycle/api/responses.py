@@ -200,7 +200,7 @@ class ResponsesAPI:
         try:
             body = await o._body(request)
             oreq, messages = parse_chat(chat_body(body), **o._chat_opts())
-            ids, opened = await o._chat_prompt(messages, tools=oreq.tools)
+            ids = await o._chat_prompt(messages, tools=oreq.tools)
         except OpenAIError as exc:
             return openai_error(exc)
         tools = oreq.tools.names if oreq.tools is not None else None
@@ -211,7 +211,7 @@ class ResponsesAPI:
                 return refused
             choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
                                  tools=tools, tool_format=o.tool_format,
-                                 reasoning=o.reasoning, reasoning_open=opened)  # fmt: skip
+                                 reasoning=o.reasoning)  # fmt: skip
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
             refused = await run_call(call, request)

@@ -307,7 +307,6 @@ class Engine:
         model_id = rt.served_model_id()
         return OpenAIAPI(
             self.frontend, rt.chat, model_id=model_id, model_path=rt.model_path,
-            reasoning_parser=self.config.reasoning_parser,
             tool_call_parser=self.config.tool_call_parser,
         )  # fmt: skip
 
