@@ -36,7 +36,7 @@ from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fsm import RequestRecord, admit, new_request
 from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
-from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail
+from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail, prompt_reasoning
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.ports import WorkerLink
 from lifecycle.core.reasoning import ReasoningFormat
@@ -286,7 +286,7 @@ class GenerateCall:
         opts = OutputOptions.of(
             item,
             host.weight_version,
-            *self._reasoning(item, prompt),
+            *prompt_reasoning(host.reasoning, item, prompt, host.tokenizer),
             dp_rank=host.dp_rank(self.client),
         )
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
@@ -310,19 +310,6 @@ class GenerateCall:
             on_dispatch=lambda: self._dispatched(run),
             on_release=lambda: host.worker_released(rec_id),
         )
-
-    def _reasoning(
-        self, item: GenerateItem, prompt: list[int]
-    ) -> tuple[ReasoningFormat | None, bool]:
-        """The reasoning format the output's count reads, and whether the prompt opened
-        it (read from the prompt's text, or its last tokens' text)."""
-        fmt = self.host.reasoning
-        if fmt is None:
-            return None, False
-        text = item.text
-        if text is None:
-            text = self.host.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
-        return fmt, fmt.opened_by(text)
 
     def _dispatched(self, run: _ItemRun) -> None:
         run.rec.advance(Event.DISPATCH)  # refused once the request failed: nothing to do

@@ -20,7 +20,7 @@ from wire import Finish, f32s_to_list, ids_to_list
 if TYPE_CHECKING:
     from lifecycle.core.params import GenerateItem
 
-__all__ = ["OutputOptions", "SampleOutput", "grammar_detail"]
+__all__ = ["OutputOptions", "SampleOutput", "grammar_detail", "prompt_reasoning"]
 
 Entry = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -69,6 +69,19 @@ class OutputOptions:
             stop_regex=tuple(sp.params.stop_regex),
             no_stop_trim=sp.no_stop_trim,
         )
+
+
+def prompt_reasoning(
+    fmt: ReasoningFormat | None, item: GenerateItem, prompt: list[int], tok: TokenizerLike
+) -> tuple[ReasoningFormat | None, bool]:
+    """The reasoning format a prompt's samples count by, and whether the prompt opened it
+    (read from the prompt's text, or its last tokens' text)."""
+    if fmt is None:
+        return None, False
+    text = item.text
+    if text is None:
+        text = tok.decode(prompt[-8:], skip_special_tokens=False)
+    return fmt, fmt.opened_by(text)
 
 
 def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
