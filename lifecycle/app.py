@@ -160,16 +160,16 @@ LOAD_REPORT_S = 10.0  # a throughput line this often while requests are served
 async def _report_load(frontend: Frontend) -> None:
     """Every ``LOAD_REPORT_S`` while busy: live requests, finished ones, tokens out."""
     fe = frontend
-    done, tokens = fe.finished + sum(fe.failed.values()), fe.output_tokens
+    done, tokens = fe.registry.finished + sum(fe.registry.failed.values()), fe.output_tokens
     while True:
         await anyio.sleep(LOAD_REPORT_S)
-        now_done, now_tokens = fe.finished + sum(fe.failed.values()), fe.output_tokens
+        now_done, now_tokens = fe.registry.finished + sum(fe.registry.failed.values()), fe.output_tokens
         live = len(fe.calls)
         if live or now_done != done:
             log.info(
                 "serving: %d live, %d ended in %.0f s (%d with an error so far), "
                 "%.1f output tokens/s",
-                live, now_done - done, LOAD_REPORT_S, sum(fe.failed.values()),
+                live, now_done - done, LOAD_REPORT_S, sum(fe.registry.failed.values()),
                 (now_tokens - tokens) / LOAD_REPORT_S,
             )  # fmt: skip
         done, tokens = now_done, now_tokens

@@ -320,9 +320,9 @@ class _Sim:
         slow = any(sc.fault in ("dispatch_drop", "kill_worker") for sc in group)
         now = await settle(self.app, self.baseline, SETTLE + (HUNG_TIMEOUT + 2.0 if slow else 0))
         fe, seeds = self.app.frontend, [sc.seed for sc in group]
-        ended = fe.finished + sum(fe.failed.values())
-        if fe.received != ended + len(fe.registry):
-            self.broken(seeds[0], f"books: received {fe.received} != ended {ended} + live "
+        ended = fe.registry.finished + sum(fe.registry.failed.values())
+        if fe.registry.received != ended + len(fe.registry):
+            self.broken(seeds[0], f"books: received {fe.registry.received} != ended {ended} + live "
                         f"{len(fe.registry)} (group {seeds})")  # fmt: skip
         stuck = {r.id: r for r in fe.registry if r.id not in self.leaked}
         for r in self.counter.group_records():
@@ -416,7 +416,7 @@ async def run_scenarios(
                     if progress is not None:
                         progress(report)
             finally:
-                report.causes.update(app.frontend.failed)
+                report.causes.update(app.frontend.registry.failed)
                 set_observer(counter.previous)
                 tg.cancel_scope.cancel()
     report.seconds = time.monotonic() - started

@@ -54,12 +54,13 @@ async def test_a_throughput_line_while_busy_and_none_when_idle(
 ) -> None:
     """``_report_load`` over a stand-in frontend (a fake: only the counters it reads)."""
     monkeypatch.setattr(app_module, "LOAD_REPORT_S", 0.05)
-    fe = SimpleNamespace(finished=0, failed={}, output_tokens=0, calls=[object()])
+    books = SimpleNamespace(finished=0, failed={})
+    fe = SimpleNamespace(registry=books, output_tokens=0, calls=[object()])
     caplog.set_level(logging.INFO, logger="lifecycle.app")
     async with anyio.create_task_group() as tg:
         tg.start_soon(app_module._report_load, fe)
         await anyio.sleep(0.01)
-        fe.finished, fe.failed, fe.output_tokens = 3, {"aborted": 1}, 40
+        books.finished, books.failed, fe.output_tokens = 3, {"aborted": 1}, 40
         await anyio.sleep(0.06)
         fe.calls = []
         await anyio.sleep(0.2)  # idle: nothing more

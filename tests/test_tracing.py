@@ -264,17 +264,25 @@ def test_slow_subscriber_gets_resync(tmp_path: Path) -> None:
         stream.close()
 
 
-def test_awaiting_release_is_bounded_and_flushed_on_close(tmp_path: Path) -> None:
+def test_held_traces_wait_in_the_ring_for_their_release(tmp_path: Path) -> None:
+    """A trace whose record the worker still holds is logged at the release, with its time;
+    one the ring drops first, or still held at close, is logged then without it. The
+    record is the one keeper of the hold: the tracer keeps no copy."""
     path = tmp_path / "held.jsonl"
-    with Tracer(TraceConfig(log_path=str(path), max_awaiting_release=3)) as t:
+    with Tracer(TraceConfig(log_path=str(path), ring_size=3)) as t:  # 3 recent, no other part
         held = []
-        for i in range(5):  # failed after dispatch: the worker never answers the abort
+        for i in range(5):  # failed after dispatch: the worker has not answered the abort
             rec = new_request(f"held-{i}")
             drive(rec, PATH_TO[State.RUNNING])
             rec.fail(Cause.WORKER_LOST)
             held.append(rec)
-        assert len(t._awaiting) == 3 and t.logged == 2  # the oldest two went out
+        assert t.logged == 2  # the ring dropped the oldest two
+        release(held[3])
+        assert t.logged == 3 and held[3].released_ns is not None
+        held[3].worker_released()  # a second release event logs nothing twice
+        assert t.logged == 3
     assert t.logged == 5
     lines = read_log(path)
-    assert [r["rid"] for r in lines] == [f"held-{i}" for i in range(5)]
-    assert all(r["handoffs"]["worker_released"] is None for r in lines)
+    assert [r["rid"] for r in lines] == [f"held-{i}" for i in (0, 1, 3, 2, 4)]
+    released = [r["handoffs"]["worker_released"] for r in lines]
+    assert [r is not None for r in released] == [False, False, True, False, False]

@@ -289,9 +289,9 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
         "tombstones": fe.registry.tombstones,
         "requests_by_state": fe.registry.counts_by_state(),
         "admission": {"depth": fe.admission.depth, "capacity": fe.admission.capacity},
-        "received_requests": fe.received,
-        "finished_requests": fe.finished,
-        "failed_requests": dict(fe.failed),
+        "received_requests": fe.registry.received,
+        "finished_requests": fe.registry.finished,
+        "failed_requests": dict(fe.registry.failed),
         "internal_states": states,
     }
     router = getattr(sup, "router", None)

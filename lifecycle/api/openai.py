@@ -289,10 +289,10 @@ class OpenAIAPI:
             except (RequestError, ServeError) as exc:
                 raise OpenAIError.from_cause(exc.cause, exc.message, param) from None
             choices = self._choices(call, oreq, echo)
-            await call.run_to_end()
-            err = call.error()
-            if err is not None:
-                raise OpenAIError.from_cause(*err)
+            try:
+                await call.result()
+            except ServeError as exc:
+                raise OpenAIError.from_cause(exc.cause, exc.message) from None
             reply = self._reply(
                 call, oreq, choices, ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             )

@@ -422,6 +422,15 @@ class GenerateCall:
         while not self.done:
             await self.wait()
 
+    async def result(self) -> list[SampleOutput]:
+        """Run to the end; every sample in SGLang's order (``samples``), or ServeError with
+        the first failure that is not an abort (``error``)."""
+        await self.run_to_end()
+        err = self.error()
+        if err is not None:
+            raise ServeError(*err)
+        return self.samples()
+
     def error(self) -> tuple[Cause, str] | None:
         """The first failure that is not an abort (the whole call reports it)."""
         for run in self.runs:

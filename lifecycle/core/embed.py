@@ -163,13 +163,12 @@ async def embed(
     )
     async with frontend.call(req, exit_cause, owner=owner) as call:
         await call.start()
-        await call.run_to_end()
-        err = call.error()
-        if err is not None:
-            cause, message = err
-            if cause in (Cause.INVALID, Cause.TOO_LONG):
-                raise RequestError(message, cause.status, cause)
-            raise ServeError(cause, message)
+        try:
+            await call.result()
+        except ServeError as exc:
+            if exc.cause in (Cause.INVALID, Cause.TOO_LONG):
+                raise RequestError(exc.message, exc.cause.status, exc.cause) from None
+            raise
         items = []
         for i, run in enumerate(call.runs):
             s = run.samples[0]

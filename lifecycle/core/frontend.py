@@ -27,7 +27,7 @@ from lifecycle.core.params import GenerateRequest
 from lifecycle.core.ports import WorkerLink, Workers, generate_probe
 from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import Registry
-from lifecycle.core.states import DRAIN, Cause, State
+from lifecycle.core.states import DRAIN, Cause
 
 __all__ = ["Frontend", "FrontendConfig"]
 
@@ -64,9 +64,6 @@ class Frontend(Generic[W]):
         self.calls: LiveCalls[GenerateCall] = LiveCalls(self.registry)
         self.admission = AdmissionQueue(config.max_queued)
         self.codec = TextCodec(tokenizer)
-        self.received = 0  # records that entered the registry; each ends finished or failed
-        self.finished = 0
-        self.failed: dict[str, int] = {}
         self.output_tokens = 0  # of every closed call, all samples
         self.draining = False
         # The one feed the tracer, metrics, access log and export subscribe to
@@ -120,9 +117,8 @@ class Frontend(Generic[W]):
         return client
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None:
-        """A new record of ``call``: registered (DuplicateRid), live, counted received."""
+        """A new record of ``call``: registered (DuplicateRid, counted received), live."""
         self.registry.add(rec)
-        self.received += 1
         self.calls.track(rec.id, call)
 
     def worker_released(self, rec_id: int) -> None:
@@ -130,16 +126,12 @@ class Frontend(Generic[W]):
 
     def closed(self, call: GenerateCall) -> None:
         """``call`` closed, every record terminal: they leave the registry (a tombstone
-        stays while the worker holds one) and the live calls, and are counted."""
+        stays while the worker holds one, counted there) and the live calls."""
         for run in call.runs:
             rec = run.rec
             self.registry.remove(rec)
             self.calls.untrack(rec.id)
             self.output_tokens += sum(len(s.ids) for s in run.samples)
-            if rec.state is State.DONE:
-                self.finished += 1
-            elif rec.cause is not None:
-                self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
         self.events.closed(call)
 
     # -- health and drain ------------------------------------------------------------------

@@ -181,6 +181,7 @@ class RequestRecord:
         "submission",
         "created_ns",
         "tokens",
+        "released_ns",
     )
 
     def __init__(
@@ -205,6 +206,9 @@ class RequestRecord:
         # Output tokens received so far, all samples together: progress is a counter the
         # request path bumps, never an edge (the debug routes and traces report it).
         self.tokens = 0
+        # When the worker let go of its hold (monotonic ns; None while it holds one, or
+        # never had one): the record is the one place the hold's end is kept.
+        self.released_ns: int | None = None
 
     def __repr__(self) -> str:
         cause = f" cause={self.cause.value}" if self.cause else ""
@@ -287,7 +291,8 @@ class RequestRecord:
         return True
 
     def worker_released(self) -> None:
-        """Tell the observer that the hold ended (the submission said so)."""
+        """The hold ended (the submission said so): noted, and the observer told."""
+        self.released_ns = monotonic_ns()
         if _observer is not None:
             _tell(_observer.released, self)
 

@@ -1,7 +1,9 @@
 """The live requests of this process, plus tombstones the worker still holds.
 
 Records come from ``lifecycle.core.fsm``; the registry only files them. Whether the
-worker holds a request is asked of the record's submission, never copied here.
+worker holds a request is asked of the record's submission, never copied here. It keeps
+the books too, once: records received, and those that left finished or failed by cause
+(``/server_info``, ``/metrics`` and ``/debug`` read them here).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class Registry:
     tombstone until ``worker_released(id)``: its KV blocks are not free until then.
     """
 
-    __slots__ = ("_live", "_by_rid", "_by_request_id", "_tombstones")
+    __slots__ = (
+        "_live", "_by_rid", "_by_request_id", "_tombstones", "received", "finished", "failed"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._live: dict[int, RequestRecord] = {}
@@ -38,6 +42,9 @@ class Registry:
         # Request ids are not unique (a client may reuse its X-Request-Id): the latest wins.
         self._by_request_id: dict[str, RequestRecord] = {}
         self._tombstones: dict[int, RequestRecord] = {}
+        self.received = 0  # records added; each leaves finished or failed
+        self.finished = 0  # left in DONE
+        self.failed: dict[str, int] = {}  # left in ERROR, by cause
 
     def add(self, rec: RequestRecord) -> None:
         rid = rec.client_rid
@@ -48,6 +55,7 @@ class Registry:
         self._live[rec.id] = rec
         if rec.request_id is not None:
             self._by_request_id[rec.request_id] = rec
+        self.received += 1
 
     def remove(self, rec: RequestRecord) -> None:
         """Forget a request; one that is not terminal yet is failed INTERNAL first, so
@@ -55,6 +63,10 @@ class Registry:
         if self._live.pop(rec.id, None) is None:
             return
         rec.fail(Cause.INTERNAL, "removed from the registry while still live")
+        if rec.state is State.DONE:
+            self.finished += 1
+        elif rec.cause is not None:
+            self.failed[rec.cause.value] = self.failed.get(rec.cause.value, 0) + 1
         if rec.client_rid is not None:
             self._by_rid.pop(rec.client_rid, None)
         if rec.request_id is not None and self._by_request_id.get(rec.request_id) is rec:
@@ -97,7 +109,16 @@ class Registry:
         return isinstance(rec, RequestRecord) and self._live.get(rec.id) is rec
 
     def counts_by_state(self) -> dict[str, int]:
+        """Live records per state (a terminal one stays live until its call closes)."""
         counts = dict.fromkeys((s.value for s in State), 0)
         for rec in self._live.values():
             counts[rec.state.value] += 1
+        return counts
+
+    def counts(self) -> dict[str, int]:
+        """Live records per state; for done and error, every record that ended there so
+        far (``/debug``'s counts)."""
+        counts = self.counts_by_state()
+        counts[State.DONE.value] += self.finished
+        counts[State.ERROR.value] += sum(self.failed.values())
         return counts

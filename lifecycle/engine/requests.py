@@ -192,12 +192,8 @@ class Requests:
         try:
             async with self.fe.call(req, caller_left) as call:
                 await call.start()
-                await call.run_to_end()
-                err = call.error()
-                if err is not None:
-                    raise EngineError(*err)
-                results = unary_results(call)
-                return results
+                await call.result()
+                return unary_results(call)
         except (RequestError, ServeError) as exc:
             raise EngineError(exc.cause, exc.message) from None
 

@@ -133,8 +133,8 @@ class Metrics:
             f"{p}_http_requests", "HTTP requests by route and status.",
             ["endpoint", "method", "status"], registry=r,
         )  # fmt: skip
-        # Requests by outcome and the tokens generated are the frontend's own tallies
-        # (Frontend.finished / failed / output_tokens), read at scrape: counted once.
+        # Requests by outcome are the registry's books (Registry.finished / failed) and the
+        # tokens generated the frontend's tally (output_tokens), read at scrape: counted once.
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
@@ -375,7 +375,8 @@ def _le(bound: float) -> str:
 
 
 def _outcomes(fe: Frontend) -> Iterator[Metric]:
-    """The frontend's tallies of ended requests and generated tokens, as counters."""
+    """The registry's books of ended requests and the frontend's generated tokens, as
+    counters."""
     p = PREFIX
     requests = CounterMetricFamily(
         f"{p}_requests", "Generation requests that reached a terminal state, by outcome "
@@ -385,9 +386,9 @@ def _outcomes(fe: Frontend) -> Iterator[Metric]:
         f"{p}_request_errors", "Generation requests that ended in error, by cause.",
         labels=["cause"],
     )  # fmt: skip
-    if fe.finished:
-        requests.add_metric(["done"], fe.finished)
-    for cause, count in sorted(fe.failed.items()):
+    if fe.registry.finished:
+        requests.add_metric(["done"], fe.registry.finished)
+    for cause, count in sorted(fe.registry.failed.items()):
         requests.add_metric([cause], count)
         errors.add_metric([cause], count)
     yield requests

@@ -262,11 +262,10 @@ async def replay_in_process(
         req = parse_generate(generate_body(record), vocab_size=fe.model_config.vocab_size)
         async with fe.call(req, lambda: (Cause.CLIENT_GONE, "the replay's caller left")) as call:
             await call.start()
-            await call.run_to_end()
-            err = call.error()
-            if err is not None:
-                cause, message = err
-                raise ReplayRefused(cause.status, f"the replay failed: {message}")
+            try:
+                await call.result()
+            except ServeError as exc:
+                raise ReplayRefused(exc.cause.status, f"the replay failed: {exc.message}") from None
             results = unary_results(call)
             client = call.client
             now = None

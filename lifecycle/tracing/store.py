@@ -60,13 +60,13 @@ def _wall(t_ns: int, offset_ns: int) -> float:
 class FinishedTrace:
     """A terminal record plus what the tracer learned around it; turned into JSON on read."""
 
-    __slots__ = ("rec", "finished_ns", "released_ns", "extra")
+    __slots__ = ("rec", "finished_ns", "extra", "logged")
 
     def __init__(self, rec: RequestRecord, finished_ns: int, extra: dict[str, Any]) -> None:
         self.rec = rec
         self.finished_ns = finished_ns
-        self.released_ns: int | None = None
         self.extra = extra
+        self.logged = False  # handed to the trace log (or skipped for good) already
 
     @property
     def total_ns(self) -> int:
@@ -98,8 +98,8 @@ class FinishedTrace:
             )
             states[name] = states.get(name, 0.0) + (t - entered) / 1e6
             at[ev._value_] = entered = t
-        if self.released_ns is not None:
-            at["worker_released"] = self.released_ns
+        if rec.released_ns is not None:
+            at["worker_released"] = rec.released_ns
         elif "finish" in at:
             at["worker_released"] = at["finish"]
         handoffs = {
@@ -209,11 +209,15 @@ class TraceRing:
         self._refs: dict[int, int] = {}
         self._by_rid: dict[str, int] = {}
         self._by_request_id: dict[str, int] = {}  # the latest trace with that request id
+        self._dropped: list[FinishedTrace] = []  # by the add under way
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, ft: FinishedTrace) -> None:
+    def add(self, ft: FinishedTrace) -> list[FinishedTrace]:
+        """Keep ``ft``; the traces that made room for it (``ft`` itself among them when it
+        is kept by no part)."""
+        self._dropped = []
         id = ft.rec.id
         self._items[id] = ft
         self._refs[id] = 0
@@ -234,6 +238,7 @@ class TraceRing:
                 self._unref(out)
         if self._refs[id] == 0:
             self._drop(id)
+        return self._dropped
 
     def _push(self, part: deque[int], id: int, limit: int) -> None:
         if not limit:
@@ -250,6 +255,7 @@ class TraceRing:
 
     def _drop(self, id: int) -> None:
         ft = self._items.pop(id)
+        self._dropped.append(ft)
         del self._refs[id]
         rid = ft.rec.client_rid
         if rid is not None and self._by_rid.get(rid) == id:

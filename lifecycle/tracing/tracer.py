@@ -155,7 +155,6 @@ class TraceConfig:
     feed_interval: float = 0.1  # seconds between feed messages
     feed_max_pending: int = 50_000  # edges held for the next message; past it: resync
     subscriber_queue: int = 32  # messages a slow feed client may lag; past it: resync
-    max_awaiting_release: int = 10_000  # terminal and still held (or live and released)
     record_prompts: bool = False  # --trace-prompts: prompt and output ids, for replay
 
 
@@ -191,10 +190,6 @@ class Tracer:
         self._subscribers: list[_Subscriber] = []
         self._pending: list[list[Any]] = []
         self._overflow = False
-        self._awaiting: dict[int, FinishedTrace] = {}  # terminal, worker still holds it
-        self._released_early: dict[int, int] = {}  # released while live: id -> t_ns
-        self.finished = 0
-        self.failed = 0
         self.logged = 0
 
     # -- installation --------------------------------------------------------------------
@@ -209,9 +204,8 @@ class Tracer:
 
     def close(self) -> None:
         self.uninstall()
-        for ft in list(self._awaiting.values()):
-            self._write(ft)  # the worker never confirmed; log what we have
-        self._awaiting.clear()
+        for ft in self.ring.all():
+            self._write(ft)  # still held: the worker never confirmed; log what we have
         if self.log is not None:
             try:
                 self.log.close()
@@ -248,19 +242,14 @@ class Tracer:
             self._failed(rec, "release")
 
     def _released(self, rec: RequestRecord) -> None:
-        now = time.monotonic_ns()
         if self._subscribers:
             state = rec.state._value_
-            self._feed(rec, now, state, state, "worker_released", None)
-        ft = self._awaiting.pop(rec.id, None)
-        if ft is not None:
-            ft.released_ns = now
-            self._write(ft)
-        elif not rec.terminal:
-            early = self._released_early
-            if len(early) >= self.config.max_awaiting_release:
-                del early[next(iter(early))]  # a record dropped without ending: forget it
-            early[rec.id] = now
+            self._feed(rec, rec.released_ns or time.monotonic_ns(), state, state,
+                       "worker_released", None)  # fmt: skip
+        if rec.terminal:  # its trace waited for this in the ring (unless the ring dropped it)
+            ft = self.ring.get(rec.id)
+            if ft is not None:
+                self._write(ft)
 
     def _failed(self, rec: RequestRecord, where: str) -> None:
         """An observer bug: logged once with its traceback, then only counted."""
@@ -281,9 +270,6 @@ class Tracer:
                               rec.request_id, rec.route])  # fmt: skip
 
     def _finish(self, rec: RequestRecord, t_ns: int) -> None:
-        self.finished += 1
-        if rec.cause is not None:
-            self.failed += 1
         extra = self.probe(rec)
         if self.recorder is not None:
             try:
@@ -294,19 +280,16 @@ class Tracer:
             if replay is not None:
                 extra["replay"] = replay
         ft = FinishedTrace(rec, t_ns, extra)
-        self.ring.add(ft)
-        early = self._released_early.pop(rec.id, None)
-        if early is not None:
-            ft.released_ns = early
-        if rec.held_by_worker:
-            if len(self._awaiting) >= self.config.max_awaiting_release:
-                oldest = next(iter(self._awaiting))
-                self._write(self._awaiting.pop(oldest))
-            self._awaiting[rec.id] = ft
-        else:
+        for dropped in self.ring.add(ft):
+            self._write(dropped)  # one still held goes to the log without its release
+        if not rec.held_by_worker:  # else the release writes it (the record knows the hold)
             self._write(ft)
 
     def _write(self, ft: FinishedTrace) -> None:
+        """Hand ``ft`` to the log, once."""
+        if ft.logged:
+            return
+        ft.logged = True
         if self.log is None:
             if self.log_error is not None:
                 self.unlogged += 1
@@ -387,7 +370,6 @@ class Tracer:
     def _live_trace(self, rec: RequestRecord) -> dict[str, Any]:
         now = time.monotonic_ns()
         ft = FinishedTrace(rec, now, self.probe(rec))
-        ft.released_ns = self._released_early.get(rec.id)
         out = ft.to_json(self.offset_ns)
         out["finished_ns"] = None
         out["live"] = live_summary(rec, now, ft.extra)
@@ -399,11 +381,9 @@ class Tracer:
         return [live_summary(r, now, self.probe(r)) for r in recs]
 
     def counts(self) -> dict[str, int]:
-        """Live requests per state; for done and error, how many ended there so far."""
-        counts = self.registry.counts_by_state() if self.registry is not None else {}
-        counts["done"] = self.finished - self.failed
-        counts["error"] = self.failed
-        return counts
+        """Live requests per state; for done and error, how many ended there so far (the
+        registry's books)."""
+        return self.registry.counts() if self.registry is not None else {}
 
     def finished_traces(self) -> list[dict[str, Any]]:
         return [ft.to_json(self.offset_ns) for ft in self.ring.all()]
