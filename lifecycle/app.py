@@ -163,7 +163,10 @@ async def _report_load(frontend: Frontend) -> None:
     done, tokens = fe.registry.finished + sum(fe.registry.failed.values()), fe.output_tokens
     while True:
         await anyio.sleep(LOAD_REPORT_S)
-        now_done, now_tokens = fe.registry.finished + sum(fe.registry.failed.values()), fe.output_tokens
+        now_done, now_tokens = (
+            fe.registry.finished + sum(fe.registry.failed.values()),
+            fe.output_tokens,
+        )
         live = len(fe.calls)
         if live or now_done != done:
             log.info(

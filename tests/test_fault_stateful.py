@@ -91,7 +91,11 @@ async def _wait_ready(sup: Supervisor) -> None:
 
 
 def _books(fe: Frontend) -> tuple[int, int, int]:
-    return fe.registry.received, fe.registry.finished + sum(fe.registry.failed.values()), len(fe.registry)
+    return (
+        fe.registry.received,
+        fe.registry.finished + sum(fe.registry.failed.values()),
+        len(fe.registry),
+    )
 
 
 class FrontendMachine(RuleBasedStateMachine):
