@@ -11,9 +11,10 @@ pure-decode steps twice: plain (wall time per step and per row), and under cProf
 printing the functions with the most time of their own. ``--device cpu`` runs the same
 on the CPU (where the model itself is most of a step).
 
-Each step's time is split at the model call (``ModelRunner.run``): the host's share is
-the rest of the step (scheduling, input preparation, sampling and its bookkeeping, the
-STEP entries) plus encoding the STEP frame the worker would send. ``--tiny`` runs a
+Each step's time is split at the model's own calls (its trunk and its LM head, or a
+captured graph's replay): the host's share is the rest of the step (scheduling, input
+preparation with the cache's step layout and the input tensors, sampling and its
+bookkeeping, the STEP entries) plus encoding the STEP frame the worker would send. ``--tiny`` runs a
 random two-layer model (``tests/tiny_gguf.py``), so on the CPU the model call is small
 and the host's cost per row shows (issue 39's figure: at most 1 ms a step at batch 256).
 """
@@ -66,7 +67,7 @@ def fill(engine: Engine, args: argparse.Namespace) -> None:
     errors, _ = engine.submit(
         [SubmitEntry(i + 1, pack_ids(p), sampling, {}) for i, p in enumerate(prompts)]
     )
-    assert not errors, errors
+    assert not errors, f"{len(errors)} refused, the first: {errors[0]}"
     while len(engine.scheduler.running) < args.batch or any(
         len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running
     ):
@@ -76,18 +77,27 @@ def fill(engine: Engine, args: argparse.Namespace) -> None:
 
 
 class _ModelClock:
-    """Wraps the engine's model call and adds up its time."""
+    """Wraps the model's calls (trunk, LM head, graph replay) and adds up their time."""
 
     def __init__(self, engine: Engine) -> None:
-        self.run, self.ms = engine.runner.run, 0.0
-        engine.runner.run = self  # type: ignore[method-assign]
+        self.ms = 0.0
+        runner = engine.runner
+        self._wrap(runner.model, "trunk")
+        self._wrap(runner.model, "logits")
+        if runner.graphs is not None:
+            self._wrap(runner.graphs, "run")
 
-    def __call__(self, step: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return self.run(step)
-        finally:
-            self.ms += (time.perf_counter() - t) * 1e3
+    def _wrap(self, owner: Any, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.ms += (time.perf_counter() - t) * 1e3
+
+        setattr(owner, name, timed_call)
 
 
 def timed(

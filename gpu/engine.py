@@ -25,7 +25,7 @@ from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
 from gpu.runner import ModelRunner, StepInput
-from gpu.sampling import SampleRow, parse_request, sample
+from gpu.sampling import parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import (
     MAX_N,
@@ -36,9 +36,9 @@ from wire import (
     SubmitEntry,
     ids_to_list,
     pack_f32s,
-    pack_ids,
+    pack_id,
 )
-from wire.faults import fault_point
+from wire.faults import active_plan, fault_point
 from wire.sampling import STOP_REGEX_WINDOW
 from wire.worker_options import DEFAULT_BLOCK_SIZE
 
@@ -111,6 +111,7 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.cache, self.graphs)
         self._eog = tuple(sorted(self.mc.eog_ids))
+        self._eog_set = frozenset(self._eog)
         tok = loaded.tokenizer
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
         # The end a finished grammar reports (it is not sampled: nothing else could be).
@@ -198,6 +199,7 @@ class Engine:
                 f"credit limit exceeded: {live} rids live, max_pending {self.config.max_pending}"
             )
         seq = Sequence(e.rid, prompt, len(prompt), params, opts, self.generator(params.seed))
+        seq.eog_ids = self._eog
         seq.forks = params.n - 1
         if opts.return_logprob and opts.logprob_start_len >= 0:
             # Positions whose logits score prompt tokens must be computed, not reused.
@@ -281,8 +283,17 @@ class Engine:
         samplers: list[Sequence] = []
         scored: list[Sequence] = []  # max_new_tokens 0: prompt logprobs only, no sample
         pooling: list[tuple[Sequence, int, int]] = []  # embed requests: seq, first row, rows
+        sample_rows = rows.sample_rows
         for seq, n in batch:
             c, row = seq.num_computed, len(ids)
+            if n == 1 and seq.started and c + 1 == len(seq.tokens):
+                # A decode that samples (the common row): what the general path does.
+                ids.append(seq.tokens[c])
+                pos.append(c)
+                decodes.append((seq.block_table, c + 1))
+                sample_rows.append(row)
+                samplers.append(seq)
+                continue
             ids += seq.tokens[c : c + n]
             pos += range(c, c + n)
             if n == 1:
@@ -310,8 +321,7 @@ class Engine:
         pooled = [] if out.x is None else self._pool(out.x, pooling)
         if logits is not None and fault is not None and fault.action == "nan":
             logits = torch.full_like(logits, float("nan"))
-        for seq, n in batch:
-            self.scheduler.computed(seq, n)
+        self.scheduler.computed(batch)
         entries = [self._embedded(seq, vec) for seq, vec in pooled]
         if logits is not None:
             rows.collect_prompt(logits)
@@ -367,28 +377,45 @@ class Engine:
     def _finish_step(
         self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
     ) -> list[StepEntry]:
+        """Sample one token for each of ``samplers`` and make their STEP entries.
+
+        The loop below runs once per sampled row of every step, so it reads only what a
+        row needs: per-token extras when logprobs or hidden states were asked for in this
+        step, the matcher when the row has one, the fault hook when a plan is installed."""
         if any(s.forks for s in samplers):
             samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
-        sample_rows = [
-            SampleRow(s.params, s.tokens[: s.prompt_len], s.output, s.generator, self._eog)
-            for s in samplers
-        ]
         want_lp = any(s.options.return_logprob for s in samplers)
         allowed = self.grammars.constrain(samplers)
-        result = sample(logits, sample_rows, want_logprobs=want_lp, allowed=allowed)
-        entries: list[StepEntry] = []
+        result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
+        lp = result.logprobs
+        extras = lp is not None or hidden is not None
+        faults = active_plan() is not None
+        seqs, eog, entries = self.seqs, self._eog_set, []
         for i, (seq, tok) in enumerate(zip(samplers, result.tokens, strict=False)):
-            if seq.rid not in self.seqs:
+            if seq.rid not in seqs:
                 continue
-            extra = token_extra(seq, i, tok, result.logprobs, hidden)
-            if (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
-                extra = {**(extra or {}), "logprobs": b"\x01\x02\x03"}  # a malformed field
-            seq.tokens.append(tok)
-            seq.grammar_error = advance(seq, tok)
-            entries.extend(self._emit(seq, [tok], extra))
+            extra = token_extra(seq, i, tok, lp, hidden) if extras else {}
+            if faults and (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
+                extra = {**extra, "logprobs": b"\x01\x02\x03"}  # a malformed field
+            tokens, p = seq.tokens, seq.params
+            tokens.append(tok)
+            if seq.matcher is None:
+                if (
+                    seq.started
+                    and not seq.stop_window
+                    and len(tokens) - seq.prompt_len < p.max_new_tokens
+                    and tok not in p.stop_token_ids
+                    and (p.ignore_eos or tok not in eog)
+                ):  # goes on: what _emit gives when _finish_reason finds nothing
+                    entries.append(StepEntry(seq.rid, pack_id(tok), None, extra or None))
+                    continue
+            else:
+                seq.grammar_error = advance(seq, tok)
+            entries.append(self._emit(seq, tok, extra))
         return entries
 
-    def _emit(self, seq: Sequence, new: list[int], extra: dict[str, Any]) -> list[StepEntry]:
+    def _emit(self, seq: Sequence, tok: int, extra: dict[str, Any]) -> StepEntry:
+        """The STEP entry of ``seq``'s new token ``tok``: a terminal one when it ended."""
         if not seq.started:
             seq.started = True
             extra["prompt_tokens"] = seq.prompt_len
@@ -397,12 +424,12 @@ class Engine:
             extra.update(seq.grammar_info)
         finish = self._finish_reason(seq)
         if finish is None:
-            return [StepEntry(seq.rid, pack_ids(new), None, extra or None)]
+            return StepEntry(seq.rid, pack_id(tok), None, extra or None)
         if seq.grammar_done:
             extra["grammar_done"] = True
         del self.seqs[seq.rid]
         self.scheduler.remove(seq)
-        return [self._terminal(seq, pack_ids(new), finish, extra)]
+        return self._terminal(seq, pack_id(tok), finish, extra)
 
     def _terminal(
         self, seq: Sequence, new: bytes, finish: list[Any], extra: dict[str, Any] | None = None

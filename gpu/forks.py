@@ -79,6 +79,7 @@ def _make_child(engine: Engine, parent: Sequence, k: int) -> Sequence | None:
         prefix_limit=parent.prefix_limit,
         matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
         grammar_info=parent.grammar_info,
+        eog_ids=parent.eog_ids,
     )
     engine.seqs[rid] = child
     sched, bs = engine.scheduler, engine.config.block_size

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gpu.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
+from gpu.host import ints
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
@@ -171,9 +172,9 @@ class PagedKVCache:
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
     ) -> None:
         """Declare the step: ``decodes`` as (block_table, context length incl. the new token)."""
-        dev, slots = self.device, []
-        for table, ctx in decodes:
-            slots.extend(self._slots(table, ctx - 1, ctx))
+        dev, bs = self.device, self.block_size
+        # A decode's one new slot: where its last key goes (the hot loop: one row each).
+        slots = [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t, ctx in decodes]
         dec_rows = dec_bias = dec_tables = dec_lens = dec_bias_window = None
         dec_len = 0
         row_queries = None
@@ -222,7 +223,7 @@ class PagedKVCache:
                 windows.append((key[None, :] <= query) & (key[None, :] > query - self.window))
             row += c.n
         self._layout = _Layout(
-            torch.tensor(slots, dtype=torch.int64, device=dev),
+            ints(slots, device=dev),
             len(decodes),
             dec_rows,
             dec_len,
@@ -245,6 +246,7 @@ class PagedKVCache:
         if not keys:
             return None
         nb = -(-max(keys) // self.block_size)
+        zeros = [0] * nb
 
         def padded(t: Sequence[int]) -> list[int]:
             return [*t[:nb], *[0] * (nb - len(t[:nb]))]
@@ -252,8 +254,16 @@ class PagedKVCache:
         tables: list[Tensor] = []
         lens: list[Tensor] = []
         if decodes:
-            tables.append(torch.tensor([padded(t) for t, _ in decodes], dtype=torch.int32))
-            lens.append(torch.tensor([ctx for _, ctx in decodes], dtype=torch.int32))
+            flat: list[int] = []  # every decode's table cut or padded to nb, row after row
+            for t, _ in decodes:
+                k = len(t)
+                if k >= nb:
+                    flat += t if k == nb else t[:nb]
+                else:
+                    flat += t
+                    flat += zeros[k:]
+            tables.append(ints(flat, torch.int32).view(len(decodes), nb))
+            lens.append(ints(keys[: len(decodes)], torch.int32))
         for c in prefills:
             tables.append(torch.tensor(padded(c.block_table), dtype=torch.int32).expand(c.n, nb))
             lens.append(torch.arange(c.start + 1, c.start + c.n + 1, dtype=torch.int32))

@@ -21,15 +21,15 @@ __all__ = ["LogprobRows", "prompt_extra", "prompt_logprob_rows", "token_extra"]
 
 
 class LogprobRows:
-    __slots__ = ("_prompt", "_sample", "_spans")
+    __slots__ = ("_prompt", "sample_rows", "_spans")
 
     def __init__(self) -> None:
         self._prompt: list[int] = []
-        self._sample: list[int] = []
+        self.sample_rows: list[int] = []  # appended to directly on the decode path
         self._spans: list[tuple[Sequence, int, list[int]]] = []  # seq, first prompt row, targets
 
     def add_sample(self, row: int) -> None:
-        self._sample.append(row)
+        self.sample_rows.append(row)
 
     def add_prompt(self, seq: Sequence, rows: range, targets: list[int]) -> None:
         self._spans.append((seq, len(self._prompt), targets))
@@ -37,7 +37,7 @@ class LogprobRows:
 
     @property
     def indices(self) -> list[int]:
-        return self._prompt + self._sample
+        return self._prompt + self.sample_rows
 
     @property
     def sample_slice(self) -> slice:

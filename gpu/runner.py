@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from gpu.graphs import StepGraphs
+from gpu.host import ints
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.model import Llama
 
@@ -71,12 +71,10 @@ class ModelRunner:
                 return StepOutput(None, logits, None)
         dev = self.cache.device
         self.cache.prepare(step.decodes, step.prefills)
-        x = self.model.trunk(
-            torch.tensor(step.ids, device=dev), torch.tensor(step.pos, device=dev), self.cache
-        )
+        x = self.model.trunk(ints(step.ids, device=dev), ints(step.pos, device=dev), self.cache)
         if not step.logit_rows:  # a step of embed prefills alone needs no LM head
             return StepOutput(x, None, None)
-        idx = torch.tensor(step.logit_rows, dtype=torch.int64, device=dev)
+        idx = ints(step.logit_rows, device=dev)
         out = self.model.logits(x, idx, step.want_hidden)
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         return StepOutput(x, logits, hidden)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from wire.options import RequestOptions
 from wire.sampling import SamplingParams
 
 __all__ = [
+    "Row",
     "SampleRow",
     "SampleResult",
     "parse_request",
@@ -54,9 +55,25 @@ def _needs_processing(p: SamplingParams) -> bool:
     )
 
 
+class Row(Protocol):
+    """What the sampler needs to know about one row of logits (the engine passes its
+    sequences, whose ``prompt`` and ``output`` are sliced only when a penalty reads them)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt(self) -> Sequence[int]: ...
+    @property
+    def output(self) -> Sequence[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
+    @property
+    def eog_ids(self) -> Sequence[int]: ...
+
+
 @dataclass(slots=True)
 class SampleRow:
-    """What the sampler needs to know about one row of logits."""
+    """A ``Row`` as plain data (tests and tools)."""
 
     params: SamplingParams
     prompt: Sequence[int]
@@ -72,7 +89,7 @@ class SampleResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _process(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+def _process(logits: Tensor, rows: Sequence[Row]) -> Tensor:
     logits = logits.clone()
     dev = logits.device
     for i, r in enumerate(rows):
@@ -104,7 +121,7 @@ def _filters(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
 
 
-def _restrict(probs: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+def _restrict(probs: Tensor, rows: Sequence[Row]) -> Tensor:
     """Top-k / top-p / min-p: ``probs`` [K, V] with the dropped tokens set to 0, each row
     in its vocabulary order. One stable sort, so tied probabilities keep the lower id first
     whatever else shares the call."""
@@ -122,7 +139,7 @@ def _restrict(probs: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return probs.masked_fill(torch.empty_like(drop).scatter_(1, idx, drop), 0.0)
 
 
-def _noise(like: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+def _noise(like: Tensor, rows: Sequence[Row]) -> Tensor:
     """Exponential noise, one row per row. A row with a generator (every seeded request)
     takes one draw of V values from it, so what it consumes per step is fixed; the rows
     without one (unseeded) share one draw from torch's generator."""
@@ -139,7 +156,7 @@ def _noise(like: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return noise
 
 
-def _filter_and_draw(probs: Tensor, rows: Sequence[SampleRow]) -> list[int]:
+def _filter_and_draw(probs: Tensor, rows: Sequence[Row]) -> list[int]:
     """Top-k / top-p / min-p on the rows that ask, then an exponential race (argmax of
     p / E, E ~ Exp(1): a draw from p). The noise meets each token at its vocabulary id on
     every row, so a row's token depends on its probabilities and its own generator only,
@@ -179,7 +196,7 @@ def _constrain(logits: Tensor, raw: Tensor, rows: list[int], bitmask: Tensor) ->
 
 def sample(
     logits: Tensor,
-    rows: Sequence[SampleRow],
+    rows: Sequence[Row],
     want_logprobs: bool = False,
     allowed: tuple[list[int], Tensor] | None = None,
 ) -> SampleResult:

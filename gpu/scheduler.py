@@ -62,6 +62,11 @@ class Sequence:
     grammar_done: bool = False  # the matcher accepts nothing more: the sample ends
     grammar_error: str | None = None  # the matcher refused a sampled token (a bug)
     grammar_info: dict[str, Any] = field(default_factory=dict)  # compile time, cache hit
+    eog_ids: tuple[int, ...] = ()  # the model's end-of-generation ids (masked by min_new_tokens)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.prompt_len]
 
     @property
     def output(self) -> list[int]:
@@ -98,22 +103,38 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """The step's batch: (sequence, new tokens); single-token entries first."""
+        """The step's batch: (sequence, new tokens); single-token entries first.
+
+        Per running row this is the worker's hottest Python (every decode of every step):
+        a decode whose next token fits its last block takes the first branch, with no
+        call; the rest (a new block, a prompt chunk, a preemption) the general one."""
         budget = self.config.step_tokens
         decoding = any(len(s.tokens) - s.num_computed == 1 for s in self.running)
         prefill = min(budget, self.config.mixed_prefill_tokens) if decoding else budget
         batch: list[tuple[Sequence, int]] = []
+        bs = self.blocks.block_size
+        preempted = 0
+        chunks = False
         for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted while an earlier one made room
-            left = len(seq.tokens) - seq.num_computed
-            n = 1 if left == 1 else min(left, max(min(budget, prefill), 1))
-            if not self._reserve_running(seq, n):
+            c = seq.num_computed
+            left = len(seq.tokens) - c
+            if left == 1 and c < len(seq.block_table) * bs:
+                batch.append((seq, 1))  # a decode within its last block
+                budget -= 1
                 continue
+            if preempted and seq not in self.running:
+                continue  # preempted while an earlier one made room
+            n = 1 if left == 1 else min(left, max(min(budget, prefill), 1))
+            before = len(self.running)
+            if not self._reserve_running(seq, n):
+                preempted += 1
+                continue
+            preempted += before - len(self.running)
             batch.append((seq, n))
             budget -= n
             if left > 1:
                 prefill -= n
+                chunks = True
         while (
             self.waiting
             and min(budget, prefill) > 0
@@ -128,7 +149,9 @@ class Scheduler:
             batch.append((seq, n))
             budget -= n
             prefill -= n
-        batch.sort(key=lambda e: e[1] > 1)
+            chunks = chunks or n > 1
+        if chunks:
+            batch.sort(key=lambda e: e[1] > 1)
         return batch
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
@@ -193,9 +216,16 @@ class Scheduler:
             seq.pooled = None
         self.waiting.appendleft(seq)
 
-    def computed(self, seq: Sequence, n: int) -> None:
-        """The step wrote ``n`` more tokens of KV: publish the blocks that became full."""
-        seq.num_computed += n
+    def computed(self, batch: list[tuple[Sequence, int]]) -> None:
+        """The step wrote each row's ``n`` more tokens of KV: publish the blocks that
+        became full."""
+        bs = self.blocks.block_size
+        for seq, n in batch:
+            seq.num_computed = c = seq.num_computed + n
+            if (len(seq.block_hashes) + 1) * bs <= c:
+                self._publish(seq)
+
+    def _publish(self, seq: Sequence) -> None:
         bs = self.blocks.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             i = len(seq.block_hashes)

@@ -45,6 +45,7 @@ __all__ = [
     "f32s_to_list",
     "ids_to_list",
     "pack_f32s",
+    "pack_id",
     "pack_ids",
 ]
 
@@ -67,6 +68,12 @@ class WireError(ValueError):
 def pack_ids(ids: Any) -> bytes:
     """Token ids (list, tuple, numpy array or tensor .tolist()) -> int32 LE bytes."""
     return np.asarray(ids, dtype=_I32).tobytes()
+
+
+def pack_id(token: int) -> bytes:
+    """One token id -> int32 LE bytes: ``pack_ids([token])``, a tenth of its time (the
+    worker packs one per row of every decode step)."""
+    return token.to_bytes(4, "little", signed=True)
 
 
 def ids_to_list(data: bytes) -> list[int]:
@@ -250,7 +257,7 @@ Frame = (
 def _to_array(frame: Frame) -> list[Any]:
     match frame:
         case Step(step_no, entries):
-            return [K_STEP, step_no, [[e.rid, e.new_ids, e.finish, e.extra] for e in entries]]
+            return [K_STEP, step_no, entries]  # a StepEntry is a tuple: CBOR's 4-array
         case Submit(entries):
             return [K_SUBMIT, [[e.rid, e.prompt, e.sampling, e.options] for e in entries]]
         case Abort(rids):

@@ -1,0 +1,29 @@
+"""Host-side building of a step's integer inputs.
+
+``torch.tensor`` of a Python list converts element by element, about 100 ns each on the
+CPU (a batch of 256 decodes with 9-block tables: 0.27 ms for the tables alone); numpy's
+conversion of the same list is several times faster, and ``torch.from_numpy`` shares its
+buffer. Every per-step list of ids, positions, slots, tables and lengths goes through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["ints"]
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def ints(
+    values: Sequence[int],
+    dtype: torch.dtype = torch.int64,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` for a flat list of ints."""
+    t = torch.from_numpy(np.array(values, dtype=_NP[dtype]))
+    return t if device is None else t.to(device)
