@@ -2,6 +2,7 @@
 
     python bench/engine_profile.py [--model GGUF | --tiny] [--device cuda|cpu]
                                    [--batch 256] [--prompt 64] [--steps 20] [--json PATH]
+    python bench/engine_profile.py --tiny --device cpu --baseline REV   # side by side
 
 Served on a GPU at 256 streams the worker's step took ~35 ms against ~3-4 ms of captured
 decode on the device (docs/benchmarks.md, the H200 figures): the rest is the host. This
@@ -17,6 +18,10 @@ preparation with the cache's step layout and the input tensors, sampling and its
 bookkeeping, the STEP entries) plus encoding the STEP frame the worker would send. ``--tiny`` runs a
 random two-layer model (``tests/tiny_gguf.py``), so on the CPU the model call is small
 and the host's cost per row shows (issue 39's figure: at most 1 ms a step at batch 256).
+
+``--baseline REV`` measures this tree and commit REV (``git archive``) with this same
+script, alternately (A B A B, ``--reps`` rounds, each a fresh process), and prints their
+medians side by side: the same clock for both, whatever REV's own copy of this file did.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# ``--code DIR``: import the worker's packages from DIR (another commit's tree) instead.
+CODE = pathlib.Path(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else ROOT
+sys.path.insert(0, str(CODE))
 
 from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
@@ -127,7 +135,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--code", default=None, help="import the packages from this tree")
+    ap.add_argument("--baseline", default=None, help="a git ref to measure side by side")
+    ap.add_argument("--reps", type=int, default=2, help="A B rounds with --baseline")
     args = ap.parse_args()
+    if args.baseline is not None:
+        return side_by_side(args)
     if args.tiny:
         import tempfile
 
@@ -162,6 +175,48 @@ def main() -> int:
                                "device": str(engine.cache.device), "torch": torch.__version__,
                                "profile": text.getvalue()}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return 0
+
+
+def side_by_side(args: argparse.Namespace) -> int:
+    """This tree against ``args.baseline``, A B A B, each run a fresh process."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="lc-profile-") as tmp:
+        base = pathlib.Path(tmp) / "tree"
+        base.mkdir()
+        tar = subprocess.run(["git", "archive", args.baseline], cwd=ROOT, check=True,
+                             capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(base)], input=tar, check=True)
+        trees = {"this tree": ROOT, f"baseline {args.baseline}": base}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for rep in range(args.reps):
+            for name, tree in trees.items():
+                out = pathlib.Path(tmp) / f"{rep}-{len(runs[name])}-{name[:4]}.json"
+                cmd = [sys.executable, __file__, "--code", str(tree), "--json", str(out),
+                       "--batch", str(args.batch), "--prompt", str(args.prompt),
+                       "--steps", str(args.steps), "--top", "0"]  # fmt: skip
+                cmd += ["--tiny"] if args.tiny else ["--model", str(args.model)]
+                cmd += ["--device", args.device] if args.device else []
+                subprocess.run(cmd, check=True, capture_output=True)
+                runs[name].append(json.loads(out.read_text(encoding="utf-8")))
+    rows = [("step, ms", "median_ms"), ("model calls, ms", "model_median_ms"),
+            ("host, ms", "host_median_ms")]  # fmt: skip
+    print(f"batch {args.batch}, {args.steps} decode steps a run, {args.reps} runs each, "
+          f"medians (each run's in brackets)")  # fmt: skip
+    print("figure".ljust(18) + "".join(n.rjust(30) for n in runs))
+    for label, key in rows:
+        cells = []
+        for name in runs:
+            values = [r[key] for r in runs[name]]
+            each = "/".join(f"{v:.2f}" for v in values)
+            cells.append(f"{statistics.median(values):.2f} ({each})".rjust(30))
+        print(label.ljust(18) + "".join(cells))
+    for name in runs:
+        host = statistics.median(r["host_median_ms"] for r in runs[name])
+        print(f"  {name}: host {host * 1e3 / args.batch:.1f} us a row")
     return 0
 
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from gpu.host import ints
 from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
 from wire.worker_options import GRAPH_MODES
 
@@ -247,29 +248,38 @@ class StepGraphs:
         assert scratch is not None
         d = len(decodes)
         pad = b - d
-        tables, lens, slots = [], [], []
+        # Every table cut or padded (with the scratch block) to nb, row after row: one flat
+        # list and one conversion (gpu/host.py), the per-row work kept to list extends.
+        flat: list[int] = []
+        fill = [scratch] * nb
+        lens, slots = [], []
         for table, ctx in decodes:
-            t = list(table[:nb])
-            tables.append(t + [scratch] * (nb - len(t)))
+            k = len(table)
+            if k >= nb:
+                flat += table if k == nb else table[:nb]
+            else:
+                flat += table
+                flat += fill[k:]
             lens.append(ctx)
             p = ctx - 1
             slots.append(table[p // bs] * bs + p % bs)
-        tables += [[scratch] * nb] * pad
+        flat += [scratch] * (nb * pad)
         lens += [1] * pad
         slots += [scratch * bs] * pad
-        host_ids = torch.tensor([*ids[:d], *[0] * pad], dtype=torch.int64)
-        host_pos = torch.tensor([*pos[:d], *[0] * pad], dtype=torch.int64)
+        host_ids = ints([*ids[:d], *[0] * pad])
+        host_pos = ints([*pos[:d], *[0] * pad])
         kv, nblocks = self.cache.n_kv_heads, self.cache.num_blocks
-        blocks = torch.tensor(tables, dtype=torch.int64).reshape(-1)
+        blocks = ints(flat)
         rows = (torch.arange(kv)[:, None] * nblocks + blocks[None, :]).reshape(-1)
-        bias = decode_bias(torch.tensor(lens), nb * bs, kv, shape.bias.dtype)
+        host_lens = ints(lens)
+        bias = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype)
         shape.ids.copy_(host_ids, non_blocking=True)
         shape.pos.copy_(host_pos, non_blocking=True)
-        shape.slots.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        shape.slots.copy_(ints(slots), non_blocking=True)
         shape.rows.copy_(rows, non_blocking=True)
         shape.bias.copy_(bias.view(shape.bias.shape), non_blocking=True)
         if shape.bias_window is not None:
-            window = decode_bias(torch.tensor(lens), nb * bs, kv, shape.bias.dtype,
+            window = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype,
                                  self.cache.window)  # fmt: skip
             shape.bias_window.copy_(window.view(shape.bias.shape), non_blocking=True)
 

@@ -44,17 +44,6 @@ def parse_request(
     return params, opts
 
 
-def _needs_processing(p: SamplingParams) -> bool:
-    """Whether the row's logits change before temperature (bias, penalties, EOG mask)."""
-    return bool(
-        p.logit_bias
-        or p.min_new_tokens
-        or p.frequency_penalty
-        or p.presence_penalty
-        or p.repetition_penalty != 1.0
-    )
-
-
 class Row(Protocol):
     """What the sampler needs to know about one row of logits (the engine passes its
     sequences, whose ``prompt`` and ``output`` are sliced only when a penalty reads them)."""
@@ -69,6 +58,10 @@ class Row(Protocol):
     def generator(self) -> torch.Generator | None: ...
     @property
     def eog_ids(self) -> Sequence[int]: ...
+    @property
+    def greedy(self) -> bool: ...  # params.greedy, read once
+    @property
+    def plain(self) -> bool: ...  # not params.adjusts_logits, read once
 
 
 @dataclass(slots=True)
@@ -80,6 +73,12 @@ class SampleRow:
     output: Sequence[int]
     generator: torch.Generator | None
     eog_ids: Sequence[int] = ()
+    greedy: bool = field(init=False)
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.greedy = self.params.greedy
+        self.plain = not self.params.adjusts_logits
 
 
 @dataclass(slots=True)
@@ -94,7 +93,7 @@ def _process(logits: Tensor, rows: Sequence[Row]) -> Tensor:
     dev = logits.device
     for i, r in enumerate(rows):
         p = r.params
-        if not _needs_processing(p):
+        if not p.adjusts_logits:
             continue
         if p.logit_bias:
             ids = torch.tensor([k for k, _ in p.logit_bias], device=dev)
@@ -204,11 +203,11 @@ def sample(
     their packed grammar masks (``gpu/grammar.py``), applied after penalties and bias, in
     place: the rows of ``logits`` are the caller's scratch."""
     raw = logits
-    if any(_needs_processing(r.params) for r in rows):
+    if not all(r.plain for r in rows):
         logits = _process(logits, rows)
     if allowed is not None:
         _constrain(logits, raw, *allowed)
-    greedy = [r.params.greedy for r in rows]
+    greedy = [r.greedy for r in rows]
     temps = None
     if not all(greedy):
         t = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=False)]

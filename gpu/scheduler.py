@@ -63,6 +63,13 @@ class Sequence:
     grammar_error: str | None = None  # the matcher refused a sampled token (a bug)
     grammar_info: dict[str, Any] = field(default_factory=dict)  # compile time, cache hit
     eog_ids: tuple[int, ...] = ()  # the model's end-of-generation ids (masked by min_new_tokens)
+    # What the sampler asks of every row each step, read from ``params`` once.
+    greedy: bool = field(init=False)
+    plain: bool = field(init=False)  # no bias, penalty or EOG mask changes its logits
+
+    def __post_init__(self) -> None:
+        self.greedy = self.params.greedy
+        self.plain = not self.params.adjusts_logits
 
     @property
     def prompt(self) -> list[int]:

@@ -126,6 +126,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return is_greedy(self.temperature, self.top_k)
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the row's logits change before temperature (bias, penalties, the EOG
+        mask of ``min_new_tokens``)."""
+        return bool(
+            self.logit_bias
+            or self.min_new_tokens
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+        )
+
     def to_wire(self) -> dict[str, Any]:
         """The ``sampling`` map: ``max_new_tokens`` always, then every field that differs
         from its default (the map is small on the common path)."""
