@@ -1,7 +1,14 @@
-"""Decoding for vocabularies with byte-fallback tokens (SentencePiece-style "llama" and
-"gemma4"): each token is a run of UTF-8 bytes ("▁" a space, ``<0xXX>`` one byte), the text
-their concatenation decoded with U+FFFD for what is not UTF-8, as llama.cpp's
+"""Decoding from each token's bytes: for vocabularies with byte-fallback tokens
+(SentencePiece-style "llama" and "gemma4") each token is a run of UTF-8 bytes ("▁" a
+space, ``<0xXX>`` one byte); for byte-level BPE ("gpt2") each character of a token stands
+for one byte (GPT-2's alphabet), and a token with a character outside it (an added
+token's text) is its own UTF-8, as ``tokenizers``' ByteLevel decoder reads it. The text
+is their concatenation decoded with U+FFFD for what is not UTF-8, as llama.cpp's
 ``token_to_piece`` bytes are.
+
+Streaming this way costs a dict-free table read and Python's incremental UTF-8 decoder
+per token, about a tenth of ``tokenizers``' ``DecodeStream`` (which decodes a window of
+ids twice per step): the frontend detokenises every streamed token.
 
 ``tokenizers``' ByteFallback decoder instead turns every byte of a run that is not valid
 UTF-8 into its own U+FFFD, valid bytes of the run included, so a later token can change text
@@ -18,7 +25,14 @@ from dataclasses import dataclass
 
 from modelfile.vocab_models import SPACE, TOKEN_TYPE_BYTE
 
-__all__ = ["GPT2_BYTES", "ByteDecoding", "ByteStreamDecoder", "piece_byte", "token_bytes"]
+__all__ = [
+    "GPT2_BYTES",
+    "ByteDecoding",
+    "ByteStreamDecoder",
+    "byte_level_bytes",
+    "piece_byte",
+    "token_bytes",
+]
 
 
 def piece_byte(text: str) -> bytes | None:
@@ -53,6 +67,18 @@ def _gpt2_alphabet() -> dict[str, int]:
 
 
 GPT2_BYTES = _gpt2_alphabet()
+
+
+def byte_level_bytes(tokens: Sequence[str]) -> tuple[bytes, ...]:
+    """Each byte-level BPE token's bytes: its characters through GPT-2's alphabet, or its
+    text's UTF-8 when one character is outside it (``tokenizers``' ByteLevel decoder)."""
+    out = []
+    for text in tokens:
+        try:
+            out.append(bytes([GPT2_BYTES[c] for c in text]))
+        except KeyError:
+            out.append(text.encode())
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from modelfile.byte_decode import (
     GPT2_BYTES,
     ByteDecoding,
     ByteStreamDecoder,
+    byte_level_bytes,
     piece_byte,
     token_bytes,
 )
@@ -199,7 +200,7 @@ def build_tokenizer(
     inner.decoder = decoders.ByteLevel()
     return _assemble(
         inner, tokens, token_types, bos=bos_id if add_bos else None, eos=None,
-        bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
+        bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, pieces=byte_level_bytes(tokens),
     )  # fmt: skip
 
 
@@ -281,11 +282,13 @@ def _assemble(
     eos_id: int,
     eog_ids: Sequence[int],
     strip_space: bool | None = None,
+    pieces: Sequence[bytes] | None = None,
 ) -> Tokenizer:
     """Control and unknown tokens become special added tokens (parsed in text, skipped
     when decoding skips specials), user-defined ones plain added tokens (always parsed,
     as llama.cpp does); ``bos`` / ``eos`` are added around the text when given.
-    ``strip_space`` not None: a byte-fallback vocabulary, decoded from its tokens' bytes."""
+    ``strip_space`` not None: a byte-fallback vocabulary, decoded from its tokens' bytes;
+    ``pieces``: a byte-level vocabulary's tokens' bytes, decoded from them."""
     special = [i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)]
     user = [i for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
     inner.add_special_tokens([_added(tokens[i], special=True) for i in special])
@@ -301,6 +304,8 @@ def _assemble(
     decoding = None
     if strip_space is not None:
         decoding = ByteDecoding(token_bytes(tokens, types), frozenset(special), strip_space)
+    elif pieces is not None:
+        decoding = ByteDecoding(tuple(pieces), frozenset(special), False)
     return Tokenizer(
         inner, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, special_ids=special,
         byte_decoding=decoding,

@@ -17,6 +17,7 @@ import pytest
 from modelfile.gguf_meta import GGUFMetadata
 from modelfile.tokenizer import SUPPORTED_PRE_TOKENIZERS, TOKENIZER_MODELS, tokenizer_from_gguf
 from tests.llamacpp_vocab import VOCABS, vocab_cases, vocab_dir
+from tests.test_tokenizer import assert_byte_level_decoding_equals_tokenizers
 
 # One test per vocabulary llama.cpp ships cases for (names from the pinned sdist).
 pytestmark = pytest.mark.timeout(60)
@@ -50,3 +51,5 @@ def test_llamacpp_vocab_cases(name: str, models_dir: pathlib.Path) -> None:
         assert model == "bert" or whole == text
         stream = tok.decode_stream(skip_special_tokens=False)
         assert "".join(stream.step(i) for i in ids) + stream.flush() == whole, text
+    if model == "gpt2":  # decoded from its tokens' bytes: exactly as tokenizers decodes
+        assert_byte_level_decoding_equals_tokenizers(tok, 1, 2000)

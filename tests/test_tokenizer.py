@@ -120,6 +120,38 @@ def test_smollm2_round_trip(cpu_model: LoadedModel) -> None:
         assert "".join(stream.step(i) for i in tok.encode(text)) + stream.flush() == text
 
 
+def assert_byte_level_decoding_equals_tokenizers(tok: Tokenizer, seed: int, ids: int) -> None:
+    """Our byte-level decoding (each token's bytes, one incremental UTF-8 decode) gives
+    what ``tokenizers``' ByteLevel decoder gives for the same ids: single ids (``ids`` of
+    them, every special id among them, both skip modes) and random runs of ids that split
+    characters anywhere (the whole decode, and the stream joined)."""
+    import random
+
+    inner, rng, vocab = tok.backend, random.Random(seed), tok.vocab_size
+    singles = sorted(tok.special_ids) + [rng.randrange(vocab) for _ in range(ids)]
+    for skip in (True, False):
+        wrong = [
+            i
+            for i in singles
+            if tok.decode([i], skip) != inner.decode([i], skip_special_tokens=skip)
+        ]
+        assert not wrong, [
+            (i, tok.decode([i], skip), inner.decode([i], skip_special_tokens=skip))
+            for i in wrong[:3]
+        ]
+        for _ in range(300):
+            run = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            whole = tok.decode(run, skip)
+            assert whole == inner.decode(run, skip_special_tokens=skip), run
+            stream = tok.decode_stream(skip)
+            assert "".join(stream.step(i) for i in run) + stream.flush() == whole, run
+
+
+@pytest.mark.model
+def test_smollm2_byte_level_decoding_equals_tokenizers(cpu_model: LoadedModel) -> None:
+    assert_byte_level_decoding_equals_tokenizers(cpu_model.tokenizer, 0, 5000)
+
+
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
