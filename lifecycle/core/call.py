@@ -21,6 +21,7 @@ having been registered in time. What a call needs of the process is its ``CallHo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -137,6 +138,37 @@ class _ItemRun:
         self.ended: Any = None
 
 
+class _Wakeup:
+    """What the call's owner sleeps on between chunks: the worker link sets it for each
+    chunk of the call, the owner's ``wait`` clears it. One waiter, reset in place: a bare
+    asyncio future per sleep, where a fresh ``anyio.Event`` a chunk (its asyncio event,
+    its future, its waiter list) was a sixth of the frontend's CPU per streamed token
+    (``bench/frontend_paced.py``). The request core runs on asyncio, as the transport does
+    (``transport/aio.py``)."""
+
+    __slots__ = ("_is_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._is_set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._is_set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until set (at once if it is); cleared on return. Cancellable."""
+        if not self._is_set:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        self._is_set = False
+
+
 class GenerateCall:
     def __init__(
         self,
@@ -150,7 +182,7 @@ class GenerateCall:
         self.exit_cause = exit_cause
         self.runs: list[_ItemRun] = []
         self.client: WorkerLink | None = None
-        self._wake = anyio.Event()
+        self._wake = _Wakeup()
         self.started_ns = time.monotonic_ns()
         self.closed = False
         # Seconds from the start this call may take (its request's X-Request-Timeout
@@ -416,7 +448,6 @@ class GenerateCall:
                 if self._remaining() <= 0 and not self.done:
                     self.interrupt(Cause.DEADLINE, self._deadline_message())
                     continue
-            self._wake = anyio.Event()
 
     async def run_to_end(self) -> None:
         while not self.done:
