@@ -429,7 +429,10 @@ class GenerateCall:
 
     @property
     def done(self) -> bool:
-        return all(r.rec.terminal for r in self.runs)
+        runs = self.runs
+        if len(runs) == 1:  # the common call (asked on every chunk): no generator
+            return runs[0].rec.terminal
+        return all(r.rec.terminal for r in runs)
 
     async def wait(self) -> list[tuple[int, SampleOutput]]:
         """Wait for progress; returns what changed (empty only when the call is done)."""

@@ -40,7 +40,16 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
+class _Fast(enum.Enum):
+    """An Enum whose members hash by identity: ``Enum.__hash__`` is Python code (it hashes
+    the member's name), and the request path looks members up in the state table, its
+    sets and the books on every edge and chunk. Members are singletons compared by
+    identity, so the identity hash agrees with equality."""
+
+    __hash__ = object.__hash__
+
+
+class State(_Fast):
     RECEIVED = "received"
     VALIDATED = "validated"
     QUEUED = "queued"
@@ -50,7 +59,7 @@ class State(enum.Enum):
     ERROR = "error"
 
 
-class Event(enum.Enum):
+class Event(_Fast):
     VALIDATE = "validate"
     ADMIT = "admit"
     DISPATCH = "dispatch"
@@ -102,7 +111,7 @@ EDGES: tuple[Edge, ...] = (
 # confirmation of release (specs/wire.cddl); a failure releases nothing by itself.
 
 
-class WorkerHold(enum.Enum):
+class WorkerHold(_Fast):
     NONE = "none"  # not submitted yet
     QUEUED = "queued"  # in the frontend's dispatch queue: ends locally, no abort needed
     RUNNING = "running"  # handed to the worker: it may hold KV blocks until it says not
@@ -136,7 +145,7 @@ class CauseInfo:
     retryable: bool
 
 
-class Cause(enum.Enum):
+class Cause(_Fast):
     """Why a request ended in ``error``: a closed set, one HTTP status and body each."""
 
     INVALID = "invalid"
