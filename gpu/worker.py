@@ -1,13 +1,20 @@
 """The worker process: ``python -m gpu.worker --listen unix:/path | tcp:HOST:PORT``.
 
-A thin driver around ``Engine``. One frontend connection at a time; HELLO first (after
-TLS and the token's CHALLENGE/AUTH when the worker has them: ``gpu/link.py``). A
-receiver thread does blocking reads, answers PROBE itself (no slot, under the send
-lock) and queues everything else; the step loop blocks on the queue when it has no
-work (idle is ~0% CPU, and a frame arriving wakes it at once) and drains it between
-steps otherwise. A lost connection aborts and frees everything it held; a malformed
-frame gets FATAL and a close; the worker itself stays up until SHUTDOWN. With ``--tp K``
-this process is rank 0 of K tensor-parallel ranks (``gpu/tp.py``), the others its children.
+A thin driver around ``Engine``. It serves every frontend that connects, at once (one
+engine, one batch: ``serve --frontends N`` runs several frontends on one worker); HELLO
+first on each (after TLS and the token's CHALLENGE/AUTH when the worker has them:
+``gpu/link.py``). Each connection's thread authenticates, then does blocking reads,
+answers PROBE itself (no slot, under the send lock) and queues everything else; the
+step loop blocks on the queue when it has no work (idle is ~0% CPU, and a frame
+arriving wakes it at once) and drains it between steps otherwise.
+
+Rids are each frontend's own (``specs/wire.cddl``: unique per connection, below 2**40).
+In the engine a connection's rids carry its slot above bit 40; slot 0, the first
+frontend's, is the rid itself, so one frontend costs no translation. A lost connection
+aborts and frees everything it held, and only that; a malformed frame gets FATAL and a
+close of that connection; the worker stays up until a frontend sends SHUTDOWN. With
+``--tp K`` this process is rank 0 of K tensor-parallel ranks (``gpu/tp.py``), the others
+its children.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import socket
 import ssl
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 from gpu.cpu_runtime import tune_cpu_runtime
@@ -42,8 +50,11 @@ __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
 
 log = logging.getLogger("gpu.worker")
 
+_JOIN = object()  # a connection's first word: authenticated, wants its HELLO
 _EOF = object()  # the receiver's last word: the connection is gone
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+RID_BITS = 40  # a frontend's rids are below 2**40; above: its connection's slot
+_RID_MASK = (1 << RID_BITS) - 1
 
 
 class _Connection:
@@ -53,6 +64,8 @@ class _Connection:
         self.sock = sock
         self.lock = threading.Lock()
         self.alive = True
+        self.slot = -1  # set when the step loop takes it in (``_Hub.join``)
+        self.base = 0  # slot << RID_BITS: added to its rids in the engine
 
     def send(self, frame: wire.Frame) -> None:
         data = wire.frame_bytes(wire.encode_frame(frame))
@@ -85,6 +98,57 @@ class _Connection:
         self.sock.close()
 
 
+class _Hub:
+    """The connected frontends by slot (the lowest free one each time), and the routing
+    of rids between their wire numbering and the engine's. Touched by the step loop only."""
+
+    def __init__(self) -> None:
+        self.conns: dict[int, _Connection] = {}
+
+    def join(self, conn: _Connection) -> None:
+        slot = next(k for k in range(len(self.conns) + 1) if k not in self.conns)
+        conn.slot, conn.base = slot, slot << RID_BITS
+        self.conns[slot] = conn
+
+    def leave(self, conn: _Connection) -> None:
+        if self.conns.get(conn.slot) is conn:
+            del self.conns[conn.slot]
+
+    def held(self, engine: Engine, conn: _Connection) -> list[int]:
+        """The engine rids of everything ``conn``'s frontend has live here."""
+        return [r for r in (*engine.seqs, *engine.reserved) if r >> RID_BITS == conn.slot]
+
+    def send_entries(self, step_no: int, entries: list[wire.StepEntry]) -> None:
+        """One STEP to each frontend with entries in it, each entry under its own rid.
+        An entry whose frontend has left is dropped (its abort was its end)."""
+        if len(self.conns) == 1 and 0 in self.conns:  # one frontend: rids as they are
+            self.conns[0].send(wire.Step(step_no, entries))
+            return
+        out: dict[int, list[wire.StepEntry]] = {}
+        for e in entries:
+            out.setdefault(e.rid >> RID_BITS, []).append(e._replace(rid=e.rid & _RID_MASK))
+        for slot, part in out.items():
+            conn = self.conns.get(slot)
+            if conn is not None:
+                conn.send(wire.Step(step_no, part))
+
+    def send_errors(self, errors: list[tuple[int, str, str]]) -> None:
+        out: dict[int, list[tuple[int, str, str]]] = {}
+        for rid, code, message in errors:
+            out.setdefault(rid >> RID_BITS, []).append((rid & _RID_MASK, code, message))
+        for slot, part in out.items():
+            conn = self.conns.get(slot)
+            if conn is not None:
+                conn.send(wire.ReqError(part))
+
+
+def _inward(conn: _Connection, rids: list[int]) -> list[int]:
+    """A frontend's rids as the engine knows them; ProtocolError past ``RID_BITS``."""
+    if rids and max(rids) > _RID_MASK:
+        raise ProtocolError(f"rid {max(rids)} is not below 2**{RID_BITS}")
+    return [r + conn.base for r in rids] if conn.base else rids
+
+
 def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None:
     buf = wire.FrameBuffer()
     try:
@@ -109,7 +173,7 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
                     | wire.Flush
                     | wire.Shutdown,
                 ):
-                    inbox.put(frame)
+                    inbox.put((conn, frame))
                 else:
                     raise wire.WireError(f"a frontend may not send {type(frame).__name__}")
     except (wire.WireError, ValueError) as exc:
@@ -117,7 +181,7 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
     except OSError:
         pass
     finally:
-        inbox.put(_EOF)
+        inbox.put((conn, _EOF))
 
 
 def _hello(engine: Engine) -> wire.Hello:
@@ -165,38 +229,60 @@ def _stats(engine: Engine) -> dict[str, Any]:
     return load
 
 
-def _handle(engine: Engine, conn: _Connection, frame: Any) -> str | None:
-    """Apply one queued frame; returns "eof" or "shutdown" when the connection ends."""
-    if frame is _EOF:
-        return "eof"
-    if isinstance(frame, wire.Shutdown):
-        return "shutdown"
-    if isinstance(frame, wire.Submit):
+def _handle(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> bool:
+    """Apply one queued frame of ``conn``'s; True when it asks the worker to shut down."""
+    if frame is _JOIN:
+        hub.join(conn)
+        conn.send(_hello(engine))
+    elif frame is _EOF:
+        _leave(engine, hub, conn, "connection lost")
+    elif not conn.alive or conn.slot < 0:
+        pass  # what a dead connection queued before its end
+    elif isinstance(frame, wire.Shutdown):
+        return True
+    else:
         try:
-            errors, done = engine.submit(frame.entries)
+            _apply(engine, hub, conn, frame)
         except ProtocolError as exc:
             conn.fatal(f"protocol error: {exc}")
-            return "eof"
+            _leave(engine, hub, conn, "protocol error")
+    return False
+
+
+def _leave(engine: Engine, hub: _Hub, conn: _Connection, why: str) -> None:
+    """``conn`` is gone: what its frontend held ends and is freed; the others go on."""
+    engine.abort(hub.held(engine, conn), why)
+    hub.leave(conn)
+    conn.close()
+
+
+def _apply(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> None:
+    if isinstance(frame, wire.Submit):
+        entries = frame.entries
+        if conn.base or any(e.rid > _RID_MASK for e in entries):
+            rids = _inward(conn, [e.rid for e in entries])
+            entries = [replace(e, rid=r) for e, r in zip(entries, rids, strict=True)]
+        errors, done = engine.submit(entries)
         if errors:
-            conn.send(wire.ReqError(errors))
+            hub.send_errors(errors)
         if done:
-            conn.send(wire.Step(engine.step_no, done))
+            hub.send_entries(engine.step_no, done)
     elif isinstance(frame, wire.Abort):
-        entries = engine.abort(frame.rids)
-        if entries:
-            conn.send(wire.Step(engine.step_no, entries))
+        ended = engine.abort(_inward(conn, list(frame.rids)))
+        if ended:
+            hub.send_entries(engine.step_no, ended)
     elif isinstance(frame, wire.Audit):  # in order with SUBMIT: what never arrived
-        missing = [r for r in frame.rids if not engine.holds(r)]
+        rids = list(frame.rids)
+        missing = [r for r, e in zip(rids, _inward(conn, rids), strict=True) if not engine.holds(e)]
         conn.send(wire.AuditReply(frame.nonce, missing))
     elif isinstance(frame, wire.StatsReq):
         conn.send(wire.Stats(frame.nonce, _stats(engine)))
     elif isinstance(frame, wire.Flush):
         ok, message = engine.flush()
         conn.send(wire.FlushReply(frame.nonce, ok, message))
-    return None
 
 
-def _step(engine: Engine, conn: _Connection) -> None:
+def _step(engine: Engine, hub: _Hub) -> None:
     before = engine.step_no
     try:
         entries = engine.step()
@@ -209,56 +295,92 @@ def _step(engine: Engine, conn: _Connection) -> None:
             for e in aborted
         ]
         if errs:
-            conn.send(wire.ReqError(errs))
+            hub.send_errors(errs)
         return
     if not entries:
-        if engine.step_no != before:  # a prompt chunk: progress the frontend can see
-            conn.send(wire.Step(engine.step_no, []))
+        if engine.step_no != before:  # a prompt chunk: progress the frontends can see
+            for conn in list(hub.conns.values()):
+                conn.send(wire.Step(engine.step_no, []))
         return
     try:
-        conn.send(wire.Step(engine.step_no, entries))
+        hub.send_entries(engine.step_no, entries)
     except ValueError as exc:  # over the frame size limit: those requests cannot be served
         log.error("step %d: %s", engine.step_no, exc)
         engine.abort([e.rid for e in entries if e.finish is None], "internal error")
-        conn.send(
-            wire.ReqError(
-                [
-                    (e.rid, wire.ErrorCode.INTERNAL, "output too large for one frame")
-                    for e in entries
-                ]
-            )
+        hub.send_errors(
+            [(e.rid, wire.ErrorCode.INTERNAL, "output too large for one frame") for e in entries]
         )
 
 
-def _serve_connection(engine: Engine, sock: Link | TlsLink) -> bool:
-    """Serve one frontend; True when it asked the worker to shut down."""
-    conn = _Connection(sock)
-    inbox: queue.Queue[Any] = queue.Queue()
-    conn.send(_hello(engine))
-    threading.Thread(
-        target=_receive, args=(conn, inbox, engine), daemon=True, name="receiver"
-    ).start()
-    end = None
-    while end is None:
+def _run(engine: Engine, inbox: queue.Queue[Any]) -> None:
+    """The step loop over every frontend's frames, until one sends SHUTDOWN."""
+    hub = _Hub()
+    shutdown = False
+    while not shutdown:
         if not engine.has_work:
             problems = engine.check()
             if problems:
                 log.error("integrity check failed: %s", problems[:8])
-            end = _handle(engine, conn, inbox.get())
-        while end is None:
+            shutdown = _handle(engine, hub, *inbox.get())
+        while not shutdown:
             try:
-                end = _handle(engine, conn, inbox.get_nowait())
+                shutdown = _handle(engine, hub, *inbox.get_nowait())
             except queue.Empty:
                 break
-        if end is None and engine.has_work:
-            _step(engine, conn)
-    entries: list[wire.StepEntry] = engine.abort_all(
-        "worker shutting down" if end == "shutdown" else "connection lost"
-    )
-    if end == "shutdown" and entries:
-        conn.send(wire.Step(engine.step_no, entries))
-    conn.close()
-    return end == "shutdown"
+        if not shutdown and engine.has_work:
+            _step(engine, hub)
+    entries = engine.abort_all("worker shutting down")
+    if entries:
+        hub.send_entries(engine.step_no, entries)
+    for conn in list(hub.conns.values()):
+        conn.close()
+
+
+def _frontend(
+    sock: socket.socket,
+    who: str,
+    token: str | None,
+    tls: ssl.SSLContext | None,
+    inbox: queue.Queue[Any],
+    engine: Engine,
+) -> None:
+    """One frontend's thread: TLS and the token check, then its frames into ``inbox``."""
+    link: Link | TlsLink = sock
+    try:
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            link = TlsLink(sock, tls, AUTH_TIMEOUT)
+        if token is not None and not authenticate(link, token, who):
+            link.close()
+            return
+    except (OSError, ssl.SSLError) as exc:
+        log.warning("refused a frontend from %s: %s", who, exc)
+        sock.close()
+        return
+    conn = _Connection(link)
+    inbox.put((conn, _JOIN))
+    _receive(conn, inbox, engine)
+
+
+def _accept(
+    listener: socket.socket,
+    token: str | None,
+    tls: ssl.SSLContext | None,
+    inbox: queue.Queue[Any],
+    engine: Engine,
+) -> None:
+    """Accept frontends for as long as the listener is open, a thread each."""
+    while True:
+        try:
+            sock, peer = listener.accept()
+        except OSError:
+            return  # the listener closed: the worker is ending
+        who = str(peer) if peer else "a unix socket"
+        threading.Thread(
+            target=_frontend, args=(sock, who, token, tls, inbox, engine),
+            daemon=True, name="frontend",
+        ).start()  # fmt: skip
 
 
 def _listen(text: str, tls: bool = False) -> socket.socket:
@@ -268,9 +390,9 @@ def _listen(text: str, tls: bool = False) -> socket.socket:
     if tls and address.kind == "unix":
         raise SystemExit("TLS is for a TCP link: --listen tls:HOST:PORT or tcp:HOST:PORT")
     if address.kind == "unix":
-        return listen_unix(address.path, backlog=1)
+        return listen_unix(address.path, backlog=16)
     s = socket.create_server((address.host, address.port), reuse_port=False)
-    s.listen(1)
+    s.listen(16)
     return s
 
 
@@ -280,26 +402,14 @@ def serve(
     token: str | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> int:
-    """Serve frontends one after another until one sends SHUTDOWN. A connection that
-    fails TLS or the token check is logged and closed; the next one is accepted."""
-    while True:
-        sock, peer = listener.accept()
-        who = str(peer) if peer else "a unix socket"
-        link: Link | TlsLink = sock
-        try:
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if tls is not None:
-                link = TlsLink(sock, tls, AUTH_TIMEOUT)
-            if token is not None and not authenticate(link, token, who):
-                link.close()
-                continue
-        except (OSError, ssl.SSLError) as exc:
-            log.warning("refused a frontend from %s: %s", who, exc)
-            sock.close()
-            continue
-        if _serve_connection(engine, link):
-            return 0
+    """Serve every frontend that connects until one sends SHUTDOWN. A connection that
+    fails TLS or the token check is logged and closed; the others go on."""
+    inbox: queue.Queue[Any] = queue.Queue()
+    threading.Thread(
+        target=_accept, args=(listener, token, tls, inbox, engine), daemon=True, name="accept"
+    ).start()
+    _run(engine, inbox)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

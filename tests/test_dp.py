@@ -22,6 +22,13 @@ def _dp_server(policy: str, *extra: str) -> Iterator[str]:
     with lifecycle_server("--scripted-worker", "--dp", "2", "--router-policy", policy,
                           "--max-running", "16", "--max-pending", "32", "--restart-backoff",
                           "0.2", *extra) as base:  # fmt: skip
+        # /health is 200 once one worker is ready; the router's counts are only even
+        # when both take part from the first call (a round-robin turn landing on a worker
+        # still starting went to the other, and the picks came out 17 / 15).
+        deadline = time.monotonic() + 60
+        while not all(s.get("ready") for s in _info(base)["internal_states"]):
+            assert time.monotonic() < deadline, _info(base)["internal_states"]
+            time.sleep(0.05)
         yield base
 
 

@@ -12,6 +12,7 @@ from wire import (
     Abort,
     Audit,
     AuditReply,
+    Fatal,
     Flush,
     FlushReply,
     Probe,
@@ -30,6 +31,7 @@ def _worker(path: str, *args: str) -> Iterator[WorkerClient]:
     proc = spawn_worker(path, "--kv-memory-mib", "256", *args)
     try:
         client = WorkerClient(path, timeout=300)
+        client.sock_path = path  # type: ignore[attr-defined]  # for a second frontend
         yield client
         client.close()
     finally:
@@ -108,6 +110,47 @@ def test_concurrent_greedy_equals_alone(fp32_worker: WorkerClient) -> None:
         assert got[base + i].ids == ids, f"prompt {i}"
     assert all(r.finish == ["length", 6] and len(r.ids) == 6 for r in got.values())
     _idle_sound(fp32_worker)
+
+
+def test_frontends_share_the_worker_and_one_leaving_ends_only_its_own(
+    worker: WorkerClient,
+) -> None:
+    """Several frontends at once (``serve --frontends N``): each numbers its own rids
+    (both use the same rid here) and gets only its own entries, with the tokens each
+    prompt gives alone; one that leaves mid-decode ends only what it held, and one that
+    connects later takes its place."""
+    path = worker.sock_path  # type: ignore[attr-defined]
+    other = WorkerClient(path, timeout=60)
+    try:
+        assert other.hello.capacity == worker.hello.capacity
+        p1, p2 = _prompts(2, 11)
+        sampling = {**GREEDY, "max_new_tokens": 8}
+        rid = next(_rid)
+        worker.submit(rid, p1, sampling)
+        other.submit(rid, p2, sampling)
+        mine, theirs = worker.wait([rid])[rid], other.wait([rid])[rid]
+        assert mine.ids == _run(worker, p1, sampling).ids
+        assert theirs.ids == _run(worker, p2, sampling).ids != mine.ids
+        long = {**GREEDY, "max_new_tokens": 300}
+        rid = next(_rid)
+        worker.submit(rid, p1, long)
+        other.submit(rid, p2, long)
+        other.wait([rid], until=lambda f: isinstance(f, Step) and len(other.results[rid].ids) >= 3)
+        other.close()  # its frontend is gone mid-decode: its request ends, freed
+        got = worker.wait([rid])[rid]
+        assert got.finish == ["length", 300] and len(got.ids) == 300
+        _idle_sound(worker)  # every block free: the one that left was aborted
+        late = WorkerClient(path, timeout=60)
+        rid = next(_rid)
+        late.submit(rid, p2, sampling)
+        assert late.wait([rid])[rid].ids == theirs.ids
+        late.submit(1 << 40, p2, sampling)  # past the rid range: that frontend's error alone
+        fatal = late.recv()
+        assert isinstance(fatal, Fatal) and "2**40" in fatal.message, fatal
+        late.close()
+        _idle_sound(worker)
+    finally:
+        other.close()
 
 
 def test_abort_queued_mid_prefill_and_mid_decode_frees_everything(worker: WorkerClient) -> None:
