@@ -190,6 +190,7 @@ def _server_config(cfg: AppConfig) -> ServerConfig:
     return ServerConfig(
         host=cfg.host,
         port=cfg.port,
+        reuse_port=cfg.reuse_port,
         send_timeout=cfg.send_timeout,
         ssl_certfile=cfg.ssl_certfile,
         ssl_keyfile=cfg.ssl_keyfile,

@@ -62,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     import anyio
 
     logging.basicConfig(
@@ -87,6 +87,10 @@ def _serve(args: argparse.Namespace) -> int:
         except OtlpUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if cfg.frontends > 1:  # this process runs the workers and the frontends, serves none
+        from lifecycle.frontends import run_frontends
+
+        return run_frontends(cfg, serve_argv)
     anyio.run(_run_until_signalled, cfg, model)
     return 0
 
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return _serve(args)
+        serve_argv = list(sys.argv[1:] if argv is None else argv)
+        return _serve(args, serve_argv[serve_argv.index("serve") + 1 :])
     if args.command == "generate":
         gen = [args.prompt, "--max-new-tokens", str(args.max_new_tokens)]
         gen += ["--model", args.model] if args.model else []

@@ -230,6 +230,22 @@ OPTIONS: tuple[Option, ...] = (
     _o("host", "address to listen on", _HTTP, default="127.0.0.1", server=True),
     _o("port", "port to listen on", _HTTP, type=int, default=30000, server=True),
     _o(
+        "frontends",
+        "frontend processes on the one port (SO_REUSEPORT), sharing the workers; one "
+        "that dies ends only its own requests and is started again",
+        _HTTP,
+        type=int,
+        default=1,
+        server=True,
+    ),  # fmt: skip
+    _o(
+        "reuse_port",
+        "share the port with other processes (SO_REUSEPORT; what --frontends sets)",
+        _HTTP,
+        server=True,
+        **_SWITCH,
+    ),  # fmt: skip
+    _o(
         "send_timeout",
         "seconds a client (or an Engine stream's consumer) may stall a send",
         _HTTP,

@@ -8,6 +8,7 @@ chat template, the frontend, the tracer and the metrics, built from one ``AppCon
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -50,6 +51,9 @@ _DEFAULT = {o.name: o.default for o in OPTIONS}
 class AppConfig:
     host: str = _DEFAULT["host"]
     port: int = _DEFAULT["port"]
+    frontends: int = _DEFAULT["frontends"]  # serve --frontends N (lifecycle/frontends.py)
+    reuse_port: bool = _DEFAULT["reuse_port"]
+    frontend_index: int | None = None  # which of --frontends N this process is; None: alone
     model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
     served_model_name: str | None = None
     weight_version: str = _DEFAULT[
@@ -346,6 +350,23 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
     return Supervisor(sup_config)
 
 
+FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend
+
+
+def _frontend_index() -> int | None:
+    value = os.environ.get(FRONTEND_INDEX_ENV)
+    return int(value) if value and value.isdigit() else None
+
+
+def _per_frontend(path: str | None) -> str | None:
+    """A path with ``{frontend}`` in it names this frontend's own file (its index, 0
+    alone): several frontends never share one trace log."""
+    if path is None:
+        return None
+    index = _frontend_index()
+    return path.replace("{frontend}", str(0 if index is None else index))
+
+
 def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     """The ``AppConfig`` for a full set of option values (``option_values`` or
     ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
@@ -362,9 +383,10 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
         api_keys=tuple(keys),
         admin_api_keys=tuple(v["admin_api_key"] or ()),
         public_routes=() if v["no_public_routes"] else public,
+        frontend_index=_frontend_index(),
         trace=TraceConfig(
             ring_size=v["trace_ring_size"],
-            log_path=v["trace_log"],
+            log_path=_per_frontend(v["trace_log"]),
             log_max_bytes=v["trace_log_max_bytes"],
             log_backups=v["trace_log_backups"],
             record_prompts=v["trace_prompts"],
@@ -381,6 +403,8 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
 _PLAIN = (
     "host",
     "port",
+    "frontends",
+    "reuse_port",
     "model",
     "served_model_name",
     "weight_version",

@@ -42,6 +42,9 @@ class ServerConfig:
     sse_ping_interval: float = 15.0
     server_header: str = "lifecycle"
     backlog: int = 2048
+    # SO_REUSEPORT: several processes listen on the same port and the kernel spreads the
+    # connections among them (TCP only).
+    reuse_port: bool = False
     # False: every request goes through h11, none through the fast path (``fastpath``).
     # The two must answer alike; the corpus test (tests/test_transport_corpus.py) runs
     # every hostile input both ways to prove it.

@@ -142,8 +142,9 @@ class Server:
             listener = unix
         else:
             tcp = await anyio.create_tcp_listener(
-                local_host=cfg.host, local_port=cfg.port, backlog=cfg.backlog
-            )
+                local_host=cfg.host, local_port=cfg.port, backlog=cfg.backlog,
+                reuse_port=cfg.reuse_port,
+            )  # fmt: skip
             self.bound = [
                 tuple(sub.extra(SocketAttribute.local_address))[:2]  # type: ignore[misc]
                 for sub in tcp.listeners

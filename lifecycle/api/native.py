@@ -11,6 +11,7 @@ true`` in the request body.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -285,6 +286,7 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
         "context_length": fe.model_config.context_length,
         "version": _version(),
         "status": sup.status,
+        "frontend_pid": os.getpid(),  # with --frontends N, which one answered
         "live_requests": len(fe.registry),
         "tombstones": fe.registry.tombstones,
         "requests_by_state": fe.registry.counts_by_state(),

@@ -9,6 +9,10 @@ with a vector that is a pure function of its prompt ids, its pooling and ``norma
 (``scripted_embedding``), of the ``hidden_size`` its HELLO advertises. It keeps worker-like books (waiting and running queues, KV blocks
 held per sequence) so the frontend's release guarantees can be checked through STATS.
 
+Several frontends may connect at once (``serve --frontends N``), as to ``gpu.worker``;
+each connection is served by scripted books of its own (the same configuration each),
+so what one frontend does or leaves behind never touches another's requests.
+
 With no ``--step-delay`` its steps cost nothing, as an infinitely fast model's would: up to
 ``--burst`` (16) of them run back to back and their STEP frames go out in one write, one
 frame per step as always. ``--burst 1`` writes each step on its own, as a model's steps
@@ -390,18 +394,15 @@ async def _serve(config: ScriptConfig) -> None:
     await anyio.sleep(config.startup_delay)
     if (f := fault_point("worker.start")) is not None:
         await f.apply_async()
-    worker = ScriptedWorker(config)
     address = parse_address(config.listen)
     if address.kind == "unix" and os.path.exists(address.path):
         os.unlink(address.path)
-    one_at_a_time = anyio.Lock()
 
     async def handle(out: FrameStream) -> None:
-        async with one_at_a_time:
-            try:
-                await worker.serve_connection(out)
-            finally:
-                await out.aclose()
+        try:
+            await ScriptedWorker(config).serve_connection(out)
+        finally:
+            await out.aclose()
 
     await serve(address, handle, side="worker")
 

@@ -1,0 +1,129 @@
+"""``lifecycle serve --frontends N``: N frontend processes on one port, sharing the workers.
+
+One Python frontend is one core (``bench/frontend_paced.py``); past it, more frontends
+serve the same workers. This process starts the workers itself (``--dp`` of them; none
+with ``--worker``: the frontends use those) on Unix sockets in a private folder, then N
+frontends, each a ``lifecycle serve`` of its own with the same options, ``--reuse-port``
+(the kernel spreads connections among the listeners of one port, SO_REUSEPORT) and
+``--worker`` for each worker. A worker serves every frontend at once, each frontend's
+requests on its own connection (``gpu/worker.py``), so a frontend that dies ends only its
+own requests (the worker frees what that connection held); this process starts it
+again, and a worker that dies is started again the same way while the frontends
+reconnect to it. SIGTERM or SIGINT: the frontends drain and stop, then the workers.
+
+What is per frontend: each keeps its own requests, so ``/metrics``, ``/debug``,
+``/server_info`` and the trace ring describe the frontend that answered (each says which
+in ``/server_info``: ``frontend_index`` and ``frontend_pid``); the workers' state in
+them is whole.
+To see all of them, scrape each frontend (``--trace-log`` with a file per frontend:
+``{frontend}`` in the path is its index). docs/scaling.md, "Several frontends on one port".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lifecycle.runtime import FRONTEND_INDEX_ENV, AppConfig, worker_addresses, worker_args
+
+__all__ = ["child_argv", "run_frontends"]
+
+log = logging.getLogger("lifecycle.frontends")
+_RESTART_S = 0.5  # the least time between two starts of one process
+
+
+def child_argv(serve_argv: list[str], workers: list[str], spawned: bool) -> list[str]:
+    """A frontend's command: the same options, one frontend, the shared port, and the
+    workers this process started (``--dp 0``: it spawns none of its own)."""
+    argv = [sys.executable, "-m", "lifecycle", "serve", *serve_argv, "--frontends", "1"]
+    argv += ["--reuse-port"]
+    if spawned:
+        argv += ["--dp", "0"]
+        for address in workers:
+            argv += ["--worker", address]
+    return argv
+
+
+class _Child:
+    """One process this launcher keeps running."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.argv, self.env = name, argv, env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.starts = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env)
+        self.started, self.starts = time.monotonic(), self.starts + 1
+        log.info("%s started (pid %d)", self.name, self.proc.pid)
+
+    def check(self) -> None:
+        """Start it again if it ended (at most once every ``_RESTART_S``)."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        if time.monotonic() - self.started < _RESTART_S:
+            return
+        log.warning("%s ended with status %s; starting it again", self.name, self.proc.returncode)
+        self.start()
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
+    """Run the workers and ``cfg.frontends`` frontends until SIGTERM or SIGINT; 2 when
+    the frontends would share one trace log."""
+    if cfg.trace.log_path and "{frontend}" not in cfg.trace.log_path:
+        print("error: --trace-log with --frontends needs {frontend} in the path (each "
+              "frontend writes its own file)", file=sys.stderr)  # fmt: skip
+        return 2
+    folder = Path(tempfile.mkdtemp(prefix="lifecycle-frontends-"))
+    workers = list(worker_addresses(cfg))
+    spawned = not workers
+    children: list[_Child] = []
+    if spawned:
+        for k in range(cfg.dp or 1):
+            address = f"unix:{folder / f'worker{k}.sock'}"
+            argv = [sys.executable, "-m", "wire.child", cfg.worker_module, "--listen", address]
+            children.append(_Child(f"worker {k}", [*argv, *worker_args(cfg)], dict(os.environ)))
+            workers.append(address)
+    frontends = []
+    for i in range(cfg.frontends):
+        env = {**os.environ, FRONTEND_INDEX_ENV: str(i)}
+        frontends.append(_Child(f"frontend {i}", child_argv(serve_argv, workers, spawned), env))
+    stopping: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _f: stopping.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+    try:
+        for child in (*children, *frontends):
+            child.start()
+        log.info("%d frontends on port %d, %d workers", len(frontends), cfg.port, len(workers))
+        while not stopping:
+            time.sleep(0.1)
+            for child in (*children, *frontends):
+                child.check()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for child in frontends:  # each drains first (its own --drain-timeout)
+            child.stop(cfg.drain_timeout + 10)
+        for child in children:
+            child.stop(10)
+        for sock in folder.glob("*.sock"):
+            sock.unlink(missing_ok=True)
+        folder.rmdir()
+    return 0
