@@ -34,7 +34,7 @@ def test_openapi_conformance_no_5xx(
                 "--url",
                 srv.url,
                 "--max-examples",
-                "15",
+                "10",
                 "--checks",
                 "not_a_server_error,response_schema_conformance,status_code_conformance",
                 "--phases",
