@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpu.host import ints
+from gpu.host import decode_slots, flat_tables, ints
 from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
 from wire.worker_options import GRAPH_MODES
 
@@ -248,22 +248,12 @@ class StepGraphs:
         assert scratch is not None
         d = len(decodes)
         pad = b - d
-        # Every table cut or padded (with the scratch block) to nb, row after row: one flat
-        # list and one conversion (gpu/host.py), the per-row work kept to list extends.
-        flat: list[int] = []
-        fill = [scratch] * nb
-        lens, slots = [], []
-        for table, ctx in decodes:
-            k = len(table)
-            if k >= nb:
-                flat += table if k == nb else table[:nb]
-            else:
-                flat += table
-                flat += fill[k:]
-            lens.append(ctx)
-            p = ctx - 1
-            slots.append(table[p // bs] * bs + p % bs)
+        # Every table cut or padded (with the scratch block) to nb: one flat list and one
+        # conversion (gpu/host.py).
+        flat = flat_tables((table for table, _ in decodes), nb, scratch)
         flat += [scratch] * (nb * pad)
+        lens = [ctx for _, ctx in decodes]
+        slots = decode_slots(decodes, bs)
         lens += [1] * pad
         slots += [scratch * bs] * pad
         host_ids = ints([*ids[:d], *[0] * pad])

@@ -8,13 +8,13 @@ buffer. Every per-step list of ids, positions, slots, tables and lengths goes th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ints"]
+__all__ = ["decode_slots", "flat_tables", "ints"]
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 
@@ -27,3 +27,26 @@ def ints(
     """``torch.tensor(values, dtype=dtype, device=device)`` for a flat list of ints."""
     t = torch.from_numpy(np.array(values, dtype=_NP[dtype]))
     return t if device is None else t.to(device)
+
+
+def flat_tables(tables: Iterable[Sequence[int]], nb: int, pad: int) -> list[int]:
+    """Every block table cut or padded (with block ``pad``) to ``nb`` blocks, row after
+    row, in one flat list: the per-row work kept to list extends (a decode step's tables
+    are built every step)."""
+    flat: list[int] = []
+    fill = [pad] * nb
+    for t in tables:
+        k = len(t)
+        if k >= nb:
+            flat += t if k == nb else t[:nb]
+        else:
+            flat += t
+            flat += fill[k:]
+    return flat
+
+
+def decode_slots(decodes: Iterable[tuple[Sequence[int], int]], block_size: int) -> list[int]:
+    """Each decode's one new KV slot, ``(block table, keys after the step)`` each: where
+    its last key goes."""
+    bs = block_size
+    return [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t, ctx in decodes]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gpu.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
-from gpu.host import ints
+from gpu.host import decode_slots, flat_tables, ints
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
@@ -173,8 +173,7 @@ class PagedKVCache:
     ) -> None:
         """Declare the step: ``decodes`` as (block_table, context length incl. the new token)."""
         dev, bs = self.device, self.block_size
-        # A decode's one new slot: where its last key goes (the hot loop: one row each).
-        slots = [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t, ctx in decodes]
+        slots = decode_slots(decodes, bs)
         dec_rows = dec_bias = dec_tables = dec_lens = dec_bias_window = None
         dec_len = 0
         row_queries = None
@@ -246,26 +245,14 @@ class PagedKVCache:
         if not keys:
             return None
         nb = -(-max(keys) // self.block_size)
-        zeros = [0] * nb
-
-        def padded(t: Sequence[int]) -> list[int]:
-            return [*t[:nb], *[0] * (nb - len(t[:nb]))]
-
         tables: list[Tensor] = []
         lens: list[Tensor] = []
         if decodes:
-            flat: list[int] = []  # every decode's table cut or padded to nb, row after row
-            for t, _ in decodes:
-                k = len(t)
-                if k >= nb:
-                    flat += t if k == nb else t[:nb]
-                else:
-                    flat += t
-                    flat += zeros[k:]
+            flat = flat_tables((t for t, _ in decodes), nb, 0)
             tables.append(ints(flat, torch.int32).view(len(decodes), nb))
             lens.append(ints(keys[: len(decodes)], torch.int32))
         for c in prefills:
-            tables.append(torch.tensor(padded(c.block_table), dtype=torch.int32).expand(c.n, nb))
+            tables.append(ints(flat_tables([c.block_table], nb, 0), torch.int32).expand(c.n, nb))
             lens.append(torch.arange(c.start + 1, c.start + c.n + 1, dtype=torch.int32))
         return torch.cat(tables), torch.cat(lens)
 
