@@ -401,6 +401,10 @@ async def _serve(config: ScriptConfig) -> None:
     async def handle(out: FrameStream) -> None:
         try:
             await ScriptedWorker(config).serve_connection(out)
+        except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            # That frontend is gone (a write to it failed): its books go with it, and the
+            # other frontends' connections go on (it used to end the whole process).
+            pass
         finally:
             await out.aclose()
 
