@@ -326,6 +326,7 @@ def test_followers_exit_with_rank0(start, tiny3: TinyModel) -> None:  # type: ig
 
 
 @pytest.mark.model
+@pytest.mark.slow  # `make test-full` (17 s); the tiny-model and other-family tests above stay
 @pytest.mark.timeout(300)
 def test_tp2_greedy_equals_tp1_on_reference_prompts(start) -> None:  # type: ignore[no-untyped-def]
     meta = json.loads((FIXTURES / "model_reference.json").read_text(encoding="utf-8"))
