@@ -21,7 +21,6 @@ having been registered in time. What a call needs of the process is its ``CallHo
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -44,6 +43,7 @@ from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
+from lifecycle.core.wakeup import Wakeup
 from wire import Finish
 
 __all__ = [
@@ -138,37 +138,6 @@ class _ItemRun:
         self.ended: Any = None
 
 
-class _Wakeup:
-    """What the call's owner sleeps on between chunks: the worker link sets it for each
-    chunk of the call, the owner's ``wait`` clears it. One waiter, reset in place: a bare
-    asyncio future per sleep, where a fresh ``anyio.Event`` a chunk (its asyncio event,
-    its future, its waiter list) was a sixth of the frontend's CPU per streamed token
-    (``bench/frontend_paced.py``). The request core runs on asyncio, as the transport does
-    (``transport/aio.py``)."""
-
-    __slots__ = ("_is_set", "_waiter")
-
-    def __init__(self) -> None:
-        self._is_set = False
-        self._waiter: asyncio.Future[None] | None = None
-
-    def set(self) -> None:
-        self._is_set = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self) -> None:
-        """Until set (at once if it is); cleared on return. Cancellable."""
-        if not self._is_set:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        self._is_set = False
-
-
 class GenerateCall:
     def __init__(
         self,
@@ -182,7 +151,7 @@ class GenerateCall:
         self.exit_cause = exit_cause
         self.runs: list[_ItemRun] = []
         self.client: WorkerLink | None = None
-        self._wake = _Wakeup()
+        self._wake = Wakeup()
         self.started_ns = time.monotonic_ns()
         self.closed = False
         # Seconds from the start this call may take (its request's X-Request-Timeout
