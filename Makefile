@@ -22,11 +22,20 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(PY) -m lifecycle serve $(ARGS)
 
+# Two test processes, each module whole in one (--dist loadfile: a module's server
+# fixture starts once), every torch in them on one thread (OMP_NUM_THREADS=1): two
+# processes with two OpenMP threads each on two cores stall at every op's barrier (the
+# suite took longer than alone), one thread each runs it in ~0.57x the serial time.
+# The kernels' results on two threads against one are checked explicitly
+# (tests/threads.py). TEST_JOBS=0 runs the tests in this one process.
+TEST_JOBS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 test-full: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # Every bench/*.py script, except the serving harness modules (they need a running
 # server or are libraries: run them through the targets below).

@@ -22,6 +22,7 @@ import torch
 from gpu import native
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel, load_model
+from tests.threads import torch_threads
 from tests.tiny_gguf import TinyModel
 
 pytestmark = pytest.mark.skipif(
@@ -156,6 +157,31 @@ def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel) -> None:
     assert declared is not None
     written = declared[0]  # every row's cache slot
     _mostly_equal(cache.k[0][:, written].transpose(0, 1), k_want[0][:, written].transpose(0, 1))
+
+
+def test_a_mixed_step_on_two_threads_equals_one_thread(qlm: LoadedModel) -> None:
+    """The fused step's bits do not depend on how many threads share it: decodes, a
+    chunk after a cached prefix and a fresh prompt, logits and the K/V written, on two
+    threads and on one (``make test`` runs every process on one: tests/threads.py)."""
+    prompts = [list(range(30, 50)), [7, 8, 9, 10], list(range(60, 100))]
+    cache, tables = _prefilled(qlm, prompts, room=32, spare=3)
+    free = [b for b in range(cache.num_blocks) if all(b not in t for t in tables)]
+    decodes = [(tables[0], 21), (tables[1], 5)]
+    prefills = [PrefillChunk(tables[2], 40, 30), PrefillChunk(free[:3], 0, 40)]
+    ids = [11, 12, *range(120, 150), *range(200, 240)]
+    pos = [20, 4, *range(40, 70), *range(40)]
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    runs = []
+    for threads in (2, 1):
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        with torch_threads(threads):
+            logits = _step(qlm, cache, decodes, prefills, ids, pos, fuse=True)
+        runs.append((logits, cache.k.clone(), cache.v.clone()))
+    assert qlm.model._fused is not None
+    assert not torch.equal(runs[0][1], k0)  # the step wrote its rows
+    for two, one in zip(*runs, strict=True):
+        assert torch.equal(two, one)
 
 
 def test_fusion_applies_to_every_step_on_quantized_weights(

@@ -29,6 +29,7 @@ from gguf.quants import dequantize, quantize
 
 from gpu import native
 from modelfile.gguf_file import GGUFFile, default_model_path
+from tests.threads import torch_threads
 
 KERNELS = native.load_kernels()
 pytestmark = pytest.mark.skipif(
@@ -145,16 +146,15 @@ def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
     k = kdim(qtype, 576)
     x = torch.randn(200, k, generator=torch.Generator().manual_seed(3)) * 3
     blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=3))
-    alone = torch.cat([kernels().q_linear(x[i : i + 1], blocks, int(qtype)) for i in range(200)])
-    for m in [*range(1, 14), 31, 64, 97, 200]:
-        y = kernels().q_linear(x[:m], blocks, int(qtype))
-        assert torch.equal(y, alone[:m]), m
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(2):
+        alone = torch.cat(
+            [kernels().q_linear(x[i : i + 1], blocks, int(qtype)) for i in range(200)]
+        )
+        for m in [*range(1, 14), 31, 64, 97, 200]:
+            y = kernels().q_linear(x[:m], blocks, int(qtype))
+            assert torch.equal(y, alone[:m]), m
+    with torch_threads(1):
         one = kernels().q_linear(x[:97], blocks, int(qtype))
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, alone[:97])
 
 
