@@ -64,7 +64,9 @@ def build(args: argparse.Namespace) -> Engine:
     lm = load_model(args.model, device=args.device)
     blocks = args.batch * (-(-(args.prompt + new_tokens(args) + 4) // 16))
     graphs = "auto" if lm.device.type == "cuda" else "off"
-    return Engine(lm, EngineConfig(blocks, 16, args.batch, args.batch, 512, 512, graphs))
+    return Engine(
+        lm, EngineConfig(blocks, 16, args.batch, args.batch, 512, 512, graphs, args.overlap)
+    )
 
 
 def fill(engine: Engine, args: argparse.Namespace) -> None:
@@ -135,6 +137,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--overlap", default="auto", help="auto | on | off: overlapped steps (docs/worker.md)"
+    )
     ap.add_argument("--code", default=None, help="import the packages from this tree")
     ap.add_argument("--baseline", default=None, help="a git ref to measure side by side")
     ap.add_argument("--reps", type=int, default=2, help="A B rounds with --baseline")
@@ -156,7 +161,8 @@ def main() -> int:
     host = sorted(w - m for w, m in pairs)
     model = sorted(m for _, m in pairs)
     med, host_med, model_med = ms[len(ms) // 2], host[len(host) // 2], model[len(model) // 2]
-    print(f"{engine.model.config.name} on {engine.cache.device}, batch {args.batch}: "
+    print(f"{engine.model.config.name} on {engine.cache.device}, batch {args.batch}, "
+          f"overlap {'on' if engine.overlap else 'off'}: "
           f"decode step median {med:.2f} ms (min {ms[0]:.2f}), "
           f"{med * 1e3 / args.batch:.1f} us a row")  # fmt: skip
     print(f"  model call {model_med:.2f} ms; host (the rest of the step and the STEP frame) "
@@ -171,7 +177,7 @@ def main() -> int:
     print(text.getvalue())
     if args.json:
         out: dict[str, Any] = {"batch": args.batch, "step_ms": ms, "median_ms": med,
-                               "host_median_ms": host_med, "model_median_ms": model_med,
+                               "host_median_ms": host_med, "model_median_ms": model_med, "overlap": engine.overlap,
                                "device": str(engine.cache.device), "torch": torch.__version__,
                                "profile": text.getvalue()}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
 from gpu.graphs import StepGraphs, graph_backend
@@ -24,6 +25,8 @@ from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
+from gpu.overlap import InFlight, flies, fly, land
+from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -40,7 +43,7 @@ from wire import (
 )
 from wire.faults import active_plan, fault_point
 from wire.sampling import STOP_REGEX_WINDOW
-from wire.worker_options import DEFAULT_BLOCK_SIZE
+from wire.worker_options import DEFAULT_BLOCK_SIZE, OVERLAP_MODES
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -62,6 +65,7 @@ class EngineConfig:
     step_tokens: int = 512
     mixed_prefill_tokens: int = 512
     decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
+    overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -74,6 +78,19 @@ def _prefills(seq: Sequence) -> bool:
         or o.embed is not None
         or (o.return_logprob and o.logprob_start_len >= 0)
     )
+
+
+@dataclass(slots=True)
+class _Ran:
+    """A step after its model call: what is left for the host."""
+
+    batch: list[tuple[Sequence, int]]
+    samplers: list[Sequence]
+    scored: list[Sequence]
+    pooled: list[tuple[Sequence, torch.Tensor]]
+    rows: LogprobRows
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
 
 
 def _declared_n(e: SubmitEntry) -> int:
@@ -116,10 +133,18 @@ class Engine:
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
         # The end a finished grammar reports (it is not sampled: nothing else could be).
         self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
+        if config.overlap not in OVERLAP_MODES:
+            raise ValueError(
+                f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {config.overlap!r}"
+            )
+        self.overlap = config.overlap == "on" or (
+            config.overlap == "auto" and loaded.device.type == "cuda"
+        )
+        self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self._in_flight is not None or self.scheduler.has_work
 
     def footprint(self) -> MemoryFootprint:
         """The weights' and the KV cache's allocated bytes and their device (counted on
@@ -249,6 +274,7 @@ class Engine:
         return out
 
     def abort_all(self, message: str) -> list[StepEntry]:
+        self._in_flight = None  # its tokens are never read: every request ends here
         return self.abort(list(self.seqs) + list(self.reserved), message)
 
     def check(self) -> list[str]:
@@ -265,27 +291,43 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEntry]:
+        """Schedule, run, postprocess: the STEP entries of what ended or sampled.
+
+        Overlapped (``EngineConfig.overlap``, ``gpu/overlap.py``), a step whose samplers
+        all fly leaves its tokens on the device: the next call launches the following
+        step first, its rows reading them there, and only then reads them and makes their
+        entries (``_resolve``). The same tokens either way (docs/worker.md)."""
         t0 = perf_counter()
+        prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return [] if prev is None else self._resolve(prev)
         self.step_no += 1
         step = StepInput()
-        entries = self._step(batch, step)
+        ran = self._run(batch, step, prev)
+        entries = [] if prev is None else self._resolve(prev)
+        entries += self._settle(ran, prev is not None)
         # Once per step, never per token: its time (scheduling to the STEP entries), its
         # sequences and its tokens, for STATS (wire/stats.py).
         self.step_stats.record(perf_counter() - t0, len(batch), len(step.ids))
         return entries
 
-    def _step(self, batch: list[tuple[Sequence, int]], step: StepInput) -> list[StepEntry]:
+    def _run(self, batch: list[tuple[Sequence, int]], step: StepInput,
+             prev: InFlight | None) -> _Ran:  # fmt: skip
+        """The step's rows in order, and the model call."""
         ids, pos, decodes, prefills = step.ids, step.pos, step.decodes, step.prefills
         rows = LogprobRows()
         samplers: list[Sequence] = []
         scored: list[Sequence] = []  # max_new_tokens 0: prompt logprobs only, no sample
         pooling: list[tuple[Sequence, int, int]] = []  # embed requests: seq, first row, rows
+        future_rows: list[int] = []  # rows whose input the step in flight sampled
+        future_src: list[int] = []
         sample_rows = rows.sample_rows
         for seq, n in batch:
             c, row = seq.num_computed, len(ids)
+            if seq.future is not None and c + n == len(seq.tokens):
+                future_rows.append(row + n - 1)
+                future_src.append(seq.future)
             if n == 1 and seq.started and c + 1 == len(seq.tokens):
                 # A decode that samples (the common row): what the general path does.
                 ids.append(seq.tokens[c])
@@ -310,6 +352,9 @@ class Engine:
             elif c + n == len(seq.tokens):
                 rows.add_sample(row + n - 1)
                 samplers.append(seq)
+        if future_rows:
+            assert prev is not None, "a placeholder token with no step in flight"
+            step.future = (future_rows, future_src, prev.tokens.device)
         step.logit_rows = rows.indices
         step.want_hidden = any(s.options.return_hidden_states for s in samplers)
         step.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)
@@ -318,36 +363,40 @@ class Engine:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         out = self.runner.run(step)
         logits, hidden = out.logits, out.hidden
-        pooled = [] if out.x is None else self._pool(out.x, pooling)
+        pooled = [] if out.x is None else pool(self.model.final_norm, out.x, pooling)
         if logits is not None and fault is not None and fault.action == "nan":
             logits = torch.full_like(logits, float("nan"))
+        return _Ran(batch, samplers, scored, pooled, rows, logits, hidden)
+
+    def _settle(self, ran: _Ran, after_resolve: bool) -> list[StepEntry]:
+        """The host's part after the model call: the KV the step wrote is the cache's (its
+        full blocks published), embed and score requests end, and the samplers sample:
+        at once, or left in flight when overlapped and every one is plain.
+        ``after_resolve``: requests that ended as the step before resolved are gone."""
+        seqs = self.seqs
+        batch = ran.batch
+        if after_resolve:
+            batch = [(s, n) for s, n in batch if seqs.get(s.rid) is s]
         self.scheduler.computed(batch)
-        entries = [self._embedded(seq, vec) for seq, vec in pooled]
+        entries = [self._embedded(seq, vec) for seq, vec in ran.pooled]
+        logits = ran.logits
         if logits is not None:
-            rows.collect_prompt(logits)
-        entries += [e for seq in scored for e in self._scored(seq)]
+            ran.rows.collect_prompt(logits)
+        entries += [e for seq in ran.scored for e in self._scored(seq)]
+        samplers = ran.samplers
         if logits is None or not samplers:
             return entries
-        hid = None if hidden is None else hidden[rows.sample_slice]
-        return entries + self._finish_step(samplers, logits[rows.sample_slice], hid)
+        logits = logits[ran.rows.sample_slice]
+        hid = None if ran.hidden is None else ran.hidden[ran.rows.sample_slice]
+        if self.overlap and hid is None and all(flies(s) for s in samplers):
+            self._in_flight = fly(samplers, logits)
+            return entries
+        return entries + self._finish_step(samplers, logits, hid)
 
-    def _pool(
-        self, x: torch.Tensor, pooling: list[tuple[Sequence, int, int]]
-    ) -> list[tuple[Sequence, torch.Tensor]]:
-        """Embed requests: pool this step's final hidden rows; the vectors of those whose
-        prefill this step completes. Mean pooling sums over the chunks, in fp32."""
-        done = []
-        for seq, row, n in pooling:
-            last = seq.num_computed + n == len(seq.tokens)
-            if seq.options.embed is None or seq.options.embed.pooling == "last":
-                if last:
-                    done.append((seq, self.model.final_norm(x[row + n - 1]).float()))
-                continue
-            part = self.model.final_norm(x[row : row + n]).float().sum(0)
-            seq.pooled = part if seq.pooled is None else seq.pooled + part
-            if last:
-                done.append((seq, seq.pooled / len(seq.tokens)))
-        return done
+    def _resolve(self, flight: InFlight) -> list[StepEntry]:
+        """An overlapped step's tokens read at last: each sampler's placeholder becomes its
+        token, and the entries are what ``_finish_step`` makes of them."""
+        return self._entries(flight.samplers, land(flight), None, None)
 
     def _embedded(self, seq: Sequence, vec: torch.Tensor) -> StepEntry:
         """An embed request's one STEP entry; its blocks are released now."""
@@ -387,12 +436,19 @@ class Engine:
         want_lp = any(s.options.return_logprob for s in samplers)
         allowed = self.grammars.constrain(samplers)
         result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
-        lp = result.logprobs
+        return self._entries(samplers, result.tokens, result.logprobs, hidden)
+
+    def _entries(
+        self, samplers: list[Sequence], sampled: list[int], lp: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+    ) -> list[StepEntry]:  # fmt: skip
+        """Each sampler's new token appended and its STEP entry (a terminal one when it
+        ended); a sampler whose request ended since its row was scheduled has none."""
         extras = lp is not None or hidden is not None
         faults = active_plan() is not None
         seqs, eog, entries = self.seqs, self._eog_set, []
-        for i, (seq, tok) in enumerate(zip(samplers, result.tokens, strict=False)):
-            if seq.rid not in seqs:
+        for i, (seq, tok) in enumerate(zip(samplers, sampled, strict=False)):
+            if seqs.get(seq.rid) is not seq:
                 continue
             extra = token_extra(seq, i, tok, lp, hidden) if extras else {}
             if faults and (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
@@ -406,7 +462,7 @@ class Engine:
                     and len(tokens) - seq.prompt_len < p.max_new_tokens
                     and tok not in p.stop_token_ids
                     and (p.ignore_eos or tok not in eog)
-                ):  # goes on: what _emit gives when _finish_reason finds nothing
+                ):  # goes on: what _emit gives when finish_reason finds nothing
                     entries.append(StepEntry(seq.rid, pack_id(tok), None, extra or None))
                     continue
             else:
@@ -422,7 +478,9 @@ class Engine:
             extra["cached_tokens"] = seq.cached_tokens
             extra.update(prompt_extra(seq))
             extra.update(seq.grammar_info)
-        finish = self._finish_reason(seq)
+        finish = finish_reason(
+            seq, self.mc.eog_ids, self.loaded.tokenizer.decode, self._grammar_end
+        )
         if finish is None:
             return StepEntry(seq.rid, pack_id(tok), None, extra or None)
         if seq.grammar_done:
@@ -439,24 +497,3 @@ class Engine:
         if not seq.started:
             extra["prompt_tokens"] = seq.prompt_len
         return StepEntry(seq.rid, new, finish, extra)
-
-    def _finish_reason(self, seq: Sequence) -> list[Any] | None:
-        p, tok = seq.params, seq.tokens[-1]
-        if seq.grammar_error is not None:
-            return [Finish.ABORT, seq.grammar_error]
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.mc.eog_ids):
-            return [Finish.STOP, tok]
-        if seq.grammar_done:  # nothing but the end could follow: end now, a step sooner
-            return [Finish.STOP, self._grammar_end]
-        if seq.stop_window:
-            tail = self.loaded.tokenizer.decode(seq.output[-seq.stop_window :])
-            for s in p.stop:
-                if s in tail:
-                    return [Finish.STOP, s]
-            for i, pattern in enumerate(seq.stop_patterns):
-                m = next((m for m in pattern.finditer(tail) if m.end() > m.start()), None)
-                if m is not None:
-                    return [Finish.STOP, m.group(0), i]
-        if seq.num_output >= p.max_new_tokens:
-            return [Finish.LENGTH, p.max_new_tokens]
-        return None

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpu.host import decode_slots, flat_tables, ints
+from gpu.host import decode_slots, flat_tables, ints, put_futures
 from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
 from wire.worker_options import GRAPH_MODES
 
@@ -201,9 +201,11 @@ class StepGraphs:
         return shape
 
     def run(self, ids: Sequence[int], pos: Sequence[int],
-            decodes: Sequence[tuple[Sequence[int], int]]) -> Tensor | None:  # fmt: skip
+            decodes: Sequence[tuple[Sequence[int], int]],
+            future: tuple[list[int], list[int], Tensor] | None = None) -> Tensor | None:  # fmt: skip
         """Logits ``[len(decodes), vocab]`` for one pure-decode step, or None when no
-        captured shape fits it (the caller runs the step eagerly)."""
+        captured shape fits it (the caller runs the step eagerly). ``future``: rows whose
+        input the previous step sampled on the device (``StepInput.future``)."""
         key = self.shape_for(decodes)
         if key is None:
             return None
@@ -211,6 +213,8 @@ class StepGraphs:
         if shape is None:
             shape = self._capture(*key)
         self._fill(shape, ids, pos, decodes)
+        if future is not None:
+            put_futures(shape.ids, future)  # in place: the graph reads these addresses
         assert shape.replay is not None
         shape.replay()
         self.replays += 1

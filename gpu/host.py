@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["decode_slots", "flat_tables", "ints"]
+__all__ = ["HostInts", "decode_slots", "flat_tables", "ints", "put_futures"]
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 
@@ -50,3 +50,35 @@ def decode_slots(decodes: Iterable[tuple[Sequence[int], int]], block_size: int) 
     its last key goes."""
     bs = block_size
     return [t[(ctx - 1) // bs] * bs + (ctx - 1) % bs for t, ctx in decodes]
+
+
+def put_futures(ids: Tensor, future: tuple[list[int], list[int], Tensor]) -> None:
+    """Rows ``rows`` of a step's input ``ids`` (on the device) take tokens ``src`` of the
+    previous step's sampled ``tokens``, still on the device (an overlapped step's inputs:
+    the host has not read those tokens yet)."""
+    rows, src, tokens = future
+    dev = ids.device
+    ids[ints(rows, device=dev)] = tokens[ints(src, device=tokens.device)].to(dev, ids.dtype)
+
+
+class HostInts:
+    """A device tensor of ints on its way to the host. On CUDA the copy is queued at once
+    (pinned memory, non-blocking) with an event after it, so ``tolist`` waits for that
+    copy alone, not for what was queued later (the next step's kernels); on the CPU it is
+    the tensor itself."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.device = t
+        self._event: torch.cuda.Event | None = None
+        if t.device.type == "cuda":
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()  # type: ignore[no-any-return]

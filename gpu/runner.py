@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from gpu.graphs import StepGraphs
-from gpu.host import ints
+from gpu.host import ints, put_futures
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.model import Llama
 
@@ -41,6 +41,10 @@ class StepInput:
     logit_rows: list[int] = field(default_factory=list)  # rows that need logits, in order
     want_hidden: bool = False  # the final hidden state of the logit rows too
     all_sampled_decodes: bool = False  # every row a decode row that samples
+    # Rows whose input is a token the previous step sampled and the host has not read
+    # (an overlapped step, ``Engine``): (rows, their indices in it, its tokens on the
+    # device). Those rows of ``ids`` hold a placeholder until the device fills them.
+    future: tuple[list[int], list[int], Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -66,12 +70,15 @@ class ModelRunner:
             and not step.want_hidden
             and step.logit_rows == list(range(len(step.ids)))
         ):
-            logits = self.graphs.run(step.ids, step.pos, step.decodes)
+            logits = self.graphs.run(step.ids, step.pos, step.decodes, step.future)
             if logits is not None:
                 return StepOutput(None, logits, None)
         dev = self.cache.device
         self.cache.prepare(step.decodes, step.prefills)
-        x = self.model.trunk(ints(step.ids, device=dev), ints(step.pos, device=dev), self.cache)
+        ids = ints(step.ids, device=dev)
+        if step.future is not None:
+            put_futures(ids, step.future)
+        x = self.model.trunk(ids, ints(step.pos, device=dev), self.cache)
         if not step.logit_rows:  # a step of embed prefills alone needs no LM head
             return StepOutput(x, None, None)
         idx = ints(step.logit_rows, device=dev)

@@ -30,6 +30,7 @@ __all__ = [
     "SampleResult",
     "parse_request",
     "sample",
+    "sample_plain",
 ]
 
 
@@ -155,7 +156,7 @@ def _noise(like: Tensor, rows: Sequence[Row]) -> Tensor:
     return noise
 
 
-def _filter_and_draw(probs: Tensor, rows: Sequence[Row]) -> list[int]:
+def _filter_and_draw(probs: Tensor, rows: Sequence[Row]) -> Tensor:
     """Top-k / top-p / min-p on the rows that ask, then an exponential race (argmax of
     p / E, E ~ Exp(1): a draw from p). The noise meets each token at its vocabulary id on
     every row, so a row's token depends on its probabilities and its own generator only,
@@ -168,7 +169,7 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[Row]) -> list[int]:
         sel = torch.tensor(filtered, device=probs.device)
         kept = _restrict(probs.index_select(0, sel), [rows[i] for i in filtered])
         probs = probs.index_copy(0, sel, kept)
-    return (probs / _noise(probs, rows)).argmax(dim=-1).tolist()
+    return (probs / _noise(probs, rows)).argmax(dim=-1)
 
 
 def _constrain(logits: Tensor, raw: Tensor, rows: list[int], bitmask: Tensor) -> None:
@@ -207,21 +208,36 @@ def sample(
         logits = _process(logits, rows)
     if allowed is not None:
         _constrain(logits, raw, *allowed)
-    greedy = [r.greedy for r in rows]
-    temps = None
-    if not all(greedy):
-        t = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=False)]
-        temps = torch.tensor(t, device=logits.device, dtype=logits.dtype)[:, None]
-        logits = logits / temps
-    # max's indices: argmax's first maximal index, a third of its time on the CPU
-    tokens = logits.max(dim=-1).indices.tolist()
-    sampled = [i for i, g in enumerate(greedy) if not g]
+    logits = _tempered(logits, rows)
+    tokens = _draw(logits, rows).tolist()
+    lp = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    return SampleResult(tokens, lp)
+
+
+def sample_plain(logits: Tensor, rows: Sequence[Row]) -> Tensor:
+    """``sample``'s tokens as a tensor on the logits' device, read by no one yet (an
+    overlapped step's: the host reads them a step later), for rows that are all ``plain``
+    and constrained by no grammar, without logprobs: the same draws ``sample`` makes."""
+    return _draw(_tempered(logits, rows), rows)
+
+
+def _tempered(logits: Tensor, rows: Sequence[Row]) -> Tensor:
+    """Each sampled row divided by its temperature (greedy rows as they are)."""
+    if all(r.greedy for r in rows):
+        return logits
+    t = [1.0 if r.greedy else r.params.temperature for r in rows]
+    return logits / torch.tensor(t, device=logits.device, dtype=logits.dtype)[:, None]
+
+
+def _draw(logits: Tensor, rows: Sequence[Row]) -> Tensor:
+    """One token per row: greedy rows the first maximal logit (max's indices: argmax's
+    first maximal index, a third of its time on the CPU), the rest a draw from their
+    softmax (``_filter_and_draw``)."""
+    tokens = logits.max(dim=-1).indices
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
         sel = torch.tensor(sampled, device=logits.device)
         probs = torch.softmax(logits.index_select(0, sel), dim=-1)
-        for i, tok in zip(
-            sampled, _filter_and_draw(probs, [rows[i] for i in sampled]), strict=False
-        ):
-            tokens[i] = tok
-    lp = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    return SampleResult(tokens, lp)
+        drawn = _filter_and_draw(probs, [rows[i] for i in sampled])
+        tokens = tokens.index_copy(0, sel, drawn)
+    return tokens

@@ -63,6 +63,9 @@ class Sequence:
     grammar_error: str | None = None  # the matcher refused a sampled token (a bug)
     grammar_info: dict[str, Any] = field(default_factory=dict)  # compile time, cache hit
     eog_ids: tuple[int, ...] = ()  # the model's end-of-generation ids (masked by min_new_tokens)
+    # Overlapped steps (``Engine``): the last token is a placeholder for the one the step
+    # in flight sampled at this index; its real value is known when that step resolves.
+    future: int | None = None
     # What the sampler asks of every row each step, read from ``params`` once.
     greedy: bool = field(init=False)
     plain: bool = field(init=False)  # no bias, penalty or EOG mask changes its logits

@@ -209,6 +209,7 @@ def _hello(engine: Engine) -> wire.Hello:
         "block_size": c.block_size,
         "max_context": engine.max_context,
         "decode_graphs": engine.graphs.kind if engine.graphs is not None else "off",
+        "overlap": engine.overlap,
         "weights": "quantized" if engine.model.quantized() else "dense",
     }
     if engine.kv_plan is not None:

@@ -50,6 +50,7 @@ class WorkerConfig:
     kv_memory_mib: int | None = _D["kv_memory_mib"]  # None: DEFAULT_CPU_KV_MIB on the CPU
     mem_fraction: float | None = _D["mem_fraction"]  # CUDA: DEFAULT_MEM_FRACTION when unsized
     decode_graphs: str = _D["decode_graphs"]  # gpu/graphs.py
+    overlap: str = _D["overlap"]  # gpu/engine.py, Engine.step
     weights: str = _D["weights"]  # gpu/loader.py; --tp > 1: fp32
     context_length: int | None = _D["context_length"]  # None: the model's (with_context)
     block_size: int = _D["block_size"]
@@ -161,6 +162,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.step_tokens,
             mixed_prefill_tokens(config, lm.device),
             config.decode_graphs,
+            config.overlap,
         ),
     )
     engine.kv_plan = plan

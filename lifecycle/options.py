@@ -166,6 +166,7 @@ OPTIONS: tuple[Option, ...] = (
     _forwarded("kv_memory_mib", _WORKER),
     _forwarded("mem_fraction", _WORKER),
     _forwarded("decode_graphs", _WORKER),
+    _forwarded("overlap", _WORKER),
     _forwarded("tp", _WORKER),
     _o(
         "dp",

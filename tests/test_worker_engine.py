@@ -388,6 +388,7 @@ def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
     assert ids_of(got[20]) != ids_of(got[22])  # seeds seed and seed + 2
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])  # on: tests/test_overlap.py
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     ops=st.lists(
@@ -400,9 +401,10 @@ def test_abort_of_one_fork_leaves_its_siblings(lm: LoadedModel) -> None:
     )
 )
 def test_any_interleaving_terminates_every_rid_once_and_leaks_nothing(
-    lm: LoadedModel, ops: list
+    lm: LoadedModel, overlap: str, ops: list
 ) -> None:
-    engine = Engine(lm, EngineConfig(kv_blocks=12, block_size=4, step_tokens=16, max_running=4))
+    engine = Engine(lm, EngineConfig(kv_blocks=12, block_size=4, step_tokens=16, max_running=4,
+                                     overlap=overlap))  # fmt: skip
     terminal: dict[int, int] = {}
     submitted: list[int] = []
     rid = 0

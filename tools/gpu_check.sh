@@ -17,9 +17,10 @@
 #   serve    tools/gpu_serving.py: lifecycle serve under load at concurrency 1, 32, 256
 #            (64 tokens in, 64 forced out), with the frontend's CPU per output token
 #   profile  bench/engine_profile.py: the engine's decode step at batch 256, wall time
-#            and where the host's share goes (cProfile)
+#            and where the host's share goes (cProfile); then again without overlap
 # Output: $OUT/log.txt (everything), env.txt, pytest.txt, gpu_step.json, serving.json,
-# server.log, engine_profile.json. $OUT is the device tool's folder there, /tmp/gpu_check_out elsewhere.
+# server.log, engine_profile.json, engine_profile_no_overlap.json. $OUT is the device tool's
+# folder there, /tmp/gpu_check_out elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -218,6 +219,10 @@ main() {
     stop_leftover_server
     phase profile 90 - "$PY" bench/engine_profile.py --model "$MODEL" "${PROFILE_ARGS[@]}" \
         --json "$OUT/engine_profile.json"
+    # The same steps without overlap (the serve phase and the run above overlap on CUDA):
+    # what launching each step before reading the last one's tokens saves.
+    phase profile-no-overlap 60 - "$PY" bench/engine_profile.py --model "$MODEL" \
+        "${PROFILE_ARGS[@]}" --overlap off --top 0 --json "$OUT/engine_profile_no_overlap.json"
     if ((DRY)); then
         skip "CUDA graphs, CUDA events, nvidia-smi" "no GPU here: the step and serve phases ran on the CPU"
     fi

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
     "GRAPH_MODES",
+    "OVERLAP_MODES",
     "WEIGHT_MODES",
     "WORKER_OPTIONS",
     "WorkerOption",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
+OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
 # 14,560 tokens of SmolLM2 in fp32 (46,080 bytes each): with the quantized weights (96 MiB)
@@ -96,6 +98,9 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "KV size is given)", type=float, forwarded=True),
     _w("decode_graphs", "decode steps replayed from captured graphs (auto: CUDA graphs on "
        "CUDA)", choices=GRAPH_MODES, default="auto", forwarded=True),
+    _w("overlap", "launch each step before reading the previous step's sampled tokens, "
+       "so the host's work runs while the device computes (auto: on CUDA; the same "
+       "tokens either way)", choices=OVERLAP_MODES, default="auto", forwarded=True),
     _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE),
     _w("max_running", "requests the worker runs in one batch", type=int, default=64,
        forwarded=True, scripted=True),
