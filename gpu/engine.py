@@ -363,7 +363,9 @@ class Engine:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         out = self.runner.run(step)
         logits, hidden = out.logits, out.hidden
-        pooled = [] if out.x is None else pool(self.model.final_norm, out.x, pooling)
+        pooled = (
+            pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []
+        )
         if logits is not None and fault is not None and fault.action == "nan":
             logits = torch.full_like(logits, float("nan"))
         return _Ran(batch, samplers, scored, pooled, rows, logits, hidden)

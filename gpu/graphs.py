@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpu.host import decode_slots, flat_tables, ints, put_futures
+from gpu.host import decode_slots, flat_tables, ints, pinned, put_futures
 from gpu.kv_cache import PagedKVCache, decode_bias, decode_layout
 from wire.worker_options import GRAPH_MODES
 
@@ -267,15 +267,18 @@ class StepGraphs:
         rows = (torch.arange(kv)[:, None] * nblocks + blocks[None, :]).reshape(-1)
         host_lens = ints(lens)
         bias = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype)
-        shape.ids.copy_(host_ids, non_blocking=True)
-        shape.pos.copy_(host_pos, non_blocking=True)
-        shape.slots.copy_(ints(slots), non_blocking=True)
-        shape.rows.copy_(rows, non_blocking=True)
-        shape.bias.copy_(bias.view(shape.bias.shape), non_blocking=True)
+        # From pinned memory, so the copies do not wait for the step before (gpu/host.py).
+        dev = shape.ids.device
+        shape.ids.copy_(pinned(host_ids, dev), non_blocking=True)
+        shape.pos.copy_(pinned(host_pos, dev), non_blocking=True)
+        shape.slots.copy_(pinned(ints(slots), dev), non_blocking=True)
+        shape.rows.copy_(pinned(rows, dev), non_blocking=True)
+        shape.bias.copy_(pinned(bias.view(shape.bias.shape), dev), non_blocking=True)
         if shape.bias_window is not None:
             window = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype,
                                  self.cache.window)  # fmt: skip
-            shape.bias_window.copy_(window.view(shape.bias.shape), non_blocking=True)
+            window = pinned(window.view(shape.bias.shape), dev)
+            shape.bias_window.copy_(window, non_blocking=True)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -14,7 +14,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["HostInts", "decode_slots", "flat_tables", "ints", "put_futures"]
+__all__ = [
+    "HostInts",
+    "decode_slots",
+    "flat_tables",
+    "floats",
+    "ints",
+    "pinned",
+    "put_futures",
+    "to_device",
+]
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 
@@ -26,7 +35,29 @@ def ints(
 ) -> Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` for a flat list of ints."""
     t = torch.from_numpy(np.array(values, dtype=_NP[dtype]))
-    return t if device is None else t.to(device)
+    return t if device is None else to_device(t, device)
+
+
+def floats(values: Sequence[float], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` through ``to_device``."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A fresh CPU tensor on ``device``. To CUDA through pinned memory, asynchronously: a
+    copy from pageable memory waits for every kernel queued before it, and an overlapped
+    step's inputs are built while the step before still runs (``gpu/overlap.py``). The
+    caching host allocator keeps the pinned buffer until the copy is done."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def pinned(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` in pinned memory when it is to be copied to a CUDA ``device`` (``to_device``'s
+    reason), else itself."""
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def flat_tables(tables: Iterable[Sequence[int]], nb: int, pad: int) -> list[int]:

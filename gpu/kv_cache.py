@@ -198,9 +198,9 @@ class PagedKVCache:
             # same gather along dim 1), and comes out in (kv head, sequence, block) order.
             dec_rows = (
                 torch.arange(self.n_kv_heads, device=dev)[:, None] * self.num_blocks
-                + torch.tensor(blocks, dtype=torch.int64, device=dev)[None, :]
+                + ints(blocks, device=dev)[None, :]
             ).reshape(-1)
-            lens = torch.tensor([ctx for _, ctx in decodes], device=dev)
+            lens = ints([ctx for _, ctx in decodes], device=dev)
             dec_bias = decode_bias(lens, dec_len, self.n_kv_heads, self.k.dtype)
             if self.window:
                 dec_bias_window = decode_bias(
@@ -211,9 +211,7 @@ class PagedKVCache:
         row = len(decodes)
         for c in prefills:
             slots.extend(self._slots(c.block_table, c.start, c.start + c.n))
-            index = torch.tensor(
-                self._slots(c.block_table, 0, c.start + c.n), dtype=torch.int64, device=dev
-            )
+            index = ints(self._slots(c.block_table, 0, c.start + c.n), device=dev)
             key = torch.arange(c.start + c.n, device=dev)
             query = (c.start + torch.arange(c.n, device=dev))[:, None]
             mask = key[None, :] <= query if c.start else None

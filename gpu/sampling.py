@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gpu.grammar import allowed_tokens
+from gpu.host import floats, ints
 from gpu.native import load_kernels
 from wire.options import RequestOptions
 from wire.sampling import SamplingParams
@@ -128,11 +129,9 @@ def _restrict(probs: Tensor, rows: Sequence[Row]) -> Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)
     v, dev = probs.shape[1], probs.device
     # top_k may exceed the vocabulary (the wire allows any int64): that is all of it.
-    top_k = torch.tensor(
-        [min(r.params.top_k, v) if r.params.top_k > 0 else v for r in rows], device=dev
-    )
-    top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=probs.dtype)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=probs.dtype)
+    top_k = ints([min(r.params.top_k, v) if r.params.top_k > 0 else v for r in rows], device=dev)
+    top_p = floats([r.params.top_p for r in rows], probs.dtype, dev)
+    min_p = floats([r.params.min_p for r in rows], probs.dtype, dev)
     drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
     drop |= torch.arange(v, device=dev)[None, :] >= top_k[:, None]
     drop |= sorted_p < (sorted_p[:, :1] * min_p[:, None])
@@ -151,7 +150,7 @@ def _noise(like: Tensor, rows: Sequence[Row]) -> Tensor:
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
     if shared:
-        sel = torch.tensor(shared, device=like.device)
+        sel = ints(shared, device=like.device)
         noise.index_copy_(0, sel, torch.empty_like(noise[: len(shared)]).exponential_())
     return noise
 
@@ -166,7 +165,7 @@ def _filter_and_draw(probs: Tensor, rows: Sequence[Row]) -> Tensor:
     if len(filtered) == len(rows):
         probs = _restrict(probs, rows)
     elif filtered:
-        sel = torch.tensor(filtered, device=probs.device)
+        sel = ints(filtered, device=probs.device)
         kept = _restrict(probs.index_select(0, sel), [rows[i] for i in filtered])
         probs = probs.index_copy(0, sel, kept)
     return (probs / _noise(probs, rows)).argmax(dim=-1)
@@ -226,7 +225,7 @@ def _tempered(logits: Tensor, rows: Sequence[Row]) -> Tensor:
     if all(r.greedy for r in rows):
         return logits
     t = [1.0 if r.greedy else r.params.temperature for r in rows]
-    return logits / torch.tensor(t, device=logits.device, dtype=logits.dtype)[:, None]
+    return logits / floats(t, logits.dtype, logits.device)[:, None]
 
 
 def _draw(logits: Tensor, rows: Sequence[Row]) -> Tensor:
@@ -236,7 +235,7 @@ def _draw(logits: Tensor, rows: Sequence[Row]) -> Tensor:
     tokens = logits.max(dim=-1).indices
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
-        sel = torch.tensor(sampled, device=logits.device)
+        sel = ints(sampled, device=logits.device)
         probs = torch.softmax(logits.index_select(0, sel), dim=-1)
         drawn = _filter_and_draw(probs, [rows[i] for i in sampled])
         tokens = tokens.index_copy(0, sel, drawn)

@@ -28,8 +28,10 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CUDA = torch.cuda.is_available()
 
 
-def _engine(lm: LoadedModel, graphs: str, blocks: int = 256, max_running: int = 16) -> Engine:
-    return Engine(lm, EngineConfig(blocks, 16, max_running, 64, 512, 512, decode_graphs=graphs))
+def _engine(lm: LoadedModel, graphs: str, blocks: int = 256, max_running: int = 16,
+            overlap: str = "auto") -> Engine:  # fmt: skip
+    return Engine(lm, EngineConfig(blocks, 16, max_running, 64, 512, 512, decode_graphs=graphs,
+                                   overlap=overlap))  # fmt: skip
 
 
 def _generate(engine: Engine, prompts: list[list[int]], n: int, sampling: dict | None = None,
@@ -139,8 +141,9 @@ def _reference_prompts() -> list[list[int]]:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     """The acceptance check on a GPU: the reference prompts' greedy output with CUDA
-    graphs equals eager CUDA token for token, in bf16 and in fp32, and CUDA agrees with
-    the CPU worker (fp32 weights) on at least the first 16 tokens of each prompt.
+    graphs equals eager CUDA and CUDA graphs without overlapped steps token for token, in
+    bf16 and in fp32, and CUDA agrees with the CPU worker (fp32 weights) on at least the
+    first 16 tokens of each prompt.
 
     On the bundled model both CUDA modes are held to that. On a same-shape model with
     random weights (``LIFECYCLE_TEST_MODEL``, what tools/gpu_check.sh can carry) the
@@ -161,6 +164,9 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
         graphed = _generate(_engine(cuda, "on", blocks=4096, max_running=64), prompts, n)
         eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
         assert graphed == eager, dtype
+        # Both overlap their steps (auto on CUDA); without it, the same tokens.
+        plain = _engine(cuda, "on", blocks=4096, max_running=64, overlap="off")
+        assert _generate(plain, prompts, n) == graphed, dtype
         out[dtype] = graphed
         del cuda
     cpu = load_model(path, device="cpu", weights="fp32")

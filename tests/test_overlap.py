@@ -68,12 +68,13 @@ def _workload(vocab: int) -> list[tuple[int, list[int], dict, dict]]:
     return reqs
 
 
-def _serve(lm: LoadedModel, overlap: str, reqs: list, kv_blocks: int) -> dict[int, list]:
+def _serve(lm: LoadedModel, overlap: str, reqs: list, kv_blocks: int,
+           graphs: str = "off") -> dict[int, list]:  # fmt: skip
     """Every request submitted in two waves (the second while the first decodes), run to
     the end; each rid's entries. Nothing may leak or end twice."""
     engine = Engine(lm, EngineConfig(kv_blocks=kv_blocks, block_size=4, step_tokens=48,
                                      max_running=8, mixed_prefill_tokens=16,
-                                     overlap=overlap))  # fmt: skip
+                                     decode_graphs=graphs, overlap=overlap))  # fmt: skip
     assert engine.overlap == (overlap == "on")
     got: dict[int, list[StepEntry]] = {}
     half = len(reqs) // 2
@@ -109,11 +110,20 @@ def _summary(entries: list[StepEntry]) -> tuple:
     return tokens, entries[-1].finish, extras
 
 
-@pytest.mark.parametrize("kv_blocks", [400, 40], ids=["roomy", "preempting"])
-def test_overlapped_steps_give_the_same_tokens_and_ends(qlm: LoadedModel, kv_blocks: int) -> None:
+@pytest.mark.parametrize(
+    ("kv_blocks", "graphs"),
+    [(400, "off"), (40, "off"), (400, "eager")],
+    ids=["roomy", "preempting", "decode-graphs"],
+)
+def test_overlapped_steps_give_the_same_tokens_and_ends(
+    qlm: LoadedModel, kv_blocks: int, graphs: str
+) -> None:
+    """Against the same engine without overlap. ``decode-graphs``: pure decode steps
+    replay the captured step's buffers (``decode_graphs="eager"``, the CUDA graph path
+    without capture), whose input rows the previous step's tokens fill in place."""
     reqs = _workload(qlm.config.vocab_size)
-    plain = _serve(qlm, "off", reqs, kv_blocks)
-    ahead = _serve(qlm, "on", reqs, kv_blocks)
+    plain = _serve(qlm, "off", reqs, kv_blocks, graphs)
+    ahead = _serve(qlm, "on", reqs, kv_blocks, graphs)
     assert sorted(plain) == sorted(ahead)
     assert len(plain) == sum(s.get("n", 1) for _, _, s, _ in reqs)
     for rid in plain:
