@@ -185,7 +185,12 @@ def test_lagging_reader_gets_every_token_before_the_error(srv: LiveServer) -> No
     }
     sock = clients.open(body, rcvbuf=4096)  # read nothing while tokens pile up
     srv.wait_until(lambda i: i["requests_by_state"].get("streaming", 0) >= 1)
-    time.sleep(4.0)  # ~200 steps: the writer is blocked on the full socket
+    # ~200 steps (4 s on a quiet machine, longer under load): the writer is blocked on
+    # the full socket; the live trace counts the tokens the frontend has received.
+    deadline = time.monotonic() + 60
+    while (_trace(srv, "lagging").get("tokens") or 0) < 200:
+        assert time.monotonic() < deadline, _trace(srv, "lagging")
+        time.sleep(0.2)
     srv.kill_worker()
     events = _sse_events(_read_all(sock))
     clients.close()
