@@ -64,9 +64,10 @@ def build(args: argparse.Namespace) -> Engine:
     lm = load_model(args.model, device=args.device)
     blocks = args.batch * (-(-(args.prompt + new_tokens(args) + 4) // 16))
     graphs = "auto" if lm.device.type == "cuda" else "off"
-    return Engine(
-        lm, EngineConfig(blocks, 16, args.batch, args.batch, 512, 512, graphs, args.overlap)
-    )
+    # --baseline runs this script on an older tree, whose EngineConfig may lack overlap.
+    known = EngineConfig.__dataclass_fields__
+    more = {"overlap": args.overlap} if "overlap" in known else {}
+    return Engine(lm, EngineConfig(blocks, 16, args.batch, args.batch, 512, 512, graphs, **more))
 
 
 def fill(engine: Engine, args: argparse.Namespace) -> None:
@@ -162,7 +163,7 @@ def main() -> int:
     model = sorted(m for _, m in pairs)
     med, host_med, model_med = ms[len(ms) // 2], host[len(host) // 2], model[len(model) // 2]
     print(f"{engine.model.config.name} on {engine.cache.device}, batch {args.batch}, "
-          f"overlap {'on' if engine.overlap else 'off'}: "
+          f"overlap {'on' if getattr(engine, 'overlap', False) else 'off'}: "
           f"decode step median {med:.2f} ms (min {ms[0]:.2f}), "
           f"{med * 1e3 / args.batch:.1f} us a row")  # fmt: skip
     print(f"  model call {model_med:.2f} ms; host (the rest of the step and the STEP frame) "
@@ -177,7 +178,7 @@ def main() -> int:
     print(text.getvalue())
     if args.json:
         out: dict[str, Any] = {"batch": args.batch, "step_ms": ms, "median_ms": med,
-                               "host_median_ms": host_med, "model_median_ms": model_med, "overlap": engine.overlap,
+                               "host_median_ms": host_med, "model_median_ms": model_med, "overlap": getattr(engine, "overlap", False),
                                "device": str(engine.cache.device), "torch": torch.__version__,
                                "profile": text.getvalue()}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
