@@ -35,6 +35,7 @@ from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_in_process
+from lifecycle.tracing.shared_metrics import PUBLISH_INTERVAL, SharedMetrics
 from lifecycle.tracing.tracer import Tracer
 from transport import Handler, Request, Response, Server, ServerConfig
 
@@ -130,6 +131,7 @@ async def serve_app(
             url = f"{scheme}://{cfg.host}:{_port(server)}"
             tg.start_soon(_announce_ready, url, rt.served_model_id(), rt.supervisor, cfg)
             tg.start_soon(_report_load, frontend)
+            tg.start_soon(_publish_metrics, cfg, rt.metrics)
             task_status.started(
                 App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
             )
@@ -223,8 +225,26 @@ def _routes(
         frontend, model_id=served, model_names=openai.model_names, strict_model=strict
     ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
-    install_metrics(router, metrics)
+    install_metrics(router, metrics, _shared_metrics(cfg))
     return router, api, auth
+
+
+def _shared_metrics(cfg: AppConfig) -> SharedMetrics | None:
+    """Under ``serve --frontends N``: where this frontend's metrics meet the others'."""
+    if cfg.frontends_dir is None or cfg.frontend_index is None:
+        return None
+    return SharedMetrics(cfg.frontends_dir, cfg.frontend_index)
+
+
+async def _publish_metrics(cfg: AppConfig, metrics: Metrics) -> None:
+    """Each second, this frontend's exposition for the others' scrapes (an unasked
+    frontend's counters are at most that old in them)."""
+    shared = _shared_metrics(cfg)
+    if shared is None:
+        return
+    while True:
+        shared.publish(metrics.text())
+        await anyio.sleep(PUBLISH_INTERVAL)
 
 
 async def _starting(request: Request) -> Response:

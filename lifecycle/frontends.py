@@ -30,7 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from lifecycle.runtime import FRONTEND_INDEX_ENV, AppConfig, worker_addresses, worker_args
+from lifecycle.runtime import (
+    FRONTEND_INDEX_ENV,
+    FRONTENDS_DIR_ENV,
+    AppConfig,
+    worker_addresses,
+    worker_args,
+)
 
 __all__ = ["child_argv", "run_frontends"]
 
@@ -103,7 +109,7 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
             workers.append(address)
     frontends = []
     for i in range(cfg.frontends):
-        env = {**os.environ, FRONTEND_INDEX_ENV: str(i)}
+        env = {**os.environ, FRONTEND_INDEX_ENV: str(i), FRONTENDS_DIR_ENV: str(folder)}
         frontends.append(_Child(f"frontend {i}", child_argv(serve_argv, workers, spawned), env))
     stopping: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _f: stopping.append(signum))
@@ -123,7 +129,7 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
             child.stop(cfg.drain_timeout + 10)
         for child in children:
             child.stop(10)
-        for sock in folder.glob("*.sock"):
-            sock.unlink(missing_ok=True)
+        for path in [*folder.glob("*.sock"), *folder.glob("metrics-*")]:
+            path.unlink(missing_ok=True)
         folder.rmdir()
     return 0

@@ -54,6 +54,7 @@ class AppConfig:
     frontends: int = _DEFAULT["frontends"]  # serve --frontends N (lifecycle/frontends.py)
     reuse_port: bool = _DEFAULT["reuse_port"]
     frontend_index: int | None = None  # which of --frontends N this process is; None: alone
+    frontends_dir: str | None = None  # --frontends N: the folder where their metrics meet
     model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
     served_model_name: str | None = None
     weight_version: str = _DEFAULT[
@@ -352,6 +353,9 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
 
 
 FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend
+# The launcher's private folder, where each frontend publishes its metrics for the others
+# (lifecycle/tracing/shared_metrics.py); set by serve --frontends in each frontend.
+FRONTENDS_DIR_ENV = "LIFECYCLE_FRONTENDS_DIR"
 
 
 def _frontend_index() -> int | None:
@@ -385,6 +389,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
         admin_api_keys=tuple(v["admin_api_key"] or ()),
         public_routes=() if v["no_public_routes"] else public,
         frontend_index=_frontend_index(),
+        frontends_dir=os.environ.get(FRONTENDS_DIR_ENV) or None,
         trace=TraceConfig(
             ring_size=v["trace_ring_size"],
             log_path=_per_frontend(v["trace_log"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scripted import ROOT, free_port
 
@@ -131,3 +133,30 @@ def test_two_frontends_share_the_port_and_survive_each_other() -> None:
 def test_frontends_with_a_shared_trace_log_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with _launcher("--trace-log", str(tmp_path / "t.jsonl")) as (proc, _):
         assert proc.wait(30) == 2
+
+
+def test_a_scrape_of_any_frontend_is_the_whole_server() -> None:
+    """/metrics on the shared port: every frontend's series, labelled ``frontend``, from
+    whichever frontend answers (lifecycle/tracing/shared_metrics.py), so the server's
+    counts are the same whoever is asked and never go back."""
+    with _launcher() as (proc, url):
+        _frontends(url)
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}}
+        for _ in range(10):
+            r = httpx.post(url + "/generate", json=body, headers={"Connection": "close"})
+            assert r.status_code == 200, r.text
+        time.sleep(1.5)  # each frontend publishes its own every second
+        totals = []
+        for _ in range(12):
+            text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            samples = families["lifecycle_http_requests"].samples
+            assert {s.labels["frontend"] for s in samples} <= {"0", "1"}
+            rss = families["lifecycle_process_resident_memory_bytes"].samples
+            assert sorted(s.labels["frontend"] for s in rss) == ["0", "1"]
+            totals.append(sum(s.value for s in samples if s.labels["endpoint"] == "/generate"))
+        assert totals == [10] * 12, totals
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
+                                   capture_output=True)  # fmt: skip
+            assert check.returncode == 0, check.stderr

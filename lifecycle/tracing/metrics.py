@@ -230,7 +230,11 @@ class Metrics:
                 if sup.client is not None:
                     tg.start_soon(one, i, sup.client)
         self._loads = loads
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return self.text(), CONTENT_TYPE_LATEST
+
+    def text(self) -> bytes:
+        """The exposition as it stands, the workers' gauges from the last STATS."""
+        return generate_latest(self.registry)
 
 
 def _latency(registry: CollectorRegistry, name: str, help_text: str) -> Histogram:
