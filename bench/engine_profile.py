@@ -178,7 +178,8 @@ def main() -> int:
     print(text.getvalue())
     if args.json:
         out: dict[str, Any] = {"batch": args.batch, "step_ms": ms, "median_ms": med,
-                               "host_median_ms": host_med, "model_median_ms": model_med, "overlap": getattr(engine, "overlap", False),
+                               "host_median_ms": host_med, "model_median_ms": model_med,
+                               "overlap": getattr(engine, "overlap", False),
                                "device": str(engine.cache.device), "torch": torch.__version__,
                                "profile": text.getvalue()}  # fmt: skip
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")

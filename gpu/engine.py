@@ -25,7 +25,7 @@ from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
-from gpu.overlap import InFlight, flies, fly, land
+from gpu.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import parse_request, sample
@@ -43,7 +43,7 @@ from wire import (
 )
 from wire.faults import active_plan, fault_point
 from wire.sampling import STOP_REGEX_WINDOW
-from wire.worker_options import DEFAULT_BLOCK_SIZE, OVERLAP_MODES
+from wire.worker_options import DEFAULT_BLOCK_SIZE
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -133,13 +133,7 @@ class Engine:
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
         # The end a finished grammar reports (it is not sampled: nothing else could be).
         self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
-        if config.overlap not in OVERLAP_MODES:
-            raise ValueError(
-                f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {config.overlap!r}"
-            )
-        self.overlap = config.overlap == "on" or (
-            config.overlap == "auto" and loaded.device.type == "cuda"
-        )
+        self.overlap = overlap_on(config.overlap, loaded.device)
         self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
 
     @property
@@ -354,7 +348,7 @@ class Engine:
                 samplers.append(seq)
         if future_rows:
             assert prev is not None, "a placeholder token with no step in flight"
-            step.future = (future_rows, future_src, prev.tokens.device)
+            step.future = (future_rows, future_src, prev.tokens.on_device)
         step.logit_rows = rows.indices
         step.want_hidden = any(s.options.return_hidden_states for s in samplers)
         step.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)

@@ -49,9 +49,7 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     step's inputs are built while the step before still runs (``gpu/overlap.py``). The
     caching host allocator keeps the pinned buffer until the copy is done."""
     dev = torch.device(device)
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+    return pinned(t, dev).to(dev, non_blocking=dev.type == "cuda")
 
 
 def pinned(t: Tensor, device: torch.device) -> Tensor:
@@ -99,7 +97,7 @@ class HostInts:
     the tensor itself."""
 
     def __init__(self, t: Tensor) -> None:
-        self.device = t
+        self.on_device = t
         self._event: torch.cuda.Event | None = None
         if t.device.type == "cuda":
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from gpu.host import HostInts
 from gpu.sampling import sample_plain
 from gpu.scheduler import Sequence
+from wire.worker_options import OVERLAP_MODES
 
-__all__ = ["InFlight", "flies", "fly", "land"]
+__all__ = ["InFlight", "flies", "fly", "land", "overlap_on"]
 
 PLACEHOLDER = 0  # a valid id, never read: the device fills the row from the step's tokens
+
+
+def overlap_on(mode: str, device: torch.device) -> bool:
+    """Whether steps overlap: ``--overlap`` on, or auto on a CUDA device (on the CPU
+    nothing runs ahead of the host, so overlap only costs there)."""
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def flies(seq: Sequence) -> bool:
