@@ -231,6 +231,8 @@ def _start_llama_server(args: argparse.Namespace, model: str) -> Contender | Non
     )
     if proc is None:
         return None
+    flags = llama_server.build_flags(binary)
+    print(f"llama-server: {binary} (CPU flags: {flags or 'unknown: not built by make bench-peer'})")
     return Contender("llama-server", proc, llama_server.peer_spec(), kind="llama-server")
 
 

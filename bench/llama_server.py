@@ -23,6 +23,7 @@ __all__ = [
     "CTX_SIZE",
     "PARALLEL",
     "binary_path",
+    "build_flags",
     "cache_dir",
     "peer_spec",
     "rss_mib",
@@ -54,6 +55,16 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
 def binary_path(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Path:
     """``explicit`` (``--llama-server PATH``), else where ``make bench-peer`` puts it."""
     return Path(explicit) if explicit else cache_dir(env) / "bin" / "llama-server"
+
+
+def build_flags(binary: Path) -> str | None:
+    """The CPU flags ``tools/build_llama_server.sh`` built ``binary`` with (the set that
+    served the model on this machine), None for a binary it did not build."""
+    try:
+        text = (binary.resolve().parent.parent / "lifecycle-cpu-flags.txt").read_text()
+    except OSError:
+        return None
+    return text.strip() or None
 
 
 def skip_note(path: Path) -> str | None:

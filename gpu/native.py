@@ -41,6 +41,7 @@ __all__ = [
     "kernel_cache_dir",
     "load_kernels",
     "native_enabled",
+    "other_isas",
 ]
 
 log = logging.getLogger("gpu.native")
@@ -92,9 +93,10 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
 # be fast are vectorized by hand, in a fixed order. -fno-math-errno only lets sqrtf
 # inline (errno is never read).
 COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-fno-math-errno")
-# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX2/FMA/F16C alone, or
-# no vector extensions. Every choice computes the same bits (tests/test_determinism.py).
-ISAS = ("auto", "avx2", "portable")
+# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX-512F without VNNI,
+# AVX2/FMA/F16C alone, or no vector extensions. Every choice computes the same bits
+# (tests/test_determinism.py).
+ISAS = ("auto", "avx512", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 _lock = threading.Lock()
@@ -118,7 +120,7 @@ def kernel_cache_dir() -> Path:
 
 
 def native_isa() -> str:
-    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx2 or portable."""
+    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512, avx2 or portable."""
     isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
     if isa not in ISAS:
         raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
@@ -128,17 +130,35 @@ def native_isa() -> str:
 def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     """-mavx2 -mfma -mf16c where /proc/cpuinfo lists all three (x86 Linux; the kernels'
     vector paths need each), then -mavx512f where it lists that too (only the
-    compiler's own vectorization of element-wise loops uses it: the same results), else
-    the compiler's default. ``LIFECYCLE_NATIVE_ISA=avx2`` leaves AVX-512 out,
-    ``portable`` every extension (to compare builds, or on a CPU whose flag is listed
-    but slow)."""
+    compiler's own vectorization of element-wise loops uses it: the same results), then
+    VNNI where listed: AVX512-VNNI with its VL and BW, or AVX-VNNI (the int8 dot
+    products of quant_linear.c in one instruction: the same integers), else the
+    compiler's default. ``LIFECYCLE_NATIVE_ISA=avx512`` leaves VNNI out, ``avx2``
+    AVX-512 and VNNI, ``portable`` every extension (to compare builds, or on a CPU
+    whose flag is listed but slow)."""
     isa = isa or native_isa()
     flags = _cpu_flag_set()
     if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
         return ()
-    if "avx512f" in flags and isa == "auto":
-        return ("-mavx2", "-mfma", "-mf16c", "-mavx512f")
-    return ("-mavx2", "-mfma", "-mf16c")
+    out: tuple[str, ...] = ("-mavx2", "-mfma", "-mf16c")
+    if isa == "avx2":
+        return out
+    if "avx512f" in flags:
+        out += ("-mavx512f",)
+    if isa == "avx512":
+        return out
+    if {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
+        out += ("-mavx512vl", "-mavx512bw", "-mavx512vnni")
+    elif "avx_vnni" in flags:
+        out += ("-mavxvnni",)
+    return out
+
+
+def other_isas() -> list[str]:
+    """The builds whose compiler flags differ from ``auto``'s on this CPU (each computes
+    the same bits by design: what the tests compare)."""
+    mine = _cpu_flags("auto")
+    return [isa for isa in ISAS[1:] if _cpu_flags(isa) != mine]
 
 
 def _cpu_flag_set() -> frozenset[str]:

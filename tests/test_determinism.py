@@ -2,11 +2,13 @@
 
 The promise is bitwise: a token's logits on the default (quantized, native) path are one
 function of the model file and the token's prefix, whichever build of the kernels runs
-them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native.py): portable C
-(no vector extensions at all) always, and where the CPU lists AVX-512 the AVX2 build
-beside the default AVX-512 one. A build that reassociated a sum, fused a multiply the
-source did not, or called a vector math library would part from the others in the low
-bits, and the model run through 2 layers and a softmax would show it.
+them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native.py); the tests
+compare every build whose flags differ from the default's on this CPU
+(``native.other_isas``): portable C (no vector extensions) always, AVX2 alone where
+AVX-512 or VNNI is listed, AVX-512 without VNNI where both are. A build that
+reassociated a sum, fused a multiply the source did not, or called a vector math
+library would part from the others in the low bits, and the model run through 2 layers
+and a softmax would show it.
 """
 
 from __future__ import annotations
@@ -69,15 +71,11 @@ def _run_build(isa: str, model: Path) -> dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _other_builds() -> list[str]:
-    return ["portable", *(["avx2"] if native.cpu_has("avx512f") else [])]
-
-
 def test_every_build_runs_the_model_to_the_same_bits(tiny_gguf: TinyModel) -> None:
     """The default build against each other build: logits and the whole K/V cache of a
     mixed step (decodes, a long fresh prompt, a chunk after a cached prefix)."""
     want = _run_build("auto", tiny_gguf.path)
-    for isa in _other_builds():
+    for isa in native.other_isas():
         assert _run_build(isa, tiny_gguf.path) == want, isa
 
 
@@ -96,7 +94,7 @@ def test_every_build_runs_the_other_families_to_the_same_bits(name: str, tmp_pat
     path = write_family_gguf(family, build_hf(family, dtype=torch.float32),
                              tmp_path / f"{name}.gguf", Q.Q8_0)  # fmt: skip
     want = _run_build("auto", path)
-    for isa in _other_builds():
+    for isa in native.other_isas():
         assert _run_build(isa, path) == want, isa
 
 
@@ -114,7 +112,7 @@ def test_attention_builds_agree(hd: int) -> None:
     kernels = native.load_kernels()
     assert kernels is not None
     want = kernels.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
-    for isa in _other_builds():
+    for isa in native.other_isas():
         other = native.load_kernels_built_for(isa)
         got = other.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
         assert torch.equal(got, want), isa
@@ -149,7 +147,7 @@ def test_windowed_and_capped_attention(hd: int, window: int, softcap: float) -> 
             scores = softcap * torch.tanh(scores / softcap)
         want = torch.einsum("kgn,knd->kgd", scores.softmax(-1), vals).reshape(h, hd)
         torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
-    for isa in _other_builds():
+    for isa in native.other_isas():
         other = native.load_kernels_built_for(isa)
         same = other.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5, window, softcap)
         assert torch.equal(same, got), isa
@@ -164,7 +162,7 @@ def test_softcap_is_tanh_and_builds_agree() -> None:
     assert kernels is not None
     got = kernels.softcap(x.clone(), 2.0)
     torch.testing.assert_close(got, 2.0 * torch.tanh(x / 2.0), rtol=0, atol=4e-7)
-    for isa in _other_builds():
+    for isa in native.other_isas():
         assert torch.equal(native.load_kernels_built_for(isa).softcap(x.clone(), 2.0), got), isa
 
 
@@ -177,7 +175,7 @@ def test_rms_norm_rows_are_independent_and_builds_agree() -> None:
     y = kernels.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (579,), w, 1e-5))
     assert torch.equal(kernels.rms_norm(x[4:5], w, 1e-5), y[4:5])
-    for isa in _other_builds():
+    for isa in native.other_isas():
         assert torch.equal(native.load_kernels_built_for(isa).rms_norm(x, w, 1e-5), y), isa
     with pytest.raises(ValueError, match="norm weight"):
         kernels.rms_norm(x, w[:-1], 1e-5)

@@ -158,13 +158,7 @@ def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(one, alone[:97])
 
 
-def _builds() -> list[str]:
-    """The builds to compare with this process's own: portable C always; the AVX2 build
-    where the CPU lists AVX-512 (so the default build is the AVX-512 one)."""
-    return ["portable", *(["avx2"] if native.cpu_has("avx512f") else [])]
-
-
-@pytest.mark.parametrize("isa", _builds())
+@pytest.mark.parametrize("isa", native.other_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: str) -> None:
     other = native.load_kernels_built_for(isa)

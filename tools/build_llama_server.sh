@@ -16,10 +16,13 @@
 #   LLAMA_CPU_FLAGS        ggml's CPU flags (default -DGGML_NATIVE=ON; see below)
 #
 # A native build can compile instructions the CPU lists but the VM does not run: on a
-# Xeon guest listing AMX and AVX-512 (2026-12-04) llama-server died at its warm-up
-# decode (SIGILL with 1 thread, SIGSEGV with 2). So the build is tried once on the
-# bundled model (start, /health 200, stop); if it fails, it is rebuilt with the
-# instruction set this project's own kernels use (AVX2, FMA, F16C: PORTABLE_FLAGS).
+# Xeon guest listing AMX and AVX-512 (2026-12-04 and 2026-12-06) llama-server died at
+# its warm-up decode (SIGILL with 1 thread, SIGSEGV with 2). So the build is tried once
+# on the bundled model (start, /health 200, stop); if it fails on a CPU that lists
+# AVX-512, it is rebuilt with AVX-512 and VNNI but without AMX (AVX512_FLAGS: the peer
+# at its best where AMX is what fails), and failing that with AVX2, FMA and F16C
+# (PORTABLE_FLAGS). The flags that served are kept beside the binary
+# (build/lifecycle-cpu-flags.txt) and bench.compare prints them.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -56,6 +59,12 @@ rm -rf "$SRC/.git"
 # CMAKE_BUILD_RPATH_USE_ORIGIN: the binary finds libllama/libggml beside it ($ORIGIN), not
 # at the temporary path, so the tree still works once moved into place.
 PORTABLE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+AVX512_FLAGS="$PORTABLE_FLAGS -DGGML_AVX512=ON"
+has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1"; }
+if has avx512_vnni; then AVX512_FLAGS="$AVX512_FLAGS -DGGML_AVX512_VNNI=ON"; fi
+if has avx512vbmi; then AVX512_FLAGS="$AVX512_FLAGS -DGGML_AVX512_VBMI=ON"; fi
+if has avx512_bf16; then AVX512_FLAGS="$AVX512_FLAGS -DGGML_AVX512_BF16=ON"; fi
+if has avx_vnni; then AVX512_FLAGS="$AVX512_FLAGS -DGGML_AVX_VNNI=ON"; fi
 build() { # $1: ggml's CPU flags
     rm -rf "$SRC/build"
     (
@@ -84,17 +93,22 @@ smoke() {
     wait "$pid" 2>/dev/null || true
     return "$ok"
 }
-FLAGS="${LLAMA_CPU_FLAGS:--DGGML_NATIVE=ON}"
-build "$FLAGS"
-if ! smoke; then
-    echo "llama-server built with '$FLAGS' did not serve the model here:" >&2
-    tail -3 "$TMP/smoke.log" >&2
-    if [ "$FLAGS" = "$PORTABLE_FLAGS" ]; then exit 1; fi
-    echo "rebuilding with $PORTABLE_FLAGS" >&2
-    FLAGS="$PORTABLE_FLAGS"
-    build "$FLAGS"
-    smoke || { echo "the portable build does not serve either" >&2; exit 1; }
+# The flag sets to try in order: the asked-for one, else native, then the fallbacks.
+if [ -n "${LLAMA_CPU_FLAGS:-}" ]; then
+    TRIES=("$LLAMA_CPU_FLAGS")
+else
+    TRIES=("-DGGML_NATIVE=ON")
+    if has avx512f; then TRIES+=("$AVX512_FLAGS"); fi
 fi
+if [ "${TRIES[-1]}" != "$PORTABLE_FLAGS" ]; then TRIES+=("$PORTABLE_FLAGS"); fi
+FLAGS=""
+for try in "${TRIES[@]}"; do
+    build "$try"
+    if smoke; then FLAGS="$try"; break; fi
+    echo "llama-server built with '$try' did not serve the model here:" >&2
+    tail -3 "$TMP/smoke.log" >&2
+done
+if [ -z "$FLAGS" ]; then echo "no build of llama-server serves here" >&2; exit 1; fi
 echo "$FLAGS" >"$SRC/build/lifecycle-cpu-flags.txt"
 
 # Into place: the source with its build tree becomes <cache>/llama.cpp, then the link.

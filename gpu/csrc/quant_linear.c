@@ -35,7 +35,8 @@
  * rows: 8 x 1 while eight rows remain (the block's unpacking and scales shared by
  * eight rows), then up to 4 x 2; one row of x (decode) streams two weight rows at a
  * time (one for Q8_0: the LM head; four for the types of blocks of 32 with an offset
- * and the k-quants, RG). Rows of x go in chunks of XCHUNK so a chunk's
+ * and the k-quants, RG); with VNNI the other types' tiles take two weight rows against
+ * up to eight rows of x (genv). Rows of x go in chunks of XCHUNK so a chunk's
  * quantized rows stay in L2 while every tile of weights passes them; threads split the
  * weight rows (each output is one thread's). bench/qlinear.py --rows times the shapes;
  * against the fp32 panel path this replaced, SmolLM2's 30 layers at 1-32 rows take the
@@ -54,6 +55,19 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
+/* VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI): one vpdpbusd adds four unsigned-by-
+ * signed byte products into each int32 lane, with no 16-bit step that could saturate.
+ * The lanes are the same integers as maddubs + madd give, so the function is unchanged;
+ * a block's dot product takes one instruction instead of two. Signed weights stored as
+ * w + o (unsigned) meet x with the accumulator seeded by -o times the lane's sum of x:
+ * sum((w + o) q) - o sum(q) = sum(w q), exact in int32. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QL_VNNI 1
+#define QL_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define QL_VNNI 1
+#define QL_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
 #endif
 
 enum {
@@ -143,9 +157,29 @@ static void quantize_row(const float *x, int64_t nb, xblock *out) {
 #ifdef QL_AVX2
 /* Lane l: the sum of unsigned(a) * signed(b) over bytes 4l .. 4l+3, exact, as fp32. */
 static inline __m256 dot_us8(__m256i a, __m256i b) {
+#ifdef QL_VNNI
+    return _mm256_cvtepi32_ps(QL_DPBUSD(_mm256_setzero_si256(), a, b));
+#else
     __m256i p16 = _mm256_maddubs_epi16(a, b);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
 }
+
+/* Signed weights qw (-128 .. 127) against x block qx, the same lanes: wb = ql_wbias(qw)
+ * once per weight block, ql_dot_s per x block. The sign trick: |w| against x with w's
+ * sign (|w| <= 128 and |x| <= 127 keep maddubs' pairs inside int16). */
+static inline __m256i ql_wbias(__m256i qw) { return _mm256_sign_epi8(qw, qw); }
+static inline __m256 ql_dot_s(__m256i wb, __m256i qw, __m256i qx) {
+    return dot_us8(wb, _mm256_sign_epi8(qx, qw));
+}
+#ifdef QL_VNNI
+/* -o times each lane's sum of x: the seed that makes dpbusd of x against weights stored
+ * plus o (unsigned) the dot product with the weights themselves. */
+static inline __m256i ql_negoff(__m256i qx, char o) {
+    return _mm256_sub_epi32(_mm256_setzero_si256(),
+                            QL_DPBUSD(_mm256_setzero_si256(), _mm256_set1_epi8(o), qx));
+}
+#endif
 
 static inline __m256i nibbles_q4_1(const uint8_t *blk) {
     __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
@@ -171,12 +205,13 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
             _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
                 const uint8_t *blk = w + c * row_bytes + b * 34;                              \
                 __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));                  \
-                __m256i aw = _mm256_sign_epi8(qw, qw);                                        \
+                __m256i aw = ql_wbias(qw);                                                    \
                 float s[4];                                                                   \
                 _mm_storeu_ps(s, _mm_mul_ps(_mm_set1_ps(half_to_float(blk)), dx4));          \
                 _Pragma("GCC unroll 4") for (int r = 0; r < RM; r++) {                        \
-                    __m256i qx = _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q);       \
-                    __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));                         \
+                    const xblock *xb = xq + r * nb + b;                                       \
+                    __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);                  \
+                    __m256 p = ql_dot_s(aw, qw, qx);                                          \
                     acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r), p, acc[r][c]);    \
                 }                                                                             \
             }                                                                                 \
@@ -256,7 +291,7 @@ static inline __m256i nibbles_q4_1(const uint8_t *blk) {
             _Pragma("GCC unroll 4") for (int c = 0; c < RN; c++) {                            \
                 const uint8_t *blk = w + c * row_bytes + b * 34;                              \
                 __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));                  \
-                __m256 p = dot_us8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));       \
+                __m256 p = ql_dot_s(ql_wbias(qw), qw, qx);                                    \
                 acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * xq[b].d), p, acc[c]); \
             }                                                                                 \
         }                                                                                     \
@@ -299,14 +334,14 @@ static void tall_q8_0(const uint8_t *w, const xblock *xq, const float *dx, int64
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 34;
         __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        __m256i aw = _mm256_sign_epi8(qw, qw);
+        __m256i aw = ql_wbias(qw);
         __m128 dv = _mm_set1_ps(half_to_float(blk));
         float s[8];
         _mm_storeu_ps(s, _mm_mul_ps(dv, _mm_loadu_ps(dx + b * 4)));
         _mm_storeu_ps(s + 4, _mm_mul_ps(dv, _mm_loadu_ps(dx2 + b * 4)));
 #define T(r, a) a = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r),                              \
-                                    dot_us8(aw, _mm256_sign_epi8(_mm256_loadu_si256(         \
-                                                    (const __m256i *)xq[r * nb + b].q), qw)), a);
+                                    ql_dot_s(aw, qw, _mm256_loadu_si256(                     \
+                                                 (const __m256i *)xq[r * nb + b].q)), a);
         T(0, a0) T(1, a1) T(2, a2) T(3, a3) T(4, a4) T(5, a5) T(6, a6) T(7, a7)
 #undef T
     }
@@ -688,12 +723,12 @@ static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *
                                                             ms[r] = 0.0f;                     \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m256i qw = _mm256_loadu_si256((const __m256i *)(u->q + b * QK));                \
-            __m256i aw = _mm256_sign_epi8(qw, qw);                                            \
+            __m256i aw = ql_wbias(qw);                                                        \
             __m256 dw = _mm256_setr_m128(_mm_set1_ps(u->lo[b]), _mm_set1_ps(u->hi[b]));      \
             _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
                 const xblock *xb = xq + r * nb + b;                                           \
                 __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);                      \
-                __m256 p = dot_us8(aw, _mm256_sign_epi8(qx, qw));                             \
+                __m256 p = ql_dot_s(aw, qw, qx);                                              \
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), p, acc[r]); \
                 if (offset) ms[r] = ms[r] + u->mo[b] * xb->s;                                 \
             }                                                                                 \
@@ -764,22 +799,27 @@ static inline __attribute__((always_inline)) void row_generic_n(
              * integers as the signed products, one maddubs without the sign fix-ups,
              * the lane sums shared by the RN rows. */
             __m256i off = _mm256_setzero_si256();
+#ifdef QL_VNNI
+            /* VNNI: the accumulator starts at -o times the lane sums */
+            (void)ones8, (void)ones16;
+            if (t != GGML_Q5_1) off = ql_negoff(qx, t == GGML_Q4_0 ? 8 : 16);
+#define QL_UDOT(u) _mm256_cvtepi32_ps(QL_DPBUSD(off, u, qx))
+#else
             if (t != GGML_Q5_1)
                 off = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, qx), ones16),
                                         t == GGML_Q4_0 ? 3 : 4);
+#define QL_UDOT(u)                                                                            \
+    _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones16), off))
+#endif
             for (int c = 0; c < RN; c++) {
                 const uint8_t *blk = w + c * row_bytes + b * bytes;
                 __m256 sc = _mm256_set1_ps(half_to_float(blk) * xb->d);
                 __m256 p;
                 if (t == GGML_Q4_0) {
-                    __m256i u = nibbles16(blk + 2);
-                    p = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones16), off));
+                    p = QL_UDOT(nibbles16(blk + 2));
                 } else if (t == GGML_Q5_0) {
                     __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10));
-                    __m256i u = _mm256_or_si256(nibbles16(blk + 6), hb);
-                    p = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones16), off));
+                    p = QL_UDOT(_mm256_or_si256(nibbles16(blk + 6), hb));
                 } else {
                     __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10));
                     p = dot_us8(_mm256_or_si256(nibbles16(blk + 8), hb), qx);
@@ -788,6 +828,7 @@ static inline __attribute__((always_inline)) void row_generic_n(
                 acc[c] = _mm256_fmadd_ps(sc, p, acc[c]);
             }
         }
+#undef QL_UDOT
         for (int c = 0; c < RN; c++) {
             float v = fo_tree8_v(acc[c]);
             y[c] = t == GGML_Q5_1 ? v + ms[c] : v;
@@ -821,7 +862,8 @@ static inline __attribute__((always_inline)) void row_generic_n(
                         float lo = d * (float)sc[8 * h + 2 * k], hi = d * (float)sc[8 * h + 2 * k + 1];
                         __m256 scv = _mm256_setr_m128(_mm_set1_ps(lo * xb->d), _mm_set1_ps(hi * xb->d));
                         __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);
-                        acc[c] = _mm256_fmadd_ps(scv, dot_signed(_mm256_sub_epi8(q[k], m32), qx), acc[c]);
+                        __m256 p = dot_signed(_mm256_sub_epi8(q[k], m32), qx);
+                        acc[c] = _mm256_fmadd_ps(scv, p, acc[c]);
                     }
                 }
             }
@@ -917,7 +959,7 @@ static void row_generic(int32_t t, const uint8_t *w, int64_t rb, const xblock *x
         _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++) ms[g] = _mm_setzero_ps();    \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m256i qw = _mm256_loadu_si256((const __m256i *)(u->q + b * QK));                \
-            __m256i aw = SIGNED ? _mm256_sign_epi8(qw, qw) : qw;                              \
+            __m256i aw = SIGNED ? ql_wbias(qw) : qw;                                          \
             __m128 dv = _mm_set1_ps(u->lo[b]);                                                \
             float sc[RM];                                                                     \
             _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++) {                        \
@@ -927,8 +969,9 @@ static void row_generic(int32_t t, const uint8_t *w, int64_t rb, const xblock *x
                                                          _mm_loadu_ps(sx + (g * nb + b) * 4))); \
             }                                                                                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
-                __m256i qx = _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q);           \
-                __m256 p = dot_us8(aw, SIGNED ? _mm256_sign_epi8(qx, qw) : qx);               \
+                const xblock *xb = xq + r * nb + b;                                           \
+                __m256i qx = _mm256_loadu_si256((const __m256i *)xb->q);                      \
+                __m256 p = SIGNED ? ql_dot_s(aw, qw, qx) : dot_us8(aw, qx);                   \
                 acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), p, acc[r]);             \
             }                                                                                 \
         }                                                                                     \
@@ -971,6 +1014,104 @@ static void gen_rows(int32_t t, const unpacked *u, int offset, const xblock *xq,
     if (r < rows) gen_1(u, offset, xq + (int64_t)r * nb, nb, y + r * ldy, ldy);
 }
 
+#ifdef QL_VNNI
+/* Two unpacked weight rows against RM rows of x (VNNI builds): each x block loaded once
+ * for both weight rows, halving what a tile reads of x, which from L2 is what bounds the
+ * one-row tiles above at 32+ rows (2026-12-06, Xeon with AVX512-VNNI). Signed types'
+ * weights are stored + 128 and meet x with the accumulator seeded by ql_negoff(x, 128);
+ * unsigned ones (the types with an offset) meet x directly. The scale products are
+ * dw * d_x as in genu (one scale) or gen (TWO: Q6_K's lo and hi halves), the offset
+ * term as in genu: the same function, other instructions. */
+#if defined(__AVX512VL__)
+#define GENV_RM 8 /* 32 vector registers: 16 accumulators */
+#else
+#define GENV_RM 4 /* AVX-VNNI alone: 16 registers */
+#endif
+#define DEF_GENV(RM, NAME, SIGNED, OFFSET, TWO)                                               \
+    static void genv_##NAME##_##RM(const unpacked *u, const xblock *xq, const float *dx,      \
+                                   const float *sx, int64_t nb, float *y, int64_t ldy) {      \
+        __m256 acc[RM][2];                                                                    \
+        __m128 ms[2][RM / 4];                                                                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++)                                  \
+            acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                      \
+        _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++)                              \
+            ms[0][g] = ms[1][g] = _mm_setzero_ps();                                           \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m256i w[2];                                                                     \
+            __m256 dwv[2];                                                                    \
+            float s[2][RM];                                                                   \
+            _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++) {                             \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(u[c].q + b * QK));           \
+                w[c] = SIGNED ? _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)) : q;       \
+                if (TWO)                                                                      \
+                    dwv[c] = _mm256_setr_m128(_mm_set1_ps(u[c].lo[b]), _mm_set1_ps(u[c].hi[b])); \
+                else                                                                          \
+                    _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++)                  \
+                        _mm_storeu_ps(s[c] + 4 * g, _mm_mul_ps(_mm_set1_ps(u[c].lo[b]),       \
+                                                               _mm_loadu_ps(dx + (g * nb + b) * 4))); \
+                if (OFFSET)                                                                   \
+                    _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++)                  \
+                        ms[c][g] = _mm_add_ps(ms[c][g], _mm_mul_ps(_mm_set1_ps(u[c].mo[b]),   \
+                                                                   _mm_loadu_ps(sx + (g * nb + b) * 4))); \
+            }                                                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
+                __m256i qx = _mm256_loadu_si256((const __m256i *)xq[r * nb + b].q);           \
+                __m256i seed = SIGNED ? ql_negoff(qx, (char)0x80) : _mm256_setzero_si256();   \
+                _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++) {                         \
+                    __m256 p = _mm256_cvtepi32_ps(QL_DPBUSD(seed, w[c], qx));                \
+                    __m256 sc = TWO ? _mm256_mul_ps(dwv[c], _mm256_set1_ps(dx[((r / 4) * nb + b) * 4 + r % 4])) \
+                                    : _mm256_broadcast_ss(s[c] + r);                          \
+                    acc[r][c] = _mm256_fmadd_ps(sc, p, acc[r][c]);                            \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++) {                                 \
+            float m[RM];                                                                      \
+            if (OFFSET)                                                                       \
+                _Pragma("GCC unroll 2") for (int g = 0; g < RM / 4; g++) _mm_storeu_ps(m + 4 * g, ms[c][g]); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
+                float v = fo_tree8_v(acc[r][c]);                                              \
+                y[r * ldy + c] = OFFSET ? v + m[r] : v;                                       \
+            }                                                                                 \
+        }                                                                                     \
+    }
+DEF_GENV(4, s, 1, 0, 0) DEF_GENV(4, u, 0, 1, 0) DEF_GENV(4, six, 1, 0, 1)
+#if GENV_RM == 8
+DEF_GENV(8, s, 1, 0, 0) DEF_GENV(8, u, 0, 1, 0) DEF_GENV(8, six, 1, 0, 1)
+#endif
+#define GENV_CALL(NAME, RM) genv_##NAME##_##RM
+#define GENV(NAME, RM) GENV_CALL(NAME, RM)
+
+/* rows rows of x against two unpacked weight rows u[0], u[1] (outputs y[., 0..1]):
+ * GENV_RM rows at a time, then four, then each weight row alone for the rest. */
+static void gen_rows2(int32_t t, const unpacked *u, int offset, const xblock *xq, const float *dx,
+                      const float *sx, int64_t nb, int32_t rows, float *y, int64_t ldy) {
+    int32_t r = 0;
+    const int kind = t == GGML_Q6_K ? 2 : offset ? 1 : 0;
+    for (; r + GENV_RM <= rows; r += GENV_RM) {
+        const float *d = dx + (int64_t)(r / 4) * nb * 4, *s = sx + (int64_t)(r / 4) * nb * 4;
+        const xblock *x = xq + (int64_t)r * nb;
+        if (kind == 2) GENV(six, GENV_RM)(u, x, d, s, nb, y + r * ldy, ldy);
+        else if (kind == 1) GENV(u, GENV_RM)(u, x, d, s, nb, y + r * ldy, ldy);
+        else GENV(s, GENV_RM)(u, x, d, s, nb, y + r * ldy, ldy);
+    }
+#if GENV_RM == 8
+    if (r + 4 <= rows) {
+        const float *d = dx + (int64_t)(r / 4) * nb * 4, *s = sx + (int64_t)(r / 4) * nb * 4;
+        const xblock *x = xq + (int64_t)r * nb;
+        if (kind == 2) genv_six_4(u, x, d, s, nb, y + r * ldy, ldy);
+        else if (kind == 1) genv_u_4(u, x, d, s, nb, y + r * ldy, ldy);
+        else genv_s_4(u, x, d, s, nb, y + r * ldy, ldy);
+        r += 4;
+    }
+#endif
+    if (r < rows)
+        for (int c = 0; c < 2; c++)
+            gen_rows(t, u + c, offset, xq + (int64_t)r * nb, dx + (int64_t)(r / 4) * nb * 4,
+                     sx + (int64_t)(r / 4) * nb * 4, nb, rows - r, y + (int64_t)r * ldy + c, ldy);
+}
+#endif
+
 /* How far ahead of the rows it is reading each thread asks for the weights. The
  * hardware prefetcher follows one matrix streamed alone, but not a decode step, which
  * reads four matrices a layer for ~40-160 us each (all four at one row took 10.5 ms a
@@ -1011,6 +1152,25 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
 #endif
         for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
             int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
+#ifdef QL_VNNI
+            if (rows >= 4) { /* two weight rows at a time (gen_rows2) */
+#pragma omp for schedule(static)
+                for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
+                    if (!u) continue;
+                    int64_t j = jp * 2;
+                    int cols = n - j < 2 ? 1 : 2;
+                    const float *d = dx + (int64_t)(r0 / 4) * nb * 4, *s = sx + (int64_t)(r0 / 4) * nb * 4;
+                    for (int c = 0; c < cols; c++) unpack_row(qtype, w + (j + c) * row_bytes, nb, u + c);
+                    if (cols == 2)
+                        gen_rows2(qtype, u, offset, xq + (int64_t)r0 * nb, d, s, nb, rows,
+                                  y + (int64_t)r0 * ldy + j, ldy);
+                    else
+                        gen_rows(qtype, u, offset, xq + (int64_t)r0 * nb, d, s, nb, rows,
+                                 y + (int64_t)r0 * ldy + j, ldy);
+                }
+                continue;
+            }
+#endif
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n; j++) {
                 if (!u) continue;
@@ -1065,6 +1225,12 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
     }
 }
 
+#ifdef QL_VNNI
+#define UNPACK_ROWS 2
+#else
+#define UNPACK_ROWS 1
+#endif
+
 /* A weight stored in parts of different types, one after the other in the output's
  * columns (a fused q/k/v whose v the file stores in another type than q and k):
  * q_linear's qtype QL_PARTS and w pointing at this. */
@@ -1117,13 +1283,18 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
                 sx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].s;
             }
         }
-        /* each thread unpacks one weight row at a time into its own buffers */
-        unpacked buf = {0}, *u = NULL;
+        /* each thread unpacks one weight row at a time (two with VNNI) into its own
+         * buffers */
+        unpacked buf[UNPACK_ROWS] = {{0}}, *u = NULL;
         if (any_generic) {
-            buf = (unpacked){malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
-                             malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb)};
-            if (buf.q && buf.lo && buf.hi && buf.mo) {
-                u = &buf;
+            int ok = 1;
+            for (int i = 0; i < UNPACK_ROWS; i++) {
+                buf[i] = (unpacked){malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
+                                    malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb)};
+                ok = ok && buf[i].q && buf[i].lo && buf[i].hi && buf[i].mo;
+            }
+            if (ok) {
+                u = buf;
             } else {
 #pragma omp atomic write
                 failed = 1;
@@ -1134,10 +1305,12 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
             run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, dx, sx, m, k, u);
             col += parts->rows[i];
         }
-        free(buf.q);
-        free(buf.lo);
-        free(buf.hi);
-        free(buf.mo);
+        for (int i = 0; i < UNPACK_ROWS; i++) {
+            free(buf[i].q);
+            free(buf[i].lo);
+            free(buf[i].hi);
+            free(buf[i].mo);
+        }
     }
     free(xq);
     free(dx);
