@@ -181,13 +181,15 @@ static inline __m256i ql_negoff(__m256i qx, char o) {
 }
 #endif
 
-static inline __m256i nibbles_q4_1(const uint8_t *blk) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
-    /* low nibbles are elements 0..15, high nibbles 16..31 */
-    return _mm256_and_si256(
-        _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
-        _mm256_set1_epi8(0x0f));
+/* 16 bytes of nibbles as 32 bytes: low nibbles are elements 0..15, high nibbles 16..31.
+ * The bytes in both halves, the upper half's 32-bit lanes shifted right by 4 (a byte's
+ * high nibble lands in its low one; what crosses from the next byte is masked off). */
+static inline __m256i nibbles16(const uint8_t *qs) {
+    __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                            _mm256_set1_epi8(0x0f));
 }
+static inline __m256i nibbles_q4_1(const uint8_t *blk) { return nibbles16(blk + 4); }
 
 /* One function per (RM, RN), the accumulators arrays of exactly that size with every
  * loop over them unrolled, so gcc keeps them in registers. Per block and weight row the
@@ -619,6 +621,18 @@ static inline __m256i bits_to_bytes(const uint8_t *p) {
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
+/* Q5's fifth bits: 16 added to byte i of nib (a nibble) where bit i of the 32 bits at qh
+ * is set. */
+static inline __m256i with_fifth_bit(__m256i nib, const uint8_t *qh) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    return _mm256_mask_add_epi8(nib, (__mmask32)bits, nib, _mm256_set1_epi8(0x10));
+#else
+    return _mm256_or_si256(nib, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+#endif
+}
+
 /* The same integers as unpack_row_c (exact products for the scales), vectorized. */
 static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *u) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -630,16 +644,11 @@ static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *
             u->lo[b] = u->hi[b] = d;
             u->mo[b] = t == GGML_Q5_1 ? half_to_float(blk + 2) : 0.0f;
             const uint8_t *qs = blk + (t == GGML_Q4_0 ? 2 : t == GGML_Q5_0 ? 6 : 8);
-            __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-            __m256i q = _mm256_and_si256(
-                _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
-                low4);
+            __m256i q = nibbles16(qs);
             if (t == GGML_Q4_0) {
                 q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
             } else {
-                __m256i hb = _mm256_and_si256(bits_to_bytes(blk + (t == GGML_Q5_0 ? 2 : 4)),
-                                              _mm256_set1_epi8(0x10));
-                q = _mm256_or_si256(q, hb);
+                q = with_fifth_bit(q, blk + (t == GGML_Q5_0 ? 2 : 4));
                 if (t == GGML_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
             }
             _mm256_storeu_si256((__m256i *)(u->q + b * QK), q);
@@ -772,12 +781,6 @@ DEF_GEN(8) DEF_GEN(4) DEF_GEN(2) DEF_GEN(1)
 static inline __m256 dot_signed(__m256i qw, __m256i qx) {
     return dot_us8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
 }
-static inline __m256i nibbles16(const uint8_t *qs) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(
-        _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
-        _mm256_set1_epi8(0x0f));
-}
 
 /* RN weight rows (row_bytes apart) at once: RN independent accumulation chains in flight
  * (each output's own chain is its fixed order; one chain alone waits on its FMAs'
@@ -818,11 +821,9 @@ static inline __attribute__((always_inline)) void row_generic_n(
                 if (t == GGML_Q4_0) {
                     p = QL_UDOT(nibbles16(blk + 2));
                 } else if (t == GGML_Q5_0) {
-                    __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10));
-                    p = QL_UDOT(_mm256_or_si256(nibbles16(blk + 6), hb));
+                    p = QL_UDOT(with_fifth_bit(nibbles16(blk + 6), blk + 2));
                 } else {
-                    __m256i hb = _mm256_and_si256(bits_to_bytes(blk + 4), _mm256_set1_epi8(0x10));
-                    p = dot_us8(_mm256_or_si256(nibbles16(blk + 8), hb), qx);
+                    p = dot_us8(with_fifth_bit(nibbles16(blk + 8), blk + 4), qx);
                     ms[c] = ms[c] + half_to_float(blk + 2) * xb->s;
                 }
                 acc[c] = _mm256_fmadd_ps(sc, p, acc[c]);
