@@ -53,12 +53,25 @@ with torch.inference_mode():
 assert lm.model._fused is not None
 digest = lambda t: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 print(json.dumps({"logits": digest(torch.cat([first, step])), "k": digest(cache.k),
-                  "v": digest(cache.v), "argmax": step.argmax(-1).tolist()}))
+                  "v": digest(cache.v), "argmax": step.argmax(-1).tolist(),
+                  "torch_cpu": torch.backends.cpu.get_cpu_capability()}))
 """
+
+
+# What torch itself would run on a CPU with only what the build uses: its kernel dispatch
+# (ATen's CPU capability) and oneDNN's, held to the same level, so the process as a whole
+# is the one an AVX2-only or a vector-less CPU would run, and any op of torch's on the
+# path whose rounding depends on the vector width (RoPE tables, the sampler's softmax)
+# shows up as a difference too, not only our kernels'.
+_TORCH_LEVEL = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
 
 
 def _run_build(isa: str, model: Path) -> dict[str, object]:
     env = {**os.environ, "LIFECYCLE_NATIVE_ISA": isa, "PYTHONPATH": str(ROOT)}
+    env.update(_TORCH_LEVEL.get(isa, {}))
     out = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(model)],
         env=env,
@@ -68,7 +81,11 @@ def _run_build(isa: str, model: Path) -> dict[str, object]:
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    level = got.pop("torch_cpu")
+    if isa in _TORCH_LEVEL:  # torch honoured the level asked for
+        assert level == _TORCH_LEVEL[isa]["ATEN_CPU_CAPABILITY"].upper(), (isa, level)
+    return got
 
 
 def test_every_build_runs_the_model_to_the_same_bits(tiny_gguf: TinyModel) -> None:
