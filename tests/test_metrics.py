@@ -23,6 +23,7 @@ from lifecycle.core.fsm import TraceEntry
 from lifecycle.core.states import Event, State
 from lifecycle.tracing.metrics import record_timings
 
+from .native_mode import cpu_default_weights
 from .scripted import lifecycle_server
 from .ws_helpers import Collected, echo_body, gen_msg, wait_idle
 
@@ -295,4 +296,4 @@ def test_model_worker_steps_memory_kv_and_retractions(model_url: str) -> None:
     assert m1[("lifecycle_worker_memory_rss_bytes", W0)] > 50 * 2**20
     assert ("lifecycle_worker_gpu_memory_reserved_bytes", W0) not in m1  # CUDA only
     (worker,) = [dict(k[1]) for k in m1 if k[0] == "lifecycle_worker_info"]
-    assert worker["device"] == "cpu" and worker["weights"] == "quantized"
+    assert worker["device"] == "cpu" and worker["weights"] == cpu_default_weights()

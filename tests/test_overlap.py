@@ -18,9 +18,12 @@ import pytest
 
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import LoadedModel, load_model
+from tests.native_mode import needs_native
 from tests.scripted import lifecycle_server
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
+
+pytestmark = needs_native("the exact promise rests on the quantized kernels' batch invariance")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from lifecycle.cli import main
 from lifecycle.core.sampling import parse_sampling_params
 from lifecycle.tracing.replay import sampling_json
 from lifecycle.tracing.store import read_log
+from tests.native_mode import cpu_default_weights, needs_native
 from tests.scripted import free_port, lifecycle_server
 
 pytestmark = pytest.mark.model
@@ -112,7 +113,7 @@ def test_what_the_trace_records(
     )  # fmt: skip
     info = httpx.get(f"{url}/server_info", timeout=10).json()
     model = record["model"]
-    assert model["weights"] == "quantized" and model["path"] == info["model_path"]
+    assert model["weights"] == cpu_default_weights() and model["path"] == info["model_path"]
     assert model["file_bytes"] == Path(info["model_path"]).stat().st_size
     assert model["id"] == httpx.get(f"{url}/model_info", timeout=10).json()["served_model_name"]
     line = _logged(log, "greedy-1")
@@ -213,6 +214,7 @@ def test_a_different_continuation_reports_where_it_parts(
     assert f"recorded {forced} " in out and f"replayed {real[3]} " in out
 
 
+@needs_native("without the native kernels both servers run dense fp32: nothing parts")
 def test_another_weights_mode_parts_and_warns(
     recording: tuple[str, Path],
     greedy: tuple[dict[str, Any], dict[str, Any]],

@@ -36,7 +36,8 @@
  * eight rows), then up to 4 x 2; one row of x (decode) streams two weight rows at a
  * time (one for Q8_0: the LM head; four for the types of blocks of 32 with an offset
  * and the k-quants, RG); with VNNI the other types' tiles take two weight rows against
- * up to eight rows of x (genv). Rows of x go in chunks of XCHUNK so a chunk's
+ * up to eight rows of x (genv), with AVX512-VNNI in one 512-bit vector against up to 16
+ * (genz). Rows of x go in chunks of XCHUNK so a chunk's
  * quantized rows stay in L2 while every tile of weights passes them; threads split the
  * weight rows (each output is one thread's). bench/qlinear.py --rows times the shapes;
  * against the fp32 panel path this replaced, SmolLM2's 30 layers at 1-32 rows take the
@@ -1113,6 +1114,100 @@ static void gen_rows2(int32_t t, const unpacked *u, int offset, const xblock *xq
 }
 #endif
 
+#if defined(QL_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* 512-bit tiles (AVX512-VNNI builds): a vector holds the same 8 lanes of two weight rows'
+ * outputs for one row of x, so each dot product, conversion and FMA instruction does two
+ * outputs' work (this Xeon issues a 512-bit one about as often as a 256-bit one:
+ * 0.45 against 0.63 ns a block in a bare loop, 2026-12-06). x goes in biased (q + 128,
+ * unsigned; xu), the weights as they are (signed bytes: every unpacked type fits), and
+ * each lane's accumulator starts at -128 times the weight lane's sum, so the int32 lanes
+ * are sum(w q) exactly; the scale is dw * d_x per lane half (lo for lanes 0-3, hi 4-7),
+ * the offset term as in genv. The same function again. */
+#define QL_Z 1
+typedef struct {
+    uint8_t *q;    /* [nb][64]: the two rows' blocks side by side */
+    int32_t *seed; /* [nb][16]: -128 * each weight lane's sum */
+    float *dw;     /* [nb][16]: lo x4, hi x4 of row 0, then of row 1 */
+} zpair;
+
+static void pair_rows(const unpacked *u, int64_t nb, const zpair *z) {
+    const __m256i c128 = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++)
+        for (int c = 0; c < 2; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(u[c].q + b * QK));
+            _mm256_storeu_si256((__m256i *)(z->q + b * 64 + c * 32), q);
+            __m256i sum = QL_DPBUSD(_mm256_setzero_si256(), c128, q);
+            _mm256_storeu_si256((__m256i *)(z->seed + b * 16 + c * 8),
+                                _mm256_sub_epi32(_mm256_setzero_si256(), sum));
+            _mm256_storeu_ps(z->dw + b * 16 + c * 8,
+                             _mm256_setr_m128(_mm_set1_ps(u[c].lo[b]), _mm_set1_ps(u[c].hi[b])));
+        }
+}
+
+#define DEF_GENZ(RM, OFFSET)                                                                  \
+    static void genz_##RM##_##OFFSET(const zpair *z, const unpacked *u, const uint8_t *xu,    \
+                                     const float *dx, const float *sx, int64_t nb, float *y,  \
+                                     int64_t ldy) {                                           \
+        __m512 acc[RM];                                                                       \
+        __m128 ms[2][RM / 4];                                                                 \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RM; r++) acc[r] = _mm512_setzero_ps();   \
+        _Pragma("GCC unroll 4") for (int g = 0; g < RM / 4; g++)                              \
+            ms[0][g] = ms[1][g] = _mm_setzero_ps();                                           \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            const __m512i w = _mm512_loadu_si512(z->q + b * 64);                              \
+            const __m512i seed = _mm512_loadu_si512(z->seed + b * 16);                        \
+            const __m512 dw = _mm512_loadu_ps(z->dw + b * 16);                                \
+            if (OFFSET)                                                                       \
+                _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++)                           \
+                _Pragma("GCC unroll 4") for (int g = 0; g < RM / 4; g++)                      \
+                    ms[c][g] = _mm_add_ps(ms[c][g], _mm_mul_ps(_mm_set1_ps(u[c].mo[b]),       \
+                                                               _mm_loadu_ps(sx + (g * nb + b) * 4))); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RM; r++) {                           \
+                __m512i x = _mm512_broadcast_i64x4(                                           \
+                    _mm256_loadu_si256((const __m256i *)(xu + (r * nb + b) * QK)));          \
+                __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(seed, x, w));               \
+                __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx[((r / 4) * nb + b) * 4 + r % 4])); \
+                acc[r] = _mm512_fmadd_ps(sc, p, acc[r]);                                      \
+            }                                                                                 \
+        }                                                                                     \
+        float m[2][RM];                                                                       \
+        if (OFFSET)                                                                           \
+            _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++)                               \
+            _Pragma("GCC unroll 4") for (int g = 0; g < RM / 4; g++)                          \
+                _mm_storeu_ps(m[c] + 4 * g, ms[c][g]);                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RM; r++) {                               \
+            __m256 lo = _mm512_castps512_ps256(acc[r]);                                       \
+            __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)); \
+            float v0 = fo_tree8_v(lo), v1 = fo_tree8_v(hi);                                   \
+            y[r * ldy] = OFFSET ? v0 + m[0][r] : v0;                                          \
+            y[r * ldy + 1] = OFFSET ? v1 + m[1][r] : v1;                                      \
+        }                                                                                     \
+    }
+DEF_GENZ(16, 0) DEF_GENZ(16, 1) DEF_GENZ(8, 0) DEF_GENZ(8, 1) DEF_GENZ(4, 0) DEF_GENZ(4, 1)
+
+/* gen_rows2 through the 512-bit tiles: 16, 8 or 4 rows at a time, the rest (under four)
+ * each weight row alone. */
+static void gen_rows2z(int32_t t, const unpacked *u, const zpair *z, int offset, const xblock *xq,
+                       const uint8_t *xu, const float *dx, const float *sx, int64_t nb,
+                       int32_t rows, float *y, int64_t ldy) {
+    pair_rows(u, nb, z);
+    int32_t r = 0;
+#define GZ(RM)                                                                                \
+    for (; r + RM <= rows; r += RM) {                                                         \
+        const float *d = dx + (int64_t)(r / 4) * nb * 4, *s = sx + (int64_t)(r / 4) * nb * 4; \
+        const uint8_t *x = xu + (int64_t)r * nb * QK;                                         \
+        if (offset) genz_##RM##_1(z, u, x, d, s, nb, y + r * ldy, ldy);                       \
+        else genz_##RM##_0(z, u, x, d, s, nb, y + r * ldy, ldy);                              \
+    }
+    GZ(16) GZ(8) GZ(4)
+#undef GZ
+    if (r < rows)
+        for (int c = 0; c < 2; c++)
+            gen_rows(t, u + c, offset, xq + (int64_t)r * nb, dx + (int64_t)(r / 4) * nb * 4,
+                     sx + (int64_t)(r / 4) * nb * 4, nb, rows - r, y + (int64_t)r * ldy + c, ldy);
+}
+#endif
+
 /* How far ahead of the rows it is reading each thread asks for the weights. The
  * hardware prefetcher follows one matrix streamed alone, but not a decode step, which
  * reads four matrices a layer for ~40-160 us each (all four at one row took 10.5 ms a
@@ -1126,8 +1221,9 @@ static void gen_rows2(int32_t t, const unpacked *u, int offset, const xblock *xq
  * every thread (its loops are the region's worksharing). u: this thread's unpack
  * buffers (NULL when they could not be had: the generic types then leave *failed set). */
 static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64_t ldy,
-                     const xblock *xq, const float *dx, const float *sx, int32_t m, int64_t k,
-                     const unpacked *u) {
+                     const xblock *xq, const uint8_t *xu, const float *dx, const float *sx,
+                     int32_t m, int64_t k, const unpacked *u) {
+    (void)xu;
     int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
     if (generic_type(qtype)) {
         const int offset = has_offset(qtype);
@@ -1155,6 +1251,11 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
             int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
 #ifdef QL_VNNI
             if (rows >= 4) { /* two weight rows at a time (gen_rows2) */
+#ifdef QL_Z
+                zpair z = {malloc((size_t)(nb * 64)), malloc(sizeof(int32_t) * (size_t)(nb * 16)),
+                           malloc(sizeof(float) * (size_t)(nb * 16))};
+                const int zok = z.q && z.seed && z.dw && xu;
+#endif
 #pragma omp for schedule(static)
                 for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
                     if (!u) continue;
@@ -1162,6 +1263,13 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
                     int cols = n - j < 2 ? 1 : 2;
                     const float *d = dx + (int64_t)(r0 / 4) * nb * 4, *s = sx + (int64_t)(r0 / 4) * nb * 4;
                     for (int c = 0; c < cols; c++) unpack_row(qtype, w + (j + c) * row_bytes, nb, u + c);
+#ifdef QL_Z
+                    if (cols == 2 && zok)
+                        gen_rows2z(qtype, u, &z, offset, xq + (int64_t)r0 * nb,
+                                   xu + (int64_t)r0 * nb * QK, d, s, nb, rows,
+                                   y + (int64_t)r0 * ldy + j, ldy);
+                    else
+#endif
                     if (cols == 2)
                         gen_rows2(qtype, u, offset, xq + (int64_t)r0 * nb, d, s, nb, rows,
                                   y + (int64_t)r0 * ldy + j, ldy);
@@ -1169,6 +1277,11 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
                         gen_rows(qtype, u, offset, xq + (int64_t)r0 * nb, d, s, nb, rows,
                                  y + (int64_t)r0 * ldy + j, ldy);
                 }
+#ifdef QL_Z
+                free(z.q);
+                free(z.seed);
+                free(z.dw);
+#endif
                 continue;
             }
 #endif
@@ -1274,6 +1387,11 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         free(sx);
         return -1;
     }
+    /* x's bytes plus 128 for the 512-bit tiles (NULL: those tiles are not used) */
+    uint8_t *xu = NULL;
+#ifdef QL_Z
+    if (any_generic && m >= 4) xu = malloc((size_t)(m * nb * QK));
+#endif
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -1282,6 +1400,13 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
             for (int64_t b = 0; b < nb; b++) {
                 dx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].d;
                 sx[((r / 4) * nb + b) * 4 + r % 4] = xq[(int64_t)r * nb + b].s;
+#ifdef QL_Z
+                if (xu)
+                    _mm256_storeu_si256(
+                        (__m256i *)(xu + ((int64_t)r * nb + b) * QK),
+                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)xq[(int64_t)r * nb + b].q),
+                                         _mm256_set1_epi8((char)0x80)));
+#endif
             }
         }
         /* each thread unpacks one weight row at a time (two with VNNI) into its own
@@ -1303,7 +1428,8 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         }
         int64_t col = 0;
         for (int i = 0; i < parts->n; i++) {
-            run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, dx, sx, m, k, u);
+            run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, xu, dx, sx, m,
+                     k, u);
             col += parts->rows[i];
         }
         for (int i = 0; i < UNPACK_ROWS; i++) {
@@ -1314,6 +1440,7 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         }
     }
     free(xq);
+    free(xu);
     free(dx);
     free(sx);
     return failed ? -1 : 0;
