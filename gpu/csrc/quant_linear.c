@@ -637,6 +637,17 @@ static inline __m256i with_fifth_bit(__m256i nib, const uint8_t *qh) {
 /* The same integers as unpack_row_c (exact products for the scales), vectorized. */
 static void unpack_row(int32_t t, const uint8_t *w, int64_t nb, const unpacked *u) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (t == GGML_Q8_0 || t == GGML_Q4_1) { /* the 512-bit tiles' route (gen_rows2z) */
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * block_bytes(t);
+            u->lo[b] = u->hi[b] = half_to_float(blk);
+            u->mo[b] = t == GGML_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+            _mm256_storeu_si256((__m256i *)(u->q + b * QK),
+                                t == GGML_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
+                                               : nibbles16(blk + 4));
+        }
+        return;
+    }
     if (t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1) {
         int bytes = block_bytes(t);
         for (int64_t b = 0; b < nb; b++) {
@@ -1225,8 +1236,12 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
                      int32_t m, int64_t k, const unpacked *u) {
     (void)xu;
     int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
-    if (generic_type(qtype)) {
-        const int offset = has_offset(qtype);
+    int paired = 0; /* Q8_0 / Q4_1 through the 512-bit tiles too, at four rows and more */
+#ifdef QL_Z
+    paired = m >= 4 && xu && u;
+#endif
+    if (generic_type(qtype) || paired) {
+        const int offset = has_offset(qtype) || qtype == GGML_Q4_1;
 #ifdef QL_AVX2
         if (m == 1) { /* decode: RG weight rows at a time, unpacked in registers */
             const int rg = RG(qtype);
@@ -1390,7 +1405,8 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     /* x's bytes plus 128 for the 512-bit tiles (NULL: those tiles are not used) */
     uint8_t *xu = NULL;
 #ifdef QL_Z
-    if (any_generic && m >= 4) xu = malloc((size_t)(m * nb * QK));
+    if (m >= 4) xu = malloc((size_t)(m * nb * QK));
+    any_generic = any_generic || m >= 4; /* the unpack buffers serve the 512-bit tiles */
 #endif
 #pragma omp parallel num_threads(threads)
     {
