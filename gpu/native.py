@@ -94,9 +94,9 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
 # inline (errno is never read).
 COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-fno-math-errno")
 # What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX-512F without VNNI,
-# AVX2/FMA/F16C alone, or no vector extensions. Every choice computes the same bits
-# (tests/test_determinism.py).
-ISAS = ("auto", "avx512", "avx2", "portable")
+# AVX2 with AVX-VNNI (no AVX-512), AVX2/FMA/F16C alone, or no vector extensions. Every
+# choice computes the same bits (tests/test_determinism.py).
+ISAS = ("auto", "avx512", "avxvnni", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 _lock = threading.Lock()
@@ -120,7 +120,7 @@ def kernel_cache_dir() -> Path:
 
 
 def native_isa() -> str:
-    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512, avx2 or portable."""
+    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512, avxvnni, avx2 or portable."""
     isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
     if isa not in ISAS:
         raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
@@ -133,9 +133,10 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     compiler's own vectorization of element-wise loops uses it: the same results), then
     VNNI where listed: AVX512-VNNI with its VL and BW, or AVX-VNNI (the int8 dot
     products of quant_linear.c in one instruction: the same integers), else the
-    compiler's default. ``LIFECYCLE_NATIVE_ISA=avx512`` leaves VNNI out, ``avx2``
-    AVX-512 and VNNI, ``portable`` every extension (to compare builds, or on a CPU
-    whose flag is listed but slow)."""
+    compiler's default. ``LIFECYCLE_NATIVE_ISA=avx512`` leaves VNNI out, ``avxvnni``
+    AVX-512 (AVX-VNNI where listed, as on a CPU without AVX-512), ``avx2`` AVX-512 and
+    VNNI, ``portable`` every extension (to compare builds, or on a CPU whose flag is
+    listed but slow)."""
     isa = isa or native_isa()
     flags = _cpu_flag_set()
     if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
@@ -143,6 +144,8 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     out: tuple[str, ...] = ("-mavx2", "-mfma", "-mf16c")
     if isa == "avx2":
         return out
+    if isa == "avxvnni":
+        return (*out, "-mavxvnni") if "avx_vnni" in flags else out
     if "avx512f" in flags:
         out += ("-mavx512f",)
     if isa == "avx512":

@@ -5,7 +5,8 @@ function of the model file and the token's prefix, whichever build of the kernel
 them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native.py); the tests
 compare every build whose flags differ from the default's on this CPU
 (``native.other_isas``): portable C (no vector extensions) always, AVX2 alone where
-AVX-512 or VNNI is listed, AVX-512 without VNNI where both are. A build that
+AVX-512 or VNNI is listed, AVX2 with AVX-VNNI where both that and AVX-512 are, AVX-512
+without VNNI where both are. A build that
 reassociated a sum, fused a multiply the source did not, or called a vector math
 library would part from the others in the low bits, and the model run through 2 layers
 and a softmax would show it.
@@ -65,6 +66,7 @@ print(json.dumps({"logits": digest(torch.cat([first, step])), "k": digest(cache.
 # shows up as a difference too, not only our kernels'.
 _TORCH_LEVEL = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avxvnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
     "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
 
