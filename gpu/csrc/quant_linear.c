@@ -1142,14 +1142,11 @@ typedef struct {
 } zpair;
 
 static void pair_rows(const unpacked *u, int64_t nb, const zpair *z) {
-    const __m256i c128 = _mm256_set1_epi8((char)0x80);
     for (int64_t b = 0; b < nb; b++)
         for (int c = 0; c < 2; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(u[c].q + b * QK));
             _mm256_storeu_si256((__m256i *)(z->q + b * 64 + c * 32), q);
-            __m256i sum = QL_DPBUSD(_mm256_setzero_si256(), c128, q);
-            _mm256_storeu_si256((__m256i *)(z->seed + b * 16 + c * 8),
-                                _mm256_sub_epi32(_mm256_setzero_si256(), sum));
+            _mm256_storeu_si256((__m256i *)(z->seed + b * 16 + c * 8), ql_negoff(q, (char)0x80));
             _mm256_storeu_ps(z->dw + b * 16 + c * 8,
                              _mm256_setr_m128(_mm_set1_ps(u[c].lo[b]), _mm_set1_ps(u[c].hi[b])));
         }
