@@ -117,7 +117,8 @@ async def serve_app(
         assert rt.metrics is not None
         access = _access_log(cfg, frontend)
         try:
-            router, api, auth = _routes(cfg, frontend, rt.metrics, rt.chat, rt.model_path)
+            shared = _shared_metrics(cfg)
+            router, api, auth = _routes(cfg, frontend, rt.metrics, shared, rt.chat, rt.model_path)
             router.access_log = access
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
             if rt.tracer is not None:
@@ -131,7 +132,8 @@ async def serve_app(
             url = f"{scheme}://{cfg.host}:{_port(server)}"
             tg.start_soon(_announce_ready, url, rt.served_model_id(), rt.supervisor, cfg)
             tg.start_soon(_report_load, frontend)
-            tg.start_soon(_publish_metrics, cfg, rt.metrics)
+            if shared is not None:
+                tg.start_soon(_publish_metrics, shared, rt.metrics)
             task_status.started(
                 App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
             )
@@ -200,7 +202,12 @@ def _server_config(cfg: AppConfig) -> ServerConfig:
 
 
 def _routes(
-    cfg: AppConfig, frontend: Frontend, metrics: Metrics, chat: Any, path: str
+    cfg: AppConfig,
+    frontend: Frontend,
+    metrics: Metrics,
+    shared: SharedMetrics | None,
+    chat: Any,
+    path: str,
 ) -> tuple[AppRouter, NativeAPI, Auth]:
     """Every API on one router: native, OpenAI, WebSocket, metrics (the debug routes are
     the tracer's)."""
@@ -225,7 +232,7 @@ def _routes(
         frontend, model_id=served, model_names=openai.model_names, strict_model=strict
     ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
-    install_metrics(router, metrics, _shared_metrics(cfg))
+    install_metrics(router, metrics, shared)
     return router, api, auth
 
 
@@ -236,12 +243,9 @@ def _shared_metrics(cfg: AppConfig) -> SharedMetrics | None:
     return SharedMetrics(cfg.frontends_dir, cfg.frontend_index)
 
 
-async def _publish_metrics(cfg: AppConfig, metrics: Metrics) -> None:
+async def _publish_metrics(shared: SharedMetrics, metrics: Metrics) -> None:
     """Each second, this frontend's exposition for the others' scrapes (an unasked
     frontend's counters are at most that old in them)."""
-    shared = _shared_metrics(cfg)
-    if shared is None:
-        return
     while True:
         shared.publish(metrics.text())
         await anyio.sleep(PUBLISH_INTERVAL)

@@ -303,7 +303,7 @@ class World:
         self.call_labels: dict[int, str] = {}  # id(call) -> its request's "user" (no rid)
         fe.events.subscribe(self)  # its opened hook
         metrics = _metrics(fe)
-        router, api, auth = _routes(app_config, fe, metrics, checked.chat, "")
+        router, api, auth = _routes(app_config, fe, metrics, None, checked.chat, "")
         server_config = ServerConfig(
             send_timeout=c.send_timeout,
             max_body_bytes=c.max_body_bytes,
