@@ -230,6 +230,10 @@ class NativeKernels:
         ql.argtypes = [p, p, p, i32, i32, i64, i64, i32]
         ql.restype = ctypes.c_int
         self._q_linear = ql
+        qr = lib.q_linear_reference
+        qr.argtypes = [p, p, p, i32, i32, i64, i64]
+        qr.restype = ctypes.c_int
+        self._q_linear_reference = qr
         qd = lib.q_dequantize
         qd.argtypes = [p, p, i32, i64, i64]
         qd.restype = ctypes.c_int
@@ -266,6 +270,20 @@ class NativeKernels:
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def q_linear_reference(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
+        """``q_linear``'s function as quant_linear.c's header defines it, computed output
+        by output on one thread: what the tests hold the kernel's paths to."""
+        x = x.contiguous()
+        m, k = x.shape
+        _check_blocks(w, qtype, k)
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        rc = self._q_linear_reference(
+            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k
+        )
+        if rc != 0:
+            raise MemoryError("q_linear_reference: scratch allocation failed")
         return y
 
     def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:

@@ -12,9 +12,11 @@ already on the int8 grid (integers, block amax 127) the rounding is exact and th
 kernel matches fp64 to fp32 accumulation error.
 
 Every output is one function of its row of x and its row of w, defined in the kernel's
-header (its block order, 8 lanes, their tree): the kernel computes it the same way at
-every row count (tiles of 1-8 rows of x, 1-2 of w), thread count and build (AVX2,
-AVX-512 in the compiler's flags, portable C). Those are asserted bit for bit.
+header (an exact integer per block, one FMA per block in block order):
+``q_linear_reference`` computes that definition output by output, and every path of the
+kernel (decode's one to three rows, the panels of 8 or 16 weight rows with their row
+tails, a second chunk of rows), thread count and build (AVX-512 VNNI, AVX-VNNI, AVX2,
+portable C) equals it. Those are asserted bit for bit.
 """
 
 from __future__ import annotations
@@ -156,6 +158,22 @@ def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
     with torch_threads(1):
         one = kernels().q_linear(x[:97], blocks, int(qtype))
     assert torch.equal(one, alone[:97])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_path_is_the_definition(qtype: GGMLQuantizationType) -> None:
+    """Decode (1-3 rows), the panels (full, their 2- and 1-row tails, 37 outputs: a
+    partial panel) and a second chunk of rows (300 > 256), on two threads, against the
+    header's definition computed output by output."""
+    k = kdim(qtype, 1536)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(11)) * 3
+    x[3] = 0.0  # a zero block: scale 0
+    x[5, :32] = torch.arange(32) - 16.5  # ties at the rounding
+    blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=11))
+    ref = kernels().q_linear_reference(x, blocks, int(qtype))
+    with torch_threads(2):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17, 300):
+            assert torch.equal(kernels().q_linear(x[:m], blocks, int(qtype)), ref[:m]), m
 
 
 @pytest.mark.parametrize("isa", native.other_isas())
