@@ -96,7 +96,7 @@ COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-
 # What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX-512F without VNNI,
 # AVX2 with AVX-VNNI (no AVX-512), AVX2/FMA/F16C alone, or no vector extensions. Every
 # choice computes the same bits (tests/test_determinism.py).
-ISAS = ("auto", "avx512", "avxvnni", "avx2", "portable")
+ISAS = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 _lock = threading.Lock()
@@ -120,7 +120,8 @@ def kernel_cache_dir() -> Path:
 
 
 def native_isa() -> str:
-    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512, avxvnni, avx2 or portable."""
+    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512vnni, avx512, avxvnni, avx2 or
+    portable."""
     isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
     if isa not in ISAS:
         raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
@@ -133,7 +134,9 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     compiler's own vectorization of element-wise loops uses it: the same results), then
     VNNI where listed: AVX512-VNNI with its VL and BW, or AVX-VNNI (the int8 dot
     products of quant_linear.c in one instruction: the same integers), else the
-    compiler's default. ``LIFECYCLE_NATIVE_ISA=avx512`` leaves VNNI out, ``avxvnni``
+    compiler's default, then AMX's tiles where listed with AVX512-VNNI (its int8 tile
+    product: the same integers again). ``LIFECYCLE_NATIVE_ISA=avx512vnni`` leaves AMX
+    out, ``avx512`` VNNI and AMX, ``avxvnni``
     AVX-512 (AVX-VNNI where listed, as on a CPU without AVX-512), ``avx2`` AVX-512 and
     VNNI, ``portable`` every extension (to compare builds, or on a CPU whose flag is
     listed but slow)."""
@@ -152,6 +155,8 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
         return out
     if {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
         out += ("-mavx512vl", "-mavx512bw", "-mavx512vnni")
+        if isa == "auto" and {"amx_tile", "amx_int8"} <= flags:
+            out += ("-mamx-tile", "-mamx-int8")
     elif "avx_vnni" in flags:
         out += ("-mavxvnni",)
     return out

@@ -66,6 +66,7 @@
  *   x [M, K] fp32 contiguous, K % 32 == 0; w [N, K / 32 * block bytes] (GGUF row-major);
  *   y [M, N] fp32 contiguous.
  */
+#define _DEFAULT_SOURCE /* syscall() for AMX's permission request */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,6 +89,11 @@
 #endif
 #if defined(QL_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QL_Z 1 /* 512-bit panels */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QL_AMX 1 /* tile products for the panels' groups of 16 rows */
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -684,6 +690,112 @@ static int panel_kind(int32_t t) {
     return t == GGML_Q6_K ? 2 : has_offset(t) ? 1 : 0;
 }
 
+#ifdef QL_AMX
+/* AMX (tile matrix multiply, Sapphire Rapids and later): a panel block is laid out as
+ * the B operand of a tile product ([8 groups][16 outputs][4 bytes]), so one TDPBSSD of
+ * 16 rows of x's signed bytes (A: 16 x 32 bytes, rows nb blocks apart) by it gives the
+ * 16 x 16 block integers, exact, without the bias and seeds (Q6_K: two products of 16
+ * bytes, its halves). Then per row the same conversion, scale product and FMA as the
+ * pk kernels, and the offset term in its own pass in the same order: the same function.
+ * Linux hands out the tile registers only on request (arch_prctl); where the request
+ * fails the vector panels run instead. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+static int amx_state = -1; /* -1 not asked yet, 0 refused, 1 granted */
+static int amx_usable(void) {
+    if (amx_state < 0) {
+        const char *off = getenv("LIFECYCLE_NATIVE_AMX");
+        amx_state = off && off[0] == '0' ? 0
+                    : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                              18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return amx_state;
+}
+
+/* Block b's tile products for 16 rows of x into c (two: Q6_K's halves, c[0] and c[1]). */
+static inline __attribute__((always_inline)) void amx_block(const panel *p, const xblock *xq,
+                                                            int64_t xs, int64_t b, int two,
+                                                            int32_t (*c)[16][16]) {
+    const int8_t *wq = p->q + b * 8 * PW * 4, *xb = xq[b].q;
+    _tile_zero(0);
+    _tile_loadd(2, xb, xs);
+    _tile_loadd(4, wq, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, c[0], 64);
+    if (two) {
+        _tile_zero(1);
+        _tile_loadd(3, xb + 16, xs);
+        _tile_loadd(5, wq + 4 * PW * 4, 64);
+        _tile_dpbssd(1, 3, 5);
+        _tile_stored(1, c[1], 64);
+    }
+}
+
+/* rows (a multiple of 16) rows of x against a built panel, 16 at a time: block b's tile
+ * product is stored while block b - 1's integers go through the FMAs (in block order). */
+static inline __attribute__((always_inline)) void amx_rows_k(const int kind, const panel *p,
+                                                             const xblock *xq, int64_t nb,
+                                                             int32_t rows, float *y,
+                                                             int64_t ldy, int cols) {
+    const int two = kind == 2;
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) { /* C: 16 x 16 int32; A: x; B: the panel block */
+        cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = two ? 16 : 32;
+        cfg.rows[4 + t] = two ? 4 : 8, cfg.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const int64_t xs = nb * (int64_t)sizeof(xblock);
+    int32_t c[2][2][16][16] __attribute__((aligned(64)));
+    for (int32_t r0 = 0; r0 < rows; r0 += 16) {
+        const xblock *xr = xq + (int64_t)r0 * nb;
+        __m512 acc[16];
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        amx_block(p, xr, xs, 0, two, c[0]);
+        for (int64_t b = 0; b < nb; b++) {
+            if (b + 1 < nb) amx_block(p, xr, xs, b + 1, two, c[(b + 1) & 1]);
+            int32_t (*cb)[16][16] = c[b & 1];
+            const __m512 lo = _mm512_loadu_ps(p->lo + b * PW);
+            const __m512 hi = two ? _mm512_loadu_ps(p->hi + b * PW) : lo;
+            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
+                const __m512 dx = _mm512_set1_ps(xr[r * nb + b].d);
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(lo, dx),
+                                         _mm512_cvtepi32_ps(_mm512_load_si512(cb[0][r])), acc[r]);
+                if (two)
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(hi, dx),
+                                             _mm512_cvtepi32_ps(_mm512_load_si512(cb[1][r])), acc[r]);
+            }
+        }
+        for (int r = 0; r < 16; r++) {
+            __m512 v = acc[r];
+            if (kind == 1) {
+                __m512 ms = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++)
+                    ms = _mm512_add_ps(ms, _mm512_mul_ps(_mm512_loadu_ps(p->mo + b * PW),
+                                                         _mm512_set1_ps(xr[r * nb + b].s)));
+                v = _mm512_add_ps(v, ms);
+            }
+            float out[PW];
+            _mm512_storeu_ps(out, v);
+            memcpy(y + (int64_t)(r0 + r) * ldy, out, sizeof(float) * (size_t)cols);
+        }
+    }
+    _tile_release();
+}
+static void amx_rows(int kind, const panel *p, const xblock *xq, int64_t nb, int32_t rows,
+                     float *y, int64_t ldy, int cols) {
+    if (kind == 2) amx_rows_k(2, p, xq, nb, rows, y, ldy, cols);
+    else if (kind == 1) amx_rows_k(1, p, xq, nb, rows, y, ldy, cols);
+    else amx_rows_k(0, p, xq, nb, rows, y, ldy, cols);
+}
+#endif
+
 /* rows rows of x (from row 0 of xq / xb) against a built panel. */
 static void panel_rows(int kind, const panel *p, const uint8_t *xb, int64_t xstride,
                        const xblock *xq, int64_t nb, int32_t rows, float *y, int64_t ldy, int cols) {
@@ -704,6 +816,12 @@ static void panel_rows(int kind, const panel *p, const uint8_t *xb, int64_t xstr
 #define PK_Q8_0_CASE(RM) case 3: PK(3, RM)(p, x, xstride, q, nb, yy, ldy, cols); break;
 #else
 #define PK_Q8_0_CASE(RM)
+#endif
+#ifdef QL_AMX
+    if (amx_state == 1 && rows >= 16) {
+        r = rows / 16 * 16;
+        amx_rows(kind, p, xq, nb, r, y, ldy, cols);
+    }
 #endif
     for (; r + PANEL_RM <= rows; r += PANEL_RM) PK_RUN(PANEL_RM)
     for (; r + 2 <= rows; r += 2) PK_RUN(2)
@@ -1018,6 +1136,9 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     if (m == 0 || n == 0) return 0;
     int64_t nb = k / QK;
     int failed = 0;
+#ifdef QL_AMX
+    if (m >= 16) amx_usable(); /* asked once, before the threads */
+#endif
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
     /* x's bytes plus 128 (unsigned) for the panels; NULL below four rows */
     uint8_t *xu = NULL;
