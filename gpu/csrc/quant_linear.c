@@ -55,6 +55,7 @@
  *     int32 lanes are sum(wq q) exactly. Without VNNI, maddubs + madd stand in for
  *     dpbusd: the same integers (every pair of products fits int16, |wq| <= 32 against
  *     x + 128 <= 255), and Q8_0 meets x's signed bytes by the sign trick instead.
+ *     With AMX, each group of 16 rows takes one tile product per block instead (amx_rows).
  *   - one to three rows (decode): four weight rows streamed at a time, unpacked in
  *     registers; a block's 8 lanes of four products per weight row (dpbusd, or maddubs
  *     + madd) summed across lanes (hadd) into the four outputs' integers.
