@@ -39,7 +39,7 @@ test-full: setup
 
 # Every bench/*.py script, except the serving harness modules (they need a running
 # server or are libraries: run them through the targets below).
-BENCH_HARNESS := $(addprefix bench/,__init__.py apis.py baseline_fastapi.py client.py compare.py \
+BENCH_HARNESS := $(addprefix bench/,__init__.py apis.py baseline_fastapi.py client.py compare.py contenders.py \
                    http1.py llama_server.py metrics.py procs.py server_figures.py serving.py \
                    workload.py)
 bench: setup

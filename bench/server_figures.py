@@ -19,7 +19,7 @@ from bench.serving import LoadConfig, run_load_sync
 from bench.workload import Prompt, WorkloadConfig, make_workload
 
 if TYPE_CHECKING:
-    from bench.compare import Contender
+    from bench.contenders import Contender
 
 __all__ = ["STEAL_LIMIT", "fresh_prefix_ttft", "print_extras", "server_rss"]
 

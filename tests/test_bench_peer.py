@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench import llama_server
-from bench.compare import print_table, resolve_peer
+from bench.compare import print_table
+from bench.contenders import resolve_peer
 from bench.server_figures import _fresh_prefix_prompts, print_extras
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -399,7 +399,8 @@ def test_cli_writes_json(baseline: Target, tmp_path: Path) -> None:
 def test_compare_alternates_and_pools_reps(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from bench.compare import Contender, compare, print_table
+    from bench.compare import compare, print_table
+    from bench.contenders import Contender
 
     procs = [ServerProcess.start_baseline(sys.executable, cwd=ROOT) for _ in range(2)]
     try:
