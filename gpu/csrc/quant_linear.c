@@ -533,6 +533,9 @@ typedef __m256 pvf;
                                             _mm256_set1_epi16(1)))
 #endif
 
+/* Four bytes of x read in place as one int32 (broadcast straight from memory). */
+typedef int32_t ql_i32 __attribute__((may_alias, aligned(1)));
+
 /* PW weight rows' blocks: q [nb][8][PW][4] (group g of block b: elements 4g .. 4g+3 of
  * every output), seed [nb][2][PW] (-128 times the weights' sum: over the whole block
  * in [0] for one-scale types, over elements 0-15 and 16-31 for Q6_K; zero where x goes
@@ -640,8 +643,7 @@ static void panel_build(int32_t t, const uint8_t *w, int64_t row_bytes, int rows
             const pvi s0 = PV_LOADI(p->seed + b * 2 * PW), s1 = PV_LOADI(p->seed + b * 2 * PW + PW); \
             const pvf lo = PV_LOADF(p->lo + b * PW);                                          \
             _Pragma("GCC unroll 8") for (int r = 0; r < RM; r++) {                            \
-                int32_t x4[8];                                                                \
-                memcpy(x4, xb + (r * nb + b) * xstride, 32);                                  \
+                const ql_i32 *x4 = (const ql_i32 *)(xb + (r * nb + b) * xstride);             \
                 const xblock *xr = xq + r * nb + b;                                           \
                 const pvf dx = PV_SET1F(xr->d);                                               \
                 pvi i0 = s0, i1 = KIND == 2 ? s1 : PV_ZEROI();                                \
