@@ -20,8 +20,8 @@ from gpu.engine import Engine, EngineConfig
 from gpu.graphs import EagerBackend, StepGraphs, graph_backend, pad_shape
 from gpu.kv_cache import PagedKVCache
 from gpu.loader import LoadedModel, load_model
+from tests.engine_runs import run_to_end
 from tests.tiny_gguf import TinyModel
-from wire import StepEntry, SubmitEntry, ids_to_list, pack_ids
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -37,19 +37,7 @@ def _engine(lm: LoadedModel, graphs: str, blocks: int = 256, max_running: int = 
 def _generate(engine: Engine, prompts: list[list[int]], n: int, sampling: dict | None = None,
               ) -> dict[int, list[int]]:  # fmt: skip
     s = {**GREEDY, "max_new_tokens": n, **(sampling or {})}
-    errors, done = engine.submit(
-        [SubmitEntry(i + 1, pack_ids(p), s, {}) for i, p in enumerate(prompts)]
-    )
-    assert not errors, errors
-    got: dict[int, list[StepEntry]] = {}
-    for e in done:
-        got.setdefault(e.rid, []).append(e)
-    while engine.has_work:
-        for e in engine.step():
-            got.setdefault(e.rid, []).append(e)
-    assert not engine.check()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    return {rid: [t for e in es for t in ids_to_list(e.new_ids)] for rid, es in got.items()}
+    return dict(enumerate(run_to_end(engine, prompts, [s] * len(prompts)), start=1))
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -18,6 +18,7 @@ import pytest
 
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import LoadedModel, load_model
+from tests.engine_runs import run_to_end
 from tests.native_mode import needs_native
 from tests.scripted import lifecycle_server
 from tests.tiny_gguf import TinyModel
@@ -172,7 +173,7 @@ def test_the_served_worker_overlaps_on_request_and_answers_the_same(
               {"temperature": 0.8, "seed": i, "max_new_tokens": 12, "ignore_eos": True}
               for i in range(6)]  # fmt: skip
     engine = Engine(qlm, EngineConfig(kv_blocks=256, block_size=16, overlap="off"))
-    want = _serve_ids(engine, ps, params)
+    want = run_to_end(engine, ps, params)
     with lifecycle_server("--model", str(tiny_gguf.path), "--device", "cpu", "--weights",
                           "quantized", "--kv-cache-tokens", "4096", "--overlap", "on") as url:  # fmt: skip
         info = httpx.get(url + "/server_info", timeout=30).json()
@@ -180,17 +181,3 @@ def test_the_served_worker_overlaps_on_request_and_answers_the_same(
         got = httpx.post(url + "/generate", json={"input_ids": ps, "sampling_params": params},
                          timeout=120).json()  # fmt: skip
     assert [r["output_ids"] for r in got] == want
-
-
-def _serve_ids(engine: Engine, ps: list[list[int]], params: list[dict]) -> list[list[int]]:
-    engine.submit(
-        [
-            SubmitEntry(i, pack_ids(p), s, {})
-            for i, (p, s) in enumerate(zip(ps, params, strict=True))
-        ]
-    )
-    out: dict[int, list[int]] = {i: [] for i in range(len(ps))}
-    while engine.has_work:
-        for e in engine.step():
-            out[e.rid] += ids_to_list(e.new_ids)
-    return [out[i] for i in range(len(ps))]
