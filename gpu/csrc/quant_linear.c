@@ -494,6 +494,8 @@ typedef __m512 pvf;
 #define PV_MUL(a, b) _mm512_mul_ps(a, b)
 #define PV_ADD(a, b) _mm512_add_ps(a, b)
 #define PV_ADDI(a, b) _mm512_add_epi32(a, b)
+#define PV_SUBI(a, b) _mm512_sub_epi32(a, b)
+#define PV_STOREI(q, v) _mm512_storeu_si512((void *)(q), v)
 #define PV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define PV_STORE(p, v) _mm512_storeu_ps(p, v)
 /* acc + four products of x's 4 bytes (x4, biased) with each output's 4 weights */
@@ -511,6 +513,8 @@ typedef __m256 pvf;
 #define PV_MUL(a, b) _mm256_mul_ps(a, b)
 #define PV_ADD(a, b) _mm256_add_ps(a, b)
 #define PV_ADDI(a, b) _mm256_add_epi32(a, b)
+#define PV_SUBI(a, b) _mm256_sub_epi32(a, b)
+#define PV_STOREI(q, v) _mm256_storeu_si256((__m256i *)(void *)(q), v)
 #define PV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define PV_STORE(p, v) _mm256_storeu_ps(p, v)
 #ifdef QL_VNNI
@@ -618,13 +622,6 @@ static void panel_build(int32_t t, const uint8_t *w, int64_t row_bytes, int rows
             }
         /* seeds: -128 times the sums */
         const pvi zero = PV_ZEROI();
-#ifdef QL_Z
-#define PV_SUBI(a, c) _mm512_sub_epi32(a, c)
-#define PV_STOREI(q, v) _mm512_storeu_si512((void *)(q), v)
-#else
-#define PV_SUBI(a, c) _mm256_sub_epi32(a, c)
-#define PV_STOREI(q, v) _mm256_storeu_si256((__m256i *)(void *)(q), v)
-#endif
         PV_STOREI(p->seed + b * 2 * PW, two ? PV_SUBI(zero, lo) : PV_SUBI(PV_SUBI(zero, lo), hi));
         PV_STOREI(p->seed + b * 2 * PW + PW, two ? PV_SUBI(zero, hi) : zero);
     }
