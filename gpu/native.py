@@ -93,9 +93,9 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
 # be fast are vectorized by hand, in a fixed order. -fno-math-errno only lets sqrtf
 # inline (errno is never read).
 COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-fno-math-errno")
-# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX-512F without VNNI,
-# AVX2 with AVX-VNNI (no AVX-512), AVX2/FMA/F16C alone, or no vector extensions. Every
-# choice computes the same bits (tests/test_determinism.py).
+# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX512-VNNI without AMX,
+# AVX-512F without VNNI, AVX2 with AVX-VNNI (no AVX-512), AVX2/FMA/F16C alone, or no
+# vector extensions. Every choice computes the same bits (tests/test_determinism.py).
 ISAS = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
 
@@ -136,10 +136,9 @@ def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
     products of quant_linear.c in one instruction: the same integers), else the
     compiler's default, then AMX's tiles where listed with AVX512-VNNI (its int8 tile
     product: the same integers again). ``LIFECYCLE_NATIVE_ISA=avx512vnni`` leaves AMX
-    out, ``avx512`` VNNI and AMX, ``avxvnni``
-    AVX-512 (AVX-VNNI where listed, as on a CPU without AVX-512), ``avx2`` AVX-512 and
-    VNNI, ``portable`` every extension (to compare builds, or on a CPU whose flag is
-    listed but slow)."""
+    out, ``avx512`` VNNI and AMX, ``avxvnni`` AVX-512 (AVX-VNNI where listed, as on a CPU
+    without AVX-512), ``avx2`` AVX-512, VNNI and AMX, ``portable`` every extension (to
+    compare builds, or on a CPU whose flag is listed but slow)."""
     isa = isa or native_isa()
     flags = _cpu_flag_set()
     if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
@@ -263,9 +262,7 @@ class NativeKernels:
         quant_row_bytes(qtype, K)]``; ``qtype`` a GGML type code of ``QUANT_TYPES``. x is
         rounded to int8 per block of 32 first (llama.cpp's way): close to, not equal to,
         ``F.linear`` on the dequantized weight."""
-        if x.dtype != torch.float32 or x.dim() != 2:
-            raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
+        x = _fp32_rows(x)
         m, k = x.shape
         _check_blocks(w, qtype, k)
         y = torch.empty((m, w.shape[0]), dtype=torch.float32)
@@ -280,7 +277,7 @@ class NativeKernels:
     def q_linear_reference(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``q_linear``'s function as quant_linear.c's header defines it, computed output
         by output on one thread: what the tests hold the kernel's paths to."""
-        x = x.contiguous()
+        x = _fp32_rows(x)
         m, k = x.shape
         _check_blocks(w, qtype, k)
         y = torch.empty((m, w.shape[0]), dtype=torch.float32)
@@ -294,9 +291,7 @@ class NativeKernels:
     def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:
         """``q_linear`` over a weight in parts (``QParts``, checked by its maker: each
         part's blocks hold rows of ``x.shape[1]``; rows add up to ``n``)."""
-        if x.dtype != torch.float32 or x.dim() != 2:
-            raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
+        x = _fp32_rows(x)
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
         rc = self._q_linear(
             x.data_ptr(), ctypes.addressof(parts), y.data_ptr(), QL_PARTS, x.shape[0], n,
@@ -428,6 +423,13 @@ class NativeKernels:
             raise ValueError(f"softcap takes contiguous fp32 CPU values, not {x.dtype}")
         self._softcap(x.data_ptr(), x.numel(), cap)
         return x
+
+
+def _fp32_rows(x: Tensor) -> Tensor:
+    """``x`` as the quantized linear takes it: fp32 ``[M, K]``, contiguous."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
 
 
 def _check_blocks(w: Tensor, qtype: int, k: int) -> None:

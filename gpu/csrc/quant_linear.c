@@ -190,10 +190,13 @@ typedef struct {
     int64_t fs;
 } unpacked;
 
-static int generic_type(int32_t t) {
-    return t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q5_1 || t == GGML_Q4_K ||
-           t == GGML_Q5_K || t == GGML_Q6_K;
+static int unpacked_alloc(unpacked *u, int64_t nb) {
+    *u = (unpacked){malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
+                    malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb), 1};
+    return u->q && u->lo && u->hi && u->mo;
 }
+static void unpacked_free(unpacked *u) { free(u->q), free(u->lo), free(u->hi), free(u->mo); }
+
 static int has_offset(int32_t t) {
     return t == GGML_Q4_1 || t == GGML_Q5_1 || t == GGML_Q4_K || t == GGML_Q5_K;
 }
@@ -1005,33 +1008,34 @@ static void decode_rows(int32_t t, const uint8_t *const *r, const xblock *xq, in
 #define PF_BYTES 4096
 #endif
 
-/* Per thread: one weight row unpacked, and (AVX2 builds) a panel. */
+/* Per thread: a panel and its rows unpacked (AVX2 builds), or one weight row unpacked
+ * (portable C). */
 typedef struct {
-    unpacked u;
 #ifdef QL_AVX2
     panel p;
     int8_t *rq; /* [PW][nb][32]: the panel's rows unpacked */
+#else
+    unpacked u;
 #endif
 } scratch;
 
 static int scratch_alloc(scratch *s, int64_t nb) {
     memset(s, 0, sizeof *s);
-    s->u = (unpacked){malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
-                      malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb), 1};
-    int ok = s->u.q && s->u.lo && s->u.hi && s->u.mo;
 #ifdef QL_AVX2
     s->p = (panel){malloc((size_t)(nb * 8 * PW * 4)), malloc(sizeof(int32_t) * (size_t)(nb * 2 * PW)),
                    malloc(sizeof(float) * (size_t)(nb * PW)), malloc(sizeof(float) * (size_t)(nb * PW)),
                    malloc(sizeof(float) * (size_t)(nb * PW))};
     s->rq = malloc((size_t)(PW * nb * QK));
-    ok = ok && s->p.q && s->p.seed && s->p.lo && s->p.hi && s->p.mo && s->rq;
+    return s->p.q && s->p.seed && s->p.lo && s->p.hi && s->p.mo && s->rq;
+#else
+    return unpacked_alloc(&s->u, nb);
 #endif
-    return ok;
 }
 static void scratch_free(scratch *s) {
-    free(s->u.q), free(s->u.lo), free(s->u.hi), free(s->u.mo);
 #ifdef QL_AVX2
     free(s->p.q), free(s->p.seed), free(s->p.lo), free(s->p.hi), free(s->p.mo), free(s->rq);
+#else
+    unpacked_free(&s->u);
 #endif
 }
 
@@ -1088,23 +1092,6 @@ static void run_part(const uint8_t *w, int32_t qtype, int64_t n, float *y, int64
             y[(int64_t)r * ldy + j] = ref_dot(qtype, &s->u, xq + (int64_t)r * nb, nb);
     }
 #endif
-}
-
-static void dequant_rows(const uint8_t *w, float *out, int32_t qtype, int64_t nrows, int64_t nb) {
-    int64_t bs = qtype == GGML_Q8_0 ? 34 : 20;
-    for (int64_t b = 0; b < nrows * nb; b++) {
-        const uint8_t *blk = w + b * bs;
-        float *o = out + b * QK, d = half_to_float(blk);
-        if (qtype == GGML_Q8_0) {
-            for (int i = 0; i < QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
-        } else {
-            float mw = half_to_float(blk + 2);
-            for (int i = 0; i < QK / 2; i++) {
-                o[i] = fmaf(d, (float)(blk[4 + i] & 15), mw);
-                o[i + QK / 2] = fmaf(d, (float)(blk[4 + i] >> 4), mw);
-            }
-        }
-    }
 }
 
 /* A weight stored in parts of different types, one after the other in the output's
@@ -1200,14 +1187,14 @@ int q_linear_reference(const float *x, const uint8_t *w, float *y, int32_t qtype
     if (!block_bytes(qtype) || k % block_elems(qtype) || m < 0 || n < 0) return -2;
     int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * (m ? m : 1)));
-    scratch s;
-    int ok = scratch_alloc(&s, nb) && xq;
+    unpacked u;
+    int ok = unpacked_alloc(&u, nb) && xq;
     for (int32_t r = 0; ok && r < m; r++) quantize_row(x + (int64_t)r * k, nb, xq + (int64_t)r * nb);
     for (int64_t j = 0; ok && j < n; j++) {
-        unpack_row_c(qtype, w + j * row_bytes, nb, &s.u);
-        for (int32_t r = 0; r < m; r++) y[(int64_t)r * n + j] = ref_dot(qtype, &s.u, xq + (int64_t)r * nb, nb);
+        unpack_row_c(qtype, w + j * row_bytes, nb, &u);
+        for (int32_t r = 0; r < m; r++) y[(int64_t)r * n + j] = ref_dot(qtype, &u, xq + (int64_t)r * nb, nb);
     }
-    scratch_free(&s);
+    unpacked_free(&u);
     free(xq);
     return ok ? 0 : -1;
 }
@@ -1216,15 +1203,9 @@ int q_linear_reference(const float *x, const uint8_t *w, float *y, int32_t qtype
  * gguf.quants' dequantization exactly. */
 int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t k) {
     if (!block_bytes(qtype) || k % block_elems(qtype)) return -2;
-    int64_t nb = k / QK;
-    if (!generic_type(qtype)) {
-        dequant_rows(w, out, qtype, n, nb);
-        return 0;
-    }
-    int64_t row_bytes = k / block_elems(qtype) * block_bytes(qtype);
-    unpacked u = {malloc((size_t)(nb * QK)), malloc(sizeof(float) * (size_t)nb),
-                  malloc(sizeof(float) * (size_t)nb), malloc(sizeof(float) * (size_t)nb), 1};
-    int rc = u.q && u.lo && u.hi && u.mo ? 0 : -1;
+    int64_t nb = k / QK, row_bytes = k / block_elems(qtype) * block_bytes(qtype);
+    unpacked u;
+    int rc = unpacked_alloc(&u, nb) ? 0 : -1;
     for (int64_t j = 0; j < n && rc == 0; j++) {
         unpack_row(qtype, w + j * row_bytes, nb, &u);
         for (int64_t b = 0; b < nb; b++)
@@ -1232,9 +1213,6 @@ int q_dequantize(const uint8_t *w, float *out, int32_t qtype, int64_t n, int64_t
                 out[j * k + b * QK + i] =
                     fmaf(i < 16 ? u.lo[b] : u.hi[b], (float)u.q[b * QK + i], u.mo[b]);
     }
-    free(u.q);
-    free(u.lo);
-    free(u.hi);
-    free(u.mo);
+    unpacked_free(&u);
     return rc;
 }
