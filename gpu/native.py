@@ -4,11 +4,12 @@ Only what torch cannot do well with its own ops lives here: decode attention rea
 straight from the paged KV cache (``gpu/csrc/paged_attention.c``), linear layers at
 one or two rows from a row-interleaved weight copy (``gpu/csrc/small_linear.c``), and
 grammar masks applied to logits in place (``gpu/csrc/token_mask.c``), linear layers
-straight from GGUF Q8_0 / Q4_1 blocks (``gpu/csrc/quant_linear.c``), and a step's
+straight from GGUF quantized blocks (``gpu/csrc/quant_linear.c``), and a step's
 decoder layers in one call over those (``gpu/csrc/fused_trunk.c``, ``gpu/fused.py``). The
 library is built once per source, compiler and flag set into a cache directory
 (``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
-``~/.cache/lifecycle/kernels``) and loaded with ctypes; the build takes about a second.
+``~/.cache/lifecycle/kernels``: ``gpu/native_build.py``) and loaded with ctypes; the build
+takes about a second.
 No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
 (same results to rounding, slower at long contexts), with one log line saying why.
 """
@@ -16,13 +17,8 @@ No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shlex
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -31,6 +27,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from gpu.native_build import ISAS, build, kernel_cache_dir, native_enabled
+
 __all__ = [
     "QL_PARTS",
     "QParts",
@@ -38,23 +36,12 @@ __all__ = [
     "quant_row_bytes",
     "SMALL_LINEAR_MAX_ROWS",
     "NativeKernels",
-    "kernel_cache_dir",
     "load_kernels",
-    "native_enabled",
-    "other_isas",
+    "load_kernels_built_for",
 ]
 
 log = logging.getLogger("gpu.native")
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (
-    CSRC / "paged_attention.c",
-    CSRC / "small_linear.c",
-    CSRC / "token_mask.c",
-    CSRC / "quant_linear.c",
-    CSRC / "fused_trunk.c",
-)
-HEADERS = (CSRC / "fixed_order.h",)
 SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
 # The GGML types ``q_linear`` reads in place (codes): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 # Q5_K, Q6_K. Their block sizes are gguf's (GGML_QUANT_SIZES).
@@ -87,107 +74,8 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
     return None if k % elems else k // elems * size
 
 
-# No -ffast-math, and no fused multiply-add the source did not write: a kernel's result is
-# then one function of its inputs whatever the compiler vectorizes and for whichever CPU
-# (gpu/csrc/fixed_order.h, docs/determinism.md). The sums and exponentials that have to
-# be fast are vectorized by hand, in a fixed order. -fno-math-errno only lets sqrtf
-# inline (errno is never read).
-COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-fno-math-errno")
-# What LIFECYCLE_NATIVE_ISA may ask for: the CPU's own (auto), AVX512-VNNI without AMX,
-# AVX-512F without VNNI, AVX2 with AVX-VNNI (no AVX-512), AVX2/FMA/F16C alone, or no
-# vector extensions. Every choice computes the same bits (tests/test_determinism.py).
-ISAS = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2", "portable")
-LINK_FLAGS = ("-shared", "-fopenmp")
-
 _lock = threading.Lock()
 _loaded: dict[str, NativeKernels | None] = {}
-
-
-def native_enabled() -> bool:
-    return os.environ.get("LIFECYCLE_NATIVE", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
-
-
-def kernel_cache_dir() -> Path:
-    if d := os.environ.get("LIFECYCLE_KERNEL_CACHE"):
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lifecycle" / "kernels"
-
-
-def native_isa() -> str:
-    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512vnni, avx512, avxvnni, avx2 or
-    portable."""
-    isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
-    if isa not in ISAS:
-        raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
-    return isa
-
-
-def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
-    """-mavx2 -mfma -mf16c where /proc/cpuinfo lists all three (x86 Linux; the kernels'
-    vector paths need each), then -mavx512f where it lists that too (only the
-    compiler's own vectorization of element-wise loops uses it: the same results), then
-    VNNI where listed: AVX512-VNNI with its VL and BW, or AVX-VNNI (the int8 dot
-    products of quant_linear.c in one instruction: the same integers), else the
-    compiler's default, then AMX's tiles where listed with AVX512-VNNI (its int8 tile
-    product: the same integers again). ``LIFECYCLE_NATIVE_ISA=avx512vnni`` leaves AMX
-    out, ``avx512`` VNNI and AMX, ``avxvnni`` AVX-512 (AVX-VNNI where listed, as on a CPU
-    without AVX-512), ``avx2`` AVX-512, VNNI and AMX, ``portable`` every extension (to
-    compare builds, or on a CPU whose flag is listed but slow)."""
-    isa = isa or native_isa()
-    flags = _cpu_flag_set()
-    if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
-        return ()
-    out: tuple[str, ...] = ("-mavx2", "-mfma", "-mf16c")
-    if isa == "avx2":
-        return out
-    if isa == "avxvnni":
-        return (*out, "-mavxvnni") if "avx_vnni" in flags else out
-    if "avx512f" in flags:
-        out += ("-mavx512f",)
-    if isa == "avx512":
-        return out
-    if {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
-        out += ("-mavx512vl", "-mavx512bw", "-mavx512vnni")
-        if isa == "auto" and {"amx_tile", "amx_int8"} <= flags:
-            out += ("-mamx-tile", "-mamx-int8")
-    elif "avx_vnni" in flags:
-        out += ("-mavxvnni",)
-    return out
-
-
-def other_isas() -> list[str]:
-    """The builds whose compiler flags differ from ``auto``'s on this CPU (each computes
-    the same bits by design: what the tests compare)."""
-    seen = {_cpu_flags("auto")}
-    out = []
-    for isa in ISAS[1:]:
-        if (flags := _cpu_flags(isa)) not in seen:  # one build per distinct flag set
-            seen.add(flags)
-            out.append(isa)
-    return out
-
-
-def _cpu_flag_set() -> frozenset[str]:
-    """The first ``flags`` line of /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists ``flag`` (tests that compare builds)."""
-    return flag in _cpu_flag_set()
 
 
 class NativeKernels:
@@ -442,45 +330,6 @@ def _check_blocks(w: Tensor, qtype: int, k: int) -> None:
         raise ValueError("blocks must be a contiguous CPU tensor")
 
 
-def _build(cache: Path, isa: str | None = None) -> Path:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(shlex.split(cc)[0]) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    flags = (*COMPILE_FLAGS, *_cpu_flags(isa))
-    version = subprocess.run(
-        [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
-    ).stdout
-    digest = hashlib.sha256(version.encode() + " ".join((*flags, *LINK_FLAGS)).encode())
-    for src in (*SOURCES, *HEADERS):
-        digest.update(src.read_bytes())
-    target = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent workers never load a partial file.
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
-    os.close(fd)
-    with tempfile.TemporaryDirectory(dir=cache) as objdir:
-        try:
-            objects = []
-            for src in SOURCES:
-                obj = os.path.join(objdir, src.stem + ".o")
-                _run([*shlex.split(cc), *flags, "-c", "-o", obj, str(src)], cc)
-                objects.append(obj)
-            _run([*shlex.split(cc), *LINK_FLAGS, "-o", tmp, *objects, "-lm"], cc)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
-
-
-def _run(cmd: list[str], cc: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-
-
 def load_kernels_built_for(isa: str) -> NativeKernels:
     """A separate build of the kernels for ``isa`` (one of ``ISAS``), loaded beside the
     process's own: what tests compare the default build with. Raises when it cannot be
@@ -488,7 +337,7 @@ def load_kernels_built_for(isa: str) -> NativeKernels:
     if isa not in ISAS:
         raise ValueError(f"isa {isa!r}: expected one of {', '.join(ISAS)}")
     with _lock:
-        return NativeKernels(_build(kernel_cache_dir(), isa))
+        return NativeKernels(build(kernel_cache_dir(), isa))
 
 
 def load_kernels() -> NativeKernels | None:
@@ -501,7 +350,7 @@ def load_kernels() -> NativeKernels | None:
             return _loaded[str(cache)]
         kernels: NativeKernels | None = None
         try:
-            kernels = NativeKernels(_build(cache))
+            kernels = NativeKernels(build(cache))
             log.info("native CPU kernels loaded from %s", kernels.path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             log.warning("native CPU kernels unavailable, using the torch path: %s", exc)

@@ -2,9 +2,9 @@
 
 The promise is bitwise: a token's logits on the default (quantized, native) path are one
 function of the model file and the token's prefix, whichever build of the kernels runs
-them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native.py); the tests
+them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native_build.py); the tests
 compare every build whose flags differ from the default's on this CPU
-(``native.other_isas``): portable C (no vector extensions) always, AVX2 alone where
+(``native_build.other_isas``): portable C (no vector extensions) always, AVX2 alone where
 AVX-512 or VNNI is listed, AVX2 with AVX-VNNI where both that and AVX-512 are, AVX-512
 without VNNI where both are. A build that
 reassociated a sum, fused a multiply the source did not, or called a vector math
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu import native
+from gpu import native, native_build
 from tests.tiny_gguf import TinyModel
 
 pytestmark = pytest.mark.skipif(
@@ -94,7 +94,7 @@ def test_every_build_runs_the_model_to_the_same_bits(tiny_gguf: TinyModel) -> No
     """The default build against each other build: logits and the whole K/V cache of a
     mixed step (decodes, a long fresh prompt, a chunk after a cached prefix)."""
     want = _run_build("auto", tiny_gguf.path)
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         assert _run_build(isa, tiny_gguf.path) == want, isa
 
 
@@ -113,7 +113,7 @@ def test_every_build_runs_the_other_families_to_the_same_bits(name: str, tmp_pat
     path = write_family_gguf(family, build_hf(family, dtype=torch.float32),
                              tmp_path / f"{name}.gguf", Q.Q8_0)  # fmt: skip
     want = _run_build("auto", path)
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         assert _run_build(isa, path) == want, isa
 
 
@@ -131,7 +131,7 @@ def test_attention_builds_agree(hd: int) -> None:
     kernels = native.load_kernels()
     assert kernels is not None
     want = kernels.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         other = native.load_kernels_built_for(isa)
         got = other.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
         assert torch.equal(got, want), isa
@@ -166,7 +166,7 @@ def test_windowed_and_capped_attention(hd: int, window: int, softcap: float) -> 
             scores = softcap * torch.tanh(scores / softcap)
         want = torch.einsum("kgn,knd->kgd", scores.softmax(-1), vals).reshape(h, hd)
         torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         other = native.load_kernels_built_for(isa)
         same = other.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5, window, softcap)
         assert torch.equal(same, got), isa
@@ -181,7 +181,7 @@ def test_softcap_is_tanh_and_builds_agree() -> None:
     assert kernels is not None
     got = kernels.softcap(x.clone(), 2.0)
     torch.testing.assert_close(got, 2.0 * torch.tanh(x / 2.0), rtol=0, atol=4e-7)
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         assert torch.equal(native.load_kernels_built_for(isa).softcap(x.clone(), 2.0), got), isa
 
 
@@ -194,7 +194,7 @@ def test_rms_norm_rows_are_independent_and_builds_agree() -> None:
     y = kernels.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (579,), w, 1e-5))
     assert torch.equal(kernels.rms_norm(x[4:5], w, 1e-5), y[4:5])
-    for isa in native.other_isas():
+    for isa in native_build.other_isas():
         assert torch.equal(native.load_kernels_built_for(isa).rms_norm(x, w, 1e-5), y), isa
     with pytest.raises(ValueError, match="norm weight"):
         kernels.rms_norm(x, w[:-1], 1e-5)
@@ -203,6 +203,6 @@ def test_rms_norm_rows_are_independent_and_builds_agree() -> None:
 def test_isa_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIFECYCLE_NATIVE_ISA", "avx9")
     with pytest.raises(RuntimeError, match="LIFECYCLE_NATIVE_ISA='avx9'"):
-        native.native_isa()
+        native_build.native_isa()
     with pytest.raises(ValueError, match="expected one of"):
         native.load_kernels_built_for("sse")

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from gpu import native
+from gpu import native, native_build
 
 PROBE = "#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n"
 
 
 def test_every_build_compiles_where_openmp_code_does(tmp_path: Path) -> None:
-    if not native.native_enabled():
+    if not native_build.native_enabled():
         pytest.skip("LIFECYCLE_NATIVE=0: the kernels are not wanted")
     cc = shlex.split(os.environ.get("CC", "cc"))
     if shutil.which(cc[0]) is None:
@@ -37,5 +37,5 @@ def test_every_build_compiles_where_openmp_code_does(tmp_path: Path) -> None:
     if probe.returncode != 0:
         pytest.skip(f"the compiler builds no OpenMP code: {probe.stderr[-300:]}")
     assert native.load_kernels() is not None
-    for isa in ("auto", *native.other_isas()):
+    for isa in ("auto", *native_build.other_isas()):
         native.load_kernels_built_for(isa)  # raises with the compiler's message

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from gpu import native
+from gpu import native, native_build
 from modelfile.gguf_file import GGUFFile, default_model_path
 from tests.threads import torch_threads
 
@@ -176,7 +176,7 @@ def test_every_path_is_the_definition(qtype: GGMLQuantizationType) -> None:
             assert torch.equal(kernels().q_linear(x[:m], blocks, int(qtype)), ref[:m]), m
 
 
-@pytest.mark.parametrize("isa", native.other_isas())
+@pytest.mark.parametrize("isa", native_build.other_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: str) -> None:
     other = native.load_kernels_built_for(isa)
