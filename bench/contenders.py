@@ -35,7 +35,12 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --model {model}"
+# ours holds as many KV tokens as llama-server's cache (llama_server.CTX_SIZE): the
+# resident sizes compare the same capacity, not each server's default
+OURS_CMD = (
+    "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --model {model} "
+    "--kv-cache-tokens {kv_tokens}"
+)
 OURS_FRONTEND_CMD = "{python} -m lifecycle serve --host 127.0.0.1 --port {port} --worker {worker}"
 SCRIPTED_WORKER_CMD = "{python} -m lifecycle.testing.scripted_worker --listen {worker}"
 # Flags from the measured peer set-up: without --interrupt_requests False, concurrent
@@ -174,7 +179,13 @@ def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], l
         "ours",
         lambda: ServerProcess.start(
             "ours",
-            _cmd(args.ours_cmd, python=sys.executable, port=port, model=model),
+            _cmd(
+                args.ours_cmd,
+                python=sys.executable,
+                port=port,
+                model=model,
+                kv_tokens=llama_server.CTX_SIZE,
+            ),  # fmt: skip
             port,
             "/health",
             args.start_timeout,

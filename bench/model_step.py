@@ -3,7 +3,8 @@
 For each ``--weights`` mode (default: quantized, the CPU default, then fp32, the
 baseline), prints prefill tokens/s for a 512-token prompt, decode step time at batch
 1/8/32/64 (independent sequences, ~128 tokens of context each) on the worker's paged KV
-cache (its decode attention kernel included, as the engine runs it), and the same
+cache (its decode attention kernel included, as the engine runs it; K and V stored as
+the worker's default stores them: fp16 with quantized weights), and the same
 matmul shapes timed bare (the model's projections and LM head at those row counts), so
 the gap between the model and its matmul floor is visible; then the two modes' ratios.
 With quantized weights the decode step is timed twice, alternating: through the fused
@@ -31,7 +32,7 @@ tune_cpu_runtime()
 import torch  # noqa: E402
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
+from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.model import Linear  # noqa: E402
 
@@ -53,9 +54,11 @@ def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
 
 
 def paged_cache(lm: LoadedModel, seqs: int, length: int) -> tuple[PagedKVCache, list[list[int]]]:
-    """A paged cache holding ``seqs`` sequences of ``length`` positions, and their tables."""
+    """A paged cache holding ``seqs`` sequences of ``length`` positions, and their tables;
+    its K and V stored as the worker's default stores them (``--kv-cache-dtype auto``)."""
     per = -(-length // BLOCK_SIZE)
-    cache = PagedKVCache(lm.config, seqs * per, BLOCK_SIZE, lm.device, lm.dtype)
+    kv = kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
+    cache = PagedKVCache(lm.config, seqs * per, BLOCK_SIZE, lm.device, lm.dtype, kv_dtype=kv)
     return cache, [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
 
 

@@ -21,7 +21,7 @@ from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
 from gpu.graphs import StepGraphs, graph_backend
-from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
+from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
@@ -66,6 +66,7 @@ class EngineConfig:
     mixed_prefill_tokens: int = 512
     decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
     overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
+    kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -109,7 +110,8 @@ class Engine:
         graphs = graph_backend(config.decode_graphs, loaded.device)
         self.cache = PagedKVCache(
             self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype,
-            scratch=graphs is not None,
+            scratch=graphs is not None, kv_dtype=kv_storage_dtype(
+                config.kv_cache_dtype, loaded.device, loaded.dtype, loaded.model.quantized()),
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.blocks,

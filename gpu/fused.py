@@ -125,13 +125,16 @@ class FusedTrunk:
         self.scale = cache.scale
         self.rows = cache.k.shape[2]
         self.block_size = cache.block_size
+        self.kv_half = int(cache.k.dtype == torch.float16)
 
     @staticmethod
     def applies(config: ModelConfig, layers: Sequence[LayerWeights], cache: object) -> bool:
         """Whether these layers and attention backend can take the fused step at all."""
         if not isinstance(cache, PagedKVCache) or cache.kernels is None:
             return False
-        if cache.k.dtype != torch.float32 or config.head_dim > 512:
+        if cache.dtype != torch.float32 or cache.k.dtype not in (torch.float16, torch.float32):
+            return False
+        if config.head_dim > 512:
             return False
         return all(
             isinstance(w, QuantLinear)
@@ -163,7 +166,7 @@ class FusedTrunk:
             x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
             c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
-            self.block_size, self.scale, self.act, c.attn_softcap, torch.get_num_threads(),
+            self.block_size, self.kv_half, self.scale, self.act, c.attn_softcap, torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("trunk_layers: scratch allocation failed")

@@ -134,7 +134,7 @@ class _Buffers:
         self.pos = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.slots = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.rows = torch.zeros(kv * max_b * max_nb, dtype=torch.int64, device=dev)
-        self.bias = torch.zeros(kv * max_b * max_nb * bs, dtype=cache.k.dtype, device=dev)
+        self.bias = torch.zeros(kv * max_b * max_nb * bs, dtype=cache.dtype, device=dev)
         # the sliding-window layers' mask, when the model has them
         self.bias_window = torch.zeros_like(self.bias) if cache.window else None
         self.logits = torch.zeros(max_b * vocab, dtype=torch.float32, device=dev)

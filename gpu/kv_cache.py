@@ -106,12 +106,31 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
-    """Zeros; on the CPU in fp32 from calloc (numpy), whose large blocks are fresh pages
-    the kernel maps on first write: the cache's resident memory grows with the blocks
-    sequences have used, not with its capacity (torch.zeros writes every page)."""
-    if torch.device(device or "cpu").type == "cpu" and dtype == torch.float32:
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    """Zeros; on the CPU in fp32 or fp16 from calloc (numpy), whose large blocks are fresh
+    pages the kernel maps on first write: the cache's resident memory grows with the
+    blocks sequences have used, not with its capacity (torch.zeros writes every page)."""
+    if torch.device(device or "cpu").type == "cpu" and dtype in _NUMPY:
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY[dtype]))
     return torch.zeros(shape, device=device, dtype=dtype)
+
+
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def kv_storage_dtype(
+    choice: str, device: torch.device, dtype: torch.dtype, quantized: bool
+) -> torch.dtype:
+    """What the worker's paged cache stores K and V as (``--kv-cache-dtype``): ``auto`` is
+    fp16 for quantized weights on the CPU (llama.cpp's f16 cache: half the memory a token
+    of fp32, and next to the weights' own rounding a rounding of 2^-11 relative), else the
+    model's ``dtype``; ``fp16`` / ``bf16`` / ``fp32`` name it. Every path attends to the
+    stored values, read back as ``dtype``."""
+    if choice == "auto":
+        return torch.float16 if quantized and device.type == "cpu" else dtype
+    return KV_DTYPES[choice]
+
+
+KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class PagedKVCache:
@@ -131,16 +150,22 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         native: bool | None = None,
         scratch: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """``native``: decode attention through the C kernel (``gpu/native.py``); None
-        means whenever it loads and the cache is fp32 on the CPU. ``scratch``: one more
-        block, ``scratch_block``, that no sequence owns (padding rows of a captured
-        decode step write there: ``gpu/graphs.py``)."""
+        """``dtype``: what attention computes in; ``kv_dtype``: what K and V are stored as
+        (None: ``dtype``; see ``kv_storage_dtype``), rounded to it as they are written,
+        and every path attends to the stored values. ``native``: decode attention
+        through the C kernel (``gpu/native.py``); None means whenever it loads, the model
+        is fp32 on the CPU and the cache fp32 or fp16. ``scratch``: one more block,
+        ``scratch_block``, that no sequence owns (padding rows of a captured decode step
+        write there: ``gpu/graphs.py``)."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
-        self.k = _zeros(shape, device, dtype)
-        self.v = _zeros(shape, device, dtype)
+        self.dtype = dtype
+        store = kv_dtype or dtype
+        self.k = _zeros(shape, device, store)
+        self.v = _zeros(shape, device, store)
         # Per-layer views made once: indexing self.k[layer] every call is an extra op.
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
@@ -155,7 +180,13 @@ class PagedKVCache:
         self.device = self.k.device
         self._layout: _Layout | None = None
         self.kernels: NativeKernels | None = None
-        if native is not False and self.device.type == "cpu" and dtype == torch.float32:
+        native_kv = store in (torch.float16, torch.float32)
+        if (
+            native is not False
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and native_kv
+        ):
             self.kernels = load_kernels()
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
@@ -201,10 +232,10 @@ class PagedKVCache:
                 + ints(blocks, device=dev)[None, :]
             ).reshape(-1)
             lens = ints([ctx for _, ctx in decodes], device=dev)
-            dec_bias = decode_bias(lens, dec_len, self.n_kv_heads, self.k.dtype)
+            dec_bias = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype)
             if self.window:
                 dec_bias_window = decode_bias(
-                    lens, dec_len, self.n_kv_heads, self.k.dtype, self.window
+                    lens, dec_len, self.n_kv_heads, self.dtype, self.window
                 )
         pre = []
         windows = []
@@ -273,8 +304,14 @@ class PagedKVCache:
         if lay is None:
             raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
-        kc.index_copy_(1, lay.slots, k.transpose(0, 1))
-        vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+        if kc.dtype != k.dtype:  # stored fp16: every path attends to the stored values
+            k, v = k.to(kc.dtype), v.to(vc.dtype)
+            kc.index_copy_(1, lay.slots, k.transpose(0, 1))
+            vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        else:
+            kc.index_copy_(1, lay.slots, k.transpose(0, 1))
+            vc.index_copy_(1, lay.slots, v.transpose(0, 1))
         window = self.windows[layer]
         outs = []
         if lay.dec_tables is not None and lay.dec_lens is not None and self.kernels is not None:
@@ -302,6 +339,7 @@ class PagedKVCache:
                 keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:  # own k/v are all the keys; else every key of the sequence, gathered
                 keys, vals = kc.index_select(1, index), vc.index_select(1, index)
+                keys, vals = keys.to(self.dtype), vals.to(self.dtype)
             qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
             if self.softcap:  # SDPA has no cap: the scores written out
                 if mask is None:
@@ -332,8 +370,8 @@ class PagedKVCache:
         d, h, hd = q.shape
         kv, flat = self.n_kv_heads, (self.n_kv_heads * self.num_blocks, self.block_size * hd)
         shape = (kv * d, -1, hd)
-        keys = kc.view(flat).index_select(0, rows).view(shape)
-        vals = vc.view(flat).index_select(0, rows).view(shape)
+        keys = kc.view(flat).index_select(0, rows).view(shape).to(q.dtype)
+        vals = vc.view(flat).index_select(0, rows).view(shape).to(q.dtype)
         qg = q.view(d, kv, h // kv, hd).transpose(0, 1).reshape(kv * d, h // kv, hd)
         if self.softcap:  # the cap goes between the product and the mask
             scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale

@@ -84,30 +84,10 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_decode_attention
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [
-            p,
-            i64,
-            p,
-            p,
-            p,
-            p,
-            p,
-            i32,
-            i32,
-            i32,
-            i32,
-            i64,
-            i32,
-            i32,
-            ctypes.c_float,
-            i32,
-        ]
-        fn.restype = ctypes.c_int
-        self._decode = fn
+        p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
         pa = lib.paged_attention
-        pa.argtypes = [*fn.argtypes[:-1], i32, ctypes.c_float, i32]  # + window, softcap
+        pa.argtypes = [p, i64, p, p, i32, p, p, p, i32, i32, i32, i32, i64, i32, i32,
+                       f32, i32, f32, i32]  # fmt: skip
         pa.restype = ctypes.c_int
         self._attention = pa
         lin = lib.small_linear
@@ -131,9 +111,8 @@ class NativeKernels:
         qd.restype = ctypes.c_int
         self._q_dequantize = qd
         dl = lib.trunk_layers
-        f32 = ctypes.c_float
         dl.argtypes = [p, i32, p, p, i32, i32, i32, i32, i32, i32, f32,
-                       p, p, p, i32, i64, i32, f32, i32, f32, i32]  # fmt: skip
+                       p, p, p, i32, i64, i32, i32, f32, i32, f32, i32]  # fmt: skip
         dl.restype = ctypes.c_int
         self.trunk_layers = dl  # gpu/fused.py builds its arguments
         sc = lib.softcap_rows
@@ -247,20 +226,6 @@ class NativeKernels:
         )
         return y
 
-    def paged_decode_attention(
-        self,
-        q: Tensor,
-        kc: Tensor,
-        vc: Tensor,
-        tables: Tensor,
-        lens: Tensor,
-        block_size: int,
-        scale: float,
-    ) -> Tensor:
-        """``q [D, H, HD]`` (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous,
-        ``tables [D, MAXNB]`` and ``lens [D]`` int32: returns ``[D, H, HD]``."""
-        return self.paged_attention(q, kc, vc, tables, lens, block_size, scale)
-
     def paged_attention(
         self,
         q: Tensor,
@@ -273,10 +238,17 @@ class NativeKernels:
         window: int = 0,
         softcap: float = 0.0,
     ) -> Tensor:
-        """``paged_decode_attention`` over the last ``window`` keys of each sequence (0:
-        all), its scores capped at ``softcap`` (0: not)."""
+        """Decode attention from the paged cache (``gpu/csrc/paged_attention.c``): ``q [D,
+        H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
+        fp32 or both fp16, ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D, H,
+        HD]``. Over the last ``window`` keys of each sequence (0: all), its scores capped
+        at ``softcap`` (0: not)."""
         d, h, hd = q.shape
         kv, rows, _ = kc.shape
+        if kc.dtype != vc.dtype or kc.dtype not in (torch.float16, torch.float32):
+            raise ValueError(
+                f"paged_attention reads an fp16 or fp32 cache, not {kc.dtype} / {vc.dtype}"
+            )
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
         out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
@@ -285,6 +257,7 @@ class NativeKernels:
             q.stride(0),
             kc.data_ptr(),
             vc.data_ptr(),
+            int(kc.dtype == torch.float16),
             tables.data_ptr(),
             lens.data_ptr(),
             out.data_ptr(),

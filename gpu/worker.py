@@ -431,13 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     kv_tokens = engine.config.kv_blocks * config.block_size
     context = engine.mc.context_length
     log.info(
-        "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d)",
+        "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d, %s)",
         config.listen,
         engine.mc.name,
         context,
         kv_tokens,
         engine.config.kv_blocks,
         config.block_size,
+        str(engine.cache.k.dtype).removeprefix("torch."),
     )
     log.debug("cpu runtime: %s", _CPU_TUNING or "as the environment set it")
     if kv_tokens < context:

@@ -14,6 +14,7 @@ import torch
 
 import wire
 from gpu.engine import Engine, EngineConfig
+from gpu.kv_cache import kv_storage_dtype
 from gpu.loader import load_model
 from gpu.memory import cuda_free_bytes, plan_kv
 from wire.worker_options import (
@@ -48,6 +49,7 @@ class WorkerConfig:
     listen: str = _D["listen"]
     kv_cache_tokens: int | None = _D["kv_cache_tokens"]  # None: from kv_memory_mib / mem_fraction
     kv_memory_mib: int | None = _D["kv_memory_mib"]  # None: DEFAULT_CPU_KV_MIB on the CPU
+    kv_cache_dtype: str = _D["kv_cache_dtype"]  # gpu/kv_cache.py, kv_storage_dtype
     mem_fraction: float | None = _D["mem_fraction"]  # CUDA: DEFAULT_MEM_FRACTION when unsized
     decode_graphs: str = _D["decode_graphs"]  # gpu/graphs.py
     overlap: str = _D["overlap"]  # gpu/engine.py, Engine.step
@@ -124,6 +126,8 @@ def build_engine(config: WorkerConfig) -> Engine:
     followers = None
     if config.tp > 1 and config.weights in ("quantized", "q8_0", "q4_0"):
         raise SystemExit(f"--tp > 1 splits fp32 weights: --weights {config.weights} runs at --tp 1")
+    if config.tp > 1 and config.kv_cache_dtype != "auto":
+        raise SystemExit("--tp > 1 keeps the KV cache in --dtype: leave --kv-cache-dtype at auto")
     if config.tp > 1:
         from gpu import tp  # spawns the other ranks; never imported at --tp 1
 
@@ -136,7 +140,8 @@ def build_engine(config: WorkerConfig) -> Engine:
             context_length=config.context_length,
         )  # fmt: skip
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
-    elem = lm.dtype.itemsize  # the KV cache's element: the compute dtype
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, lm.model.quantized())
+    elem = kv_dtype.itemsize  # the KV cache's element
     plan = None
     if _sized_by_fraction(config, lm.device):
         if lm.device.type != "cuda":
@@ -163,6 +168,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             mixed_prefill_tokens(config, lm.device),
             config.decode_graphs,
             config.overlap,
+            config.kv_cache_dtype,
         ),
     )
     engine.kv_plan = plan

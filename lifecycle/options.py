@@ -164,6 +164,7 @@ OPTIONS: tuple[Option, ...] = (
     _forwarded("max_running", _WORKER),
     _forwarded("kv_cache_tokens", _WORKER),
     _forwarded("kv_memory_mib", _WORKER),
+    _forwarded("kv_cache_dtype", _WORKER),
     _forwarded("mem_fraction", _WORKER),
     _forwarded("decode_graphs", _WORKER),
     _forwarded("overlap", _WORKER),

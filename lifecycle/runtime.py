@@ -79,6 +79,7 @@ class AppConfig:
     max_running: int | None = None
     kv_cache_tokens: int | None = None
     kv_memory_mib: int | None = None  # the KV cache in MiB (not with kv_cache_tokens)
+    kv_cache_dtype: str | None = None  # auto | fp16 | bf16 | fp32; None: the worker's (auto)
     mem_fraction: float | None = None  # CUDA: the KV cache's share of free memory
     decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     overlap: str | None = None  # auto | on | off; None: the worker's (auto)
@@ -429,6 +430,7 @@ _PLAIN = (
     "max_running",
     "kv_cache_tokens",
     "kv_memory_mib",
+    "kv_cache_dtype",
     "mem_fraction",
     "decode_graphs",
     "overlap",

@@ -56,13 +56,18 @@ class DenseKVCache:
         max_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: K and V rounded through it as they are stored (fp16: what the
+        paged cache keeps on the CPU with the native kernels, ``kv_storage_dtype``), to
+        compare with that cache; None keeps them in ``dtype``."""
         if max_len > config.context_length:
             # The model's RoPE table has context_length rows: refuse here, not mid-forward.
             raise ValueError(f"max_len {max_len} exceeds the model context {config.context_length}")
         shape = (config.n_layers, max_seqs, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv_dtype = kv_dtype
         # Per-layer views made once: indexing self.k[layer] every call is two extra ops.
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
@@ -185,6 +190,8 @@ class DenseKVCache:
         if step is None:
             raise RuntimeError("DenseKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(kc.dtype), v.to(self.kv_dtype).to(vc.dtype)
         kc[step.slot_t, :, step.pos_t] = k
         vc[step.slot_t, :, step.pos_t] = v
         keys = kc[step.slots, :, : step.kv_len]

@@ -117,40 +117,51 @@ def test_every_build_runs_the_other_families_to_the_same_bits(name: str, tmp_pat
         assert _run_build(isa, path) == want, isa
 
 
+KV_ELEMENTS = [torch.float32, torch.float16]  # what the paged cache may store
+
+
+@pytest.mark.parametrize("kv_dtype", KV_ELEMENTS)
 @pytest.mark.parametrize("hd", [64, 32])
-def test_attention_builds_agree(hd: int) -> None:
+def test_attention_builds_agree(hd: int, kv_dtype: torch.dtype) -> None:
     """The attention kernel alone, every build, head_dim 64 (the AVX2 path) and 32 (the
-    portable loop in every build), keys not a multiple of 8 or of the block."""
+    portable loop in every build), keys not a multiple of 8 or of the block, from an fp32
+    and an fp16 cache."""
     g = torch.Generator().manual_seed(hd)
     d, h, kv, bs, nb = 5, 6, 2, 16, 6
     q = torch.randn(d, h, hd, generator=g)
-    kc = torch.randn(kv, nb * bs, hd, generator=g) * 2
-    vc = torch.randn(kv, nb * bs, hd, generator=g)
+    kc = (torch.randn(kv, nb * bs, hd, generator=g) * 2).to(kv_dtype)
+    vc = torch.randn(kv, nb * bs, hd, generator=g).to(kv_dtype)
     tables = torch.tensor([[5, 4, 3, 2, 1, 0]] * d, dtype=torch.int32)
     lens = torch.tensor([1, 7, 16, 41, 96], dtype=torch.int32)
     kernels = native.load_kernels()
     assert kernels is not None
-    want = kernels.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
+    want = kernels.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
     for isa in native_build.other_isas():
         other = native.load_kernels_built_for(isa)
-        got = other.paged_decode_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
+        got = other.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
         assert torch.equal(got, want), isa
     # and one sequence alone equals it in the batch
-    alone = kernels.paged_decode_attention(q[3:4], kc, vc, tables[3:4], lens[3:4], bs, hd**-0.5)
+    alone = kernels.paged_attention(q[3:4], kc, vc, tables[3:4], lens[3:4], bs, hd**-0.5)
     assert torch.equal(alone, want[3:4])
+    if kv_dtype == torch.float16:  # fp16 is read exactly: the fp32 cache of the same values
+        same = kernels.paged_attention(q, kc.float(), vc.float(), tables, lens, bs, hd**-0.5)
+        assert torch.equal(same, want)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_ELEMENTS)
 @pytest.mark.parametrize(("hd", "window", "softcap"),
                          [(64, 13, 0.0), (32, 13, 0.0), (64, 0, 2.0), (32, 20, 2.0)])  # fmt: skip
-def test_windowed_and_capped_attention(hd: int, window: int, softcap: float) -> None:
+def test_windowed_and_capped_attention(
+    hd: int, window: int, softcap: float, kv_dtype: torch.dtype
+) -> None:
     """A sliding window (keys more than ``window`` behind the query masked, whether the
     first kept key starts a block or not) and capped scores: the torch reference's values,
     and the same bits in every build."""
     g = torch.Generator().manual_seed(hd + window)
     d, h, kv, bs, nb = 5, 6, 2, 16, 6
     q = torch.randn(d, h, hd, generator=g)
-    kc = torch.randn(kv, nb * bs, hd, generator=g) * 2
-    vc = torch.randn(kv, nb * bs, hd, generator=g)
+    kc = (torch.randn(kv, nb * bs, hd, generator=g) * 2).to(kv_dtype)
+    vc = torch.randn(kv, nb * bs, hd, generator=g).to(kv_dtype)
     order = [5, 4, 3, 2, 1, 0]
     tables = torch.tensor([order] * d, dtype=torch.int32)
     lens = torch.tensor([1, 7, 16, 41, 96], dtype=torch.int32)
@@ -160,7 +171,7 @@ def test_windowed_and_capped_attention(hd: int, window: int, softcap: float) -> 
     rows = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in order])
     for s, n in enumerate(lens.tolist()):
         first = max(0, n - window) if window else 0
-        keys, vals = kc[:, rows[first:n]], vc[:, rows[first:n]]  # [kv, n, hd]
+        keys, vals = kc[:, rows[first:n]].float(), vc[:, rows[first:n]].float()  # [kv, n, hd]
         scores = torch.einsum("kgd,knd->kgn", q[s].view(kv, h // kv, hd), keys) * hd**-0.5
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)

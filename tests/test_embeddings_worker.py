@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu.kv_cache import kv_storage_dtype
 from gpu.loader import LoadedModel, load_model
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
@@ -73,7 +74,9 @@ def _embed(pooling: str = "last", normalize: bool = True) -> dict[str, Any]:
 def reference(
     lm: LoadedModel, prompt: list[int], pooling: str, normalize: bool = True
 ) -> list[float]:
-    cache = DenseKVCache(lm.config, 1, len(prompt))
+    # K and V rounded as the worker stores them (fp16 for quantized weights on the CPU)
+    kv = kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
+    cache = DenseKVCache(lm.config, 1, len(prompt), kv_dtype=kv)
     with torch.inference_mode():
         pos = cache.positions([0], [len(prompt)])
         cache.prepare([0], [len(prompt)])

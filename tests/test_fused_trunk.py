@@ -35,6 +35,12 @@ BS = 16
 QUANTIZED_BOUNDS = (3.0, 0.85)
 
 
+@pytest.fixture(params=[torch.float32, torch.float16], ids=["kv-fp32", "kv-fp16"])
+def kv(request: pytest.FixtureRequest) -> torch.dtype:
+    """What the paged cache stores: the fused trunk writes and reads either."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def qlm(tiny_gguf: TinyModel) -> LoadedModel:
     lm = load_model(tiny_gguf.path, device="cpu", weights="quantized")
@@ -42,12 +48,13 @@ def qlm(tiny_gguf: TinyModel) -> LoadedModel:
     return lm
 
 
-def _prefilled(lm: LoadedModel, prompts: list[list[int]], room: int = 8,
-               spare: int = 0) -> tuple[PagedKVCache, list[list[int]]]:  # fmt: skip
-    """A paged cache holding each prompt's K/V (through the torch path), ``room`` more
-    positions in each table and ``spare`` blocks beyond them, and the tables."""
+def _prefilled(lm: LoadedModel, prompts: list[list[int]], room: int = 8, spare: int = 0,
+               kv: torch.dtype = torch.float32) -> tuple[PagedKVCache, list[list[int]]]:  # fmt: skip
+    """A paged cache of ``kv`` elements holding each prompt's K/V (through the torch
+    path), ``room`` more positions in each table and ``spare`` blocks beyond them, and
+    the tables."""
     per = max(-(-(len(p) + room) // BS) for p in prompts)
-    cache = PagedKVCache(lm.config, per * len(prompts) + spare, BS)
+    cache = PagedKVCache(lm.config, per * len(prompts) + spare, BS, kv_dtype=kv)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
     with torch.inference_mode():
         for p, t in zip(prompts, tables, strict=True):
@@ -63,10 +70,10 @@ def _decode(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]],
 
 
 def _both(lm: LoadedModel, prompts: list[list[int]], new: list[int],
-          ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+          kv: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(torch logits, fused logits, K after torch, K after fused, K before) from one
     prefilled state."""
-    cache, tables = _prefilled(lm, prompts)
+    cache, tables = _prefilled(lm, prompts, kv=kv)
     k0, v0 = cache.k.clone(), cache.v.clone()
     want = _decode(lm, cache, tables, prompts, new, fuse=False)
     k_want = cache.k.clone()
@@ -93,9 +100,9 @@ def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     assert float(per_row.median()) <= 1e-4, per_row
 
 
-def test_fused_step_matches_the_torch_path(qlm: LoadedModel) -> None:
+def test_fused_step_matches_the_torch_path(qlm: LoadedModel, kv: torch.dtype) -> None:
     prompts = [[5, 6, 7, 8, 9], list(range(40, 77)), [200], list(range(100, 118))]
-    want, got, k_want, k_got, k0 = _both(qlm, prompts, [11, 12, 13, 14])
+    want, got, k_want, k_got, k0 = _both(qlm, prompts, [11, 12, 13, 14], kv)
     assert got.shape == want.shape == (4, qlm.config.vocab_size)
     # Measured 7e-7 apart on these inputs: far below the quantized bounds.
     _mostly_equal(got, want)
@@ -104,18 +111,19 @@ def test_fused_step_matches_the_torch_path(qlm: LoadedModel) -> None:
     per = max(-(-(c + 8) // BS) for c in ctx)  # as _prefilled lays the tables out
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
     slots = [t[c // BS] * BS + c % BS for t, c in zip(tables, ctx, strict=True)]
-    _mostly_equal(k_got[0][:, slots].transpose(0, 1), k_want[0][:, slots].transpose(0, 1))
+    _mostly_equal(k_got[0][:, slots].transpose(0, 1).float(),
+                  k_want[0][:, slots].transpose(0, 1).float())  # fmt: skip
     # Every layer got the new tokens' rows and nothing else.
     for layer in range(qlm.config.n_layers):
         rows = (k_got[layer] != k0[layer]).any(dim=(0, 2)).nonzero().flatten().tolist()
         assert sorted(rows) == sorted(slots), layer
 
 
-def test_fused_step_alone_equals_it_in_a_batch(qlm: LoadedModel) -> None:
+def test_fused_step_alone_equals_it_in_a_batch(qlm: LoadedModel, kv: torch.dtype) -> None:
     """One row's output does not depend on the step's other rows: bit for bit."""
     prompts = [list(range(20, 45)), [7, 8, 9]]
-    batched = _both(qlm, prompts, [50, 51])[1]
-    alone = _both(qlm, prompts[:1], [50])[1]
+    batched = _both(qlm, prompts, [50, 51], kv)[1]
+    alone = _both(qlm, prompts[:1], [50], kv)[1]
     assert torch.equal(batched[:1], alone)
 
 
@@ -131,11 +139,11 @@ def _step(lm: LoadedModel, cache: PagedKVCache, decodes: list[tuple[list[int], i
         lm.model.fuse_trunk = True
 
 
-def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel) -> None:
+def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel, kv: torch.dtype) -> None:
     """Two decodes beside a prompt chunk after a cached prefix and a fresh prompt: every
     row's logits, and the K/V the step wrote."""
     prompts = [list(range(30, 50)), [7, 8, 9, 10], list(range(60, 100))]
-    cache, tables = _prefilled(qlm, prompts, room=32, spare=3)
+    cache, tables = _prefilled(qlm, prompts, room=32, spare=3, kv=kv)
     chunk = list(range(120, 150))  # 30 more tokens of the third sequence
     fresh = list(range(200, 240))  # a new prompt in blocks no one holds
     free = [b for b in range(cache.num_blocks) if all(b not in t for t in tables)]
@@ -156,15 +164,16 @@ def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel) -> None:
     declared = cache.row_queries()
     assert declared is not None
     written = declared[0]  # every row's cache slot
-    _mostly_equal(cache.k[0][:, written].transpose(0, 1), k_want[0][:, written].transpose(0, 1))
+    _mostly_equal(cache.k[0][:, written].transpose(0, 1).float(),
+                  k_want[0][:, written].transpose(0, 1).float())  # fmt: skip
 
 
-def test_a_mixed_step_on_two_threads_equals_one_thread(qlm: LoadedModel) -> None:
+def test_a_mixed_step_on_two_threads_equals_one_thread(qlm: LoadedModel, kv: torch.dtype) -> None:
     """The fused step's bits do not depend on how many threads share it: decodes, a
     chunk after a cached prefix and a fresh prompt, logits and the K/V written, on two
     threads and on one (``make test`` runs every process on one: tests/threads.py)."""
     prompts = [list(range(30, 50)), [7, 8, 9, 10], list(range(60, 100))]
-    cache, tables = _prefilled(qlm, prompts, room=32, spare=3)
+    cache, tables = _prefilled(qlm, prompts, room=32, spare=3, kv=kv)
     free = [b for b in range(cache.num_blocks) if all(b not in t for t in tables)]
     decodes = [(tables[0], 21), (tables[1], 5)]
     prefills = [PrefillChunk(tables[2], 40, 30), PrefillChunk(free[:3], 0, 40)]
@@ -215,15 +224,15 @@ def test_fusion_applies_to_every_step_on_quantized_weights(
     assert plain.row_queries() is None
 
 
-def _teacher_forced(lm: LoadedModel, ids: list[int], cuts: list[int],
-                    others: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _teacher_forced(lm: LoadedModel, ids: list[int], cuts: list[int], others: list[int] | None = None,
+                    kv: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every position's logits of ``ids`` prefilled in chunks ending at ``cuts`` (the
     last chunk then decoded a token a step past the final cut), and the K rows the
     sequence wrote in every layer. ``others``: a second sequence prefilled in each of
     the same steps beside it (a different batch around the same rows)."""
     n = len(ids)
     nb = -(-n // BS)
-    cache = PagedKVCache(lm.config, 2 * nb + 2, BS)
+    cache = PagedKVCache(lm.config, 2 * nb + 2, BS, kv_dtype=kv)
     table, other_table = list(range(nb)), list(range(nb, 2 * nb + 2))
     bounds = [0, *cuts] + list(range(cuts[-1] + 1, n + 1)) if cuts else list(range(n + 1))
     out, done_other = [], 0
@@ -242,15 +251,15 @@ def _teacher_forced(lm: LoadedModel, ids: list[int], cuts: list[int],
     return torch.cat(out), cache.k[:, :, rows].clone()
 
 
-def test_a_token_is_one_function_of_its_prefix(qlm: LoadedModel) -> None:
+def test_a_token_is_one_function_of_its_prefix(qlm: LoadedModel, kv: torch.dtype) -> None:
     """A prompt prefilled whole, in chunks, or a token a step, alone or beside another
     sequence's chunks in the same steps: every position's logits and K rows equal, bit
     for bit (the prefix cache serves a later request exactly these rows)."""
     ids = [(i * 37) % 250 + 3 for i in range(45)]
-    whole = _teacher_forced(qlm, ids, [45])
+    whole = _teacher_forced(qlm, ids, [45], kv=kv)
     for cuts, others in (([16, 32, 45], None), ([5, 6, 30, 31], None), ([20], None),
                          ([16, 32, 45], list(range(60, 90))), ([], list(range(90, 95)))):  # fmt: skip
-        got = _teacher_forced(qlm, ids, cuts, others)
+        got = _teacher_forced(qlm, ids, cuts, others, kv)
         assert torch.equal(got[0], whole[0]), (cuts, others)
         assert torch.equal(got[1], whole[1]), (cuts, others)
 

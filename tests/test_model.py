@@ -14,7 +14,7 @@ import torch
 
 from gpu import native
 from gpu.generate import greedy_generate
-from gpu.kv_cache import PagedKVCache, PrefillChunk
+from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.loader import LoadedModel, load_model
 from gpu.model import Llama
 from tests.dense_cache import DenseKVCache
@@ -65,12 +65,14 @@ def reference_logits(tiny: TinyModel, ids: list[int]) -> np.ndarray:
 class PagedSeqs:
     """The dense cache's interface over the worker's paged cache: each sequence id owns
     a fixed run of blocks; a step of one-token appends to filled sequences is a decode
-    step, any other a step of prompt chunks (what the engine lays out)."""
+    step, any other a step of prompt chunks (what the engine lays out). K and V are
+    stored as the worker stores them by default (fp16 for quantized weights on the CPU)."""
 
     def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int,
                  native: bool | None = None) -> None:  # fmt: skip
         self.per = -(-max_len // 16)
-        self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16, native=native)
+        kv = kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
+        self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16, native=native, kv_dtype=kv)
         self.n = [0] * max_seqs
 
     def _table(self, s: int) -> list[int]:

@@ -47,14 +47,18 @@ class Shape:
         return 0
 
 
-def caches(shape: Shape, num_blocks: int, block_size: int) -> tuple[PagedKVCache, PagedKVCache]:
-    ref = PagedKVCache(shape, num_blocks, block_size, native=False)  # type: ignore[arg-type]
-    nat = PagedKVCache(shape, num_blocks, block_size, native=True)  # type: ignore[arg-type]
+def caches(
+    shape: Shape, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
+) -> tuple[PagedKVCache, PagedKVCache]:
+    """The torch path's cache and the native one, both storing ``kv_dtype``, filled alike."""
+    ref = PagedKVCache(shape, num_blocks, block_size, native=False, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    nat = PagedKVCache(shape, num_blocks, block_size, native=True, kv_dtype=kv_dtype)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
     ref.k.copy_(torch.randn(ref.k.shape, generator=g))
     ref.v.copy_(torch.randn(ref.v.shape, generator=g))
     nat.k.copy_(ref.k)
     nat.v.copy_(ref.v)
+    assert nat.k.dtype == ref.k.dtype == kv_dtype
     return ref, nat
 
 
@@ -70,15 +74,21 @@ def decode_batch(
     return out
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     ("shape", "block_size"),
     [(Shape(), 16), (Shape(), 5), (Shape(n_heads=4, n_kv_heads=2, head_dim=24), 16)],
     ids=["hd64-bs16", "hd64-bs5", "hd24-generic"],
 )
-def test_native_decode_matches_the_torch_path(shape: Shape, block_size: int) -> None:
+def test_native_decode_matches_the_torch_path(
+    shape: Shape, block_size: int, kv_dtype: torch.dtype
+) -> None:
+    """The C kernel against the torch path on the same cache: both store the new keys
+    rounded alike (torch's conversion and F16C round to nearest even) and attend to the
+    stored values, so only the summation order differs (fp32 noise)."""
     rng = random.Random(0)
     num_blocks = 16384 // block_size  # room for 24 sequences of up to 300 tokens
-    ref, nat = caches(shape, num_blocks, block_size)
+    ref, nat = caches(shape, num_blocks, block_size, kv_dtype)
     assert nat.kernels is not None and ref.kernels is None
     for lens in ([1], [7, 1, 33], [17] * 8, [rng.randrange(1, 300) for _ in range(24)]):
         decodes = decode_batch(rng, num_blocks, block_size, lens)
@@ -93,6 +103,8 @@ def test_native_decode_matches_the_torch_path(shape: Shape, block_size: int) -> 
             want, got = ref(layer, q, k, v), nat(layer, q, k, v)
             assert got.shape == want.shape == (d, h, hd)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        if kv_dtype == torch.float16:  # both wrote the step's keys as fp16, rounded alike
+            assert torch.equal(nat.k, ref.k) and torch.equal(nat.v, ref.v)
 
 
 def test_native_output_of_a_sequence_does_not_depend_on_the_batch() -> None:

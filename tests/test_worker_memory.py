@@ -64,7 +64,9 @@ def test_an_engine_sized_in_tokens_has_that_cache(tiny_gguf: TinyModel) -> None:
     )
     assert engine.config.kv_blocks == 62 and engine.load()["kv_blocks_total"] == 62
     fp = engine.footprint()
-    assert fp.kv_bytes == 62 * 16 * kv_bytes_per_token(engine.mc, 4) == engine.cache.nbytes()
+    elem = engine.cache.k.element_size()  # fp16: the tiny GGUF's weights stay quantized
+    assert elem == 2 and engine.model.quantized()
+    assert fp.kv_bytes == 62 * 16 * kv_bytes_per_token(engine.mc, elem) == engine.cache.nbytes()
     assert fp.weights_bytes == engine.model.weight_bytes() > 0 and fp.device == "cpu"
 
 
@@ -125,3 +127,43 @@ def test_the_mixed_prefill_cap_defaults_by_device() -> None:
     assert mixed_prefill_tokens(WorkerConfig(step_tokens=256), cuda) == 256
     for dev in (cpu, cuda):
         assert mixed_prefill_tokens(WorkerConfig(mixed_prefill_tokens=100), dev) == 100
+
+
+# -- what the cache stores -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("weights", "kv_cache_dtype", "stored"),
+    [
+        ("auto", "auto", torch.float16),  # the tiny GGUF's blocks stay quantized: fp16
+        ("fp32", "auto", torch.float32),  # dequantized: the model's own dtype
+        ("auto", "fp32", torch.float32),
+        ("fp32", "fp16", torch.float16),
+        ("fp32", "bf16", torch.bfloat16),  # read back through the torch path, not the kernel
+    ],
+)
+def test_the_kv_cache_element_follows_the_weights_or_the_flag(
+    tiny_gguf: TinyModel, weights: str, kv_cache_dtype: str, stored: torch.dtype
+) -> None:
+    """``--kv-cache-dtype auto`` stores fp16 for quantized weights on the CPU (llama.cpp's
+    f16 cache) and the model's dtype otherwise; a named one is what is stored. Sized in
+    MiB, an element of half the bytes holds twice the tokens; the engine answers either
+    way, the same tokens on a second run."""
+    config = WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", weights=weights,
+                          kv_cache_dtype=kv_cache_dtype, kv_memory_mib=1)  # fmt: skip
+    engine = build_engine(config)
+    assert engine.cache.k.dtype == engine.cache.v.dtype == stored
+    elem = stored.itemsize
+    # K and V x 2 layers x 2 KV heads x 16 dims, 16 tokens a block
+    assert engine.config.kv_blocks == kv_blocks_for(config, 2, 2, 16, elem) == MIB // (2048 * elem)
+    assert (engine.cache.kernels is not None) == (stored != torch.bfloat16)
+    from tests.engine_runs import run_to_end
+
+    prompts = [[5, 6, 7, 8, 9] * 7, [40, 41]]
+    params = [{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}] * 2
+    first = run_to_end(engine, prompts, params)
+    assert first == run_to_end(engine, prompts, params) and all(len(t) == 6 for t in first)
+
+
+def test_tensor_parallel_keeps_the_cache_in_the_models_dtype(tiny_gguf: TinyModel) -> None:
+    config = WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", tp=2, kv_cache_dtype="fp16")
+    with pytest.raises(SystemExit, match="--tp > 1 keeps the KV cache in --dtype"):
+        build_engine(config)

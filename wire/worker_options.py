@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
     "GRAPH_MODES",
+    "KV_CACHE_DTYPES",
     "OVERLAP_MODES",
     "WEIGHT_MODES",
     "WORKER_OPTIONS",
@@ -30,10 +31,11 @@ __all__ = [
 GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/kv_cache.py, kv_storage_dtype
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
-# 14,560 tokens of SmolLM2 in fp32 (46,080 bytes each): with the quantized weights (96 MiB)
-# and the rest (~260 MiB) the worker stays near llama-server's own resident size with
-# its default 32k-token f16 cache (862 MiB here), where 1024 MiB made it 1.6x that.
+# 29,120 tokens of SmolLM2 in the CPU's default fp16 cache (23,040 bytes each; 14,560 in
+# fp32), near llama-server's default 32k-token f16 cache: with the quantized weights
+# (96 MiB) and the rest (~260 MiB) the worker stays near llama-server's resident size.
 DEFAULT_CPU_KV_MIB = 640
 DEFAULT_MEM_FRACTION = 0.85  # CUDA: the KV cache's share of free memory (gpu/memory.py)
 # On the CPU a step's time grows with its rows (about 1.8 ms a row at 32-64 rows), so a
@@ -90,8 +92,11 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "model's; higher only with RoPE scaling in the file)", type=int, forwarded=True),
     _w("kv_cache_tokens", "tokens the KV cache holds, in whole blocks (SGLang's "
        "--max-total-tokens; default: from --kv-memory-mib)", type=int, forwarded=True),
-    _w("kv_memory_mib", "the KV cache's size in MiB, K and V of every layer in --dtype "
-       f"(default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction); not with "
+    _w("kv_cache_dtype", "what the KV cache stores K and V as (auto: fp16 for quantized "
+       "weights on the CPU, as llama.cpp's f16 cache, else --dtype); attention reads them "
+       "back in --dtype", choices=KV_CACHE_DTYPES, default="auto", forwarded=True),
+    _w("kv_memory_mib", "the KV cache's size in MiB, K and V of every layer in "
+       f"--kv-cache-dtype (default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction); not with "
        "--kv-cache-tokens", type=int, forwarded=True),
     _w("mem_fraction", "CUDA: the KV cache's share of free memory after the weights, less "
        f"a step's working set and the graph pool (default {DEFAULT_MEM_FRACTION} when no "

@@ -24,10 +24,50 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FO_AVX2 1
 #endif
+
+/* fp16 <-> fp32, the KV cache's storage (gpu/kv_cache.py) and the GGUF scales: exact one
+ * way, round-to-nearest-even the other, as F16C's vcvtph2ps / vcvtps2ph (imm 0) and
+ * torch's conversion give them (NaN quieted, its upper payload kept; 65520 and above to
+ * infinity; subnormals kept). */
+static inline float fo_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0) bits = sign;
+    else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline uint16_t fo_float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) /* inf, NaN (quieted) */
+        return (uint16_t)(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 | ((x >> 13) & 0x3ff) : 0));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds to 65536 or more */
+    uint32_t r, rem, half;
+    if (x < 0x38800000) { /* below 2^-14: a subnormal half (or zero) */
+        if (x < 0x33000000) return (uint16_t)sign; /* below 2^-25 */
+        uint32_t e = x >> 23, m = (x & 0x7fffff) | 0x800000;
+        int shift = (int)(126 - e); /* 14 .. 24 */
+        r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    } else {
+        r = (x - 0x38000000) >> 13, rem = x & 0x1fff, half = 0x1000;
+    }
+    if (rem > half || (rem == half && (r & 1))) r++; /* a carry moves into the exponent */
+    return (uint16_t)(sign | r);
+}
 
 static inline float fo_tree8(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));

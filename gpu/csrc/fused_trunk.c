@@ -44,16 +44,16 @@
 
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads);
-int paged_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                    const int32_t *tables, const int32_t *lens, float *out, int32_t d, int32_t h,
-                    int32_t kv, int32_t hd, int64_t rows, int32_t bs, int32_t maxnb, float scale,
-                    int32_t window, float softcap, int32_t threads);
+int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
+                    int32_t kv_half, const int32_t *tables, const int32_t *lens, float *out,
+                    int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                    int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
-    float *kc, *vc;
+    void *kc, *vc; /* the layer's cache: fp16 or fp32 (trunk_layers' kv_half) */
     const float *bqkv, *q_norm, *k_norm;     /* NULL where the architecture has none */
     const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
     const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd] */
@@ -88,12 +88,28 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
     }
 }
 
+/* n fp32 values into the cache at dst: fp16 rounded to nearest even (F16C where built)
+ * when half, else copied. */
+static void to_cache(void *cache, int64_t at, const float *src, int32_t n, int32_t half) {
+    if (!half) {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    int32_t i = 0;
+#ifdef FO_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), 0));
+#endif
+    for (; i < n; i++) dst[i] = fo_float_to_half(src[i]);
+}
+
 /* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take. */
 int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *layers,
                  int32_t n_layers, int32_t hidden, int32_t inter, int32_t h, int32_t kv,
                  int32_t hd, float eps, const int64_t *slots, const int32_t *tables,
-                 const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, float scale,
-                 int32_t act, float softcap, int32_t threads) {
+                 const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, int32_t kv_half,
+                 float scale, int32_t act, float softcap, int32_t threads) {
     if (hd > 512 || hd % 2 || m < 1 || (act != ACT_SILU && act != ACT_GELU_TANH)) return -2;
     int64_t qkv_w = (int64_t)(h + 2 * kv) * hd, q_w = (int64_t)h * hd;
     float *hbuf = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
@@ -120,12 +136,12 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
             rope(row, h + kv, hd, c, s);
             for (int32_t j = 0; j < kv; j++) {
                 int64_t at = ((int64_t)j * rows + slots[r]) * hd;
-                memcpy(L->kc + at, row + q_w + (int64_t)j * hd, sizeof(float) * (size_t)hd);
-                memcpy(L->vc + at, row + q_w + (int64_t)(kv + j) * hd, sizeof(float) * (size_t)hd);
+                to_cache(L->kc, at, row + q_w + (int64_t)j * hd, hd, kv_half);
+                to_cache(L->vc, at, row + q_w + (int64_t)(kv + j) * hd, hd, kv_half);
             }
         }
-        rc = paged_attention(qkv, qkv_w, L->kc, L->vc, tables, lens, att, m, h, kv, hd, rows,
-                             bs, maxnb, scale, L->window, softcap, threads);
+        rc = paged_attention(qkv, qkv_w, L->kc, L->vc, kv_half, tables, lens, att, m, h, kv, hd,
+                             rows, bs, maxnb, scale, L->window, softcap, threads);
         if (rc) break;
         if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;
         if (L->post_attn_norm) rms_norm_rows(y, L->post_attn_norm, y, m, hidden, eps);

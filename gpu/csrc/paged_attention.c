@@ -5,10 +5,11 @@
  * the KV is read from DRAM, written, read again, and each tiny matmul pays its own
  * setup. This kernel reads each key and value once, from where they lie.
  *
- * Layout (fp32, row-major, as PagedKVCache stores one layer):
- *   q      [D, H, HD]       the step's queries, RoPE applied; sequence s starts at
+ * Layout (row-major, as PagedKVCache stores one layer):
+ *   q      [D, H, HD]       fp32, the step's queries, RoPE applied; sequence s starts at
  *                           q + s * q_stride (the rows may be a strided slice)
- *   kc, vc [KV, ROWS, HD]   cache rows; row = block * BS + offset
+ *   kc, vc [KV, ROWS, HD]   cache rows, fp32 or fp16 (kv_half; read as fp32, exactly);
+ *                           row = block * BS + offset
  *   tables [D, MAXNB]       int32 block table of each sequence
  *   lens   [D]              int32 keys per sequence (context including the new token)
  *   out    [D, H, HD]
@@ -44,119 +45,44 @@ static void softmax_rows(float *restrict scores, int32_t g, int32_t len, float s
 }
 
 #ifdef FO_AVX2
-
-/* Ask for a whole block (bs rows of 64 floats) ahead of use: each block starts a new
- * 4 KiB page, where the hardware prefetcher would start cold. */
-static inline void prefetch_block(const float *p, int32_t bs) {
-    for (int32_t i = 0; i < bs * 64; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
-}
-
-/* head_dim 64: eight keys' dot products per query at a time, one horizontal reduction
- * for all eight; the weighted sum of values keeps the 64 outputs in registers. Keys
- * first .. len - 1 (first > 0 under a sliding window); scores[p - first] is key p's. */
-static void one_pair64(const float *restrict q, const float *restrict kbase,
-                       const float *restrict vbase, const int32_t *restrict table, int32_t first,
-                       int32_t len, int32_t bs, int32_t g, float scale, float softcap,
-                       float *restrict scores, float *restrict out) {
-    enum { HD = 64 };
-    int32_t nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
-    __m256 vscale = _mm256_set1_ps(scale);
-    for (int32_t b = b0; b < nb; b++) {
-        int32_t n = len - b * bs < bs ? len - b * bs : bs;
-        const float *kb = kbase + (int64_t)table[b] * bs * HD;
-        if (b + 1 < nb) prefetch_block(kbase + (int64_t)table[b + 1] * bs * HD, bs);
-        else prefetch_block(vbase + (int64_t)table[b0] * bs * HD, bs);
-        int32_t t = b == b0 ? first - b * bs : 0;
-        float *sb = scores + (int64_t)b * bs - first; /* key b * bs + t scores at sb[t] */
-        for (; t + 8 <= n; t += 8) {
-            const float *k = kb + (int64_t)t * HD;
-            for (int32_t j = 0; j < g; j++) {
-                const float *qj = q + (int64_t)j * HD;
-                __m256 a[8];
-                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-                for (int d = 0; d < HD; d += 8) {
-                    __m256 qv = _mm256_loadu_ps(qj + d);
-                    for (int r = 0; r < 8; r++)
-                        a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * HD + d), a[r]);
-                }
-                __m256 sums = fo_tree8x8(a);
-                _mm256_storeu_ps(sb + (int64_t)j * nk + t, _mm256_mul_ps(sums, vscale));
-            }
-        }
-        for (; t < n; t++) {
-            const float *k = kb + (int64_t)t * HD;
-            for (int32_t j = 0; j < g; j++) {
-                const float *qj = q + (int64_t)j * HD;
-                __m256 a = _mm256_setzero_ps();
-                for (int d = 0; d < HD; d += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);
-                sb[(int64_t)j * nk + t] = fo_tree8_v(a) * scale;
-            }
-        }
-    }
-    softmax_rows(scores, g, nk, softcap);
-    for (int32_t j = 0; j < g; j++) {
-        const float *sc = scores + (int64_t)j * nk;
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int32_t b = b0; b < nb; b++) {
-            int32_t n = len - b * bs < bs ? len - b * bs : bs;
-            const float *vb = vbase + (int64_t)table[b] * bs * HD;
-            if (j == 0 && b + 1 < nb) prefetch_block(vbase + (int64_t)table[b + 1] * bs * HD, bs);
-            for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
-                __m256 w = _mm256_broadcast_ss(sc + b * bs + t - first);
-                const float *v = vb + (int64_t)t * HD;
-                for (int r = 0; r < 8; r++)
-                    a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
-            }
-        }
-        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + (int64_t)j * HD + r * 8, a[r]);
-    }
+/* Ask for a whole block (bs rows of head_dim elements, `bytes` in all) ahead of use: a
+ * block's rows start where the hardware prefetcher would start cold. */
+static inline void prefetch_block(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
 }
 #endif
 
-/* Any head_dim that is a multiple of 8: the same function in portable C. */
-static void one_pair(const float *restrict q, const float *restrict kbase,
-                     const float *restrict vbase, const int32_t *restrict table, int32_t first,
-                     int32_t len, int32_t bs, int32_t g, int32_t hd, float scale, float softcap,
-                     float *restrict scores, float *restrict out) {
-    int32_t nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
-    for (int32_t b = b0; b < nb; b++) {
-        int32_t n = len - b * bs < bs ? len - b * bs : bs;
-        const float *kb = kbase + (int64_t)table[b] * bs * hd;
-        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
-            const float *k = kb + (int64_t)t * hd;
-            for (int32_t j = 0; j < g; j++) {
-                const float *qj = q + (int64_t)j * hd;
-                float l[8] = {0};
-                for (int32_t d = 0; d < hd; d++) l[d % 8] = fmaf(qj[d], k[d], l[d % 8]);
-                scores[(int64_t)j * nk + b * bs + t - first] = fo_tree8(l) * scale;
-            }
-        }
-    }
-    softmax_rows(scores, g, nk, softcap);
-    for (int32_t d = 0; d < g * hd; d++) out[d] = 0.0f;
-    for (int32_t b = b0; b < nb; b++) {
-        int32_t n = len - b * bs < bs ? len - b * bs : bs;
-        const float *vb = vbase + (int64_t)table[b] * bs * hd;
-        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
-            const float *v = vb + (int64_t)t * hd;
-            for (int32_t j = 0; j < g; j++) {
-                float w = scores[(int64_t)j * nk + b * bs + t - first];
-                float *o = out + (int64_t)j * hd;
-                for (int32_t d = 0; d < hd; d++) o[d] = fmaf(w, v[d], o[d]);
-            }
-        }
-    }
-}
+#define KV_T float
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_GET(e) (e)
+#define PAIR64 pair64_f32
+#define PAIR pair_f32
+#include "paged_attention_pair.h"
+#undef KV_T
+#undef KV_LOAD8
+#undef KV_GET
+#undef PAIR64
+#undef PAIR
+
+#define KV_T uint16_t
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_GET(e) fo_half_to_float(e)
+#define PAIR64 pair64_f16
+#define PAIR pair_f16
+#include "paged_attention_pair.h"
+#undef KV_T
+#undef KV_LOAD8
+#undef KV_GET
+#undef PAIR64
+#undef PAIR
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then unset).
- * window: keys per sequence a query attends to, its own included (0: all); softcap: the
- * scores' cap (0: none). */
-int paged_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                    const int32_t *tables, const int32_t *lens, float *out, int32_t d, int32_t h,
-                    int32_t kv, int32_t hd, int64_t rows, int32_t bs, int32_t maxnb, float scale,
-                    int32_t window, float softcap, int32_t threads) {
+ * kv_half: the cache holds fp16 (else fp32); window: keys per sequence a query attends
+ * to, its own included (0: all); softcap: the scores' cap (0: none). */
+int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
+                    int32_t kv_half, const int32_t *tables, const int32_t *lens, float *out,
+                    int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                    int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads) {
     int32_t g = h / kv;
     int32_t maxlen = 1;
     for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
@@ -164,6 +90,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *kc, const flo
     size_t per_thread = (size_t)g * maxlen; /* one pair's scores */
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) return -1;
+    size_t elem = kv_half ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < (int64_t)d * kv; i++) {
 #ifdef _OPENMP
@@ -174,7 +101,8 @@ int paged_attention(const float *q, int64_t q_stride, const float *kc, const flo
         int32_t s = (int32_t)(i / kv), kvh = (int32_t)(i % kv);
         const float *qs = q + (int64_t)s * q_stride + (int64_t)kvh * g * hd;
         float *os = out + ((int64_t)s * h + (int64_t)kvh * g) * hd;
-        const float *kb = kc + (int64_t)kvh * rows * hd, *vb = vc + (int64_t)kvh * rows * hd;
+        size_t at = elem * (size_t)kvh * (size_t)rows * (size_t)hd;
+        const void *kb = (const char *)kc + at, *vb = (const char *)vc + at;
         const int32_t *table = tables + (int64_t)s * maxnb;
         if (lens[s] < 1) {
             for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
@@ -183,21 +111,14 @@ int paged_attention(const float *q, int64_t q_stride, const float *kc, const flo
         int32_t first = window > 0 && lens[s] > window ? lens[s] - window : 0;
 #ifdef FO_AVX2
         if (hd == 64) {
-            one_pair64(qs, kb, vb, table, first, lens[s], bs, g, scale, softcap, scores, os);
+            if (kv_half) pair64_f16(qs, kb, vb, table, first, lens[s], bs, g, scale, softcap, scores, os);
+            else pair64_f32(qs, kb, vb, table, first, lens[s], bs, g, scale, softcap, scores, os);
             continue;
         }
 #endif
-        one_pair(qs, kb, vb, table, first, lens[s], bs, g, hd, scale, softcap, scores, os);
+        if (kv_half) pair_f16(qs, kb, vb, table, first, lens[s], bs, g, hd, scale, softcap, scores, os);
+        else pair_f32(qs, kb, vb, table, first, lens[s], bs, g, hd, scale, softcap, scores, os);
     }
     free(scratch);
     return 0;
-}
-
-/* paged_attention over every key, scores uncapped. */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *kc, const float *vc,
-                           const int32_t *tables, const int32_t *lens, float *out, int32_t d,
-                           int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
-                           int32_t maxnb, float scale, int32_t threads) {
-    return paged_attention(q, q_stride, kc, vc, tables, lens, out, d, h, kv, hd, rows, bs, maxnb,
-                           scale, 0, 0.0f, threads);
 }
