@@ -304,14 +304,12 @@ class PagedKVCache:
         if lay is None:
             raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
-        if kc.dtype != k.dtype:  # stored fp16: every path attends to the stored values
-            k, v = k.to(kc.dtype), v.to(vc.dtype)
-            kc.index_copy_(1, lay.slots, k.transpose(0, 1))
-            vc.index_copy_(1, lay.slots, v.transpose(0, 1))
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        else:
-            kc.index_copy_(1, lay.slots, k.transpose(0, 1))
-            vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+        # Stored as the cache's element (rounded when it is narrower), and every path
+        # attends to the stored values (``.to`` of the same dtype is no copy).
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
+        kc.index_copy_(1, lay.slots, k.transpose(0, 1))
+        vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+        k, v = k.to(self.dtype), v.to(self.dtype)
         window = self.windows[layer]
         outs = []
         if lay.dec_tables is not None and lay.dec_lens is not None and self.kernels is not None:

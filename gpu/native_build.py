@@ -39,7 +39,7 @@ SOURCES = (
     CSRC / "quant_linear.c",
     CSRC / "fused_trunk.c",
 )
-HEADERS = (CSRC / "fixed_order.h", CSRC / "paged_attention_pair.h")
+HEADERS = (CSRC / "fixed_order.h",)
 # No -ffast-math, and no fused multiply-add the source did not write: a kernel's result is
 # then one function of its inputs whatever the compiler vectorizes and for whichever CPU
 # (gpu/csrc/fixed_order.h, docs/determinism.md). The sums and exponentials that have to
