@@ -69,9 +69,10 @@ class PagedSeqs:
     stored as the worker stores them by default (fp16 for quantized weights on the CPU)."""
 
     def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int,
-                 native: bool | None = None) -> None:  # fmt: skip
+                 native: bool | None = None, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """``kv_dtype``: what K and V are stored as (None: the worker's default)."""
         self.per = -(-max_len // 16)
-        kv = kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
+        kv = kv_dtype or kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
         self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16, native=native, kv_dtype=kv)
         self.n = [0] * max_seqs
 
