@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpu.memory import MemoryFootprint, kv_bytes_per_token
+from gpu.native import load_kernels
 from gpu.worker_config import (
     WorkerConfig,
     build_engine,
@@ -64,8 +65,9 @@ def test_an_engine_sized_in_tokens_has_that_cache(tiny_gguf: TinyModel) -> None:
     )
     assert engine.config.kv_blocks == 62 and engine.load()["kv_blocks_total"] == 62
     fp = engine.footprint()
-    elem = engine.cache.k.element_size()  # fp16: the tiny GGUF's weights stay quantized
-    assert elem == 2 and engine.model.quantized()
+    # fp16 where the tiny GGUF's weights stay quantized (not with LIFECYCLE_NATIVE=0)
+    elem = engine.cache.k.element_size()
+    assert elem == (2 if engine.model.quantized() else 4)
     assert fp.kv_bytes == 62 * 16 * kv_bytes_per_token(engine.mc, elem) == engine.cache.nbytes()
     assert fp.weights_bytes == engine.model.weight_bytes() > 0 and fp.device == "cpu"
 
@@ -133,7 +135,7 @@ def test_the_mixed_prefill_cap_defaults_by_device() -> None:
 @pytest.mark.parametrize(
     ("weights", "kv_cache_dtype", "stored"),
     [
-        ("auto", "auto", torch.float16),  # the tiny GGUF's blocks stay quantized: fp16
+        ("auto", "auto", None),  # fp16 where the tiny GGUF's blocks stay quantized
         ("fp32", "auto", torch.float32),  # dequantized: the model's own dtype
         ("auto", "fp32", torch.float32),
         ("fp32", "fp16", torch.float16),
@@ -141,7 +143,7 @@ def test_the_mixed_prefill_cap_defaults_by_device() -> None:
     ],
 )
 def test_the_kv_cache_element_follows_the_weights_or_the_flag(
-    tiny_gguf: TinyModel, weights: str, kv_cache_dtype: str, stored: torch.dtype
+    tiny_gguf: TinyModel, weights: str, kv_cache_dtype: str, stored: torch.dtype | None
 ) -> None:
     """``--kv-cache-dtype auto`` stores fp16 for quantized weights on the CPU (llama.cpp's
     f16 cache) and the model's dtype otherwise; a named one is what is stored. Sized in
@@ -150,11 +152,14 @@ def test_the_kv_cache_element_follows_the_weights_or_the_flag(
     config = WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", weights=weights,
                           kv_cache_dtype=kv_cache_dtype, kv_memory_mib=1)  # fmt: skip
     engine = build_engine(config)
+    if stored is None:  # the weights stay quantized only with the native kernels
+        stored = torch.float16 if engine.model.quantized() else torch.float32
     assert engine.cache.k.dtype == engine.cache.v.dtype == stored
     elem = stored.itemsize
     # K and V x 2 layers x 2 KV heads x 16 dims, 16 tokens a block
     assert engine.config.kv_blocks == kv_blocks_for(config, 2, 2, 16, elem) == MIB // (2048 * elem)
-    assert (engine.cache.kernels is not None) == (stored != torch.bfloat16)
+    native_attention = stored != torch.bfloat16 and load_kernels() is not None
+    assert (engine.cache.kernels is not None) == native_attention
     from tests.engine_runs import run_to_end
 
     prompts = [[5, 6, 7, 8, 9] * 7, [40, 41]]
