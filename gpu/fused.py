@@ -166,7 +166,8 @@ class FusedTrunk:
             x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
             c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
-            self.block_size, self.kv_half, self.scale, self.act, c.attn_softcap, torch.get_num_threads(),
+            self.block_size, self.kv_half, self.scale, self.act, c.attn_softcap,
+            torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("trunk_layers: scratch allocation failed")

@@ -49,7 +49,8 @@ def qlm(tiny_gguf: TinyModel) -> LoadedModel:
 
 
 def _prefilled(lm: LoadedModel, prompts: list[list[int]], room: int = 8, spare: int = 0,
-               kv: torch.dtype = torch.float32) -> tuple[PagedKVCache, list[list[int]]]:  # fmt: skip
+               kv: torch.dtype = torch.float32,
+               ) -> tuple[PagedKVCache, list[list[int]]]:  # fmt: skip
     """A paged cache of ``kv`` elements holding each prompt's K/V (through the torch
     path), ``room`` more positions in each table and ``spare`` blocks beyond them, and
     the tables."""
@@ -224,8 +225,9 @@ def test_fusion_applies_to_every_step_on_quantized_weights(
     assert plain.row_queries() is None
 
 
-def _teacher_forced(lm: LoadedModel, ids: list[int], cuts: list[int], others: list[int] | None = None,
-                    kv: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _teacher_forced(lm: LoadedModel, ids: list[int], cuts: list[int],
+                    others: list[int] | None = None, kv: torch.dtype = torch.float32,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every position's logits of ``ids`` prefilled in chunks ending at ``cuts`` (the
     last chunk then decoded a token a step past the final cut), and the K rows the
     sequence wrote in every layer. ``others``: a second sequence prefilled in each of

@@ -68,8 +68,8 @@ class PagedSeqs:
     step, any other a step of prompt chunks (what the engine lays out). K and V are
     stored as the worker stores them by default (fp16 for quantized weights on the CPU)."""
 
-    def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int,
-                 native: bool | None = None, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int, native: bool | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         """``kv_dtype``: what K and V are stored as (None: the worker's default)."""
         self.per = -(-max_len // 16)
         kv = kv_dtype or kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
