@@ -191,6 +191,11 @@ class PagedKVCache:
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
 
+    @property
+    def element(self) -> str:
+        """What K and V are stored as, by name: float16, bfloat16 or float32."""
+        return str(self.k.dtype).removeprefix("torch.")
+
     def nbytes(self) -> int:
         """Bytes of the K and V tensors, the scratch block included."""
         return self.k.nbytes + self.v.nbytes

@@ -211,6 +211,7 @@ def _hello(engine: Engine) -> wire.Hello:
         "decode_graphs": engine.graphs.kind if engine.graphs is not None else "off",
         "overlap": engine.overlap,
         "weights": "quantized" if engine.model.quantized() else "dense",
+        "kv_dtype": engine.cache.element,
     }
     if engine.kv_plan is not None:
         capacity.update(engine.kv_plan.info())
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_tokens,
         engine.config.kv_blocks,
         config.block_size,
-        str(engine.cache.k.dtype).removeprefix("torch."),
+        engine.cache.element,
     )
     log.debug("cpu runtime: %s", _CPU_TUNING or "as the environment set it")
     if kv_tokens < context:

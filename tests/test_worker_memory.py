@@ -155,6 +155,7 @@ def test_the_kv_cache_element_follows_the_weights_or_the_flag(
     if stored is None:  # the weights stay quantized only with the native kernels
         stored = torch.float16 if engine.model.quantized() else torch.float32
     assert engine.cache.k.dtype == engine.cache.v.dtype == stored
+    assert engine.cache.element == str(stored).removeprefix("torch.")
     elem = stored.itemsize
     # K and V x 2 layers x 2 KV heads x 16 dims, 16 tokens a block
     assert engine.config.kv_blocks == kv_blocks_for(config, 2, 2, 16, elem) == MIB // (2048 * elem)

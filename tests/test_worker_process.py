@@ -91,6 +91,7 @@ def test_stats_split_the_rss_into_weights_kv_and_the_rest(worker: WorkerClient) 
     # K and V of a token: 46,080 B in fp32, 23,040 in the fp16 the CPU keeps for
     # quantized weights (--kv-cache-dtype auto)
     per_token = 23_040 if worker.hello.capacity["weights"] == "quantized" else 46_080
+    assert worker.hello.capacity["kv_dtype"] == ("float16" if per_token == 23_040 else "float32")
     assert m["kv_bytes"] == blocks * 16 * per_token <= 256 * 2**20
     if worker.hello.capacity["weights"] == "quantized":  # the GGUF's blocks: ~96 MiB
         assert 50 * 2**20 < m["weights_bytes"] < 200 * 2**20
