@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.procs import ServerProcess, free_port, serve_argv  # noqa: E402
+from bench.simulation_figures import Row, dsim, simulation  # noqa: E402
 
 MAX_PENDING, MAX_QUEUED = 8, 16
-ROWS: list[tuple[str, str, str, str]] = []  # figure, counts, value, target
+ROWS: list[Row] = []  # figure, counts, value, target
 
 
 def row(figure: str, counts: str, value: str, target: str) -> None:
@@ -388,40 +390,6 @@ async def fig_burst(b: Bench, max_new: int) -> None:
     row("burst 10x: time to recover", counts, f"{recover:.3f} s", "-")
 
 
-async def fig_simulation(seeds: int) -> None:
-    """The seeded client/worker simulation (tests/simulation.py), in-process server of its
-    own: scenarios run, leaks found, broken invariants."""
-    from tests.simulation import run_scenarios
-
-    t0 = time.monotonic()
-    report = await run_scenarios(range(seeds))
-    counts = f"{report.scenarios} seeded scenarios, {time.monotonic() - t0:.0f} s"
-    row("simulation: leaks found", counts, str(report.leaks), "0")
-    row("simulation: broken invariants", counts, str(len(report.broken)), "0")
-    for seed, problem in report.broken[:10]:
-        print(f"    seed {seed}: {problem} (replay: python -m tests.simulation --seed {seed})")
-
-
-def fig_dsim(seeds: int, jobs: int) -> None:
-    """The deterministic simulation (tests/dsim), in ``jobs`` processes: no server of
-    this run is involved, every scenario builds its own in memory."""
-    from tests.dsim.run import replay_command
-    from tests.dsim.sweep import sweep
-
-    report = sweep(range(seeds), jobs=jobs)
-    rate = report.scenarios / report.seconds if report.seconds else 0.0
-    counts = f"{report.scenarios} scenarios, {jobs} processes, {report.seconds:.0f} s"
-    row("deterministic simulation: scenarios run", counts, f"{report.scenarios} ({rate:.0f}/s)",
-        ">= 100,000 in 10 min")  # fmt: skip
-    row("deterministic simulation: distinct shapes", counts, str(len(report.shapes)), "-")
-    row("deterministic simulation: violations", counts, str(len(report.failures)), "0")
-    row("deterministic simulation: known findings", counts, str(len(report.known)),
-        "listed in tests/dsim/known.py")  # fmt: skip
-    for seed, violations in report.failures[:10]:
-        name, what = violations[0]
-        print(f"    seed {seed}: {name}: {what} (replay: {replay_command(seed)})")
-
-
 async def fig_random_disconnects(b: Bench, clients: int, max_new: int) -> None:
     """The issue's scenario (bench/disconnects.py) against this run's server."""
     from bench.disconnects import random_disconnects
@@ -434,6 +402,11 @@ async def fig_random_disconnects(b: Bench, clients: int, max_new: int) -> None:
     row("random disconnects: reused rids refused", counts, str(refused), "0")
 
 
+async def _rows(figures: Awaitable[list[Row]]) -> None:
+    for r in await figures:
+        row(*r)
+
+
 async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
     full = args.full
     figures = {
@@ -444,8 +417,8 @@ async def main_async(args: argparse.Namespace, b: Bench, vocab: int) -> None:
         "slowloris": lambda: fig_slowloris(b, 1_000 if full else 300),
         "burst": lambda: fig_burst(b, 8),
         "random-disconnects": lambda: fig_random_disconnects(b, 1_000 if full else 300, 256),
-        "simulation": lambda: fig_simulation(args.scenarios or (10_000 if full else 1_000)),
-        "dsim": lambda: asyncio.to_thread(fig_dsim, 100_000 if full else 10_000, args.jobs),
+        "simulation": lambda: _rows(simulation(args.scenarios or (10_000 if full else 1_000))),
+        "dsim": lambda: _rows(asyncio.to_thread(dsim, 100_000 if full else 10_000, args.jobs)),
     }
     for name, figure in figures.items():
         if args.only and name not in args.only:
@@ -481,7 +454,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2, help="processes for the deterministic simulation")
     args = p.parse_args()
     if args.dsim:
-        fig_dsim(args.dsim, args.jobs)
+        for r in dsim(args.dsim, args.jobs):
+            row(*r)
         print_table("deterministic simulation, no server")
         return 0
     port = free_port()
