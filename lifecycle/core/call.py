@@ -25,20 +25,21 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
 import anyio
 
-from lifecycle.core.buffers import OutputBuffer
-from lifecycle.core.call_host import CallHost
+from lifecycle.core.buffers import AdmissionQueue, OutputBuffer
+from lifecycle.core.detok import TextCodec, TokenizerLike
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.fsm import RequestRecord, admit, new_request
 from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_id
 from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail, prompt_reasoning
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.ports import WorkerLink
+from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
@@ -66,6 +67,41 @@ ExitCause = Callable[[], tuple[Cause, str]]
 def owner_left() -> tuple[Cause, str]:
     """The default ``ExitCause``: an owner that leaves without saying why is a bug."""
     return Cause.INTERNAL, "the call's owner left before it ended"
+
+
+class CallHost(Protocol):
+    """What a call asks of the process around it (``lifecycle.core.frontend.Frontend``)."""
+
+    @property
+    def admission(self) -> AdmissionQueue: ...
+
+    @property
+    def codec(self) -> TextCodec: ...
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def model_config(self) -> Any: ...
+
+    @property
+    def output_margin(self) -> int: ...
+
+    @property
+    def weight_version(self) -> str: ...
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None: ...
+
+    def dp_rank(self, client: WorkerLink) -> int | None: ...
+
+    def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerLink: ...
+
+    def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
+
+    def worker_released(self, rec_id: int) -> None: ...
+
+    def closed(self, call: GenerateCall) -> None: ...
 
 
 class _Sink:
