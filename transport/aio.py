@@ -8,7 +8,9 @@ peer still meets backpressure), hands over everything buffered in one ``receive`
 returns from ``send`` without yielding. What one pass of the event loop writes goes out
 in one system call at the end of the pass (up to ``FLUSH_BYTES``, then at once): a
 response head, its last SSE event, ``[DONE]`` and the end of its chunked body usually
-leave together. When the kernel did not take a flush whole, the next ``send`` waits
+leave together. One callback per loop pass flushes every stream that wrote in it
+(``_Flusher``): when a worker's step wakes a thousand streams, their thousand writes cost
+one loop callback, not one each. When the kernel did not take a flush whole, the next ``send`` waits
 until the write buffer is empty, as anyio's does.
 
 ``wrap_listener`` turns the listeners of ``anyio.create_tcp_listener`` /
@@ -19,7 +21,9 @@ it returns the listener unchanged, so callers never branch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import weakref
 from collections import deque
 from typing import Any
 
@@ -128,6 +132,46 @@ class _Protocol(asyncio.Protocol):
         return data
 
 
+log = logging.getLogger("transport")
+
+
+class _Flusher:
+    """The streams of one event loop that wrote in this loop pass; one callback at the
+    end of the pass flushes them all, in the order they first wrote."""
+
+    __slots__ = ("_loop", "_streams")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._streams: list[AsyncioSocketStream] = []
+
+    def add(self, stream: AsyncioSocketStream) -> None:
+        if not self._streams:
+            self._loop.call_soon(self._run)
+        self._streams.append(stream)
+
+    def _run(self) -> None:
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            try:
+                stream._flush()
+            except Exception:  # one transport's failure must not keep the others' bytes
+                log.exception("flushing a stream failed")
+
+
+_FLUSHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Flusher] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _flusher() -> _Flusher:
+    loop = asyncio.get_running_loop()
+    f = _FLUSHERS.get(loop)
+    if f is None:
+        f = _FLUSHERS[loop] = _Flusher(loop)
+    return f
+
+
 class AsyncioSocketStream(anyio.abc.SocketStream):
     """An anyio socket stream over an asyncio transport (see the module's text)."""
 
@@ -138,6 +182,7 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         self._eof_sent = False
         self._pending: list[bytes] = []  # written in this loop pass, flushed at its end
         self._pending_size = 0
+        self._flusher: _Flusher | None = None  # its loop's, from the first send
 
     @classmethod
     async def adopt(cls, sock: socket.socket) -> AsyncioSocketStream:
@@ -173,6 +218,25 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         if p.eof or p.lost:
             raise anyio.EndOfStream
 
+    def try_send(self, item: bytes) -> bool:
+        """``send`` without the coroutine, when it would not wait: False (and nothing
+        written) while the transport still holds bytes the kernel has not taken, and
+        then ``send`` is the way. Raises as ``send`` does on a closed or lost stream."""
+        p = self._protocol
+        if self._closed or self._eof_sent:
+            raise anyio.ClosedResourceError
+        if p.lost or self._transport.is_closing():
+            raise anyio.BrokenResourceError from p.exc
+        if not p.drained.is_set():
+            return False
+        if not self._pending:
+            (self._flusher or self._bind()).add(self)
+        self._pending.append(item)
+        self._pending_size += len(item)
+        if self._pending_size >= FLUSH_BYTES:
+            self._flush()
+        return True
+
     async def send(self, item: bytes) -> None:
         p = self._protocol
         if self._closed or self._eof_sent:
@@ -180,7 +244,7 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         if p.lost or self._transport.is_closing():
             raise anyio.BrokenResourceError from p.exc
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            (self._flusher or self._bind()).add(self)
         self._pending.append(item)
         self._pending_size += len(item)
         if self._pending_size >= FLUSH_BYTES:
@@ -191,6 +255,10 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
                 raise anyio.ClosedResourceError
             if p.lost:
                 raise anyio.BrokenResourceError from p.exc
+
+    def _bind(self) -> _Flusher:
+        self._flusher = _flusher()
+        return self._flusher
 
     def _flush(self) -> None:
         """Hand what this loop pass wrote to the transport: one system call for all of it."""

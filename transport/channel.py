@@ -61,6 +61,8 @@ class Channel:
         self.close_after = False  # the current fast request asked for Connection: close
         self.graceful = True  # close with FIN and linger, not a reset
         self.send_since: float | None = None  # when the write in progress began
+        # The stream's write that needs no coroutine, when it has one (``try_write``).
+        self._try_send: Callable[[bytes], bool] | None = getattr(stream, "try_send", None)
 
     def go_live(self) -> None:
         """Hand every byte held so far to h11, which keeps the connection's state from here."""
@@ -86,6 +88,19 @@ class Channel:
     def has_pending(self) -> bool:
         """Whether bytes of a next request have arrived (h11 or the fast-path buffer)."""
         return bool(self.buf or self.h11.trailing_data[0])
+
+    def try_write(self, request: Request, data: bytes) -> bool:
+        """Write ``data`` at once when the stream takes it without waiting (True); False,
+        with nothing written, when only ``write`` can (a stream without ``try_send``, or
+        a client still reading the last write)."""
+        try_send = self._try_send
+        if try_send is None:
+            return False
+        try:
+            return try_send(data)
+        except STREAM_ERRORS:
+            request.mark_disconnected("client_gone")
+            raise ClientGone from None
 
     async def write(self, request: Request, data: bytes) -> None:
         # A write that outlives send_timeout cancels the whole connection (check_deadlines).

@@ -269,7 +269,15 @@ class ResponseWriter:
             else:
                 await ch.write(request, conn.send(h11.Data(data=data)))
 
-        gate = StreamGate(write_data, self.config.sse_ping_interval if sse else math.inf)
+        def try_write_data(data: bytes) -> bool:
+            # chunked only: h11's own framing changes its state, so it goes through write
+            if not data:
+                return True
+            return chunked and ch.try_write(request, b"%x\r\n%b\r\n" % (len(data), data))
+
+        gate = StreamGate(
+            write_data, self.config.sse_ping_interval if sse else math.inf, try_write_data
+        )
         self.stream_gate = gate  # the watchdog starts its pings (check_deadlines)
         try:
             return await pump(request, response.chunks, gate, sse)

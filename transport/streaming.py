@@ -32,12 +32,21 @@ _ACLOSE_TIMEOUT = 5.0  # a producer's cleanup should be quick; never let it wedg
 class StreamGate:
     """One write at a time for a streamed body, when the last one ended, and its pings."""
 
-    __slots__ = ("_write", "_free", "busy", "last", "failure", "ping_interval", "_pinging", "scope")
+    __slots__ = (
+        "_write", "_try_write", "_free", "busy", "last", "failure", "ping_interval",
+        "_pinging", "scope",
+    )  # fmt: skip
 
     def __init__(
-        self, write: Callable[[bytes], Awaitable[None]], ping_interval: float = math.inf
+        self,
+        write: Callable[[bytes], Awaitable[None]],
+        ping_interval: float = math.inf,
+        try_write: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._write = write
+        # ``write`` without a coroutine when the socket takes the bytes at once (False:
+        # nothing written, ``write`` waits); a streamed token costs no awaits that way.
+        self._try_write = try_write
         self._free: anyio.Event | None = None
         self.busy = False
         self.last = time.monotonic()
@@ -62,6 +71,14 @@ class StreamGate:
             if self._free is not None:
                 self._free.set()
                 self._free = None
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write at once if no other write is in progress and the socket takes it now;
+        False, with nothing written, when ``write`` must."""
+        if self.busy or self._try_write is None or not self._try_write(data):
+            return False
+        self.last = time.monotonic()
+        return True
 
     def ping_due(self, now: float) -> bool:
         """Whether the stream has been silent for ``ping_interval`` and a ping may start
@@ -135,7 +152,7 @@ async def _write_items(iterator: AsyncIterator[Any], gate: StreamGate, sse: bool
             log.exception("response producer failed")
             return False
         data = frame_event(item) if sse else item
-        if data:
+        if data and not gate.write_nowait(data):
             await gate.write(data)
 
 

@@ -41,7 +41,7 @@ from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.ports import WorkerLink
 from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import DuplicateRid
-from lifecycle.core.states import Cause, Event
+from lifecycle.core.states import Cause, Event, State
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
 from lifecycle.core.wakeup import Wakeup
 from wire import Finish
@@ -352,26 +352,31 @@ class GenerateCall:
         changed = []
         n_items = len(self.runs)
         for i, run in enumerate(self.runs):
-            for j, (buf, sample) in enumerate(zip(run.buffers, run.samples, strict=True)):
+            ended = False  # a sample of this run ended in this poll
+            for j, sample in enumerate(run.samples):
                 if sample.finish is not None or sample.failure is not None:
                     continue
-                chunk = buf.take_nowait()
+                chunk = run.buffers[j].take_nowait()
                 if chunk is None:
                     continue
+                end = chunk.end
                 try:
                     sample.consume(chunk)
-                    if isinstance(chunk.end, dict):
-                        sample.end(chunk.end)
+                    if isinstance(end, dict):
+                        sample.end(end)
                 except (ValueError, TypeError, KeyError, IndexError) as exc:
                     self._bad_output(run, j, exc)
                     changed.append((j * n_items + i, sample))
+                    ended = True
                     continue
-                if chunk.ids:  # the table takes running -> streaming once, refuses after
-                    run.rec.advance(Event.FIRST_TOKEN)
-                if chunk.end is not None and not isinstance(chunk.end, dict):
-                    sample.failure = chunk.end
+                if chunk.ids and run.rec.state is not State.STREAMING:
+                    run.rec.advance(Event.FIRST_TOKEN)  # running -> streaming, once
+                if end is not None:
+                    ended = True
+                    if not isinstance(end, dict):
+                        sample.failure = end
                 changed.append((j * n_items + i, sample))
-            if run.samples and all(s.finish or s.failure for s in run.samples):
+            if ended and all(s.finish or s.failure for s in run.samples):
                 self._item_ended(run)
         return changed
 
@@ -404,9 +409,15 @@ class GenerateCall:
         return all(r.rec.terminal for r in runs)
 
     async def wait(self) -> list[tuple[int, SampleOutput]]:
-        """Wait for progress; returns what changed (empty only when the call is done)."""
+        """Wait for progress; returns what changed (empty only when the call is done).
+
+        The buffers are polled only after a wake-up: everything that adds to them or ends
+        them wakes the call (``_Sink``, ``interrupt``), so a call that returned a chunk a
+        moment ago does not look at its buffers again before it sleeps."""
+        woke = self._wake.take()
         while True:
-            changed = self.poll()
+            changed = self.poll() if woke else []
+            woke = True
             if self.done:
                 self.close()  # every record ended: the rid is free before the owner sends
                 return changed
@@ -453,7 +464,7 @@ class GenerateCall:
     async def frames(
         self, incremental: bool
     ) -> AsyncIterator[tuple[int, SampleOutput, dict[str, Any]]]:
-        while not self.done:
+        while not self.closed:  # wait() closes the call once it is done
             for index, sample in await self.wait():
                 # A sample that failed still sends what it got before the failure (a
                 # lagging reader's last chunk holds it), then the owner sends the error.

@@ -27,6 +27,11 @@ class Wakeup:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def take(self) -> bool:
+        """Whether it was set since the last ``wait`` or ``take``; cleared."""
+        was, self._is_set = self._is_set, False
+        return was
+
     async def wait(self) -> None:
         """Until set (at once if it is); cleared on return. Cancellable."""
         if not self._is_set:
