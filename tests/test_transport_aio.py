@@ -188,6 +188,57 @@ async def test_writes_of_one_loop_pass_leave_in_one_call_in_order() -> None:
         assert got == b"head;event;done;end" + big
 
 
+async def test_one_callback_flushes_every_stream_that_wrote_in_the_pass() -> None:
+    """Two connections written in one pass: both leave at its end, from one callback."""
+    a, client_a, listener_a = await _pair()
+    b, client_b, listener_b = await _pair()
+    async with a, b, client_a, client_b, listener_a, listener_b:
+        assert isinstance(a, aio.AsyncioSocketStream) and isinstance(b, aio.AsyncioSocketStream)
+        flushed: list[str] = []
+        for name, stream in (("a", a), ("b", b)):
+            write = stream._transport.write
+
+            def counting(data: bytes, name: str = name, write=write) -> None:  # type: ignore[no-untyped-def]
+                flushed.append(name)
+                write(data)
+
+            stream._transport.write = counting  # type: ignore[method-assign]
+        await a.send(b"to a;")
+        await b.send(b"to b;")
+        await a.send(b"again")
+        flusher = aio._flusher()
+        assert flusher._streams == [a, b]  # one entry a stream, in the order they wrote
+        assert flushed == []
+        await anyio.sleep(0)
+        assert flushed == ["a", "b"] and flusher._streams == []
+        with anyio.fail_after(5):
+            assert await client_a.receive() == b"to a;again"
+            assert await client_b.receive() == b"to b;"
+
+
+async def test_try_send_writes_only_when_the_kernel_took_the_last_flush() -> None:
+    """``try_send`` is ``send`` without the wait: True and queued for the pass's flush
+    while the transport holds nothing; False, with nothing written, while a slow reader
+    leaves bytes in it; the errors of ``send`` on a closed stream."""
+    ours, client, listener = await _pair()
+    async with client, listener:
+        assert isinstance(ours, aio.AsyncioSocketStream)
+        assert ours.try_send(b"quick") is True
+        await anyio.sleep(0)
+        with anyio.fail_after(5):
+            assert await client.receive() == b"quick"
+        with anyio.fail_after(10):  # the client reads nothing: fill the kernel's buffers
+            while ours._transport.get_write_buffer_size() == 0:
+                ours.try_send(b"w" * aio.FLUSH_BYTES)
+                await anyio.sleep(0)
+        held = ours._transport.get_write_buffer_size()
+        assert ours.try_send(b"refused") is False
+        assert ours._pending == [] and ours._transport.get_write_buffer_size() == held
+        await ours.aclose()
+        with pytest.raises(anyio.ClosedResourceError):
+            ours.try_send(b"closed")
+
+
 async def test_pending_writes_go_out_before_eof_and_close() -> None:
     ours, client, listener = await _pair()
     async with client, listener:
