@@ -22,6 +22,12 @@ read, the weights in their dtype (``w``) and with the KV cache rows of the conte
 (``w+kv``); the ratio is step time / floor time. Also a ``--prompt``-token prefill. A
 check that graphs and eager agree: the largest logit difference and the share of rows
 whose argmax matches.
+
+And a mixed step, ``--mixed-decodes`` decode rows (``--context`` each) beside one
+``--mixed-chunk``-token prompt chunk, logits for the decode rows and the chunk's last:
+``eager`` as above, ``piecewise`` through ``gpu.piecewise.MixedGraphs`` (captured
+pieces around an eager attention; without capture on the CPU), and the check against the
+model's torch path (eager on a GPU), which the pieces are made of.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from gpu.graphs import CudaBackend, EagerBackend, StepGraphs  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.memory import kv_bytes_per_token  # noqa: E402
+from gpu.piecewise import MixedGraphs  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKEN = 1000  # the id every decode row feeds (attention cost does not depend on it)
@@ -161,6 +168,56 @@ def prefill_case(lm: LoadedModel, n: int, args: argparse.Namespace, clock: Clock
     return {"tokens": n, **s, "tokens_per_s": n / (s["min_ms"] / 1e3)}
 
 
+def mixed_case(lm: LoadedModel, decodes: int, context: int, chunk: int, backend: Any,
+               args: argparse.Namespace, clock: Clock) -> dict[str, Any]:  # fmt: skip
+    """One step of ``decodes`` decode rows and a ``chunk``-token prompt chunk, eager and
+    piecewise, and how far the two agree."""
+    per = -(-(context + 1) // BLOCK_SIZE)
+    chunk_blocks = -(-chunk // BLOCK_SIZE)
+    blocks = decodes * per + chunk_blocks
+    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
+    dec = [(list(range(s * per, (s + 1) * per)), context + 1) for s in range(decodes)]
+    prefill = [PrefillChunk(list(range(decodes * per, blocks)), 0, chunk)]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(100, lm.config.vocab_size, (decodes + chunk,), generator=gen).tolist()
+    pos = [context] * decodes + list(range(chunk))
+    rows = [*range(decodes), decodes + chunk - 1]  # the decodes' and the chunk's last
+    ids_t, pos_t = torch.tensor(ids, device=lm.device), torch.tensor(pos, device=lm.device)
+    idx = torch.tensor(rows, device=lm.device)
+
+    def eager() -> torch.Tensor:
+        cache.prepare(dec, prefill)
+        return lm.model(ids_t, pos_t, cache, logits_indices=idx)
+
+    mixed = MixedGraphs(lm.model, cache, backend, max(512, decodes + chunk))
+
+    def piecewise() -> torch.Tensor:
+        x = mixed.run(ids, pos, dec, prefill)
+        assert x is not None
+        return lm.model.logits(x, idx)
+
+    t = time.perf_counter()
+    piecewise()  # captures the size
+    out: dict[str, Any] = {"decodes": decodes, "context": context, "chunk": chunk,
+                           "capture_s": time.perf_counter() - t,
+                           "size": mixed.size_for(decodes + chunk)}  # fmt: skip
+    out["eager"] = clock.stats(eager, args.runs, args.warmup)
+    out["piecewise"] = clock.stats(piecewise, args.runs, args.warmup)
+
+    def layers() -> torch.Tensor:  # the pieces' own function: the model's torch path
+        cache.prepare(dec, prefill)
+        x = lm.model.run_layers(lm.model.embed_rows(ids_t), pos_t, cache)
+        return lm.model.logits(x, idx)  # type: ignore[return-value]
+
+    # Eager is that path on a GPU; with quantized weights on the CPU it is the fused
+    # trunk, another function (docs/determinism.md), so the check reads the torch path.
+    a, b = layers().float(), piecewise().float()
+    clock.sync()
+    out["max_abs_logit_diff"] = float((a - b).abs().max())
+    out["argmax_agree"] = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    return out
+
+
 def _floors(row: dict[str, Any], wbytes: int, kv_token: int, bw: float) -> None:
     kv = row["batch"] * (row["context"] + 1) * kv_token
     row["weight_bytes"], row["kv_bytes"] = wbytes, kv
@@ -203,6 +260,13 @@ def _print_table(res: dict[str, Any]) -> None:
         f"prefill {p['tokens']} tokens: min {p['min_ms']:.2f} ms, median {p['median_ms']:.2f} ms "
         f"= {p['tokens_per_s']:.0f} tok/s"
     )
+    m = res["mixed"]
+    print(f"mixed step: {m['decodes']} decodes + a {m['chunk']}-token chunk (padded to "
+          f"{m['size']} rows, captured in {m['capture_s'] * 1e3:.0f} ms): eager min "
+          f"{m['eager']['min_ms']:.2f} / median {m['eager']['median_ms']:.2f} ms, piecewise "
+          f"min {m['piecewise']['min_ms']:.2f} / median {m['piecewise']['median_ms']:.2f} ms; "
+          f"against the torch path: max |logit diff| {m['max_abs_logit_diff']:.3g}, argmax agrees on "
+          f"{m['argmax_agree'] * 100:.0f} % of rows")  # fmt: skip
 
 
 def _cpu_name() -> str:
@@ -221,6 +285,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     p.add_argument("--prompt", type=int, default=512, help="prefill length")
+    p.add_argument("--mixed-decodes", type=int, default=64, help="decode rows of the mixed step")
+    p.add_argument("--mixed-chunk", type=int, default=192, help="its prompt chunk's tokens")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=None, help="default 2048 GPU, 256 CPU")
@@ -263,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             _floors(row, wbytes, kv_token, bw)
             rows.append(row)
         res["prefill"] = prefill_case(lm, args.prompt, args, clock)
+        res["mixed"] = mixed_case(lm, args.mixed_decodes, args.context, args.mixed_chunk,
+                                  backend, args, clock)  # fmt: skip
     res.update(bandwidth_bytes_per_s=bw, weight_bytes=wbytes, kv_bytes_per_token=kv_token)
     res["decode"] = rows
     if cuda:

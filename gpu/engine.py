@@ -26,6 +26,7 @@ from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
 from gpu.memory import MemoryFootprint
 from gpu.overlap import InFlight, flies, fly, land, overlap_on
+from gpu.piecewise import MixedGraphs
 from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import parse_request, sample
@@ -43,7 +44,7 @@ from wire import (
 )
 from wire.faults import active_plan, fault_point
 from wire.sampling import STOP_REGEX_WINDOW
-from wire.worker_options import DEFAULT_BLOCK_SIZE
+from wire.worker_options import DEFAULT_BLOCK_SIZE, MIXED_GRAPH_MODES
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -67,6 +68,8 @@ class EngineConfig:
     decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
     overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
     kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype
+    # auto: with the decode graphs, every other step replays piecewise (gpu/piecewise.py)
+    mixed_graphs: str = "auto"
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -128,7 +131,13 @@ class Engine:
         self.graphs = None if graphs is None else StepGraphs(
             self.model, self.cache, graphs, config.max_running, self.max_context
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.cache, self.graphs)
+        if config.mixed_graphs not in MIXED_GRAPH_MODES:
+            raise ValueError(f"mixed graphs must be one of {', '.join(MIXED_GRAPH_MODES)}, "
+                             f"got {config.mixed_graphs!r}")  # fmt: skip
+        self.mixed_graphs = None
+        if graphs is not None and config.mixed_graphs == "auto":
+            self.mixed_graphs = MixedGraphs(self.model, self.cache, graphs, config.step_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.graphs, self.mixed_graphs)
         self._eog = tuple(sorted(self.mc.eog_ids))
         self._eog_set = frozenset(self._eog)
         tok = loaded.tokenizer

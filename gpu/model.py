@@ -372,33 +372,48 @@ class Llama(nn.Module):
 
     def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Every row's last-layer output ``[T, hidden]``, before the final norm."""
+        x = self.embed_rows(input_ids)
+        fused = self._fused_for(attn)
+        if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
+            return fused(x, positions, *rows)
+        return self.run_layers(x, positions, attn)
+
+    def embed_rows(self, input_ids: Tensor) -> Tensor:
+        """The embedded rows ``[T, hidden]`` the first layer reads."""
         if self.embed_q is not None:
             x = self.embed_q.rows(input_ids)
         else:
             x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        fused = self._fused_for(attn)
-        if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
-            return fused(x, positions, *rows)
-        return self.run_layers(x, positions, attn)
+        return x
 
     def run_layers(self, x: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """The torch path's layers over embedded rows ``x``."""
-        # RoPE tables stay fp32 (as HF computes them); cast once per step, not per layer.
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-        for i, layer in enumerate(self.layers):
-            table = self._rope(i)
-            if id(table[0]) not in rows:
-                rows[id(table[0])] = (
-                    table[0][positions].unsqueeze(1).to(x.dtype),
-                    table[1][positions].unsqueeze(1).to(x.dtype),
-                )
-            cos, sin = rows[id(table[0])]
-            x = self._layer(i, cast(LlamaWeights, layer), x, cos, sin, attn)
+        rope = self.rope_rows(positions, x.dtype)
+        for i in range(len(self.layers)):
+            cos, sin = rope[i]
+            q, k, v = self.attention_in(i, x, cos, sin)
+            x = self.attention_out(i, x, attn(i, q, k, v))
         return x
 
-    def _rope(self, layer: int) -> tuple[Tensor, Tensor]:
+    def rope_rows(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's RoPE (cos, sin) ``[T, 1, head_dim]`` at ``positions``; layers that
+        share a table share its rows. The tables stay fp32 (as HF computes them) and are
+        cast once per step, not per layer."""
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        out = []
+        for i in range(len(self.layers)):
+            table = self.rope_table(i)
+            if id(table[0]) not in rows:
+                rows[id(table[0])] = (
+                    table[0][positions].unsqueeze(1).to(dtype),
+                    table[1][positions].unsqueeze(1).to(dtype),
+                )
+            out.append(rows[id(table[0])])
+        return out
+
+    def rope_table(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32."""
         if self.rope_window is not None and self.config.window(layer):
             return self.rope_window
@@ -417,7 +432,7 @@ class Llama(nn.Module):
         layers = [cast(LlamaWeights, layer) for layer in self.layers]
         if not FusedTrunk.applies(self.config, layers, attn):
             return None
-        rope = [self._rope(i) for i in range(self.config.n_layers)]
+        rope = [self.rope_table(i) for i in range(self.config.n_layers)]
         self._fused = FusedTrunk(self.config, layers, rope, cast(PagedKVCache, attn), _kernels())
         return self._fused
 
@@ -448,10 +463,13 @@ class Llama(nn.Module):
                 logits = torch.tanh(logits / cap) * cap
         return (logits, h) if return_hidden else logits
 
-    def _layer(
-        self, i: int, w: LlamaWeights, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend
-    ) -> Tensor:
+    def attention_in(
+        self, i: int, x: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer ``i`` up to its attention: the queries, keys and values of rows ``x``
+        (the layer's torch path; a piecewise step captures it, ``gpu/piecewise.py``)."""
         c = self.config
+        w = cast(LlamaWeights, self.layers[i])
         t = x.shape[0]
         h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
         qkv = w.qkv(h)
@@ -469,8 +487,13 @@ class Llama(nn.Module):
             )
         qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
-        o = attn(i, qk[:, : c.n_heads], qk[:, c.n_heads :], v)
-        y = w.o(o.reshape(t, c.n_heads * c.head_dim))
+        return qk[:, : c.n_heads], qk[:, c.n_heads :], v
+
+    def attention_out(self, i: int, x: Tensor, o: Tensor) -> Tensor:
+        """Layer ``i`` from its attention's output ``o`` on: the rows the next layer reads."""
+        c = self.config
+        w = cast(LlamaWeights, self.layers[i])
+        y = w.o(o.reshape(x.shape[0], c.n_heads * c.head_dim))
         if w.post_attn_norm is not None:
             y = F.rms_norm(y, self._shape, w.post_attn_norm, c.rms_eps)
         x = x + y

@@ -7,7 +7,8 @@ It owns what depends on the device and the weights rather than on the requests:
 - the KV cache layout of the step (``PagedKVCache.prepare``: decode rows and prompt
   chunks, their block tables);
 - CUDA graph replay (``gpu/graphs.py``) when the step is a captured shape: pure decode,
-  every row sampled, no hidden states asked;
+  every row sampled, no hidden states asked; any other step, with graphs on, replays
+  piecewise around an eager attention (``gpu/piecewise.py``);
 - the trunk, whose fused native or torch path the model chooses itself
   (``Llama.trunk``: the fused trunk for quantized weights on the CPU, docs/determinism.md);
   a tensor-parallel shard announces the step to its followers inside its trunk
@@ -25,6 +26,7 @@ from gpu.graphs import StepGraphs
 from gpu.host import ints, put_futures
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.model import Llama
+from gpu.piecewise import MixedGraphs
 
 __all__ = ["ModelRunner", "StepInput", "StepOutput"]
 
@@ -58,10 +60,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, cache: PagedKVCache, graphs: StepGraphs | None) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        cache: PagedKVCache,
+        graphs: StepGraphs | None,
+        mixed: MixedGraphs | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.graphs = graphs
+        self.mixed = mixed
 
     def run(self, step: StepInput) -> StepOutput:
         if (
@@ -74,11 +83,15 @@ class ModelRunner:
             if logits is not None:
                 return StepOutput(None, logits, None)
         dev = self.cache.device
-        self.cache.prepare(step.decodes, step.prefills)
-        ids = ints(step.ids, device=dev)
-        if step.future is not None:
-            put_futures(ids, step.future)
-        x = self.model.trunk(ids, ints(step.pos, device=dev), self.cache)
+        x = None
+        if self.mixed is not None:
+            x = self.mixed.run(step.ids, step.pos, step.decodes, step.prefills, step.future)
+        if x is None:
+            self.cache.prepare(step.decodes, step.prefills)
+            ids = ints(step.ids, device=dev)
+            if step.future is not None:
+                put_futures(ids, step.future)
+            x = self.model.trunk(ids, ints(step.pos, device=dev), self.cache)
         if not step.logit_rows:  # a step of embed prefills alone needs no LM head
             return StepOutput(x, None, None)
         idx = ints(step.logit_rows, device=dev)

@@ -269,6 +269,7 @@ def lead(engine: Engine, followers: Followers) -> None:
             )
         log.info("tensor parallel: decode graphs off (every step is announced to the followers)")
         engine.graphs = engine.runner.graphs = None
+        engine.mixed_graphs = engine.runner.mixed = None  # piecewise steps skip the trunk too
     cache = LeaderCache.adopt(engine.cache, followers)
     engine.cache = engine.runner.cache = cache
     engine.scheduler.copy_rows = cache.copy_rows

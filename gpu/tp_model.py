@@ -10,9 +10,9 @@ anything up to the number of KV heads.
 
 Per layer exactly two all-reduces (sum): after the o projection and after the down
 projection, each rank having multiplied its slice of the inner dimension; both live in
-``ReducingLinear`` so the unmodified ``Llama._layer`` runs on the shard. The embedding is
-looked up in each rank's vocabulary range (zeros elsewhere) and all-reduced: exact,
-as every row has a single non-zero term. The LM head computes each rank's vocabulary
+``ReducingLinear`` so the unmodified layer (``Llama.attention_in``, ``attention_out``) runs
+on the shard. The embedding is looked up in each rank's vocabulary range (zeros
+elsewhere) and all-reduced: exact, as every row has a single non-zero term. The LM head computes each rank's vocabulary
 slice (padded to equal size for the collective) and gathers it on rank 0, the only rank
 that samples.
 

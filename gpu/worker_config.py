@@ -53,6 +53,7 @@ class WorkerConfig:
     mem_fraction: float | None = _D["mem_fraction"]  # CUDA: DEFAULT_MEM_FRACTION when unsized
     decode_graphs: str = _D["decode_graphs"]  # gpu/graphs.py
     overlap: str = _D["overlap"]  # gpu/engine.py, Engine.step
+    mixed_graphs: str = _D["mixed_graphs"]  # gpu/piecewise.py
     weights: str = _D["weights"]  # gpu/loader.py; --tp > 1: fp32
     context_length: int | None = _D["context_length"]  # None: the model's (with_context)
     block_size: int = _D["block_size"]
@@ -169,6 +170,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.decode_graphs,
             config.overlap,
             config.kv_cache_dtype,
+            config.mixed_graphs,
         ),
     )
     engine.kv_plan = plan

@@ -168,6 +168,7 @@ OPTIONS: tuple[Option, ...] = (
     _forwarded("mem_fraction", _WORKER),
     _forwarded("decode_graphs", _WORKER),
     _forwarded("overlap", _WORKER),
+    _forwarded("mixed_graphs", _WORKER),
     _forwarded("tp", _WORKER),
     _o(
         "dp",

@@ -83,6 +83,7 @@ class AppConfig:
     mem_fraction: float | None = None  # CUDA: the KV cache's share of free memory
     decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     overlap: str | None = None  # auto | on | off; None: the worker's (auto)
+    mixed_graphs: str | None = None  # auto | off; None: the worker's (auto)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
@@ -434,6 +435,7 @@ _PLAIN = (
     "mem_fraction",
     "decode_graphs",
     "overlap",
+    "mixed_graphs",
     "tp",
     "dp",
     "router_policy",

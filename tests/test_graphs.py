@@ -29,9 +29,9 @@ CUDA = torch.cuda.is_available()
 
 
 def _engine(lm: LoadedModel, graphs: str, blocks: int = 256, max_running: int = 16,
-            overlap: str = "auto") -> Engine:  # fmt: skip
+            overlap: str = "auto", mixed: str = "auto") -> Engine:  # fmt: skip
     return Engine(lm, EngineConfig(blocks, 16, max_running, 64, 512, 512, decode_graphs=graphs,
-                                   overlap=overlap))  # fmt: skip
+                                   overlap=overlap, mixed_graphs=mixed))  # fmt: skip
 
 
 def _generate(engine: Engine, prompts: list[list[int]], n: int, sampling: dict | None = None,
@@ -131,13 +131,18 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     """The acceptance check on a GPU: the reference prompts' greedy output with CUDA
     graphs equals eager CUDA and CUDA graphs without overlapped steps token for token, in
     bf16 and in fp32, and CUDA agrees with the CPU worker (fp32 weights) on at least the
-    first 16 tokens of each prompt.
+    first 16 tokens of each prompt. The prompts' steps replay piecewise
+    (``gpu/piecewise.py``); with ``--mixed-graphs off`` (decode graphs alone) the same
+    holds.
 
     On the bundled model both CUDA modes are held to that. On a same-shape model with
     random weights (``LIFECYCLE_TEST_MODEL``, what tools/gpu_check.sh can carry) the
     logits are nearly flat (std ~0.5 over 49k ids), so bf16 rounding decides near-ties
     and where bf16 parts from the CPU is printed only; fp32 CUDA (TF32 off) computes the
-    same function as the CPU to ~1e-6 and is still held to the 16 tokens."""
+    same function as the CPU to ~1e-6 and is still held to the 16 tokens. The pieces
+    pad a step's rows (a GEMM of 64 rows where eager has 37): where a library picks
+    another kernel for that many rows, bf16 rounding may differ at such near-ties too,
+    so on random weights bf16 pieces are printed against eager, not held."""
     import os
 
     path = os.environ.get("LIFECYCLE_TEST_MODEL") or None
@@ -149,9 +154,17 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     out: dict[str, dict[int, list[int]]] = {}
     for dtype in ("bf16", "fp32"):
         cuda = load_model(path, device="cuda", dtype=dtype)
-        graphed = _generate(_engine(cuda, "on", blocks=4096, max_running=64), prompts, n)
+        engine = _engine(cuda, "on", blocks=4096, max_running=64)
+        graphed = _generate(engine, prompts, n)
+        assert engine.mixed_graphs is not None and engine.mixed_graphs.replays > 0
         eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
-        assert graphed == eager, dtype
+        whole = _engine(cuda, "on", blocks=4096, max_running=64, mixed="off")
+        assert _generate(whole, prompts, n) == eager, dtype  # the decode graphs alone
+        parts = {rid: _first_difference(graphed[rid], eager[rid]) for rid in sorted(eager)}
+        print(f"cuda {dtype}: piecewise graphs against eager, token where each prompt "
+              f"parts (None: all {n} agree): {parts}")  # fmt: skip
+        if dtype == "fp32" or not random_weights:
+            assert graphed == eager, dtype
         # Both overlap their steps (auto on CUDA); without it, the same tokens.
         plain = _engine(cuda, "on", blocks=4096, max_running=64, overlap="off")
         assert _generate(plain, prompts, n) == graphed, dtype
@@ -223,20 +236,24 @@ def test_mem_fraction_is_refused_on_the_cpu(tiny_gguf: TinyModel) -> None:
         build_engine(WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", mem_fraction=0.5))
 
 
-def test_serve_with_eager_decode_graphs_reports_them(tiny_gguf: TinyModel) -> None:
+def test_serve_with_eager_graphs_reports_them(tiny_gguf: TinyModel) -> None:
     import httpx
 
     from tests.scripted import lifecycle_server
 
     body = {"text": "hello there", "sampling_params": {**GREEDY, "max_new_tokens": 12}}
     outs = {}
-    for mode in ("eager", "off"):
+    # (--decode-graphs, --mixed-graphs): what HELLO then says of each
+    for mode, mixed, says in (("eager", "auto", "eager"), ("eager", "off", "off"),
+                              ("off", "auto", "off")):  # fmt: skip
         with lifecycle_server("--model", str(tiny_gguf.path), "--device", "cpu",
-                              "--decode-graphs", mode, "--kv-cache-tokens", "1024") as url:  # fmt: skip
+                              "--decode-graphs", mode, "--mixed-graphs", mixed,
+                              "--kv-cache-tokens", "1024") as url:  # fmt: skip
             r = httpx.post(url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
-            outs[mode] = r.json()["output_ids"]
+            outs[mode, mixed] = r.json()["output_ids"]
             cap = httpx.get(url + "/server_info").json()["internal_states"][0]["capacity"]
             assert cap["decode_graphs"] == mode
+            assert cap["mixed_graphs"] == says
             assert "kv_cache_bytes" not in cap  # sized in tokens, not from a card
-    assert outs["eager"] == outs["off"] and len(outs["off"]) == 12
+    assert len(set(map(tuple, outs.values()))) == 1 and len(outs["off", "auto"]) == 12

@@ -13,7 +13,8 @@
 #   tests    tests/test_graphs.py (its CUDA test reads LIFECYCLE_TEST_MODEL) and
 #            tests/test_gpu_kit.py
 #   step     bench/gpu_step.py: decode at batch 1 and 64, CUDA graphs against eager,
-#            against the copy-bandwidth floor; prefill of 512 tokens
+#            against the copy-bandwidth floor; prefill of 512 tokens; a mixed step
+#            (64 decodes and a 192-token chunk) eager and piecewise
 #   serve    tools/gpu_serving.py: lifecycle serve under load at concurrency 1, 32, 256
 #            (64 tokens in, 64 forced out), with the frontend's CPU per output token
 #   profile  bench/engine_profile.py: the engine's decode step at batch 256, wall time

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
     "GRAPH_MODES",
+    "MIXED_GRAPH_MODES",
     "KV_CACHE_DTYPES",
     "OVERLAP_MODES",
     "WEIGHT_MODES",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
+MIXED_GRAPH_MODES = ("auto", "off")  # gpu/piecewise.py: auto is with the decode graphs
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/kv_cache.py, kv_storage_dtype
@@ -103,6 +105,9 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "KV size is given)", type=float, forwarded=True),
     _w("decode_graphs", "decode steps replayed from captured graphs (auto: CUDA graphs on "
        "CUDA)", choices=GRAPH_MODES, default="auto", forwarded=True),
+    _w("mixed_graphs", "with the decode graphs, steps that carry prompt chunks replay "
+       "piecewise: captured graphs around an eager attention (auto; off: those steps run "
+       "eagerly)", choices=MIXED_GRAPH_MODES, default="auto", forwarded=True),
     _w("overlap", "launch each step before reading the previous step's sampled tokens, "
        "so the host's work runs while the device computes (auto: on CUDA; the same "
        "tokens either way)", choices=OVERLAP_MODES, default="auto", forwarded=True),
