@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py [--model GGUF] [--device cuda|cpu] [--batches 1 64]
                              [--context 256] [--prompt 512] [--json PATH]
+                             [--kernels torch triton]
 
 For each batch size: one decode step (every sequence adds one token after ``--context``
 tokens of context, logits for every row, no sampling) run three ways:
@@ -28,6 +29,9 @@ And a mixed step, ``--mixed-decodes`` decode rows (``--context`` each) beside on
 ``eager`` as above, ``piecewise`` through ``gpu.piecewise.MixedGraphs`` (captured
 pieces around an eager attention; without capture on the CPU), and the check against the
 model's torch path (eager on a GPU), which the pieces are made of.
+
+``--kernels torch triton`` runs all of it once with each (``gpu/triton_ops.py``: the
+torch path's ops fused into Triton kernels), one table each.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ tune_cpu_runtime()
 import torch  # noqa: E402
 
 from gpu.graphs import CudaBackend, EagerBackend, StepGraphs  # noqa: E402
+from gpu.kernel_choice import triton_ops  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.memory import kv_bytes_per_token  # noqa: E402
 from gpu.piecewise import MixedGraphs  # noqa: E402
+from wire.worker_options import KERNEL_MODES  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKEN = 1000  # the id every decode row feeds (attention cost does not depend on it)
@@ -112,6 +118,7 @@ def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: a
     """The three timings of one batch size, and how far graphs and eager agree."""
     per = -(-(context + 1) // BLOCK_SIZE)
     cache = PagedKVCache(lm.config, batch * per, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
+    cache.ops = lm.model.ops  # --kernels: the model's and the cache's alike
     tables = [list(range(s * per, (s + 1) * per)) for s in range(batch)]
     decodes = [(t, context + 1) for t in tables]
     ids = [min(TOKEN, lm.config.vocab_size - 1)] * batch
@@ -158,6 +165,7 @@ def prefill_case(lm: LoadedModel, n: int, args: argparse.Namespace, clock: Clock
     last = torch.tensor([n - 1], device=lm.device)
     blocks = -(-n // BLOCK_SIZE)
     cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype)
+    cache.ops = lm.model.ops
     chunk = PrefillChunk(list(range(blocks)), 0, n)
 
     def step() -> None:
@@ -176,6 +184,7 @@ def mixed_case(lm: LoadedModel, decodes: int, context: int, chunk: int, backend:
     chunk_blocks = -(-chunk // BLOCK_SIZE)
     blocks = decodes * per + chunk_blocks
     cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
+    cache.ops = lm.model.ops
     dec = [(list(range(s * per, (s + 1) * per)), context + 1) for s in range(decodes)]
     prefill = [PrefillChunk(list(range(decodes * per, blocks)), 0, chunk)]
     gen = torch.Generator().manual_seed(1)
@@ -290,6 +299,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=None, help="default 2048 GPU, 256 CPU")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["torch"],
+        choices=KERNEL_MODES,
+        help="run everything with each: torch ops, fused Triton kernels",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     return p
 
@@ -323,19 +339,28 @@ def main(argv: list[str] | None = None) -> int:
             weight_bytes(lm),
             kv_bytes_per_token(lm.config, lm.model.embed.element_size()),
         )
-        rows = []
-        for b in args.batches:
-            row = decode_case(lm, b, args.context, backend, args, clock)
-            _floors(row, wbytes, kv_token, bw)
-            rows.append(row)
-        res["prefill"] = prefill_case(lm, args.prompt, args, clock)
-        res["mixed"] = mixed_case(lm, args.mixed_decodes, args.context, args.mixed_chunk,
-                                  backend, args, clock)  # fmt: skip
-    res.update(bandwidth_bytes_per_s=bw, weight_bytes=wbytes, kv_bytes_per_token=kv_token)
-    res["decode"] = rows
+        res.update(bandwidth_bytes_per_s=bw, weight_bytes=wbytes, kv_bytes_per_token=kv_token)
+        runs: dict[str, dict[str, Any]] = {}
+        for kernels in args.kernels:
+            lm.model.ops = triton_ops(kernels, dev)
+            run: dict[str, Any] = {}
+            rows = []
+            for b in args.batches:
+                row = decode_case(lm, b, args.context, backend, args, clock)
+                _floors(row, wbytes, kv_token, bw)
+                rows.append(row)
+            run["decode"] = rows
+            run["prefill"] = prefill_case(lm, args.prompt, args, clock)
+            run["mixed"] = mixed_case(lm, args.mixed_decodes, args.context, args.mixed_chunk,
+                                      backend, args, clock)  # fmt: skip
+            runs[kernels] = run
+    res.update(runs[args.kernels[0]])  # the first kernels' figures at the top, as before
+    res["kernels"] = runs
     if cuda:
         res["max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
-    _print_table(res)
+    for kernels, run in runs.items():
+        print(f"\nkernels: {kernels}")
+        _print_table({**res, **run})
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
         print(f"figures written to {args.json}")

@@ -21,6 +21,7 @@ from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
 from gpu.graphs import StepGraphs, graph_backend
+from gpu.kernel_choice import triton_ops
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
@@ -70,6 +71,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype
     # auto: with the decode graphs, every other step replays piecewise (gpu/piecewise.py)
     mixed_graphs: str = "auto"
+    kernels: str = "torch"  # torch | triton: the torch path's ops (gpu/kernel_choice.py)
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -111,11 +113,16 @@ class Engine:
         self.config = config
         self.blocks = BlockManager(config.kv_blocks, config.block_size)
         graphs = graph_backend(config.decode_graphs, loaded.device)
+        ops = triton_ops(config.kernels, loaded.device)
+        # The model is the loaded one: an engine sets its ops, the next engine of the
+        # same model its own.
+        self.model.ops = ops
         self.cache = PagedKVCache(
             self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype,
             scratch=graphs is not None, kv_dtype=kv_storage_dtype(
                 config.kv_cache_dtype, loaded.device, loaded.dtype, loaded.model.quantized()),
         )  # fmt: skip
+        self.cache.ops = ops
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),

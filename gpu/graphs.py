@@ -138,6 +138,12 @@ class _Buffers:
         # the sliding-window layers' mask, when the model has them
         self.bias_window = torch.zeros_like(self.bias) if cache.window else None
         self.logits = torch.zeros(max_b * vocab, dtype=torch.float32, device=dev)
+        # The Triton decode kernel's block tables and lengths (``--kernels triton``)
+        self.tables: Tensor | None = None
+        self.lens: Tensor | None = None
+        if cache.ops is not None:
+            self.tables = torch.zeros(max_b * max_nb, dtype=torch.int32, device=dev)
+            self.lens = torch.ones(max_b, dtype=torch.int32, device=dev)
 
 
 class _Shape:
@@ -153,8 +159,12 @@ class _Shape:
         if buf.bias_window is not None:
             self.bias_window = buf.bias_window[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
         self.logits = buf.logits[: b * vocab].view(b, vocab)
+        self.tables: Tensor | None = None
+        self.lens: Tensor | None = None
+        if buf.tables is not None and buf.lens is not None:
+            self.tables, self.lens = buf.tables[: b * nb].view(b, nb), buf.lens[:b]
         self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias,
-                                    self.bias_window)  # fmt: skip
+                                    self.bias_window, self.tables, self.lens)  # fmt: skip
         self.replay: Callable[[], None] | None = None
 
 
@@ -274,6 +284,9 @@ class StepGraphs:
         shape.slots.copy_(pinned(ints(slots), dev), non_blocking=True)
         shape.rows.copy_(pinned(rows, dev), non_blocking=True)
         shape.bias.copy_(pinned(bias.view(shape.bias.shape), dev), non_blocking=True)
+        if shape.tables is not None and shape.lens is not None:
+            shape.tables.copy_(pinned(blocks.view(b, nb).to(torch.int32), dev), non_blocking=True)
+            shape.lens.copy_(pinned(host_lens.to(torch.int32), dev), non_blocking=True)
         if shape.bias_window is not None:
             window = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype,
                                  self.cache.window)  # fmt: skip

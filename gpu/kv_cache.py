@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gpu.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
-from gpu.host import decode_slots, flat_tables, ints
+from gpu.host import decode_slots, flat_tables, ints, to_device
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
@@ -70,12 +71,14 @@ class _Layout:
 
 
 def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor,
-                  bias_window: Tensor | None = None) -> _Layout:  # fmt: skip
+                  bias_window: Tensor | None = None, tables: Tensor | None = None,
+                  lens: Tensor | None = None) -> _Layout:  # fmt: skip
     """A decode-only step over given tensors (what ``prepare`` builds for the gather +
     ``bmm`` path): ``n`` sequences, new-token ``slots [n]``, block ``rows [n_kv * n *
     nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]`` (and
-    ``bias_window``, the same for the sliding-window layers)."""
-    return _Layout(slots, n, rows, keys, bias, None, None, (), None, bias_window)
+    ``bias_window``, the same for the sliding-window layers); or, for the Triton decode
+    kernel, block ``tables [n, nb]`` and ``lens [n]`` (int32)."""
+    return _Layout(slots, n, rows, keys, bias, tables, lens, (), None, bias_window)
 
 
 def decode_bias(lens: Tensor, keys: int, n_kv: int, dtype: torch.dtype,
@@ -179,6 +182,9 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = self.k.device
         self._layout: _Layout | None = None
+        # gpu/triton_ops.py when ``--kernels triton`` (set by the engine): decodes read the
+        # cache in place through their block tables, one kernel a layer.
+        self.ops: Any = None
         self.kernels: NativeKernels | None = None
         native_kv = store in (torch.float16, torch.float32)
         if (
@@ -220,6 +226,10 @@ class PagedKVCache:
             dec = row_queries if row_queries is not None else self._row_queries(decodes, [])
             if decodes and dec is not None:
                 dec_tables, dec_lens = dec[0][: len(decodes)], dec[1][: len(decodes)]
+        elif decodes and self.ops is not None:
+            dec = self._row_queries(decodes, [])
+            assert dec is not None
+            dec_tables, dec_lens = to_device(dec[0], dev), to_device(dec[1], dev)
         elif decodes:
             # Each table cut or padded (with block 0) to the longest context's blocks.
             nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
@@ -330,6 +340,20 @@ class PagedKVCache:
                     window,
                     self.softcap,
                 )
+            )
+        elif lay.dec_tables is not None and lay.dec_lens is not None and self.ops is not None:
+            outs.append(
+                self.ops.paged_decode(
+                    q[: lay.n_decode],
+                    kc,
+                    vc,
+                    lay.dec_tables,
+                    lay.dec_lens,
+                    self.block_size,
+                    self.scale,
+                    window,
+                    self.softcap,
+                )  # fmt: skip
             )
         elif lay.dec_rows is not None and lay.dec_bias is not None:
             bias = lay.dec_bias_window if window else lay.dec_bias

@@ -24,7 +24,7 @@ instead: one copy of each weight, no fp32 shadow.
 from __future__ import annotations
 
 import math
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -312,6 +312,9 @@ class Llama(nn.Module):
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
         self._gelu = config.act == "gelu_tanh"
+        # The fused Triton kernels (``--kernels triton``, gpu/triton_ops.py), or None: the
+        # torch ops. RoPE through them needs a power-of-two head.
+        self.ops: Any = None
         # Steps through one native call when the weights and the step allow it
         # (gpu/fused.py); False keeps every step on the torch path (benchmarks, tests).
         self.fuse_trunk = True
@@ -471,7 +474,11 @@ class Llama(nn.Module):
         c = self.config
         w = cast(LlamaWeights, self.layers[i])
         t = x.shape[0]
-        h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
+        ops = self.ops
+        if ops is not None:
+            h = ops.rms_norm(x, w.attn_norm, c.rms_eps)
+        else:
+            h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
         qkv = w.qkv(h)
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
@@ -485,7 +492,10 @@ class Llama(nn.Module):
                 ),
                 dim=1,
             )
-        qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
+        if ops is not None and c.head_dim & (c.head_dim - 1) == 0:
+            qk = ops.rope(qk, cos, sin)
+        else:
+            qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         return qk[:, : c.n_heads], qk[:, c.n_heads :], v
 
@@ -496,10 +506,15 @@ class Llama(nn.Module):
         y = w.o(o.reshape(x.shape[0], c.n_heads * c.head_dim))
         if w.post_attn_norm is not None:
             y = F.rms_norm(y, self._shape, w.post_attn_norm, c.rms_eps)
-        x = x + y
-        h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
-        gate, up = w.gate_up(h).chunk(2, dim=-1)
-        y = w.down((F.gelu(gate, approximate="tanh") if self._gelu else F.silu(gate)) * up)
+        ops = self.ops
+        if ops is not None:
+            x, h = ops.add_rms_norm(x, y, w.ffn_norm, c.rms_eps)
+            y = w.down(ops.gated(w.gate_up(h), self._gelu))
+        else:
+            x = x + y
+            h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
+            gate, up = w.gate_up(h).chunk(2, dim=-1)
+            y = w.down((F.gelu(gate, approximate="tanh") if self._gelu else F.silu(gate)) * up)
         if w.post_ffn_norm is not None:
             y = F.rms_norm(y, self._shape, w.post_ffn_norm, c.rms_eps)
         return x + y

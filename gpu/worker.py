@@ -211,6 +211,7 @@ def _hello(engine: Engine) -> wire.Hello:
         "decode_graphs": engine.graphs.kind if engine.graphs is not None else "off",
         "overlap": engine.overlap,
         "mixed_graphs": engine.mixed_graphs.kind if engine.mixed_graphs is not None else "off",
+        "kernels": "triton" if engine.model.ops is not None else "torch",
         "weights": "quantized" if engine.model.quantized() else "dense",
         "kv_dtype": engine.cache.element,
     }

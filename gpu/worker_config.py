@@ -54,6 +54,7 @@ class WorkerConfig:
     decode_graphs: str = _D["decode_graphs"]  # gpu/graphs.py
     overlap: str = _D["overlap"]  # gpu/engine.py, Engine.step
     mixed_graphs: str = _D["mixed_graphs"]  # gpu/piecewise.py
+    kernels: str = _D["kernels"]  # gpu/kernel_choice.py
     weights: str = _D["weights"]  # gpu/loader.py; --tp > 1: fp32
     context_length: int | None = _D["context_length"]  # None: the model's (with_context)
     block_size: int = _D["block_size"]
@@ -171,6 +172,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.overlap,
             config.kv_cache_dtype,
             config.mixed_graphs,
+            config.kernels,
         ),
     )
     engine.kv_plan = plan

@@ -169,6 +169,7 @@ OPTIONS: tuple[Option, ...] = (
     _forwarded("decode_graphs", _WORKER),
     _forwarded("overlap", _WORKER),
     _forwarded("mixed_graphs", _WORKER),
+    _forwarded("kernels", _WORKER),
     _forwarded("tp", _WORKER),
     _o(
         "dp",

@@ -84,6 +84,7 @@ class AppConfig:
     decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
     overlap: str | None = None  # auto | on | off; None: the worker's (auto)
     mixed_graphs: str | None = None  # auto | off; None: the worker's (auto)
+    kernels: str | None = None  # torch | triton; None: the worker's (torch)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
@@ -436,6 +437,7 @@ _PLAIN = (
     "decode_graphs",
     "overlap",
     "mixed_graphs",
+    "kernels",
     "tp",
     "dp",
     "router_policy",

@@ -12,9 +12,11 @@
 #   model    a random model of the bundled GGUF's shape (tools/random_gguf.py)
 #   tests    tests/test_graphs.py (its CUDA test reads LIFECYCLE_TEST_MODEL) and
 #            tests/test_gpu_kit.py
+#   tests    (also tests/test_triton_ops.py: the Triton kernels compiled, against torch)
 #   step     bench/gpu_step.py: decode at batch 1 and 64, CUDA graphs against eager,
 #            against the copy-bandwidth floor; prefill of 512 tokens; a mixed step
-#            (64 decodes and a 192-token chunk) eager and piecewise
+#            (64 decodes and a 192-token chunk) eager and piecewise; all of it with the
+#            torch ops and again with the Triton kernels (--kernels torch triton)
 #   serve    tools/gpu_serving.py: lifecycle serve under load at concurrency 1, 32, 256
 #            (64 tokens in, 64 forced out), with the frontend's CPU per output token
 #   profile  bench/engine_profile.py: the engine's decode step at batch 256, wall time
@@ -69,10 +71,10 @@ else
     PY=${PY:-python3}
     DEVICE=cuda
     MODEL_ARGS=()
-    STEP_ARGS=(--device cuda)
+    STEP_ARGS=(--device cuda --kernels torch triton)
     SERVE_ARGS=(--device cuda --levels 1 32 256)
     PROFILE_ARGS=(--device cuda --batch 256 --steps 20)
-    TESTS=(tests/test_graphs.py tests/test_gpu_kit.py)
+    TESTS=(tests/test_graphs.py tests/test_gpu_kit.py tests/test_triton_ops.py)
 fi
 
 START=$SECONDS

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
     "GRAPH_MODES",
+    "KERNEL_MODES",
     "MIXED_GRAPH_MODES",
     "KV_CACHE_DTYPES",
     "OVERLAP_MODES",
@@ -31,6 +32,7 @@ __all__ = [
 
 GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
 MIXED_GRAPH_MODES = ("auto", "off")  # gpu/piecewise.py: auto is with the decode graphs
+KERNEL_MODES = ("torch", "triton")  # gpu/kernel_choice.py
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/kv_cache.py, kv_storage_dtype
@@ -108,6 +110,9 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("mixed_graphs", "with the decode graphs, steps that carry prompt chunks replay "
        "piecewise: captured graphs around an eager attention (auto; off: those steps run "
        "eagerly)", choices=MIXED_GRAPH_MODES, default="auto", forwarded=True),
+    _w("kernels", "the model's torch path as torch ops, or fused Triton kernels (RMSNorm "
+       "with the residual add, RoPE, SwiGLU, paged decode attention; CUDA)",
+       choices=KERNEL_MODES, default="torch", forwarded=True),
     _w("overlap", "launch each step before reading the previous step's sampled tokens, "
        "so the host's work runs while the device computes (auto: on CUDA; the same "
        "tokens either way)", choices=OVERLAP_MODES, default="auto", forwarded=True),
