@@ -141,7 +141,7 @@ class _Buffers:
         # The Triton decode kernel's block tables and lengths (``--kernels triton``)
         self.tables: Tensor | None = None
         self.lens: Tensor | None = None
-        if cache.ops is not None:
+        if cache.triton_decode:
             self.tables = torch.zeros(max_b * max_nb, dtype=torch.int32, device=dev)
             self.lens = torch.ones(max_b, dtype=torch.int32, device=dev)
 

@@ -136,6 +136,10 @@ def kv_storage_dtype(
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 class PagedKVCache:
     """The paged ``AttentionBackend``: call ``prepare`` before each forward.
 
@@ -183,8 +187,10 @@ class PagedKVCache:
         self.device = self.k.device
         self._layout: _Layout | None = None
         # gpu/triton_ops.py when ``--kernels triton`` (set by the engine): decodes read the
-        # cache in place through their block tables, one kernel a layer.
+        # cache in place through their block tables, one kernel a layer, where the block
+        # and the head are powers of two (Triton's blocks are); else the gather path.
         self.ops: Any = None
+        self._pow2 = _pow2(block_size) and _pow2(config.head_dim)
         self.kernels: NativeKernels | None = None
         native_kv = store in (torch.float16, torch.float32)
         if (
@@ -196,6 +202,12 @@ class PagedKVCache:
             self.kernels = load_kernels()
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
+
+    @property
+    def triton_decode(self) -> bool:
+        """Whether decode rows go through the Triton paged kernel (``ops`` set, and block
+        and head powers of two)."""
+        return self.ops is not None and self._pow2
 
     @property
     def element(self) -> str:
@@ -226,7 +238,7 @@ class PagedKVCache:
             dec = row_queries if row_queries is not None else self._row_queries(decodes, [])
             if decodes and dec is not None:
                 dec_tables, dec_lens = dec[0][: len(decodes)], dec[1][: len(decodes)]
-        elif decodes and self.ops is not None:
+        elif decodes and self.triton_decode:
             dec = self._row_queries(decodes, [])
             assert dec is not None
             dec_tables, dec_lens = to_device(dec[0], dev), to_device(dec[1], dev)

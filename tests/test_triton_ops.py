@@ -171,3 +171,8 @@ def test_the_cache_picks_the_paged_kernel_for_decodes(lm: LoadedModel) -> None:
     assert lay is not None and lay.dec_tables is not None and lay.dec_rows is None
     assert lay.dec_tables.tolist() == [[3, 1]] and lay.dec_lens is not None
     assert lay.dec_lens.tolist() == [20]
+    odd = PagedKVCache(lm.config, 8, 12, DEV, native=False)  # a block of 12: not for Triton
+    odd.ops = ops
+    odd.prepare([([3, 1], 20)], [])
+    assert not odd.triton_decode
+    assert odd._layout is not None and odd._layout.dec_rows is not None  # the gather path
