@@ -130,6 +130,8 @@ def build_engine(config: WorkerConfig) -> Engine:
         raise SystemExit(f"--tp > 1 splits fp32 weights: --weights {config.weights} runs at --tp 1")
     if config.tp > 1 and config.kv_cache_dtype != "auto":
         raise SystemExit("--tp > 1 keeps the KV cache in --dtype: leave --kv-cache-dtype at auto")
+    if config.tp > 1 and config.kernels != "torch":
+        raise SystemExit("--tp > 1 runs the torch ops on every rank: leave --kernels at torch")
     if config.tp > 1:
         from gpu import tp  # spawns the other ranks; never imported at --tp 1
 

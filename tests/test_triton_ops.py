@@ -176,3 +176,11 @@ def test_the_cache_picks_the_paged_kernel_for_decodes(lm: LoadedModel) -> None:
     odd.prepare([([3, 1], 20)], [])
     assert not odd.triton_decode
     assert odd._layout is not None and odd._layout.dec_rows is not None  # the gather path
+
+
+def test_tensor_parallel_refuses_the_triton_kernels(tiny_gguf: TinyModel) -> None:
+    from gpu.worker_config import WorkerConfig, build_engine
+
+    config = WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", tp=2, kernels="triton")
+    with pytest.raises(SystemExit, match="leave --kernels at torch"):
+        build_engine(config)
