@@ -273,6 +273,7 @@ class Llama(nn.Module):
         else:
             self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
+        self._weights = list(layers)  # the same, without ModuleList's indexing per call
         self.norm = nn.Parameter(norm, requires_grad=False)
         # Tied embeddings share the tensor: no second 49152x576 copy.
         self.head: Linear
@@ -472,7 +473,7 @@ class Llama(nn.Module):
         """Layer ``i`` up to its attention: the queries, keys and values of rows ``x``
         (the layer's torch path; a piecewise step captures it, ``gpu/piecewise.py``)."""
         c = self.config
-        w = cast(LlamaWeights, self.layers[i])
+        w = self._weights[i]
         t = x.shape[0]
         ops = self.ops
         if ops is not None:
@@ -502,7 +503,7 @@ class Llama(nn.Module):
     def attention_out(self, i: int, x: Tensor, o: Tensor) -> Tensor:
         """Layer ``i`` from its attention's output ``o`` on: the rows the next layer reads."""
         c = self.config
-        w = cast(LlamaWeights, self.layers[i])
+        w = self._weights[i]
         y = w.o(o.reshape(x.shape[0], c.n_heads * c.head_dim))
         if w.post_attn_norm is not None:
             y = F.rms_norm(y, self._shape, w.post_attn_norm, c.rms_eps)
