@@ -94,14 +94,16 @@ def plan_kv(
 ) -> KVPlan:
     """The KV cache for ``fraction`` of ``free_bytes``, less the largest step's working
     set (eager prefill or decode of ``max_running`` sequences at the model's context)
-    and, with ``graphs``, the captured decode graphs' pool (one such decode step: the
-    shapes share it, and their static buffers are views of one set); at least one block.
+    and, with ``graphs``, the graph pool (the larger of one such decode step and one
+    piecewise step's layer at ``step_tokens`` rows, ``gpu/piecewise.py``: the captures
+    share the pool, and their static buffers are views of one set); at least one block.
     ``ValueError`` for a fraction outside (0, 1]."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"mem fraction must be in (0, 1], got {fraction}")
     decode = decode_bytes(mc, max_running, mc.context_length, elem)
     reserve = max(prefill_bytes(mc, step_tokens, max_running, elem), decode)
-    reserve += decode if graphs else 0
+    pieces = 2 * step_tokens * _row_bytes(mc, elem)
+    reserve += max(decode, pieces) if graphs else 0
     usable = max(0, int(free_bytes * fraction) - reserve)
     per_block = kv_bytes_per_token(mc, elem) * block_size
     blocks = max(1, usable // per_block)
