@@ -427,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModelFileError as exc:  # one line, as `lifecycle serve` says it
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:  # options refused together (build_engine): one line too
+        if not isinstance(exc.code, str):
+            raise
+        print(f"error: {exc.code}", file=sys.stderr)
+        return 2
     listener = _listen(config.listen, tls is not None)
     address = parse_address(config.listen)
     if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -22,6 +22,7 @@ from wire.worker_options import (
     DEFAULT_CPU_KV_MIB,
     DEFAULT_MEM_FRACTION,
     WORKER_OPTIONS,
+    refused_combination,
     worker_defaults,
 )
 
@@ -126,12 +127,8 @@ def build_engine(config: WorkerConfig) -> Engine:
         # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
         torch.set_num_threads(config.threads)
     followers = None
-    if config.tp > 1 and config.weights in ("quantized", "q8_0", "q4_0"):
-        raise SystemExit(f"--tp > 1 splits fp32 weights: --weights {config.weights} runs at --tp 1")
-    if config.tp > 1 and config.kv_cache_dtype != "auto":
-        raise SystemExit("--tp > 1 keeps the KV cache in --dtype: leave --kv-cache-dtype at auto")
-    if config.tp > 1 and config.kernels != "torch":
-        raise SystemExit("--tp > 1 runs the torch ops on every rank: leave --kernels at torch")
+    if (refused := refused_combination(asdict(config))) is not None:
+        raise SystemExit(refused)
     if config.tp > 1:
         from gpu import tp  # spawns the other ranks; never imported at --tp 1
 
@@ -143,14 +140,14 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.model_path, device=config.device, dtype=config.dtype, weights=config.weights,
             context_length=config.context_length,
         )  # fmt: skip
+    # The same rules with the device the model went to (``--device`` unset: CUDA when present)
+    if (refused := refused_combination({**asdict(config), "device": lm.device.type})) is not None:
+        raise SystemExit(refused)
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, lm.model.quantized())
     elem = kv_dtype.itemsize  # the KV cache's element
     plan = None
     if _sized_by_fraction(config, lm.device):
-        if lm.device.type != "cuda":
-            raise SystemExit("--mem-fraction sizes the KV cache on a CUDA device; "
-                             "use --kv-cache-tokens or --kv-memory-mib on the CPU")  # fmt: skip
         plan = plan_kv(
             cuda_free_bytes(lm.device),
             config.mem_fraction or DEFAULT_MEM_FRACTION,

@@ -79,6 +79,9 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (refused := _refused_worker_options(cfg)) is not None:  # the worker's own rule
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     if cfg.otlp_traces_endpoint:  # Runtime checks it too; here it stops with a message
         from lifecycle.tracing.otel import OtlpUnavailable, check_endpoint
 
@@ -93,6 +96,18 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         return run_frontends(cfg, serve_argv)
     anyio.run(_run_until_signalled, cfg, model)
     return 0
+
+
+def _refused_worker_options(cfg: AppConfig) -> str | None:
+    """Why the workers spawned here would refuse their options at start, before anything
+    listens (``wire.worker_options.refused_combination``); None when they take them, or
+    none is spawned (remote workers have their own options; the scripted one no model)."""
+    from wire.worker_options import WORKER_OPTIONS, refused_combination
+
+    if cfg.worker_module != "gpu.worker" or (cfg.worker and not cfg.dp):
+        return None
+    forwarded = [o for o in WORKER_OPTIONS if o.forwarded]
+    return refused_combination({o.name: getattr(cfg, o.serve_name or o.name) for o in forwarded})
 
 
 async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:

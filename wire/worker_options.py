@@ -11,6 +11,8 @@ between them, like the rest of ``wire``.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ __all__ = [
     "WEIGHT_MODES",
     "WORKER_OPTIONS",
     "WorkerOption",
+    "refused_combination",
     "worker_defaults",
 ]
 
@@ -138,3 +141,27 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
 def worker_defaults() -> dict[str, Any]:
     """Each option's default by name (``WorkerConfig``'s)."""
     return {o.name: o.default for o in WORKER_OPTIONS}
+
+
+def refused_combination(values: Mapping[str, Any]) -> str | None:
+    """Why the worker refuses these options together, in one line, or None. ``values``:
+    options by name, None or absent for the worker's default. The one definition of the
+    rules that need no model and no device probe: the worker applies it at start
+    (``gpu/worker_config.py``), ``lifecycle serve`` before it listens or spawns."""
+    v = {**worker_defaults(), **{k: x for k, x in values.items() if x is not None}}
+    if v["tp"] > 1:
+        if v["weights"] in ("quantized", "q8_0", "q4_0"):
+            return f"--tp > 1 splits fp32 weights: --weights {v['weights']} runs at --tp 1"
+        if v["kv_cache_dtype"] != "auto":
+            return "--tp > 1 keeps the KV cache in --dtype: leave --kv-cache-dtype at auto"
+        if v["kernels"] != "torch":
+            return "--tp > 1 runs the torch ops on every rank: leave --kernels at torch"
+    if v["device"] == "cpu":
+        if v["decode_graphs"] == "on":
+            return "CUDA graphs need a CUDA device (use --decode-graphs eager or off)"
+        if v["kernels"] == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "--kernels triton needs a CUDA device (or TRITON_INTERPRET=1)"
+        if v["mem_fraction"] is not None:
+            return ("--mem-fraction sizes the KV cache on a CUDA device; "
+                    "use --kv-cache-tokens or --kv-memory-mib on the CPU")  # fmt: skip
+    return None

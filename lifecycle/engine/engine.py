@@ -359,7 +359,7 @@ async def _wait_ready(rt: Runtime, timeout: float) -> None:
     sup = rt.supervisor
     with anyio.fail_after(timeout):
         while not sup.ready:
-            if sup.restarts and sup.last_error:
+            if (sup.restarts or sup.status == "failed") and sup.last_error:
                 raise EngineError(Cause.NOT_READY, f"the worker did not start: {sup.last_error}")
             await anyio.sleep(0.05)
 

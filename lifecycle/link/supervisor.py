@@ -58,12 +58,21 @@ class WarmupFailed(RuntimeError):
     pass
 
 
+class WorkerRefusedToStart(OSError):
+    """A spawned worker exited with status 2 before its HELLO: it refused its model or
+    its options (``gpu/worker.py`` prints why, one line, to the stderr it shares with
+    this process). Starting it again would refuse again: it is not restarted."""
+
+
+REFUSED_STATUS = 2  # gpu.worker's exit status for a refused model file or options
+
+
 class Supervisor:
     def __init__(self, config: SupervisorConfig = SupervisorConfig()) -> None:
         self.config = config
         self.client: WorkerClient | None = None
         self.ready = False
-        self.status = "starting"  # starting | ready | restarting | hung | stopped
+        self.status = "starting"  # starting | ready | restarting | hung | failed | stopped
         self.restarts = 0
         self.last_error: str | None = None
         self.worker_pid: int | None = None
@@ -94,6 +103,12 @@ class Supervisor:
                 started = time.monotonic()
                 try:
                     await self._one_life()
+                except WorkerRefusedToStart as exc:
+                    self.last_error = str(exc)
+                    log.error("%s: not restarting it", exc)
+                    self.status = "failed"
+                    self._set_ready(False)
+                    return
                 except (OSError, TimeoutError, WireError, WarmupFailed, anyio.EndOfStream) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.error("worker failed: %s", self.last_error)
@@ -112,7 +127,8 @@ class Supervisor:
                 log.warning("restarting the worker in %.1fs (restart %d)", delay, self.restarts)
                 await anyio.sleep(delay)
         finally:
-            self.status = "stopped"
+            if self.status != "failed":
+                self.status = "stopped"
             self._set_ready(False)
 
     async def stop(self) -> None:
@@ -171,6 +187,11 @@ class Supervisor:
         delay = 0.05
         with anyio.fail_after(self.config.hello_timeout):
             while True:
+                if proc is not None and proc.returncode == REFUSED_STATUS:
+                    raise WorkerRefusedToStart(
+                        "the worker refused its model or options at start-up (status 2; its "
+                        "error line is in this process's log)"
+                    )
                 if proc is not None and proc.returncode is not None:
                     raise OSError(f"the worker exited with status {proc.returncode} at start-up")
                 try:
