@@ -10,8 +10,9 @@ in one system call at the end of the pass (up to ``FLUSH_BYTES``, then at once):
 response head, its last SSE event, ``[DONE]`` and the end of its chunked body usually
 leave together. One callback per loop pass flushes every stream that wrote in it
 (``_Flusher``): when a worker's step wakes a thousand streams, their thousand writes cost
-one loop callback, not one each. When the kernel did not take a flush whole, the next ``send`` waits
-until the write buffer is empty, as anyio's does.
+one loop callback, not one each. When the kernel did not take a flush whole, the next
+``send`` waits until the write buffer is empty, as anyio's does (``try_send``, the same
+without a coroutine, then writes nothing and says so).
 
 ``wrap_listener`` turns the listeners of ``anyio.create_tcp_listener`` /
 ``create_unix_listener`` into listeners of these streams. On any other backend (trio)
@@ -222,39 +223,39 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         """``send`` without the coroutine, when it would not wait: False (and nothing
         written) while the transport still holds bytes the kernel has not taken, and
         then ``send`` is the way. Raises as ``send`` does on a closed or lost stream."""
-        p = self._protocol
-        if self._closed or self._eof_sent:
-            raise anyio.ClosedResourceError
-        if p.lost or self._transport.is_closing():
-            raise anyio.BrokenResourceError from p.exc
-        if not p.drained.is_set():
+        self._check_writable()
+        if not self._protocol.drained.is_set():
             return False
-        if not self._pending:
-            (self._flusher or self._bind()).add(self)
-        self._pending.append(item)
-        self._pending_size += len(item)
-        if self._pending_size >= FLUSH_BYTES:
-            self._flush()
+        self._hold(item)
         return True
 
     async def send(self, item: bytes) -> None:
         p = self._protocol
-        if self._closed or self._eof_sent:
-            raise anyio.ClosedResourceError
-        if p.lost or self._transport.is_closing():
-            raise anyio.BrokenResourceError from p.exc
-        if not self._pending:
-            (self._flusher or self._bind()).add(self)
-        self._pending.append(item)
-        self._pending_size += len(item)
-        if self._pending_size >= FLUSH_BYTES:
-            self._flush()
+        self._check_writable()
+        self._hold(item)
         if not p.drained.is_set():
             await p.drained.wait()
             if self._closed:
                 raise anyio.ClosedResourceError
             if p.lost:
                 raise anyio.BrokenResourceError from p.exc
+
+    def _check_writable(self) -> None:
+        p = self._protocol
+        if self._closed or self._eof_sent:
+            raise anyio.ClosedResourceError
+        if p.lost or self._transport.is_closing():
+            raise anyio.BrokenResourceError from p.exc
+
+    def _hold(self, item: bytes) -> None:
+        """Keep ``item`` for the flush at the end of this loop pass (at once past
+        ``FLUSH_BYTES``)."""
+        if not self._pending:
+            (self._flusher or self._bind()).add(self)
+        self._pending.append(item)
+        self._pending_size += len(item)
+        if self._pending_size >= FLUSH_BYTES:
+            self._flush()
 
     def _bind(self) -> _Flusher:
         self._flusher = _flusher()
