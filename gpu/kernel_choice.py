@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from wire.worker_options import KERNEL_MODES
+from wire.worker_options import KERNEL_MODES, refused_combination
 
 __all__ = ["triton_ops"]
 
@@ -21,10 +21,8 @@ def triton_ops(mode: str, device: torch.device) -> ModuleType | None:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
     if mode == "torch":
         return None
-    import os
-
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--kernels triton needs a CUDA device (or TRITON_INTERPRET=1)")
+    if (refused := refused_combination({"device": device.type, "kernels": mode})) is not None:
+        raise ValueError(refused)
     try:
         import gpu.triton_ops as ops
     except ImportError as exc:
