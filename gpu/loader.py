@@ -28,9 +28,10 @@ import psutil
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu.model import Llama, LlamaWeights, unpermute_rope_rows
+from gpu.model import Llama, LlamaWeights
 from gpu.native import load_kernels
 from gpu.quant import KERNEL_TYPES, QuantWeight, requantize
+from gpu.rope import unpermute_rope_rows
 from modelfile.chat import ChatTemplate
 from modelfile.check import check_tensors, expected_tensors
 from modelfile.config import ModelConfig, with_context

@@ -27,7 +27,7 @@ What a file stores decides the rest, whatever its architecture: fused or separat
 q/k/v and gate/up tensors, biases, q/k norms, post-norms. What it does not say is the
 architecture's row of ``ARCHITECTURES`` (llama.cpp's per-architecture facts). RoPE
 scaling from ``{arch}.rope.scaling.*``: ``linear`` and ``yarn`` (transformers'
-definitions, ``gpu.model.rope_inv_freq``).
+definitions, ``gpu.rope.rope_inv_freq``).
 """
 
 from __future__ import annotations

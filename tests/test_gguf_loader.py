@@ -15,8 +15,9 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu import native
 from gpu.loader import load_model, resolve_device
-from gpu.model import PackedLinear, unpermute_rope_rows
+from gpu.model import PackedLinear
 from gpu.quant import QuantLinear, QuantWeight
+from gpu.rope import unpermute_rope_rows
 from modelfile.gguf_file import ModelFileError, default_model_path
 from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel, TinySpec, hf_permute, write_tiny_gguf
