@@ -65,11 +65,14 @@ def srv(server: LiveServer) -> Iterator[LiveServer]:
             server.replan_worker([])
 
 
-def _stream_events(srv: LiveServer, body: dict[str, Any]) -> list[Any]:
+def _stream_events(
+    srv: LiveServer, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[Any]:
     out: list[Any] = []
     with httpx.stream(
-        "POST", srv.url + "/generate", json={**body, "stream": True}, timeout=30
-    ) as r:
+        "POST", srv.url + "/generate", json={**body, "stream": True}, timeout=30,
+        headers=headers,
+    ) as r:  # fmt: skip
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -274,6 +277,24 @@ def test_malformed_logprob_field_does_not_kill_scheduler(srv: LiveServer) -> Non
     after = httpx.post(srv.url + "/generate", json=body, timeout=10)
     assert after.status_code == 200 and len(after.json()["output_ids"]) == 20
     assert srv.worker()["restarts"] >= 0 and srv.health() == 200
+    srv.assert_invariants()
+
+
+def test_output_before_a_malformed_field_reaches_the_client_either_way(srv: LiveServer) -> None:
+    """The tokens of the chunk whose extra field is malformed still reach the client
+    before the error, whether the chunk was polled by the owner task or by a push from
+    the worker link's wake-up (``GenerateCall.hand_back``); ``X-Request-Timeout`` keeps
+    the owner polling (no push)."""
+    body = {"input_ids": [41, 42], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 20}}  # fmt: skip
+    got = []
+    for headers in ({}, {"X-Request-Timeout": "60"}):
+        srv.replan_worker([FaultRule("worker.sample", "corrupt", nth=3)])
+        events = _stream_events(srv, body, headers)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        got.append([i for e in events[:-2] for i in e["output_ids"]])
+    assert got[0] == got[1] and len(got[0]) >= 3, got
+    srv.replan_worker([])
     srv.assert_invariants()
 
 

@@ -219,6 +219,13 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         if p.eof or p.lost:
             raise anyio.EndOfStream
 
+    def can_send_now(self) -> bool:
+        """Whether ``try_send`` would take an item now (open, not lost, drained)."""
+        p = self._protocol
+        if self._closed or self._eof_sent or p.lost or self._transport.is_closing():
+            return False
+        return p.drained.is_set()
+
     def try_send(self, item: bytes) -> bool:
         """``send`` without the coroutine, when it would not wait: False (and nothing
         written) while the transport still holds bytes the kernel has not taken, and

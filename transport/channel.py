@@ -63,6 +63,7 @@ class Channel:
         self.send_since: float | None = None  # when the write in progress began
         # The stream's write that needs no coroutine, when it has one (``try_write``).
         self._try_send: Callable[[bytes], bool] | None = getattr(stream, "try_send", None)
+        self._can_send: Callable[[], bool] | None = getattr(stream, "can_send_now", None)
 
     def go_live(self) -> None:
         """Hand every byte held so far to h11, which keeps the connection's state from here."""
@@ -88,6 +89,11 @@ class Channel:
     def has_pending(self) -> bool:
         """Whether bytes of a next request have arrived (h11 or the fast-path buffer)."""
         return bool(self.buf or self.h11.trailing_data[0])
+
+    def can_write_now(self) -> bool:
+        """Whether ``try_write`` would write at once now."""
+        can_send = self._can_send
+        return can_send is not None and self._try_send is not None and can_send()
 
     def try_write(self, request: Request, data: bytes) -> bool:
         """Write ``data`` at once when the stream takes it without waiting (True); False,

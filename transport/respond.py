@@ -276,8 +276,9 @@ class ResponseWriter:
             return chunked and ch.try_write(request, b"%x\r\n%b\r\n" % (len(data), data))
 
         gate = StreamGate(
-            write_data, self.config.sse_ping_interval if sse else math.inf, try_write_data
-        )
+            write_data, self.config.sse_ping_interval if sse else math.inf, try_write_data,
+            (lambda: ch.can_write_now()) if chunked else None,
+        )  # fmt: skip
         self.stream_gate = gate  # the watchdog starts its pings (check_deadlines)
         try:
             return await pump(request, response.chunks, gate, sse)

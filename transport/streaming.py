@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -22,19 +23,27 @@ import anyio
 from .request import Request
 from .sse import PING, frame_event
 
-__all__ = ["StreamGate", "discard", "pump"]
+__all__ = ["StreamGate", "current_gate", "discard", "pump"]
 
 log = logging.getLogger("transport")
 
 _ACLOSE_TIMEOUT = 5.0  # a producer's cleanup should be quick; never let it wedge a connection
+_GATE: ContextVar[StreamGate | None] = ContextVar("transport_stream_gate", default=None)
+
+
+def current_gate() -> StreamGate | None:
+    """The gate of the streamed body whose producer is running (set by ``pump`` for the
+    producer's own code, which runs in the connection's task), else None. A producer
+    may write through it between its items (``ready_now``, then ``write_nowait``)."""
+    return _GATE.get()
 
 
 class StreamGate:
     """One write at a time for a streamed body, when the last one ended, and its pings."""
 
     __slots__ = (
-        "_write", "_try_write", "_free", "busy", "last", "failure", "ping_interval",
-        "_pinging", "scope",
+        "_write", "_try_write", "_can_write", "_free", "busy", "last", "failure",
+        "ping_interval", "_pinging", "scope",
     )  # fmt: skip
 
     def __init__(
@@ -42,11 +51,14 @@ class StreamGate:
         write: Callable[[bytes], Awaitable[None]],
         ping_interval: float = math.inf,
         try_write: Callable[[bytes], bool] | None = None,
+        can_write: Callable[[], bool] | None = None,
     ) -> None:
         self._write = write
         # ``write`` without a coroutine when the socket takes the bytes at once (False:
         # nothing written, ``write`` waits); a streamed token costs no awaits that way.
+        # ``can_write`` says beforehand whether it would.
         self._try_write = try_write
+        self._can_write = can_write
         self._free: anyio.Event | None = None
         self.busy = False
         self.last = time.monotonic()
@@ -71,6 +83,14 @@ class StreamGate:
             if self._free is not None:
                 self._free.set()
                 self._free = None
+
+    def ready_now(self) -> bool:
+        """Whether ``write_nowait`` would write at once now: no write in progress, and
+        the socket takes bytes without waiting. A producer that can make its next item
+        synchronously asks this first (``current_gate``), so that nothing it makes is
+        left unwritten."""
+        can = self._can_write
+        return not self.busy and self._try_write is not None and can is not None and can()
 
     def write_nowait(self, data: bytes) -> bool:
         """Write at once if no other write is in progress and the socket takes it now;
@@ -126,9 +146,11 @@ async def pump(request: Request, source: AsyncIterable[Any], gate: StreamGate, s
         with anyio.CancelScope() as scope:
             gate.scope = scope
             forget = request.on_disconnect(scope.cancel)
+            token = _GATE.set(gate)
             try:
                 ended = await _write_items(iterator, gate, sse)
             finally:
+                _GATE.reset(token)
                 forget()
     finally:
         try:

@@ -166,6 +166,10 @@ class FaultPlan:
         fields = FaultRule.__dataclass_fields__
         return json.dumps({"rules": [{k: getattr(r, k) for k in fields} for r in self.rules]})
 
+    def has(self, point: str) -> bool:
+        """Whether a rule names ``point``."""
+        return point in self._states
+
     def hit(self, point: str, rid: int | None) -> Fault | None:
         states = self._states.get(point)
         if not states:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -25,19 +25,22 @@ from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
-from lifecycle.core.results import chunks, is_multi, unary_results
+from lifecycle.core.results import chunks, indexed, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
 from lifecycle.link.pool import WorkerPool
 from lifecycle.link.supervisor import Supervisor
 from lifecycle.link.worker_client import WorkerClient
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
-from wire.faults import fault_point
+from transport.sse import frame_event
+from transport.streaming import StreamGate, current_gate
+from wire.faults import active_plan, fault_point
 
 __all__ = ["NativeAPI", "server_state"]
 
 log = logging.getLogger("lifecycle.api")
 
 HEALTH_PROBE_TIMEOUT = 20.0
+CLIENT_WRITE = "frontend.client_write"  # the fault point before each streamed event
 
 
 def _serve_error(exc: ServeError) -> Response:
@@ -54,6 +57,37 @@ async def _client_write_fault(fault: Any) -> None:
     (the transport ends a response whose producer fails without a clean end)."""
     if await fault.apply_async() is not None:
         raise anyio.BrokenResourceError(fault.message)
+
+
+def _client_write_planned() -> bool:
+    """Whether the fault plan has rules at ``frontend.client_write``: the owner's writes
+    pass that point, a push's do not, so a push declines."""
+    plan = active_plan()
+    return plan is not None and plan.has(CLIENT_WRITE)
+
+
+def _push(call: GenerateCall, gate: StreamGate, incremental: bool) -> Callable[[], bool]:
+    """The stream's chunks written from the worker link's wake-up (``GenerateCall.
+    set_push``), while the socket takes them at once: the same frames, JSON and SSE
+    events the owner would write, without a task switch a token. It declines (the
+    owner is woken) when the socket would wait, a write is in progress, or a sample's
+    buffer holds its end; output it polled and does not write, it hands back."""
+    multi = is_multi(call)
+
+    def push() -> bool:
+        if not gate.ready_now() or call.end_pending() or _client_write_planned():
+            return False
+        changed = call.poll()
+        if call.done or any(s.finish is not None or s.failure is not None for _, s in changed):
+            call.hand_back(changed)
+            return False
+        events = [frame_event(orjson.dumps(indexed(frame, index, multi)))
+                  for index, _, frame in call.render(changed, incremental)]  # fmt: skip
+        if events and not gate.write_nowait(b"".join(events)):
+            raise RuntimeError("the gate refused a write it said it would take")
+        return True
+
+    return push
 
 
 class NativeAPI:
@@ -113,17 +147,25 @@ class NativeAPI:
         if err is not None:
             cause, message = err
             return error_response(cause.status, message, cause.retry_after)
-        if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
+        if (f := fault_point(CLIENT_WRITE, call.runs[0].rec.id)) is not None:
             await _client_write_fault(f)
         results = unary_results(call)
         return JSONResponse(results if is_multi(call) else results[0])
 
     async def _events(self, call: GenerateCall, incremental: bool) -> AsyncIterator[bytes]:
-        """The stream's events; owns nothing (the handler's call scope does)."""
-        async for frame in chunks(call, incremental):
-            if (f := fault_point("frontend.client_write", call.runs[0].rec.id)) is not None:
-                await _client_write_fault(f)
-            yield orjson.dumps(frame)
+        """The stream's events; owns nothing (the handler's call scope does). While the
+        socket takes bytes at once, chunks are written from the worker link's wake-up
+        itself (``_push``), without waking this task."""
+        gate = current_gate()
+        if gate is not None and call.timeout is None:
+            call.set_push(_push(call, gate, incremental))
+        try:
+            async for frame in chunks(call, incremental):
+                if (f := fault_point(CLIENT_WRITE, call.runs[0].rec.id)) is not None:
+                    await _client_write_fault(f)
+                yield orjson.dumps(frame)
+        finally:
+            call.set_push(None)
         err = call.error()
         if err is not None:
             cause, message = err

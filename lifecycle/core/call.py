@@ -21,10 +21,12 @@ having been registered in time. What a call needs of the process is its ``CallHo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
@@ -122,6 +124,39 @@ class _Sink:
         self.call.wake()
 
 
+class _Pushes:
+    """The calls of one event loop whose output a push may deliver (``GenerateCall.
+    set_push``), queued as they are woken; one callback at the end of the loop pass runs
+    their pushes, in the order they were woken."""
+
+    __slots__ = ("_loop", "_calls")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._calls: list[GenerateCall] = []
+
+    def add(self, call: GenerateCall) -> None:
+        if not self._calls:
+            self._loop.call_soon(self._run)
+        self._calls.append(call)
+
+    def _run(self) -> None:
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call._run_push()
+
+
+_PUSHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pushes] = weakref.WeakKeyDictionary()
+
+
+def _pushes() -> _Pushes:
+    loop = asyncio.get_running_loop()
+    p = _PUSHES.get(loop)
+    if p is None:
+        p = _PUSHES[loop] = _Pushes(loop)
+    return p
+
+
 class _ItemRun:
     __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted", "ended")
 
@@ -163,6 +198,12 @@ class GenerateCall:
         self.exchange: Exchange | None = EXCHANGE.get()
         self.http_status: int | None = None  # a rejection's status, when not its cause's
         self.request_id = self._name_exchange(req)
+        # What the owner may run at a wake-up instead of waking (``set_push``), and what
+        # a push polled but left to the owner (``hand_back``).
+        self._push: Callable[[], bool] | None = None
+        self._pushes: _Pushes | None = None  # this loop's, while a push is set
+        self._push_queued = False
+        self._handed_back: list[tuple[int, SampleOutput]] = []
 
     def _name_exchange(self, req: GenerateRequest) -> str:
         ex = self.exchange
@@ -179,7 +220,40 @@ class GenerateCall:
         return self.request_id if len(self.req.items) == 1 else f"{self.request_id}_{index}"
 
     def wake(self) -> None:
+        if self._push is not None and self._wake.parked:
+            if not self._push_queued and self._pushes is not None:
+                self._push_queued = True
+                self._pushes.add(self)
+            return
         self._wake.set()
+
+    def set_push(self, push: Callable[[], bool] | None) -> None:
+        """While the owner sleeps between chunks, run ``push`` instead of waking it: at
+        the end of the loop pass in which output arrived (``_Pushes``: after the worker
+        link handed over all of its frame, so a chunk's end is there with its last
+        tokens), ``push`` delivers what arrived itself (True), or declines (False) and
+        the owner is woken. A push that polled output it does not deliver (an end, a
+        failure) gives it to ``hand_back``, so that it reaches the owner's next
+        ``wait``: no output is taken from the buffers without reaching the owner or
+        the client. None: wake the owner for every chunk."""
+        self._push = push
+        if push is not None and self._pushes is None:
+            self._pushes = _pushes()
+
+    def _run_push(self) -> None:
+        self._push_queued = False
+        push = self._push
+        if push is not None and self._wake.parked:
+            try:
+                if push():
+                    return
+            except Exception:  # a bug of the push: the owner takes over, for good
+                log.exception("request %s: pushing its output failed", self.request_id)
+                self._push = None
+        self._wake.set()
+
+    def hand_back(self, changed: list[tuple[int, SampleOutput]]) -> None:
+        self._handed_back.extend(changed)
 
     # -- the owner's scope -----------------------------------------------------------------
     async def __aenter__(self) -> GenerateCall:
@@ -418,6 +492,10 @@ class GenerateCall:
         while True:
             changed = self.poll() if woke else []
             woke = True
+            if self._handed_back:  # first what a push polled, each sample once
+                back, self._handed_back = self._handed_back, []
+                seen = {id(s) for _, s in back}
+                changed = back + [c for c in changed if id(c[1]) not in seen]
             if self.done:
                 self.close()  # every record ended: the rid is free before the owner sends
                 return changed
@@ -465,11 +543,22 @@ class GenerateCall:
         self, incremental: bool
     ) -> AsyncIterator[tuple[int, SampleOutput, dict[str, Any]]]:
         while not self.closed:  # wait() closes the call once it is done
-            for index, sample in await self.wait():
-                # A sample that failed still sends what it got before the failure (a
-                # lagging reader's last chunk holds it), then the owner sends the error.
-                if sample.failure is None or len(sample.ids) > sample.sent_ids:
-                    yield index, sample, sample.frame(incremental, self.e2e())
+            for item in self.render(await self.wait(), incremental):
+                yield item
+
+    def render(
+        self, changed: list[tuple[int, SampleOutput]], incremental: bool
+    ) -> list[tuple[int, SampleOutput, dict[str, Any]]]:
+        """The stream frames of what ``wait`` returned. A sample that failed still sends
+        what it got before the failure (a lagging reader's last chunk holds it), then the
+        owner sends the error."""
+        e2e = self.e2e()
+        return [(index, sample, sample.frame(incremental, e2e)) for index, sample in changed
+                if sample.failure is None or len(sample.ids) > sample.sent_ids]  # fmt: skip
+
+    def end_pending(self) -> bool:
+        """Whether a sample's buffer holds its end (delivered or not)."""
+        return any(buf.ended for run in self.runs for buf in run.buffers)
 
     # -- every exit ------------------------------------------------------------------------
     def close(self, cause: Cause = Cause.INTERNAL, detail: str | None = None) -> None:

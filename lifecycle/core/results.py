@@ -9,7 +9,7 @@ from typing import Any
 
 from lifecycle.core.call import GenerateCall
 
-__all__ = ["chunks", "is_multi", "unary_results"]
+__all__ = ["chunks", "indexed", "is_multi", "unary_results"]
 
 
 def is_multi(call: GenerateCall) -> bool:
@@ -28,6 +28,11 @@ async def chunks(call: GenerateCall, incremental: bool) -> AsyncIterator[dict[st
     the owner then reads ``call.error()``."""
     multi = is_multi(call)
     async for index, _sample, frame in call.frames(incremental):
-        if multi:
-            frame["index"] = index
-        yield frame
+        yield indexed(frame, index, multi)
+
+
+def indexed(frame: dict[str, Any], index: int, multi: bool) -> dict[str, Any]:
+    """A stream chunk: the frame, with its ``index`` when the answer is a list."""
+    if multi:
+        frame["index"] = index
+    return frame

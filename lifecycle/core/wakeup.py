@@ -27,6 +27,12 @@ class Wakeup:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    @property
+    def parked(self) -> bool:
+        """Whether the owner sleeps in ``wait`` and nothing has woken it yet."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._is_set
+
     def take(self) -> bool:
         """Whether it was set since the last ``wait`` or ``take``; cleared."""
         was, self._is_set = self._is_set, False
