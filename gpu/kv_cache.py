@@ -339,33 +339,13 @@ class PagedKVCache:
         k, v = k.to(self.dtype), v.to(self.dtype)
         window = self.windows[layer]
         outs = []
-        if lay.dec_tables is not None and lay.dec_lens is not None and self.kernels is not None:
+        # The C kernel on the CPU, the Triton one with --kernels triton: the same call
+        paged = self.kernels.paged_attention if self.kernels is not None else (
+            self.ops.paged_decode if self.ops is not None else None)  # fmt: skip
+        if lay.dec_tables is not None and lay.dec_lens is not None and paged is not None:
             outs.append(
-                self.kernels.paged_attention(
-                    q[: lay.n_decode],
-                    kc,
-                    vc,
-                    lay.dec_tables,
-                    lay.dec_lens,
-                    self.block_size,
-                    self.scale,
-                    window,
-                    self.softcap,
-                )
-            )
-        elif lay.dec_tables is not None and lay.dec_lens is not None and self.ops is not None:
-            outs.append(
-                self.ops.paged_decode(
-                    q[: lay.n_decode],
-                    kc,
-                    vc,
-                    lay.dec_tables,
-                    lay.dec_lens,
-                    self.block_size,
-                    self.scale,
-                    window,
-                    self.softcap,
-                )  # fmt: skip
+                paged(q[: lay.n_decode], kc, vc, lay.dec_tables, lay.dec_lens,
+                      self.block_size, self.scale, window, self.softcap)  # fmt: skip
             )
         elif lay.dec_rows is not None and lay.dec_bias is not None:
             bias = lay.dec_bias_window if window else lay.dec_bias
