@@ -344,8 +344,17 @@ class PagedKVCache:
             self.ops.paged_decode if self.ops is not None else None)  # fmt: skip
         if lay.dec_tables is not None and lay.dec_lens is not None and paged is not None:
             outs.append(
-                paged(q[: lay.n_decode], kc, vc, lay.dec_tables, lay.dec_lens,
-                      self.block_size, self.scale, window, self.softcap)  # fmt: skip
+                paged(
+                    q[: lay.n_decode],
+                    kc,
+                    vc,
+                    lay.dec_tables,
+                    lay.dec_lens,
+                    self.block_size,
+                    self.scale,
+                    window,
+                    self.softcap,
+                )  # fmt: skip
             )
         elif lay.dec_rows is not None and lay.dec_bias is not None:
             bias = lay.dec_bias_window if window else lay.dec_bias

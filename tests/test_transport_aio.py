@@ -206,11 +206,11 @@ async def test_one_callback_flushes_every_stream_that_wrote_in_the_pass() -> Non
         await a.send(b"to a;")
         await b.send(b"to b;")
         await a.send(b"again")
-        flusher = aio._flusher()
-        assert flusher._streams == [a, b]  # one entry a stream, in the order they wrote
+        pass_end = aio._pass_end()
+        assert pass_end._fns == [a._flush_fn, b._flush_fn]  # one entry a stream, in order
         assert flushed == []
         await anyio.sleep(0)
-        assert flushed == ["a", "b"] and flusher._streams == []
+        assert flushed == ["a", "b"] and pass_end._fns == []
         with anyio.fail_after(5):
             assert await client_a.receive() == b"to a;again"
             assert await client_b.receive() == b"to b;"

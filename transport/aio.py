@@ -9,8 +9,8 @@ returns from ``send`` without yielding. What one pass of the event loop writes g
 in one system call at the end of the pass (up to ``FLUSH_BYTES``, then at once): a
 response head, its last SSE event, ``[DONE]`` and the end of its chunked body usually
 leave together. One callback per loop pass flushes every stream that wrote in it
-(``_Flusher``): when a worker's step wakes a thousand streams, their thousand writes cost
-one loop callback, not one each. When the kernel did not take a flush whole, the next
+(``at_pass_end``): when a worker's step wakes a thousand streams, their thousand writes
+cost one loop callback, not one each. When the kernel did not take a flush whole, the next
 ``send`` waits until the write buffer is empty, as anyio's does (``try_send``, the same
 without a coroutine, then writes nothing and says so).
 
@@ -26,6 +26,7 @@ import logging
 import socket
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -34,7 +35,7 @@ import anyio.lowlevel
 from anyio.abc import SocketAttribute
 from anyio.streams.stapled import MultiListener
 
-__all__ = ["AsyncioSocketListener", "AsyncioSocketStream", "wrap_listener"]
+__all__ = ["AsyncioSocketListener", "AsyncioSocketStream", "at_pass_end", "wrap_listener"]
 
 HIGH_WATER = 256 * 1024  # bytes read ahead of the consumer before reading pauses
 FLUSH_BYTES = 64 * 1024  # writes held for the end of the loop pass, at most
@@ -136,41 +137,49 @@ class _Protocol(asyncio.Protocol):
 log = logging.getLogger("transport")
 
 
-class _Flusher:
-    """The streams of one event loop that wrote in this loop pass; one callback at the
-    end of the pass flushes them all, in the order they first wrote."""
+class _PassEnd:
+    """What runs once at the end of this pass of one event loop: the functions added
+    during the pass, in the order added, from one loop callback."""
 
-    __slots__ = ("_loop", "_streams")
+    __slots__ = ("_loop", "_fns")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._streams: list[AsyncioSocketStream] = []
+        self._fns: list[Callable[[], None]] = []
 
-    def add(self, stream: AsyncioSocketStream) -> None:
-        if not self._streams:
+    def add(self, fn: Callable[[], None]) -> None:
+        if not self._fns:
             self._loop.call_soon(self._run)
-        self._streams.append(stream)
+        self._fns.append(fn)
 
     def _run(self) -> None:
-        streams, self._streams = self._streams, []
-        for stream in streams:
+        fns, self._fns = self._fns, []
+        for fn in fns:
             try:
-                stream._flush()
-            except Exception:  # one transport's failure must not keep the others' bytes
-                log.exception("flushing a stream failed")
+                fn()
+            except Exception:  # one failure must not keep the others from running
+                log.exception("an end-of-pass function failed")
 
 
-_FLUSHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Flusher] = (
+_PASS_ENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PassEnd] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _flusher() -> _Flusher:
+def _pass_end() -> _PassEnd:
     loop = asyncio.get_running_loop()
-    f = _FLUSHERS.get(loop)
-    if f is None:
-        f = _FLUSHERS[loop] = _Flusher(loop)
-    return f
+    p = _PASS_ENDS.get(loop)
+    if p is None:
+        p = _PASS_ENDS[loop] = _PassEnd(loop)
+    return p
+
+
+def at_pass_end() -> Callable[[Callable[[], None]], None]:
+    """The running loop's end-of-pass queue: ``add(fn)`` runs ``fn`` once, with
+    everything else added in this pass, from one callback at the pass's end. The
+    streams' flushes go through it, and so may a stream's producer (a chunk pushed
+    from the pass that brought it, ``lifecycle/api/native.py``)."""
+    return _pass_end().add
 
 
 class AsyncioSocketStream(anyio.abc.SocketStream):
@@ -183,7 +192,8 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         self._eof_sent = False
         self._pending: list[bytes] = []  # written in this loop pass, flushed at its end
         self._pending_size = 0
-        self._flusher: _Flusher | None = None  # its loop's, from the first send
+        self._at_pass_end: Callable[[Callable[[], None]], None] | None = None  # from 1st send
+        self._flush_fn = self._flush  # one bound method, not one a send
 
     @classmethod
     async def adopt(cls, sock: socket.socket) -> AsyncioSocketStream:
@@ -258,15 +268,15 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
         """Keep ``item`` for the flush at the end of this loop pass (at once past
         ``FLUSH_BYTES``)."""
         if not self._pending:
-            (self._flusher or self._bind()).add(self)
+            (self._at_pass_end or self._bind())(self._flush_fn)
         self._pending.append(item)
         self._pending_size += len(item)
         if self._pending_size >= FLUSH_BYTES:
             self._flush()
 
-    def _bind(self) -> _Flusher:
-        self._flusher = _flusher()
-        return self._flusher
+    def _bind(self) -> Callable[[Callable[[], None]], None]:
+        self._at_pass_end = at_pass_end()
+        return self._at_pass_end
 
     def _flush(self) -> None:
         """Hand what this loop pass wrote to the transport: one system call for all of it."""

@@ -31,6 +31,7 @@ from lifecycle.link.pool import WorkerPool
 from lifecycle.link.supervisor import Supervisor
 from lifecycle.link.worker_client import WorkerClient
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
+from transport.aio import at_pass_end
 from transport.sse import frame_event
 from transport.streaming import StreamGate, current_gate
 from wire.faults import active_plan, fault_point
@@ -158,7 +159,7 @@ class NativeAPI:
         itself (``_push``), without waking this task."""
         gate = current_gate()
         if gate is not None and call.timeout is None:
-            call.set_push(_push(call, gate, incremental))
+            call.set_push(_push(call, gate, incremental), at_pass_end())
         try:
             async for frame in chunks(call, incremental):
                 if (f := fault_point(CLIENT_WRITE, call.runs[0].rec.id)) is not None:

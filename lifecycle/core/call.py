@@ -21,12 +21,10 @@ having been registered in time. What a call needs of the process is its ``CallHo
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
@@ -124,39 +122,6 @@ class _Sink:
         self.call.wake()
 
 
-class _Pushes:
-    """The calls of one event loop whose output a push may deliver (``GenerateCall.
-    set_push``), queued as they are woken; one callback at the end of the loop pass runs
-    their pushes, in the order they were woken."""
-
-    __slots__ = ("_loop", "_calls")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._calls: list[GenerateCall] = []
-
-    def add(self, call: GenerateCall) -> None:
-        if not self._calls:
-            self._loop.call_soon(self._run)
-        self._calls.append(call)
-
-    def _run(self) -> None:
-        calls, self._calls = self._calls, []
-        for call in calls:
-            call._run_push()
-
-
-_PUSHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pushes] = weakref.WeakKeyDictionary()
-
-
-def _pushes() -> _Pushes:
-    loop = asyncio.get_running_loop()
-    p = _PUSHES.get(loop)
-    if p is None:
-        p = _PUSHES[loop] = _Pushes(loop)
-    return p
-
-
 class _ItemRun:
     __slots__ = ("rec", "item", "samples", "buffers", "sub", "admitted", "ended")
 
@@ -201,7 +166,7 @@ class GenerateCall:
         # What the owner may run at a wake-up instead of waking (``set_push``), and what
         # a push polled but left to the owner (``hand_back``).
         self._push: Callable[[], bool] | None = None
-        self._pushes: _Pushes | None = None  # this loop's, while a push is set
+        self._defer: Callable[[Callable[[], None]], None] | None = None  # runs the push
         self._push_queued = False
         self._handed_back: list[tuple[int, SampleOutput]] = []
 
@@ -220,25 +185,27 @@ class GenerateCall:
         return self.request_id if len(self.req.items) == 1 else f"{self.request_id}_{index}"
 
     def wake(self) -> None:
-        if self._push is not None and self._wake.parked:
-            if not self._push_queued and self._pushes is not None:
+        if self._push is not None and self._defer is not None and self._wake.parked:
+            if not self._push_queued:
                 self._push_queued = True
-                self._pushes.add(self)
+                self._defer(self._run_push)
             return
         self._wake.set()
 
-    def set_push(self, push: Callable[[], bool] | None) -> None:
-        """While the owner sleeps between chunks, run ``push`` instead of waking it: at
-        the end of the loop pass in which output arrived (``_Pushes``: after the worker
-        link handed over all of its frame, so a chunk's end is there with its last
-        tokens), ``push`` delivers what arrived itself (True), or declines (False) and
-        the owner is woken. A push that polled output it does not deliver (an end, a
-        failure) gives it to ``hand_back``, so that it reaches the owner's next
-        ``wait``: no output is taken from the buffers without reaching the owner or
-        the client. None: wake the owner for every chunk."""
-        self._push = push
-        if push is not None and self._pushes is None:
-            self._pushes = _pushes()
+    def set_push(
+        self,
+        push: Callable[[], bool] | None,
+        defer: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
+        """While the owner sleeps between chunks, run ``push`` instead of waking it,
+        through ``defer`` (the transport's ``at_pass_end``: at the end of the loop pass in
+        which output arrived, after the worker link handed over all of its frame, so a
+        chunk's end is there with its last tokens). ``push`` delivers what arrived
+        itself (True), or declines (False) and the owner is woken. A push that polled
+        output it does not deliver (an end, a failure) gives it to ``hand_back``, so that
+        it reaches the owner's next ``wait``: no output is taken from the buffers without
+        reaching the owner or the client. None: wake the owner for every chunk."""
+        self._push, self._defer = push, defer
 
     def _run_push(self) -> None:
         self._push_queued = False
