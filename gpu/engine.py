@@ -159,12 +159,13 @@ class Engine:
         return self._in_flight is not None or self.scheduler.has_work
 
     def footprint(self) -> MemoryFootprint:
-        """The weights' and the KV cache's allocated bytes and their device (counted on
-        first use: they do not change)."""
+        """The weights' and the KV cache's allocated bytes, their device and the cache's
+        memory, whose resident part each split measures (made on first use)."""
         if self._footprint is None:
             dev = self.loaded.device
             name = dev.type if dev.type == "cpu" else str(dev)
-            self._footprint = MemoryFootprint(self.model.weight_bytes(), self.cache.nbytes(), name)
+            kv = (self.cache.k, self.cache.v)
+            self._footprint = MemoryFootprint.of(self.model.weight_bytes(), kv, name)
         return self._footprint
 
     def holds(self, rid: int) -> bool:

@@ -10,16 +10,26 @@ KV cache, in whole blocks. The arithmetic is pure so that the CPU tests check it
 GPU ``cuda_free_bytes`` reads the card.
 
 Once built, ``MemoryFootprint`` splits the worker's resident memory (RSS) into the
-weights, the KV cache and the rest, for its log line and its STATS frames.
+weights, the KV cache's resident part and the rest, for its log line and its STATS
+frames.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 
 from modelfile.config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "KVPlan",
@@ -29,6 +39,7 @@ __all__ = [
     "kv_bytes_per_token",
     "plan_kv",
     "prefill_bytes",
+    "resident_bytes",
 ]
 
 
@@ -112,40 +123,99 @@ def plan_kv(
 
 @dataclass(frozen=True, slots=True)
 class MemoryFootprint:
-    """What the weights and the KV cache take, as allocated, and where they live.
+    """What the weights and the KV cache take, and where they live.
 
-    Allocated bytes, not measured residency: the KV cache is made with ``torch.zeros``,
-    which writes every page, so on the CPU all of it is resident from the start (an
-    ``empty`` cache would not be, and ``other`` would then come out negative). On a GPU
-    neither lives in the process's RSS: the split counts them as 0 there and gives their
-    sizes on the card beside it. At ``--tp K`` this is rank 0's process and shard."""
+    The weights are copied out of the file at load: allocated is resident. The KV cache
+    is reserved whole (``kv_bytes``) but resident only where it was written: on the CPU
+    its tensors come from calloc (``gpu/kv_cache.py``), fresh pages the kernel maps on
+    first write, so counting it resident at its reserved size made ``other`` negative
+    (``other -375 MiB`` at start-up, issue 53). Its resident part is measured on each
+    split (``kv_ranges``, ``resident_bytes``) and ``other`` is what is left of the RSS
+    besides resident figures. On a GPU neither lives in the process's RSS: the split
+    counts them as 0 there and gives their sizes on the card beside it. At ``--tp K``
+    this is rank 0's process and shard."""
 
     weights_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # reserved: the K and V tensors' bytes
     device: str  # "cpu", or the accelerator holding both (e.g. "cuda:0")
+    kv_ranges: tuple[tuple[int, int], ...]  # K and V in this process's memory: (address, bytes)
+
+    @classmethod
+    def of(cls, weights_bytes: int, kv: Sequence[Tensor], device: str) -> MemoryFootprint:
+        """The footprint of weights of ``weights_bytes`` and the cache's K and V
+        tensors ``kv`` (contiguous, alive as long as the footprint is used) on
+        ``device``."""
+        ranges = tuple((t.data_ptr(), t.nbytes) for t in kv) if device == "cpu" else ()
+        return cls(weights_bytes, sum(t.nbytes for t in kv), device, ranges)
 
     def split(self, rss: int | None = None) -> dict[str, int]:
-        """``rss_bytes = weights_bytes + kv_bytes + other_bytes`` (this process now, or
-        ``rss``); ``other`` is the interpreter, torch, the tokenizer, step buffers."""
-        rss = psutil.Process().memory_info().rss if rss is None else rss
+        """``rss_bytes = weights_bytes + kv_resident_bytes + other_bytes`` (this process
+        now, or ``rss``); ``kv_bytes`` is the cache's reserved size, ``kv_resident_bytes``
+        how much of it is in RAM now; ``other`` is the interpreter, torch, the tokenizer,
+        step buffers."""
         on_host = self.device == "cpu"
+        # The cache first: a page a step writes meanwhile is in the RSS read after it.
+        resident = resident_bytes(self.kv_ranges) if on_host else 0
+        rss = psutil.Process().memory_info().rss if rss is None else rss
         weights, kv = (self.weights_bytes, self.kv_bytes) if on_host else (0, 0)
         out = {"rss_bytes": rss, "weights_bytes": weights, "kv_bytes": kv,
-               "other_bytes": rss - weights - kv}  # fmt: skip
+               "kv_resident_bytes": resident, "other_bytes": rss - weights - resident}  # fmt: skip
         if not on_host:
             out.update(device_weights_bytes=self.weights_bytes, device_kv_bytes=self.kv_bytes)
         return out
 
     def line(self, split: dict[str, int] | None = None) -> str:
-        """``memory: rss R MiB = weights W MiB + kv K MiB + other O MiB`` (the worker log)."""
+        """``memory: rss R MiB = weights W MiB + kv K MiB resident of C MiB reserved +
+        other O MiB`` (the worker log); on a GPU ``kv 0 MiB`` and the card's sizes."""
         s = self.split() if split is None else split
-        mib = {k: s[k] / 2**20 for k in ("rss_bytes", "weights_bytes", "kv_bytes", "other_bytes")}
-        text = ("memory: rss {rss_bytes:.0f} MiB = weights {weights_bytes:.0f} MiB + kv "
-                "{kv_bytes:.0f} MiB + other {other_bytes:.0f} MiB").format(**mib)  # fmt: skip
+        mib = {k: v / 2**20 for k, v in s.items()}
+        kv = (f"kv {mib['kv_resident_bytes']:.0f} MiB resident of {mib['kv_bytes']:.0f} MiB "
+              "reserved" if self.device == "cpu" else "kv 0 MiB")  # fmt: skip
+        text = (f"memory: rss {mib['rss_bytes']:.0f} MiB = weights {mib['weights_bytes']:.0f} "
+                f"MiB + {kv} + other {mib['other_bytes']:.0f} MiB")  # fmt: skip
         if self.device != "cpu":
             text += (f" (on {self.device}: weights {self.weights_bytes / 2**20:.0f} MiB, "
                      f"kv {self.kv_bytes / 2**20:.0f} MiB)")  # fmt: skip
         return text
+
+
+# mincore(2) answers a byte a page, of which only the low bit (resident) is defined; a
+# chunk of 2^18 pages (1 GiB of 4 KiB pages) keeps its answer to 256 KiB.
+_LOW_BIT = bytes(i & 1 for i in range(256))
+_CHUNK_PAGES = 1 << 18
+
+
+def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
+    """Bytes of these ``(address, bytes)`` ranges of this process's memory that are in
+    RAM now, at most each range's own: mincore(2) over their pages, a walk of the page
+    tables that touches none (about 1 ms for a 640 MiB cache; asked per STATS, never
+    per step). A huge page counts whole, as the RSS does. A page only ever read (the
+    kernel's shared zero page, which the RSS leaves out) would count too; attention
+    reads only blocks a step wrote. /proc/self/smaps counts by mapping, and a small
+    cache has none of its own (it is carved from the heap); touching every page to
+    know would make the whole cache resident."""
+    page, total = mmap.PAGESIZE, 0
+    mincore = _mincore()
+    for addr, length in ranges:
+        at, end, pages = addr - addr % page, addr + length, 0
+        while at < end:
+            n = min(_CHUNK_PAGES, -(-(end - at) // page))
+            flags = (ctypes.c_ubyte * n)()
+            if mincore(at, n * page, flags) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore: {os.strerror(err)}")
+            pages += bytes(flags).translate(_LOW_BIT).count(1)
+            at += n * page
+        total += min(pages * page, length)
+    return total
+
+
+@functools.cache
+def _mincore() -> Callable[..., int]:
+    f = ctypes.CDLL(None, use_errno=True).mincore
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    f.restype = ctypes.c_int
+    return f  # type: ignore[no-any-return]
 
 
 def device_memory(device: str) -> dict[str, int]:

@@ -162,7 +162,9 @@ LOAD_REPORT_S = 10.0  # a throughput line this often while requests are served
 
 
 async def _report_load(frontend: Frontend) -> None:
-    """Every ``LOAD_REPORT_S`` while busy: live requests, finished ones, tokens out."""
+    """Every ``LOAD_REPORT_S`` while busy: live requests, those that ended in the window,
+    and the output tokens that reached the frontend in it (``Frontend.output_tokens``,
+    counted as they arrive: a long generation shows its rate while it runs)."""
     fe = frontend
     done, tokens = fe.registry.finished + sum(fe.registry.failed.values()), fe.output_tokens
     while True:

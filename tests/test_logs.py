@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,9 @@ import pytest
 from lifecycle import app as app_module
 from lifecycle.testing.pytest_plugin import free_port
 from wire.child import stop_process
+
+from .app_helpers import running_app
+from .ws_helpers import echo_body
 
 
 def test_the_ready_line_comes_once_health_is_200() -> None:
@@ -70,3 +74,48 @@ async def test_a_throughput_line_while_busy_and_none_when_idle(
         "serving: 1 live, 4 ended in 0 s (1 with an error so far), 800.0 output tokens/s"
     )
     assert len(lines) == 1
+
+
+_SERVING = re.compile(
+    r"serving: (\d+) live, (\d+) ended in \d+ s \((\d+) with an error so far\), "
+    r"([\d.]+) output tokens/s"
+)
+
+
+@pytest.mark.anyio
+async def test_the_throughput_line_counts_tokens_while_a_request_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 53: the rate is of the tokens that reached the frontend in the window, a
+    request still generating included (it said 0.0 for the whole of a long generation,
+    then all of it at once when it ended). A real app and the scripted worker, 10 ms a
+    step; windows of 0.25 s, so a window's rate is 4x its tokens, exact in the line."""
+    window = 0.25
+    monkeypatch.setattr(app_module, "LOAD_REPORT_S", window)
+    caplog.set_level(logging.INFO, logger="lifecycle.app")
+    body = {**echo_body(1, 150), "stream": True}  # 150 steps: 1.5 s or more
+    invalid = {"text": "x", "sampling_params": {"top_p": -1}}  # a record that ends invalid
+    async with running_app(worker_extra_args=("--step-delay", "0.01")) as app:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.port}", timeout=60) as c:
+            async with c.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+            await anyio.sleep(2 * window)  # the end in a window of its own
+            assert (await c.post("/generate", json=invalid)).status_code == 400
+            await anyio.sleep(2 * window)
+        assert app.frontend.output_tokens == 150
+    got = [_SERVING.fullmatch(r.getMessage()) for r in caplog.records
+           if r.getMessage().startswith("serving:")]  # fmt: skip
+    assert all(got), caplog.records
+    lines = [(int(m[1]), int(m[2]), int(m[3]), float(m[4])) for m in got if m]
+    running = [ln for ln in lines if ln[0] == 1 and ln[1] == 0]
+    assert len(running) >= 3, lines  # lines while the stream ran, before it ended
+    # Most of its tokens were counted while it still ran (before: none of them).
+    assert sum(rate for *_, rate in running) * window >= 75, lines
+    # Every token counted once, in the window it arrived in.
+    assert sum(rate for *_, rate in lines) * window == 150, lines
+    # The stream's end, then the refused request's, each in a line of its own.
+    ended = [ln for ln in lines if ln[1]]
+    assert [(live, n, errors) for live, n, errors, _ in ended] == [(0, 1, 0), (0, 1, 1)], lines
+    assert ended[1][3] == 0.0  # the refused request produced nothing

@@ -99,6 +99,7 @@ EXAMPLES = [
                 "rss_bytes": 9,
                 "weights_bytes": 0,
                 "kv_bytes": 0,
+                "kv_resident_bytes": 0,
                 "other_bytes": 9,
                 "device_allocated_bytes": 5,
                 "device_reserved_bytes": 6,

@@ -74,22 +74,78 @@ def test_an_engine_sized_in_tokens_has_that_cache(tiny_gguf: TinyModel) -> None:
 
 # -- the split --------------------------------------------------------------------------------
 def test_the_split_adds_up_and_the_line_says_it() -> None:
-    fp = MemoryFootprint(weights_bytes=96 * MIB, kv_bytes=1024 * MIB, device="cpu")
-    s = fp.split(rss=1381 * MIB)
-    assert s == {"rss_bytes": 1381 * MIB, "weights_bytes": 96 * MIB, "kv_bytes": 1024 * MIB,
-                 "other_bytes": 261 * MIB}  # fmt: skip
-    assert fp.line(s) == "memory: rss 1381 MiB = weights 96 MiB + kv 1024 MiB + other 261 MiB"
+    fp = MemoryFootprint(weights_bytes=96 * MIB, kv_bytes=640 * MIB, device="cpu", kv_ranges=())
+    s = fp.split(rss=361 * MIB)
+    assert s == {"rss_bytes": 361 * MIB, "weights_bytes": 96 * MIB, "kv_bytes": 640 * MIB,
+                 "kv_resident_bytes": 0, "other_bytes": 265 * MIB}  # fmt: skip
+    assert fp.line(s) == (
+        "memory: rss 361 MiB = weights 96 MiB + kv 0 MiB resident of 640 MiB reserved "
+        "+ other 265 MiB"
+    )
     now = fp.split()  # this process
     assert now["rss_bytes"] > 0
-    assert now["weights_bytes"] + now["kv_bytes"] + now["other_bytes"] == now["rss_bytes"]
+    assert now["weights_bytes"] + now["kv_resident_bytes"] + now["other_bytes"] == now["rss_bytes"]
+
+
+def test_a_kv_cache_is_resident_as_it_is_written_and_other_never_negative() -> None:
+    """Issue 53: the cache is reserved whole but its pages are mapped as they are first
+    written (calloc, ``gpu/kv_cache.py``); counted resident at its reserved size, the
+    start-up line said ``other -375 MiB``. A real cache of 64 MiB, not touched, then
+    half written."""
+    from gpu.kv_cache import PagedKVCache
+    from modelfile.config import ModelConfig
+
+    mc = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 1e4, 1e-5, 64, 32, True, 1, 2, (2,), False,
+                     "m")  # fmt: skip
+    blocks = 64 * MIB // (kv_bytes_per_token(mc, 4) * 16)
+    cache = PagedKVCache(mc, blocks, 16, device="cpu", native=False)
+    fp = MemoryFootprint.of(5 * MIB, (cache.k, cache.v), "cpu")
+    assert fp.kv_bytes == cache.nbytes() == 64 * MIB
+    untouched = fp.split()
+    assert untouched["kv_bytes"] == 64 * MIB and untouched["kv_resident_bytes"] < 4 * MIB
+    assert untouched["other_bytes"] >= 0
+    assert "kv 0 MiB resident of 64 MiB reserved" in fp.line(untouched)
+    k = cache.k.view(-1)
+    k[: k.numel() // 2] = 1.0  # half of K, a quarter of the cache: 16 MiB in one run
+    written = fp.split()
+    # at most a huge page more at either end of the run, resident as the RSS counts it
+    assert 16 * MIB <= written["kv_resident_bytes"] - untouched["kv_resident_bytes"] <= 20 * MIB
+    assert written["rss_bytes"] - untouched["rss_bytes"] >= 16 * MIB  # the RSS agrees
+    assert written["other_bytes"] >= 0
+    w = written
+    assert w["weights_bytes"] + w["kv_resident_bytes"] + w["other_bytes"] == w["rss_bytes"]
+    cache.k.fill_(2.0)
+    cache.v.fill_(2.0)
+    full = fp.split()
+    assert full["kv_resident_bytes"] == 64 * MIB and full["other_bytes"] >= 0
+    assert "kv 64 MiB resident of 64 MiB reserved" in fp.line(full)
+
+
+def test_resident_bytes_counts_whole_pages_within_each_range() -> None:
+    import mmap
+
+    import numpy as np
+
+    from gpu.memory import resident_bytes
+
+    page = mmap.PAGESIZE
+    buf = np.zeros(64 * page, dtype=np.uint8)  # calloc: fresh pages, or reused heap
+    at = buf.ctypes.data
+    buf[::page] = 1  # one byte a page: every page resident
+    assert resident_bytes([(at, buf.nbytes)]) == buf.nbytes
+    assert resident_bytes([(at + 1, 10)]) == 10  # never more than the range's own bytes
+    assert resident_bytes([]) == 0
 
 
 def test_on_a_card_weights_and_kv_are_not_in_the_rss() -> None:
-    fp = MemoryFootprint(weights_bytes=300 * MIB, kv_bytes=8 * 2**30, device="cuda:0")
+    fp = MemoryFootprint(weights_bytes=300 * MIB, kv_bytes=8 * 2**30, device="cuda:0",
+                         kv_ranges=())  # fmt: skip
     s = fp.split(rss=900 * MIB)
-    assert s["weights_bytes"] == s["kv_bytes"] == 0 and s["other_bytes"] == 900 * MIB
+    assert s["weights_bytes"] == s["kv_bytes"] == s["kv_resident_bytes"] == 0
+    assert s["other_bytes"] == 900 * MIB
     assert s["device_weights_bytes"] == 300 * MIB and s["device_kv_bytes"] == 8 * 2**30
-    assert fp.line(s).endswith("other 900 MiB (on cuda:0: weights 300 MiB, kv 8192 MiB)")
+    assert fp.line(s) == ("memory: rss 900 MiB = weights 0 MiB + kv 0 MiB + other 900 MiB "
+                          "(on cuda:0: weights 300 MiB, kv 8192 MiB)")  # fmt: skip
 
 
 def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
@@ -104,9 +160,11 @@ def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
         again = httpx.get(url + "/server_info", timeout=30).json()
     state = info["internal_states"][0]
     m = state["memory"]
-    assert set(m) == {"rss_bytes", "weights_bytes", "kv_bytes", "other_bytes"}
-    assert all(m[k] > 0 for k in m), m
-    assert m["weights_bytes"] + m["kv_bytes"] + m["other_bytes"] == m["rss_bytes"]
+    assert set(m) == {"rss_bytes", "weights_bytes", "kv_bytes", "kv_resident_bytes",
+                      "other_bytes"}  # fmt: skip
+    assert all(m[k] > 0 for k in m if k != "kv_resident_bytes"), m
+    assert 0 <= m["kv_resident_bytes"] <= m["kv_bytes"]
+    assert m["weights_bytes"] + m["kv_resident_bytes"] + m["other_bytes"] == m["rss_bytes"]
     cap = state["capacity"]
     per_token = m["kv_bytes"] // (cap["kv_blocks"] * cap["block_size"])
     assert m["kv_bytes"] == cap["kv_blocks"] * cap["block_size"] * per_token <= 3 * MIB
@@ -115,7 +173,7 @@ def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
     # Measured per STATS: the figures are fresh, the allocations the same.
     m2 = again["internal_states"][0]["memory"]
     assert (m2["weights_bytes"], m2["kv_bytes"]) == (m["weights_bytes"], m["kv_bytes"])
-    assert m2["weights_bytes"] + m2["kv_bytes"] + m2["other_bytes"] == m2["rss_bytes"]
+    assert m2["weights_bytes"] + m2["kv_resident_bytes"] + m2["other_bytes"] == m2["rss_bytes"]
 
 
 def test_the_mixed_prefill_cap_defaults_by_device() -> None:

@@ -64,7 +64,7 @@ class Frontend(Generic[W]):
         self.calls: LiveCalls[GenerateCall] = LiveCalls(self.registry)
         self.admission = AdmissionQueue(config.max_queued)
         self.codec = TextCodec(tokenizer)
-        self.output_tokens = 0  # of every closed call, all samples
+        self._closed_tokens = 0  # output tokens of the records of every closed call
         self.draining = False
         # The one feed the tracer, metrics, access log and export subscribe to
         # (opened / transition / released / closed; lifecycle.core.events).
@@ -124,14 +124,24 @@ class Frontend(Generic[W]):
     def worker_released(self, rec_id: int) -> None:
         self.registry.worker_released(rec_id)
 
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens received from the workers so far, all samples, whether their
+        request ended or not (``/metrics``' ``lifecycle_generation_tokens`` and the
+        ``serving:`` log line). Each record counts its own as STEP entries arrive
+        (``RequestRecord.tokens``, one add an entry); this sums the live records' counts
+        and those of the records that left, at most once a scrape or a log line."""
+        return self._closed_tokens + sum(rec.tokens for rec in self.registry)
+
     def closed(self, call: GenerateCall) -> None:
         """``call`` closed, every record terminal: they leave the registry (a tombstone
         stays while the worker holds one, counted there) and the live calls."""
         for run in call.runs:
             rec = run.rec
+            if rec in self.registry:  # its tokens move from the live sum to the closed one
+                self._closed_tokens += rec.tokens
             self.registry.remove(rec)
             self.calls.untrack(rec.id)
-            self.output_tokens += sum(len(s.ids) for s in run.samples)
         self.events.closed(call)
 
     # -- health and drain ------------------------------------------------------------------
