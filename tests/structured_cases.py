@@ -25,6 +25,8 @@ __all__ = [
     "EBNF_EXAMPLE",
     "EBNF_GRAMMAR",
     "EBNF_MAX_TOKENS",
+    "OPEN_INTEGER_PROMPT",
+    "OPEN_INTEGER_SCHEMA",
     "REGEX_CASES",
     "SCHEMA_CASES",
     "RegexCase",
@@ -300,6 +302,17 @@ REGEX_CASES: tuple[RegexCase, ...] = (
         40,
     ),
 )
+
+# Issue 53, point 4: the schema of a chat request whose integer is left open (no bounds,
+# the object open too). Greedy, SmolLM2 wrote ``"population": 1111...`` for the prompt until
+# max_tokens ran out, before numbers were bounded by default (``wire.grammar.bound_numbers``).
+OPEN_INTEGER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                   "population": {"type": "integer"}},
+    "required": ["city", "country", "population"],
+}  # fmt: skip
+OPEN_INTEGER_PROMPT = "Give me the city, country and population of Manila as JSON."
 
 # One to four "name: value" lines; a value is an integer, a quoted word or a boolean.
 EBNF_GRAMMAR = r"""root ::= entry ("\n" entry){0,3}

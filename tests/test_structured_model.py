@@ -18,6 +18,8 @@ import httpx
 import jsonschema
 import pytest
 
+from .structured_cases import OPEN_INTEGER_PROMPT, OPEN_INTEGER_SCHEMA
+
 pytestmark = pytest.mark.timeout(600)
 
 SEEDS = (1, 2, 3, 4, 5)
@@ -121,6 +123,29 @@ def test_openai_response_format(model_server: str) -> None:
         extra_body={"response_format": {"type": "json_object"}},
     )  # fmt: skip
     assert isinstance(json.loads(done.choices[0].text), dict)
+
+
+def test_an_open_integer_ends_within_80_tokens(model_server: str) -> None:
+    """Issue 53, point 4: an ``integer`` the schema leaves unbounded. Greedy, the model
+    wrote ``"population": 1111...`` for this prompt until ``max_tokens`` ran out (80, 200
+    or 500); the default int64 bound (``wire.grammar.bound_numbers``) ends it at 19 digits."""
+    schema = OPEN_INTEGER_SCHEMA
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": OPEN_INTEGER_PROMPT}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        "temperature": 0,
+        "max_tokens": 80,
+    }
+    r = httpx.post(f"{model_server}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "stop", out
+    assert out["usage"]["completion_tokens"] <= 80
+    value = json.loads(choice["message"]["content"])
+    jsonschema.validate(value, schema)
+    assert type(value["population"]) is int and len(str(value["population"])) <= 19
 
 
 def test_bad_constraints_are_400_and_nothing_is_queued(model_server: str) -> None:
