@@ -38,7 +38,7 @@ from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_file import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
 from modelfile.tokenizer import Tokenizer
-from wire.worker_options import WEIGHT_MODES
+from wire.worker_options import DTYPES, WEIGHT_MODES
 
 __all__ = ["LoadedModel", "load_model", "resolve_device"]
 
@@ -67,17 +67,9 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device,
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(names)})")
-    return dev, names[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return dev, getattr(torch, DTYPES[dtype])
 
 
 def load_model(

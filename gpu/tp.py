@@ -58,6 +58,7 @@ from gpu.tp_messages import (  # noqa: E402
 from gpu.tp_model import ShardedLlama, ShardLoad, shard_plan  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
 from modelfile.source import model_parts, open_model  # noqa: E402
+from wire.child import SUPERVISED  # noqa: E402
 
 __all__ = [
     "Channel",
@@ -244,7 +245,7 @@ def start_leader(
     for rank in range(1, world):
         env = {**os.environ, _ENV_RANK: str(rank), _ENV_WORLD: str(world)}
         env[_ENV_STORE] = f"127.0.0.1:{store.port}"
-        cmd = [sys.executable, "-m", "wire.child", "gpu.tp", *args]
+        cmd = [sys.executable, "-m", "wire.child", SUPERVISED, "gpu.tp", *args]
         procs.append(subprocess.Popen(cmd, env=env))
     followers = Followers(procs, Channel(None))
     loaded = _load_shard(path, dev, dt, world, 0)  # shards are fp32 slices

@@ -39,6 +39,7 @@ import wire  # noqa: E402
 from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
 from gpu.memory import device_memory  # noqa: E402
+from gpu.threads import ThreadGovernor, apply_threads, resolve_threads  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
@@ -316,7 +317,7 @@ def _step(engine: Engine, hub: _Hub) -> None:
         )
 
 
-def _run(engine: Engine, inbox: queue.Queue[Any]) -> None:
+def _run(engine: Engine, inbox: queue.Queue[Any], governor: ThreadGovernor) -> None:
     """The step loop over every frontend's frames, until one sends SHUTDOWN."""
     hub = _Hub()
     shutdown = False
@@ -325,6 +326,7 @@ def _run(engine: Engine, inbox: queue.Queue[Any]) -> None:
             problems = engine.check()
             if problems:
                 log.error("integrity check failed: %s", problems[:8])
+            governor.idle()
             shutdown = _handle(engine, hub, *inbox.get())
         while not shutdown:
             try:
@@ -333,6 +335,7 @@ def _run(engine: Engine, inbox: queue.Queue[Any]) -> None:
                 break
         if not shutdown and engine.has_work:
             _step(engine, hub)
+            governor.after_step()
     entries = engine.abort_all("worker shutting down")
     if entries:
         hub.send_entries(engine.step_no, entries)
@@ -405,6 +408,7 @@ def serve(
     listener: socket.socket,
     token: str | None = None,
     tls: ssl.SSLContext | None = None,
+    governor: ThreadGovernor | None = None,
 ) -> int:
     """Serve every frontend that connects until one sends SHUTDOWN. A connection that
     fails TLS or the token check is logged and closed; the others go on."""
@@ -412,8 +416,25 @@ def serve(
     threading.Thread(
         target=_accept, args=(listener, token, tls, inbox, engine), daemon=True, name="accept"
     ).start()
-    _run(engine, inbox)
+    _run(engine, inbox, governor or ThreadGovernor(1, enabled=False))
     return 0
+
+
+def device_refused(device: str | None) -> str | None:
+    """Why this torch cannot run ``--device`` (already of the form cpu, cuda or cuda:N:
+    ``wire.worker_options``), in one line; None when it can."""
+    if device is None or not device.startswith("cuda"):
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        why = "is built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
+        return f"--device {device}: this torch ({torch.__version__}) {why}; use --device cpu"
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        return f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     if (f := fault_point("worker.start")) is not None:
         f.apply()
+    # A Unix-socket worker shares its host with the frontend that connects to it.
+    threads, why = resolve_threads(config.threads, parse_address(config.listen).kind == "unix")
+    if config.tp == 1:  # --tp > 1: one thread per rank unless --threads (gpu/tp.py)
+        apply_threads(threads)
     tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+    if (refused := device_refused(config.device)) is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    # Listening before the model loads tells a frontend that spawned this worker that it
+    # took its options and its device: it binds its own port only then (a refusal here
+    # is one line and exit 2, and the frontend never listens).
+    listener = _listen(config.listen, tls is not None)
     try:
         engine = build_engine(config)
     except ModelFileError as exc:  # one line, as `lifecycle serve` says it
@@ -432,7 +464,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc.code}", file=sys.stderr)
         return 2
-    listener = _listen(config.listen, tls is not None)
     address = parse_address(config.listen)
     if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:
         log.warning("no worker token: anyone who reaches %s can use this worker", config.listen)
@@ -448,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         config.block_size,
         engine.cache.element,
     )
+    governor = ThreadGovernor(
+        threads, enabled=config.tp == 1 and engine.loaded.device.type == "cpu"
+    )
+    log.info(
+        "threads %d (%s)%s", threads, why,
+        ", fewer while other processes want the CPUs" if governor.enabled else "",
+    )  # fmt: skip
     log.debug("cpu runtime: %s", _CPU_TUNING or "as the environment set it")
     if kv_tokens < context:
         log.warning(
@@ -457,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     log.info("%s", engine.footprint().line())
     try:
-        return serve(engine, listener, config.token, tls)
+        return serve(engine, listener, config.token, tls, governor)
     finally:
         listener.close()
         if config.tp > 1:

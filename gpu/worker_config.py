@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import asdict, dataclass, replace
 
@@ -22,7 +21,9 @@ from wire.worker_options import (
     DEFAULT_CPU_KV_MIB,
     DEFAULT_MEM_FRACTION,
     WORKER_OPTIONS,
+    OneLineParser,
     refused_combination,
+    value_parser,
     worker_defaults,
 )
 
@@ -64,7 +65,7 @@ class WorkerConfig:
     step_tokens: int = _D["step_tokens"]
     # None: CPU_MIXED_PREFILL_TOKENS on the CPU, step_tokens on CUDA
     mixed_prefill_tokens: int | None = _D["mixed_prefill_tokens"]
-    threads: int | None = _D["threads"]  # None: torch's default (all cores)
+    threads: int | None = _D["threads"]  # None: gpu/threads.py, resolve_threads
     tp: int = _D["tp"]  # tensor-parallel ranks (gpu/tp.py), each a process; 1: this one alone
     token: str | None = _D["token"]  # None: LIFECYCLE_WORKER_TOKEN
     tls_cert: str | None = _D["tls_cert"]
@@ -97,23 +98,14 @@ def _sized_by_fraction(config: WorkerConfig, device: torch.device) -> bool:
 
 
 def parse_config(argv: list[str] | None) -> WorkerConfig:
-    p = argparse.ArgumentParser(prog="python -m gpu.worker", description=_DESCRIPTION)
+    p = OneLineParser(prog="python -m gpu.worker", description=_DESCRIPTION)
     for o in WORKER_OPTIONS:
         p.add_argument(
-            o.cli, dest=o.name, type=o.type, default=o.default, choices=o.choices,
+            o.cli, dest=o.name, type=value_parser(o.type, o.refused), default=o.default,
+            metavar="{" + ",".join(o.choices) + "}" if o.choices else None,
             help=o.help_with_default,
         )  # fmt: skip
     config = WorkerConfig(**vars(p.parse_args(argv)))
-    if config.tp < 1:
-        p.error(f"--tp must be at least 1, got {config.tp}")
-    if config.kv_cache_tokens is not None and config.kv_memory_mib is not None:
-        p.error("size the KV cache by --kv-cache-tokens or by --kv-memory-mib, not both")
-    for flag, value in (("--kv-cache-tokens", config.kv_cache_tokens),
-                        ("--kv-memory-mib", config.kv_memory_mib),
-                        ("--step-tokens", config.step_tokens),
-                        ("--mixed-prefill-tokens", config.mixed_prefill_tokens)):  # fmt: skip
-        if value is not None and value < 1:
-            p.error(f"{flag} must be at least 1, got {value}")
     try:
         token = wire.resolve_token(config.token)
     except ValueError as exc:
@@ -122,10 +114,6 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
 
 
 def build_engine(config: WorkerConfig) -> Engine:
-    if config.threads:
-        # On a CPU shared with other busy processes, one thread avoids stalls at every
-        # op's barrier (measured 3-8x faster under load); two win on a quiet machine.
-        torch.set_num_threads(config.threads)
     followers = None
     if (refused := refused_combination(asdict(config))) is not None:
         raise SystemExit(refused)

@@ -42,7 +42,7 @@ from transport import Handler, Request, Response, Server, ServerConfig
 if TYPE_CHECKING:
     from modelfile.check import CheckedModel
 
-__all__ = ["App", "AppConfig", "serve_app", "worker_args"]
+__all__ = ["App", "AppConfig", "CannotListen", "serve_app", "worker_args"]
 
 log = logging.getLogger("lifecycle.app")
 
@@ -70,19 +70,24 @@ class App:
         """The graceful stop, within ``drain_timeout``: /health and new requests get 503
         at once, in-flight requests run on, those still open near the deadline end with
         an explicit error (an SSE error event then [DONE], a WebSocket error, a 503),
-        then the listener closes. Returns how many requests were cut."""
+        then the listener closes; one line then says how many finished and how many were
+        cut. Returns how many requests were cut."""
         fe, timeout = self.frontend, self.config.drain_timeout
         # Kept for the cut requests' owners to send their error, even at --drain-timeout 0
         grace = max(min(_CUT_GRACE, timeout / 5), _STOP_GRACE)
+        start = anyio.current_time()
         fe.begin_drain()
         self.server.begin_drain(retry_after=DRAIN.refused.retry_after)
-        log.info("draining: %d live calls, up to %.1fs", len(fe.calls), timeout)
+        live = len(fe.calls)  # none is admitted from here on: each finishes or is cut
+        log.info("draining: %d live calls, up to %.1fs", live, timeout)
         cut = 0
         if not await fe.calls.wait_drained(timeout - grace):
             cut = fe.calls.cut_all(DRAIN.cut, "the server is shutting down")
             log.warning("drain timeout: %d requests ended with an error", cut)
             await fe.calls.wait_drained(grace / 2)
         await self.server.shutdown(grace / 2)
+        took = anyio.current_time() - start
+        log.info("stopped: %d finished, %d cut in %.1fs", max(live - cut, 0), cut, took)
         return cut
 
     async def stop_now(self) -> int:
@@ -94,6 +99,10 @@ class App:
         await calls.wait_drained(_STOP_GRACE)
         await self.server.shutdown(_STOP_GRACE)
         return cut
+
+
+class CannotListen(OSError):
+    """The HTTP listener could not bind (one line for ``lifecycle serve``)."""
 
 
 async def serve_app(
@@ -110,7 +119,16 @@ async def serve_app(
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
     async with rt.running() as tg:
-        await tg.start(server.serve)  # bind early: /health says 503 until ready
+        # A spawned worker listens once it took its options and its device, before its
+        # model loads; one that refuses them ends this here (WorkerRefusedToStart), so
+        # the port is never bound. Then bind early: /health says 503 until ready.
+        await rt.supervisor.wait_listening()
+        try:
+            await tg.start(server.serve)
+        except OSError as exc:  # the port was taken since serve checked it
+            raise CannotListen(
+                f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
+            ) from exc
         scheme = "https" if cfg.ssl_certfile else "http"
         log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
         frontend = await rt.load(tg)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from lifecycle.options import add_flags, option_values
 from lifecycle.runtime import app_config
 from lifecycle.tracing.cli import add_trace_parser, run_trace
+from wire.worker_options import OneLineParser
 
 if TYPE_CHECKING:
     from lifecycle.app import AppConfig
@@ -29,7 +30,7 @@ _CONFIG_HELP = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lifecycle", description=__doc__)
+    parser = OneLineParser(prog="lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print a greedy continuation of a prompt (offline)")
     gen.add_argument("prompt")
@@ -79,9 +80,10 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if (refused := _refused_worker_options(cfg)) is not None:  # the worker's own rule
-        print(f"error: {refused}", file=sys.stderr)
-        return 2
+    for refused in (_refused_worker_options(cfg), _refused_device(cfg), _port_taken(cfg)):
+        if refused is not None:  # the worker's own rules, this torch, the port
+            print(f"error: {refused}", file=sys.stderr)
+            return 2
     if cfg.otlp_traces_endpoint:  # Runtime checks it too; here it stops with a message
         from lifecycle.tracing.otel import OtlpUnavailable, check_endpoint
 
@@ -94,8 +96,73 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         from lifecycle.frontends import run_frontends
 
         return run_frontends(cfg, serve_argv)
-    anyio.run(_run_until_signalled, cfg, model)
+    try:
+        anyio.run(_run_until_signalled, cfg, model)
+    except BaseException as exc:  # a start-up failure, however deep in the task groups
+        if (failed := _startup_failure(exc)) is None:
+            raise
+        print(f"error: {failed}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _startup_failure(exc: BaseException) -> BaseException | None:
+    """The start-up failure (the worker refused to start, the port could not be bound)
+    that ended the server, found in task groups' exception groups; None if none did."""
+    from lifecycle.app import CannotListen
+    from lifecycle.link.supervisor import WorkerRefusedToStart
+
+    if isinstance(exc, WorkerRefusedToStart | CannotListen):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _startup_failure(inner)) is not None:
+                return found
+    return None
+
+
+def _spawns_model_worker(cfg: AppConfig) -> bool:
+    """Workers running models start here (not remote ones, not the scripted one)."""
+    return cfg.worker_module == "gpu.worker" and not (cfg.worker and not cfg.dp)
+
+
+def _refused_device(cfg: AppConfig) -> str | None:
+    """``--device cuda`` where the installed torch is a CPU build, known from its
+    version (``2.13.0+cpu``) without importing it: the frontend never imports torch. A
+    CUDA build on a machine without a card is the worker's to refuse (one line, exit 2)
+    before this process binds its port."""
+    if not (cfg.device or "").startswith("cuda") or not _spawns_model_worker(cfg):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        return None  # lifecycle worker says to install the worker extra
+    if "+cpu" in torch_version:
+        return f"--device {cfg.device}: this torch ({torch_version}) is built without CUDA; use --device cpu"
+    return None
+
+
+def _port_taken(cfg: AppConfig) -> str | None:
+    """Why ``--port`` cannot be listened on, found by binding it once before the workers
+    start (unless the port is shared on purpose: ``--reuse-port``); None when it can."""
+    import socket
+
+    if cfg.port == 0 or cfg.reuse_port:
+        return None
+    try:
+        infos = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"--host {cfg.host}: {exc}"
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listener does
+            try:
+                s.bind(address)
+            except OSError as exc:
+                return f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
+    return None
 
 
 def _refused_worker_options(cfg: AppConfig) -> str | None:
@@ -104,7 +171,7 @@ def _refused_worker_options(cfg: AppConfig) -> str | None:
     none is spawned (remote workers have their own options; the scripted one no model)."""
     from wire.worker_options import WORKER_OPTIONS, refused_combination
 
-    if cfg.worker_module != "gpu.worker" or (cfg.worker and not cfg.dp):
+    if not _spawns_model_worker(cfg):
         return None
     forwarded = [o for o in WORKER_OPTIONS if o.forwarded]
     return refused_combination({o.name: getattr(cfg, o.serve_name or o.name) for o in forwarded})
@@ -112,11 +179,19 @@ def _refused_worker_options(cfg: AppConfig) -> str | None:
 
 async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
     """Serve ``cfg``. The first SIGTERM/SIGINT drains (App.drain), a second one stops at
-    once; either way the app is then cancelled, so the worker gets SHUTDOWN and is reaped."""
+    once; either way the app is then cancelled, so the worker gets SHUTDOWN and is reaped
+    (the worker itself ignores both: ``wire/child.py``). Under the launcher of
+    ``--frontends N`` the launcher decides: SIGTERM drains (once), ``CHILD_CUT`` stops at
+    once, SIGINT (Ctrl-C, which reaches the launcher too) is ignored here."""
     import anyio
 
     from lifecycle.app import App, serve_app
+    from lifecycle.runtime import CHILD_CUT, CHILD_DRAIN
 
+    launched = cfg.frontend_index is not None
+    if launched:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watched = (CHILD_DRAIN, CHILD_CUT) if launched else (signal.SIGTERM, signal.SIGINT)
     async with anyio.create_task_group() as tg:
         apps: list[App] = []
 
@@ -125,12 +200,16 @@ async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
             tg.cancel_scope.cancel()
 
         async def watch_signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    if apps and apps[0].frontend.draining:
+            with anyio.open_signal_receiver(*watched) as signals:
+                async for signum in signals:
+                    draining = bool(apps) and apps[0].frontend.draining
+                    cut = signum == CHILD_CUT if launched else draining
+                    if launched and draining and not cut:
+                        continue  # the launcher's SIGTERM after the group's: one drain
+                    if apps and cut:
                         with anyio.move_on_after(2.0):  # the cut's errors, then the close
                             await apps[0].stop_now()
-                    if not apps or apps[0].frontend.draining:
+                    if not apps or cut:
                         tg.cancel_scope.cancel()
                         return
                     tg.start_soon(stop_after_drain)
@@ -222,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return run_worker_module("gpu.worker", ["--listen", args.listen, *rest])
     if rest:
-        print(f"unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+        print(f"lifecycle {args.command}: error: unrecognized arguments: {' '.join(rest)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.command == "serve":
         serve_argv = list(sys.argv[1:] if argv is None else argv)

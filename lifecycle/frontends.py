@@ -31,23 +31,29 @@ import time
 from pathlib import Path
 
 from lifecycle.runtime import (
+    CHILD_CUT,
+    CHILD_DRAIN,
     FRONTEND_INDEX_ENV,
     FRONTENDS_DIR_ENV,
     AppConfig,
     worker_addresses,
     worker_args,
 )
+from wire.child import SUPERVISED
 
 __all__ = ["child_argv", "run_frontends"]
 
 log = logging.getLogger("lifecycle.frontends")
 _RESTART_S = 0.5  # the least time between two starts of one process
+_DRAIN_GRACE_S = 5.0  # past a frontend's --drain-timeout: its cut, its close, its exit
 
 
 def child_argv(serve_argv: list[str], workers: list[str], spawned: bool) -> list[str]:
     """A frontend's command: the same options, one frontend, the shared port, and the
-    workers this process started (``--dp 0``: it spawns none of its own)."""
-    argv = [sys.executable, "-m", "lifecycle", "serve", *serve_argv, "--frontends", "1"]
+    workers this process started (``--dp 0``: it spawns none of its own). It runs under
+    ``wire.child``: it dies with this process, so no orphan keeps the port."""
+    argv = [sys.executable, "-m", "wire.child", "lifecycle", "serve", *serve_argv]
+    argv += ["--frontends", "1"]
     argv += ["--reuse-port"]
     if spawned:
         argv += ["--dp", "0"]
@@ -79,15 +85,45 @@ class _Child:
         log.warning("%s ended with status %s; starting it again", self.name, self.proc.returncode)
         self.start()
 
-    def stop(self, timeout: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait(self, deadline: float) -> bool:
+        """Reaped by ``deadline`` (monotonic seconds)."""
+        if self.proc is None:
+            return True
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+        if self.proc is not None:
             self.proc.wait()
+
+
+def _stop_frontends(frontends: list[_Child], drain_timeout: float, signals: list[int]) -> None:
+    """Every frontend drains at once (``CHILD_DRAIN``), so each refuses new requests
+    from the signal on and the whole stop takes one drain; a second signal here cuts
+    them all (``CHILD_CUT``). Past the drain and its grace, what is left is killed."""
+    for child in frontends:
+        child.signal(CHILD_DRAIN)
+    seen = len(signals)
+    deadline = time.monotonic() + drain_timeout + _DRAIN_GRACE_S
+    while time.monotonic() < deadline:
+        if all(child.wait(time.monotonic() + 0.1) for child in frontends):
+            return
+        if len(signals) > seen:
+            seen = len(signals)
+            log.warning("second signal: the frontends end their requests now")
+            for child in frontends:
+                child.signal(CHILD_CUT)
+            deadline = min(deadline, time.monotonic() + _DRAIN_GRACE_S)
+    log.error("frontends still running past the drain: killing them")
 
 
 def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
@@ -104,7 +140,8 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
     if spawned:
         for k in range(cfg.dp or 1):
             address = f"unix:{folder / f'worker{k}.sock'}"
-            argv = [sys.executable, "-m", "wire.child", cfg.worker_module, "--listen", address]
+            argv = [sys.executable, "-m", "wire.child", SUPERVISED, cfg.worker_module]
+            argv += ["--listen", address]
             children.append(_Child(f"worker {k}", [*argv, *worker_args(cfg)], dict(os.environ)))
             workers.append(address)
     frontends = []
@@ -122,13 +159,14 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
             time.sleep(0.1)
             for child in (*children, *frontends):
                 child.check()
+        _stop_frontends(frontends, cfg.drain_timeout, stopping)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for child in frontends:  # each drains first (its own --drain-timeout)
-            child.stop(cfg.drain_timeout + 10)
-        for child in children:
-            child.stop(10)
+        for child in frontends:  # an exception above: none is left behind
+            child.kill()
+        for child in children:  # supervised: they ignore SIGTERM, and hold nothing now
+            child.kill()
         for path in [*folder.glob("*.sock"), *folder.glob("metrics-*")]:
             path.unlink(missing_ok=True)
         folder.rmdir()

@@ -19,7 +19,8 @@ from typing import Any
 from lifecycle.core.buffers import ADMISSION_BOUND
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
-from wire.worker_options import WORKER_OPTIONS
+from lifecycle.link.pool import POLICIES as ROUTER_POLICIES
+from wire.worker_options import WORKER_OPTIONS, WorkerOption, refused_value, value_parser
 
 __all__ = [
     "OPTIONS",
@@ -41,10 +42,31 @@ class Option:
     repeat: bool = False  # the flag may be given several times (a list)
     server: bool = False  # the HTTP listener's: not an Engine option
     metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    form: tuple[str, str] | None = None  # a pattern the value matches, and it in words
+    worker: WorkerOption | None = None  # a forwarded option: the worker's, whose checks apply
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def refused(self, value: Any) -> str | None:
+        """Why ``value`` is not one this option takes (``refused_value``), or None; a list
+        (a repeated flag) item by item."""
+        if self.worker is not None:
+            return self.worker.refused(value)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            why = refused_value(item, self.choices, self.minimum, self.maximum, self.form)
+            if why is not None:
+                return why
+        return None
+
+    def parse(self, text: str) -> Any:
+        """A flag's text as the option's value (``wire.worker_options.value_parser``)."""
+        assert self.type is not None
+        return value_parser(self.type, self.refused)(text)
 
 
 def _o(name: str, help: str, group: str, **kw: Any) -> Option:
@@ -58,7 +80,7 @@ def _forwarded(name: str, group: str) -> Option:
     o = _WORKER_OPTIONS[name]
     assert o.forwarded, name
     choices = f"{' | '.join(o.choices)}: " if o.choices else ""
-    return Option(name, choices + o.help_with_default, group, type=o.type)
+    return Option(name, choices + o.help_with_default, group, type=o.type, worker=o)
 
 
 def _known(kind: str, name: str) -> str:
@@ -171,18 +193,21 @@ OPTIONS: tuple[Option, ...] = (
     _forwarded("mixed_graphs", _WORKER),
     _forwarded("kernels", _WORKER),
     _forwarded("tp", _WORKER),
+    _forwarded("threads", _WORKER),
     _o(
         "dp",
         "spawn this many workers, one router in front (data parallel; default 1, or 0 "
         "with --worker)",
         _WORKER,
         type=int,
+        minimum=0,
     ),  # fmt: skip
     _o(
         "router_policy",
-        "how a call picks its worker: round_robin | least_load | cache_aware",
+        "how a call picks its worker: " + " | ".join(ROUTER_POLICIES),
         _WORKER,
         default="cache_aware",
+        choices=ROUTER_POLICIES,
     ),  # fmt: skip
     _o("scripted_worker", "spawn the scripted worker (no model; for tests)", _WORKER, **_SWITCH),
     _o(
@@ -202,6 +227,7 @@ OPTIONS: tuple[Option, ...] = (
         _WORKER,
         type=float,
         default=60.0,
+        minimum=0.1,
     ),  # fmt: skip
     _o(
         "faults",
@@ -215,6 +241,7 @@ OPTIONS: tuple[Option, ...] = (
         _REQ,
         type=int,
         default=ADMISSION_BOUND,
+        minimum=1,
     ),  # fmt: skip
     _o("incremental_streaming_output", "stream deltas, not cumulative text", _REQ, **_SWITCH),
     _o(
@@ -230,9 +257,19 @@ OPTIONS: tuple[Option, ...] = (
         " a client's X-Request-Timeout header sets its own",
         _REQ,
         type=float,
+        minimum=0.001,
     ),  # fmt: skip
     _o("host", "address to listen on", _HTTP, default="127.0.0.1", server=True),
-    _o("port", "port to listen on", _HTTP, type=int, default=30000, server=True),
+    _o(
+        "port",
+        "port to listen on (0: any free one)",
+        _HTTP,
+        type=int,
+        default=30000,
+        server=True,
+        minimum=0,
+        maximum=65535,
+    ),
     _o(
         "frontends",
         "frontend processes on the one port (SO_REUSEPORT), sharing the workers; one "
@@ -241,6 +278,7 @@ OPTIONS: tuple[Option, ...] = (
         type=int,
         default=1,
         server=True,
+        minimum=1,
     ),  # fmt: skip
     _o(
         "reuse_port",
@@ -255,6 +293,7 @@ OPTIONS: tuple[Option, ...] = (
         _HTTP,
         type=float,
         default=30.0,
+        minimum=0.001,
     ),  # fmt: skip
     _o(
         "drain_timeout",
@@ -263,8 +302,16 @@ OPTIONS: tuple[Option, ...] = (
         type=float,
         default=DRAIN.timeout_s,
         server=True,
+        minimum=0,
     ),
-    _o("log_level", "logging level", _HTTP, default="info", server=True),
+    _o(
+        "log_level",
+        "logging level: debug | info | warning | error | critical",
+        _HTTP,
+        default="info",
+        server=True,
+        form=(r"(?i)debug|info|warning|error|critical", "debug, info, warning, error or critical"),
+    ),
     _o("api_key", "accept this API key (repeatable)", _HTTP, repeat=True, server=True),
     _o("api_key_file", "API keys, one per line", _HTTP, server=True),
     _o(
@@ -296,9 +343,9 @@ OPTIONS: tuple[Option, ...] = (
         **_SWITCH,
     ),
     _o("trace_log", "write one JSON line per finished request", _TRACE),
-    _o("trace_log_max_bytes", "rotate past this", _TRACE, type=int, default=64 << 20),
-    _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3),
-    _o("trace_ring_size", "finished traces kept", _TRACE, type=int, default=1000),
+    _o("trace_log_max_bytes", "rotate past this", _TRACE, type=int, default=64 << 20, minimum=1),
+    _o("trace_log_backups", "rotated files kept", _TRACE, type=int, default=3, minimum=0),
+    _o("trace_ring_size", "finished traces kept", _TRACE, type=int, default=1000, minimum=1),
     _o(
         "trace_prompts",
         "record each finished request's prompt and output token ids, sampling parameters "
@@ -316,7 +363,14 @@ OPTIONS: tuple[Option, ...] = (
     _o(
         "access_log", "one line per finished request: '-' (stderr) or a file", _HTTP, server=True
     ),  # fmt: skip
-    _o("access_log_format", "json | common", _HTTP, default="json", server=True),
+    _o(
+        "access_log_format",
+        "json | common",
+        _HTTP,
+        default="json",
+        server=True,
+        choices=("json", "common"),
+    ),
     _o("log_requests", "put the prompt text in access log lines", _HTTP, server=True, **_SWITCH),
     _o(
         "cors_allow_origins",
@@ -342,10 +396,19 @@ def add_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
         if o.type is None:
             g.add_argument(o.flag, action="store_true", help=o.help)
         elif o.repeat:
-            g.add_argument(o.flag, action="append", default=None, type=o.type, help=o.help)
+            g.add_argument(o.flag, action="append", default=None, type=o.parse, help=o.help)
         else:
             shown = o.help if o.default in (None, "") else f"{o.help} (default: %(default)s)"
-            g.add_argument(o.flag, type=o.type, default=o.default, help=shown, metavar=o.metavar)
+            g.add_argument(
+                o.flag, type=o.parse, default=o.default, help=shown, metavar=o.metavar or _meta(o)
+            )
+
+
+def _meta(o: Option) -> str:
+    """The flag's placeholder in --help: its choices, else its name."""
+    return (
+        "{" + ",".join(o.worker.choices) + "}" if o.worker and o.worker.choices else o.name.upper()
+    )
 
 
 def option_values(args: argparse.Namespace, *, server: bool = True) -> dict[str, Any]:
@@ -364,5 +427,7 @@ def engine_values(model: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any
             raise TypeError(f"Engine() got an unknown option {name!r}{hint}")
         if o.server:
             raise TypeError(f"{name!r} is an option of the HTTP server; the Engine has none")
+        if (why := o.refused(kwargs[name])) is not None:
+            raise ValueError(f"Engine() option {name!r}: {why}")
     values = {o.name: o.default for o in OPTIONS}
     return {**values, **kwargs, "model": model if model is not None else kwargs.get("model")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -38,7 +39,16 @@ if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
     from modelfile.check import CheckedModel
 
-__all__ = ["AppConfig", "Runtime", "app_config", "server_args", "worker_addresses", "worker_args"]
+__all__ = [
+    "CHILD_CUT",
+    "CHILD_DRAIN",
+    "AppConfig",
+    "Runtime",
+    "app_config",
+    "server_args",
+    "worker_addresses",
+    "worker_args",
+]
 
 log = logging.getLogger("lifecycle.runtime")
 
@@ -86,6 +96,7 @@ class AppConfig:
     mixed_graphs: str | None = None  # auto | off; None: the worker's (auto)
     kernels: str | None = None  # torch | triton; None: the worker's (torch)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
+    threads: int | None = None  # each spawned worker's CPU threads; None: gpu/threads.py
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
     max_queued: int = _DEFAULT["max_queued"]  # admission bound in the frontend
@@ -359,6 +370,11 @@ FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in e
 # The launcher's private folder, where each frontend publishes its metrics for the others
 # (lifecycle/tracing/shared_metrics.py); set by serve --frontends in each frontend.
 FRONTENDS_DIR_ENV = "LIFECYCLE_FRONTENDS_DIR"
+# How the launcher of serve --frontends N stops its frontends: drain, then (its second
+# signal) cut. A frontend under it ignores SIGINT and a repeated SIGTERM: Ctrl-C and a
+# group SIGTERM reach the launcher too, which drains them all at once.
+CHILD_DRAIN = signal.SIGTERM
+CHILD_CUT = signal.SIGUSR1
 
 
 def _frontend_index() -> int | None:
@@ -410,6 +426,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
 
 # Options that are AppConfig fields of the same name and value.
 _PLAIN = (
+    "threads",
     "host",
     "port",
     "frontends",

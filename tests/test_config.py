@@ -40,11 +40,16 @@ def _samples(tmp_path: Path) -> dict[str, object]:
         "access_log_format": "common",
         "reasoning_parser": "deepseek-r1",
         "tool_call_parser": "mistral",
+        "device": "cuda:1",  # of the form cpu | cuda | cuda:N
+        "mem_fraction": 0.5,  # a share: at most 1
     }
     out: dict[str, object] = {}
     for o in OPTIONS:
+        choices = o.worker.choices if o.worker else o.choices
         if o.name in special:
             out[o.name] = special[o.name]
+        elif choices:
+            out[o.name] = choices[-1]
         elif o.type is None:
             out[o.name] = True
         elif o.repeat:

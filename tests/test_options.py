@@ -128,7 +128,9 @@ def test_the_worker_options_are_one_table() -> None:
         serve = by_name[w.serve_name or w.name]
         if w.serve_name is None:  # "model" says more on the serve side
             assert serve.type == w.type and serve.help.endswith(w.help_with_default), w.name
-        given[w.serve_name or w.name] = w.choices[-1] if w.choices else samples[w.type]
+        given[w.serve_name or w.name] = (
+            w.choices[-1] if w.choices else "cuda:1" if w.form else samples[w.type]
+        )
     # the worker takes one KV size at a time: each in its own round
     for drop in ("kv_cache_tokens", "kv_memory_mib"):
         values = {k: v for k, v in given.items() if k != drop}

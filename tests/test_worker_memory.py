@@ -15,7 +15,7 @@ from gpu.worker_config import (
     parse_config,
 )
 from tests.tiny_gguf import TinyModel
-from wire.worker_options import DEFAULT_CPU_KV_MIB
+from wire.worker_options import DEFAULT_CPU_KV_MIB, refused_combination
 
 MIB = 2**20
 
@@ -40,16 +40,21 @@ def test_the_worker_takes_one_kv_size_and_a_positive_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert parse_config(["--kv-memory-mib", "64"]).kv_memory_mib == 64
+    both = {"kv_cache_tokens": 64, "kv_memory_mib": 64}  # refused at build_engine, and by serve
+    assert "not both" in (refused_combination(both) or "")
     for argv, message in (
-        (["--kv-cache-tokens", "64", "--kv-memory-mib", "64"], "not both"),
-        (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
-        (["--kv-memory-mib", "-1"], "--kv-memory-mib must be at least 1"),
-        (["--step-tokens", "0"], "--step-tokens must be at least 1"),
-        (["--mixed-prefill-tokens", "0"], "--mixed-prefill-tokens must be at least 1"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens: must be at least 1, got 0"),
+        (["--kv-memory-mib", "-1"], "--kv-memory-mib: must be at least 1, got -1"),
+        (["--step-tokens", "0"], "--step-tokens: must be at least 1"),
+        (["--mixed-prefill-tokens", "0"], "--mixed-prefill-tokens: must be at least 1"),
+        (["--max-running", "0"], "--max-running: must be at least 1"),
+        (["--weights", "q5"], "--weights: invalid choice 'q5' (choose from auto, quantized"),
     ):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit:
             parse_config(argv)
-        assert message in capsys.readouterr().err
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err  # one line, no usage block
 
 
 def test_serve_passes_either_size_to_the_worker() -> None:

@@ -11,25 +11,32 @@ between them, like the rest of ``wire``.
 
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "CPU_MIXED_PREFILL_TOKENS",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
+    "DEVICE_FORM",
+    "DTYPES",
     "GRAPH_MODES",
     "KERNEL_MODES",
     "MIXED_GRAPH_MODES",
     "KV_CACHE_DTYPES",
+    "OneLineParser",
     "OVERLAP_MODES",
     "WEIGHT_MODES",
     "WORKER_OPTIONS",
     "WorkerOption",
     "refused_combination",
+    "refused_value",
+    "value_parser",
     "worker_defaults",
 ]
 
@@ -39,6 +46,10 @@ KERNEL_MODES = ("torch", "triton")  # gpu/kernel_choice.py
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/kv_cache.py, kv_storage_dtype
+# --dtype's names, each to torch's name of the type (gpu/loader.py, resolve_device)
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+          "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}  # fmt: skip
+DEVICE_FORM = (r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N")  # a pattern, and it in words
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
 # 29,120 tokens of SmolLM2 in the CPU's default fp16 cache (23,040 bytes each; 14,560 in
 # fp32), near llama-server's default 32k-token f16 cache: with the quantized weights
@@ -65,10 +76,17 @@ class WorkerOption:
     forwarded: bool = False  # lifecycle serve offers it and passes it on
     serve_name: str | None = None  # lifecycle serve's name for it, when not ``name``
     scripted: bool = False  # the scripted worker takes it too
+    minimum: float | None = None  # the least value a number may have
+    maximum: float | None = None
+    form: tuple[str, str] | None = None  # a pattern the value matches, and it in words
 
     @property
     def cli(self) -> str:
         return self.flag or "--" + self.name.replace("_", "-")
+
+    def refused(self, value: Any) -> str | None:
+        """Why ``value`` is not one this option takes, or None (``refused_value``)."""
+        return refused_value(value, self.choices, self.minimum, self.maximum, self.form)
 
     @property
     def help_with_default(self) -> str:
@@ -78,6 +96,60 @@ class WorkerOption:
         return f"{self.help} (default: {self.default})"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A mistake on a command line is one line on stderr and exit 2 (argparse's own
+    prints the whole usage first, dozens of lines for ``serve``, before the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def value_parser(
+    type_: Callable[[str], Any], refused: Callable[[Any], str | None]
+) -> Callable[[str], Any]:
+    """A flag's text as an option's value (``type_``), refused with the parser's one
+    line (which names the flag) when the option does not take it (``refused``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = type_(text)
+        except ValueError:
+            kind = "an integer" if type_ is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if (why := refused(value)) is not None:
+            raise argparse.ArgumentTypeError(why)
+        return value
+
+    return parse
+
+
+def refused_value(
+    value: Any,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    form: tuple[str, str] | None = None,
+) -> str | None:
+    """Why an option's ``value`` is refused, in words that name what it takes, or None.
+    The one check of an option's own value: ``lifecycle serve``'s flags, its config
+    file, the Engine's keywords and the worker's command line all apply it."""
+    if value is None:
+        return None
+    if choices is not None and value not in choices:
+        return f"invalid choice {value!r} (choose from {', '.join(choices)})"
+    if form is not None and not re.fullmatch(form[0], str(value)):
+        return f"invalid value {value!r} (expected {form[1]})"
+    if minimum is not None and value < minimum:
+        return f"must be at least {_number(minimum)}, got {value}"
+    if maximum is not None and value > maximum:
+        return f"must be at most {_number(maximum)}, got {value}"
+    return None
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
 def _w(name: str, help: str, **kw: Any) -> WorkerOption:
     return WorkerOption(name, help, **kw)
 
@@ -85,9 +157,10 @@ def _w(name: str, help: str, **kw: Any) -> WorkerOption:
 WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("model_path", "the model: a GGUF file or a Hugging Face folder", flag="--model",
        forwarded=True, serve_name="model"),
-    _w("device", "cpu | cuda (default: cuda when present)", forwarded=True),
+    _w("device", "cpu | cuda | cuda:N (default: cuda when present)", form=DEVICE_FORM,
+       forwarded=True),
     _w("dtype", "the weights' and the KV cache's dtype (default: bf16 on CUDA, fp32 on the "
-       "CPU)", forwarded=True),
+       "CPU)", choices=tuple(DTYPES), forwarded=True),
     _w("listen", "where the worker listens: unix:/path or tcp:HOST:PORT",
        default="unix:/tmp/lifecycle-worker.sock"),
     _w("weights", "auto: on the CPU keep the GGUF's quantized blocks and compute on them "
@@ -96,18 +169,20 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "quantize every matrix to that type at load (a float GGUF or a Hugging Face "
        "folder, on the CPU)", choices=WEIGHT_MODES, default="auto", forwarded=True),
     _w("context_length", "tokens a request may span, prompt and output (default: the "
-       "model's; higher only with RoPE scaling in the file)", type=int, forwarded=True),
+       "model's; higher only with RoPE scaling in the file)", type=int, minimum=1,
+       forwarded=True),
     _w("kv_cache_tokens", "tokens the KV cache holds, in whole blocks (SGLang's "
-       "--max-total-tokens; default: from --kv-memory-mib)", type=int, forwarded=True),
+       "--max-total-tokens; default: from --kv-memory-mib)", type=int, minimum=1,
+       forwarded=True),
     _w("kv_cache_dtype", "what the KV cache stores K and V as (auto: fp16 for quantized "
        "weights on the CPU, as llama.cpp's f16 cache, else --dtype); attention reads them "
        "back in --dtype", choices=KV_CACHE_DTYPES, default="auto", forwarded=True),
     _w("kv_memory_mib", "the KV cache's size in MiB, K and V of every layer in "
        f"--kv-cache-dtype (default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction); not with "
-       "--kv-cache-tokens", type=int, forwarded=True),
+       "--kv-cache-tokens", type=int, minimum=1, forwarded=True),
     _w("mem_fraction", "CUDA: the KV cache's share of free memory after the weights, less "
        f"a step's working set and the graph pool (default {DEFAULT_MEM_FRACTION} when no "
-       "KV size is given)", type=float, forwarded=True),
+       "KV size is given)", type=float, minimum=0.01, maximum=1.0, forwarded=True),
     _w("decode_graphs", "decode steps replayed from captured graphs (auto: CUDA graphs on "
        "CUDA)", choices=GRAPH_MODES, default="auto", forwarded=True),
     _w("mixed_graphs", "with the decode graphs, steps that carry prompt chunks replay "
@@ -119,18 +194,22 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("overlap", "launch each step before reading the previous step's sampled tokens, "
        "so the host's work runs while the device computes (auto: on CUDA; the same "
        "tokens either way)", choices=OVERLAP_MODES, default="auto", forwarded=True),
-    _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE),
+    _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE, minimum=1),
     _w("max_running", "requests the worker runs in one batch", type=int, default=64,
-       forwarded=True, scripted=True),
+       minimum=1, forwarded=True, scripted=True),
     _w("max_pending", "requests the worker may hold (running + waiting)", type=int,
-       default=256, forwarded=True, scripted=True),
-    _w("step_tokens", "tokens one step computes at most", type=int, default=512),
+       default=256, minimum=1, forwarded=True, scripted=True),
+    _w("step_tokens", "tokens one step computes at most", type=int, default=512, minimum=1),
     _w("mixed_prefill_tokens", "prompt tokens per step while other requests decode "
        f"(bounds their ITL; default {CPU_MIXED_PREFILL_TOKENS} on the CPU, --step-tokens "
-       "on CUDA)", type=int),
-    _w("threads", "torch intra-op threads (default: torch's, all cores)", type=int),
+       "on CUDA)", type=int, minimum=1),
+    _w("threads", "CPU threads of every pool (torch's, OpenMP's, the native kernels'), "
+       "fewer while other processes want the CPUs (default: $OMP_NUM_THREADS, else the "
+       "CPUs this process may use: affinity and cgroup quota)", type=int, minimum=1,
+       forwarded=True),
     _w("tp", "tensor-parallel ranks, one process each (at most the model's KV heads; one "
-       "torch thread per rank unless --threads)", type=int, default=1, forwarded=True),
+       "torch thread per rank unless --threads)", type=int, default=1, minimum=1,
+       forwarded=True),
     _w("token", "serve only a frontend that knows this secret (default: "
        "$LIFECYCLE_WORKER_TOKEN)"),
     _w("tls_cert", "TLS on the TCP link (PEM chain)"),
@@ -149,6 +228,8 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
     rules that need no model and no device probe: the worker applies it at start
     (``gpu/worker_config.py``), ``lifecycle serve`` before it listens or spawns."""
     v = {**worker_defaults(), **{k: x for k, x in values.items() if x is not None}}
+    if v["kv_cache_tokens"] is not None and v["kv_memory_mib"] is not None:
+        return "size the KV cache by --kv-cache-tokens or by --kv-memory-mib, not both"
     if v["tp"] > 1:
         if v["weights"] in ("quantized", "q8_0", "q4_0"):
             return f"--tp > 1 splits fp32 weights: --weights {v['weights']} runs at --tp 1"

@@ -170,6 +170,11 @@ class WorkerPool:
             "workers": len(self.members),
         }
 
+    async def wait_listening(self) -> None:
+        """Until every spawned worker listens (``Supervisor.wait_listening``)."""
+        for s in self.members:
+            await s.wait_listening()
+
     def pick(self, prompt: Sequence[int] | None = None) -> WorkerClient | None:
         """The routed worker's client for a call with ``prompt``; without one, any ready
         worker's (a readiness check: the router neither counts nor learns it)."""

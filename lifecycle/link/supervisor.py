@@ -27,6 +27,7 @@ from lifecycle.core.ports import generate_probe
 from lifecycle.link.wire_stream import FrameStream, client_tls_context, connect, parse_address
 from lifecycle.link.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
+from wire.child import SUPERVISED
 
 __all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
 
@@ -61,10 +62,24 @@ class WarmupFailed(RuntimeError):
 class WorkerRefusedToStart(OSError):
     """A spawned worker exited with status 2 before its HELLO: it refused its model or
     its options (``gpu/worker.py`` prints why, one line, to the stderr it shares with
-    this process). Starting it again would refuse again: it is not restarted."""
+    this process); or it failed at start-up twice in a row with the same status.
+    Starting it again would fail again: it is not restarted."""
+
+
+class _StartFailed(OSError):
+    """A spawned worker exited before its HELLO with ``status`` (not 2)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the worker exited with status {status} at start-up")
+        self.status = status
 
 
 REFUSED_STATUS = 2  # gpu.worker's exit status for a refused model file or options
+_REFUSED = (
+    "the worker refused its model or options at start-up (status 2; its error line is in "
+    "this process's log)"
+)
+_EXIT_WAIT_S = 2.0  # a spawned worker's connection ended before HELLO: is it exiting?
 
 
 class Supervisor:
@@ -80,6 +95,11 @@ class Supervisor:
         self._ready_event = anyio.Event()
         self._stopping = False
         self._life_scope: anyio.CancelScope | None = None
+        # Set once a spawned worker listens (it has taken its options and device) or
+        # this supervisor gave up; a remote worker's is set from the start.
+        self._listening = anyio.Event()
+        if config.worker is not None:
+            self._listening.set()
 
     @property
     def members(self) -> list[Supervisor]:
@@ -95,26 +115,39 @@ class Supervisor:
             await self._ready_event.wait()
         return self.client
 
+    async def wait_listening(self) -> None:
+        """Until the spawned worker listens: it took its options and its device (it
+        listens before it loads the model). Raises ``WorkerRefusedToStart`` when it
+        refused them, or failed at start-up twice the same way."""
+        await self._listening.wait()
+        if self.status == "failed":
+            raise WorkerRefusedToStart(self.last_error or "the worker did not start")
+
     async def run(self) -> None:
         """Keep a worker connected and ready until cancelled or ``stop()``."""
         attempt = 0
+        failed_start: int | None = None  # the status of the last life's failed start
         try:
             while not self._stopping:
                 started = time.monotonic()
+                start_failed: int | None = None
                 try:
                     await self._one_life()
-                except WorkerRefusedToStart as exc:
+                except _StartFailed as exc:
+                    if exc.status == failed_start:  # the same again: it would loop
+                        return self._give_up(WorkerRefusedToStart(f"{exc} twice in a row"))
+                    start_failed = exc.status
                     self.last_error = str(exc)
-                    log.error("%s: not restarting it", exc)
-                    self.status = "failed"
-                    self._set_ready(False)
-                    return
+                    log.error("worker failed: %s", exc)
+                except WorkerRefusedToStart as exc:
+                    return self._give_up(exc)
                 except (OSError, TimeoutError, WireError, WarmupFailed, anyio.EndOfStream) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.error("worker failed: %s", self.last_error)
                 except Exception as exc:  # a bug of ours: logged, and the server stays up
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.exception("supervising the worker failed")
+                failed_start = start_failed
                 self._set_ready(False)
                 if self._stopping:
                     break
@@ -130,6 +163,14 @@ class Supervisor:
             if self.status != "failed":
                 self.status = "stopped"
             self._set_ready(False)
+            self._listening.set()
+
+    def _give_up(self, exc: WorkerRefusedToStart) -> None:
+        self.last_error = str(exc)
+        log.error("%s: not restarting it", exc)
+        self.status = "failed"
+        self._set_ready(False)
+        self._listening.set()
 
     async def stop(self) -> None:
         """End ``run``: a spawned worker is asked to shut down; a remote one (not ours to
@@ -160,11 +201,7 @@ class Supervisor:
                 address = f"unix:{os.path.join(tmp, 'worker.sock')}"
                 proc = await self._spawn(address)
             try:
-                frames = await self._connect(address, proc)
-                with anyio.fail_after(self.config.hello_timeout):
-                    client = await WorkerClient.handshake(
-                        frames, self.config.max_queued, self.config.token
-                    )
+                client = await self._handshake(address, proc)
                 self.worker_pid = client.pid or (proc.pid if proc else None)
                 await self._serve(client)
             finally:
@@ -172,8 +209,33 @@ class Supervisor:
                 if proc is not None:
                     await _reap(proc, grace=3.0 if self._stopping else 0.0)
 
+    async def _handshake(self, address: str, proc: anyio.abc.Process | None) -> WorkerClient:
+        """Connected and HELLO read. A spawned worker listens before it loads its model,
+        so one that ends before HELLO (a model it refuses: status 2) ends the connection
+        first: its exit status says which kind of failure that was."""
+        try:
+            frames = await self._connect(address, proc)
+            with anyio.fail_after(self.config.hello_timeout):
+                return await WorkerClient.handshake(
+                    frames, self.config.max_queued, self.config.token
+                )
+        except (WorkerRefusedToStart, _StartFailed):
+            raise
+        except Exception as exc:
+            if proc is None:
+                raise
+            with anyio.move_on_after(_EXIT_WAIT_S):
+                await proc.wait()
+            if proc.returncode == REFUSED_STATUS:
+                raise WorkerRefusedToStart(_REFUSED) from exc
+            if proc.returncode is not None:
+                raise _StartFailed(proc.returncode) from exc
+            raise
+
     async def _spawn(self, address: str) -> anyio.abc.Process:
-        argv = [sys.executable, "-m", "wire.child", self.config.worker_module]
+        # --supervised: Ctrl-C and a group SIGTERM drain this process; the worker's stop
+        # is the SHUTDOWN after the drain (wire/child.py)
+        argv = [sys.executable, "-m", "wire.child", SUPERVISED, self.config.worker_module]
         argv += ["--listen", address]
         argv += list(self.config.worker_args)
         log.info("starting worker: %s", " ".join(argv))
@@ -188,14 +250,13 @@ class Supervisor:
         with anyio.fail_after(self.config.hello_timeout):
             while True:
                 if proc is not None and proc.returncode == REFUSED_STATUS:
-                    raise WorkerRefusedToStart(
-                        "the worker refused its model or options at start-up (status 2; its "
-                        "error line is in this process's log)"
-                    )
+                    raise WorkerRefusedToStart(_REFUSED)
                 if proc is not None and proc.returncode is not None:
-                    raise OSError(f"the worker exited with status {proc.returncode} at start-up")
+                    raise _StartFailed(proc.returncode)
                 try:
-                    return await connect(addr, tls)
+                    frames = await connect(addr, tls)
+                    self._listening.set()
+                    return frames
                 except ssl.SSLError:
                     raise  # a certificate or protocol problem: retrying at once will not help
                 except OSError as exc:

@@ -391,14 +391,20 @@ def _prompt_logprobs(seq: _Seq, extra: dict[str, Any]) -> None:
 
 
 async def _serve(config: ScriptConfig) -> None:
-    await anyio.sleep(config.startup_delay)
     if (f := fault_point("worker.start")) is not None:
         await f.apply_async()
     address = parse_address(config.listen)
     if address.kind == "unix" and os.path.exists(address.path):
         os.unlink(address.path)
+    # As gpu.worker: it listens first, then "loads" (--startup-delay) before its HELLO.
+    loaded = anyio.Event()
+
+    async def load() -> None:
+        await anyio.sleep(config.startup_delay)
+        loaded.set()
 
     async def handle(out: FrameStream) -> None:
+        await loaded.wait()
         try:
             await ScriptedWorker(config).serve_connection(out)
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -408,7 +414,9 @@ async def _serve(config: ScriptConfig) -> None:
         finally:
             await out.aclose()
 
-    await serve(address, handle, side="worker")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(load)
+        await serve(address, handle, side="worker")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,158 @@
+"""The worker's CPU threads: how many, set once in every pool, and fewer while other
+processes want the CPUs.
+
+How many (``resolve_threads``): ``--threads``, else ``OMP_NUM_THREADS`` where the
+environment sets it, else the CPUs this process may use (``wire/cpu_budget.py``:
+affinity and cgroup quota), less a core for a frontend beside it on a many-core host.
+Every pool takes that one number: torch's intra-op pool (OpenMP, which oneDNN uses too),
+the native kernels (they read ``torch.get_num_threads()`` at each call), and, through
+the environment, the OpenMP, MKL and OpenBLAS pools of processes this one starts.
+
+Fewer while the CPUs are taken (``ThreadGovernor``): each of a step's ~200 parallel
+regions ends at a barrier that waits for every thread of the team. When another busy
+process shares the cores, the scheduler runs one of ours only after that process's time
+slice (milliseconds), so every region waits a slice: 32 tokens took 12.6-13.4 s with
+two threads beside two busy loops against 0.34-0.37 s with one. The governor looks,
+a few times a second while steps run, at how long this process's threads waited for a
+CPU while runnable (``/proc/self/task/*/schedstat``, the scheduler's own run delay)
+and at how much of the allowed CPUs sat idle (``/proc/stat``): threads that waited
+take a thread away (down to one); a whole idle CPU gives one back (up to the resolved
+count). On the default quantized path the thread count changes no result
+(docs/determinism.md), so the governor only changes speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wire.cpu_budget import cpu_budget, worker_threads
+
+__all__ = ["ThreadGovernor", "apply_threads", "resolve_threads"]
+
+log = logging.getLogger("gpu.worker")
+
+_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def resolve_threads(threads: int | None, frontend_beside: bool) -> tuple[int, str]:
+    """The thread count and why, for the start-up line (``threads 2 (cgroup quota 2.0
+    CPUs)``). ``frontend_beside``: a frontend shares this host (a Unix-socket worker)."""
+    if threads is not None:
+        return threads, "--threads"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), f"OMP_NUM_THREADS={env}"
+    return worker_threads(cpu_budget(), frontends=1 if frontend_beside else 0)
+
+
+def apply_threads(threads: int) -> None:
+    """Every pool of this process (and of the processes it starts) on ``threads``."""
+    torch.set_num_threads(threads)
+    for name in _POOL_VARS:
+        os.environ[name] = str(threads)
+
+
+def _run_delay_ns() -> int:
+    """The time this process's threads spent runnable and waiting for a CPU, in ns:
+    the second field of each thread's schedstat (Linux with schedstats; 0 without)."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that just ended
+    return total
+
+
+def _idle_ticks(cpus: frozenset[int]) -> int:
+    """Idle and iowait clock ticks of ``cpus`` since boot (``/proc/stat``)."""
+    total = 0
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines[1:]:
+        if not line.startswith("cpu"):
+            break
+        name, *fields = line.split()
+        if int(name[3:]) in cpus:
+            total += int(fields[3]) + int(fields[4])
+    return total
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+@dataclass(slots=True)
+class _Sample:
+    wall_ns: int
+    delay_ns: int
+    idle_ticks: int
+
+
+class ThreadGovernor:
+    """Between ``1`` and ``ceiling`` threads, moved by one at most every ``window_s``
+    of stepping. Call ``after_step()`` after each step (cheap: a clock read)."""
+
+    # A window in which our threads waited, together, more than this share of its wall
+    # time for a CPU takes a thread away; a quiet machine with a frontend beside the
+    # worker measured below 0.05 (waits of a few us at each wake-up).
+    CONTENDED = 0.25
+    # A window in which the allowed CPUs were idle this many CPUs' worth on average
+    # gives one back: a whole CPU nobody wanted while our steps ran.
+    IDLE_CPU = 0.8
+
+    def __init__(self, ceiling: int, window_s: float = 0.25, enabled: bool = True) -> None:
+        self.ceiling = ceiling
+        self.threads = ceiling
+        self.window_ns = int(window_s * 1e9)
+        self.enabled = enabled and ceiling > 1 and os.path.exists("/proc/self/schedstat")
+        try:
+            self._cpus = frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self._cpus = frozenset(range(os.cpu_count() or 1))
+        self._last: _Sample | None = None
+        self.changes = 0
+
+    def _sample(self) -> _Sample:
+        return _Sample(time.monotonic_ns(), _run_delay_ns(), _idle_ticks(self._cpus))
+
+    def after_step(self) -> None:
+        if not self.enabled:
+            return
+        last = self._last
+        if last is None:
+            self._last = self._sample()
+            return
+        if time.monotonic_ns() - last.wall_ns < self.window_ns:
+            return
+        now = self._sample()
+        wall = max(1, now.wall_ns - last.wall_ns)
+        waited = (now.delay_ns - last.delay_ns) / wall  # CPUs' worth of waiting
+        idle = (now.idle_ticks - last.idle_ticks) * _TICK_S * 1e9 / wall  # CPUs idle
+        self._last = now
+        if waited > self.CONTENDED and self.threads > 1:
+            self._set(self.threads - 1, f"threads waited {waited:.2f} CPUs for a CPU")
+        elif idle > self.IDLE_CPU and self.threads < self.ceiling:
+            self._set(self.threads + 1, f"{idle:.2f} CPUs idle")
+
+    def idle(self) -> None:
+        """No steps for a while: the next window starts at the next step."""
+        self._last = None
+
+    def _set(self, threads: int, why: str) -> None:
+        log.debug("threads %d -> %d (%s)", self.threads, threads, why)
+        self.threads = threads
+        self.changes += 1
+        torch.set_num_threads(threads)
