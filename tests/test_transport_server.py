@@ -50,7 +50,7 @@ async def test_graceful_drain_lets_an_in_flight_stream_finish() -> None:
     server = Server(make_router(reasons, events=10), ServerConfig(port=0))
     async with anyio.create_task_group() as tg:
         port = (await tg.start(server.serve))[0][1]
-        idle = await connect(port)  # an idle keep-alive connection is closed at once
+        idle = await connect(port)  # an idle connection closes after drain_idle_timeout
         async with httpx.AsyncClient() as http:
             async with http.stream("GET", f"http://127.0.0.1:{port}/events") as r:
                 lines = r.aiter_lines()

@@ -220,6 +220,11 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
                 raise anyio.EndOfStream  # woken with nothing: the connection ended
         return p.take(max_bytes)
 
+    def read_ahead(self) -> int:
+        """How many received bytes wait here for ``receive``: the peer sent them, and
+        the server has them, whether or not anyone is reading yet."""
+        return self._protocol.size
+
     def _check_readable(self) -> None:
         p = self._protocol
         if self._closed:

@@ -64,6 +64,8 @@ class Channel:
         # The stream's write that needs no coroutine, when it has one (``try_write``).
         self._try_send: Callable[[bytes], bool] | None = getattr(stream, "try_send", None)
         self._can_send: Callable[[], bool] | None = getattr(stream, "can_send_now", None)
+        # Bytes the stream read ahead of us (``AsyncioSocketStream.read_ahead``), if it can say.
+        self._read_ahead: Callable[[], int] | None = getattr(stream, "read_ahead", None)
 
     def go_live(self) -> None:
         """Hand every byte held so far to h11, which keeps the connection's state from here."""
@@ -87,8 +89,13 @@ class Channel:
         return len(self.h11.trailing_data[0]) if self.live else len(self.buf)
 
     def has_pending(self) -> bool:
-        """Whether bytes of a next request have arrived (h11 or the fast-path buffer)."""
-        return bool(self.buf or self.h11.trailing_data[0])
+        """Whether bytes of a next request have arrived: in h11, the fast-path buffer, or
+        the stream's own read-ahead (a pipelined request nobody has asked for yet, which a
+        drain must still answer rather than close on)."""
+        if self.buf or self.h11.trailing_data[0]:
+            return True
+        read_ahead = self._read_ahead
+        return read_ahead is not None and read_ahead() > 0
 
     def can_write_now(self) -> bool:
         """Whether ``try_write`` would write at once now."""

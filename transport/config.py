@@ -19,7 +19,10 @@ class ServerConfig:
     defeats slowloris; ``body_timeout`` bounds the time from the head to the end of the
     body; ``keepalive_timeout`` is how long an idle keep-alive connection may wait for
     its next request; ``send_timeout`` is how long one write may wait on a client that
-    stopped reading before the connection is cut.
+    stopped reading before the connection is cut. ``drain_idle_timeout`` is how long,
+    once a drain begins, an idle keep-alive connection still waits for a request: one
+    already on its way gets 503 + Retry-After + ``Connection: close`` instead of a close
+    the client cannot tell from a failure (RFC 9112 section 9.6).
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +40,7 @@ class ServerConfig:
     keepalive_timeout: float = 5.0
     send_timeout: float = 30.0
     shutdown_timeout: float = 10.0
+    drain_idle_timeout: float = 1.0
     ws_max_message_bytes: int = 4 * 1024 * 1024
     ws_ping_interval: float | None = None
     sse_ping_interval: float = 15.0
@@ -60,6 +64,7 @@ class ServerConfig:
             "keepalive_timeout",
             "send_timeout",
             "shutdown_timeout",
+            "drain_idle_timeout",
             "sse_ping_interval",
         ):
             if getattr(self, name) <= 0:

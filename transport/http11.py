@@ -10,6 +10,7 @@ every read and write are plain numbers that a watchdog checks (``watch_deadlines
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
@@ -35,9 +36,10 @@ class _Idle:
 class HTTPConnection:
     """One accepted connection, from the first request to the close.
 
-    ``run()`` serves it to the end; a server calls ``close_idle()`` and ``abort()`` during
-    shutdown and ``check_deadlines()`` from its watchdog. Without a server (a test, or an
-    app handing over its own streams) the connection watches its own deadlines.
+    ``run()`` serves it to the end; a server calls ``begin_drain()`` and ``abort()``
+    during shutdown and ``check_deadlines()`` from its watchdog. Without a server (a
+    test, or an app handing over its own streams) the connection watches its own
+    deadlines.
     """
 
     def __init__(
@@ -75,6 +77,9 @@ class HTTPConnection:
                         tg.cancel_scope.cancel()
             finally:
                 self._tg = self.reader.tasks = None
+                if not self.scope.cancel_called and http_util.cancelled():
+                    # The scope around the server was cancelled: stop at once, no linger.
+                    self.channel.graceful = self._refuse_unanswered = False
                 with anyio.CancelScope(shield=True):
                     if self._refuse_unanswered:
                         await self._refuse()
@@ -88,12 +93,13 @@ class HTTPConnection:
             except ClientGone:
                 pass
 
-    def close_idle(self) -> None:
-        """Close now if no request is in flight and no byte of a next one has arrived
-        (shutdown): FIN, not a reset. A request partly received (a slow upload, a
-        pipelined one) is read and answered instead."""
-        if self.idle and not self.channel.has_pending():
-            self.scope.cancel()
+    def begin_drain(self) -> None:
+        """The server is draining. An idle connection stays open ``drain_idle_timeout``
+        at most, then closes with a FIN: closing at once would lose a request already on
+        its way, which instead gets 503 + ``Connection: close``. A request partly received
+        (a slow upload, a pipelined one) is read and answered 503; the request in flight
+        runs on, and its answer closes the connection unless another one is waiting."""
+        self.reader.begin_drain()
 
     def go_away(self) -> None:
         """Shutdown: a WebSocket on this connection ends its session and closes 1001."""
@@ -102,10 +108,12 @@ class HTTPConnection:
 
     def abort(self, reason: str) -> None:
         """Cancel this connection now (shutdown deadline): the in-flight request learns why."""
-        current = self.channel.current
-        if current is not None:
-            current.mark_disconnected(reason)
-        self.channel.graceful = False
+        channel = self.channel
+        if channel.current is not None:
+            channel.current.mark_disconnected(reason)
+        # Idle with nothing received: a FIN; a reset would only tell a client reading
+        # nothing that it was cut.
+        channel.graceful = self.idle and not channel.has_pending()
         self._refuse_unanswered = reason == "shutdown"
         self.scope.cancel()
 
@@ -116,10 +124,16 @@ class HTTPConnection:
             if isinstance(item, Failure):
                 await writer.send_error(item.status, item.message)
                 return
-            keep_alive = await writer.respond(item)
+            if self.server.draining:  # new work the app has not seen: refused, not dropped
+                keep_alive = await writer.refuse_draining(item, self.server.retry_after)
+            else:
+                keep_alive = await writer.respond(item)
             self.channel.current = None
-            draining = self.server.draining and not self.channel.has_pending()
-            if not keep_alive or draining or not reader.next_cycle():
+            # A drain's answer says Connection: close unless another request is already
+            # here, and next_cycle ends the connection after one that said it. One whose
+            # head went out before the drain did not: the connection waits, briefly, for
+            # a request the client may have sent meanwhile, and refuses it.
+            if not keep_alive or not reader.next_cycle():
                 return
             self.idle = True
 
@@ -143,23 +157,30 @@ class HTTPConnection:
             self._tg.start_soon(gate.ping)
 
 
-def watchdog_interval(config: ServerConfig) -> float:
+def watchdog_interval(config: ServerConfig, draining: bool = False) -> float:
     shortest = min(
         config.header_timeout,
         config.body_timeout,
         config.keepalive_timeout,
+        config.drain_idle_timeout if draining else math.inf,
         config.send_timeout,
         config.sse_ping_interval,  # a ping is due within a quarter interval of its time
     )
     return min(1.0, max(0.005, shortest / 4))
 
 
-async def watch_deadlines(connections: Iterable[HTTPConnection], config: ServerConfig) -> None:
+async def watch_deadlines(
+    connections: Iterable[HTTPConnection],
+    config: ServerConfig,
+    server: ServerState | None = None,
+) -> None:
     """Check every connection's deadlines, forever: a timeout fires within a quarter of
-    the shortest configured timeout (at most a second) of its due time."""
+    the shortest configured timeout (at most a second) of its due time; while ``server``
+    drains, ``drain_idle_timeout`` counts too."""
     interval = watchdog_interval(config)
+    draining = watchdog_interval(config, draining=True)
     while True:
-        await anyio.sleep(interval)
+        await anyio.sleep(draining if server is not None and server.draining else interval)
         now = time.monotonic()
         for conn in list(connections):
             conn.check_deadlines(now)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from email.utils import formatdate
 from http import HTTPStatus
@@ -15,6 +16,7 @@ from .errors import HTTPError
 from .responses import Response
 
 __all__ = [
+    "cancelled",
     "close_stream",
     "error_response",
     "framing_problem",
@@ -26,10 +28,13 @@ __all__ = [
     "scan_head",
 ]
 
-# After a graceful close we read (and drop) what the client still sends for this long, so
-# that unread request bytes do not make the kernel answer with a reset that could destroy
-# the response before the client reads it (RFC 9112 section 9.6, "tear-down").
+# After a graceful close we read (and drop) what the client still sends until it closes,
+# or is silent this long, so that unread request bytes do not make the kernel answer with
+# a reset that could destroy the response before the client reads it (RFC 9112 section
+# 9.6, "tear-down"). A client still uploading the body of a request we answered is read
+# on while it sends, up to LINGER_MAX_SECONDS in all: it reads our answer once it is done.
 LINGER_SECONDS = 1.0
+LINGER_MAX_SECONDS = 5.0
 
 _REASONS = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 _date_cache: list = [0, b""]
@@ -137,6 +142,11 @@ def error_response(error: HTTPError) -> Response:
     return Response(error.body, error.status, error.headers, error.content_type)
 
 
+def cancelled() -> bool:
+    """Whether the calling task's scope is cancelled (checked before a shielded close)."""
+    return anyio.current_effective_deadline() == -math.inf
+
+
 async def close_stream(stream: anyio.abc.ByteStream, graceful: bool) -> None:
     """Close a connection: gracefully (flush, half-close, linger) or at once (abort)."""
     if graceful:
@@ -145,11 +155,14 @@ async def close_stream(stream: anyio.abc.ByteStream, graceful: bool) -> None:
             await base.send_eof()
         except (NotImplementedError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass
-        with anyio.move_on_after(LINGER_SECONDS):
+        with anyio.move_on_after(LINGER_MAX_SECONDS):
             try:
-                while await stream.receive(65536):
-                    pass
+                while True:
+                    with anyio.fail_after(LINGER_SECONDS):
+                        if not await stream.receive(65536):
+                            break
             except (
+                TimeoutError,
                 anyio.EndOfStream,
                 anyio.BrokenResourceError,
                 anyio.ClosedResourceError,

@@ -138,8 +138,21 @@ class RequestReader:
         if ch.has_pending():  # a pipelined request: its head is due
             self._set_phase(_Phase.HEAD, time.monotonic() + self.config.header_timeout)
         else:
-            self._set_phase(_Phase.IDLE, time.monotonic() + self.config.keepalive_timeout)
+            self._set_phase(_Phase.IDLE, time.monotonic() + self._idle_timeout())
         return True
+
+    def _idle_timeout(self) -> float:
+        config = self.config
+        if self.ch.server.draining:
+            return min(config.keepalive_timeout, config.drain_idle_timeout)
+        return config.keepalive_timeout
+
+    def begin_drain(self) -> None:
+        """The server began draining: a connection waiting for a request of which no
+        byte has come waits ``drain_idle_timeout`` more at most (its watchdog ends it)."""
+        if self._phase is _Phase.IDLE or (self._phase is _Phase.HEAD and not self.ch.has_pending()):
+            due = time.monotonic() + self.config.drain_idle_timeout
+            self._deadline = min(self._deadline, due)
 
     def _fast_request(self, found: fastpath.FastRequest) -> Request:
         ch = self.ch

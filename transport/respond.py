@@ -31,6 +31,8 @@ __all__ = ["ResponseWriter"]
 
 log = logging.getLogger("transport")
 
+SHUTTING_DOWN = "Server shutting down; retry elsewhere"  # every drain 503's message
+
 
 class ResponseWriter:
     """Writes one connection's responses.
@@ -91,6 +93,24 @@ class ResponseWriter:
         self.answering = ch.current
         await self._send_whole(request, response)
 
+    async def refuse_draining(self, request: Request, retry_after: int) -> bool:
+        """Draining: answer a request the app has not seen 503 + Retry-After (RFC 9110
+        section 15.6.4), once its body is in: a client writes its whole body before it
+        reads, so an answer while it still uploads, then a close, reaches it as a broken
+        pipe. ``Connection: close`` unless another request is already here (each pipelined
+        one gets its own answer, the last says close). False when the connection must
+        close."""
+        ch = self.ch
+        if not (ch.live and ch.h11.they_are_waiting_for_100_continue):  # else: no body
+            try:
+                async for _ in request.stream():
+                    pass
+            except HTTPError:  # timed out, too large, malformed: the 503 then says close
+                pass
+        headers = [("retry-after", str(retry_after))]
+        response = http_util.error_response(HTTPError(503, SHUTTING_DOWN, headers))
+        return await self._send_response(request, response)
+
     async def refuse_unanswered(self, retry_after: int) -> bool:
         """Answer 503 + Retry-After + Connection: close to a request that got no byte of
         a response (shutdown cut it: its handler still running, its body or head still
@@ -112,9 +132,7 @@ class ResponseWriter:
         if ch.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return False
         headers = [("retry-after", str(retry_after)), ("connection", "close")]
-        response = http_util.error_response(
-            HTTPError(503, "Server shutting down; retry elsewhere", headers)
-        )
+        response = http_util.error_response(HTTPError(503, SHUTTING_DOWN, headers))
         self.answering = request
         data = self._h11_whole(request, response)
         if data is None:

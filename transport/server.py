@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import resource
+import signal
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,7 @@ from .config import ServerConfig
 from .errors import error_body
 from .http11 import HTTPConnection, watch_deadlines
 from .request import Request
+from .respond import SHUTTING_DOWN
 from .responses import Response
 
 __all__ = ["Server", "run", "serve"]
@@ -47,12 +49,14 @@ class Server:
     """An HTTP/1.1 + WebSocket server whose tasks live in the caller's task tree.
 
     ``await server.serve(task_status=...)`` binds, reports the bound addresses through
-    ``task_status.started`` and serves until ``await server.shutdown()`` (graceful: stop
-    accepting, let in-flight responses finish up to ``shutdown_timeout``, then cancel
-    them) or until the enclosing scope is cancelled (immediate). ``begin_drain()`` first
-    lets an app finish its own work while the listener still answers: new connections
-    get 503 with Retry-After, idle keep-alive ones are closed, and every response from
-    then on closes its connection.
+    ``task_status.started`` and serves until ``await server.shutdown()`` (graceful: a
+    drain, as below, in-flight responses finish up to ``shutdown_timeout``, then the rest
+    is cancelled and the listener closes) or until the enclosing scope is cancelled
+    (immediate: no linger on any close). ``begin_drain()`` first
+    lets an app finish its own work while the listener still answers: every request the
+    app has not seen yet gets 503 with Retry-After (on a new connection, or on a
+    keep-alive one, which waits ``drain_idle_timeout`` for it), and every answer from then
+    on closes its connection unless another request is already waiting behind it.
     """
 
     def __init__(self, app: Handler, config: ServerConfig = DEFAULT_CONFIG) -> None:
@@ -61,7 +65,9 @@ class Server:
         self.bound: list[tuple[str, int]] | str = []
         self.draining = False
         self._connections: set[HTTPConnection] = set()
-        self._accept_scope: anyio.CancelScope | None = None
+        self._serving = False
+        self._listener_closed = False
+        self._stop = anyio.Event()
         self._all_closed = anyio.Event()
         self._stopped = anyio.Event()
         self._shutdown_timeout = config.shutdown_timeout
@@ -76,54 +82,81 @@ class Server:
     ) -> None:
         _fit_open_file_limit(self.config.max_connections)
         listener = await self._open_listener()
+        self._serving = True
         try:
             async with anyio.create_task_group() as connections:
-                watchdog = anyio.CancelScope()
+                watchdog, accepting = anyio.CancelScope(), anyio.CancelScope()
                 connections.start_soon(self._watch, watchdog)
-                with anyio.CancelScope() as self._accept_scope:
-                    task_status.started(self.bound)
-                    await listener.serve(self._handle, task_group=connections)
+                connections.start_soon(self._accept, listener, connections, accepting)
+                task_status.started(self.bound)
+                await self._stop.wait()
+                # Still accepting meanwhile: a client that connects now gets its 503, not
+                # a wait in the backlog and then a reset when the listener closes.
                 await self._drain()
+                accepting.cancel()
                 watchdog.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await listener.aclose()
-                if self.config.uds is not None:
-                    _unlink(self.config.uds)
+            await self._close(listener)
             self._stopped.set()
 
     def begin_drain(self, retry_after: int | None = None) -> None:
-        """Refuse new connections (503 + Retry-After) and close idle ones; in-flight
-        responses go on, and their connections close when they end. ``retry_after``: the
-        app's one Retry-After for its own drain 503s, so a client sees one value."""
+        """Refuse new work (503 + Retry-After + ``Connection: close``): new connections,
+        and requests the app has not seen (the next one on an idle keep-alive connection,
+        pipelined ones, one still uploading). In-flight responses go on, and their
+        connections close when they end. ``retry_after``: the app's one Retry-After for
+        its own drain 503s, so a client sees one value."""
         self.draining = True
         if retry_after is not None:
             self.retry_after = retry_after
         for conn in list(self._connections):
-            conn.close_idle()
+            conn.begin_drain()
 
     async def shutdown(self, timeout: float | None = None) -> None:
-        """Stop accepting, let in-flight responses finish for ``timeout`` seconds (default
-        ``shutdown_timeout``), cancel what is left, and return once serve() has ended."""
+        """Drain as ``begin_drain`` does, let in-flight responses finish for ``timeout``
+        seconds (default ``shutdown_timeout``), cancel what is left, close the listener
+        (it refuses new connections with 503 until then), and return once serve() has
+        ended."""
         self.draining = True
         if timeout is not None:
             self._shutdown_timeout = timeout
-        if self._accept_scope is not None:
-            self._accept_scope.cancel()
+        self._stop.set()
+        if self._serving:
             await self._stopped.wait()
 
     async def _watch(self, scope: anyio.CancelScope) -> None:
         with scope:
-            await watch_deadlines(self._connections, self.config)
+            await watch_deadlines(self._connections, self.config, self)
+
+    async def _accept(
+        self,
+        listener: anyio.abc.Listener[Any],
+        connections: anyio.abc.TaskGroup,
+        scope: anyio.CancelScope,
+    ) -> None:
+        try:
+            with scope:
+                await listener.serve(self._handle, task_group=connections)
+        finally:  # at once: a connect from now on is refused, not left in the backlog
+            await self._close(listener)  # to be reset when the listener closes
+
+    async def _close(self, listener: anyio.abc.Listener[Any]) -> None:
+        """Close the listener, once (the accept loop's end, or serve()'s)."""
+        if not self._listener_closed:
+            self._listener_closed = True
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+                if self.config.uds is not None:
+                    _unlink(self.config.uds)
 
     async def _drain(self) -> None:
-        """Idle connections close at once; responses in flight get the first half of the
+        """Idle connections close after ``drain_idle_timeout`` (or on their answer to a
+        request that came meanwhile); responses in flight get the first half of the
         shutdown timeout to end, and WebSocket sessions to send what they still have
         (a cut generation's error); then each WebSocket closes 1001 (``go_away``), and
         what is left at the end of the second half is aborted."""
         self.draining = True
         for conn in list(self._connections):
-            conn.close_idle()
+            conn.begin_drain()
         half = self._shutdown_timeout / 2
         for step in (lambda conn: conn.go_away(), lambda conn: conn.abort("shutdown")):
             if self._connections:
@@ -198,7 +231,7 @@ def _client(stream: anyio.abc.ByteStream) -> tuple[str, int] | None:
 
 
 _OVERLOADED_BODY = error_body("Server overloaded: too many connections")
-_SHUTTING_DOWN_BODY = error_body("Server shutting down; retry elsewhere")
+_SHUTTING_DOWN_BODY = error_body(SHUTTING_DOWN)
 
 
 async def _reject(stream: anyio.abc.ByteStream, body: bytes, retry_after: int) -> None:
@@ -213,11 +246,13 @@ async def _reject(stream: anyio.abc.ByteStream, body: bytes, retry_after: int) -
         + str(len(body)).encode()
         + b"\r\n\r\n"
     )
+    answered = False
     try:
         with anyio.move_on_after(_REJECT_READ_SECONDS):
             await stream.receive(65536)
         with anyio.fail_after(_REJECT_READ_SECONDS):
             await stream.send(head + body)
+        answered = True
     except (
         anyio.EndOfStream,
         anyio.BrokenResourceError,
@@ -225,10 +260,11 @@ async def _reject(stream: anyio.abc.ByteStream, body: bytes, retry_after: int) -
         OSError,
         TimeoutError,
     ):
-        await anyio.aclose_forcefully(stream)
-        return
-    with anyio.CancelScope(shield=True):
-        await http_util.close_stream(stream, graceful=True)
+        pass
+    finally:
+        graceful = answered and not http_util.cancelled()
+        with anyio.CancelScope(shield=True):
+            await http_util.close_stream(stream, graceful=graceful)
 
 
 def _unlink(path: str) -> None:
@@ -249,6 +285,38 @@ async def serve(
 
 
 def run(app: Handler, config: ServerConfig = DEFAULT_CONFIG) -> None:
-    """Blocking entry point: asyncio, on uvloop when it is installed."""
+    """Blocking entry point: serve ``app`` until SIGINT or SIGTERM, on asyncio (uvloop
+    when it is installed). The first signal drains, as ``Server.shutdown`` does: new work
+    gets 503 + Retry-After, what is in flight has ``config.shutdown_timeout`` to finish,
+    and run() returns once every connection is closed. A second signal stops at once."""
     uvloop = importlib.util.find_spec("uvloop") is not None
-    anyio.run(serve, app, config, backend="asyncio", backend_options={"use_uvloop": uvloop})
+    try:
+        anyio.run(
+            _serve_until_signalled, app, config,
+            backend="asyncio", backend_options={"use_uvloop": uvloop},
+        )  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place, or after
+        pass
+
+
+async def _serve_until_signalled(app: Handler, config: ServerConfig) -> None:
+    server = Server(app, config)
+    async with anyio.create_task_group() as tg:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            bound = await tg.start(server.serve)
+            log.info("listening on %s", bound)
+            stopping = False
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if stopping:
+                    log.warning("%s again: stopping now", name)
+                    break
+                stopping = True
+                log.info("%s: draining, up to %.1fs", name, config.shutdown_timeout)
+                tg.start_soon(_shut_down, server, tg.cancel_scope)
+        tg.cancel_scope.cancel()
+
+
+async def _shut_down(server: Server, scope: anyio.CancelScope) -> None:
+    await server.shutdown()
+    scope.cancel()
