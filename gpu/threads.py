@@ -142,10 +142,19 @@ class ThreadGovernor:
         waited = (now.delay_ns - last.delay_ns) / wall  # CPUs' worth of waiting
         idle = (now.idle_ticks - last.idle_ticks) * _TICK_S * 1e9 / wall  # CPUs idle
         self._last = now
+        threads = self.next_threads(waited, idle)
+        if threads != self.threads:
+            why = f"threads waited {waited:.2f} CPUs for a CPU, {idle:.2f} CPUs idle"
+            self._set(threads, why)
+
+    def next_threads(self, waited: float, idle: float) -> int:
+        """The count after a window in which this process's threads waited ``waited``
+        CPUs' worth for a CPU and the allowed CPUs sat ``idle`` CPUs' worth idle."""
         if waited > self.CONTENDED and self.threads > 1:
-            self._set(self.threads - 1, f"threads waited {waited:.2f} CPUs for a CPU")
-        elif idle > self.IDLE_CPU and self.threads < self.ceiling:
-            self._set(self.threads + 1, f"{idle:.2f} CPUs idle")
+            return self.threads - 1
+        if idle > self.IDLE_CPU and waited <= self.CONTENDED and self.threads < self.ceiling:
+            return self.threads + 1
+        return self.threads
 
     def idle(self) -> None:
         """No steps for a while: the next window starts at the next step."""

@@ -479,9 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         config.block_size,
         engine.cache.element,
     )
-    governor = ThreadGovernor(
-        threads, enabled=config.tp == 1 and engine.loaded.device.type == "cpu"
-    )
+    # LIFECYCLE_FIXED_THREADS=1 holds the count (bench/contention.py's baseline)
+    fixed = os.environ.get("LIFECYCLE_FIXED_THREADS") == "1"
+    cpu = engine.loaded.device.type == "cpu"
+    governor = ThreadGovernor(threads, enabled=config.tp == 1 and cpu and not fixed)
     log.info(
         "threads %d (%s)%s", threads, why,
         ", fewer while other processes want the CPUs" if governor.enabled else "",
