@@ -20,6 +20,7 @@ from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
+from lifecycle.api.extend import Extension, resolve_extension
 from lifecycle.api.metrics import install_metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
@@ -138,6 +139,8 @@ async def serve_app(
             shared = _shared_metrics(cfg)
             router, api, auth = _routes(cfg, frontend, rt.metrics, shared, rt.chat, rt.model_path)
             router.access_log = access
+            for spec in cfg.extend:  # checked by serve before it listened
+                resolve_extension(spec)(Extension(router, api, frontend, cfg))
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
             if rt.tracer is not None:
                 served_id = rt.served_model_id()

@@ -80,7 +80,8 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for refused in (_refused_worker_options(cfg), _refused_device(cfg), _port_taken(cfg)):
+    checks = (_refused_worker_options, _refused_device, _unresolved_extension, _port_taken)
+    for refused in (check(cfg) for check in checks):
         if refused is not None:  # the worker's own rules, this torch, the port
             print(f"error: {refused}", file=sys.stderr)
             return 2
@@ -118,6 +119,18 @@ def _startup_failure(exc: BaseException) -> BaseException | None:
         for inner in exc.exceptions:
             if (found := _startup_failure(inner)) is not None:
                 return found
+    return None
+
+
+def _unresolved_extension(cfg: AppConfig) -> str | None:
+    """Why an ``--extend`` name cannot be called (lifecycle/api/extend.py), or None."""
+    from lifecycle.api.extend import ExtensionError, resolve_extension
+
+    for spec in cfg.extend:
+        try:
+            resolve_extension(spec)
+        except ExtensionError as exc:
+            return str(exc)
     return None
 
 

@@ -373,6 +373,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     _o("log_requests", "put the prompt text in access log lines", _HTTP, server=True, **_SWITCH),
     _o(
+        "extend",
+        "call MODULE:FUNCTION with the app's router before serving, so it adds its own "
+        "routes with the built-in ones' keys, ids, metrics and access log (repeatable; "
+        "docs/operating.md)",
+        _HTTP,
+        repeat=True,
+        server=True,
+        metavar="MODULE:FUNCTION",
+    ),
+    _o(
         "cors_allow_origins",
         "answer CORS requests from this origin ('*': any; repeatable or comma-separated;"
         " default: no CORS headers)",

@@ -127,6 +127,7 @@ class AppConfig:
     access_log_format: str = _DEFAULT["access_log_format"]  # json | common
     log_requests: bool = _DEFAULT["log_requests"]  # the prompt text in access log lines
     cors_allow_origins: tuple[str, ...] = ()  # CORS answered for these ("*": any); () off
+    extend: tuple[str, ...] = ()  # MODULE:FUNCTION adding routes (lifecycle/api/extend.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -417,6 +418,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
             record_prompts=v["trace_prompts"],
         ),
         debug_routes=not v["disable_debug_routes"],
+        extend=tuple(v["extend"] or ()),
         cors_allow_origins=tuple(
             o.strip() for g in v.get("cors_allow_origins") or () for o in g.split(",") if o.strip()
         ),
