@@ -93,7 +93,11 @@ def _start_ours(
     argv += ["--kv-cache-tokens", str(llama_server.CTX_SIZE), "--log-level", "warning"]
     argv += ["--threads", str(args.threads)] if args.threads else []
     old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():  # None: unset
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         return ServerProcess.start(label, argv, port, "/health", args.start_timeout, cwd=ROOT)
     finally:
@@ -109,7 +113,7 @@ def _contenders(
 ) -> list[tuple[str, ServerProcess, RequestSpec, bool]]:
     out = []
     # No OMP_NUM_THREADS from the caller's shell: the worker's own default is measured.
-    clean = {"OMP_NUM_THREADS": ""}
+    clean: dict[str, str | None] = {"OMP_NUM_THREADS": None}
     ours_spec = RequestSpec(api="completions", ignore_eos="flag")
     out.append(("ours", _start_ours("ours", args, model, clean), ours_spec, True))
     if not args.no_fixed:
