@@ -26,7 +26,7 @@ import socket
 import ssl
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpu.cpu_runtime import tune_cpu_runtime
@@ -38,6 +38,7 @@ _CPU_TUNING = tune_cpu_runtime()
 import wire  # noqa: E402
 from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
+from gpu.loader import resolve_device  # noqa: E402
 from gpu.memory import device_memory  # noqa: E402
 from gpu.threads import ThreadGovernor, apply_threads, resolve_threads  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
@@ -46,6 +47,7 @@ from modelfile.gguf_meta import ModelFileError  # noqa: E402
 from modelfile.source import model_bytes  # noqa: E402
 from wire.address import listen_unix, parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
+from wire.worker_options import refused_combination  # noqa: E402
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
 
@@ -447,13 +449,39 @@ def main(argv: list[str] | None = None) -> int:
     if config.tp == 1:  # --tp > 1: one thread per rank unless --threads (gpu/tp.py)
         apply_threads(threads)
     tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
-    if (refused := device_refused(config.device)) is not None:
+    if (refused := _refused_at_start(config)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     # Listening before the model loads tells a frontend that spawned this worker that it
-    # took its options and its device: it binds its own port only then (a refusal here
+    # took its options and its device: it binds its own port only then (a refusal above
     # is one line and exit 2, and the frontend never listens).
     listener = _listen(config.listen, tls is not None)
+    try:
+        return _load_and_serve(config, listener, tls, threads, why)
+    finally:
+        listener.close()
+        address = parse_address(config.listen)
+        if address.kind == "unix" and os.path.exists(address.path):
+            os.unlink(address.path)  # nobody connects to a worker that has ended
+
+
+def _refused_at_start(config: WorkerConfig) -> str | None:
+    """Why this worker cannot run its options on this torch, before it loads anything:
+    the device (``device_refused``), then the options' rules with the device resolved
+    (``--device`` unset: CUDA when present)."""
+    if (refused := device_refused(config.device)) is not None:
+        return refused
+    device, _ = resolve_device(config.device, config.dtype)
+    return refused_combination({**asdict(config), "device": device.type})
+
+
+def _load_and_serve(
+    config: WorkerConfig,
+    listener: socket.socket,
+    tls: ssl.SSLContext | None,
+    threads: int,
+    why: str,
+) -> int:
     try:
         engine = build_engine(config)
     except ModelFileError as exc:  # one line, as `lifecycle serve` says it
@@ -498,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return serve(engine, listener, config.token, tls, governor)
     finally:
-        listener.close()
         if config.tp > 1:
             from gpu.tp import stop_leader
 

@@ -20,7 +20,6 @@ from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
-from lifecycle.api.extend import Extension, resolve_extension
 from lifecycle.api.metrics import install_metrics
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
@@ -30,8 +29,9 @@ from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.states import DRAIN
+from lifecycle.extend import Extension, resolve_extension
 from lifecycle.link.pool import WorkerPool
-from lifecycle.link.supervisor import Supervisor
+from lifecycle.link.supervisor import Supervisor, WorkerRefusedToStart
 from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_args
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
@@ -130,6 +130,7 @@ async def serve_app(
             raise CannotListen(
                 f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from exc
+        tg.start_soon(_fail_unless_started, rt.supervisor)
         scheme = "https" if cfg.ssl_certfile else "http"
         log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
         frontend = await rt.load(tg)
@@ -162,6 +163,17 @@ async def serve_app(
         finally:
             if access is not None:
                 access.close()
+
+
+async def _fail_unless_started(sup: Supervisor | WorkerPool) -> None:
+    """A worker that gives up before it was ever ready (it refused what it was given
+    once it listened, or failed at start-up twice the same way) ends the server with
+    that error (``lifecycle serve``: one line, exit 2), not a live process that is never
+    ready. Once ready, later failures are restarted as ever."""
+    while not sup.ready:
+        if all(m.status == "failed" for m in sup.members):
+            raise WorkerRefusedToStart(sup.last_error or "the worker did not start")
+        await anyio.sleep(0.1)
 
 
 async def _announce_ready(url: str, model: str, sup: Any, cfg: AppConfig) -> None:

@@ -123,8 +123,8 @@ def _startup_failure(exc: BaseException) -> BaseException | None:
 
 
 def _unresolved_extension(cfg: AppConfig) -> str | None:
-    """Why an ``--extend`` name cannot be called (lifecycle/api/extend.py), or None."""
-    from lifecycle.api.extend import ExtensionError, resolve_extension
+    """Why an ``--extend`` name cannot be called (lifecycle/extend.py), or None."""
+    from lifecycle.extend import ExtensionError, resolve_extension
 
     for spec in cfg.extend:
         try:

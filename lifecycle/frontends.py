@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lifecycle.link.supervisor import REFUSED_STATUS
 from lifecycle.runtime import (
     CHILD_CUT,
     CHILD_DRAIN,
@@ -106,6 +107,15 @@ class _Child:
             self.proc.wait()
 
 
+def _refused(*groups: list[_Child]) -> _Child | None:
+    """A child that exited with status 2: it refused its options or model (a worker) or
+    its start-up (a frontend), and is not started again."""
+    for child in (c for group in groups for c in group):
+        if child.proc is not None and child.proc.poll() == REFUSED_STATUS:
+            return child
+    return None
+
+
 def _stop_frontends(frontends: list[_Child], drain_timeout: float, signals: list[int]) -> None:
     """Every frontend drains at once (``CHILD_DRAIN``), so each refuses new requests
     from the signal on and the whole stop takes one drain; a second signal here cuts
@@ -149,16 +159,31 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
         env = {**os.environ, FRONTEND_INDEX_ENV: str(i), FRONTENDS_DIR_ENV: str(folder)}
         frontends.append(_Child(f"frontend {i}", child_argv(serve_argv, workers, spawned), env))
     stopping: list[int] = []
+    code, refused = 0, None
     previous = {s: signal.signal(s, lambda signum, _f: stopping.append(signum))
                 for s in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
     try:
-        for child in (*children, *frontends):
+        for child in children:
             child.start()
-        log.info("%d frontends on port %d, %d workers", len(frontends), cfg.port, len(workers))
-        while not stopping:
+        # A worker listens once it took its options and device (before its model loads):
+        # the frontends bind the port only then, so a refusal leaves the port unbound.
+        sockets = [Path(a.removeprefix("unix:")) for a in workers] if spawned else []
+        while not stopping and not all(p.exists() for p in sockets):
+            if (refused := _refused(children)) is not None:
+                break
+            time.sleep(0.05)
+        if refused is None:
+            for child in frontends:
+                child.start()
+            log.info("%d frontends on port %d, %d workers", len(frontends), cfg.port, len(workers))
+        while not stopping and refused is None:
             time.sleep(0.1)
-            for child in (*children, *frontends):
-                child.check()
+            if (refused := _refused(children, frontends)) is None:
+                for child in (*children, *frontends):
+                    child.check()
+        if refused is not None:  # it said why in one line; starting it again would too
+            log.error("%s refused to start (status 2): stopping", refused.name)
+            code = 2
         _stop_frontends(frontends, cfg.drain_timeout, stopping)
     finally:
         for s, handler in previous.items():
@@ -170,4 +195,4 @@ def run_frontends(cfg: AppConfig, serve_argv: list[str]) -> int:
         for path in [*folder.glob("*.sock"), *folder.glob("metrics-*")]:
             path.unlink(missing_ok=True)
         folder.rmdir()
-    return 0
+    return code

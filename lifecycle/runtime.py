@@ -127,7 +127,7 @@ class AppConfig:
     access_log_format: str = _DEFAULT["access_log_format"]  # json | common
     log_requests: bool = _DEFAULT["log_requests"]  # the prompt text in access log lines
     cors_allow_origins: tuple[str, ...] = ()  # CORS answered for these ("*": any); () off
-    extend: tuple[str, ...] = ()  # MODULE:FUNCTION adding routes (lifecycle/api/extend.py)
+    extend: tuple[str, ...] = ()  # MODULE:FUNCTION adding routes (lifecycle/extend.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

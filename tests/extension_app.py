@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lifecycle.api.extend import Extension
+from lifecycle.extend import Extension
 from transport import JSONResponse, Request, Response
 
 

@@ -153,3 +153,12 @@ def test_a_config_file_value_is_checked_as_the_flag(tmp_path: Path) -> None:
     r = _serve("--config", str(path))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "weights" in r.stderr and "q5" in r.stderr and "auto, quantized" in r.stderr
+
+
+def test_a_launchers_worker_that_refuses_ends_it_before_a_frontend_listens() -> None:
+    """``serve --frontends 2``: the launcher starts the frontends once its workers listen;
+    a worker that refuses its options (status 2) is not started again in a loop."""
+    r = _serve("--frontends", "2", "--worker-args", "--bogus-flag 1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("gpu.worker: error: unrecognized arguments: --bogus-flag 1") == 1
+    assert "frontend 0 started" not in r.stderr and "listening on http" not in r.stderr
