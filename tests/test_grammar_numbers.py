@@ -211,3 +211,13 @@ def test_integers_that_crash_llguidance_are_refused(kind: str, source: str) -> N
     with pytest.raises(ValueError, match="cannot take"):
         check_grammar(kind, source)
     check_grammar("json_schema", '{"const": -9223372036854775295}')  # just above: compiles
+
+
+def test_an_integer_past_the_double_range_is_a_clear_error_not_a_crash() -> None:
+    """Regression: the check for llguidance's crashing integers converted every integer
+    to a float, and one past the double range raised OverflowError (a 500) instead of
+    the library's ValueError (a 400); found by tests/test_params_fuzz.py."""
+    huge = "1" + "0" * 400
+    for source in (f'{{"const": {huge}}}', f'{{"type": "integer", "maximum": {huge}}}'):
+        with pytest.raises(ValueError):
+            check_grammar("json_schema", source)

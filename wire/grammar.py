@@ -10,7 +10,10 @@ core; docs/structured.md has the measurements behind the choice):
   ``json.dumps``' separators (``", "``, ``": "``) and no other whitespace, so a model
   cannot spend its budget on blank space; a keyword llguidance does not implement is
   refused, never silently ignored. Every ``integer`` and ``number`` in it is bounded
-  (``bound_numbers``), so a model cannot write digits until its budget ends.
+  (``bound_numbers``), so a model cannot write digits until its budget ends, and an
+  object that lists its ``properties`` has those only unless it says otherwise
+  (``close_objects``, as xgrammar's strict mode: SGLang's and vLLM's default), so a
+  model cannot add keys until its budget ends.
 - ``regex``: the whole output matches it (Rust ``regex`` syntax, as llguidance reads it).
 - ``ebnf``: SGLang's EBNF (the GBNF dialect: ``root ::= ...``), translated to Lark by
   llguidance's own ``gbnf_to_lark``; what it cannot translate is refused with its message.
@@ -38,6 +41,7 @@ __all__ = [
     "NUMBER_LIMIT",
     "NUMBER_STEP",
     "bound_numbers",
+    "close_objects",
     "check_grammar",
     "grammar_from_wire",
     "to_llguidance",
@@ -75,11 +79,46 @@ _SCHEMA_MAPS = frozenset(
 )
 # llguidance 1.9.1 crashes the process (SIGSEGV) compiling an integer literal (a const, an
 # enum value) that is -2**63 as a double: one from -2**63 to -2**63 + 512.
-_CRASHING_INTEGER = -(2.0**63)
+_CRASHING_INTEGERS = (-(2**63), -(2**63) + 512)
 # What in a Lark grammar can hold the text "%json" without being the directive (comments,
 # string and regex literals), and the directive.
 _LARK_TOKEN = re.compile(r'//[^\n]*|"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/|%json\b\s*')
 _JSON_DECODER = json.JSONDecoder()
+
+
+# What beside ``properties`` says more of an object's keys than they do: its own rule for
+# the others, or a composition or reference whose branches may name more.
+_OPEN_BESIDE = frozenset(
+    ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf",
+     "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not", "dependentSchemas",
+     "dependencies")
+)  # fmt: skip
+
+
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that lists
+    ``properties`` and says nothing else of its keys (``_OPEN_BESIDE``), at any depth.
+    An ``allOf`` branch is left open: closed branches that name different properties
+    would admit no object together. ``"additionalProperties": true`` keeps one open."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: close_objects(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMAS and isinstance(value, list):
+            value = [close_objects(sub, in_all_of=key == "allOf") for sub in value]
+        elif key in _SUBSCHEMAS:
+            value = close_objects(value)
+        out[key] = value
+    if isinstance(out.get("properties"), dict) and not in_all_of and not _OPEN_BESIDE & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _bounded_schema(schema: Any) -> Any:
+    """What llguidance compiles for a client's schema: objects closed, numbers bounded."""
+    return bound_numbers(close_objects(schema))
 
 
 def bound_numbers(schema: Any) -> Any:
@@ -141,7 +180,8 @@ def _nested(value: Any) -> Iterator[Any]:
 
 def _refuse_crashing_integers(value: Any) -> None:
     for v in _nested(value):
-        if type(v) is int and v >= -(2**63) and float(v) == _CRASHING_INTEGER:
+        # in integers: a float() of one past the double range would raise OverflowError
+        if type(v) is int and _CRASHING_INTEGERS[0] <= v <= _CRASHING_INTEGERS[1]:
             raise ValueError(
                 f"json_schema holds the integer {v}, which the grammar library cannot take "
                 f"(integers from {-(2**63)} to {-(2**63) + 512} crash it)."
@@ -160,7 +200,7 @@ def _bound_lark_json(source: str) -> str:
         except ValueError:
             continue  # llguidance says what is wrong with it
         _refuse_crashing_integers(schema)
-        bounded = bound_numbers(schema)
+        bounded = _bounded_schema(schema)
         if bounded != schema:
             parts += [source[done:pos], json.dumps(bounded)]
             done = end
@@ -183,7 +223,7 @@ def to_llguidance(kind: str, source: str) -> str:
         if not isinstance(schema, dict | bool):
             raise ValueError("json_schema must be a JSON object (a JSON Schema).")
         _refuse_crashing_integers(schema)
-        return matcher.grammar_from_json_schema(bound_numbers(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+        return matcher.grammar_from_json_schema(_bounded_schema(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
     if kind == "regex":
         return matcher.grammar_from_regex(source)
     if kind == "ebnf":
