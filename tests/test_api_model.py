@@ -87,6 +87,60 @@ def test_stop_string_is_trimmed(url: str) -> None:
     assert kept["text"].endswith(stop)
 
 
+def _streamed_texts(url: str, path: str, body: dict[str, Any]) -> list[str]:
+    """The text a client holds after each event of a stream: /generate's events carry
+    the text so far, the OpenAI routes' carry deltas."""
+    held, texts = "", []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if path == "/generate":
+                held = event["text"]
+            else:
+                choice = event["choices"][0] if event.get("choices") else {}
+                held += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            texts.append(held)
+    return texts
+
+
+def test_stop_strings_ending_inside_tokens_are_never_taken_back(url: str) -> None:
+    """Issue 54, point 1, end to end on every streaming API: stop strings of 2-4
+    characters that start at several places of the greedy reply, most of them inside a
+    token. What a stream showed never extends past the final text (nothing is shown and
+    then taken back), and the final text ends where the stop string begins."""
+    chat = {"messages": [{"role": "user", "content": "Name three colours."}]}
+    cases = [
+        (
+            "/generate",
+            {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}),
+        ("/v1/chat/completions", {**chat, "max_tokens": 16, "temperature": 0}),
+    ]
+    checked = 0
+    for path, body in cases:
+        whole = _streamed_texts(url, path, body)[-1]
+        for start in range(3, min(len(whole) - 4, 15), 3):
+            stop = whole[start : start + 2 + start % 3]
+            if whole.find(stop) != start or not stop.strip():
+                continue
+            if path == "/generate":
+                sb = {**body, "sampling_params": {**body["sampling_params"], "stop": [stop]}}
+            else:
+                sb = {**body, "stop": [stop]}
+            texts = _streamed_texts(url, path, sb)
+            final = texts[-1] if texts else ""
+            assert final == whole[:start], (path, stop, final)
+            assert all(final.startswith(t) for t in texts), (path, stop, texts)
+            checked += 1
+    assert checked >= 6
+    _wait_idle(url)
+
+
 def test_logprobs_shapes(url: str) -> None:
     out = _gen(
         url,

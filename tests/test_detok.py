@@ -75,3 +75,41 @@ async def test_concurrent_encodes_share_one_batch(tok) -> None:  # type: ignore[
         assert results[i] == [tok.encode(f"prompt number {i}")]
     long = "word " * 2000  # over the inline limit: encoded in a worker thread
     assert await codec.encode([long], False) == [tok.encode(long, add_special_tokens=False)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Héllo wörld — ünïcode ✓ and emoji 🎉 too, then more", "The capital of France is Paris."],
+)
+def test_a_stop_string_ending_inside_a_token_is_never_shown_then_taken_back(  # type: ignore[no-untyped-def]
+    tok, text: str
+) -> None:
+    """Issue 54, point 1: every stop string that starts and ends at any character of the
+    text, token boundary or not (multi-byte characters included). The worker ends the
+    sample on the token whose text completes the stop string; each streamed text must
+    extend the one before and be a prefix of the final text, which ends where the stop
+    string begins. A hold-back one character short shows a stop string's first
+    character, then takes it back: this catches it."""
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids)
+    checked = 0
+    for start in range(1, len(full) - 1):
+        for length in (1, 2, 3, 5):
+            stop = full[start : start + length]
+            if len(stop) < length or full.find(stop) != start:
+                continue  # the first occurrence is the one the worker stops at
+            st = SampleText(tok, stops=(stop,))
+            shown, history = "", []
+            for i in ids:
+                st.feed([i])
+                if stop in st.raw:  # this token completes it: the worker's STOP
+                    break
+                new = st.visible(len(shown))
+                assert new.startswith(shown), (stop, shown, new)
+                shown = new
+                history.append(shown)
+            final = st.final({"type": "stop", "matched": stop}, len(shown))
+            assert final == full[:start], (stop, final)
+            assert all(final.startswith(h) for h in history), (stop, history[-1], final)
+            checked += 1
+    assert checked > 50
