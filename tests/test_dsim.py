@@ -78,3 +78,18 @@ def test_a_broken_build_is_caught(name: str) -> None:
         seed, n, what = hunt(m.invariant, range(MUTATION_BUDGET))
     assert seed is not None, f"{m.what}: no seed in {n} reported {m.invariant}"
     print(f"{name}: caught by seed {seed} after {n} seeds: {what}")
+
+
+def test_a_known_fault_excuses_only_the_invariants_it_breaks() -> None:
+    """Issue 54, point 3: a seed where a listed link fault fired is excused only when every
+    broken invariant is one that fault is known to break; anything else that broke is a
+    failure, whatever fired."""
+    from tests.dsim.known import KNOWN_LINK, known_reason
+
+    assert set().union(*(k.breaks for k in KNOWN_LINK.values())) <= set(NAMES)
+    assert known_reason(["dup Step to_frontend"], {"tokens"}) is not None
+    assert known_reason(["dup Step to_frontend"], {"tokens", "answered"}) is None
+    assert known_reason(["lose Abort to_worker"], {"tokens"}) is None
+    both = known_reason(["lose Abort to_worker", "lose Step to_frontend"], {"aborts", "tokens"})
+    assert both is not None and "lose Abort" in both and "lose Step" in both
+    assert known_reason(["corrupt Step to_frontend"], {"tokens"}) is None  # not listed

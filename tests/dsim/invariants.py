@@ -162,13 +162,6 @@ def _response_end(q: Req, a: Answer) -> str:
     if status == "completed" or (status == "incomplete" and reason == "max_output_tokens"):
         return "ok"
     return "abort" if status in ("incomplete", "cancelled") else "error"
-    if q.face == "responses":
-        return (
-            "ok"
-            if b'"status":"completed"' in a.body or b'"status":"incomplete"' in a.body
-            else "error"
-        )
-    return "abort" if b'"abort"' in a.body else "ok"
 
 
 def _honest(q: Req, a: Answer, recs: list[RecordLog]) -> list[Violation]:

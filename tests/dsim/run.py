@@ -99,7 +99,7 @@ async def _main(scn: Scenario, result: Result, plan: FaultPlan, keep_trace: bool
         result.virtual_s = anyio.current_time() - t0
         result.violations = invariants.check(scn, world, played, plan)
         if result.violations:
-            result.known = known_reason(world.link_fired)
+            result.known = known_reason(world.link_fired, {n for n, _ in result.violations})
         if keep_trace or result.violations:
             result.trace = trace_lines(scn, world, played, plan)
         tg.cancel_scope.cancel()
