@@ -34,7 +34,7 @@ from gpu.generate import run_generate
 from gpu.loader import load_model
 from modelfile.check import check_model
 from modelfile.gguf_meta import ModelFileError
-from modelfile.hf_config import HF_ARCHITECTURES
+from modelfile.hf_config import HF_ARCHITECTURES, llama3_rope_factors
 from modelfile.safetensors_file import read_directory, read_float32
 from modelfile.vocab import load_tokenizer
 from tests.dense_cache import DenseKVCache
@@ -407,3 +407,30 @@ def test_a_folder_is_served(made: Any) -> None:
         assert body["model"] == folder.name and body["usage"]["completion_tokens"] >= 1
         info = httpx.get(base + "/model_info", timeout=10).json()
         assert info["model_path"] == str(folder)
+
+
+def test_llama3_rope_factors_match_transformers_in_the_blend_band() -> None:
+    """Issue 54, point 5: a real Llama 3's RoPE (head 128, theta 500000, factor 8, low 1,
+    high 4, 8192 original positions) has 6 of its 64 frequencies between the two
+    wavelength limits, where the factor blends; the factors written to ``rope_freqs``
+    equal transformers' own llama3 computation (its scaled frequencies against the
+    unscaled ones) to float32 rounding, in the band and outside it."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, rope_parameters=rope,
+        max_position_embeddings=131072,
+    )  # fmt: skip
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
+    dim = 128
+    unscaled = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+    reference = (unscaled / scaled).numpy()
+    band = (reference > 1.0 + 1e-4) & (reference < rope["factor"] - 1e-4)
+    assert band.sum() == 6  # the blend is exercised, not only the two ends
+    ours = llama3_rope_factors({"rope_parameters": rope}, dim)
+    np.testing.assert_allclose(ours, reference, rtol=1e-6)
