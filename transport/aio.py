@@ -22,8 +22,11 @@ it returns the listener unchanged, so callers never branch.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
+import struct
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -35,7 +38,13 @@ import anyio.lowlevel
 from anyio.abc import SocketAttribute
 from anyio.streams.stapled import MultiListener
 
-__all__ = ["AsyncioSocketListener", "AsyncioSocketStream", "at_pass_end", "wrap_listener"]
+__all__ = [
+    "AsyncioSocketListener",
+    "AsyncioSocketStream",
+    "at_pass_end",
+    "kernel_unsent",
+    "wrap_listener",
+]
 
 HIGH_WATER = 256 * 1024  # bytes read ahead of the consumer before reading pauses
 FLUSH_BYTES = 64 * 1024  # writes held for the end of the loop pass, at most
@@ -136,6 +145,23 @@ class _Protocol(asyncio.Protocol):
 
 log = logging.getLogger("transport")
 
+# SIOCOUTQ (= TIOCOUTQ): the bytes in a TCP socket's send queue that the peer has not
+# acknowledged (tcp(7)); Linux only. A peer's kernel acknowledges only what its receive
+# buffer has room for, so this shrinks exactly as fast as the client reads.
+_SIOCOUTQ = 0x5411 if sys.platform.startswith("linux") else None
+
+
+def kernel_unsent(sock: socket.socket) -> int:
+    """Bytes of ``sock``'s send queue its peer has not taken yet; 0 where the kernel
+    cannot say (not Linux, not TCP, closed)."""
+    if _SIOCOUTQ is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return 0
+    try:
+        out = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", out)[0])
+
 
 class _PassEnd:
     """What runs once at the end of this pass of one event loop: the functions added
@@ -233,6 +259,15 @@ class AsyncioSocketStream(anyio.abc.SocketStream):
             raise anyio.BrokenResourceError from p.exc
         if p.eof or p.lost:
             raise anyio.EndOfStream
+
+    def unsent(self) -> int:
+        """Bytes written that the peer has not taken yet: held for this pass's flush, in
+        the transport's buffer, and in the kernel's send queue. It shrinks while the
+        client reads, however slowly, and stands still when it stops (the send deadline,
+        ``Channel.send_stalled``)."""
+        held = self._pending_size + self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        return held + (kernel_unsent(sock) if sock is not None else 0)
 
     def can_send_now(self) -> bool:
         """Whether ``try_send`` would take an item now (open, not lost, drained)."""

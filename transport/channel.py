@@ -12,6 +12,8 @@ current fast request, so that h11 can still answer it (``replay``).
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -20,6 +22,7 @@ import anyio
 import anyio.abc
 import h11
 
+from .aio import kernel_unsent
 from .config import ServerConfig
 from .request import Request
 from .responses import Response
@@ -28,6 +31,23 @@ __all__ = ["STREAM_ERRORS", "App", "Channel", "ClientGone", "ServerState"]
 
 App = Callable[[Request], Awaitable[Response]]
 STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+_LINGER_ZERO = struct.pack("ii", 1, 0)  # struct linger {l_onoff = 1, l_linger = 0}
+
+
+def _unsent_probe(stream: anyio.abc.ByteStream) -> Callable[[], int] | None:
+    """How to ask ``stream`` (or the socket stream under its TLS) how many written bytes
+    its peer has not taken; None where nothing can say."""
+    base = getattr(stream, "transport_stream", stream)
+    unsent: Callable[[], int] | None = getattr(base, "unsent", None)
+    if unsent is not None:
+        return unsent
+    try:
+        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    except anyio.TypedAttributeLookupError:
+        return None
+    return lambda: kernel_unsent(sock)  # another backend's stream: the kernel's count
 
 
 class ServerState(Protocol):
@@ -60,12 +80,16 @@ class Channel:
         self.raw = b""  # the current fast request's bytes: h11 replays them if needed
         self.close_after = False  # the current fast request asked for Connection: close
         self.graceful = True  # close with FIN and linger, not a reset
-        self.send_since: float | None = None  # when the write in progress began
+        # When the write in progress began, or last made progress (``send_stalled``), and
+        # how many bytes the peer had not taken then (-1: not looked at yet).
+        self.send_since: float | None = None
+        self.send_left = -1
         # The stream's write that needs no coroutine, when it has one (``try_write``).
         self._try_send: Callable[[bytes], bool] | None = getattr(stream, "try_send", None)
         self._can_send: Callable[[], bool] | None = getattr(stream, "can_send_now", None)
         # Bytes the stream read ahead of us (``AsyncioSocketStream.read_ahead``), if it can say.
         self._read_ahead: Callable[[], int] | None = getattr(stream, "read_ahead", None)
+        self._unsent = _unsent_probe(stream)
 
     def go_live(self) -> None:
         """Hand every byte held so far to h11, which keeps the connection's state from here."""
@@ -115,9 +139,40 @@ class Channel:
             request.mark_disconnected("client_gone")
             raise ClientGone from None
 
+    def send_stalled(self, now: float) -> bool:
+        """Whether the write in progress has made no progress for ``send_timeout``: the
+        watchdog's question, a few times per period. Progress is the peer taking bytes
+        (``unsent`` shrinking), not the write ending: a client reading a large frame at
+        a steady 4 KB/s is slow, not stalled, however long that one write takes. Where
+        the stream cannot say what it has not sent, the write's own length counts."""
+        since = self.send_since
+        if since is None:
+            return False
+        unsent = self._unsent
+        if unsent is not None:
+            left = unsent()
+            if 0 <= left < self.send_left:  # the peer took bytes since the last look
+                self.send_since = since = now
+            self.send_left = left
+        return now - since >= self.config.send_timeout
+
+    def abort_on_close(self) -> None:
+        """Make the close a reset (SO_LINGER 0, RFC 9293 section 3.10.7.1's ABORT): what
+        the kernel still holds for the peer is dropped, so a client cut off mid-stream
+        sees its read fail instead of a trickle of old bytes and an end that looks like
+        a slow stream's."""
+        self.graceful = False
+        try:
+            sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
+        except (anyio.TypedAttributeLookupError, OSError):
+            pass  # not a socket (a test's memory stream), or already closed
+
     async def write(self, request: Request, data: bytes) -> None:
-        # A write that outlives send_timeout cancels the whole connection (check_deadlines).
+        # A write that makes no progress for send_timeout cancels the whole connection
+        # (send_stalled, check_deadlines).
         self.send_since = time.monotonic()
+        self.send_left = -1
         try:
             await self.stream.send(data)
         except STREAM_ERRORS:

@@ -146,11 +146,12 @@ class HTTPConnection:
         """
         self.reader.check_deadline(now)
         channel = self.channel
-        since = channel.send_since
-        if since is not None and now - since >= self.config.send_timeout:
+        if channel.send_stalled(now):
             if channel.current is not None:
                 channel.current.mark_disconnected("send_stall")
-            channel.graceful = False
+            # A client that reads nothing cannot be sent an error event: a reset makes
+            # its next read fail rather than end like a slow stream (docs/transport.md).
+            channel.abort_on_close()
             self.scope.cancel()
         gate = self.writer.stream_gate
         if gate is not None and self._tg is not None and gate.ping_due(now):
