@@ -278,10 +278,11 @@ class _LiveCollector(Collector):
         unknown = CounterMetricFamily(
             f"{p}_unknown_fields",
             "Requests that sent a body field this server does not know (ignored; "
-            "--strict-fields refuses them), by where and field.",
+            "--strict-fields refuses them), by where and field: the first 64 names, "
+            "then <where>.(other).",
             labels=["field"],
         )
-        for name, count in sorted(fields.policy().counts.items()):
+        for name, count in sorted(fields.policy().snapshot().items()):
             unknown.add_metric([name], count)
         yield unknown
         if self.m.tracer is not None:
