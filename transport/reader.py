@@ -226,6 +226,10 @@ class RequestReader:
         if self.ch.h11.they_are_waiting_for_100_continue:
             request._on_first_pull = self._send_continue
         self._set_phase(_Phase.BODY, time.monotonic() + self.config.body_timeout)
+        # The reader may be waiting for room, having read this request's head and body
+        # while they looked like bytes pipelined behind the last response: they are the
+        # current request's now, and it must go on reading them into the queue.
+        self._make_room()
         self._want_watch(request)  # the watcher streams the rest of the body in
 
     async def _send_continue(self) -> None:
@@ -316,8 +320,9 @@ class RequestReader:
         try:
             with self._reader_scope:
                 while True:
-                    if self.ch.held() > self.config.max_header_bytes:
-                        # Enough pipelined bytes held until the current response is done.
+                    if self._body is None and self.ch.held() > self.config.max_header_bytes:
+                        # Enough pipelined bytes held until the current response is done
+                        # (a body being read is the current request's: never held back).
                         self._room = room = self._new_event()
                         await room.wait()
                     if not await self._fill(by_reader=True):
