@@ -247,7 +247,8 @@ OPTIONS: tuple[Option, ...] = (
     _o(
         "strict_fields",
         "refuse (400) a request with a body field this server does not know; by default"
-        " it is ignored, logged once per field and counted",
+        " it is ignored, logged once per field and counted (the first 64 names; others"
+        " together)",
         _REQ,
         **_SWITCH,
     ),  # fmt: skip
