@@ -238,6 +238,7 @@ class Runtime:
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path
+        tg.start_soon(_watch_deadlines, fe)
         fields.install(fields.UnknownFields(strict=cfg.strict_fields))
         self.metrics = Metrics(fe, model=model_id(cfg, path))
         if cfg.debug_routes or cfg.trace.log_path:
@@ -365,6 +366,18 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)
     return Supervisor(sup_config)
+
+
+DEADLINE_CHECK_S = 0.1  # how often a deadline passed while the owner waits elsewhere is seen
+
+
+async def _watch_deadlines(fe: Frontend) -> None:
+    """End calls whose deadline passed while their owner is blocked outside ``wait`` (a
+    write to a client that does not read): the worker stops at the deadline, and the
+    client gets the 504 error event once it reads again."""
+    while True:
+        await anyio.sleep(DEADLINE_CHECK_S)
+        fe.calls.expire_overdue()
 
 
 FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend

@@ -158,6 +158,7 @@ class GenerateCall:
         # header, else the server's --request-timeout); past them it ends deadline (504).
         self.timeout = timeout
         self._t0 = math.inf  # when start() began, on the event loop's clock
+        self._expired = False  # ended at its deadline by the frontend's watch
         # The HTTP exchange it is made for (None for the Engine): its request id names the
         # call's records (``X-Request-Id``; the body's rid when the client sent no header).
         self.exchange: Exchange | None = EXCHANGE.get()
@@ -283,6 +284,17 @@ class GenerateCall:
 
     def _deadline_message(self) -> str:
         return f"the request's deadline passed ({self.timeout:g} s)"
+
+    def expire_if_overdue(self) -> bool:
+        """End the call at its deadline wherever its owner waits: ``wait`` checks it,
+        and this (the frontend's deadline watch) covers an owner blocked elsewhere, in a
+        write to a client that does not read, while the worker would go on generating.
+        True the one time it ends the call."""
+        if self._expired or self.timeout is None or self.done or self._remaining() > 0:
+            return False
+        self._expired = True
+        self.interrupt(Cause.DEADLINE, self._deadline_message())
+        return True
 
     async def _start(self) -> None:
         host = self.host

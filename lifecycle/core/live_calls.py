@@ -31,6 +31,8 @@ class LiveCall(Protocol):
 
     def interrupt(self, cause: Cause, message: str) -> None: ...
 
+    def expire_if_overdue(self) -> bool: ...
+
 
 C = TypeVar("C", bound=LiveCall)
 
@@ -110,6 +112,11 @@ class LiveCalls(Generic[C]):
                 self._none_left = anyio.Event()
                 await self._none_left.wait()
         return not self._by_record
+
+    def expire_overdue(self) -> int:
+        """End every call whose deadline passed while its owner waits elsewhere (a write
+        to a client that does not read); returns how many were ended now."""
+        return sum(1 for call in self.calls() if call.expire_if_overdue())
 
     def cut_all(self, cause: Cause, message: str) -> int:
         """End every live call with an explicit error its owner then sends (the drain
