@@ -33,7 +33,7 @@ import torch
 
 from wire.cpu_budget import cpu_budget, worker_threads
 
-__all__ = ["ThreadGovernor", "apply_threads", "resolve_threads"]
+__all__ = ["ThreadGovernor", "apply_threads", "resolve_threads", "worker_governor"]
 
 log = logging.getLogger("gpu.worker")
 
@@ -49,6 +49,14 @@ def resolve_threads(threads: int | None, frontend_beside: bool) -> tuple[int, st
     if env.isdigit() and int(env) > 0:
         return int(env), f"OMP_NUM_THREADS={env}"
     return worker_threads(cpu_budget(), frontends=1 if frontend_beside else 0)
+
+
+def worker_governor(threads: int, device: str, tp: int) -> ThreadGovernor:
+    """The worker's governor: on the CPU at ``--tp 1`` (the followers of ``--tp`` keep
+    their threads, and on CUDA the threads feed the host only);
+    ``LIFECYCLE_FIXED_THREADS=1`` holds the count (``bench/contention.py``'s baseline)."""
+    fixed = os.environ.get("LIFECYCLE_FIXED_THREADS") == "1"
+    return ThreadGovernor(threads, enabled=device == "cpu" and tp == 1 and not fixed)
 
 
 def apply_threads(threads: int) -> None:

@@ -26,7 +26,7 @@ import socket
 import ssl
 import sys
 import threading
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from gpu.cpu_runtime import tune_cpu_runtime
@@ -38,16 +38,20 @@ _CPU_TUNING = tune_cpu_runtime()
 import wire  # noqa: E402
 from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
-from gpu.loader import resolve_device  # noqa: E402
 from gpu.memory import device_memory  # noqa: E402
-from gpu.threads import ThreadGovernor, apply_threads, resolve_threads  # noqa: E402
+from gpu.threads import ThreadGovernor, apply_threads, resolve_threads, worker_governor  # noqa: E402
 from gpu.tp_model import ShardedLlama  # noqa: E402
-from gpu.worker_config import WorkerConfig, build_engine, kv_blocks_for, parse_config  # noqa: E402
+from gpu.worker_config import (  # noqa: E402
+    WorkerConfig,
+    build_engine,
+    kv_blocks_for,
+    parse_config,
+    refused_at_start,
+)
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
 from modelfile.source import model_bytes  # noqa: E402
 from wire.address import listen_unix, parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
-from wire.worker_options import refused_combination  # noqa: E402
 
 __all__ = ["WorkerConfig", "build_engine", "kv_blocks_for", "main", "serve"]
 
@@ -422,34 +426,18 @@ def serve(
     return 0
 
 
-def device_refused(device: str | None) -> str | None:
-    """Why this torch cannot run ``--device`` (already of the form cpu, cuda or cuda:N:
-    ``wire.worker_options``), in one line; None when it can."""
-    if device is None or not device.startswith("cuda"):
-        return None
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        why = "is built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
-        return f"--device {device}: this torch ({torch.__version__}) {why}; use --device cpu"
-    index = int(device.partition(":")[2] or 0)
-    if index >= count:
-        return f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config = parse_config(argv)
     if (f := fault_point("worker.start")) is not None:
         f.apply()
+    address = parse_address(config.listen)
     # A Unix-socket worker shares its host with the frontend that connects to it.
-    threads, why = resolve_threads(config.threads, parse_address(config.listen).kind == "unix")
+    threads, why = resolve_threads(config.threads, address.kind == "unix")
     if config.tp == 1:  # --tp > 1: one thread per rank unless --threads (gpu/tp.py)
         apply_threads(threads)
     tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
-    if (refused := _refused_at_start(config)) is not None:
+    if (refused := refused_at_start(config)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     # Listening before the model loads tells a frontend that spawned this worker that it
@@ -460,19 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         return _load_and_serve(config, listener, tls, threads, why)
     finally:
         listener.close()
-        address = parse_address(config.listen)
         if address.kind == "unix" and os.path.exists(address.path):
             os.unlink(address.path)  # nobody connects to a worker that has ended
-
-
-def _refused_at_start(config: WorkerConfig) -> str | None:
-    """Why this worker cannot run its options on this torch, before it loads anything:
-    the device (``device_refused``), then the options' rules with the device resolved
-    (``--device`` unset: CUDA when present)."""
-    if (refused := device_refused(config.device)) is not None:
-        return refused
-    device, _ = resolve_device(config.device, config.dtype)
-    return refused_combination({**asdict(config), "device": device.type})
 
 
 def _load_and_serve(
@@ -507,10 +484,7 @@ def _load_and_serve(
         config.block_size,
         engine.cache.element,
     )
-    # LIFECYCLE_FIXED_THREADS=1 holds the count (bench/contention.py's baseline)
-    fixed = os.environ.get("LIFECYCLE_FIXED_THREADS") == "1"
-    cpu = engine.loaded.device.type == "cpu"
-    governor = ThreadGovernor(threads, enabled=config.tp == 1 and cpu and not fixed)
+    governor = worker_governor(threads, engine.loaded.device.type, config.tp)
     log.info(
         "threads %d (%s)%s", threads, why,
         ", fewer while other processes want the CPUs" if governor.enabled else "",

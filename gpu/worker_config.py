@@ -14,7 +14,7 @@ import torch
 import wire
 from gpu.engine import Engine, EngineConfig
 from gpu.kv_cache import kv_storage_dtype
-from gpu.loader import load_model
+from gpu.loader import load_model, resolve_device
 from gpu.memory import cuda_free_bytes, plan_kv
 from wire.worker_options import (
     CPU_MIXED_PREFILL_TOKENS,
@@ -30,9 +30,11 @@ from wire.worker_options import (
 __all__ = [
     "WorkerConfig",
     "build_engine",
+    "device_refused",
     "kv_blocks_for",
     "mixed_prefill_tokens",
     "parse_config",
+    "refused_at_start",
 ]
 
 log = logging.getLogger("gpu.worker")
@@ -111,6 +113,31 @@ def parse_config(argv: list[str] | None) -> WorkerConfig:
     except ValueError as exc:
         p.error(str(exc))
     return replace(config, token=token)
+
+
+def device_refused(device: str | None) -> str | None:
+    """Why this torch cannot run ``--device`` (already of the form cpu, cuda or cuda:N:
+    ``wire.worker_options``), in one line; None when it can."""
+    if device is None or not device.startswith("cuda"):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        why = "is built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
+        return f"--device {device}: this torch ({torch.__version__}) {why}; use --device cpu"
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        return f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def refused_at_start(config: WorkerConfig) -> str | None:
+    """Why this worker cannot run its options on this torch, before it loads anything
+    (the worker listens only once it may): the device (``device_refused``), then the
+    options' rules with the device resolved (``--device`` unset: CUDA when present)."""
+    if (refused := device_refused(config.device)) is not None:
+        return refused
+    device, _ = resolve_device(config.device, config.dtype)
+    return refused_combination({**asdict(config), "device": device.type})
 
 
 def build_engine(config: WorkerConfig) -> Engine:

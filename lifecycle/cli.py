@@ -199,7 +199,7 @@ async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
     import anyio
 
     from lifecycle.app import App, serve_app
-    from lifecycle.runtime import CHILD_CUT, CHILD_DRAIN
+    from lifecycle.frontends import CHILD_CUT, CHILD_DRAIN
 
     launched = cfg.frontend_index is not None
     if launched:

@@ -32,8 +32,6 @@ from pathlib import Path
 
 from lifecycle.link.supervisor import REFUSED_STATUS
 from lifecycle.runtime import (
-    CHILD_CUT,
-    CHILD_DRAIN,
     FRONTEND_INDEX_ENV,
     FRONTENDS_DIR_ENV,
     AppConfig,
@@ -42,9 +40,14 @@ from lifecycle.runtime import (
 )
 from wire.child import SUPERVISED
 
-__all__ = ["child_argv", "run_frontends"]
+__all__ = ["CHILD_CUT", "CHILD_DRAIN", "child_argv", "run_frontends"]
 
 log = logging.getLogger("lifecycle.frontends")
+# How the launcher of serve --frontends N stops its frontends: drain, then (its second
+# signal) cut. A frontend under it ignores SIGINT and a repeated SIGTERM: Ctrl-C and a
+# group SIGTERM reach the launcher too, which drains them all at once.
+CHILD_DRAIN = signal.SIGTERM
+CHILD_CUT = signal.SIGUSR1
 _RESTART_S = 0.5  # the least time between two starts of one process
 _DRAIN_GRACE_S = 5.0  # past a frontend's --drain-timeout: its cut, its close, its exit
 

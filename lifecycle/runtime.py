@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -39,16 +38,7 @@ if TYPE_CHECKING:
     from lifecycle.tracing.otel import OtlpExporter
     from modelfile.check import CheckedModel
 
-__all__ = [
-    "CHILD_CUT",
-    "CHILD_DRAIN",
-    "AppConfig",
-    "Runtime",
-    "app_config",
-    "server_args",
-    "worker_addresses",
-    "worker_args",
-]
+__all__ = ["AppConfig", "Runtime", "app_config", "server_args", "worker_addresses", "worker_args"]
 
 log = logging.getLogger("lifecycle.runtime")
 
@@ -238,7 +228,7 @@ class Runtime:
             ),
         )
         self.frontend, self.chat, self.model_path = fe, chat, path
-        tg.start_soon(_watch_deadlines, fe)
+        tg.start_soon(fe.calls.watch_deadlines)
         fields.install(fields.UnknownFields(strict=cfg.strict_fields))
         self.metrics = Metrics(fe, model=model_id(cfg, path))
         if cfg.debug_routes or cfg.trace.log_path:
@@ -368,27 +358,10 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
     return Supervisor(sup_config)
 
 
-DEADLINE_CHECK_S = 0.1  # how often a deadline passed while the owner waits elsewhere is seen
-
-
-async def _watch_deadlines(fe: Frontend) -> None:
-    """End calls whose deadline passed while their owner is blocked outside ``wait`` (a
-    write to a client that does not read): the worker stops at the deadline, and the
-    client gets the 504 error event once it reads again."""
-    while True:
-        await anyio.sleep(DEADLINE_CHECK_S)
-        fe.calls.expire_overdue()
-
-
 FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend
 # The launcher's private folder, where each frontend publishes its metrics for the others
 # (lifecycle/tracing/shared_metrics.py); set by serve --frontends in each frontend.
 FRONTENDS_DIR_ENV = "LIFECYCLE_FRONTENDS_DIR"
-# How the launcher of serve --frontends N stops its frontends: drain, then (its second
-# signal) cut. A frontend under it ignores SIGINT and a repeated SIGTERM: Ctrl-C and a
-# group SIGTERM reach the launcher too, which drains them all at once.
-CHILD_DRAIN = signal.SIGTERM
-CHILD_CUT = signal.SIGUSR1
 
 
 def _frontend_index() -> int | None:

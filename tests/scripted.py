@@ -72,3 +72,36 @@ def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
         yield url
     finally:
         stop_process(proc)
+
+
+async def count_stream(
+    url: str, i: int, tokens: int, progress: list[int] | None = None
+) -> tuple[str, int]:
+    """A streamed /generate of ``tokens`` forced tokens on a connection of its own, and
+    how it ended: ("done" | "short" | "error" | "cut", tokens seen). "done" is [DONE]
+    after every token and no error event, "short" [DONE] after fewer, "error" an error
+    event, "cut" a stream that ended without [DONE]; ``progress[i]`` follows the tokens."""
+    import json
+
+    import httpx
+
+    body = {"input_ids": [100 + i, 200 + i, 300], "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}  # fmt: skip
+    seen, error = 0, False
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", url + "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        return ("error" if error else "done" if seen == tokens else "short"), seen
+                    if line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            error = True
+                        else:
+                            seen = len(event["output_ids"])
+                            if progress is not None:
+                                progress[i] = seen
+    except httpx.TransportError:
+        pass
+    return ("error" if error else "cut"), seen

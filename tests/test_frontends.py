@@ -8,7 +8,6 @@ tests/test_worker_process.py's."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -22,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.scripted import ROOT, free_port
+from tests.scripted import ROOT, count_stream, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,38 +66,13 @@ def _frontends(url: str, want: int = 2, timeout: float = 60) -> dict[int, int]:
     return seen
 
 
-async def _stream(url: str, i: int, progress: list[int] | None = None) -> tuple[str, int]:
-    """("done" | "cut" | "error", tokens seen), on a connection of its own; ``progress[i]``
-    follows the tokens seen."""
-    body = {"input_ids": [100 + i, 200 + i, 300], "stream": True,
-            "sampling_params": {"max_new_tokens": TOKENS, "ignore_eos": True}}  # fmt: skip
-    seen, outcome = 0, "cut"
-    try:
-        async with httpx.AsyncClient(timeout=60) as c:
-            async with c.stream("POST", url + "/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        return ("done" if seen == TOKENS else "short"), seen
-                    if line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            outcome = "error"
-                        else:
-                            seen = len(event["output_ids"])
-                            if progress is not None:
-                                progress[i] = seen
-    except httpx.TransportError:
-        pass
-    return outcome, seen
-
-
 def test_two_frontends_share_the_port_and_survive_each_other() -> None:
     with _launcher("--worker-args", "--step-delay 0.01") as (proc, url):
         pids = _frontends(url)
 
         async def load() -> list[tuple[str, int]]:
             progress = [0] * 24
-            tasks = [asyncio.create_task(_stream(url, i, progress)) for i in range(24)]
+            tasks = [asyncio.create_task(count_stream(url, i, TOKENS, progress)) for i in range(24)]
             deadline = time.monotonic() + 30
             while min(progress) == 0:  # every stream under way
                 assert time.monotonic() < deadline, progress
@@ -124,7 +98,7 @@ def test_two_frontends_share_the_port_and_survive_each_other() -> None:
             time.sleep(0.2)
         assert again[1] == pids[1]  # the other one never stopped
         assert state["kv_blocks_free"] == state["kv_blocks_total"], state
-        assert asyncio.run(_stream(url, 99)) == ("done", TOKENS)
+        assert asyncio.run(count_stream(url, 99, TOKENS)) == ("done", TOKENS)
 
         proc.send_signal(signal.SIGTERM)  # the frontends drain and stop, then the worker
         assert proc.wait(60) == 0

@@ -13,7 +13,6 @@ in a group of their own as a shell would, the scripted worker."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.scripted import ROOT, free_port
+from tests.scripted import ROOT, count_stream, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,33 +74,14 @@ def _group_left(pgid: int) -> list[str]:
     return out
 
 
-async def _stream(url: str, i: int, progress: list[int]) -> tuple[str, int]:
-    body = {"input_ids": [100 + i, 7], "stream": True,
-            "sampling_params": {"max_new_tokens": TOKENS, "ignore_eos": True}}  # fmt: skip
-    seen, outcome = 0, "cut"
-    try:
-        async with httpx.AsyncClient(timeout=60) as c:
-            async with c.stream("POST", url + "/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        return outcome if outcome == "error" else "done", seen
-                    if line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            outcome = "error"
-                        else:
-                            seen = progress[i] = len(event["output_ids"])
-    except httpx.TransportError:
-        pass
-    return outcome, seen
-
-
 def _signal_during_streams(url: str, send: object) -> list[tuple[str, int]]:
     """``STREAMS`` streams; once each is under way, ``send()``; their outcomes."""
 
     async def run() -> list[tuple[str, int]]:
         progress = [0] * STREAMS
-        tasks = [asyncio.create_task(_stream(url, i, progress)) for i in range(STREAMS)]
+        tasks = [
+            asyncio.create_task(count_stream(url, i, TOKENS, progress)) for i in range(STREAMS)
+        ]
         deadline = time.monotonic() + 30
         while min(progress) == 0:
             assert time.monotonic() < deadline, progress

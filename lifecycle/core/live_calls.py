@@ -35,6 +35,7 @@ class LiveCall(Protocol):
 
 
 C = TypeVar("C", bound=LiveCall)
+DEADLINE_CHECK_S = 0.1  # how soon a deadline passed while the owner waits elsewhere is seen
 
 
 class LiveCalls(Generic[C]):
@@ -112,6 +113,15 @@ class LiveCalls(Generic[C]):
                 self._none_left = anyio.Event()
                 await self._none_left.wait()
         return not self._by_record
+
+    async def watch_deadlines(self) -> None:
+        """Forever: end calls whose deadline passed while their owner is blocked outside
+        ``wait`` (a write to a client that does not read), every ``DEADLINE_CHECK_S``, so
+        the worker stops at the deadline and the client gets the 504 error event once it
+        reads again (``GenerateCall.expire_if_overdue``)."""
+        while True:
+            await anyio.sleep(DEADLINE_CHECK_S)
+            self.expire_overdue()
 
     def expire_overdue(self) -> int:
         """End every call whose deadline passed while its owner waits elsewhere (a write

@@ -226,10 +226,8 @@ class Supervisor:
                 raise
             with anyio.move_on_after(_EXIT_WAIT_S):
                 await proc.wait()
-            if proc.returncode == REFUSED_STATUS:
-                raise WorkerRefusedToStart(_REFUSED) from exc
-            if proc.returncode is not None:
-                raise _StartFailed(proc.returncode) from exc
+            if (ended := _start_failure(proc)) is not None:
+                raise ended from exc
             raise
 
     async def _spawn(self, address: str) -> anyio.abc.Process:
@@ -249,10 +247,8 @@ class Supervisor:
         delay = 0.05
         with anyio.fail_after(self.config.hello_timeout):
             while True:
-                if proc is not None and proc.returncode == REFUSED_STATUS:
-                    raise WorkerRefusedToStart(_REFUSED)
-                if proc is not None and proc.returncode is not None:
-                    raise _StartFailed(proc.returncode)
+                if proc is not None and (ended := _start_failure(proc)) is not None:
+                    raise ended
                 try:
                     frames = await connect(addr, tls)
                     self._listening.set()
@@ -330,6 +326,16 @@ class Supervisor:
 
     def info(self) -> dict[str, Any]:
         return supervision_info(self)
+
+
+def _start_failure(proc: anyio.abc.Process) -> OSError | None:
+    """What a spawned worker's exit before HELLO was: a refusal (status 2, never
+    restarted) or another failed start (restarted once); None while it runs."""
+    if proc.returncode is None:
+        return None
+    if proc.returncode == REFUSED_STATUS:
+        return WorkerRefusedToStart(_REFUSED)
+    return _StartFailed(proc.returncode)
 
 
 async def _reap(proc: anyio.abc.Process, grace: float) -> None:
