@@ -41,6 +41,7 @@ class Answer:
     complete: bool = False  # the whole response (or a WebSocket terminal message) arrived
     events: list[Any] = field(default_factory=list)  # SSE data or WebSocket messages
     left: bool = False  # the client left before the end (its own choice)
+    left_at: float | None = None  # when it left, in virtual time (not set by a half-close)
     cut: str | None = None  # how the server ended the connection early, if it did
     retry_after: str | None = None
     close_code: int | None = None  # WebSocket close code from the server
@@ -142,7 +143,7 @@ class HttpClient:
                 body += event.data
                 if leave_after is not None and len(body) >= leave_after:
                     answer.body = bytes(body)
-                    answer.left = True
+                    answer.left, answer.left_at = True, anyio.current_time()
                     return
             elif isinstance(event, h11.EndOfMessage):
                 answer.body = bytes(body)

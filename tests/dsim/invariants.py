@@ -23,6 +23,9 @@
 - ``no_internal``: no answer is a 500 and no record ends ``internal`` (our bug, by the
   cause table's definition), except where a ``frontend.client_write`` fault made the
   handler fail on purpose.
+- ``released``: the worker generates nothing for a request more than ``RELEASE_BOUND``
+  virtual seconds after its client left (closed or reset its connection before the end;
+  a half-close is not leaving): the departure aborts the request (issue 54, point 2).
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ __all__ = ["NAMES", "check"]
 
 NAMES = (
     "quiet", "answered", "honest", "tokens", "aborts", "rids", "no_hang", "worker_kept",
-    "no_internal",
+    "no_internal", "released",
 )  # fmt: skip
+# Virtual seconds the worker may go on generating for a request whose client left: the
+# frontend sees the departure at its next write (a stream) or its connection watch (a
+# unary request), aborts, and the worker drops the request at its next step (a few
+# 2 ms steps). A request that ran on unaborted runs up to 480 tokens, about 1 s.
+RELEASE_BOUND = 0.1
 # Faults that take the worker or its link down: a restart after them is the cure.
 LINK_BREAKERS = frozenset({
     "forward_stall", "fe_send_drop", "fe_recv_corrupt", "worker_send_drop", "worker_recv_corrupt",
@@ -69,6 +77,7 @@ def check(scn: Scenario, world: World, played: Played, plan: FaultPlan) -> list[
         out += _answered(q, a, recs, client_write_cut)
         out += _honest(q, a, recs)
         out += _tokens(q, a, recs)
+        out += _released(q, a, recs, world)
     if not client_write_cut:
         out += _internal(scn, world, played)
     out += _tokens_books(world)
@@ -198,6 +207,22 @@ def _tokens(q: Req, a: Answer, recs: list[RecordLog]) -> list[Violation]:
         want = [q.prompt[i % len(q.prompt)] for i in range(counted)]
         if ids is not None and ids != want:
             out.append(("tokens", f"{q.label}: output_ids {ids} are not the scripted {want}"))
+    return out
+
+
+def _released(q: Req, a: Answer, recs: list[RecordLog], world: World) -> list[Violation]:
+    """Issue 54, point 2: nothing generates for a client that left, beyond a bound."""
+    if a.left_at is None:
+        return []
+    out = []
+    for log in recs:
+        if log.life is None:
+            continue
+        until = max((world.generated_until.get((log.life, rid), 0.0) for rid in log.wire_rids),
+                    default=0.0)  # fmt: skip
+        if until > a.left_at + RELEASE_BOUND:
+            out.append(("released", f"{q.label}: the worker generated for it "
+                                    f"{until - a.left_at:.3f} s after its client left"))  # fmt: skip
     return out
 
 

@@ -38,9 +38,10 @@ KNOWN_LINK = {
         "a lost STEP loses its tokens silently (no sequence numbers, no retransmission)",
     ),
     "lose Abort": KnownFault(
-        frozenset({"aborts"}),
+        frozenset({"aborts", "released"}),
         "a lost ABORT lets an aborted request run to its end after /abort_request answered "
-        "200 (the AUDIT covers lost SUBMITs, not lost ABORTs)",
+        "200, or one whose client left generate on (the AUDIT covers lost SUBMITs, not "
+        "lost ABORTs)",
     ),
 }
 

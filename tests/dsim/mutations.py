@@ -129,6 +129,18 @@ def _abort_ends_internal() -> list[tuple[Any, str, Any]]:
     return [(call_mod.GenerateCall, "_item_ended", item_ended)]
 
 
+def _no_abort_on_close() -> list[tuple[Any, str, Any]]:
+    def close(self: Any, cause: Cause = Cause.INTERNAL, detail: str | None = None) -> None:
+        client, self.client = self.client, None  # the bug: no ABORT for what the worker holds
+        try:
+            real(self, cause, detail)
+        finally:
+            self.client = client
+
+    real = call_mod.GenerateCall.close
+    return [(call_mod.GenerateCall, "close", close)]
+
+
 MUTATIONS = {
     m.name: m
     for m in (
@@ -148,6 +160,9 @@ MUTATIONS = {
         Mutation("no_watchdog", "no_hang", "no hung-worker watchdog and no AUDIT", _no_watchdog),
         Mutation("abort_ends_internal", "no_internal", "an aborted request ends internal",
                  _abort_ends_internal),
+        Mutation("no_abort_on_close", "released",
+                 "a call that closes (its client gone) sends the worker no ABORT",
+                 _no_abort_on_close),
     )
 }  # fmt: skip
 

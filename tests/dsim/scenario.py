@@ -33,6 +33,10 @@ FAULTS = (
     "fe_recv_corrupt", "worker_send_drop", "worker_recv_corrupt", "client_write_drop",
     "lose_frame", "dup_frame",
 )  # fmt: skip
+# A request whose client leaves before its end is this many times longer (at most 480
+# tokens, about 1 virtual second of worker steps, within the worker's 512-token context):
+# it runs on after the departure unless the departure aborts it (the ``released`` check).
+LONG = 80
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven")
 PATHS = {
     "native": "/generate",
@@ -131,12 +135,17 @@ def draw(seed: int) -> Scenario:
             behaviour = r.choice(BEHAVIOURS)
             over = "" if ws or r.random() > 0.06 else r.choice(("body", "context"))
             plen = r.randint(1, 6)
+            label = next(labels)
+            stream = ws or (face in STREAMING and r.random() < 0.5)
+            max_new = r.randint(1, 6)
+            if behaviour == "leave" or (stream and behaviour in ("leave_mid", "reset_mid")):
+                max_new *= LONG  # it outlives its client's departure unless it is aborted
             reqs.append(
                 Req(
-                    label=next(labels),
+                    label=label,
                     face=face,
-                    stream=ws or (face in STREAMING and r.random() < 0.5),
-                    max_new=r.randint(1, 6),
+                    stream=stream,
+                    max_new=max_new,
                     prompt=tuple(r.randint(10, 4000) for _ in range(plen)),
                     text=" ".join(r.choice(WORDS) for _ in range(plen)),
                     oversized=over,
@@ -246,7 +255,7 @@ async def _play_http(end: Any, conn: Conn, out: Played, chunk: int, pause: float
                 with anyio.move_on_after(q.leave_at):
                     await client.read_response(answer, "POST")
                 if not answer.complete:
-                    answer.left = True
+                    answer.left, answer.left_at = True, anyio.current_time()
                     await end.aclose()
                     return
                 continue
@@ -296,7 +305,7 @@ async def _play_ws(end: Any, conn: Conn, out: Played, chunk: int, pause: float) 
         for q in conn.reqs:  # left: what had not ended is the client's doing
             a = out.answers[q.label]
             if not a.complete:
-                a.left = True
+                a.left, a.left_at = True, anyio.current_time()
         if "reset_mid" in kinds:
             end.reset()
     finally:

@@ -97,7 +97,10 @@ class SimWorker(ScriptedWorker):
             w = self.world
             for e in frame.entries:
                 key = (self.life, e.rid)
-                w.generated[key] += len(wire.ids_to_list(e.new_ids))
+                made = len(wire.ids_to_list(e.new_ids))
+                w.generated[key] += made
+                if made:
+                    w.generated_until[key] = anyio.current_time()
                 if e.finish is not None:
                     w.finished_at[key] = w.tick()
         return frame
@@ -223,7 +226,9 @@ class _Observer:
         log.edges.append((w.now(), entry[2].value, shown))
         if entry[2] in TERMINAL:
             log.terminals += 1
-            log.life, log.wire_rids = w.where(rec)
+        life, wire_rids = w.where(rec)
+        if life is not None:  # the latest worker life that held it, kept past its close
+            log.life, log.wire_rids = life, wire_rids
 
     def released(self, rec: RequestRecord) -> None:
         pass
@@ -268,6 +273,8 @@ class World:
         )
         self._seq = itertools.count(1)
         self.generated: dict[tuple[int, int], int] = defaultdict(int)
+        # (life, wire rid) -> the virtual time of its last generated token
+        self.generated_until: dict[tuple[int, int], float] = {}
         self.finished_at: dict[tuple[int, int], int] = {}
         self.records: dict[int, RecordLog] = {}
         self.scenario_records: dict[int, RecordLog] = {}  # records made by the scenario's clients
