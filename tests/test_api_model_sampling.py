@@ -160,6 +160,7 @@ def test_batch_and_n_on_the_real_model(model_server: str, greedy: list[int]) -> 
         ({"presence_penalty": -3}, "presence_penalty must be in [-2, 2], got -3."),
         ({"max_new_tokens": -1}, "max_new_tokens must be at least 0, got -1."),
         ({"logit_bias": {"99999": 1.0}}, "logit_bias must has keys in [0, 49151], got 99999."),
+        ({"no_such_key": 1}, "Unknown sampling parameter: 'no_such_key'."),
     ],
 )
 def test_validation_rules_answer_400(model_server: str, sp: dict[str, Any], message: str) -> None:

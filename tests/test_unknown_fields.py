@@ -1,6 +1,7 @@
 """Unknown body fields (issue 40): accepted and ignored by default, logged once per field
 and counted in ``lifecycle_unknown_fields_total``; ``--strict-fields`` refuses them with
-the 400 each API has always given. A real server process with the scripted worker."""
+the 400 each API has always given. Inside ``sampling_params`` an unknown key is a 400
+either way (issue 56, point 5). A real server process with the scripted worker."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("/generate", {"text": "hi", "cache_prompt": True}, "/generate.cache_prompt",
      "Unknown field in the request body: 'cache_prompt'."),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "mirostat": 0}},
-     "sampling_params.mirostat", "Unknown sampling parameter: 'mirostat'."),
     ("/v1/chat/completions", {**CHAT, "prompt_cache_key": "k", "safety_identifier": "u1"},
      "/v1/chat/completions.prompt_cache_key",
      "Unrecognized request argument supplied: prompt_cache_key"),
@@ -82,6 +81,19 @@ def test_known_but_unsupported_fields_stay_400(lenient: LiveServer) -> None:
     assert r.status_code == 400 and "suffix" in _error_message(r)
     r = httpx.post(lenient.url + "/encode", json={"text": "hi", "stream": True})
     assert r.status_code == 400 and "stream" in _error_message(r)
+
+
+def test_an_unknown_sampling_key_is_400_without_strict_fields(lenient: LiveServer) -> None:
+    """Issue 56, point 5: inside ``sampling_params`` every key changes the output, so an
+    unknown one is refused (as SGLang refuses it), never counted and ignored."""
+    for sp, message in [
+        ({"max_new_tokens": 2, "mirostat": 0}, "Unknown sampling parameter: 'mirostat'."),
+        ({"max_new_token": 8}, "Unknown sampling parameter: 'max_new_token'. "
+                               "Did you mean 'max_new_tokens'?"),
+    ]:  # fmt: skip
+        r = httpx.post(lenient.url + "/generate", json={"text": "hi", "sampling_params": sp})
+        assert r.status_code == 400 and _error_message(r) == message, r.text
+    assert not any(k.startswith("sampling_params.") for k in _unknown_counts(lenient))
 
 
 def test_strict_fields_refuses_every_unknown_field() -> None:

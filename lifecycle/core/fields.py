@@ -7,19 +7,21 @@ once per field name (where it was seen, and that ``--strict-fields`` refuses it)
 counted (``lifecycle_unknown_fields_total``). With ``--strict-fields`` every unknown
 field is a 400 naming it, as before. A field we know and do not implement, whose effect
 on the output would be lost, is always a 400 (each parser's own unsupported list): this
-policy is only for names nobody here knows.
+policy is only for names nobody here knows. It is not for the keys of native
+``sampling_params`` either: every one of those changes the output, so an unknown one is
+a 400 naming it, as SGLang refuses it (``lifecycle.core.sampling``; issue 56, point 5).
 
 The names are the client's choice, so nothing they grow is left to it (issue 54, point
 11: 200,000 invented names made 200,000 series, 30.8 MB of /metrics and 200,000 log
 lines). Only the first ``NAMES_KEPT`` distinct names of at most ``NAME_CHARS``
 characters are counted and logged by name; any other is counted under
-``<where>.(other)`` (``where`` is ours: a route or ``sampling_params``) and the log says
+``<where>.(other)`` (``where`` is ours: a route) and the log says
 how many such fields it ignored in one line at most every ``SUMMARY_EVERY_S`` seconds.
 So the counter holds at most ``NAMES_KEPT`` + one key per ``where`` and the log at most
 ``NAMES_KEPT`` lines plus one per interval, whatever the clients send.
 
 One policy per process (``install``), set by the ``Runtime`` from its options, read by
-every parser: the native body and its ``sampling_params``, the OpenAI bodies,
+every parser: the native body, the OpenAI bodies,
 ``/encode``, ``/v1/embeddings``, ``/v1/responses`` and ``/v1/score``.
 """
 
@@ -68,7 +70,7 @@ class UnknownFields:
 
     def accept(self, where: str, name: str) -> bool:
         """Whether a request may go on with unknown field ``name`` of ``where`` (a
-        route's body, or ``sampling_params``); True means it is ignored."""
+        route's body); True means it is ignored."""
         if self.strict:
             return False
         key = f"{where}.{name}"

@@ -6,7 +6,11 @@ The rules and their order follow SGLang's ``SamplingParams.__post_init__`` and
 top_k 1), ``top_k == -1`` means the whole vocabulary, and every range error reads
 ``"<name> must be in [..], got <v>."`` with the value as the client sent it. Where SGLang
 would fail with a TypeError (a 500), we answer 400 with a clear message instead: unknown
-keys, wrong JSON types, and fields this server does not implement. So do the few limits
+keys, wrong JSON types, and fields this server does not implement. An unknown key is a
+400 whatever ``--strict-fields`` says (issue 56, point 5): SGLang's ``SamplingParams``
+takes no unknown keyword, and every key here changes the output, so a typo
+(``max_new_token``) must not generate with the default instead. The bodies around
+``sampling_params`` stay lenient (``lifecycle.core.fields``). So do the few limits
 the worker has and SGLang lacks (``n``, stop ids and logit bias inside the vocabulary and
 range), so that nothing accepted here is refused by the worker.
 
@@ -17,13 +21,13 @@ detokenizer's options).
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lifecycle.core.errors import RequestError
-from lifecycle.core.fields import accept_unknown
 from wire.grammar import check_grammar
 from wire.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -36,7 +40,13 @@ from wire.sampling import (
     check_stop_regex,
 )
 
-__all__ = ["FIELDS", "GRAMMAR_FIELDS", "SamplingRequest", "parse_sampling_params"]
+__all__ = [
+    "FIELDS",
+    "GRAMMAR_FIELDS",
+    "SamplingRequest",
+    "parse_sampling_params",
+    "unknown_key_message",
+]
 
 _INT64 = 1 << 63
 
@@ -230,10 +240,18 @@ FIELDS = (
 KNOWN = frozenset(FIELDS + ("sampling_seed", *UNSUPPORTED, *IGNORED))
 
 
+def unknown_key_message(key: str) -> str:
+    """The 400's message for a key ``sampling_params`` does not have: it names the key,
+    and the known one it is closest to when there is one (a typo)."""
+    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.75)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"Unknown sampling parameter: {key!r}.{hint}"
+
+
 def _check_fields(obj: dict[str, Any]) -> None:
     for key in obj:
-        if key not in KNOWN and not accept_unknown("sampling_params", key):
-            raise _bad(f"Unknown sampling parameter: {key!r}.")
+        if key not in KNOWN:
+            raise _bad(unknown_key_message(key))
     grammars = [obj.get(k) for k in GRAMMAR_FIELDS]
     if sum(g is not None for g in grammars) > 1:
         raise _bad("Only one of regex, json_schema, or ebnf can be set.")
