@@ -16,6 +16,7 @@ import anyio
 import anyio.abc
 
 from lifecycle.api.access_log import AccessLog
+from lifecycle.api.anthropic import AnthropicAPI
 from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
@@ -262,6 +263,7 @@ def _routes(
     reasoning = openai.reasoning.name if openai.reasoning is not None else None
     api.parsers = (reasoning, openai.tool_format.name or None)
     ResponsesAPI(openai).install(router)
+    AnthropicAPI(openai).install(router)
     ScoreAPI(frontend, served).install(router)
     EmbeddingsAPI(
         frontend, model_id=served, model_names=openai.model_names, strict_model=strict

@@ -18,6 +18,7 @@ from .responses import (
 )
 from .routing import Handler, Router
 from .server import Server, run, serve
+from .sse import SSEEvent
 from .websocket import WebSocket, WebSocketClosed
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Request",
     "Response",
     "Router",
+    "SSEEvent",
     "SSEResponse",
     "Server",
     "ServerConfig",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
+    from .sse import SSEEvent
     from .websocket import WebSocket
 
 __all__ = [
@@ -71,7 +72,8 @@ class StreamResponse(Response):
 
 
 class SSEResponse(StreamResponse):
-    """Server-Sent Events: each item is one event's data payload (str or bytes).
+    """Server-Sent Events: each item is one event's data payload (str or bytes), or an
+    ``SSEEvent`` (a payload with an event type).
 
     The writer frames items (``data: ...\\n\\n``), sends ``: ping`` comments when the
     stream is idle for ``ServerConfig.sse_ping_interval``, and closes the producer with
@@ -82,7 +84,7 @@ class SSEResponse(StreamResponse):
 
     def __init__(
         self,
-        events: AsyncIterable[bytes | str],
+        events: AsyncIterable[bytes | str | SSEEvent],
         status: int = 200,
         headers: HeaderList = None,
     ) -> None:

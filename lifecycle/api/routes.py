@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from lifecycle.api.access_log import AccessLog
+from lifecycle.api.anthropic_params import ANTHROPIC_ROUTES, anthropic_reply
 from lifecycle.api.auth import Auth
 from lifecycle.core.call import reject
 from lifecycle.core.origin import (
@@ -63,6 +64,7 @@ GENERATION_ROUTES = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/responses",
+        "/v1/messages",
         "/v1/embeddings",
         "/encode",
         "/v1/score",
@@ -106,6 +108,8 @@ class AppRouter(Router):
             if ex is not None:
                 ex.route = route
             denied = self.auth.check_route(request, route)
+            if denied is not None and route in ANTHROPIC_ROUTES:
+                denied = anthropic_reply(denied)  # Anthropic's clients read its envelope
             if denied is not None:
                 self._observe(route, request, denied.status)
                 if generation:

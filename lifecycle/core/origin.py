@@ -105,6 +105,6 @@ EXCHANGE: ContextVar[Exchange | None] = ContextVar("lifecycle_exchange", default
 
 def current_request_id() -> str:
     """The request id of the exchange being handled, else a new one (the response ids
-    ``chatcmpl-{id}``, ``cmpl-{id}``, ``resp_{id}`` are made from it)."""
+    ``chatcmpl-{id}``, ``cmpl-{id}``, ``resp_{id}``, ``msg_{id}`` are made from it)."""
     ex = EXCHANGE.get()
     return ex.id if ex is not None else new_request_id()

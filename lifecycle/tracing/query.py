@@ -97,15 +97,15 @@ def filter_traces(
 
 
 # The reply ids made from a request id (docs/api.md, "Request ids").
-_REPLY_PREFIXES = ("chatcmpl-", "cmpl-", "resp_")
+_REPLY_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
 _SAMPLE = re.compile(r"^(.+)_\d+$")
 
 
 def key_candidates(key: str) -> list[str]:
     """What ``key`` may name, most exact first: itself (an internal id, a client rid, a
-    request id); a reply id's request id (``chatcmpl-X``, ``cmpl-X``, ``resp_X`` -> ``X``);
-    the request of a sample's ``meta_info.id`` (``X_1`` -> ``X``, n > 1); the first
-    prompt of a batch named ``X`` (``X_0``)."""
+    request id); a reply id's request id (``chatcmpl-X``, ``cmpl-X``, ``resp_X``,
+    ``msg_X`` -> ``X``); the request of a sample's ``meta_info.id`` (``X_1`` -> ``X``,
+    n > 1); the first prompt of a batch named ``X`` (``X_0``)."""
     out = [key]
     for prefix in _REPLY_PREFIXES:
         if key.startswith(prefix) and len(key) > len(prefix):
