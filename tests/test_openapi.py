@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from lifecycle.api.anthropic import AnthropicAPI
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
 from lifecycle.api.native import NativeAPI
@@ -39,6 +40,7 @@ def test_every_installed_route_is_specified() -> None:
     OpenAIAPI.install(OpenAIAPI.__new__(OpenAIAPI), recorder)  # type: ignore[arg-type]
     EmbeddingsAPI.install(EmbeddingsAPI.__new__(EmbeddingsAPI), recorder)  # type: ignore[arg-type]
     ResponsesAPI.install(ResponsesAPI.__new__(ResponsesAPI), recorder)  # type: ignore[arg-type]
+    AnthropicAPI.install(AnthropicAPI.__new__(AnthropicAPI), recorder)  # type: ignore[arg-type]
     ScoreAPI.install(ScoreAPI.__new__(ScoreAPI), recorder)  # type: ignore[arg-type]
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     install_metrics(recorder, Metrics.__new__(Metrics))  # type: ignore[arg-type]

@@ -112,6 +112,10 @@ def messages_chat_body(body: Any, *, count: bool = False) -> dict[str, Any]:
     chat: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
     if messages[-1]["role"] == "assistant":
         chat["continue_final_message"] = True  # a prefill: the reply continues it
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list)
+                              or not all(isinstance(x, str) for x in stops)):  # fmt: skip
+        raise _bad("stop_sequences: must be a list of strings")
     for key, name in _SAME.items():
         if body.get(key) is not None:
             chat[name] = body[key]
