@@ -5,7 +5,8 @@ OpenAI fields are renamed onto SGLang's ``sampling_params`` and checked by the s
 what exists in OpenAI alone (``max_tokens``, ``logprobs``, ``echo``, ``messages``,
 ``stream_options``) is checked here, the tool fields by ``tool_params``. Errors carry
 OpenAI's shape (``param`` names the OpenAI field) and status: 400 for bad input, 404
-``model_not_found``.
+``model_not_found``; beside it, SGLang's flat ``ErrorResponse`` fields, so that the
+clients of both read them (``OpenAIError.body``, the one place they are written).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
 from modelfile.chat import RESERVED_VARIABLES
 
-__all__ = ["OpenAIError", "OpenAIRequest", "chat_messages", "parse_chat", "parse_completion"]
+__all__ = [
+    "OpenAIError",
+    "OpenAIRequest",
+    "chat_messages",
+    "parse_chat",
+    "parse_completion",
+    "sglang_error_type",
+]
 
 COMPLETION_MAX_TOKENS = 16  # SGLang's CompletionRequest default; chat: up to the context
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs; used for completions too
@@ -74,8 +82,32 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
 
+# SGLang's ``ErrorResponse.type`` by status: the reason phrase in CamelCase ending in
+# ``Error``, as its handlers name them (``create_error_response``'s default
+# ``BadRequestError``, ``NotFoundError`` for an unknown model, ``InternalServerError``,
+# ``ServiceUnavailableError``). Spelled out: Python's phrases change between versions.
+_SGLANG_TYPES = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    403: "ForbiddenError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def sglang_error_type(status: int) -> str:
+    """SGLang's ``ErrorResponse.type`` for an error of ``status``."""
+    default = "BadRequestError" if status < 500 else "InternalServerError"
+    return _SGLANG_TYPES.get(status, default)
+
+
 class OpenAIError(Exception):
-    """A request that ends before generation, with OpenAI's error body."""
+    """A request that ends before generation, with the error body of the OpenAI routes."""
 
     def __init__(
         self,
@@ -92,13 +124,22 @@ class OpenAIError(Exception):
         self.err_type = err_type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's nested ``error`` object (what the official SDKs read) beside SGLang's
+        flat ``ErrorResponse`` (``object: "error"``, ``message``, ``type`` as SGLang
+        names it, ``param``, ``code``: the status), which SGLang's clients and tests read
+        (issue 56, point 6). Unary replies and stream error events alike."""
         return {
+            "object": "error",
+            "message": self.message,
+            "type": sglang_error_type(self.status),
+            "param": self.param,
+            "code": self.status,
             "error": {
                 "message": self.message,
                 "type": self.err_type,
                 "param": self.param,
                 "code": self.code,
-            }
+            },
         }
 
     @classmethod
