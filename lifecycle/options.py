@@ -176,9 +176,10 @@ OPTIONS: tuple[Option, ...] = (
     ),  # fmt: skip
     _o(
         "tool_call_parser",
-        "the tool-call format read from replies and forced by tool_choice: hermes (qwen, "
-        "qwen25), llama3, mistral, deepseek (deepseekv3, deepseekv31) (default: the one "
-        "the chat template writes, else hermes)",
+        "the tool-call format read from replies and forced by tool_choice (SGLang's names): "
+        "qwen25 (qwen, hermes), llama3, pythonic (llama4), mistral, deepseekv3 (deepseek), "
+        "deepseekv31, qwen3_coder, glm45 (glm), kimi_k2, phi4_mini_json (default: the one "
+        "the chat template writes, else qwen25)",
         _MODEL,
         type=lambda name: _known("tools", name),
     ),  # fmt: skip

@@ -30,7 +30,7 @@ def _ds(name: str, args: dict[str, Any]) -> str:
 
 # (format, the model's text, the content, the calls as (name, arguments object))
 CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
-    ("hermes", "Sure.\n<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": PARIS})
+    ("qwen25", "Sure.\n<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": PARIS})
      + "\n</tool_call>\n<tool_call>\n" + json.dumps({"name": "add", "arguments": SUM})
      + "\n</tool_call>", "Sure.", [("get_weather", PARIS), ("add", SUM)]),
     ("llama3", json.dumps({"name": "get_weather", "parameters": PARIS}), None,
@@ -50,11 +50,11 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("mistral", "[TOOL_CALLS]add[CALL_ID]abc123XYZ[ARGS]" + json.dumps(SUM), None,
      [("add", SUM)]),
     ("mistral", "Use [brackets] freely.", "Use [brackets] freely.", []),
-    ("deepseek", "Let me look." + DS_B + _ds("get_weather", PARIS) + "\n" + _ds("add", SUM)
+    ("deepseekv3", "Let me look." + DS_B + _ds("get_weather", PARIS) + "\n" + _ds("add", SUM)
      + DS_E, "Let me look.", [("get_weather", PARIS), ("add", SUM)]),
-    ("deepseek", DS_B + DS_CB + "add" + DS_SEP + json.dumps(SUM) + DS_CE + DS_E, None,
+    ("deepseekv3", DS_B + DS_CB + "add" + DS_SEP + json.dumps(SUM) + DS_CE + DS_E, None,
      [("add", SUM)]),
-    ("hermes", "<tool_call>\n{not json}\n</tool_call> then", "<tool_call>\n{not json}\n"
+    ("qwen25", "<tool_call>\n{not json}\n</tool_call> then", "<tool_call>\n{not json}\n"
      "</tool_call> then", []),
     ("mistral", "[TOOL_CALLS]nope[ARGS]{}", "[TOOL_CALLS]nope[ARGS]{}", []),
 ]  # fmt: skip
@@ -99,29 +99,34 @@ def test_a_call_cut_by_the_length_limit_leaves_no_markup(
     fmt: str, text: str, content: str | None, calls: list
 ) -> None:
     """Every prefix of a text with calls, read as cut by ``max_tokens``: the content is
-    a prefix of the whole text's content (no markup of the cut call), the calls a prefix
-    of its calls."""
+    a prefix of the whole text's content (no markup of the cut call), the calls those of
+    the whole text, the last one's arguments as far as they were written (as OpenAI's)."""
     for cut in range(len(text)):
         got_content, got_calls = _stream(fmt, [text[:cut]], truncated=True)
         assert (content or "").startswith((got_content or "").rstrip()), (cut, got_content)
-        assert _calls(got_calls) == calls[: len(got_calls)], cut
+        whole = parse_tool_calls(text, NAMES, tool_format(fmt))[1]
+        for got, want in zip(got_calls, whole, strict=False):
+            assert got["function"]["name"] == want["function"]["name"], cut
+            assert want["function"]["arguments"].startswith(got["function"]["arguments"]), cut
 
 
 def test_hermes_block_missing_only_its_closer_is_a_call_when_the_model_stopped() -> None:
     text = "<tool_call>\n" + json.dumps({"name": "add", "arguments": SUM}) + "\n"
     assert _calls(parse_tool_calls(text, NAMES)[1]) == [("add", SUM)]
-    assert parse_tool_calls(text[:-5], NAMES, truncated=True) == (None, [])
+    content, calls = parse_tool_calls(text[:-5], NAMES, truncated=True)
+    # a call begun when the limit cut it is kept, its arguments as far as written
+    assert (content, calls[0]["function"]) == (None, {"name": "add", "arguments": '{"a": 1, "b": '})
 
 
 @pytest.mark.parametrize(
     ("source", "name"),
     [
-        ("{{ '<tool_call>' }}{{ tools }}", "hermes"),
+        ("{{ '<tool_call>' }}{{ tools }}", "qwen25"),
         ("{{ '<|python_tag|>' }}{% if tools %}ipython{% endif %}", "llama3"),
         ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]", "mistral"),
-        ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}{{ tools }}", "deepseek"),
-        ("{{ messages }}", "hermes"),
-        (None, "hermes"),
+        ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}{{ tools }}", "deepseekv31"),
+        ("{{ messages }}", "qwen25"),
+        (None, "qwen25"),
     ],
 )
 def test_the_format_is_detected_from_the_template(source: str | None, name: str) -> None:
@@ -129,8 +134,10 @@ def test_the_format_is_detected_from_the_template(source: str | None, name: str)
 
 
 def test_sglang_names_and_unknown_names() -> None:
-    assert tool_format("qwen25").name == "hermes"
-    assert tool_format("deepseekv31").name == "deepseek"
+    assert tool_format("hermes").name == tool_format("qwen").name == "qwen25"
+    assert tool_format("deepseek").name == "deepseekv3"
+    assert tool_format("llama4").name == "pythonic"
+    assert tool_format("glm").name == "glm45"
     with pytest.raises(ValueError, match="unknown tool-call parser 'x'.*mistral"):
         tool_format("x")
 
@@ -144,8 +151,9 @@ def test_forcing_grammar_follows_the_family(fmt: str, choice: str) -> None:
     fam = tool_format(fmt)
     grammar = tool_grammar(spec, fam)
     calls = [("add", SUM)] if choice == "function" else [("get_weather", PARIS), ("add", SUM)]
-    body = fam.separator.join(fam.write(n, json.dumps(a)) for n, a in calls)
+    body = fam.separator.join(fam.write(n, a) for n, a in calls)
     text = fam.prefix + body + fam.suffix
-    assert _calls(parse_tool_calls(text, NAMES, fam)[1]) == calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert _calls(parse_tool_calls(text, NAMES, fam, schemas=schemas)[1]) == calls
     assert _accepts(grammar, text)
     assert not _accepts(grammar, body if fam.prefix else "Sure. " + text)

@@ -218,6 +218,7 @@ class OpenAIAPI:
                 echo=echo[i],
                 tools=tools,
                 tool_format=self.tool_format,
+                tool_schemas=oreq.tools.schemas if oreq.tools is not None else None,
                 reasoning=self.reasoning if oreq.chat else None,
                 separate_reasoning=oreq.separate_reasoning,
             )  # fmt: skip

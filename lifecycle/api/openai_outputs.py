@@ -7,7 +7,8 @@ token's decoded text; a token that is part of a multi-byte character reads
 ``bytes:\\xNN`` as OpenAI writes it, and ``bytes`` always holds the exact UTF-8 bytes.
 A chat choice with tools reads its text for tool calls (``tools.py``, in the family's
 format): ``message.tool_calls`` and ``finish_reason`` ``tool_calls`` in a reply,
-``delta.tool_calls`` chunks in a stream. With a reasoning format (``reasoning.py``) the
+``delta.tool_calls`` chunks in a stream (a call's head as it begins, then its
+``arguments`` in fragments as they are written). With a reasoning format (``reasoning.py``) the
 reasoning is split out first, as ``message.reasoning_content`` / ``delta.reasoning_content``,
 and only the rest is read for calls.
 """
@@ -19,8 +20,8 @@ import time
 from typing import Any
 
 from lifecycle.chat.reasoning import ReasoningFormat, ReasoningSplitter
-from lifecycle.chat.tool_formats import ToolFormat
-from lifecycle.chat.tools import ToolCallParser
+from lifecycle.chat.tool_formats import Schemas, ToolFormat
+from lifecycle.chat.tools import ToolCallParser, stream_deltas, whole_deltas
 from lifecycle.core.detok import TokenizerLike
 from lifecycle.core.origin import current_request_id
 from lifecycle.core.outputs import SampleOutput
@@ -113,6 +114,7 @@ class ChoiceState:
         echo: str,
         tools: frozenset[str] | None = None,
         tool_format: ToolFormat | None = None,
+        tool_schemas: Schemas | None = None,
         reasoning: ReasoningFormat | None = None,
         separate_reasoning: bool = True,
     ) -> None:
@@ -125,7 +127,9 @@ class ChoiceState:
         self.started = False
         self.tools = tools  # chat: the tool names whose calls the text is read for
         self.tool_format = tool_format
-        self.parser = ToolCallParser(tools, tool_format) if tools is not None else None
+        self.parser = (
+            ToolCallParser(tools, tool_format, tool_schemas) if tools is not None else None
+        )
         # reasoning: the format (counted always), split out unless the request said not to;
         # whether the prompt opened it is the request core's reading (OutputOptions)
         self.reasoning = reasoning
@@ -216,9 +220,11 @@ class ChoiceState:
         text = self.echo + res["text"]
         return {"index": self.index, "text": text, "logprobs": lp, **self._tail()}
 
-    def deltas(self, text: str, ended: bool) -> list[dict[str, Any]]:
+    def deltas(self, text: str, ended: bool, streamed: bool = False) -> list[dict[str, Any]]:
         """The chat deltas ``text`` lets out (``ended``: it is the last of the output):
-        reasoning first split out, the rest read for calls."""
+        reasoning first split out, the rest read for calls (``streamed``: each call's
+        arguments as they are written, else whole when the call ends)."""
+        render = stream_deltas if streamed else whole_deltas
         pieces = [("content", text)] if self.splitter is None else self.splitter.feed(text)
         if ended and self.splitter is not None:
             pieces += self.splitter.finish()
@@ -227,11 +233,11 @@ class ChoiceState:
             if kind == "reasoning":
                 out.append({"reasoning_content": piece})
             elif self.parser is not None:
-                out += self.parser.feed(piece)
+                out += render(self.parser.read(piece))
             elif piece:
                 out.append({"content": piece})
         if ended and self.parser is not None:
-            out += self.parser.finish(finish_reason(self.sample.finish) == "length")
+            out += render(self.parser.close(finish_reason(self.sample.finish) == "length"))
         return out
 
     def reasoning_tokens(self) -> int:
@@ -273,7 +279,7 @@ class ChoiceState:
         ended = self.sample.finish is not None
         self.started = True
         lp = self.logprobs(frame["meta_info"], False)
-        deltas = self.deltas(frame["text"], ended)
+        deltas = self.deltas(frame["text"], ended, streamed=True)
         if not deltas and (ended or (lp is not None and lp["content"])):
             deltas = [{}]
         out = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}

@@ -92,9 +92,17 @@ def chat_body(body: Any) -> dict[str, Any]:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if _effort(body) is not None:  # chat's reasoning_effort: the template's variables
+        chat["reasoning_effort"] = _effort(body)
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
+
+
+def _effort(body: dict[str, Any]) -> Any:
+    """``reasoning.effort``, the Responses API's name for chat's ``reasoning_effort``."""
+    reasoning = body.get("reasoning")
+    return reasoning.get("effort") if isinstance(reasoning, dict) else None
 
 
 def _format(fmt: Any) -> dict[str, Any] | None:
@@ -211,6 +219,7 @@ class ResponsesAPI:
                 return refused
             choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
                                  tools=tools, tool_format=o.tool_format,
+                                 tool_schemas=oreq.tools.schemas if oreq.tools else None,
                                  reasoning=o.reasoning)  # fmt: skip
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
@@ -472,7 +481,7 @@ class _Reply:
             "metadata": b.get("metadata") or {},
             "user": b.get("user"),
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": _effort(b), "summary": None},
             "error": None,
             "incomplete_details": None,
             "usage": None,

@@ -6,19 +6,19 @@ turns them into OpenAI's 400. ``tool_choice`` ``"none"`` (the default without to
 means the request runs as if it had no tools: they are not rendered and the output is not
 parsed. ``"required"`` and a named function set a Lark grammar (``wire.grammar``) that
 admits only calls in the format of ``tools.py``, each call's arguments matching its
-function's ``parameters`` schema (embedded with ``%json``), in the family's format
-(``tool_formats``: Hermes' by default); ``"auto"`` constrains nothing.
+function's ``parameters`` schema (embedded with ``%json``, or each value's where a format tags them), in the family's
+format (``tool_formats``: Qwen2.5's by default); ``"auto"`` constrains nothing.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from lifecycle.chat.formats.base import lark_string
 from lifecycle.chat.tool_formats import TOOL_FORMATS, ToolFormat
-from wire.grammar import JSON_SEPARATORS, check_grammar
+from wire.grammar import check_grammar
 
 __all__ = [
     "ToolParamError",
@@ -31,12 +31,6 @@ __all__ = [
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-# The arguments JSON written exactly as json.dumps writes it, as for response_format.
-_COMPACT = {
-    "whitespace_flexible": False,
-    "item_separator": JSON_SEPARATORS[0],
-    "key_separator": JSON_SEPARATORS[1],
-}
 _CHOICE_SHAPE = (
     "tool_choice must be 'none', 'auto', 'required' or "
     '{"type": "function", "function": {"name": "..."}}.'
@@ -63,6 +57,11 @@ class ToolSpec:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools)
+
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each tool's parameters schema by its name (how tagged formats type values)."""
+        return {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
 
     @property
     def forced(self) -> bool:
@@ -149,17 +148,9 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
     return ToolSpec(tools, choice, name, parallel is not False)
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal has JSON's escapes
-
-
 def _call_rule(tool: dict[str, Any], fmt: ToolFormat) -> str:
-    """One call of ``tool``: its fixed text around ``%json`` of its parameters (kept as
-    the root of their own schema, so its ``$ref``s resolve)."""
-    fn = tool["function"]
-    schema = {"type": "object", **fn["parameters"], "x-guidance": _COMPACT}
-    head, tail = fmt.call_parts(fn["name"])
-    return f"{_lark_string(head)} %json {json.dumps(schema)} {_lark_string(tail)}"
+    """One call of ``tool`` in ``fmt``'s format."""
+    return fmt.call_rule(tool["function"]["name"], tool["function"]["parameters"])
 
 
 def tool_grammar(spec: ToolSpec, fmt: ToolFormat | None = None) -> str:
@@ -167,14 +158,14 @@ def tool_grammar(spec: ToolSpec, fmt: ToolFormat | None = None) -> str:
     one call or more of any tool, one when ``parallel_tool_calls`` is false; a named
     function: exactly one call of it), checked by llguidance; ``ToolParamError`` says what
     it found wrong (a parameters schema it cannot compile)."""
-    fmt = fmt or TOOL_FORMATS["hermes"]
+    fmt = fmt or TOOL_FORMATS["qwen25"]
     if spec.choice == "function":
         tools = tuple(t for t in spec.tools if t["function"]["name"] == spec.name)
         calls = "call"
     else:
         tools = spec.tools
-        calls = "call" if not spec.parallel else f"call ({_lark_string(fmt.separator)} call)*"
-    ends = [_lark_string(x) for x in (fmt.prefix, fmt.suffix)]
+        calls = "call" if not spec.parallel else f"call ({lark_string(fmt.separator)} call)*"
+    ends = [lark_string(x) for x in (fmt.prefix, fmt.suffix)]
     start = "start: " + " ".join([ends[0], calls, ends[1]] if fmt.prefix else [calls])
     rules = [f"call_{i}: {_call_rule(t, fmt)}" for i, t in enumerate(tools)]
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from dataclasses import dataclass
 from typing import Any
 
 from lifecycle.chat.tool_formats import (
@@ -38,6 +39,7 @@ from lifecycle.chat.tool_formats import (
     TOOL_CALL_OPEN,
     TOOL_FORMATS,
     WHITESPACE,
+    Schemas,
     Take,
     ToolFormat,
 )
@@ -48,9 +50,16 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "TOOL_RESPONSE_CLOSE",
     "TOOL_RESPONSE_OPEN",
+    "ArgumentsText",
+    "CallEnd",
+    "CallStart",
+    "ContentText",
     "ToolCallParser",
+    "ToolEvent",
     "call_id",
     "parse_tool_calls",
+    "stream_deltas",
+    "whole_deltas",
 ]
 
 TOOL_RESPONSE_OPEN = "<tool_response>"
@@ -83,13 +92,53 @@ def _call(name: str, args: Any, names: frozenset[str], id_chars: int = 0) -> dic
     }
 
 
-class ToolCallParser:
-    """One choice's text, fed in pieces; ``feed`` and ``finish`` return the OpenAI
-    ``delta`` objects to send (``{"content": ...}`` or ``{"tool_calls": [...]}``)."""
+@dataclass(frozen=True, slots=True)
+class ContentText:
+    """Content known not to be a call."""
 
-    def __init__(self, names: frozenset[str], fmt: ToolFormat | None = None) -> None:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A call begins: its index among the choice's calls, its id and its name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentsText:
+    """The next fragment of a begun call's arguments (JSON text)."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    """A call is complete: ``call`` is it whole, in OpenAI's shape."""
+
+    index: int
+    call: dict[str, Any]
+
+
+ToolEvent = ContentText | CallStart | ArgumentsText | CallEnd
+
+
+class ToolCallParser:
+    """One choice's text, fed in pieces. ``read`` and ``close`` return ``ToolEvent``s (a
+    call's arguments streamed as they are written); ``feed`` and ``finish`` return the
+    OpenAI ``delta`` objects of whole calls (``{"content": ...}`` or
+    ``{"tool_calls": [...]}``), ``stream_deltas`` those of streamed arguments."""
+
+    def __init__(
+        self, names: frozenset[str], fmt: ToolFormat | None = None, schemas: Schemas | None = None
+    ) -> None:
         self.names = names
-        self.fmt = fmt or TOOL_FORMATS["hermes"]
+        self.fmt = fmt or TOOL_FORMATS["qwen25"]
+        self.schemas: Schemas = schemas or {}
         self.calls: list[dict[str, Any]] = []  # the complete calls so far
         self.content = ""  # the content sent so far
         self._buf = ""  # text not decided yet (a partial opener, or a call region)
@@ -97,17 +146,20 @@ class ToolCallParser:
         self._at_start = True  # lead openers count here (the output's start, after a call)
         self._ws = ""  # whitespace held back: dropped if a call follows
         self._after_call = False  # whitespace (and separators) right after a call go
+        self._open: list[tuple[str, str, str]] = []  # the region's begun calls: id, name, args
+        self._base = 0  # the index of the region's first call
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def read(self, text: str) -> list[ToolEvent]:
         self._buf += text
-        out: list[dict[str, Any]] = []
+        out: list[ToolEvent] = []
         self._run(False, False, out)
         return out
 
-    def finish(self, truncated: bool = False) -> list[dict[str, Any]]:
+    def close(self, truncated: bool = False) -> list[ToolEvent]:
         """The text is complete (``truncated``: cut by the length limit): a call still
-        open is read or dropped, what was held back goes out as content."""
-        out: list[dict[str, Any]] = []
+        open is read (a begun one ends with its arguments as far as they were written) or
+        dropped, what was held back goes out as content."""
+        out: list[ToolEvent] = []
         self._run(True, truncated, out)
         rest, self._buf = self._buf, ""
         self._text(rest, out)
@@ -116,14 +168,23 @@ class ToolCallParser:
         self._ws = ""
         return out
 
-    def _run(self, final: bool, truncated: bool, out: list[dict[str, Any]]) -> None:
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return whole_deltas(self.read(text))
+
+    def finish(self, truncated: bool = False) -> list[dict[str, Any]]:
+        return whole_deltas(self.close(truncated))
+
+    def _run(self, final: bool, truncated: bool, out: list[ToolEvent]) -> None:
         while True:
             if self._region:
                 take = self.fmt.take(self._buf, final)
                 if take is None:
+                    self._stream(self._buf, out)
                     return
                 if take.cut and truncated:  # the limit cut a call: no markup in content
+                    self._stream(self._buf, out)
                     self._buf, self._region = "", False
+                    self._end_calls(out)
                     return
                 self._apply(take, out)
                 continue
@@ -164,9 +225,43 @@ class ToolCallParser:
         found = [i for i in (buf.find(o) for o in fmt.openers) if i >= 0]
         return min(found) if found else -1
 
-    def _apply(self, take: Take, out: list[dict[str, Any]]) -> None:
+    def _stream(self, region: str, out: list[ToolEvent]) -> None:
+        """The calls of tools begun in ``region`` so far: each new one starts (ending the
+        one before), each one's arguments grow by what was written since."""
+        parts = [p for p in self.fmt.partial(region, self.schemas) if p.name in self.names]
+        for k, part in enumerate(parts):
+            if k == len(self._open):
+                if self._open:
+                    self._end_call(k - 1, out)
+                else:
+                    self._base = len(self.calls)
+                self._open.append((call_id(self.fmt.id_chars), part.name, ""))
+                out.append(CallStart(self._base + k, self._open[k][0], part.name))
+            cid, name, sent = self._open[k]
+            if len(part.arguments) > len(sent) and part.arguments.startswith(sent):
+                self._open[k] = (cid, name, part.arguments)
+                out.append(ArgumentsText(self._base + k, part.arguments[len(sent) :]))
+
+    def _end_call(self, k: int, out: list[ToolEvent]) -> None:
+        cid, name, args = self._open[k]
+        call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+        self.calls.append(call)
+        out.append(CallEnd(self._base + k, call))
+
+    def _end_calls(self, out: list[ToolEvent]) -> None:
+        """The region is over: its last begun call ends too."""
+        if self._open:
+            self._end_call(len(self._open) - 1, out)
+        self._open = []
+
+    def _apply(self, take: Take, out: list[ToolEvent]) -> None:
         region, self._buf = self._buf[: take.used], self._buf[take.used :]
         self._region = False
+        self._stream(region, out)
+        if self._open:  # calls begun: the region is theirs, whatever else it holds
+            self._end_calls(out)
+            self._ws, self._after_call, self._at_start = "", True, True
+            return
         calls = [_call(name, args, self.names, self.fmt.id_chars) for name, args in take.calls]
         if not take.ok or None in calls:  # not a call: the region is content as written
             self._at_start = False
@@ -178,13 +273,10 @@ class ToolCallParser:
             index = len(self.calls)
             self.calls.append(call)
             fn = call["function"]
-            head = {"index": index, "id": call["id"], "type": "function",
-                    "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
-            out.append({"tool_calls": [head]})
-            args = {"index": index, "function": {"arguments": fn["arguments"]}}
-            out.append({"tool_calls": [args]})
+            out += [CallStart(index, call["id"], fn["name"]),
+                    ArgumentsText(index, fn["arguments"]), CallEnd(index, call)]  # fmt: skip
 
-    def _text(self, text: str, out: list[dict[str, Any]]) -> None:
+    def _text(self, text: str, out: list[ToolEvent]) -> None:
         """Content known not to be a call; its trailing whitespace waits for what follows."""
         body = text.rstrip()
         if body:
@@ -193,16 +285,54 @@ class ToolCallParser:
             self._at_start = False
         self._ws += text[len(body) :]
 
-    def _emit(self, text: str, out: list[dict[str, Any]]) -> None:
+    def _emit(self, text: str, out: list[ToolEvent]) -> None:
         self.content += text
-        out.append({"content": text})
+        out.append(ContentText(text))
+
+
+def whole_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """OpenAI deltas with each call whole at its end: the head (``index``, ``id``,
+    ``type``, ``function.name``, empty ``arguments``), then the whole arguments."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, ContentText):
+            out.append({"content": e.text})
+        elif isinstance(e, CallEnd):
+            fn = e.call["function"]
+            out.append({"tool_calls": [_head(e.index, e.call["id"], fn["name"])]})
+            out.append({"tool_calls": [{"index": e.index,
+                                        "function": {"arguments": fn["arguments"]}}]})  # fmt: skip
+    return out
+
+
+def stream_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """OpenAI deltas with each call's arguments streamed: the head as the call begins,
+    then each fragment as it is written (their concatenation is the call's arguments)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, ContentText):
+            out.append({"content": e.text})
+        elif isinstance(e, CallStart):
+            out.append({"tool_calls": [_head(e.index, e.id, e.name)]})
+        elif isinstance(e, ArgumentsText) and e.text:
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
+
+
+def _head(index: int, cid: str, name: str) -> dict[str, Any]:
+    return {"index": index, "id": cid, "type": "function",
+            "function": {"name": name, "arguments": ""}}  # fmt: skip
 
 
 def parse_tool_calls(
-    text: str, names: frozenset[str], fmt: ToolFormat | None = None, truncated: bool = False
+    text: str,
+    names: frozenset[str],
+    fmt: ToolFormat | None = None,
+    truncated: bool = False,
+    schemas: Schemas | None = None,
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole completion -> (its content, None when empty; its tool calls)."""
-    parser = ToolCallParser(names, fmt)
+    parser = ToolCallParser(names, fmt, schemas)
     parser.feed(text)
     parser.finish(truncated)
     return parser.content or None, parser.calls

@@ -1,0 +1,176 @@
+"""The formats that write each argument in a tag of its own: Qwen3-Coder's
+``<function=f><parameter=k>v</parameter></function>`` and GLM-4.5's
+``f<arg_key>k</arg_key><arg_value>v</arg_value>``, both in ``<tool_call>`` blocks (the
+table in ``lifecycle.chat.tool_formats``). A value is text: it is read by the type the
+tool's parameters schema gives it (``typed_value``), as SGLang's detectors read it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from lifecycle.chat.formats.base import (
+    COMPACT,
+    Partial,
+    Schemas,
+    Take,
+    ToolFormat,
+    lark_string,
+)
+from lifecycle.chat.formats.json_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+__all__ = ["Glm45", "Qwen3Coder", "typed_value"]
+
+_KINDS: dict[str, tuple[type, ...]] = {
+    "integer": (int,), "number": (int, float), "boolean": (bool,), "object": (dict,),
+    "array": (list,), "null": (type(None),),
+}  # fmt: skip
+
+
+def _types(schema: Mapping[str, Any] | None) -> list[str]:
+    kind = (schema or {}).get("type")
+    return [kind] if isinstance(kind, str) else [k for k in kind or () if isinstance(k, str)]
+
+
+def typed_value(text: str, schema: Mapping[str, Any] | None) -> Any:
+    """A value written as text, read by its schema's type: a string stays the text; an
+    integer, number, boolean, object or array is read as JSON when it reads as one of
+    them (else it stays the text); without a type, JSON when the text is JSON."""
+    kinds = _types(schema)
+    if "string" in kinds:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        lowered = text.strip().lower()  # Python's True / False / None
+        value = {"true": True, "false": False, "none": None}.get(lowered, text)
+    if not kinds:
+        return value
+    for kind in kinds:
+        wanted = _KINDS.get(kind, ())
+        if isinstance(value, wanted) and not (isinstance(value, bool) and kind != "boolean"):
+            return value
+    return text
+
+
+def _render(pairs: list[tuple[str, Any]], closed: bool) -> str:
+    body = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+                     for k, v in pairs)  # fmt: skip
+    return "{" + body + ("}" if closed else "")
+
+
+_TEXT = "/[^<]*/"
+
+
+def _value_rule(schema: Mapping[str, Any]) -> str:
+    """A value's Lark: text without ``<`` for a string, one of the texts of an enum of
+    strings, else JSON of its schema."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(lark_string(e) for e in enum) + ")"
+    if "string" in _types(schema) or (not _types(schema) and "enum" not in schema):
+        return _TEXT
+    return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
+
+
+class _Tagged(ToolFormat):
+    """A ``<tool_call>`` block whose name is found by ``head`` and whose arguments are
+    pairs found by ``pair`` (key, value), closed by ``close``."""
+
+    openers = (TOOL_CALL_OPEN,)
+    head = re.compile("")
+    pair = re.compile("")
+    close = ""
+
+    def _read(self, buf: str) -> tuple[str, list[tuple[str, str]], bool] | None:
+        """The name, the pairs complete so far, whether the arguments are closed."""
+        limit = buf.find(TOOL_CALL_CLOSE)
+        limit = limit if limit >= 0 else len(buf)
+        m = self.head.match(buf, len(TOOL_CALL_OPEN), limit)
+        if m is None:
+            return None
+        pairs, i = [], m.end()
+        while (p := self.pair.match(buf, i, limit)) is not None:
+            pairs.append((p.group(1).strip(), self.value_text(p.group(2))))
+            i = p.end()
+        return m.group(1).strip(), pairs, buf.startswith(self.close, i)
+
+    def value_text(self, raw: str) -> str:
+        return raw
+
+    def take(self, buf: str, final: bool) -> Take | None:
+        end = buf.find(TOOL_CALL_CLOSE)
+        if end < 0 and not final:
+            return None
+        used = end + len(TOOL_CALL_CLOSE) if end >= 0 else len(buf)
+        read = self._read(buf[:used])
+        if read is None:
+            return Take(used, ok=False, cut=end < 0)
+        name, pairs, _ = read
+        return Take(used, ((name, {k: typed_value(v, None) for k, v in pairs}),))
+
+    def partial(self, buf: str, schemas: Schemas) -> tuple[Partial, ...]:
+        read = self._read(buf)
+        if read is None:
+            return ()
+        name, pairs, closed = read
+        props = (schemas.get(name) or {}).get("properties") or {}
+        typed = [(k, typed_value(v, props.get(k))) for k, v in pairs]
+        return (Partial(name, _render(typed, closed)),)
+
+    def pair_rule(self, key: str, value: str) -> str:
+        head, tail = self.pair_text(key, "\0").split("\0")
+        if value == _TEXT:  # a terminal is as long as it can be: the text takes the newline
+            tail = tail.removeprefix("\n")
+        return f"{lark_string(head)} {value} {lark_string(tail)}"
+
+    def pair_text(self, key: str, value: str) -> str:
+        raise NotImplementedError
+
+    def write(self, name: str, arguments: Mapping[str, Any]) -> str:
+        head, tail = self.call_parts(name)
+        pairs = [self.pair_text(k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+                 for k, v in arguments.items()]  # fmt: skip
+        return head + "".join(pairs) + tail
+
+    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+        props = parameters.get("properties") or {}
+        required = set(parameters.get("required") or ())
+        parts = []
+        for key, schema in props.items():
+            rule = self.pair_rule(key, _value_rule(schema))
+            parts.append(rule if key in required else f"({rule})?")
+        head, tail = self.call_parts(name)
+        return " ".join([lark_string(head), *parts, lark_string(tail)])
+
+
+class Qwen3Coder(_Tagged):
+    name = "qwen3_coder"
+    head = re.compile(r"\s*<function=([^>\n]+)>\s*")
+    pair = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
+    close = "</function>"
+
+    def value_text(self, raw: str) -> str:
+        # the template writes "\n" + value + "\n"
+        return raw.removeprefix("\n").removesuffix("\n")
+
+    def pair_text(self, key: str, value: str) -> str:
+        return f"<parameter={key}>\n{value}\n</parameter>\n"
+
+    def call_parts(self, name: str) -> tuple[str, str]:
+        return f"{TOOL_CALL_OPEN}\n<function={name}>\n", f"</function>\n{TOOL_CALL_CLOSE}"
+
+
+class Glm45(_Tagged):
+    name = "glm45"
+    head = re.compile(r"\s*([^<>\n]+?)\s*(?=\n|<arg_key>|</tool_call>)\s*")
+    pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+    close = TOOL_CALL_CLOSE
+
+    def pair_text(self, key: str, value: str) -> str:
+        return f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
+
+    def call_parts(self, name: str) -> tuple[str, str]:
+        return f"{TOOL_CALL_OPEN}{name}\n", TOOL_CALL_CLOSE
