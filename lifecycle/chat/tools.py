@@ -13,17 +13,20 @@ A call whose ``name`` is among the request's tools and whose arguments are an ob
 any other block (bad JSON, an unknown name) stays in the content as written. Whitespace
 touching a call is dropped; the content is None when nothing else is left.
 
-A call the text ends inside of is never content: cut by the length limit
-(``truncated``), it is dropped (``finish_reason`` stays "length", the calls completed
-before it are kept); when the model stopped on its own it is read as far as it goes (a
-Hermes block missing only its ``</tool_call>`` is a call), else kept as written.
+A call begins once its name is a tool's and its arguments have opened (the format's
+``partial`` reads it); from then on it is a call whatever follows. A call the text ends
+inside of is never content: cut by the length limit (``truncated``), a begun call is kept
+with its arguments as far as written (``finish_reason`` stays "length"), any other is
+dropped; when the model stopped on its own it is read as far as it goes.
 
 ``ToolCallParser`` reads the text as it streams: content goes out as soon as it cannot be
-the start of a call (a possible partial opener, and trailing whitespace, are held back),
-a call is held until it is complete, then sent as OpenAI streams a call: one
-``delta.tool_calls`` entry with ``index``, ``id``, ``type``, ``function.name`` and empty
-``arguments``, then one with the whole arguments string. ``parse_tool_calls`` runs the
-same parser over a whole text, so a stream and its unary reply always agree.
+the start of a call (a possible partial opener, and trailing whitespace, are held back);
+``read`` / ``close`` give ``ToolEvent``s, a call's arguments as fragments as they are
+written (``stream_deltas``: OpenAI's chunks; Anthropic's ``input_json_delta`` reads the
+same events); ``feed`` / ``finish`` give each call whole at its end (``whole_deltas``).
+The fragments of any split add up to the arguments of the whole text, and
+``parse_tool_calls`` runs the same parser over a whole text, so a stream and its unary
+reply always agree.
 """
 
 from __future__ import annotations
