@@ -15,8 +15,11 @@ from lifecycle.chat.tool_formats import TOOL_FORMATS, detect_tool_format, tool_f
 from lifecycle.chat.tool_params import ToolSpec, tool_grammar
 from lifecycle.chat.tools import ToolCallParser, parse_tool_calls
 
+from .llamacpp_vocab import templates_dir
 from .test_tools import _accepts
 from .tool_cases import NAMES, TOOLS
+
+TEMPLATES, NO_TEMPLATES = templates_dir()
 
 PARIS = {"city": "Paris", "unit": "celsius"}
 SUM = {"a": 1, "b": 2}
@@ -157,3 +160,25 @@ def test_forcing_grammar_follows_the_family(fmt: str, choice: str) -> None:
     assert _calls(parse_tool_calls(text, NAMES, fam, schemas=schemas)[1]) == calls
     assert _accepts(grammar, text)
     assert not _accepts(grammar, body if fam.prefix else "Sure. " + text)
+
+
+@pytest.mark.parametrize(
+    ("template", "name"),
+    [
+        ("Qwen-Qwen2.5-7B-Instruct", "qwen25"),
+        ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "qwen25"),
+        ("meta-llama-Llama-3.1-8B-Instruct", "llama3"),
+        ("mistralai-Mistral-Nemo-Instruct-2407", "mistral"),
+        ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseekv3"),
+        ("deepseek-ai-DeepSeek-V3.1", "deepseekv31"),
+        ("Qwen3-Coder", "qwen3_coder"),
+        ("GLM-4.6", "glm45"),
+        ("moonshotai-Kimi-K2", "kimi_k2"),
+        ("fireworks-ai-llama-3-firefunction-v2", "phi4_mini_json"),  # the same functools[...]
+    ],
+)
+def test_real_templates_choose_their_family(template: str, name: str) -> None:
+    if TEMPLATES is None:
+        pytest.skip(NO_TEMPLATES)
+    source = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    assert detect_tool_format(source).name == name

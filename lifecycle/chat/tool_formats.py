@@ -103,7 +103,7 @@ _MARKERS = (
         ),
     ),
     ("deepseekv31", ("tool▁calls▁begin", "tool▁call▁begin")),
-    ("qwen3_coder", ("<function=",)),
+    ("qwen3_coder", ("<parameter=",)),
     ("glm45", ("<arg_key>",)),
     ("mistral", (MISTRAL_CALLS,)),
     ("phi4_mini_json", ("functools[",)),
