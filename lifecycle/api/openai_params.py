@@ -32,11 +32,13 @@ from lifecycle.core.states import Cause
 from modelfile.chat import RESERVED_VARIABLES
 
 __all__ = [
+    "REASONING_EFFORTS",
     "OpenAIError",
     "OpenAIRequest",
     "chat_messages",
     "parse_chat",
     "parse_completion",
+    "reasoning_variables",
     "sglang_error_type",
 ]
 
@@ -75,9 +77,12 @@ _COMPLETION = _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI chat features we do not implement: accepted only when null (or the text default).
-_CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction", "reasoning_effort")
+_CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
-_CHAT |= {"chat_template_kwargs", "separate_reasoning"}
+_CHAT |= {"chat_template_kwargs", "separate_reasoning", "reasoning_effort"}
+# OpenAI's reasoning_effort values, as the official SDK types them (its newer versions
+# send "none", "minimal", "xhigh" and "max" too; DeepSeek V4's template reads "max").
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
@@ -165,7 +170,7 @@ class OpenAIRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     continue_final: bool = False  # chat: continue_final_message (the last turn left open)
     tools: ToolSpec | None = None  # chat: the tools rendered and parsed for (tool_params)
-    template_kwargs: dict[str, Any] | None = None  # chat: chat_template_kwargs (variables)
+    template_kwargs: dict[str, Any] | None = None  # chat: template variables (kwargs, effort)
     separate_reasoning: bool = True  # chat: SGLang's; false: the reasoning stays in content
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
@@ -456,18 +461,37 @@ def _chat_tools(
     return tools, replace(sp, params=replace(sp.params, grammar=grammar))
 
 
+def reasoning_variables(effort: str) -> dict[str, Any]:
+    """The chat template variables a reasoning effort sets: ``reasoning_effort`` itself
+    (gpt-oss', Solar's, Cohere's, DeepSeek V4's templates read it) and
+    ``enable_thinking`` (Qwen3's, DeepSeek's, GLM's, SmolLM3's...), false only for
+    ``none``. Every chat-shaped API maps its own control onto these (issue 56, point 4)."""
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+
+
+def _reasoning_effort(body: dict[str, Any]) -> str | None:
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise _bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                   f"{effort!r}.", "reasoning_effort")  # fmt: skip
+    return effort
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     """``chat_template_kwargs``: extra variables for the chat template (vLLM's and
-    SGLang's), e.g. Qwen3's ``enable_thinking``; the ones the server sets are refused."""
+    SGLang's), e.g. Qwen3's ``enable_thinking``; the ones the server sets are refused.
+    ``reasoning_effort`` adds its variables (``reasoning_variables``) under them: a
+    variable the client sets in ``chat_template_kwargs`` wins."""
     raw = body.get("chat_template_kwargs")
+    effort = _reasoning_effort(body)
     if raw is None:
-        return None
+        return None if effort is None else reasoning_variables(effort)
     if not isinstance(raw, dict):
         raise _bad("chat_template_kwargs must be an object.", "chat_template_kwargs")
     if clash := sorted(RESERVED_VARIABLES & raw.keys()):
         raise _bad(f"chat_template_kwargs cannot set {clash}: the server sets them.",
                    "chat_template_kwargs")  # fmt: skip
-    return raw
+    return raw if effort is None else {**reasoning_variables(effort), **raw}
 
 
 def parse_chat(

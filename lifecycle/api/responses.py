@@ -208,7 +208,7 @@ class ResponsesAPI:
         try:
             body = await o._body(request)
             oreq, messages = parse_chat(chat_body(body), **o._chat_opts())
-            ids = await o._chat_prompt(messages, tools=oreq.tools)
+            ids = await o._chat_prompt(messages, tools=oreq.tools, variables=oreq.template_kwargs)
         except OpenAIError as exc:
             return openai_error(exc)
         tools = oreq.tools.names if oreq.tools is not None else None
