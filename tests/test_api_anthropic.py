@@ -87,11 +87,11 @@ def test_stop_reasons(client: anthropic.Anthropic, greedy: Any) -> None:
     cut = _create(client, max_tokens=3)
     assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
     short = [{"role": "user", "content": "What is 2+2?"}]  # answered in a dozen tokens
-    long = _create(client, messages=short, max_tokens=64)
+    long = _create(client, messages=short, max_tokens=128)
     assert long.stop_reason == "end_turn", long
     text = _text(long)
     word = " " + text.split()[3]
-    stopped = _create(client, messages=short, max_tokens=64, stop_sequences=["zzzz", word])
+    stopped = _create(client, messages=short, max_tokens=128, stop_sequences=["zzzz", word])
     assert stopped.stop_reason == "stop_sequence"
     assert stopped.stop_sequence == word
     assert _text(stopped) == text[: text.index(word)]
@@ -111,7 +111,8 @@ def test_count_tokens_equals_the_prompt(client: anthropic.Anthropic, url: str) -
     assert (u.cache_read_input_tokens or 0) > 0
 
 
-def test_stream_events_and_text_equal_unary(client: anthropic.Anthropic, greedy: Any) -> None:
+def test_stream_events_and_text_equal_unary(client: anthropic.Anthropic) -> None:
+    greedy = _create(client)  # the unary reply, on the prefix cache the stream finds too
     body: dict[str, Any] = {"model": "default", "messages": ASK, "max_tokens": 16,
                             "extra_body": GREEDY}  # fmt: skip
     events = list(client.messages.create(**body, stream=True))
@@ -233,3 +234,24 @@ def test_reply_id_finds_its_trace(url: str, greedy: Any) -> None:
     assert r.status_code == 200, r.text
     trace = r.json()
     assert (trace["request_id"], trace["route"]) == (greedy.id.removeprefix("msg_"), "/v1/messages")
+
+
+def test_a_deadline_mid_stream_is_an_error_event(client: anthropic.Anthropic, url: str) -> None:
+    """The stream began (message_start), then the request's deadline passed: an
+    ``error`` event ends it, no message_stop; the client raises it."""
+    count = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+    body = {"model": "default", "messages": count, "max_tokens": 400, "stream": True,
+            "temperature": 0}  # fmt: skip
+    headers = {"x-api-key": KEY, "x-request-timeout": "0.5"}
+    r = httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200
+    lines = r.text.splitlines()
+    names = [line[len("event: ") :] for line in lines if line.startswith("event:")]
+    assert names[0] == "message_start" and names[-1] == "error", r.text[-600:]
+    assert "message_stop" not in names
+    last = json.loads(next(x for x in reversed(lines) if x.startswith("data:"))[len("data: ") :])
+    assert last["type"] == "error" and last["error"]["type"] == "timeout_error"
+    with pytest.raises(anthropic.APIStatusError) as info:
+        sdk = {k: v for k, v in body.items() if k != "temperature"}
+        list(client.messages.create(**sdk, extra_body=GREEDY, extra_headers=headers))
+    assert info.value.body["error"]["type"] == "timeout_error"  # type: ignore[index]
