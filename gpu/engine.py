@@ -8,6 +8,7 @@ pass, then per-sequence bookkeeping (stop checks, frees).
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ from gpu.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.piecewise import MixedGraphs
 from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
-from gpu.sampling import parse_request, sample
+from gpu.sampling import NON_FINITE, parse_request, sample
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from wire import (
     MAX_N,
@@ -48,6 +49,9 @@ from wire.sampling import STOP_REGEX_WINDOW
 from wire.worker_options import DEFAULT_BLOCK_SIZE, MIXED_GRAPH_MODES
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
+
+log = logging.getLogger(__name__)
+NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class ProtocolError(ValueError):
@@ -153,6 +157,8 @@ class Engine:
         self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
         self.overlap = overlap_on(config.overlap, loaded.device)
         self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
+        # Requests the last steps failed (rid, why), for the worker to report as errors.
+        self._failed: list[tuple[int, str]] = []
 
     @property
     def has_work(self) -> bool:
@@ -286,6 +292,17 @@ class Engine:
                 out.append(StepEntry(rid, b"", [Finish.ABORT, message], None))
         return out
 
+    def _fail(self, seq: Sequence, why: str) -> None:
+        """End ``seq`` (and its forks not yet made) as failed: no entry, an error the
+        worker reports (``take_failed``); the rest of the step goes on."""
+        log.error("request %d failed: %s", seq.rid, why)
+        self._failed += [(e.rid, why) for e in self.abort([seq.rid], why)]
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """The requests the steps since the last call failed, as (rid, why)."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def abort_all(self, message: str) -> list[StepEntry]:
         self._in_flight = None  # its tokens are never read: every request ends here
         return self.abort(list(self.seqs) + list(self.reserved), message)
@@ -367,7 +384,7 @@ class Engine:
                 samplers.append(seq)
         if future_rows:
             assert prev is not None, "a placeholder token with no step in flight"
-            step.future = (future_rows, future_src, prev.tokens.on_device)
+            step.future = (future_rows, future_src, prev.on_device)
         step.logit_rows = rows.indices
         step.want_hidden = any(s.options.return_hidden_states for s in samplers)
         step.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)
@@ -464,6 +481,9 @@ class Engine:
         seqs, eog, entries = self.seqs, self._eog_set, []
         for i, (seq, tok) in enumerate(zip(samplers, sampled, strict=False)):
             if seqs.get(seq.rid) is not seq:
+                continue
+            if tok == NON_FINITE:
+                self._fail(seq, NON_FINITE_MESSAGE)
                 continue
             extra = token_extra(seq, i, tok, lp, hidden) if extras else {}
             if faults and (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():

@@ -74,6 +74,8 @@ def _engine_tokens(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) 
         if not engine.has_work:
             raise RuntimeError("the engine went idle before the request finished")
         entries = engine.step()
+        if failed := engine.take_failed():
+            raise RuntimeError(failed[0][1])
 
 
 def run_generate(

@@ -51,16 +51,17 @@ class InFlight:
     """A step's samplers and their tokens, which the host has not read."""
 
     samplers: list[Sequence]
-    tokens: HostInts
+    tokens: HostInts  # for the host: ``NON_FINITE`` where a row's logits were not
+    on_device: Tensor  # for the next step's input: valid ids on every row
 
 
 def fly(samplers: list[Sequence], logits: Tensor) -> InFlight:
     """Sample ``samplers`` (every one ``flies``) on the device; each holds a placeholder."""
-    tokens = sample_plain(logits, samplers)
+    tokens, marked = sample_plain(logits, samplers)
     for k, seq in enumerate(samplers):
         seq.tokens.append(PLACEHOLDER)
         seq.future = k
-    return InFlight(samplers, HostInts(tokens))
+    return InFlight(samplers, HostInts(marked), tokens)
 
 
 def land(flight: InFlight) -> list[int]:

@@ -26,6 +26,7 @@ from wire.options import RequestOptions
 from wire.sampling import SamplingParams
 
 __all__ = [
+    "NON_FINITE",
     "Row",
     "SampleRow",
     "SampleResult",
@@ -33,6 +34,11 @@ __all__ = [
     "sample",
     "sample_plain",
 ]
+
+# The token read back for a row whose logits hold a NaN or +inf (a numeric fault of the
+# model, such as an fp16 overflow): no token can be drawn from them, and the engine
+# fails that request alone instead of emitting whatever an argmax over NaN gives.
+NON_FINITE = -1
 
 
 def parse_request(
@@ -208,16 +214,19 @@ def sample(
     if allowed is not None:
         _constrain(logits, raw, *allowed)
     logits = _tempered(logits, rows)
-    tokens = _draw(logits, rows).tolist()
+    tokens, sound = _draw(logits, rows)
     lp = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    return SampleResult(tokens, lp)
+    return SampleResult(tokens.masked_fill(~sound, NON_FINITE).tolist(), lp)
 
 
-def sample_plain(logits: Tensor, rows: Sequence[Row]) -> Tensor:
-    """``sample``'s tokens as a tensor on the logits' device, read by no one yet (an
+def sample_plain(logits: Tensor, rows: Sequence[Row]) -> tuple[Tensor, Tensor]:
+    """``sample``'s tokens as tensors on the logits' device, read by no one yet (an
     overlapped step's: the host reads them a step later), for rows that are all ``plain``
-    and constrained by no grammar, without logprobs: the same draws ``sample`` makes."""
-    return _draw(_tempered(logits, rows), rows)
+    and constrained by no grammar, without logprobs: the same draws ``sample`` makes.
+    Two tensors: the tokens, valid ids the next step may read on the device, and the
+    same with ``NON_FINITE`` on rows whose logits were not finite, for the host."""
+    tokens, sound = _draw(_tempered(logits, rows), rows)
+    return tokens, tokens.masked_fill(~sound, NON_FINITE)
 
 
 def _tempered(logits: Tensor, rows: Sequence[Row]) -> Tensor:
@@ -228,15 +237,18 @@ def _tempered(logits: Tensor, rows: Sequence[Row]) -> Tensor:
     return logits / floats(t, logits.dtype, logits.device)[:, None]
 
 
-def _draw(logits: Tensor, rows: Sequence[Row]) -> Tensor:
+def _draw(logits: Tensor, rows: Sequence[Row]) -> tuple[Tensor, Tensor]:
     """One token per row: greedy rows the first maximal logit (max's indices: argmax's
     first maximal index, a third of its time on the CPU), the rest a draw from their
-    softmax (``_filter_and_draw``)."""
-    tokens = logits.max(dim=-1).indices
+    softmax (``_filter_and_draw``); and whether each row's logits were finite (max
+    propagates a NaN, so a row's maximum says it for the whole row, at no extra pass;
+    -inf is a masked token, not a fault)."""
+    best = logits.max(dim=-1)
+    tokens = best.indices
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
         sel = ints(sampled, device=logits.device)
         probs = torch.softmax(logits.index_select(0, sel), dim=-1)
         drawn = _filter_and_draw(probs, [rows[i] for i in sampled])
         tokens = tokens.index_copy(0, sel, drawn)
-    return tokens
+    return tokens, best.values < math.inf

@@ -308,6 +308,9 @@ def _step(engine: Engine, hub: _Hub) -> None:
         if errs:
             hub.send_errors(errs)
         return
+    failed = engine.take_failed()  # requests a step failed alone (non-finite logits)
+    if failed:
+        hub.send_errors([(rid, wire.ErrorCode.INTERNAL, why) for rid, why in failed])
     if not entries:
         if engine.step_no != before:  # a prompt chunk: progress the frontends can see
             for conn in list(hub.conns.values()):

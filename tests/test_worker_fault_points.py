@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from gpu.engine import NON_FINITE_MESSAGE
 from tests.tiny_gguf import TinyModel
 from tests.worker_client import WorkerClient, spawn_worker
 from wire import Stats, StatsReq, f32s_to_list
@@ -23,10 +24,14 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @contextmanager
 def _worker(
-    tiny: TinyModel, path: str, rules: list[FaultRule], monkeypatch: pytest.MonkeyPatch
+    tiny: TinyModel,
+    path: str,
+    rules: list[FaultRule],
+    monkeypatch: pytest.MonkeyPatch,
+    *extra: str,
 ) -> Iterator[WorkerClient]:
     monkeypatch.setenv(ENV_VAR, FaultPlan(rules).to_json())
-    proc = spawn_worker(path, "--model", str(tiny.path), "--kv-cache-tokens", "256")
+    proc = spawn_worker(path, "--model", str(tiny.path), "--kv-cache-tokens", "256", *extra)
     monkeypatch.delenv(ENV_VAR)
     try:
         c = WorkerClient(path, timeout=120)
@@ -63,26 +68,37 @@ def test_forward_raise_fails_the_batch_not_the_worker(
         _sound_and_serving(c, 9)
 
 
+@pytest.mark.parametrize(
+    ("overlap", "logprobs"), [("off", True), ("on", False)], ids=["synchronous", "overlapped"]
+)
 def test_nan_logits_end_explicitly(
+    overlap: str,
+    logprobs: bool,
     tiny_gguf: TinyModel,
     tmp_path,
     monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
 ) -> None:
+    """Overlapped (a plain row without logprobs flies): the NaN row's token is read a
+    step later, and the step after it read a valid id on the device meanwhile."""
     with _worker(
         tiny_gguf,
         str(tmp_path / "w.sock"),
         [FaultRule("worker.forward", "nan", nth=2)],
         monkeypatch,
+        "--overlap",
+        overlap,
     ) as c:
         c.submit(
             1,
             [20, 21, 22],
             {"temperature": 0.8, "max_new_tokens": 8, "ignore_eos": True},
-            {"return_logprob": True},
+            {"return_logprob": logprobs},
         )
         r = c.wait([1])[1]
-        # Either the request fails as ours (500), or it completes: never a hang or a crash.
-        assert r.error is not None or r.finish == ["length", 8], r
+        # The first step's token, then the request fails as ours (500), explicitly: before,
+        # an argmax over NaN went on as token 0 with a NaN logprob and a normal finish.
+        assert len(r.ids) == 1 and r.finish is None, r
+        assert r.error is not None and tuple(r.error[:2]) == ("internal", NON_FINITE_MESSAGE)
         _sound_and_serving(c, 9)
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu.sampling import SampleRow, parse_request, sample
+from gpu.sampling import NON_FINITE, SampleRow, parse_request, sample, sample_plain
 from tests.wire_schema import EVERY_SAMPLING_FIELD
 from wire import SamplingParams, is_greedy
 
@@ -155,3 +155,27 @@ def test_prompt_logprobs_beyond_the_frame_budget_are_refused() -> None:
     with pytest.raises(ValueError, match="exceed the worker's frame budget"):
         parse_request({}, opts, 49152, prompt_len=8000)
     parse_request({}, {**opts, "logprob_start_len": 7990}, 49152, prompt_len=8000)
+
+
+def test_a_row_of_non_finite_logits_is_marked_alone() -> None:
+    """A NaN anywhere in a row, or a +inf, gives ``NON_FINITE`` for that row (the engine
+    fails its request); the other rows draw what they draw without it, and a row whose
+    tokens are all masked (-inf) but one is not a fault."""
+    torch.manual_seed(0)
+    x = torch.randn(5, V)
+
+    def rows() -> list[SampleRow]:  # fresh generators for each draw
+        return [row(temperature=0.0), row(seed=3, temperature=1.0), row(temperature=0.0),
+                row(seed=4, temperature=0.7), row(temperature=0.0)]  # fmt: skip
+
+    clean = sample(x.clone(), rows()).tokens
+    bad = x.clone()
+    bad[1, 5] = math.nan  # a sampled row
+    bad[2, 0] = math.inf  # a greedy row
+    bad[4, :] = -math.inf
+    bad[4, 9] = 0.0  # everything masked but one token: sound
+    got = sample(bad.clone(), rows()).tokens
+    assert got == [clean[0], NON_FINITE, NON_FINITE, clean[3], 9]
+    tokens, marked = sample_plain(bad, rows())
+    assert marked.tolist() == got
+    assert all(0 <= t < V for t in tokens.tolist())  # what the next step may read
