@@ -9,9 +9,10 @@ Against the torch path (``fuse_trunk = False``: the same q_linear and attention 
 torch's norms, RoPE, SwiGLU and SDPA in their own summation order) the first layer agrees
 to fp32 rounding; past it the int8 rounding of each matmul's input (llama.cpp's,
 ``gpu/quant.py``) now and then moves one value by a quantum (block amax / 127), and
-which value does depends on torch's kernels and so on the CPU. The 2-layer tiny model,
-where no value lands near a rounding boundary, is held to 1e-3 and most rows to 1e-4;
-the bundled model to the quantized bounds of ``tests/test_model.py`` over many rows.
+which value does depends on torch's kernels and so on the CPU. On the 2-layer tiny
+model most rows are equal to fp32 rounding (the median row within 1e-4) and a row that
+meets a rounding boundary moves by one quantum's effect (``TINY_BOUNDS``); the bundled
+model is held to the quantized bounds of ``tests/test_model.py`` over many rows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ BS = 16
 # top-1 agreement over the 231 positions of LONG_TEXT (measured 2026-12-05, Zen 2: 1.73
 # and 0.965, 8 rows flipped; a flip rate of 0.035 has a binomial sd of 0.012 there).
 QUANTIZED_BOUNDS = (3.0, 0.85)
+# The same on the tiny model's rows: max logit difference and top-1 agreement. Measured
+# (2026-12-06, Zen 4, the auto, avx512, avxvnni, avx2 and portable kernel builds alike):
+# 1.7e-6 where no row meets an int8 rounding boundary, 0.0102 in the one test where a row
+# does (the mixed step, fp32 KV), top-1 always equal. The bound is ten times that one
+# quantum's effect, so a second boundary row or a CPU whose torch rounds elsewhere
+# passes, and a kernel that is wrong for every row (the median row bound is 1e-4) fails;
+# one of the four decode rows may flip a near-tie.
+TINY_BOUNDS = (0.1, 0.75)
 
 
 @pytest.fixture(params=[torch.float32, torch.float16], ids=["kv-fp32", "kv-fp16"])
@@ -86,13 +95,13 @@ def _both(lm: LoadedModel, prompts: list[list[int]], new: list[int],
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    atol, agree = QUANTIZED_BOUNDS
+    atol, agree = TINY_BOUNDS
     assert float((got - want).abs().max()) <= atol
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= agree
 
 
 def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within the quantized bounds, and most rows equal to fp32 rounding: a row that
+    """Within the tiny model's bounds, and most rows equal to fp32 rounding: a row that
     lands on an int8 rounding boundary in one path may move by a quantum (which row
     does depends on the CPU's summation order in torch's ops), a wrong kernel moves
     them all."""
