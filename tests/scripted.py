@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from wire.child import stop_process
 
@@ -105,3 +106,28 @@ async def count_stream(
     except httpx.TransportError:
         pass
     return ("error" if error else "cut"), seen
+
+
+@contextmanager
+def template_server(folder: Path, template: str) -> Iterator[str]:
+    """A server on the scripted worker whose chat template is ``template``
+    (``--chat-template``, written under ``folder``): the worker echoes the prompt, so a
+    reply shows the text the template rendered (``echoed_chat_prompt``)."""
+    path = folder / "chat.jinja"
+    path.write_text(template, encoding="utf-8")
+    with lifecycle_server("--scripted-worker", "--chat-template", str(path)) as base:
+        yield base
+
+
+def echoed_chat_prompt(url: str, **body: object) -> str:
+    """The prompt a chat request rendered, as ``template_server``'s worker echoes it back
+    (one token a step: a first call learns its length, a second generates that many)."""
+    import httpx
+
+    def post(max_tokens: int) -> dict[str, Any]:
+        r = httpx.post(url + "/v1/chat/completions", json={"max_tokens": max_tokens, **body})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    n = post(1)["usage"]["prompt_tokens"]
+    return str(post(n)["choices"][0]["message"]["content"])

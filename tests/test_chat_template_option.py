@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .scripted import ROOT, lifecycle_server
+from .scripted import ROOT, echoed_chat_prompt, template_server
 
 TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}: "
@@ -25,22 +25,11 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    path.write_text(TEMPLATE, encoding="utf-8")
-    with lifecycle_server("--scripted-worker", "--chat-template", str(path)) as base:
+    with template_server(tmp_path_factory.mktemp("tpl"), TEMPLATE) as base:
         yield base
 
 
-def _prompt(url: str, **body: Any) -> str:
-    """The prompt the worker received: the scripted worker echoes it, one token a step."""
-
-    def post(max_tokens: int) -> dict[str, Any]:
-        r = httpx.post(url + "/v1/chat/completions", json={"max_tokens": max_tokens, **body})
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    n = post(1)["usage"]["prompt_tokens"]
-    return str(post(n)["choices"][0]["message"]["content"])
+_prompt = echoed_chat_prompt
 
 
 def test_the_file_replaces_the_models_template_and_kwargs_reach_it(url: str) -> None:

@@ -24,7 +24,7 @@ from lifecycle.api.openai_params import (
 )
 from modelfile.chat import ChatTemplate
 
-from .scripted import lifecycle_server
+from .scripted import echoed_chat_prompt, template_server
 
 HI = [{"role": "user", "content": "Hi"}]
 OPTS: dict[str, Any] = {
@@ -107,29 +107,26 @@ def test_gpt_oss_reads_the_effort_as_transformers_renders_it() -> None:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    path.write_text(TEMPLATE, encoding="utf-8")
-    with lifecycle_server("--scripted-worker", "--chat-template", str(path)) as base:
+    with template_server(tmp_path_factory.mktemp("tpl"), TEMPLATE) as base:
         yield base
 
 
-def _prompt(url: str, route: str = "/v1/chat/completions", **body: Any) -> str:
-    """The prompt the worker received: the scripted worker echoes it, a token a step."""
-    chat = route == "/v1/chat/completions"
-    key, limit = ("messages", "max_tokens") if chat else ("input", "max_output_tokens")
+def _prompt(url: str, **body: Any) -> str:
+    return echoed_chat_prompt(url, messages=HI, **body)
+
+
+def _responses_prompt(url: str, effort: str) -> str:
+    """As ``_prompt``, through ``/v1/responses``' ``reasoning.effort`` (echoed back)."""
 
     def post(n: int) -> dict[str, Any]:
-        r = httpx.post(url + route, json={key: HI, limit: n, **body}, timeout=30)
+        body = {"input": HI, "max_output_tokens": n, "reasoning": {"effort": effort}}
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
         assert r.status_code == 200, r.text
+        assert r.json()["reasoning"]["effort"] == effort
         return dict(r.json())
 
-    if chat:
-        n = post(1)["usage"]["prompt_tokens"]
-        return str(post(n)["choices"][0]["message"]["content"])
     n = post(1)["usage"]["input_tokens"]
-    reply = post(n)
-    assert reply["reasoning"]["effort"] == (body.get("reasoning") or {}).get("effort")
-    return str(reply["output"][0]["content"][0]["text"])
+    return str(post(n)["output"][0]["content"][0]["text"])
 
 
 def test_the_variables_reach_the_servers_template(url: str) -> None:
@@ -142,7 +139,7 @@ def test_the_variables_reach_the_servers_template(url: str) -> None:
     )
     got = _prompt(url, reasoning_effort="low", chat_template_kwargs={"enable_thinking": False})
     assert got == "[user: Hi]<effort=low thinking=False>[assistant: "
-    got = _prompt(url, "/v1/responses", reasoning={"effort": "minimal"})
+    got = _responses_prompt(url, "minimal")
     assert got == "[user: Hi]<effort=minimal thinking=True>[assistant: "
 
 
