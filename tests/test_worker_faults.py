@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tests.tiny_gguf import TinyModel
 from tests.worker_client import WorkerClient, spawn_worker
 from wire import Fatal, Probe, ProbeReply, Shutdown, Stats, StatsReq, Step
+from wire.faults import ENV_VAR, FaultPlan, FaultRule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,9 +177,18 @@ def test_malformed_request_does_not_disturb_a_running_one(sock_path: str) -> Non
     c.close()
 
 
-def test_shutdown_aborts_everything_and_exits_zero(tiny_gguf: TinyModel, tmp_path) -> None:
+def test_shutdown_aborts_everything_and_exits_zero(
+    tiny_gguf: TinyModel, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step after the first takes 50 ms (a ``worker.forward`` delay), so the 200
+    tokens would take 10 s: the SHUTDOWN sent after the first step finds the request
+    running, and it must end as an abort (before, a fast machine could finish it first
+    and the test accepted either end)."""
     path = str(tmp_path / "s.sock")
+    slow = FaultRule("worker.forward", "delay", nth=2, times=0, delay=0.05)
+    monkeypatch.setenv(ENV_VAR, FaultPlan([slow]).to_json())
     proc = spawn_worker(path, "--model", str(tiny_gguf.path))
+    monkeypatch.delenv(ENV_VAR)
     try:
         c = WorkerClient(path, timeout=120)
         try:
@@ -186,7 +196,8 @@ def test_shutdown_aborts_everything_and_exits_zero(tiny_gguf: TinyModel, tmp_pat
             c.wait([1], until=lambda f: isinstance(f, Step))
             c.send(Shutdown())
             res = c.wait([1])
-            assert res[1].finish[0] in ("abort", "length")
+            assert res[1].finish[0] == "abort", res[1]
+            assert len(res[1].ids) < 200
             assert c.recv() is None
         finally:
             c.close()
