@@ -18,6 +18,7 @@ answered in Anthropic's envelope (``anthropic_reply``): ``{"type": "error", "err
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -139,19 +140,21 @@ def _text(raw: Any, where: str) -> str | list[dict[str, str]]:
     if not isinstance(raw, list):
         raise _bad(f"{where}: must be a string or a list of content blocks")
     parts = []
-    for j, block in enumerate(raw):
-        kind = block.get("type") if isinstance(block, dict) else None
-        _readable(kind, f"{where}.{j}")
+    for at, kind, block in _blocks(raw, where):
         if kind != "text" or not isinstance(block.get("text"), str):
-            raise _bad(f"{where}.{j}: expected a text block with a string text")
+            raise _bad(f"{at}: expected a text block with a string text")
         parts.append({"type": "text", "text": block["text"]})
     return parts[0]["text"] if len(parts) == 1 else parts
 
 
-def _readable(kind: Any, where: str) -> None:
-    if kind in _NOT_READ:
-        raise _bad(f"{where}: {kind} content blocks are not supported: this server's model "
-                   "reads text only.")  # fmt: skip
+def _blocks(blocks: list[Any], where: str) -> Iterator[tuple[str, Any, Any]]:
+    """``(where, type, block)`` of each content block; an image or a document is a 400."""
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _NOT_READ:
+            raise _bad(f"{where}.{j}: {kind} content blocks are not supported: this server's "
+                       "model reads text only.")  # fmt: skip
+        yield f"{where}.{j}", kind, block
 
 
 def _system(raw: Any) -> list[dict[str, Any]]:
@@ -184,18 +187,16 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     """A user turn: its tool results as ``tool`` messages, then its text (if any)."""
     answers: list[dict[str, Any]] = []
     texts: list[Any] = []
-    for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        _readable(kind, f"{where}.{j}")
+    for at, kind, block in _blocks(blocks, where):
         if kind == "text":
             texts.append(block)
         elif kind == "tool_result":
             content = block.get("content")
-            text = _text(content if content is not None else "", f"{where}.{j}.content")
+            text = _text(content if content is not None else "", f"{at}.content")
             answers.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": text})  # fmt: skip
         else:
-            raise _bad(f"{where}.{j}: a user message holds text and tool_result blocks, "
+            raise _bad(f"{at}: a user message holds text and tool_result blocks, "
                        f"got {kind!r}")  # fmt: skip
     return answers + ([{"role": "user", "content": _text(texts, where)}] if texts else [])
 
@@ -206,22 +207,20 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
     texts: list[Any] = []
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
-    for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        _readable(kind, f"{where}.{j}")
+    for at, kind, block in _blocks(blocks, where):
         if kind == "text":
             texts.append(block)
         elif kind == "tool_use":
             args = block.get("input", {})
             if not isinstance(block.get("id"), str) or not isinstance(args, dict):
-                raise _bad(f"{where}.{j}: a tool_use block needs an id, a name and an input "
+                raise _bad(f"{at}: a tool_use block needs an id, a name and an input "
                            "object")  # fmt: skip
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block.get("name"), "arguments": orjson.dumps(args).decode()}})  # fmt: skip
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             thinking.append(block["thinking"])
         elif kind != "redacted_thinking":
-            raise _bad(f"{where}.{j}: an assistant message holds text, tool_use and thinking "
+            raise _bad(f"{at}: an assistant message holds text, tool_use and thinking "
                        f"blocks, got {kind!r}")  # fmt: skip
     out: dict[str, Any] = {"role": "assistant", "content": _text(texts, where) if texts else ""}
     if calls:
