@@ -35,6 +35,8 @@ REQUESTS = 10_000
 CONNECTIONS = 4  # keep-alive connections sending at once
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "openapi.yaml"
 VOCAB = 49152  # the default model's
+TYPO = {"max_new_token": 8}  # the issue's
+TYPO_MESSAGE = "Unknown sampling parameter: 'max_new_token'. Did you mean 'max_new_tokens'?"
 
 # A valid value for every sampling key, so that a typo of it is the only fault.
 VALID: dict[str, Any] = {
@@ -191,10 +193,46 @@ def test_a_typo_of_every_key_is_refused_naming_it(key: str) -> None:
 
 def test_the_typo_names_the_key_meant() -> None:
     with pytest.raises(RequestError) as err:
-        parse_sampling_params({"max_new_token": 8}, vocab_size=VOCAB)
-    assert err.value.message == (
-        "Unknown sampling parameter: 'max_new_token'. Did you mean 'max_new_tokens'?"
-    )
+        parse_sampling_params(TYPO, vocab_size=VOCAB)
+    assert err.value.message == TYPO_MESSAGE
+
+
+def test_the_engine_refuses_the_typo_too() -> None:
+    """The Engine API parses ``sampling_params`` dicts with the same parser: one prompt,
+    and one of a batch's (nothing of the batch runs)."""
+    from lifecycle import Engine, EngineError
+
+    with Engine(scripted_worker=True) as engine:
+        for prompt, sp in [("hi", TYPO), (["a", "b"], [{"max_new_tokens": 1}, TYPO])]:
+            with pytest.raises(EngineError) as bad:
+                engine.generate(prompt, sp)
+            assert bad.value.status == 400 and bad.value.message == TYPO_MESSAGE
+
+
+def test_the_websocket_refuses_the_typo_too() -> None:
+    """A ``generate`` message over ``/v1/stream``: an error naming the typo, and the
+    socket goes on serving."""
+    import anyio
+    from websockets.asyncio.client import connect
+
+    from lifecycle.testing.pytest_plugin import start_server
+
+    async def talk(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with connect(url.replace("http://", "ws://") + "/v1/stream") as ws:
+            body = {"text": "hi", "sampling_params": TYPO}
+            await ws.send(json.dumps({"type": "generate", "id": "t", "body": body}))
+            refused = json.loads(await ws.recv())
+            ok = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
+            await ws.send(json.dumps({"type": "generate", "id": "ok", "body": ok}))
+            while (last := json.loads(await ws.recv())).get("type") not in ("done", "error"):
+                pass
+            return refused, last
+
+    with start_server("--scripted-worker") as srv:
+        refused, last = anyio.run(talk, srv.url)
+    assert refused["type"] == "error" and refused["id"] == "t"
+    assert refused["error"]["message"] == TYPO_MESSAGE and refused["error"]["code"] == 400
+    assert last["id"] == "ok" and last["type"] == "done", last
 
 
 def test_the_typo_from_the_issue_on_the_real_model(model_server: str) -> None:
@@ -206,11 +244,7 @@ def test_the_typo_from_the_issue_on_the_real_model(model_server: str) -> None:
         timeout=60,
     )
     assert r.status_code == 400, r.text
-    assert r.json() == {
-        "error": {
-            "message": "Unknown sampling parameter: 'max_new_token'. Did you mean 'max_new_tokens'?"
-        }
-    }
+    assert r.json() == {"error": {"message": TYPO_MESSAGE}}
     ok = httpx.post(
         model_server + "/generate",
         json={"text": "x", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
