@@ -34,6 +34,8 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
      "/v1/responses.frobnicate", "Unrecognized request argument supplied: frobnicate"),
     ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1], "top_k": 3},
      "/v1/score.top_k", "Unrecognized request argument supplied: top_k"),
+    ("/v1/messages", {**CHAT, "user_profile_id": "u1"}, "/v1/messages.user_profile_id",
+     "user_profile_id: Extra inputs are not permitted"),
 ]  # fmt: skip
 
 
