@@ -245,6 +245,15 @@ def test_the_typo_from_the_issue_on_the_real_model(model_server: str) -> None:
     )
     assert r.status_code == 400, r.text
     assert r.json() == {"error": {"message": TYPO_MESSAGE}}
+    # Streamed, SGLang's way: the refusal is an error event then [DONE], no text.
+    r = httpx.post(
+        model_server + "/generate",
+        json={"text": "x", "stream": True, "sampling_params": TYPO},
+        timeout=60,
+    )
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert len(events) == 2 and events[1] == "[DONE]", r.text
+    assert json.loads(events[0])["error"]["message"] == TYPO_MESSAGE
     ok = httpx.post(
         model_server + "/generate",
         json={"text": "x", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
