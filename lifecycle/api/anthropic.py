@@ -16,8 +16,9 @@ A stream sends Anthropic's typed events, each ``event: NAME`` and ``data: JSON``
 ``message_start``, ``ping``, then per content block ``content_block_start``, its
 ``content_block_delta`` events (``thinking_delta``, ``text_delta``, ``input_json_delta``)
 and ``content_block_stop``, then ``message_delta`` (the stop reason and the final
-usage) and ``message_stop``. A failure after the start is an ``error`` event. The
-reply's id is ``msg_`` and the request id, which finds its trace.
+usage) and ``message_stop``. A failure after the start is an ``error`` event, and so
+is an abort (``/abort_request``; unary: a 500 ``api_error``). The reply's id is
+``msg_`` and the request id, which finds its trace.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ from lifecycle.api.openai_outputs import ChoiceState, finish_reason
 from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.origin import current_request_id
+from lifecycle.core.states import Cause
 from transport import JSONResponse, Request, Response, Router, SSEEvent, SSEResponse
 
-__all__ = ["AnthropicAPI", "stop_reason"]
+__all__ = ["ABORTED", "AnthropicAPI", "stop_reason"]
+
+ABORTED = "The request was aborted (/abort_request) before it finished."
 
 
 def stop_reason(finish: Any, called: bool, stops: tuple[str, ...]) -> tuple[str, str | None]:
@@ -55,6 +59,13 @@ def stop_reason(finish: Any, called: bool, stops: tuple[str, ...]) -> tuple[str,
     if isinstance(matched, str) and matched in stops:
         return "stop_sequence", matched
     return "end_turn", None
+
+
+def _aborted(choice: ChoiceState) -> bool:
+    """Whether ``/abort_request`` ended the sample: Anthropic has no stop reason for it,
+    and the output so far is no whole reply, so the client gets an error (500
+    ``api_error``), never a ``stop_reason`` that passes a cut reply off as finished."""
+    return finish_reason(choice.sample.finish) == "abort"
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +129,8 @@ class AnthropicAPI:
             refused = await run_call(call, request)
             if refused is not None:
                 return anthropic_reply(refused)
+            if _aborted(choice):
+                return anthropic_error(OpenAIError(ABORTED, 500))
             message = choice.result(call.e2e())["message"]
             blocks: list[dict[str, Any]] = []
             if message.get("reasoning_content"):
@@ -152,8 +165,9 @@ class AnthropicAPI:
                 for event in blocks.events(d):
                     yield event
         failed = call.error()
-        if failed is not None:
-            yield SSEEvent("error", orjson.dumps(error_event(*failed)))
+        if failed is not None or _aborted(choice):
+            cause, message = failed or (Cause.INTERNAL, ABORTED)
+            yield SSEEvent("error", orjson.dumps(error_event(cause, message)))
             return
         for event in blocks.close():
             yield event
