@@ -81,6 +81,19 @@ def test_top_k_top_p_min_p_restrict_the_support() -> None:
     assert seen <= {0, 1, 2} and 0 in seen
 
 
+def test_top_p_keeps_the_token_that_crosses_it() -> None:
+    """Top-p keeps the smallest prefix of the sorted tokens whose mass reaches top_p: the
+    token that crosses it stays (SGLang, vLLM). Probabilities 0.5, 0.3, 0.15, 0.05 on ids
+    7, 3, 9, 1 (the peak away from id 0, where a row with nothing left would land): top_p
+    0.7 keeps {7, 3}, 0.4 keeps {7}, 0.85 keeps {7, 3, 9}."""
+    x = torch.full((1, V), -math.inf)
+    for tid, prob in ((7, 0.5), (3, 0.3), (9, 0.15), (1, 0.05)):
+        x[0, tid] = math.log(prob)
+    for top_p, support in ((0.7, {7, 3}), (0.4, {7}), (0.85, {7, 3, 9})):
+        seen = {t for s in range(300) for t in sample(x.clone(), [row(seed=s, top_p=top_p)]).tokens}
+        assert seen == support, top_p
+
+
 def test_seed_gives_the_same_token_whatever_the_batch() -> None:
     x = torch.randn(4, V)
     alone = [sample(x[2:3], [row(seed=s, temperature=1.0)]).tokens[0] for s in range(20)]
