@@ -7,6 +7,7 @@ its arguments (Anthropic's newest models refuse it); greedy requests send it as
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,7 +135,9 @@ def test_stream_events_and_text_equal_unary(client: anthropic.Anthropic) -> None
 def test_raw_stream_is_named_events_with_a_ping(url: str) -> None:
     body = {"model": "default", "messages": ASK, "max_tokens": 4, "stream": True}
     headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
-    r = httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=120)
+    # as Claude Code sends it: ?beta=true and an anthropic-beta header
+    headers["anthropic-beta"] = "interleaved-thinking-2025-05-14"
+    r = httpx.post(url + "/v1/messages?beta=true", json=body, headers=headers, timeout=120)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     names = [line[len("event: ") :] for line in r.text.splitlines() if line.startswith("event:")]
     assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
@@ -234,6 +237,10 @@ def test_reply_id_finds_its_trace(url: str, greedy: Any) -> None:
     assert r.status_code == 200, r.text
     trace = r.json()
     assert (trace["request_id"], trace["route"]) == (greedy.id.removeprefix("msg_"), "/v1/messages")
+    metrics = httpx.get(url + "/metrics", headers={"x-api-key": KEY}).text
+    counted = re.search(r'http_requests_total\{endpoint="/v1/messages",method="POST",'
+                        r'status="200"\} (\d+)', metrics)  # fmt: skip
+    assert counted is not None and int(counted.group(1)) > 0
 
 
 def test_a_deadline_mid_stream_is_an_error_event(client: anthropic.Anthropic, url: str) -> None:
