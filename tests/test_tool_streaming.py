@@ -139,3 +139,21 @@ def test_openai_stream_deltas_name_first_then_fragments() -> None:
     rest = [d["tool_calls"][0] for d in deltas[1:]]
     assert len(rest) > 3 and all(set(r) == {"index", "function"} for r in rest)
     assert "".join(r["function"]["arguments"] for r in rest) == json.dumps(SUM)
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
+def test_a_long_argument_streams_while_it_is_written(fmt: str) -> None:
+    """A file edit's content: in many fragments as the text arrives (a string value of
+    the tagged formats too; pythonic's values go whole), read back exactly."""
+    big = 'line "one"\n\tline\\two\n' * 300
+    edit = {"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}
+    f = tool_format(fmt)
+    text = f.prefix + f.write("edit", {"path": "a.py", "content": big}) + f.suffix
+    parser = ToolCallParser(frozenset({"edit"}), f, {"edit": edit})
+    events = [e for i in range(0, len(text), 4) for e in parser.read(text[i : i + 4])]
+    events += parser.close()
+    fragments = [e for e in events if isinstance(e, ArgumentsText)]
+    assert len(fragments) > (1 if fmt == "pythonic" else 50)
+    (call,) = parser.calls
+    assert json.loads(call["function"]["arguments"]) == {"path": "a.py", "content": big}
+    assert "".join(e.text for e in fragments) == call["function"]["arguments"]

@@ -151,6 +151,7 @@ class ToolCallParser:
         self._after_call = False  # whitespace (and separators) right after a call go
         self._open: list[tuple[str, str, str]] = []  # the region's begun calls: id, name, args
         self._base = 0  # the index of the region's first call
+        self._read_at = 0  # the region's length when its calls were last read
 
     def read(self, text: str) -> list[ToolEvent]:
         self._buf += text
@@ -180,6 +181,11 @@ class ToolCallParser:
     def _run(self, final: bool, truncated: bool, out: list[ToolEvent]) -> None:
         while True:
             if self._region:
+                # a reading costs the region's length: read again once it grew by a 64th,
+                # so a long call costs O(n log n), not O(n^2) (its fragments only coarsen)
+                if not final and len(self._buf) - self._read_at < len(self._buf) >> 6:
+                    return
+                self._read_at = len(self._buf)
                 take = self.fmt.take(self._buf, final)
                 if take is None:
                     self._stream(self._buf, out)
@@ -212,7 +218,7 @@ class ToolCallParser:
                     self._buf = ""
                 return
             self._text(self._buf[:start], out)
-            self._buf, self._region = self._buf[start:], True
+            self._buf, self._region, self._read_at = self._buf[start:], True, 0
 
     def _opener(self, final: bool) -> int | None:
         """Where the next call region starts (-1: none yet; None: undecided)."""

@@ -67,31 +67,30 @@ class Partial:
     arguments: str
 
 
+# a string (its closing quote as group 1; None: the text ends inside it), or a bracket;
+# matched by the regex engine so a long string value costs no Python loop per character
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(")?|[\[\]{}]', re.DOTALL)
+
+
 def json_end(text: str, start: int) -> int | None:
     """The index after the JSON object or array opening at ``text[start]``; None when
     the text ends first."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text, start):
+        c = m.group()
+        if c[0] == '"':
+            if m.group(1) is None:
+                return None
         elif c in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return m.end()
     return None
 
 
-_STRING_OR_NOT = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
+_STRING_OR_NOT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
 _BLANKS = re.compile(r"[ \t\r\n]+")
 
 

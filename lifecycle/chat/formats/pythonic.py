@@ -22,29 +22,31 @@ _KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=")
 _MAYBE_OPEN = re.compile(r"\s*[A-Za-z_][\w.-]*\s*\Z|\s*\Z")
 
 
+# a quoted string (its closing quote as group 1 or 2), a bracket or a comma
+_PY_TOKEN = re.compile(
+    r"""'[^'\\\n]*(?:\\.[^'\\\n]*)*(')?|"[^"\\\n]*(?:\\.[^"\\\n]*)*(")?|[()\[\]{},]""",
+    re.DOTALL,
+)
+
+
 def _value_end(text: str, i: int) -> int | None:
     """Where the Python literal starting at ``text[i]`` ends: at the ``,`` or ``)`` at
     its own depth (None: the text ends first; -1: a bracket closes what never opened)."""
-    depth, quote, escaped = 0, "", False
-    for j in range(i, len(text)):
-        c = text[j]
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
+    depth = 0
+    for m in _PY_TOKEN.finditer(text, i):
+        c = m.group()
+        if c[0] in "'\"":
+            if m.group(1) is None and m.group(2) is None:
+                # the text ends inside it (maybe inside an escape), or a newline does
+                return None if text[m.end() :] in ("", "\\") else -1
         elif c in "([{":
             depth += 1
         elif c in ")]}":
             if depth == 0:
-                return j if c == ")" else -1
+                return m.start() if c == ")" else -1
             depth -= 1
-        elif c == "," and depth == 0:
-            return j
+        elif depth == 0:
+            return m.start()
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lifecycle.chat.formats.base import (
@@ -20,6 +21,7 @@ from lifecycle.chat.formats.base import (
     lark_string,
 )
 from lifecycle.chat.formats.json_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from lifecycle.core.detok import held_back
 
 __all__ = ["Glm45", "Qwen3Coder", "typed_value"]
 
@@ -75,19 +77,39 @@ def _value_rule(schema: Mapping[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
 
 
+@dataclass(slots=True)
+class _Read:
+    """A block read so far: the name, the complete pairs (key, value text), whether the
+    arguments are closed, and a value begun but not closed (key, its text so far)."""
+
+    name: str
+    pairs: list[tuple[str, str]]
+    closed: bool
+    open_value: tuple[str, str] | None = None
+
+
 class _Tagged(ToolFormat):
     """A ``<tool_call>`` block whose name is found by ``head`` and whose arguments are
-    pairs found by ``pair`` (key, value), closed by ``close``."""
+    pairs (a key, then a value between ``value_open`` and ``value_close``), closed by
+    ``close``. A string value streams as it is written (what may begin a closing tag held
+    back); any other value once closed."""
 
     openers = (TOOL_CALL_OPEN,)
     head = re.compile("")
-    pair = re.compile("")
+    value_open = re.compile("")  # a value's opening tag(s), its key as group 1
+    value_close = ""
+    pair: re.Pattern[str]  # a whole pair: value_open, the value (group 2), value_close
     close = ""
 
-    def _read(self, buf: str) -> tuple[str, list[tuple[str, str]], bool] | None:
-        """The name, the pairs complete so far, whether the arguments are closed."""
+    def __init_subclass__(cls) -> None:
+        cls.pair = re.compile(
+            cls.value_open.pattern + r"(.*?)" + re.escape(cls.value_close) + r"\s*", re.DOTALL
+        )
+
+    def _read(self, buf: str) -> _Read | None:
         limit = buf.find(TOOL_CALL_CLOSE)
-        limit = limit if limit >= 0 else len(buf)
+        ended = limit >= 0
+        limit = limit if ended else len(buf)
         m = self.head.match(buf, len(TOOL_CALL_OPEN), limit)
         if m is None:
             return None
@@ -95,7 +117,14 @@ class _Tagged(ToolFormat):
         while (p := self.pair.match(buf, i, limit)) is not None:
             pairs.append((p.group(1).strip(), self.value_text(p.group(2))))
             i = p.end()
-        return m.group(1).strip(), pairs, buf.startswith(self.close, i)
+        read = _Read(m.group(1).strip(), pairs, buf.startswith(self.close, i))
+        if (v := self.value_open.match(buf, i, limit)) is not None:  # a value not closed yet
+            raw = buf[v.end() : limit]
+            if not ended:  # what may begin a closing tag, and what value_text may drop
+                raw = raw[: len(raw) - held_back(raw, (self.value_close, TOOL_CALL_CLOSE))]
+                raw = raw.removesuffix("\n")
+            read.open_value = (v.group(1).strip(), self.value_text(raw))
+        return read
 
     def value_text(self, raw: str) -> str:
         return raw
@@ -108,17 +137,21 @@ class _Tagged(ToolFormat):
         read = self._read(buf[:used])
         if read is None:
             return Take(used, ok=False, cut=end < 0)
-        name, pairs, _ = read
-        return Take(used, ((name, {k: typed_value(v, None) for k, v in pairs}),))
+        return Take(used, ((read.name, {k: typed_value(v, None) for k, v in read.pairs}),))
 
     def partial(self, buf: str, schemas: Schemas) -> tuple[Partial, ...]:
         read = self._read(buf)
         if read is None:
             return ()
-        name, pairs, closed = read
-        props = (schemas.get(name) or {}).get("properties") or {}
-        typed = [(k, typed_value(v, props.get(k))) for k, v in pairs]
-        return (Partial(name, _render(typed, closed)),)
+        props = (schemas.get(read.name) or {}).get("properties") or {}
+        typed = [(k, typed_value(v, props.get(k))) for k, v in read.pairs]
+        text = _render(typed, read.closed)
+        if read.open_value is not None and not read.closed:
+            key, value = read.open_value
+            if "string" in _types(props.get(key)):  # a string streams as it is written
+                quoted = json.dumps(value, ensure_ascii=False)[:-1]
+                text += (", " if typed else "") + f"{json.dumps(key, ensure_ascii=False)}: {quoted}"
+        return (Partial(read.name, text),)
 
     def pair_rule(self, key: str, value: str) -> str:
         head, tail = self.pair_text(key, "\0").split("\0")
@@ -149,7 +182,7 @@ class _Tagged(ToolFormat):
 class Qwen3Coder(_Tagged):
     name = "qwen3_coder"
     head = re.compile(r"\s*<function=([^>\n]+)>\s*")
-    pair = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
+    value_open, value_close = re.compile(r"<parameter=([^>\n]+)>"), "</parameter>"
     close = "</function>"
 
     def value_text(self, raw: str) -> str:
@@ -166,7 +199,8 @@ class Qwen3Coder(_Tagged):
 class Glm45(_Tagged):
     name = "glm45"
     head = re.compile(r"\s*([^<>\n]+?)\s*(?=\n|<arg_key>|</tool_call>)\s*")
-    pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+    value_open = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.DOTALL)
+    value_close = "</arg_value>"
     close = TOOL_CALL_CLOSE
 
     def pair_text(self, key: str, value: str) -> str:
