@@ -13,10 +13,13 @@ import pytest
 
 from lifecycle.chat.tool_formats import TOOL_FORMATS, detect_tool_format, tool_format
 from lifecycle.chat.tool_params import ToolSpec, tool_grammar
+from lifecycle.chat.tool_prompt import render_chat
 from lifecycle.chat.tools import ToolCallParser, parse_tool_calls
+from modelfile.chat import ChatTemplate
 
 from .llamacpp_vocab import templates_dir
-from .test_tools import _accepts
+from .test_tools import HISTORY, _accepts
+from .tiny_gguf import CHATML
 from .tool_cases import NAMES, TOOLS
 
 TEMPLATES, NO_TEMPLATES = templates_dir()
@@ -182,3 +185,18 @@ def test_real_templates_choose_their_family(template: str, name: str) -> None:
         pytest.skip(NO_TEMPLATES)
     source = (TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
     assert detect_tool_format(source).name == name
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
+def test_a_plain_template_shows_and_asks_for_the_servers_format(fmt: str) -> None:
+    """A template that does not render tools: the prompt's example and the history's calls
+    are in the server's format, and the history's calls read back as they were sent."""
+    spec = ToolSpec(tuple(TOOLS), "auto")
+    text = render_chat(ChatTemplate(CHATML), HISTORY, tools=spec, fmt=tool_format(fmt))
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    content, calls = parse_tool_calls(turn, NAMES, tool_format(fmt), schemas=spec.schemas)
+    sent = [c["function"] for c in HISTORY[2]["tool_calls"]]
+    assert content is None
+    assert _calls(calls) == [(c["name"], json.loads(c["arguments"])) for c in sent]
+    example = tool_format(fmt).write("function_name", {"argument": "value"})
+    assert (example in text) is (fmt != "qwen25")

@@ -165,6 +165,7 @@ class OpenAIAPI:
                 add_generation_prompt=not continue_final,
                 continue_final=continue_final,
                 variables=variables,
+                fmt=self.tool_format,
             )
         except ValueError as exc:  # ChatTemplateError: the template refused the messages
             raise OpenAIError(str(exc), param="messages") from None

@@ -6,9 +6,10 @@ JSON text to a template that refuses objects).
 Any other template (SmolLM2's is plain ChatML) gets plain text messages:
 
 - the tools described by ``tools_system_block`` at the end of the first system message
-  (or as a system message of their own, first);
-- an assistant message's ``tool_calls`` written after its content as the
-  ``<tool_call>`` blocks the model is asked to write (``tools.py``);
+  (or as a system message of their own, first), with the server's format shown
+  (``<tool_call>`` blocks, Qwen2.5's, unless ``--tool-call-parser`` names another);
+- an assistant message's ``tool_calls`` written after its content as the calls the
+  model is asked to write (``tools.py``);
 - each ``tool`` message as ``<tool_response>\\n{content}\\n</tool_response>`` in a
   ``user`` turn, consecutive ones in the same turn (Qwen2.5's layout).
 """
@@ -27,10 +28,11 @@ from lifecycle.chat.tools import (
 )
 
 if TYPE_CHECKING:
+    from lifecycle.chat.tool_formats import ToolFormat
     from lifecycle.chat.tool_params import ToolSpec
     from modelfile.chat import ChatTemplate
 
-__all__ = ["TOOLS_PROMPT", "render_chat", "tool_call_block", "tools_system_block"]
+__all__ = ["OTHER_FORMAT", "TOOLS_PROMPT", "render_chat", "tool_call_block", "tools_system_block"]
 
 TOOLS_PROMPT = """# Tools
 
@@ -47,10 +49,26 @@ To call a function, write one JSON object with its name and its arguments inside
 </tool_call>"""
 
 
-def tools_system_block(spec: ToolSpec) -> str:
-    """The default description of ``spec``'s tools, one JSON line each."""
+# how the prompt shows a call in a format other than Qwen2.5's
+OTHER_FORMAT = """To call a function, write the call in this format (one or more calls, nothing \
+else around them):
+{example}"""
+
+
+def _calls_text(fmt: ToolFormat, calls: list[tuple[str, Any]]) -> str:
+    """Calls as ``fmt`` writes them, with its list's markers around them."""
+    body = fmt.separator.join(fmt.write(name, args) for name, args in calls)
+    return fmt.prefix + body + fmt.suffix
+
+
+def tools_system_block(spec: ToolSpec, fmt: ToolFormat | None = None) -> str:
+    """The default description of ``spec``'s tools, one JSON line each, and how to call
+    them (in ``fmt``'s format; Qwen2.5's by default)."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in spec.tools)
     text = TOOLS_PROMPT.replace("{tools}", lines)
+    if fmt is not None and fmt.name != "qwen25":
+        example = _calls_text(fmt, [("function_name", {"argument": "value"})])
+        text = text[: text.index("To call a function")] + OTHER_FORMAT.format(example=example)
     if spec.choice == "function":
         text += f"\n\nCall the function {spec.name} now."
     elif spec.choice == "required":
@@ -77,7 +95,21 @@ def tool_call_block(call: dict[str, Any]) -> str:
     return f'{TOOL_CALL_OPEN}\n{{"name": {name}, "arguments": {body}}}\n{TOOL_CALL_CLOSE}'
 
 
-def _plain(messages: Sequence[dict[str, Any]], spec: ToolSpec | None) -> list[dict[str, Any]]:
+def _history_calls(calls: list[dict[str, Any]], fmt: ToolFormat | None) -> list[str]:
+    """An assistant message's calls as the model writes them."""
+    if fmt is None or fmt.name == "qwen25":
+        return [tool_call_block(c) for c in calls]
+    named = []
+    for c in calls:
+        fn = c.get("function") or {}
+        args = _arguments(fn.get("arguments", "{}"))
+        named.append((str(fn.get("name")), args if isinstance(args, dict) else {}))
+    return [_calls_text(fmt, named)]
+
+
+def _plain(
+    messages: Sequence[dict[str, Any]], spec: ToolSpec | None, fmt: ToolFormat | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     answers = -1  # index in out of the user turn holding the last tool responses
     for m in messages:
@@ -93,11 +125,11 @@ def _plain(messages: Sequence[dict[str, Any]], spec: ToolSpec | None) -> list[di
                 answers = len(out) - 1
             continue
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            parts = [m.get("content") or "", *(tool_call_block(c) for c in m["tool_calls"])]
+            parts = [m.get("content") or "", *_history_calls(m["tool_calls"], fmt)]
             m = {"role": "assistant", "content": "\n".join(p for p in parts if p)}
         out.append(m)
     if spec is not None:
-        block = tools_system_block(spec)
+        block = tools_system_block(spec, fmt)
         if out and out[0].get("role") == "system":
             first = out[0].get("content") or ""
             out[0] = {**out[0], "content": f"{first}\n\n{block}" if first else block}
@@ -141,8 +173,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final: bool = False,
     variables: Mapping[str, Any] | None = None,
+    fmt: ToolFormat | None = None,
 ) -> str:
-    """The prompt text of a chat and its tools (``tools`` None: no tools rendered).
+    """The prompt text of a chat and its tools (``tools`` None: no tools rendered; ``fmt``:
+    the format a template that does not render tools asks for, Qwen2.5's by default).
     Content parts reach a template that loops over them, else their text joined;
     ``continue_final``: the text stops after the last message's content (transformers'
     ``continue_final_message``); ``variables``: ``chat_template_kwargs``."""
@@ -158,4 +192,4 @@ def render_chat(
                 raise
         # a template that takes arguments only as JSON text (functionary v3.2's)
         return template.render(_native(messages, True), add_generation_prompt, tools=listed, **kw)
-    return template.render(_plain(messages, tools), add_generation_prompt, **kw)
+    return template.render(_plain(messages, tools, fmt), add_generation_prompt, **kw)
