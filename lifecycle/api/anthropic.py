@@ -123,6 +123,7 @@ class AnthropicAPI:
                 return anthropic_reply(refused)
             choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
                                  tools=tools, tool_format=o.tool_format,
+                                 tool_schemas=oreq.tools.schemas if oreq.tools else None,
                                  reasoning=o.reasoning)  # fmt: skip
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
@@ -161,7 +162,7 @@ class AnthropicAPI:
         yield _event("ping")
         blocks = _Blocks()
         async for _index, _sample, frame in call.frames(True):
-            for d in choice.deltas(frame["text"], choice.sample.finish is not None):
+            for d in choice.deltas(frame["text"], choice.sample.finish is not None, streamed=True):
                 for event in blocks.events(d):
                     yield event
         failed = call.error()
