@@ -110,7 +110,7 @@ def test_abort_does_not_kill_other_clients_decode(srv: LiveServer) -> None:
             {
                 "input_ids": [21, 22, 23],
                 "rid": "b",
-                "sampling_params": {"max_new_tokens": 60, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": 150, "ignore_eos": True},
             },
         )
 
@@ -119,16 +119,20 @@ def test_abort_does_not_kill_other_clients_decode(srv: LiveServer) -> None:
     t = threading.Thread(target=run_b)
     t.start()
     a_queued = clients.open({"input_ids": [6], "rid": "a-queued", **LONG})
-    srv.wait_until(lambda i: i["internal_states"][0]["waiting"] >= 1)
+    # All three held by the worker (two running, one waiting) before the aborts: b
+    # reaching the server after them, or (60 tokens before) ending first, proved nothing.
+    srv.wait_until(lambda i: i["internal_states"][0]["waiting"] >= 1
+                   and i["internal_states"][0]["running"] >= 2)  # fmt: skip
+    assert t.is_alive(), "b ended before the aborts were sent"
     for rid in ("a-queued", "a-run"):
         assert httpx.post(srv.url + "/abort_request", json={"rid": rid}).status_code == 200
-    t.join(20)
+    t.join(30)
     events = result["b"]
     assert events[-1] == "[DONE]"
     last = events[-2]
     assert "error" not in last
-    assert last["output_ids"] == ([21, 22, 23] * 20)[:60]
-    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert last["output_ids"] == ([21, 22, 23] * 50)[:150]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
     a_running.close()
     a_queued.close()
     srv.assert_invariants()

@@ -34,6 +34,10 @@ from modelfile.gguf_file import GGUFFile, default_model_path
 from tests.threads import torch_threads
 
 KERNELS = native.load_kernels()
+# One block of x whose int8 scale is exactly 1 (amax 127) and whose other values lie
+# half-way between integers: every build must round them half to even, as llama.cpp's
+# nearbyintf and the SIMD builds' round_ps do (a build rounding half away differs here).
+TIES = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])
 pytestmark = pytest.mark.skipif(
     KERNELS is None,
     reason="native kernels off (LIFECYCLE_NATIVE=0) or not buildable here (no C compiler, "
@@ -168,7 +172,7 @@ def test_every_path_is_the_definition(qtype: GGMLQuantizationType) -> None:
     k = kdim(qtype, 1536)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(11)) * 3
     x[3] = 0.0  # a zero block: scale 0
-    x[5, :32] = torch.arange(32) - 16.5  # ties at the rounding
+    x[5, :32] = TIES  # exact ties at the int8 rounding
     blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=11))
     ref = kernels().q_linear_reference(x, blocks, int(qtype))
     with torch_threads(2):
@@ -182,7 +186,7 @@ def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: st
     other = native.load_kernels_built_for(isa)
     x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(9))
     x[3] = 0.0  # a zero block: scale 0
-    x[5, :32] = torch.arange(32) - 16.5  # ties at the rounding
+    x[5, :32] = TIES  # exact ties at the int8 rounding
     blocks = torch.from_numpy(random_blocks(qtype, 51, 1536, seed=9))
     for m in (1, 2, 5, 70):
         assert torch.equal(
