@@ -25,8 +25,9 @@ forced and parsed as on ``/v1/chat/completions`` (docs/tools.md). ``function_cal
 ``function_call_output`` input items become the assistant's ``tool_calls`` and ``tool``
 messages. Calls come out as ``function_call`` output items (after the message, which is
 left out when it has no text); a stream with tools opens the message item at its first
-text and sends each call as ``response.output_item.added``,
-``response.function_call_arguments.delta`` and ``.done``, ``response.output_item.done``.
+text and sends each call as ``response.output_item.added`` at its head (name and id),
+``response.function_call_arguments.delta`` as its arguments are written, then ``.done``
+and ``response.output_item.done``.
 A reasoning model's reasoning (docs/api.md, "Reasoning") is a ``reasoning`` output item
 first, its text as one ``reasoning_text`` content part; streamed as
 ``response.reasoning_text.delta`` and ``.done`` events between the item's ``added`` and
@@ -297,14 +298,17 @@ class ResponsesAPI:
         self, call: GenerateCall, choice: ChoiceState, reply: _Reply
     ) -> AsyncIterator[bytes]:
         """With tools or reasoning: output items in the order they appear, the reasoning
-        item at its first text, the message at its first text, each call whole as the
-        parser finds it."""
+        item at its first text, the message at its first text, each call at its head
+        (name and id), its arguments as they are written, done when the parser has it
+        whole."""
         yield reply.event("response.created", response=reply.envelope("in_progress"))
         yield reply.event("response.in_progress", response=reply.envelope("in_progress"))
         items: list[dict[str, Any]] = []  # the output so far, completed ones as sent
         text, msg_index, thought, rs_index = "", None, "", None
+        open_calls: dict[int, int] = {}  # a call's parser index -> its output index
         async for _index, _sample, frame in call.frames(True):
-            for d in choice.deltas(frame["text"], choice.sample.finish is not None):
+            ended = choice.sample.finish is not None
+            for d in choice.deltas(frame["text"], ended, streamed=True):
                 if d.get("reasoning_content"):
                     if rs_index is None:
                         rs_index = len(items)
@@ -331,19 +335,20 @@ class ResponsesAPI:
                     yield reply.event("response.output_text.delta", **reply.where(),
                                       delta=d["content"], logprobs=[])  # fmt: skip
                 for tc in d.get("tool_calls") or ():
-                    if "id" not in tc or choice.parser is None:
-                        continue  # the arguments delta: the call is whole in the parser
-                    done = reply.function_call(choice.parser.calls[tc["index"]], "completed")
-                    index = len(items)
-                    items.append(done)
-                    yield reply.event("response.output_item.added", output_index=index,
-                                      item={**done, "status": "in_progress", "arguments": ""})  # fmt: skip
-                    where = {"item_id": done["id"], "output_index": index}
-                    yield reply.event("response.function_call_arguments.delta", **where,
-                                      delta=done["arguments"])  # fmt: skip
-                    yield reply.event("response.function_call_arguments.done", **where,
-                                      arguments=done["arguments"])  # fmt: skip
-                    yield reply.event("response.output_item.done", output_index=index, item=done)
+                    if "id" in tc:  # a call's head: its item opens, arguments to come
+                        open_calls[tc["index"]] = len(items)
+                        items.append(reply.function_call(tc, "in_progress"))
+                        yield reply.event("response.output_item.added",
+                                          output_index=open_calls[tc["index"]],
+                                          item=items[-1])  # fmt: skip
+                    fragment = tc["function"].get("arguments")
+                    if fragment:  # the arguments as they are written
+                        index = open_calls[tc["index"]]
+                        yield reply.event("response.function_call_arguments.delta",
+                                          item_id=items[index]["id"], output_index=index,
+                                          delta=fragment)  # fmt: skip
+            async for event in _calls_done(reply, choice, items, open_calls):
+                yield event
         failed = call.error()
         if failed is not None:
             async for event in _failed(reply, *failed):
@@ -367,6 +372,20 @@ class ResponsesAPI:
             items.append(reply.message("", status))  # reasoning only: an empty message
         final = reply.final(text, finish, self._usage(call, choice), items=items)
         yield reply.event(_terminal_event(final), response=final)
+
+
+async def _calls_done(
+    reply: _Reply, choice: ChoiceState, items: list[dict[str, Any]], open_calls: dict[int, int]
+) -> AsyncIterator[bytes]:
+    """The calls the parser has completed (``parser.calls`` holds a call once it ended,
+    a cut one at the end of the output) end: their arguments whole, then the item."""
+    calls = choice.parser.calls if choice.parser is not None else []
+    for k in sorted(k for k in open_calls if k < len(calls)):
+        index = open_calls.pop(k)
+        items[index] = done = reply.function_call(calls[k], "completed")
+        yield reply.event("response.function_call_arguments.done", item_id=done["id"],
+                          output_index=index, arguments=done["arguments"])  # fmt: skip
+        yield reply.event("response.output_item.done", output_index=index, item=done)
 
 
 async def _reasoning_done(
