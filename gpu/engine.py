@@ -45,6 +45,7 @@ from wire import (
     pack_id,
 )
 from wire.faults import active_plan, fault_point
+from wire.reasoning_budget import BudgetState
 from wire.sampling import STOP_REGEX_WINDOW
 from wire.worker_options import DEFAULT_BLOCK_SIZE, MIXED_GRAPH_MODES
 
@@ -245,6 +246,8 @@ class Engine:
         seq = Sequence(e.rid, prompt, len(prompt), params, opts, self.generator(params.seed))
         seq.eog_ids = self._eog
         seq.forks = params.n - 1
+        if opts.reasoning_budget is not None:
+            seq.budget = BudgetState(opts.reasoning_budget)
         if opts.return_logprob and opts.logprob_start_len >= 0:
             # Positions whose logits score prompt tokens must be computed, not reused.
             seq.prefix_limit = max(opts.logprob_start_len - 1, 0)
@@ -485,6 +488,8 @@ class Engine:
             if tok == NON_FINITE:
                 self._fail(seq, NON_FINITE_MESSAGE)
                 continue
+            if seq.budget is not None:  # the reasoning's end forced in place of the sample
+                tok = seq.budget.next(tok)
             extra = token_extra(seq, i, tok, lp, hidden) if extras else {}
             if faults and (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
                 extra = {**extra, "logprobs": b"\x01\x02\x03"}  # a malformed field

@@ -80,6 +80,7 @@ def _make_child(engine: Engine, parent: Sequence, k: int) -> Sequence | None:
         matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
         grammar_info=parent.grammar_info,
         eog_ids=parent.eog_ids,
+        budget=None if parent.budget is None else parent.budget.copy(),
     )
     engine.seqs[rid] = child
     sched, bs = engine.scheduler, engine.config.block_size

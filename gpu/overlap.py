@@ -35,7 +35,8 @@ def overlap_on(mode: str, device: torch.device) -> bool:
 def flies(seq: Sequence) -> bool:
     """Whether a row's token may stay unread until the next step is launched: no grammar
     matcher to advance, no penalty, bias or EOG mask over its output, no forks to make,
-    no logprobs or hidden states to gather."""
+    no logprobs or hidden states to gather, no end of its reasoning to force in its place
+    (the next step would read the sampled token on the device)."""
     o = seq.options
     return (
         seq.plain
@@ -43,6 +44,7 @@ def flies(seq: Sequence) -> bool:
         and not seq.forks
         and not o.return_logprob
         and not o.return_hidden_states
+        and (seq.budget is None or not seq.budget.forcing)
     )
 
 

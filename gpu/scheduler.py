@@ -21,6 +21,7 @@ import torch
 
 from gpu.kv_cache import BlockManager
 from wire.options import RequestOptions
+from wire.reasoning_budget import BudgetState
 from wire.sampling import SamplingParams
 
 __all__ = ["Scheduler", "SchedulerConfig", "Sequence"]
@@ -66,6 +67,8 @@ class Sequence:
     # Overlapped steps (``Engine``): the last token is a placeholder for the one the step
     # in flight sampled at this index; its real value is known when that step resolves.
     future: int | None = None
+    # The request's thinking budget (``wire/reasoning_budget.py``): the end it forces.
+    budget: BudgetState | None = None
     # What the sampler asks of every row each step, read from ``params`` once.
     greedy: bool = field(init=False)
     plain: bool = field(init=False)  # no bias, penalty or EOG mask changes its logits

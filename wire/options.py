@@ -12,6 +12,7 @@ from typing import Any
 
 from wire.embed import EmbedOptions
 from wire.frames import pack_ids
+from wire.reasoning_budget import ReasoningBudget
 from wire.sampling import get_bool, get_int, token_ids
 
 __all__ = ["MAX_TOP_LOGPROBS", "PROMPT_LOGPROB_BYTES", "RequestOptions"]
@@ -29,6 +30,7 @@ class RequestOptions:
     token_ids_logprob: tuple[int, ...] = ()
     return_hidden_states: bool = False
     embed: EmbedOptions | None = None  # prefill only: the pooled final hidden state
+    reasoning_budget: ReasoningBudget | None = None  # the reasoning closed after N tokens
 
     def check(self, vocab_size: int, prompt_len: int) -> None:
         """``ValueError`` with a user-facing message for values outside the bounds."""
@@ -39,6 +41,8 @@ class RequestOptions:
         get_int(as_map, "logprob_start_len", -1, -1, max(prompt_len - 1, 0))
         get_int(as_map, "top_logprobs_num", 0, 0, min(vocab_size, MAX_TOP_LOGPROBS))
         token_ids(list(self.token_ids_logprob), "token_ids_logprob", vocab_size)
+        if self.reasoning_budget is not None:
+            self.reasoning_budget.check(vocab_size)
         if self.embed is not None and self.return_logprob:
             raise ValueError("an embed request samples nothing: n must be 1, without logprobs")
         if self.return_logprob and self.logprob_start_len >= 0:
@@ -66,6 +70,8 @@ class RequestOptions:
             o["return_hidden_states"] = True
         if self.embed is not None:
             o["embed"] = self.embed.to_wire()
+        if self.reasoning_budget is not None:
+            o["reasoning_budget"] = self.reasoning_budget.to_wire()
         return o
 
     @classmethod
@@ -83,6 +89,9 @@ class RequestOptions:
             embed=None
             if options.get("embed") is None
             else EmbedOptions.from_wire(options["embed"]),
+            reasoning_budget=None
+            if options.get("reasoning_budget") is None
+            else ReasoningBudget.from_wire(options["reasoning_budget"], vocab_size),
         )
         opts.check(vocab_size, prompt_len)
         return opts

@@ -6,8 +6,11 @@ sample echoes its prompt ids cyclically, one token per step (sample ``i`` of an 
 request starts ``i`` tokens further on), so the expected output of any request is a pure
 function of its prompt. An embed request (options ``"embed"``) ends in its first step
 with a vector that is a pure function of its prompt ids, its pooling and ``normalize``
-(``scripted_embedding``), of the ``hidden_size`` its HELLO advertises. It keeps worker-like books (waiting and running queues, KV blocks
-held per sequence) so the frontend's release guarantees can be checked through STATS.
+(``scripted_embedding``), of the ``hidden_size`` its HELLO advertises. A thinking budget
+(options ``"reasoning_budget"``) replaces echoed ids by the forced end as the model's
+worker does (``wire.BudgetState``). It keeps worker-like books (waiting and running
+queues, KV blocks held per sequence) so the frontend's release guarantees can be checked
+through STATS.
 
 Several frontends may connect at once (``serve --frontends N``), as to ``gpu.worker``;
 each connection is served by scripted books of its own (the same configuration each),
@@ -77,6 +80,7 @@ class _Seq:
     aborted: bool = False
     chunks_left: int = 0  # prefill steps still to run before the first token
     out: list[int] = field(default_factory=list)
+    budget: wire.BudgetState | None = None  # a thinking budget: its end forced, as the worker's
 
 
 class ScriptedWorker:
@@ -175,6 +179,8 @@ class ScriptedWorker:
             for i in range(n):
                 seq = _Seq(e.rid + i, prompt, i, max_new, frozenset(stops), opts)
                 seq.chunks_left = max(0, chunks)
+                if opts.reasoning_budget is not None:
+                    seq.budget = wire.BudgetState(opts.reasoning_budget)
                 self.waiting.append(seq)
         self._wake.set()
 
@@ -218,6 +224,8 @@ class ScriptedWorker:
         if seq.max_new == 0:
             return self._end(seq, [], [wire.Finish.LENGTH, 0], extra)
         tok = seq.prompt[(seq.generated + seq.offset) % len(seq.prompt)]
+        if seq.budget is not None:
+            tok = seq.budget.next(tok)
         seq.generated += 1
         _token_logprobs(seq, tok, extra)
         if (f := fault_point("worker.sample", seq.rid)) is not None:
