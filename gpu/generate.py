@@ -19,6 +19,7 @@ tune_cpu_runtime()  # before torch is imported (gpu.engine imports it)
 from gpu.engine import DEFAULT_BLOCK_SIZE, Engine, EngineConfig  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
+from modelfile.hub import resolve_model  # noqa: E402
 from wire import Finish, SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
@@ -88,7 +89,7 @@ def run_generate(
 ) -> int:
     """Print a greedy continuation of ``prompt``; returns the process exit code."""
     try:
-        lm = load_model(model, device=device)
+        lm = load_model(resolve_model(model).path, device=device)  # a path, or ORG/NAME[:QUANT]
     except ModelFileError as exc:  # a file this runtime cannot run: as `lifecycle serve`
         print(f"error: {exc}", file=sys.stderr)
         return 2

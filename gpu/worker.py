@@ -49,6 +49,7 @@ from gpu.worker_config import (  # noqa: E402
     refused_at_start,
 )
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
+from modelfile.hub import resolve_model  # noqa: E402
 from modelfile.source import model_bytes  # noqa: E402
 from wire.address import listen_unix, parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
@@ -432,6 +433,11 @@ def serve(
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config = parse_config(argv)
+    try:  # --model ORG/NAME[:QUANT] (a standalone worker; serve passes the path it resolved)
+        config = replace(config, model_path=resolve_model(config.model_path).path)
+    except ModelFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if (f := fault_point("worker.start")) is not None:
         f.apply()
     address = parse_address(config.listen)

@@ -35,7 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="print a greedy continuation of a prompt (offline)")
     gen.add_argument("prompt")
     gen.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face folder or Hub repo ORG/NAME[:QUANT] (default: bundled "
+        "SmolLM2)",
     )
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -71,11 +74,11 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     )
     if args.faults:
         _install_faults(args.faults)
-    cfg = app_config(option_values(args))
     from modelfile.check import check_model
     from modelfile.gguf_meta import ModelFileError
 
     try:  # before anything listens or spawns: one line, not a worker's traceback
+        cfg = app_config(option_values(args))  # a Hub repo id fetched (modelfile.hub)
         model = check_model(cfg.model, cfg.context_length, cfg.chat_template)
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -119,11 +119,25 @@ _SWITCH: dict[str, Any] = {"type": None, "default": False}
 OPTIONS: tuple[Option, ...] = (
     _o(
         "model",
-        "GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json; "
-        "default: the bundled SmolLM2-135M-Instruct)",
+        "a GGUF file, a Hugging Face folder (config.json, *.safetensors, tokenizer.json), "
+        "or a Hub repo id ORG/NAME[:QUANT] fetched into the Hugging Face cache (HF_HOME, "
+        "HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE): a GGUF repo's file by its quant tag "
+        "(default Q4_K_M, or its one file), a safetensors repo's config, tokenizer and "
+        "weights (default: the bundled SmolLM2-135M-Instruct)",
         _MODEL,
     ),
-    _o("served_model_name", "the model's name in the OpenAI API", _MODEL),
+    _o("revision", "the Hub repo's branch, tag or commit (default: main)", _MODEL),
+    _o(
+        "hf_file",
+        "the GGUF file of the Hub repo to serve, by its path in the repo (instead of :QUANT)",
+        _MODEL,
+        metavar="FILE",
+    ),
+    _o(
+        "served_model_name",
+        "the model's id in the APIs (default: the repo id, or the file or folder's name)",
+        _MODEL,
+    ),
     _o(
         "weight_version",
         "the weights' version, reported as meta_info.weight_version and by /model_info",

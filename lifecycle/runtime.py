@@ -31,6 +31,7 @@ from lifecycle.options import OPTIONS, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
+from modelfile.hub import repo_of_path, resolve_model
 from wire.auth import resolve_token
 from wire.worker_options import WORKER_OPTIONS
 
@@ -56,6 +57,9 @@ class AppConfig:
     frontend_index: int | None = None  # which of --frontends N this process is; None: alone
     frontends_dir: str | None = None  # --frontends N: the folder where their metrics meet
     model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
+    revision: str | None = None  # --model ORG/NAME: the repo's branch, tag or commit
+    hf_file: str | None = None  # --model ORG/NAME: the GGUF file chosen by name
+    model_repo: str | None = None  # the Hub repo ``model`` was fetched from (its id)
     served_model_name: str | None = None
     weight_version: str = _DEFAULT[
         "weight_version"
@@ -140,13 +144,17 @@ _UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys", "worker_token"})
 
 def model_id(cfg: AppConfig, model_path: str) -> str:
     """The model's name in the APIs (``/v1/models``, each reply's ``model``):
-    ``--served-model-name``, else the model file's name without ``.gguf`` (a folder's
+    ``--served-model-name``, else the Hub repo id it was fetched by (or whose cache
+    snapshot folder it is), else the model file's name without ``.gguf`` (a folder's
     name), as llama-server and SGLang name it by its path; never the file's free-text
     ``general.name``, which may hold spaces."""
     if cfg.served_model_name:
         return cfg.served_model_name
-    name = Path(model_path).name
-    return name.removesuffix(".gguf") if not Path(model_path).is_dir() else name
+    if cfg.model_repo:  # --model ORG/NAME[:QUANT]
+        return cfg.model_repo
+    if Path(model_path).is_dir():  # a hub cache snapshot's folder is its repo's
+        return repo_of_path(model_path) or Path(model_path).name
+    return Path(model_path).name.removesuffix(".gguf")
 
 
 def server_args(cfg: AppConfig, model_path: str) -> dict[str, Any]:
@@ -380,14 +388,19 @@ def _per_frontend(path: str | None) -> str | None:
 
 def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     """The ``AppConfig`` for a full set of option values (``option_values`` or
-    ``engine_values``); ``fixed`` sets AppConfig fields that are not options."""
+    ``engine_values``); ``fixed`` sets AppConfig fields that are not options. A Hub
+    repo id in ``model`` is resolved here, once (``modelfile.hub.resolve_model``: a
+    ``HubModelError`` when it cannot be), and the config carries its local path."""
     v = dict(values)
+    model = resolve_model(v["model"], v["revision"], v["hf_file"])  # HubModelError
+    v["model"] = model.path
     keys = list(v["api_key"] or ())
     if v["api_key_file"]:
         keys += read_key_file(v["api_key_file"])
     public = tuple(v["public_route"] or DEFAULT_PUBLIC_ROUTES)
     fields: dict[str, Any] = dict(
         **{k: v[k] for k in _PLAIN},
+        model_repo=model.repo_id,
         worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
         worker_extra_args=tuple(_split_args(v["worker_args"])),
         restart_backoff=_backoff(v["restart_backoff"]),
@@ -420,6 +433,8 @@ _PLAIN = (
     "frontends",
     "reuse_port",
     "model",
+    "revision",
+    "hf_file",
     "served_model_name",
     "weight_version",
     "strict_model_name",

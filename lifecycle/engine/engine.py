@@ -63,7 +63,10 @@ class Engine:
         from lifecycle.config import layered
 
         values = engine_values(model, {**layered(config, os.environ, server=False), **options})
-        self.config = app_config(values, debug_routes=True)
+        try:  # a Hub repo id is fetched here (modelfile.hub)
+            self.config = app_config(values, debug_routes=True)
+        except ModelFileError as exc:
+            raise EngineError(Cause.NOT_READY, f"the model did not load: {exc}") from None
         self._faults(values.get("faults"))
         self._loop: EngineLoop | None = EngineLoop(_shut_down)
         self._runtime_task: Future[Any] | None = None
