@@ -285,3 +285,9 @@ def test_the_engine_resolves_the_same_way(offline: Hub) -> None:
 
     with pytest.raises(EngineError, match=r"org/absent: no such file or folder, and no model"):
         Engine("org/absent")
+    with Engine("org/tiny-GGUF:Q8_0", device="cpu") as engine:
+        args = engine.server_info()
+        out = engine.generate(input_ids=[5, 9, 17], sampling_params={"max_new_tokens": 2})
+    assert args["served_model_name"] == GGUF_REPO and args["model_repo"] == GGUF_REPO
+    assert args["model_path"] == str(_snapshot(offline, GGUF_REPO) / "Tiny-Q8_0.gguf")
+    assert out["meta_info"]["completion_tokens"] == 2
