@@ -13,7 +13,7 @@ import pytest
 
 from gpu.engine import NON_FINITE_MESSAGE
 from tests.tiny_gguf import TinyModel
-from tests.worker_client import WorkerClient, spawn_worker
+from tests.worker_client import WorkerClient, served_worker
 from wire import Stats, StatsReq, f32s_to_list
 from wire.faults import ENV_VAR, FaultPlan, FaultRule
 
@@ -31,16 +31,9 @@ def _worker(
     *extra: str,
 ) -> Iterator[WorkerClient]:
     monkeypatch.setenv(ENV_VAR, FaultPlan(rules).to_json())
-    proc = spawn_worker(path, "--model", str(tiny.path), "--kv-cache-tokens", "256", *extra)
-    monkeypatch.delenv(ENV_VAR)
-    try:
-        c = WorkerClient(path, timeout=120)
+    with served_worker(path, "--model", str(tiny.path), "--kv-cache-tokens", "256", *extra) as c:
+        monkeypatch.delenv(ENV_VAR)  # the worker has it; nothing started later does
         yield c
-        c.close()
-        assert proc.poll() is None, "the worker died"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _sound_and_serving(c: WorkerClient, rid: int) -> None:

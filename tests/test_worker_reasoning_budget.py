@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.tiny_gguf import TinyModel
-from tests.worker_client import Result, WorkerClient, spawn_worker
+from tests.worker_client import Result, WorkerClient, served_worker
 from wire import ReasoningBudget, ids_to_list
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,19 +25,13 @@ PROMPT = [20, 21, 22]
 
 @pytest.fixture(params=["off", "on"], ids=["synchronous", "overlapped"])
 def client(
-    request: pytest.FixtureRequest, tiny_gguf: TinyModel, tmp_path
-) -> Iterator[WorkerClient]:  # noqa: ANN001
-    path = str(tmp_path / "w.sock")
-    proc = spawn_worker(path, "--model", str(tiny_gguf.path), "--kv-cache-tokens", "512",
-                        "--overlap", request.param)  # fmt: skip
-    try:
-        c = WorkerClient(path, timeout=120)
+    request: pytest.FixtureRequest,
+    tiny_gguf: TinyModel,
+    tmp_path,  # noqa: ANN001
+) -> Iterator[WorkerClient]:
+    args = ("--model", str(tiny_gguf.path), "--kv-cache-tokens", "512", "--overlap", request.param)
+    with served_worker(str(tmp_path / "w.sock"), *args) as c:
         yield c
-        c.close()
-        assert proc.poll() is None, "the worker died"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _run(c: WorkerClient, rid: int, budget: ReasoningBudget | None, **opts: Any) -> Result:

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from wire import (
     pack_ids,
 )
 
-__all__ = ["Result", "WorkerClient", "spawn_worker"]
+__all__ = ["Result", "WorkerClient", "served_worker", "spawn_worker"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +49,21 @@ def spawn_worker(sock_path: str, *args: str) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+@contextmanager
+def served_worker(sock_path: str, *args: str, timeout: float = 120) -> Iterator[WorkerClient]:
+    """A worker process and a client connected to it; the worker must still be up when
+    the block ends, and is killed then."""
+    proc = spawn_worker(sock_path, *args)
+    try:
+        c = WorkerClient(sock_path, timeout=timeout)
+        yield c
+        c.close()
+        assert proc.poll() is None, "the worker died"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass

@@ -9,7 +9,9 @@ and its ``thinking`` its reasoning; a trailing assistant message is a prefill
 (``continue_final_message``: the reply continues it). ``tools`` (``input_schema``) are
 chat's function tools, ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` chat's
 ``auto`` / ``required`` / a named function / ``none``, ``disable_parallel_tool_use``
-``parallel_tool_calls: false``. Image and document blocks are refused (a text model).
+``parallel_tool_calls: false``. ``thinking`` is the template's ``enable_thinking`` and
+its ``budget_tokens`` chat's ``thinking_token_budget``. Image and document blocks are
+refused (a text model).
 
 Errors are raised as ``OpenAIError`` (one error class for every request parser) and
 answered in Anthropic's envelope (``anthropic_reply``): ``{"type": "error", "error":
@@ -43,10 +45,10 @@ ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 _SAME = {"model": "model", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
          "stream": "stream", "stop_sequences": "stop"}  # fmt: skip
 # Accepted and ignored: bookkeeping that changes nothing here (no prompt-cache control,
-# no tiers); ``thinking`` is accepted, the reasoning a reasoning model writes is split out.
-_IGNORED = ("metadata", "service_tier", "cache_control", "inference_geo", "thinking")
+# no tiers).
+_IGNORED = ("metadata", "service_tier", "cache_control", "inference_geo")
 _ACCEPTED = frozenset({"messages", "system", "max_tokens", "tools", "tool_choice",
-                       "output_config", *_SAME, *_IGNORED})  # fmt: skip
+                       "output_config", "thinking", *_SAME, *_IGNORED})  # fmt: skip
 _NOT_READ = ("image", "document", "search_result", "container_upload")
 
 # HTTP status -> Anthropic's error type (docs.anthropic.com, "Errors").
@@ -110,7 +112,7 @@ def messages_chat_body(body: Any, *, count: bool = False) -> dict[str, Any]:
         if key not in _ACCEPTED and not accept_unknown(where, key):
             raise _bad(f"{key}: Extra inputs are not permitted")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    chat: dict[str, Any] = {"messages": messages, **_tool_fields(body)}
+    chat: dict[str, Any] = {"messages": messages, **_tool_fields(body), **_thinking(body)}
     if messages[-1]["role"] == "assistant":
         chat["continue_final_message"] = True  # a prefill: the reply continues it
     stops = body.get("stop_sequences")
@@ -261,6 +263,28 @@ def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
     if choice.get("disable_parallel_tool_use") is True and kind != "none":
         out["parallel_tool_calls"] = False
     return out
+
+
+def _thinking(body: dict[str, Any]) -> dict[str, Any]:
+    """``thinking`` as chat's fields: ``enabled`` turns the template's thinking on
+    (``enable_thinking``, which Qwen3's, DeepSeek's and GLM's templates read) with its
+    ``budget_tokens`` as the thinking budget (``thinking_token_budget``); ``disabled``
+    turns it off; ``adaptive`` turns it on without a budget. Anthropic's floor of 1024
+    budget tokens is not kept: a small local model may be given less."""
+    raw = body.get("thinking")
+    if raw is None:
+        return {}
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise _bad("thinking.type: must be 'enabled', 'disabled' or 'adaptive'")
+    chat: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
+    if kind == "enabled":
+        budget = raw.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise _bad(f"thinking.budget_tokens: must be an integer of at least 0, got "
+                       f"{budget!r}")  # fmt: skip
+        chat["thinking_token_budget"] = budget
+    return chat
 
 
 def _output_format(raw: Any) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
 from modelfile.chat import RESERVED_VARIABLES
+from wire import MAX_REASONING_BUDGET
 
 __all__ = [
     "REASONING_EFFORTS",
@@ -80,6 +81,10 @@ _CHAT |= {"tools", "tool_choice", "parallel_tool_calls"}
 _CHAT_NULL_ONLY = ("functions", "function_call", "audio", "prediction")
 _CHAT |= {*_CHAT_NULL_ONLY, "modalities", "web_search_options", "continue_final_message"}
 _CHAT |= {"chat_template_kwargs", "separate_reasoning", "reasoning_effort"}
+# A thinking budget (the reasoning closed after this many tokens) by vLLM's name and by
+# Qwen's (DashScope's ``thinking_budget``, which SGLang's chat took too).
+_BUDGETS = ("thinking_token_budget", "thinking_budget")
+_CHAT |= {*_BUDGETS}
 # OpenAI's reasoning_effort values, as the official SDK types them (its newer versions
 # send "none", "minimal", "xhigh" and "max" too; DeepSeek V4's template reads "max").
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -172,6 +177,7 @@ class OpenAIRequest:
     tools: ToolSpec | None = None  # chat: the tools rendered and parsed for (tool_params)
     template_kwargs: dict[str, Any] | None = None  # chat: template variables (kwargs, effort)
     separate_reasoning: bool = True  # chat: SGLang's; false: the reasoning stays in content
+    reasoning_budget: int | None = None  # chat: thinking_token_budget (reasoning tokens)
 
     def generate_request(self, prompts: list[str | list[int]] | None = None) -> GenerateRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
@@ -191,6 +197,7 @@ class OpenAIRequest:
                 token_ids_logprob=None,
                 return_text_in_logprobs=False,
                 return_hidden_states=False,
+                reasoning_budget=self.reasoning_budget,
             )
             for i, p in enumerate(prompts)
         ]
@@ -494,6 +501,16 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return raw if effort is None else {**reasoning_variables(effort), **raw}
 
 
+def _thinking_budget(body: dict[str, Any]) -> int | None:
+    """The thinking budget by either name (400 when both are given and differ)."""
+    got = {name: _int_field(body, name, 0, MAX_REASONING_BUDGET) for name in _BUDGETS}
+    values = {v for v in got.values() if v is not None}
+    if len(values) > 1:
+        raise _bad("thinking_token_budget and thinking_budget differ; send one.",
+                   "thinking_budget")  # fmt: skip
+    return values.pop() if values else None
+
+
 def parse_chat(
     body: Any,
     *,
@@ -548,5 +565,6 @@ def parse_chat(
         logprobs=(top or 0) if want else None,
         rid=_rid(body),
         tools=tools,
+        reasoning_budget=_thinking_budget(body),
     )
     return req, messages

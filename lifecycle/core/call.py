@@ -39,7 +39,7 @@ from lifecycle.core.origin import CALL_ORIGIN, EXCHANGE, Exchange, new_request_i
 from lifecycle.core.outputs import OutputOptions, SampleOutput, grammar_detail, prompt_reasoning
 from lifecycle.core.params import GenerateItem, GenerateRequest, check_lengths
 from lifecycle.core.ports import WorkerLink
-from lifecycle.core.reasoning import ReasoningFormat
+from lifecycle.core.reasoning import ReasoningFormat, budget_option
 from lifecycle.core.registry import DuplicateRid
 from lifecycle.core.states import Cause, Event, State
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
@@ -335,13 +335,12 @@ class GenerateCall:
             0 if item.embed is not None else sp.max_new_tokens,
             context_length=host.model_config.context_length,
         )
-        options = item.request_options(host.model_config.vocab_size, len(prompt))
+        fmt, inside = prompt_reasoning(host.reasoning, item, prompt, host.tokenizer)
+        budget = budget_option(item.reasoning_budget, fmt, inside, host.tokenizer)
+        options = item.request_options(host.model_config.vocab_size, len(prompt), budget)
         assert self.client is not None
         opts = OutputOptions.of(
-            item,
-            host.weight_version,
-            *prompt_reasoning(host.reasoning, item, prompt, host.tokenizer),
-            dp_rank=host.dp_rank(self.client),
+            item, host.weight_version, fmt, inside, dp_rank=host.dp_rank(self.client)
         )
         base_id = item.client_rid or run.rec.request_id or uuid.uuid4().hex
         sinks: list[Sink] = []

@@ -20,7 +20,7 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EmbedOptions, RequestOptions
+from wire import EmbedOptions, ReasoningBudget, RequestOptions
 
 __all__ = [
     "GenerateItem",
@@ -48,6 +48,7 @@ _FIELDS = frozenset(
         "token_ids_logprob",
         "return_text_in_logprobs",
         "return_hidden_states",
+        "max_thinking_tokens",
     }
 )
 # Accepted and ignored: bookkeeping that changes nothing about the output.
@@ -97,7 +98,6 @@ _UNSUPPORTED = frozenset(
         "return_flat_raw_top_logprobs",
         "return_flat_raw_top_logprobs_b64",
         "require_reasoning",
-        "max_thinking_tokens",
         "return_bytes",
         "return_entropy",
         "return_prompt_token_ids",
@@ -129,11 +129,17 @@ class GenerateItem:
     # An embed request (``lifecycle.core.embed``): prefill only, the pooled final hidden
     # state instead of tokens (n is 1, no logprobs).
     embed: EmbedOptions | None = None
+    # A thinking budget: the reasoning closed after this many tokens (``/generate``'s
+    # ``max_thinking_tokens``, chat's ``thinking_token_budget``, Anthropic's
+    # ``budget_tokens``; ``core/reasoning.py``).
+    reasoning_budget: int | None = None
 
-    def request_options(self, vocab_size: int, prompt_len: int) -> RequestOptions:
+    def request_options(
+        self, vocab_size: int, prompt_len: int, budget: ReasoningBudget | None = None
+    ) -> RequestOptions:
         """What the worker must return besides tokens (a SUBMIT entry's options), checked
         against the tokenized prompt with the worker's own bounds: ``RequestError`` (400)
-        for what the worker would refuse."""
+        for what the worker would refuse. ``budget``: the thinking budget in ids."""
         opts = RequestOptions(
             return_logprob=self.return_logprob,
             logprob_start_len=self.logprob_start_len,
@@ -141,6 +147,7 @@ class GenerateItem:
             token_ids_logprob=tuple(self.token_ids_logprob or ()),
             return_hidden_states=self.return_hidden_states,
             embed=self.embed,
+            reasoning_budget=budget,
         )
         try:
             opts.check(vocab_size, prompt_len)
@@ -176,6 +183,11 @@ def _int_at_least(name: str, v: Any, lo: int, default: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise _bad(f"{name} must be an integer >= {lo}, got {v!r}.")
     return v
+
+
+def _budget(v: Any) -> int | None:
+    """``max_thinking_tokens``: SGLang's thinking budget on ``/generate``."""
+    return None if v is None else _int_at_least("max_thinking_tokens", v, 0, 0)
 
 
 def _check_keys(body: dict[str, Any]) -> None:
@@ -337,6 +349,7 @@ def parse_generate(
             "logprob_start_len",
             "top_logprobs_num",
             "return_hidden_states",
+            "max_thinking_tokens",
         )
     }
     tid = _token_ids_logprob(body.get("token_ids_logprob"), batch, is_batch, n, vocab_size)
@@ -359,6 +372,7 @@ def parse_generate(
             return_hidden_states=_flag(
                 "return_hidden_states", opts["return_hidden_states"][i], False
             ),
+            reasoning_budget=_budget(opts["max_thinking_tokens"][i]),
         )
         for i in range(batch)
     ]

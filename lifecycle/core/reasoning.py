@@ -11,14 +11,25 @@ when the output starts with the start tag (after whitespace), never in the middl
 count reads the tokens' texts one by one and keeps a few characters, so a stream pays
 O(1) per token. Nothing here does I/O; the splitting of the text into reasoning and
 content is the API's (``lifecycle.chat.reasoning``).
+
+A thinking budget (``thinking_token_budget``, Anthropic's ``budget_tokens``) travels to
+the worker as the format's tags in token ids (``budget_option``), which the worker
+closes the reasoning with (``wire/reasoning_budget.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ReasoningCount", "ReasoningFormat", "reasoning_tokens"]
+from lifecycle.core.detok import TokenizerLike
+from wire import ReasoningBudget
+
+__all__ = ["ReasoningCount", "ReasoningFormat", "budget_option", "reasoning_tokens"]
+
+log = logging.getLogger(__name__)
+_unread = [True]  # a budget on a model without reasoning not logged yet (logged once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +93,26 @@ def reasoning_tokens(token_texts: Iterable[str], fmt: ReasoningFormat, inside: b
     for piece in token_texts:
         count.feed(piece)
     return count.tokens
+
+
+def budget_option(
+    tokens: int | None, fmt: ReasoningFormat | None, inside: bool, tok: TokenizerLike
+) -> ReasoningBudget | None:
+    """The worker's thinking budget for a request's ``tokens`` (None: no budget): the end
+    tag forced after a newline (as SGLang's thinking-budget processor writes it), the
+    start tag the model opens it with unless the prompt did (``inside``). A budget on a
+    model without a reasoning format is kept by every output: ignored, logged once."""
+    if tokens is None:
+        return None
+    if fmt is None:
+        if _unread[0]:
+            _unread[0] = False
+            log.info("a thinking budget is ignored: this model writes no reasoning "
+                     "(no --reasoning-parser, and its chat template shows none)")  # fmt: skip
+        return None
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special_tokens=False))
+
+    start = () if inside else ids(fmt.start)
+    return ReasoningBudget(tokens, ids(fmt.end), ids("\n" + fmt.end), start)
