@@ -185,6 +185,32 @@ _LOST_DISPATCH = Edit(
     "        lost: list[int] = []\n",
 )
 
+# Features since (each new feature adds the mutations its tests must catch).
+FEATURES = (
+    _m(
+        "thinking_budget_one_late",
+        "issue 56, point 4",
+        "the thinking budget forces the reasoning's end one token after the budget",
+        ("tests/test_reasoning_budget.py", "tests/test_worker_reasoning_budget.py"),
+        Edit(
+            "wire/reasoning_budget.py",
+            "        elif self._count >= b.tokens:\n",
+            "        elif self._count > b.tokens:\n",
+        ),
+    ),
+    _m(
+        "anthropic_stop_sequence_unnamed",
+        "issue 56, point 1",
+        "a /v1/messages reply that ended on a stop sequence reports end_turn",
+        ("tests/test_anthropic_params.py", "tests/test_api_anthropic.py"),
+        Edit(
+            "lifecycle/api/anthropic.py",
+            "    if isinstance(matched, str) and matched in stops:\n",
+            "    if False:\n",
+        ),
+    ),
+)
+
 # Each fault protection's named regression test (docs/faults.md, "Named regression tests").
 PROTECTIONS = (
     _m("protection_zombie_decode", "protection",
@@ -271,5 +297,5 @@ PROTECTIONS = (
             "        queue.capacity = 10**9\n        rec.fire(Event.ADMIT, queue)\n")),
 )  # fmt: skip
 
-MUTATIONS: tuple[Mutation, ...] = MISSED_THEN + CAUGHT_THEN + FIXES + PROTECTIONS
+MUTATIONS: tuple[Mutation, ...] = MISSED_THEN + CAUGHT_THEN + FIXES + FEATURES + PROTECTIONS
 assert len({m.name for m in MUTATIONS}) == len(MUTATIONS), "mutation names are unique"

@@ -11,8 +11,10 @@ on the import path, and puts the files back. The working tree is never touched.
     python tools/mutations.py NAME ...        # some of them
     python tools/mutations.py --jobs 2        # two scratch copies side by side
 
-Each ends ``caught`` (its tests failed), ``MISSED`` (they passed: the suite does not
-hold that promise), or ``STALE`` (its text is no longer in the code, or no test ran:
+First the mutations' tests run once on the unmutated copy: they must pass there, or
+nothing could be said to catch anything (exit 2). Then each mutation ends ``caught``
+(its tests failed), ``MISSED`` (they passed: the suite does not hold that promise), or
+``STALE`` (its text is no longer in the code, or no test ran:
 update the mutation where the code moved). The exit status is 0 only when every one
 was caught. Run it before resolving an issue that changes a promised behaviour, and add
 the mutations of each new feature; it does not run in CI (about 15 minutes on 2 cores).
@@ -95,21 +97,35 @@ def _first_failure(output: str) -> str:
     return found.group(0)[:160] if found else output.strip().splitlines()[-1][:160]
 
 
+def pytest(tests: tuple[str, ...] | list[str], tree: Path) -> tuple[int, str]:
+    """Run ``tests`` in ``tree`` (its files first on the import path): exit code, output."""
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+             "-m", "not slow", *tests],
+            cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return FAILED, f"timed out after {TIMEOUT:.0f} s"
+    return r.returncode, r.stdout + r.stderr
+
+
+def baseline(chosen: list[Mutation], tree: Path) -> str | None:
+    """The mutations' tests on the tree as it is: None when they pass, else the first
+    failure (a mutation is caught only where its tests pass without it)."""
+    tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+    code, output = pytest(tests, tree)
+    return None if code == 0 else _first_failure(output)
+
+
 def run(m: Mutation, tree: Path) -> Outcome:
     start = time.monotonic()
     originals = apply(m, tree)
     if isinstance(originals, str):
         return Outcome(m, "STALE", 0.0, originals)
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     try:
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-             "-p", "no:randomly", "-m", "not slow", *m.tests],
-            cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-        )  # fmt: skip
-        output, code = r.stdout + r.stderr, r.returncode
-    except subprocess.TimeoutExpired:
-        output, code = f"timed out after {TIMEOUT:.0f} s", FAILED
+        code, output = pytest(m.tests, tree)
     finally:
         for path, text in originals.items():
             path.write_text(text)
@@ -127,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", help="mutations to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the mutations and stop")
     p.add_argument("--jobs", type=int, default=1, help="scratch copies run side by side")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip running the tests on the unmutated tree first")  # fmt: skip
     args = p.parse_args(argv)
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
@@ -139,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     jobs = max(1, min(args.jobs, len(chosen)))
     trees = [scratch_copy(ROOT) for _ in range(jobs)]
     print(f"{len(chosen)} mutations, {jobs} scratch cop{'y' if jobs == 1 else 'ies'}", flush=True)
+    if not args.no_baseline:
+        t0 = time.monotonic()
+        failed = baseline(chosen, trees[0])
+        if failed is not None:
+            for tree in trees:
+                shutil.rmtree(tree, ignore_errors=True)
+            print(f"the tests fail on the unmutated tree, so nothing can be caught: {failed}")
+            return 2
+        print(f"baseline: every mutation's tests pass unmutated ({time.monotonic() - t0:.0f} s)")
     pending = iter(chosen)
     lock = threading.Lock()
     outcomes: list[Outcome] = []
