@@ -305,12 +305,14 @@ def progress_lines() -> type[Any]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.pop("name", None)  # huggingface_hub's own bars take a name; tqdm does not
             kwargs.update(file=io.StringIO(), mininterval=PROGRESS_EVERY_S, disable=False)
+            self.last_line = ""
             super().__init__(*args, **kwargs)
 
         def display(self, msg: str | None = None, pos: int | None = None) -> bool:
             line = " ".join((msg or str(self)).split())
-            if line:
+            if line and line != self.last_line:  # a bar refreshed, then closed: one line
                 log.info("%s", line)
+                self.last_line = line
             return True
 
     return ProgressLines

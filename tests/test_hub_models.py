@@ -12,9 +12,11 @@ and a repo of two quants with no Q4_K_M (ambiguous without a tag).
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import httpx
@@ -33,39 +35,21 @@ from modelfile.hub import (
     resolve_model,
 )
 from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
+from tests.hub_cache import COMMIT, Files, fake_hub, hub_repo
 from tests.scripted import lifecycle_server
 from tests.test_hf_folder import save_folder
 from tests.test_model_check import _assert_one_line, _run
 
 pytest.importorskip("transformers")
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 GGUF_REPO, FOLDER_REPO, MULTI_REPO = "org/tiny-GGUF", "org/tiny", "org/tiny-multi-GGUF"
-
-
-def hub_repo(cache: pathlib.Path, repo: str, files: dict[str, pathlib.Path | str]) -> pathlib.Path:
-    """``repo`` in huggingface_hub's cache layout under ``cache`` at ``COMMIT`` (refs/main
-    names it), each file (a path to copy, or text) a blob its snapshot entry links to;
-    the snapshot folder."""
-    root = cache / ("models--" + repo.replace("/", "--"))
-    snapshot = root / "snapshots" / COMMIT
-    (root / "blobs").mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(COMMIT)
-    for name, src in files.items():
-        data = src.read_bytes() if isinstance(src, pathlib.Path) else src.encode()
-        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        entry = snapshot / name
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        entry.symlink_to(pathlib.Path(*[".."] * (len(pathlib.Path(name).parts) + 1), "blobs",
-                                      blob.name))  # fmt: skip
-    return snapshot
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True, slots=True)
 class Hub:
     cache: pathlib.Path
+    repos: dict[str, Files]  # what the cache holds, by repo id
     folder: pathlib.Path  # the safetensors folder, by path
     q8_0: pathlib.Path  # the Q8_0 GGUF, by path
 
@@ -78,13 +62,16 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Hub:
     q8 = write_family_gguf(fam, model, root / "tiny-Q8_0.gguf", Q.Q8_0)
     q4km = write_family_gguf(fam, model, root / "tiny-Q4_K_M.gguf", "Q4_K_M")
     q4 = write_family_gguf(fam, model, root / "tiny-Q4_0.gguf", Q.Q4_0)
-    cache = root / "cache"
     readme = "# tiny\n"
-    hub_repo(cache, GGUF_REPO, {"Tiny-Q4_K_M.gguf": q4km, "Tiny-Q8_0.gguf": q8,
-                                "README.md": readme})  # fmt: skip
-    hub_repo(cache, MULTI_REPO, {"tiny.Q4_0.gguf": q4, "tiny.Q8_0.gguf": q8})
-    hub_repo(cache, FOLDER_REPO, {**{f.name: f for f in folder.iterdir()}, "README.md": readme})
-    return Hub(cache, folder, q8)
+    repos: dict[str, Files] = {
+        GGUF_REPO: {"Tiny-Q4_K_M.gguf": q4km, "Tiny-Q8_0.gguf": q8, "README.md": readme},
+        MULTI_REPO: {"tiny.Q4_0.gguf": q4, "tiny.Q8_0.gguf": q8},
+        FOLDER_REPO: {**{f.name: f for f in folder.iterdir()}, "README.md": readme,
+                      "pytorch_model.bin": "not read", "original/consolidated.safetensors": "no"},
+    }  # fmt: skip
+    for repo, files in repos.items():
+        hub_repo(root / "cache", repo, files)
+    return Hub(root / "cache", repos, folder, q8)
 
 
 @pytest.fixture
@@ -262,6 +249,33 @@ def test_a_repo_is_served_by_its_id(offline: Hub, spec: str, entry: str, by_path
     with lifecycle_server("--model", str(path), "--device", "cpu") as base:
         want, names = _greedy(base)
     assert ids == want and names == [path.name.removesuffix(".gguf")]
+
+
+def test_online_only_what_serving_reads_is_downloaded(hub: Hub, tmp_path: pathlib.Path) -> None:
+    """Online, from a stand-in for the Hub at ``HF_ENDPOINT`` (tests/hub_cache.py), into
+    an empty cache: a GGUF repo's chosen file only, a safetensors repo's serving files
+    only (no README, .bin or original/), byte for byte, with the download's progress in
+    the log (stderr is not a terminal)."""
+    code = ("import logging, sys; logging.basicConfig(level='INFO');"
+            "from modelfile.hub import resolve_model;"
+            "[print(resolve_model(spec).path) for spec in sys.argv[1:]]")  # fmt: skip
+    cache = tmp_path / "hf" / "hub"
+    with fake_hub(hub.repos) as fake:
+        env = {**os.environ, "HF_ENDPOINT": fake.endpoint, "HF_HOME": str(tmp_path / "hf"),
+               "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+        for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+            env.pop(name, None)
+        done = subprocess.run([sys.executable, "-c", code, "org/tiny-GGUF:Q8_0", FOLDER_REPO],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    gguf, folder = (pathlib.Path(p) for p in done.stdout.split())
+    assert (gguf.read_bytes(), gguf.parent.name) == (hub.q8_0.read_bytes(), COMMIT)
+    assert sorted(p.name for p in gguf.parent.iterdir()) == ["Tiny-Q8_0.gguf"]
+    assert gguf.parent.parent.parent.parent == cache  # HF_HOME's hub/
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f.name for f in hub.folder.iterdir())
+    assert all((folder / f.name).read_bytes() == f.read_bytes() for f in hub.folder.iterdir())
+    assert not [r for r in fake.requests if "README" in r or ".bin" in r or "original" in r]
+    assert "INFO:modelfile.hub:Fetching 1 files: 100%" in done.stderr, done.stderr
 
 
 # -- refused before listening: one line naming the repo and where it looked ------------
