@@ -56,6 +56,7 @@ _FOLDER_FILES = (
 )
 # ORG/NAME, then an optional :QUANT (the Hub's names: letters, digits, '-', '_', '.').
 _SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<quant>[\w.-]+))?")
+_HUB_PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
@@ -75,10 +76,11 @@ class ResolvedModel:
 def parse_repo_spec(spec: str) -> tuple[str, str | None] | None:
     """``(repo id, quant tag or None)`` when ``spec`` names a Hub repo, else None: a
     path that exists, or one that looks like a path (``./``, ``~``, ``/``, two slashes,
-    a ``.gguf`` name), is a path."""
+    a ``.gguf`` name), is a path. The Hub's address before the id (``hf.co/``, as
+    Ollama users write it, or ``https://huggingface.co/``) is dropped."""
     if os.path.exists(spec) or spec.startswith((".", "~", "/")):
         return None
-    match = _SPEC.fullmatch(spec)
+    match = _SPEC.fullmatch(_HUB_PREFIX.sub("", spec))
     if match is None or match["repo"].lower().endswith(".gguf"):
         return None
     return match["repo"], match["quant"]

@@ -148,6 +148,8 @@ def test_a_safetensors_repo_gives_only_what_serving_reads() -> None:
 def test_what_names_a_repo(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_repo_spec("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None)
     assert parse_repo_spec("bartowski/x-GGUF:q4_k_m") == ("bartowski/x-GGUF", "q4_k_m")
+    for spec in ("hf.co/o/r:Q8_0", "huggingface.co/o/r:Q8_0", "https://huggingface.co/o/r:Q8_0"):
+        assert parse_repo_spec(spec) == ("o/r", "Q8_0"), spec
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "m").write_text("")
