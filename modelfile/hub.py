@@ -256,7 +256,8 @@ def _cached_listing(
         elif isinstance(online, RepositoryNotFoundError):
             why = f"not on {constants.ENDPOINT} either (a private or gated repo needs HF_TOKEN)"
         else:
-            why = f"{constants.ENDPOINT} could not be reached ({type(online).__name__})"
+            first = (str(online).splitlines() or [""])[0][:160]
+            why = f"{constants.ENDPOINT} could not be reached ({type(online).__name__}: {first})"
         raise HubModelError(
             repo, f"no such file or folder, and no model repo{at} in the Hugging Face cache "
             f"{_where(cache_dir)}: {why}",

@@ -79,6 +79,8 @@ class FakeHub:
                 headers = {"X-Repo-Commit": COMMIT, "Content-Length": str(len(data)),
                            "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}  # fmt: skip
                 return 200, headers, b"" if method == "HEAD" else data
+        if path.startswith("/api/models/"):  # as the Hub says it of a private repo too
+            return 404, {"Content-Length": "0", "X-Error-Code": "RepoNotFound"}, b""
         return 404, {"Content-Length": "0"}, b""
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

@@ -205,6 +205,25 @@ def test_an_unreachable_hub_leaves_the_cache(offline: Hub, monkeypatch: pytest.M
     ), str(exc.value)
 
 
+def test_a_repo_the_hub_does_not_know_is_named_with_both_places(
+    offline: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Online, a repo the Hub does not know (a typo, or private without a token) and
+    the cache lacks: one error naming the cache and the Hub, and the token's variable."""
+    from huggingface_hub import constants
+
+    with fake_hub({}) as fake:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", fake.endpoint)
+        with pytest.raises(HubModelError) as exc:
+            resolve_model("org/private")
+    assert str(exc.value) == (
+        f"org/private: no such file or folder, and no model repo in the Hugging Face cache "
+        f"{offline.cache}: not on {fake.endpoint} either (a private or gated repo needs "
+        "HF_TOKEN)"
+    )
+
+
 def test_the_model_id_is_the_repo_id() -> None:
     """A repo id is the model's id; a hub snapshot folder given by path is its repo's (not
     the commit hash); a file keeps its name; ``--served-model-name`` overrides each."""
