@@ -9,7 +9,9 @@ the worker said HELLO and one warm-up generation came back (``Supervisor``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -22,6 +24,7 @@ from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
+from lifecycle.api.model_routes import ModelRouter, Slot
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
@@ -44,7 +47,7 @@ from transport import Handler, Request, Response, Server, ServerConfig
 if TYPE_CHECKING:
     from modelfile.check import CheckedModel
 
-__all__ = ["App", "AppConfig", "CannotListen", "serve_app", "worker_args"]
+__all__ = ["App", "AppConfig", "CannotListen", "serve_app", "slot_configs", "worker_args"]
 
 log = logging.getLogger("lifecycle.app")
 
@@ -63,6 +66,7 @@ class App:
     metrics: Metrics
     auth: Auth = field(default_factory=Auth)  # every route is already checked by AppRouter
     tracer: Tracer | None = None
+    others: tuple[Frontend, ...] = ()  # the further models' (--model repeated)
 
     @property
     def port(self) -> int:
@@ -74,19 +78,20 @@ class App:
         an explicit error (an SSE error event then [DONE], a WebSocket error, a 503),
         then the listener closes; one line then says how many finished and how many were
         cut. Returns how many requests were cut."""
-        fe, timeout = self.frontend, self.config.drain_timeout
+        fes, timeout = (self.frontend, *self.others), self.config.drain_timeout
         # Kept for the cut requests' owners to send their error, even at --drain-timeout 0
         grace = max(min(_CUT_GRACE, timeout / 5), _STOP_GRACE)
         start = anyio.current_time()
-        fe.begin_drain()
+        for fe in fes:
+            fe.begin_drain()
         self.server.begin_drain(retry_after=DRAIN.refused.retry_after)
-        live = len(fe.calls)  # none is admitted from here on: each finishes or is cut
+        live = sum(len(fe.calls) for fe in fes)  # none is admitted from here on
         log.info("draining: %d live calls, up to %.1fs", live, timeout)
         cut = 0
-        if not await fe.calls.wait_drained(timeout - grace):
-            cut = fe.calls.cut_all(DRAIN.cut, "the server is shutting down")
+        if not await _drained(fes, timeout - grace):
+            cut = sum(fe.calls.cut_all(DRAIN.cut, "the server is shutting down") for fe in fes)
             log.warning("drain timeout: %d requests ended with an error", cut)
-            await fe.calls.wait_drained(grace / 2)
+            await _drained(fes, grace / 2)
         await self.server.shutdown(grace / 2)
         took = anyio.current_time() - start
         log.info("stopped: %d finished, %d cut in %.1fs", max(live - cut, 0), cut, took)
@@ -96,11 +101,19 @@ class App:
         """The second signal: end every live call at once with ``DRAIN.cut``
         (shutting_down, never internal), give their owners a moment to send that error,
         then close the listener. Returns how many requests were cut."""
-        calls = self.frontend.calls
-        cut = calls.cut_all(DRAIN.cut, "the server is shutting down")
-        await calls.wait_drained(_STOP_GRACE)
+        fes = (self.frontend, *self.others)
+        cut = sum(fe.calls.cut_all(DRAIN.cut, "the server is shutting down") for fe in fes)
+        await _drained(fes, _STOP_GRACE)
         await self.server.shutdown(_STOP_GRACE)
         return cut
+
+
+async def _drained(frontends: tuple[Frontend, ...], timeout: float) -> bool:
+    """Whether every model's calls ended within ``timeout`` seconds, all told."""
+    end, done = anyio.current_time() + timeout, True
+    for fe in frontends:
+        done = await fe.calls.wait_drained(max(end - anyio.current_time(), 0.0)) and done
+    return done
 
 
 class CannotListen(OSError):
@@ -110,36 +123,47 @@ class CannotListen(OSError):
 async def serve_app(
     cfg: AppConfig,
     *,
-    model: CheckedModel | None = None,
+    models: Sequence[CheckedModel] = (),
     task_status: anyio.abc.TaskStatus[App] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run everything until cancelled; ``task_status.started(App)`` once listening.
-    ``model``: the model file already checked; otherwise it is checked here, before the
-    listener binds and the worker starts (``ModelFileError``)."""
-    rt = Runtime(cfg, model)
-    await rt.check_model()
+    ``models``: the model files already checked, one per model (``slot_configs``);
+    those not given are checked here, before the listener binds and the workers start
+    (``ModelFileError``). Each model runs its own ``Runtime``; the first model's owns
+    the listener, the metrics, the traces and the extensions."""
+    checked = list(models)
+    rts = [Runtime(c, checked.pop(0) if checked else None) for c in slot_configs(cfg)]
+    for one in rts:
+        await one.check_model()
+    rt = rts[0]  # the first model's: the listener, metrics, traces, extensions
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
-    async with rt.running() as tg:
+    async with AsyncExitStack() as stack:
+        groups = [await stack.enter_async_context(one.running()) for one in rts]
+        tg = groups[0]
         # A spawned worker listens once it took its options and its device, before its
         # model loads; one that refuses them ends this here (WorkerRefusedToStart), so
         # the port is never bound. Then bind early: /health says 503 until ready.
-        await rt.supervisor.wait_listening()
+        for one in rts:
+            await one.supervisor.wait_listening()
         try:
             await tg.start(server.serve)
         except OSError as exc:  # the port was taken since serve checked it
             raise CannotListen(
                 f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from exc
-        tg.start_soon(_fail_unless_started, rt.supervisor)
+        for one in rts:
+            tg.start_soon(_fail_unless_started, one.supervisor)
         scheme = "https" if cfg.ssl_certfile else "http"
         log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
-        frontend = await rt.load(tg)
+        frontends = [await one.load(g) for one, g in zip(rts, groups, strict=True)]
+        frontend = frontends[0]
         assert rt.metrics is not None
         access = _access_log(cfg, frontend)
         try:
             shared = _shared_metrics(cfg)
-            router, api, auth = _routes(cfg, frontend, rt.metrics, shared, rt.chat, rt.model_path)
+            routes = [_routes(one, shared) for one in rts]
+            router, api, auth, _ = routes[0]
             router.access_log = access
             for spec in cfg.extend:  # checked by serve before it listened
                 resolve_extension(spec)(Extension(router, api, frontend, cfg))
@@ -151,19 +175,58 @@ async def serve_app(
                     return await replay_in_process(frontend, trace, served_id)
 
                 install_debug(router, rt.tracer, enabled=cfg.debug_routes, replay=replay)
-            handler[0] = cors(router, cfg.cors_allow_origins)  # itself without origins
+            handler[0] = cors(
+                _model_router([r[3] for r in routes], router, auth), cfg.cors_allow_origins
+            )
             url = f"{scheme}://{cfg.host}:{_port(server)}"
-            tg.start_soon(_announce_ready, url, rt.served_model_id(), rt.supervisor, cfg)
+            for one in rts:
+                tg.start_soon(_announce_ready, url, one.served_model_id(), one.supervisor, cfg)
             tg.start_soon(_report_load, frontend)
             if shared is not None:
                 tg.start_soon(_publish_metrics, shared, rt.metrics)
             task_status.started(
-                App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer)
-            )
+                App(cfg, server, rt.supervisor, frontend, api, rt.metrics, auth, rt.tracer,
+                    others=tuple(frontends[1:]))
+            )  # fmt: skip
             await anyio.sleep_forever()
         finally:
             if access is not None:
                 access.close()
+
+
+def _model_router(slots: list[Slot], first: AppRouter, auth: Auth) -> Handler:
+    """The first model's router, or with several models the router that picks one by
+    the request's model (``lifecycle.api.model_routes``)."""
+    return first if len(slots) == 1 else ModelRouter(slots, auth)
+
+
+def slot_configs(cfg: AppConfig) -> list[AppConfig]:
+    """One configuration per model: ``cfg`` itself when it serves one; otherwise the
+    first model's, then each further one's (its file and name; ``--worker`` addresses
+    serve the first model, so the others spawn theirs here). With several, a name no
+    model has is a 404 (``strict_model_name``). Two models with one name: ValueError."""
+    if not cfg.more_models:
+        return [cfg]
+    if cfg.frontends > 1:  # its launcher spawns the workers of one model
+        raise ValueError("--frontends N serves one model: give --model once, or --frontends 1")
+    first = replace(cfg, more_models=(), strict_model_name=True)
+    dp = cfg.dp if cfg.worker is None else None
+    out = [first]
+    for m in cfg.more_models:
+        out.append(
+            replace(
+                first, model=m.path, model_repo=m.repo, served_model_name=m.name,
+                worker=None, dp=dp,
+                # what --revision ... --tool-call-parser say is of the first model's file
+                revision=None, hf_file=None, context_length=None, chat_template=None,
+                reasoning_parser=None, tool_call_parser=None,
+            )
+        )  # fmt: skip
+    ids = [model_id(c, c.model or "") for c in out]
+    if len(set(ids)) < len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"two models named {', '.join(twice)}: name one with --model NAME=SPEC")
+    return out
 
 
 async def _fail_unless_started(sup: Supervisor | WorkerPool) -> None:
@@ -237,16 +300,11 @@ def _server_config(cfg: AppConfig) -> ServerConfig:
     )
 
 
-def _routes(
-    cfg: AppConfig,
-    frontend: Frontend,
-    metrics: Metrics,
-    shared: SharedMetrics | None,
-    chat: Any,
-    path: str,
-) -> tuple[AppRouter, NativeAPI, Auth]:
-    """Every API on one router: native, OpenAI, WebSocket, metrics (the debug routes are
-    the tracer's)."""
+def _routes(rt: Runtime, shared: SharedMetrics | None) -> tuple[AppRouter, NativeAPI, Auth, Slot]:
+    """Every API of a loaded runtime's model on one router: native, OpenAI, WebSocket,
+    metrics (the debug routes are the tracer's); its slot among several models."""
+    cfg, frontend, metrics, chat, path = rt.config, rt.frontend, rt.metrics, rt.chat, rt.model_path
+    assert frontend is not None and metrics is not None
     api = NativeAPI(frontend, server_args(cfg, path))
     auth = Auth(
         AuthConfig(cfg.api_keys, cfg.admin_api_keys, cfg.public_routes, cfg.open_admin_routes)
@@ -270,7 +328,7 @@ def _routes(
     ).install(router)
     WebSocketAPI(api, openai=openai).install(router)
     install_metrics(router, metrics, shared)
-    return router, api, auth
+    return router, api, auth, Slot(served, openai.model_names, router)
 
 
 def _shared_metrics(cfg: AppConfig) -> SharedMetrics | None:

@@ -74,13 +74,15 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     )
     if args.faults:
         _install_faults(args.faults)
+    from lifecycle.app import slot_configs
     from modelfile.check import check_model
     from modelfile.gguf_meta import ModelFileError
 
     try:  # before anything listens or spawns: one line, not a worker's traceback
         cfg = app_config(option_values(args))  # a Hub repo id fetched (modelfile.hub)
-        model = check_model(cfg.model, cfg.context_length, cfg.chat_template)
-    except ModelFileError as exc:
+        slots = slot_configs(cfg)  # --model repeated: two under one name are refused
+        models = tuple(check_model(c.model, c.context_length, c.chat_template) for c in slots)
+    except (ModelFileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     checks = (_refused_worker_options, _refused_device, _unresolved_extension, _port_taken)
@@ -101,7 +103,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
 
         return run_frontends(cfg, serve_argv)
     try:
-        anyio.run(_run_until_signalled, cfg, model)
+        anyio.run(_run_until_signalled, cfg, models)
     except BaseException as exc:  # a start-up failure, however deep in the task groups
         if (failed := _startup_failure(exc)) is None:
             raise
@@ -193,7 +195,7 @@ def _refused_worker_options(cfg: AppConfig) -> str | None:
     return refused_combination({o.name: getattr(cfg, o.serve_name or o.name) for o in forwarded})
 
 
-async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
+async def _run_until_signalled(cfg: AppConfig, models: tuple[CheckedModel, ...]) -> None:
     """Serve ``cfg``. The first SIGTERM/SIGINT drains (App.drain), a second one stops at
     once; either way the app is then cancelled, so the worker gets SHUTDOWN and is reaped
     (the worker itself ignores both: ``wire/child.py``). Under the launcher of
@@ -231,7 +233,7 @@ async def _run_until_signalled(cfg: AppConfig, model: CheckedModel) -> None:
                     tg.start_soon(stop_after_drain)
 
         tg.start_soon(watch_signals)
-        apps.append(await tg.start(functools.partial(serve_app, model=model), cfg))
+        apps.append(await tg.start(functools.partial(serve_app, models=models), cfg))
 
 
 def _install_faults(path: str) -> None:

@@ -123,8 +123,11 @@ OPTIONS: tuple[Option, ...] = (
         "or a Hub repo id ORG/NAME[:QUANT] fetched into the Hugging Face cache (HF_HOME, "
         "HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE): a GGUF repo's file by its quant tag "
         "(default Q4_K_M, or its one file), a safetensors repo's config, tokenizer and "
-        "weights (default: the bundled SmolLM2-135M-Instruct)",
+        "weights (default: the bundled SmolLM2-135M-Instruct); repeatable: each further "
+        "--model is served beside the first, by its own workers, chosen by the request's "
+        "model; NAME=SPEC names one in the APIs",
         _MODEL,
+        repeat=True,
     ),
     _o("revision", "the Hub repo's branch, tag or commit (default: main)", _MODEL),
     _o(

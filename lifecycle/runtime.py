@@ -27,6 +27,7 @@ from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
+from lifecycle.models import ModelSpec, model_arguments, split_name
 from lifecycle.options import OPTIONS, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
@@ -60,6 +61,7 @@ class AppConfig:
     revision: str | None = None  # --model ORG/NAME: the repo's branch, tag or commit
     hf_file: str | None = None  # --model ORG/NAME: the GGUF file chosen by name
     model_repo: str | None = None  # the Hub repo ``model`` was fetched from (its id)
+    more_models: tuple[ModelSpec, ...] = ()  # --model repeated: served beside the first
     served_model_name: str | None = None
     weight_version: str = _DEFAULT[
         "weight_version"
@@ -139,7 +141,7 @@ def worker_args(cfg: AppConfig) -> tuple[str, ...]:
 
 
 # Never echoed by /server_info: secrets, and what is not a server argument.
-_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys", "worker_token"})
+_UNSHOWN = frozenset({"extra", "api_keys", "admin_api_keys", "worker_token", "more_models"})
 
 
 def model_id(cfg: AppConfig, model_path: str) -> str:
@@ -392,8 +394,11 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     repo id in ``model`` is resolved here, once (``modelfile.hub.resolve_model``: a
     ``HubModelError`` when it cannot be), and the config carries its local path."""
     v = dict(values)
-    model = resolve_model(v["model"], v["revision"], v["hf_file"])  # HubModelError
-    v["model"] = model.path
+    args: list[tuple[str | None, str | None]] = [split_name(a) for a in model_arguments(v["model"])]
+    (name, spec), *more = args or [(None, None)]
+    model = resolve_model(spec, v["revision"], v["hf_file"])  # HubModelError
+    v["model"], v["served_model_name"] = model.path, v["served_model_name"] or name
+    others = [(n, resolve_model(s)) for n, s in more]  # --model repeated: the same rules
     keys = list(v["api_key"] or ())
     if v["api_key_file"]:
         keys += read_key_file(v["api_key_file"])
@@ -401,6 +406,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     fields: dict[str, Any] = dict(
         **{k: v[k] for k in _PLAIN},
         model_repo=model.repo_id,
+        more_models=tuple(ModelSpec(m.path, m.repo_id, n) for n, m in others),
         worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
         worker_extra_args=tuple(_split_args(v["worker_args"])),
         restart_backoff=_backoff(v["restart_backoff"]),

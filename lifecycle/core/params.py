@@ -49,6 +49,7 @@ _FIELDS = frozenset(
         "return_text_in_logprobs",
         "return_hidden_states",
         "max_thinking_tokens",
+        "model",  # which model serves it (lifecycle.api.model_routes), read before here
     }
 )
 # Accepted and ignored: bookkeeping that changes nothing about the output.
@@ -332,6 +333,8 @@ def parse_generate(
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
     _check_keys(body)
+    if not isinstance(body.get("model", ""), str):
+        raise _bad("model must be a string.")
     prompts, is_batch, are_texts = _prompts(body, vocab_size)
     batch = len(prompts)
     sampling = _sampling(body.get("sampling_params"), batch, is_batch, vocab_size)
