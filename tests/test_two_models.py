@@ -141,3 +141,11 @@ def test_two_models_under_one_name_refused_before_listening(
     assert done.stderr.strip().splitlines() == [
         "error: two models named alpha: name one with --model NAME=SPEC"
     ]
+
+
+def test_the_engine_serves_one_model(two_files: tuple[pathlib.Path, pathlib.Path]) -> None:
+    from lifecycle.engine import Engine
+
+    a, b = two_files
+    with pytest.raises(ValueError, match="Engine\\(\\) serves one model"):
+        Engine(model=[str(a), str(b)])  # type: ignore[arg-type]

@@ -67,6 +67,8 @@ class Engine:
             self.config = app_config(values, debug_routes=True)
         except ModelFileError as exc:
             raise EngineError(Cause.NOT_READY, f"the model did not load: {exc}") from None
+        if self.config.more_models:  # a list in a config file or LIFECYCLE_MODEL=a,b
+            raise ValueError("Engine() serves one model: give model once")
         self._faults(values.get("faults"))
         self._loop: EngineLoop | None = EngineLoop(_shut_down)
         self._runtime_task: Future[Any] | None = None
