@@ -21,7 +21,8 @@ import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -36,7 +37,7 @@ from lifecycle.core.states import TERMINAL, Cause
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 from lifecycle.link.wire_stream import FrameStream
 from lifecycle.link.worker_client import WorkerClient
-from lifecycle.runtime import AppConfig
+from lifecycle.runtime import AppConfig, Runtime
 from lifecycle.testing.scripted_worker import ScriptConfig, ScriptedWorker
 from lifecycle.tracing.metrics import Metrics
 from tests.dsim.net import PipeEnd, SimListener, pipe
@@ -310,7 +311,10 @@ class World:
         self.call_labels: dict[int, str] = {}  # id(call) -> its request's "user" (no rid)
         fe.events.subscribe(self)  # its opened hook
         metrics = _metrics(fe)
-        router, api, auth = _routes(app_config, fe, metrics, None, checked.chat, "")
+        # What _routes reads of a loaded Runtime, without one (it would start a worker).
+        loaded = SimpleNamespace(config=app_config, frontend=fe, metrics=metrics,
+                                 chat=checked.chat, model_path="")  # fmt: skip
+        router, api, auth, _slot = _routes(cast(Runtime, loaded), None)
         server_config = ServerConfig(
             send_timeout=c.send_timeout,
             max_body_bytes=c.max_body_bytes,
