@@ -115,16 +115,12 @@ class AnthropicAPI:
         except OpenAIError as exc:
             return anthropic_error(exc)
         o = self.openai
-        tools = oreq.tools.names if oreq.tools is not None else None
         async with http_call(self.fe, oreq.generate_request([ids]), request) as call:
             reply = _Message(o.model_id, tuple(body.get("stop_sequences") or ()))
             refused = await start_call(call, "messages")
             if refused is not None:
                 return anthropic_reply(refused)
-            choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
-                                 tools=tools, tool_format=o.tool_format,
-                                 tool_schemas=oreq.tools.schemas if oreq.tools else None,
-                                 reasoning=o.reasoning)  # fmt: skip
+            (choice,) = o.choices(call, oreq, [""])
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
             refused = await run_call(call, request)

@@ -196,18 +196,19 @@ class OpenAIAPI:
             refused = await start_call(call, prompt_param)
             if refused is not None:
                 return refused
-            choices = self._choices(call, oreq, echo)
+            choices = self.choices(call, oreq, echo)
             ids = ReplyIds(oreq.chat, oreq.model, self.fingerprint)
             if oreq.stream:
                 events = self._events(call, oreq, choices, ids)
                 return await request.respond(SSEResponse(events))
             return await self._unary(call, request, oreq, choices, ids)
 
-    def _choices(
+    def choices(
         self, call: GenerateCall, oreq: OpenAIRequest, echo: list[str]
     ) -> list[ChoiceState]:
         """One state per sample, in the frontend's order (``GenerateCall.samples``); the
-        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``."""
+        OpenAI index is prompt-major: prompt ``i``, sample ``j`` -> ``i * n + j``. The
+        Responses and Messages APIs take the one state of their one chat prompt."""
         n, runs = oreq.sampling.n, call.runs
         tools = oreq.tools.names if oreq.tools is not None else None
         return [
@@ -290,7 +291,7 @@ class OpenAIAPI:
                 await call.start()
             except (RequestError, ServeError) as exc:
                 raise OpenAIError.from_cause(exc.cause, exc.message, param) from None
-            choices = self._choices(call, oreq, echo)
+            choices = self.choices(call, oreq, echo)
             try:
                 await call.result()
             except ServeError as exc:

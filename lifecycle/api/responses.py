@@ -212,16 +212,12 @@ class ResponsesAPI:
             ids = await o._chat_prompt(messages, tools=oreq.tools, variables=oreq.template_kwargs)
         except OpenAIError as exc:
             return openai_error(exc)
-        tools = oreq.tools.names if oreq.tools is not None else None
         async with http_call(self.fe, oreq.generate_request([ids]), request) as call:
             reply = _Reply(body, oreq, o.model_id)  # after the call named the request
             refused = await start_call(call, "input")
             if refused is not None:
                 return refused
-            choice = ChoiceState(0, call.runs[0].samples[0], o.texts, chat=True, echo="",
-                                 tools=tools, tool_format=o.tool_format,
-                                 tool_schemas=oreq.tools.schemas if oreq.tools else None,
-                                 reasoning=o.reasoning)  # fmt: skip
+            (choice,) = o.choices(call, oreq, [""])
             if oreq.stream:
                 return await request.respond(SSEResponse(self._events(call, choice, reply)))
             refused = await run_call(call, request)
