@@ -12,7 +12,7 @@ import pytest
 
 from lifecycle.api.anthropic import _Blocks, stop_reason
 from lifecycle.api.anthropic_params import anthropic_reply, error_event, messages_chat_body
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.states import Cause
 from transport import JSONResponse, SSEEvent
 from transport.sse import frame_event

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from lifecycle.api.openai_params import OpenAIError, sglang_error_type
+from lifecycle.api.openai_errors import OpenAIError, sglang_error_type
 from lifecycle.core.states import Cause
 
 from .scripted import lifecycle_server

@@ -13,7 +13,8 @@ import pytest
 
 import wire
 from lifecycle.api.anthropic_params import messages_chat_body
-from lifecycle.api.openai_params import OpenAIError, parse_chat
+from lifecycle.api.openai_errors import OpenAIError
+from lifecycle.api.openai_params import parse_chat
 from lifecycle.chat.reasoning import REASONING_PARSERS
 from lifecycle.core import reasoning
 from lifecycle.core.errors import RequestError

@@ -36,8 +36,9 @@ from lifecycle.api.anthropic_params import (
 )
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import OpenAIAPI, run_call, start_call
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.openai_outputs import ChoiceState, finish_reason
-from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
+from lifecycle.api.openai_params import OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.origin import current_request_id
 from lifecycle.core.states import Cause

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.states import Cause
 from transport import JSONResponse, Response

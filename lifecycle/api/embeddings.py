@@ -23,7 +23,7 @@ import anyio
 from lifecycle.api.auth import owner
 from lifecycle.api.calls import error_response, gone_cause
 from lifecycle.api.openai import openai_error
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.call import ExitCause
 from lifecycle.core.embed import Embeddings, EmbedInputs, embed, hidden_size
 from lifecycle.core.errors import RequestError, ServeError

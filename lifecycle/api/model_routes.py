@@ -19,7 +19,7 @@ import orjson
 from lifecycle.api.anthropic_params import ANTHROPIC_ROUTES, anthropic_reply
 from lifecycle.api.auth import Auth
 from lifecycle.api.openai import openai_error
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.routes import GENERATION_ROUTES
 from transport import Handler, HTTPError, JSONResponse, Request, Response
 

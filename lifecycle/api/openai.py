@@ -19,8 +19,9 @@ from urllib.parse import unquote
 import orjson
 
 from lifecycle.api.calls import http_call, run_unary
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.openai_outputs import ChoiceState, ReplyIds, TokenTexts, fingerprint, usage
-from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from lifecycle.api.openai_params import OpenAIRequest, parse_chat, parse_completion
 from lifecycle.chat.reasoning import ReasoningFormat
 from lifecycle.chat.tool_formats import ToolFormat, detect_tool_format, tool_format
 from lifecycle.chat.tool_params import ToolSpec

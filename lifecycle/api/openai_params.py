@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.chat.tool_formats import ToolFormat
 from lifecycle.chat.tool_params import (
     ToolParamError,
@@ -28,19 +29,16 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
-from lifecycle.core.states import Cause
 from modelfile.chat import RESERVED_VARIABLES
 from wire import MAX_REASONING_BUDGET
 
 __all__ = [
     "REASONING_EFFORTS",
-    "OpenAIError",
     "OpenAIRequest",
     "chat_messages",
     "parse_chat",
     "parse_completion",
     "reasoning_variables",
-    "sglang_error_type",
 ]
 
 COMPLETION_MAX_TOKENS = 16  # SGLang's CompletionRequest default; chat: up to the context
@@ -90,73 +88,6 @@ _CHAT |= {*_BUDGETS}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
-
-
-# SGLang's ``ErrorResponse.type`` by status: the reason phrase in CamelCase ending in
-# ``Error``, as its handlers name them (``create_error_response``'s default
-# ``BadRequestError``, ``NotFoundError`` for an unknown model, ``InternalServerError``,
-# ``ServiceUnavailableError``). Spelled out: Python's phrases change between versions.
-_SGLANG_TYPES = {
-    400: "BadRequestError",
-    401: "UnauthorizedError",
-    403: "ForbiddenError",
-    404: "NotFoundError",
-    408: "RequestTimeoutError",
-    413: "RequestEntityTooLargeError",
-    429: "TooManyRequestsError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-def sglang_error_type(status: int) -> str:
-    """SGLang's ``ErrorResponse.type`` for an error of ``status``."""
-    default = "BadRequestError" if status < 500 else "InternalServerError"
-    return _SGLANG_TYPES.get(status, default)
-
-
-class OpenAIError(Exception):
-    """A request that ends before generation, with the error body of the OpenAI routes."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        err_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-        self.retry_after: int | None = None  # seconds, sent as Retry-After (a 503's)
-        self.err_type = err_type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's nested ``error`` object (what the official SDKs read) beside SGLang's
-        flat ``ErrorResponse`` (``object: "error"``, ``message``, ``type`` as SGLang
-        names it, ``param``, ``code``: the status), which SGLang's clients and tests read
-        (issue 56, point 6). Unary replies and stream error events alike."""
-        return {
-            "object": "error",
-            "message": self.message,
-            "type": sglang_error_type(self.status),
-            "param": self.param,
-            "code": self.status,
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.code,
-            },
-        }
-
-    @classmethod
-    def from_cause(cls, cause: Cause, message: str, param: str | None = None) -> OpenAIError:
-        if cause is Cause.TOO_LONG:
-            return cls(message, cause.status, param=param, code="context_length_exceeded")
-        return cls(message, cause.status, code=cause.value)
 
 
 @dataclass(frozen=True, slots=True)

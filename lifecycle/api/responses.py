@@ -45,8 +45,9 @@ import orjson
 
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import OpenAIAPI, openai_error, run_call, start_call
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.openai_outputs import ChoiceState
-from lifecycle.api.openai_params import OpenAIError, OpenAIRequest, parse_chat
+from lifecycle.api.openai_params import OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.origin import current_request_id

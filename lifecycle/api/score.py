@@ -16,7 +16,7 @@ from typing import Any
 
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import openai_error, run_call, start_call
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown

@@ -27,7 +27,7 @@ import orjson
 from lifecycle.api.auth import owner
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
-from lifecycle.api.openai_params import OpenAIError
+from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.params import GenerateRequest, parse_generate

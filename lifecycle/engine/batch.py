@@ -134,7 +134,7 @@ async def _answer(requests: Requests, openai: Any, i: int, obj: Any) -> dict[str
 
 async def _openai_line(openai: Any, i: int, custom_id: Any, obj: dict[str, Any]) -> dict[str, Any]:
     from lifecycle.api.embeddings import EmbeddingsAPI
-    from lifecycle.api.openai_params import OpenAIError
+    from lifecycle.api.openai_errors import OpenAIError
 
     request_id = f"batch_req_{uuid.uuid4().hex}"
     try:
