@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.request import Request, urlopen
 
@@ -194,33 +195,68 @@ def start_server(
 ) -> Iterator[LiveServer]:
     """``python -m lifecycle serve ARGS`` on a free port, with an optional fault plan
     (rules, a plan, JSON text, or the path of a plan file: see ``replan_worker``)."""
-    port = free_port()
     env = dict(os.environ)
     env.pop(ENV_VAR, None)
     plan = _plan_json(faults)
     if plan is not None:
         env[ENV_VAR] = plan
-    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
-    argv += ["--log-level", "warning"]
     path = plan if plan is not None and os.path.isfile(plan) else None
-    if path is not None:
-        argv += ["--faults", path]  # reloadable: replan_frontend, replan_worker
-    proc = subprocess.Popen(argv, env=env)
-    srv = LiveServer(f"http://127.0.0.1:{port}", proc, port=port, plan_path=path)
+    for _ in range(3):  # a port found free may be another test's server's by now
+        port = free_port()
+        argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
+        argv += ["--log-level", "warning"]
+        if path is not None:
+            argv += ["--faults", path]  # reloadable: replan_frontend, replan_worker
+        proc = subprocess.Popen(argv, env=env)
+        srv = LiveServer(f"http://127.0.0.1:{port}", proc, port=port, plan_path=path)
+        try:
+            _wait_ready(srv, proc, ready, timeout)
+        except BaseException:
+            stop_process(proc)
+            raise
+        if not ready or _serves_here(srv, proc):
+            break
+        stop_process(proc)
+    else:
+        raise AssertionError("another server answered on each of three free ports")
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if srv.health() == 200 or not ready:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
         yield srv
     finally:
         stop_process(proc)
+
+
+def _wait_ready(
+    srv: LiveServer, proc: subprocess.Popen[bytes], ready: bool, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "server did not start"
+        try:
+            if srv.health() == 200 or not ready:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+
+def _serves_here(srv: LiveServer, proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the server answering on ``srv``'s port is ``proc`` (or a frontend it
+    launched, ``--frontends N``): between ``free_port`` and the bind, another test's
+    server may take the port, and its /health answers for it."""
+    status, body = _http(srv.url + "/server_info")
+    if status != 200:  # behind an API key: that it still runs is what can be told
+        return proc.poll() is None
+    pid = json.loads(body).get("frontend_pid")
+    return pid == proc.pid or _parent_pid(pid) == proc.pid
+
+
+def _parent_pid(pid: Any) -> int | None:
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except (OSError, TypeError, ValueError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 class RawClients:
