@@ -24,6 +24,7 @@ from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
+from lifecycle.api.model_admin import install_model_admin
 from lifecycle.api.model_routes import ModelRouter, Slot
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
@@ -36,7 +37,15 @@ from lifecycle.core.states import DRAIN
 from lifecycle.extend import Extension, resolve_extension
 from lifecycle.link.pool import WorkerPool
 from lifecycle.link.supervisor import Supervisor, WorkerRefusedToStart
-from lifecycle.runtime import AppConfig, Runtime, model_id, server_args, worker_args
+from lifecycle.model_set import ModelSet, ModelSlot
+from lifecycle.runtime import (
+    AppConfig,
+    Runtime,
+    model_id,
+    server_args,
+    worker_addresses,
+    worker_args,
+)
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_in_process
@@ -131,10 +140,18 @@ async def serve_app(
     those not given are checked here, before the listener binds and the workers start
     (``ModelFileError``). Each model runs its own ``Runtime``; the first model's owns
     the listener, the metrics, the traces and the extensions."""
-    checked = list(models)
-    rts = [Runtime(c, checked.pop(0) if checked else None) for c in slot_configs(cfg)]
+    checked, configs = list(models), slot_configs(cfg)
+    at_start = [
+        ModelSet.loads_at_start(i, cfg.models_max, bool(worker_addresses(c)))
+        for i, c in enumerate(configs)
+    ]
+    rts = [
+        Runtime(c, checked.pop(0) if checked else None, loaded=start)
+        for c, start in zip(configs, at_start, strict=True)
+    ]
     for one in rts:
         await one.check_model()
+    model_set = _model_set(cfg, rts, at_start)
     rt = rts[0]  # the first model's: the listener, metrics, traces, extensions
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
@@ -152,11 +169,17 @@ async def serve_app(
             raise CannotListen(
                 f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from exc
-        for one in rts:
-            tg.start_soon(_fail_unless_started, one.supervisor)
+        for one, start in zip(rts, at_start, strict=True):
+            if start:  # one loaded on demand that fails ends its requests, not the server
+                tg.start_soon(_fail_unless_started, one.supervisor)
         scheme = "https" if cfg.ssl_certfile else "http"
         log.info("listening on %s://%s:%s", scheme, cfg.host, _port(server))
-        frontends = [await one.load(g) for one, g in zip(rts, groups, strict=True)]
+        frontends = [
+            await _load(one, g, model_set, i)
+            for i, (one, g) in enumerate(zip(rts, groups, strict=True))
+        ]
+        if model_set is not None:
+            tg.start_soon(model_set.run)
         frontend = frontends[0]
         assert rt.metrics is not None
         access = _access_log(cfg, frontend)
@@ -165,6 +188,8 @@ async def serve_app(
             routes = [_routes(one, shared) for one in rts]
             router, api, auth, _ = routes[0]
             router.access_log = access
+            if model_set is not None:  # behind the admin key, as /flush_cache
+                install_model_admin(router, model_set)
             for spec in cfg.extend:  # checked by serve before it listened
                 resolve_extension(spec)(Extension(router, api, frontend, cfg))
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
@@ -179,8 +204,7 @@ async def serve_app(
                 _model_router([r[3] for r in routes], router, auth), cfg.cors_allow_origins
             )
             url = f"{scheme}://{cfg.host}:{_port(server)}"
-            for one in rts:
-                tg.start_soon(_announce_ready, url, one.served_model_id(), one.supervisor, cfg)
+            tg.start_soon(_announce_ready, url, rts, at_start, cfg)
             tg.start_soon(_report_load, frontend)
             if shared is not None:
                 tg.start_soon(_publish_metrics, shared, rt.metrics)
@@ -194,6 +218,35 @@ async def serve_app(
                 access.close()
 
 
+def _model_set(cfg: AppConfig, rts: list[Runtime], at_start: list[bool]) -> ModelSet | None:
+    """The models' states when they load on demand (``--models-max``,
+    ``--sleep-idle-seconds``); None when every model loads at start and stays."""
+    if cfg.models_max is None and cfg.sleep_idle_seconds is None:
+        return None
+    slots = [
+        ModelSlot(
+            one.served_model_id(), one.supervisor, remote=bool(worker_addresses(one.config)),
+            state="loading" if start else "unloaded",
+        )
+        for one, start in zip(rts, at_start, strict=True)
+    ]  # fmt: skip
+    return ModelSet(slots, cfg.models_max, cfg.sleep_idle_seconds)
+
+
+async def _load(
+    rt: Runtime, tg: anyio.abc.TaskGroup, models: ModelSet | None, index: int
+) -> Frontend:
+    """``rt`` loaded (its tokenizer, frontend, tracer, metrics); with a ``ModelSet``,
+    its frontend's calls wait for the model to load through it."""
+    if models is None:
+        return await rt.load(tg)
+    slot = models.slots[index]
+    loader = models.loader(slot)
+    fe = await rt.load(tg, loader)
+    models.attach(slot, fe, loader)
+    return fe
+
+
 def _model_router(slots: list[Slot], first: AppRouter, auth: Auth) -> Handler:
     """The first model's router, or with several models the router that picks one by
     the request's model (``lifecycle.api.model_routes``)."""
@@ -205,6 +258,10 @@ def slot_configs(cfg: AppConfig) -> list[AppConfig]:
     first model's, then each further one's (its file and name; ``--worker`` addresses
     serve the first model, so the others spawn theirs here). With several, a name no
     model has is a 404 (``strict_model_name``). Two models with one name: ValueError."""
+    if cfg.frontends > 1 and (cfg.models_max is not None or cfg.sleep_idle_seconds is not None):
+        raise ValueError(
+            "--frontends N keeps its model loaded: no --models-max or --sleep-idle-seconds"
+        )
     if not cfg.more_models:
         return [cfg]
     if cfg.frontends > 1:  # its launcher spawns the workers of one model
@@ -240,19 +297,28 @@ async def _fail_unless_started(sup: Supervisor | WorkerPool) -> None:
         await anyio.sleep(0.1)
 
 
-async def _announce_ready(url: str, model: str, sup: Any, cfg: AppConfig) -> None:
-    """One line once the server serves (``/health`` 200): where, what, how much."""
-    client = await sup.wait_ready()
-    cap, card = client.capacity, client.model
-    kv = int(cap.get("kv_blocks", 0)) * int(cap.get("block_size", 0))
-    workers = len(sup.members)
+async def _announce_ready(
+    url: str, rts: Sequence[Runtime], at_start: Sequence[bool], cfg: AppConfig
+) -> None:
+    """One line once the server serves (``/health`` 200): where, each model (a model
+    loaded at start: its context, KV cache and batch; one loaded on demand: that)."""
+    parts = []
+    for rt, start in zip(rts, at_start, strict=True):
+        if not start:
+            parts.append(f"{rt.served_model_id()} (unloaded: loads when a request names it)")
+            continue
+        sup = rt.supervisor
+        client = await sup.wait_ready()
+        cap, card = client.capacity, client.model
+        kv = int(cap.get("kv_blocks", 0)) * int(cap.get("block_size", 0))
+        workers = len(sup.members)
+        parts.append(
+            f"{rt.served_model_id()} (context {card.get('context_length')} tokens, KV cache "
+            f"{kv} tokens, {cap.get('max_running')} running at most"
+            f"{f', per worker of {workers}' if workers > 1 else ''})"
+        )
     where = f"{url}/debug and {url}/metrics" if cfg.debug_routes else f"{url}/metrics"
-    log.info(
-        "ready: %s serves %s (context %s tokens, KV cache %d tokens, %s running at most%s); "
-        "see %s",
-        url, model, card.get("context_length"), kv, cap.get("max_running"),
-        f", per worker of {workers}" if workers > 1 else "", where,
-    )  # fmt: skip
+    log.info("ready: %s serves %s; see %s", url, ", ".join(parts), where)
 
 
 LOAD_REPORT_S = 10.0  # a throughput line this often while requests are served

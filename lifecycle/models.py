@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ModelSpec", "model_arguments", "split_name"]
+__all__ = ["ModelSpec", "model_arguments", "models_in", "split_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +44,22 @@ def split_name(arg: str) -> tuple[str | None, str]:
     if sep and name and "/" not in name and spec:
         return name, spec
     return None, arg
+
+
+def models_in(folder: str | None) -> list[str]:
+    """``--models-dir``: each GGUF file and each model folder (one with a config.json)
+    in ``folder``, by name, as ``NAME=PATH`` (the file's name without ``.gguf``, the
+    folder's name). A folder that is missing or holds no model: ValueError."""
+    if folder is None:
+        return []
+    where = Path(folder).expanduser()
+    if not where.is_dir():
+        raise ValueError(f"--models-dir {folder}: no such folder")
+    found = [
+        f"{p.name.removesuffix('.gguf')}={p}"
+        for p in sorted(where.iterdir())
+        if (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").is_file())
+    ]
+    if not found:
+        raise ValueError(f"--models-dir {folder}: no GGUF file or model folder in it")
+    return found

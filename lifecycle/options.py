@@ -142,6 +142,35 @@ OPTIONS: tuple[Option, ...] = (
         _MODEL,
     ),
     _o(
+        "models_dir",
+        "a folder whose every GGUF file and model folder (config.json) is a model, "
+        "served beside --model and named by its file or folder name (sorted by name)",
+        _MODEL,
+        server=True,
+        metavar="DIR",
+    ),
+    _o(
+        "models_max",
+        "models loaded at once (default: all): the first N load at start, another is "
+        "loaded when a request names it, the least recently used one without requests "
+        "in flight unloaded to make room",
+        _MODEL,
+        type=int,
+        server=True,
+        minimum=1,
+        metavar="N",
+    ),
+    _o(
+        "sleep_idle_seconds",
+        "unload a model (its workers stop, their memory given back) once it had no "
+        "request for this long; the next request loads it again (default: never)",
+        _MODEL,
+        type=float,
+        server=True,
+        minimum=0.001,
+        metavar="S",
+    ),
+    _o(
         "weight_version",
         "the weights' version, reported as meta_info.weight_version and by /model_info",
         _MODEL,

@@ -22,12 +22,12 @@ import anyio.abc
 from lifecycle.chat.reasoning import reasoning_in_effect
 from lifecycle.core import fields
 from lifecycle.core.buffers import CONTROL_HEADROOM
-from lifecycle.core.frontend import Frontend, FrontendConfig
+from lifecycle.core.frontend import Frontend, FrontendConfig, ModelLoader
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
-from lifecycle.models import ModelSpec, model_arguments, split_name
+from lifecycle.models import ModelSpec, model_arguments, models_in, split_name
 from lifecycle.options import OPTIONS, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
@@ -62,6 +62,8 @@ class AppConfig:
     hf_file: str | None = None  # --model ORG/NAME: the GGUF file chosen by name
     model_repo: str | None = None  # the Hub repo ``model`` was fetched from (its id)
     more_models: tuple[ModelSpec, ...] = ()  # --model repeated: served beside the first
+    models_max: int | None = None  # models loaded at once (None: all, always)
+    sleep_idle_seconds: float | None = None  # a model idle this long is unloaded
     served_model_name: str | None = None
     weight_version: str = _DEFAULT[
         "weight_version"
@@ -174,19 +176,23 @@ class Runtime:
 
     ``model`` is the model file already checked (``modelfile.check``); without it,
     ``await check_model()`` checks it, which callers do before they listen or start the
-    worker, so that a file the worker cannot run is one ``ModelFileError``."""
+    worker, so that a file the worker cannot run is one ``ModelFileError``.
+    ``loaded=False``: its spawned workers start unloaded (``lifecycle.model_set`` loads
+    them when a request names the model)."""
 
-    def __init__(self, cfg: AppConfig, model: CheckedModel | None = None) -> None:
+    def __init__(
+        self, cfg: AppConfig, model: CheckedModel | None = None, *, loaded: bool = True
+    ) -> None:
         self.config = cfg
         self.model = model
-        self.supervisor = _supervisor(cfg)
+        self.supervisor = _supervisor(cfg, loaded)
         self._otlp_endpoint = _otlp_endpoint(cfg.otlp_traces_endpoint)
         self.frontend: Frontend | None = None
         self.tracer: Tracer | None = None
         self.metrics: Metrics | None = None
         self.otlp: OtlpExporter | None = None
         self.chat: Any = None
-        self.model_path = ""
+        self.model_path = str(cfg.model or model.path) if model is not None else ""
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[anyio.abc.TaskGroup]:
@@ -216,13 +222,16 @@ class Runtime:
                 self.config.context_length,
                 self.config.chat_template,
             )
+            self.model_path = str(self.config.model or self.model.path)
         return self.model
 
-    async def load(self, tg: anyio.abc.TaskGroup) -> Frontend:
+    async def load(self, tg: anyio.abc.TaskGroup, loader: ModelLoader | None = None) -> Frontend:
+        """The tokenizer, frontend, tracer and metrics; ``loader``: the model is loaded
+        on demand (``lifecycle.model_set``), a call waits for it through this."""
         cfg = self.config
         model = await self.check_model()
         tokenizer, chat, model_config = model.tokenizer, model.chat, model.config
-        path = str(cfg.model or model.path)
+        path = self.model_path
         fe = Frontend(
             self.supervisor,
             tokenizer,
@@ -236,8 +245,9 @@ class Runtime:
                     cfg.reasoning_parser, chat.source if chat is not None else None
                 ),
             ),
+            loader,
         )
-        self.frontend, self.chat, self.model_path = fe, chat, path
+        self.frontend, self.chat = fe, chat
         tg.start_soon(fe.calls.watch_deadlines)
         fields.install(fields.UnknownFields(strict=cfg.strict_fields))
         self.metrics = Metrics(fe, model=model_id(cfg, path))
@@ -335,9 +345,10 @@ def worker_addresses(cfg: AppConfig) -> tuple[str, ...]:
     return (cfg.worker,) if isinstance(cfg.worker, str) else tuple(cfg.worker)
 
 
-def _supervisor(cfg: AppConfig) -> Supervisor | WorkerPool:
+def _supervisor(cfg: AppConfig, loaded: bool = True) -> Supervisor | WorkerPool:
     """One supervisor, or with several workers (``--dp N`` spawned here, ``--worker``
-    remote ones, or both) a pool of them behind the router."""
+    remote ones, or both) a pool of them behind the router; ``loaded=False``: the
+    spawned ones start unloaded (``Supervisor.load``)."""
     remote = worker_addresses(cfg)
     local = cfg.dp if cfg.dp is not None else (0 if remote else 1)
     if local < 0 or (local < 1 and not remote):
@@ -345,14 +356,16 @@ def _supervisor(cfg: AppConfig) -> Supervisor | WorkerPool:
     if cfg.router_policy not in POLICIES:
         raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}")
     token = resolve_token(cfg.worker_token) if remote else None
-    members = [_one_supervisor(cfg, None, None) for _ in range(local)]
+    members = [_one_supervisor(cfg, None, None, loaded) for _ in range(local)]
     members += [_one_supervisor(cfg, address, token) for address in remote]
     if len(members) == 1:
         return members[0]
     return WorkerPool(members, Router(cfg.router_policy))
 
 
-def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> Supervisor:
+def _one_supervisor(
+    cfg: AppConfig, address: str | None, token: str | None, loaded: bool = True
+) -> Supervisor:
     sup_config = SupervisorConfig(
         worker=address,
         token=token,
@@ -365,7 +378,7 @@ def _one_supervisor(cfg: AppConfig, address: str | None, token: str | None) -> S
     )
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)
-    return Supervisor(sup_config)
+    return Supervisor(sup_config, loaded=loaded)
 
 
 FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend
@@ -394,7 +407,8 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     repo id in ``model`` is resolved here, once (``modelfile.hub.resolve_model``: a
     ``HubModelError`` when it cannot be), and the config carries its local path."""
     v = dict(values)
-    args: list[tuple[str | None, str | None]] = [split_name(a) for a in model_arguments(v["model"])]
+    given = model_arguments(v["model"]) + models_in(v["models_dir"])
+    args: list[tuple[str | None, str | None]] = [split_name(a) for a in given]
     (name, spec), *more = args or [(None, None)]
     model = resolve_model(spec, v["revision"], v["hf_file"])  # HubModelError
     v["model"], v["served_model_name"] = model.path, v["served_model_name"] or name
@@ -442,6 +456,8 @@ _PLAIN = (
     "revision",
     "hf_file",
     "served_model_name",
+    "models_max",
+    "sleep_idle_seconds",
     "weight_version",
     "strict_model_name",
     "worker",

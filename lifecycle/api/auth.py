@@ -36,7 +36,9 @@ __all__ = [
 
 log = logging.getLogger("lifecycle.api.auth")
 
-ADMIN_ROUTES: frozenset[str] = frozenset({"/abort_request", "/flush_cache"})
+ADMIN_ROUTES: frozenset[str] = frozenset(
+    {"/abort_request", "/flush_cache", "/models/load", "/models/unload"}
+)
 ADMIN_PREFIXES: tuple[str, ...] = ("/debug",)
 
 
@@ -55,7 +57,7 @@ class AuthConfig:
     @property
     def admin_policy(self) -> str:
         """Who may use the admin routes, as start-up logs it."""
-        routes = "admin routes (/abort_request, /flush_cache, /debug)"
+        routes = "admin routes (/abort_request, /flush_cache, /models/load and unload, /debug)"
         if self.admin_api_keys:
             return f"{routes}: admin keys only"
         if not self.api_keys:

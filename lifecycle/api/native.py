@@ -178,7 +178,7 @@ class NativeAPI:
         if self.fe.draining:
             return error_response(DRAIN.health_status, "shutting down", DRAIN.refused.retry_after)
         sup = self.fe.supervisor
-        if not sup.ready:
+        if not sup.ready and not self.fe.model_asleep():  # asleep: its requests load it
             why = f": {sup.last_error}" if sup.last_error else ""
             return error_response(503, f"not ready ({sup.status}){why}", 5)
         return Response(b"")
@@ -271,10 +271,11 @@ class NativeAPI:
         return Response(("Cache flushed.\n" + "".join(f"{m}\n" for m in lines)).encode())
 
     async def get_load(self, request: Request) -> Response:
-        """SGLang's ``/get_load``: one entry per worker (``dp_rank``, its index)."""
-        return JSONResponse(
-            [await _worker_load(i, m) for i, m in enumerate(self.fe.supervisor.members)]
-        )
+        """SGLang's ``/get_load``: one entry per worker (``dp_rank``, its index), each
+        naming its ``model`` (with several models, the ``ModelRouter`` lists them all)."""
+        model = self.server_args.get("served_model_name")
+        members = self.fe.supervisor.members
+        return JSONResponse([await _worker_load(i, m, model) for i, m in enumerate(members)])
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
@@ -315,7 +316,9 @@ class NativeAPI:
 
 
 async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, Any]:
-    """``/server_info``: the server's arguments, its books, and each worker's state."""
+    """``/server_info``: the server's arguments, its books, each worker's state, and the
+    same for its model in ``models`` (a list of one: with several models, the
+    ``ModelRouter`` lists every model's there, the first's at top level)."""
     sup = fe.supervisor
     states = [await _worker_state(member) for member in sup.members]
     cap: dict[str, Any] = next((s["capacity"] for s in states if "capacity" in s), {})
@@ -339,12 +342,30 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
         "failed_requests": dict(fe.registry.failed),
         "internal_states": states,
     }
+    out["models"] = [
+        {
+            "model": server_args.get("served_model_name"),
+            "model_path": server_args.get("model_path"),
+            # "loaded" once it serves, else its supervisor's status (starting, unloaded...)
+            "state": "loaded" if sup.ready else sup.status,
+            "context_length": out["context_length"],
+            **{k: out[k] for k in _MODEL_BOOKS},
+            "workers": states,
+        }
+    ]
     router = getattr(sup, "router", None)
     if router is not None:  # several workers (--dp)
         out["router"] = {"policy": router.policy, "picks": list(router.picks),
                          "affinity_hits": router.affinity_hits,
                          "indexed_blocks": router.indexed_blocks}  # fmt: skip
     return out
+
+
+# What /server_info's top level says of its model that each ``models`` entry repeats.
+_MODEL_BOOKS = (
+    "live_requests", "tombstones", "requests_by_state", "admission", "received_requests",
+    "finished_requests", "failed_requests",
+)  # fmt: skip
 
 
 async def _worker_state(sup: Supervisor) -> dict[str, Any]:
@@ -373,12 +394,14 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
     return state
 
 
-async def _worker_load(rank: int, sup: Supervisor) -> dict[str, Any]:
+async def _worker_load(rank: int, sup: Supervisor, model: str | None) -> dict[str, Any]:
     """One worker's load as SGLang's ``/get_load`` entry: requests held (running and
-    waiting at the worker, plus queued here for it), waiting ones, KV tokens in use."""
+    waiting at the worker, plus queued here for it), waiting ones, KV tokens in use; and
+    the ``model`` it serves."""
     client = sup.client
-    out: dict[str, Any] = {"dp_rank": rank, "num_reqs": 0, "num_waiting_reqs": 0,
-                           "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.time()}  # fmt: skip
+    out: dict[str, Any] = {"dp_rank": rank, "model": model, "num_reqs": 0,
+                           "num_waiting_reqs": 0, "num_tokens": 0, "num_pending_tokens": 0,
+                           "ts_tic": time.time()}  # fmt: skip
     if client is None or not sup.ready:
         return out
     try:

@@ -89,6 +89,7 @@ class OpenAIAPI:
             "root": self.model_id,
             "parent": None,
             "max_model_len": self.fe.model_config.context_length,
+            "state": self.fe.model_state(),  # loaded | loading | unloading | unloaded
         }
 
     async def models(self, request: Request) -> Response:

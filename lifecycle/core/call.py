@@ -97,6 +97,10 @@ class CallHost(Protocol):
 
     def ready_client(self, prompt: Sequence[int] | None = None) -> WorkerLink: ...
 
+    def must_load(self) -> bool: ...
+
+    async def load_model(self) -> None: ...
+
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None: ...
 
     def worker_released(self, rec_id: int) -> None: ...
@@ -170,6 +174,8 @@ class GenerateCall:
         self._defer: Callable[[Callable[[], None]], None] | None = None  # runs the push
         self._push_queued = False
         self._handed_back: list[tuple[int, SampleOutput]] = []
+        # Seconds it waited, admitted, for its model to load on demand (None: it did not).
+        self.model_wait: float | None = None
 
     def _name_exchange(self, req: GenerateRequest) -> str:
         ex = self.exchange
@@ -310,11 +316,20 @@ class GenerateCall:
                 raise
             self.runs.append(_ItemRun(rec, item))
             rec.fire(Event.VALIDATE)
-        self.client = host.ready_client()
+        loading = host.must_load()  # its model is not loaded: admitted, it waits for it
+        if not loading:
+            self.client = host.ready_client()
         for run in self.runs:
             if not admit(run.rec, host.admission):
                 raise ServeError(Cause.OVERLOADED, "The server is overloaded; retry later.")
             run.admitted = True
+        if loading:
+            t0 = anyio.current_time()
+            try:
+                await host.load_model()  # ServeError naming the model when it cannot load
+            finally:
+                self.model_wait = anyio.current_time() - t0
+            self.client = host.ready_client()
         items = [r.item for r in self.runs if r.item is not None]
         texts = [item.text or "" for item in items if item.input_ids is None]
         encoded = iter(await host.codec.encode(texts) if texts else [])

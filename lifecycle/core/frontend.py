@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
@@ -29,7 +29,7 @@ from lifecycle.core.reasoning import ReasoningFormat
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import DRAIN, Cause
 
-__all__ = ["Frontend", "FrontendConfig"]
+__all__ = ["Frontend", "FrontendConfig", "ModelLoader"]
 
 log = logging.getLogger("lifecycle.core.frontend")
 
@@ -48,6 +48,20 @@ class FrontendConfig:
 W = TypeVar("W", bound=Workers)  # the runtime's Supervisor or WorkerPool
 
 
+class ModelLoader(Protocol):
+    """Loads a model on demand (``lifecycle.model_set``: several models, some unloaded):
+    whether its worker must be loaded before a call can run on it, and the wait for
+    that load (a ``ServeError`` naming the model and the cause when it fails)."""
+
+    def must_load(self) -> bool: ...
+
+    def asleep(self) -> bool: ...
+
+    def state(self) -> str: ...
+
+    async def load(self) -> None: ...
+
+
 class Frontend(Generic[W]):
     def __init__(
         self,
@@ -55,9 +69,11 @@ class Frontend(Generic[W]):
         tokenizer: TokenizerLike,
         model_config: Any,
         config: FrontendConfig = FrontendConfig(),
+        loader: ModelLoader | None = None,
     ) -> None:
         self.config = config
         self.supervisor: W = supervisor
+        self.loader = loader  # None: the model is loaded at start and stays
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.registry = Registry()
@@ -115,6 +131,28 @@ class Frontend(Generic[W]):
         if client is None:
             raise ServeError(Cause.NOT_READY, "The server is not ready yet; retry later.")
         return client
+
+    def must_load(self) -> bool:
+        """Whether a new call waits for this model to load (it is unloaded or loading
+        on demand) before it takes a worker."""
+        return self.loader is not None and self.loader.must_load()
+
+    def model_state(self) -> str:
+        """``/v1/models``' state: loaded, loading, unloading or unloaded (without a
+        loader: loaded once a worker is ready, loading before)."""
+        if self.loader is not None:
+            return self.loader.state()
+        return "loaded" if getattr(self.supervisor, "ready", True) else "loading"
+
+    def model_asleep(self) -> bool:
+        """Whether the model is not loaded because it loads on demand (unloaded, or a
+        load a request started): the server is healthy, its requests wait."""
+        return self.loader is not None and self.loader.asleep()
+
+    async def load_model(self) -> None:
+        """Until the model is loaded (``ServeError`` when its load failed)."""
+        if self.loader is not None:
+            await self.loader.load()
 
     def opened(self, rec: RequestRecord, call: GenerateCall) -> None:
         """A new record of ``call``: registered (DuplicateRid, counted received), live."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle.link.supervisor import Supervisor, supervision_info
+from lifecycle.link.supervisor import LoadFailed, Supervisor, supervision_info
 from lifecycle.link.worker_client import WorkerClient
 
 __all__ = ["POLICIES", "Router", "WorkerPool"]
@@ -217,6 +217,30 @@ class WorkerPool:
             async with anyio.create_task_group() as tg:
                 for s in self.members:
                     tg.start_soon(s.stop)
+
+    async def load(self) -> None:
+        """Every member's worker started and ready (``Supervisor.load``, at once); the
+        first ``LoadFailed`` when one gave up, the others unloaded again."""
+        failed: list[BaseException] = []
+
+        async def one(s: Supervisor) -> None:
+            try:
+                await s.load()
+            except LoadFailed as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for s in self.members:
+                tg.start_soon(one, s)
+        if failed:
+            await self.unload()
+            raise failed[0]
+
+    async def unload(self) -> None:
+        """Every member's worker stopped (``Supervisor.unload``, at once)."""
+        async with anyio.create_task_group() as tg:
+            for s in self.members:
+                tg.start_soon(s.unload)
 
     async def wait_ready(self) -> WorkerClient:
         while True:

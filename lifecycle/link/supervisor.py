@@ -29,7 +29,7 @@ from lifecycle.link.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 from wire.child import SUPERVISED
 
-__all__ = ["Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
+__all__ = ["LoadFailed", "Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
 
 log = logging.getLogger("lifecycle.link.supervisor")
 
@@ -66,6 +66,12 @@ class WorkerRefusedToStart(OSError):
     Starting it again would fail again: it is not restarted."""
 
 
+class LoadFailed(RuntimeError):
+    """A worker started by ``Supervisor.load`` gave up before it was ready (it refused
+    its model or options, or failed at start-up twice the same way): the supervisor is
+    unloaded again, and the message says why."""
+
+
 class _StartFailed(OSError):
     """A spawned worker exited before its HELLO with ``status`` (not 2)."""
 
@@ -83,11 +89,19 @@ _EXIT_WAIT_S = 2.0  # a spawned worker's connection ended before HELLO: is it ex
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig = SupervisorConfig()) -> None:
+    """Keeps one worker running from ``run`` to ``stop``. ``loaded=False`` builds it
+    unloaded (a model loaded on demand, ``lifecycle.model_set``): no worker until
+    ``load()``; ``unload()`` stops the worker again, its memory given back, and the
+    supervisor waits for the next ``load()``."""
+
+    def __init__(
+        self, config: SupervisorConfig = SupervisorConfig(), *, loaded: bool = True
+    ) -> None:
         self.config = config
         self.client: WorkerClient | None = None
         self.ready = False
-        self.status = "starting"  # starting | ready | restarting | hung | failed | stopped
+        # starting | ready | restarting | hung | failed | stopped | unloaded
+        self.status = "starting" if loaded else "unloaded"
         self.restarts = 0
         self.last_error: str | None = None
         self.worker_pid: int | None = None
@@ -98,8 +112,13 @@ class Supervisor:
         # Set once a spawned worker listens (it has taken its options and device) or
         # this supervisor gave up; a remote worker's is set from the start.
         self._listening = anyio.Event()
-        if config.worker is not None:
+        if config.worker is not None or not loaded:
             self._listening.set()
+        # Whether a worker is wanted (False: unloaded); ``_wanted_event`` wakes ``run``.
+        self._wanted = loaded
+        self._wanted_event = anyio.Event()
+        self._on_demand = not loaded  # a give-up unloads it (load() fails), not failed
+        self._changed = anyio.Event()  # pulsed on ready, unloaded and given up
 
     @property
     def members(self) -> list[Supervisor]:
@@ -127,20 +146,32 @@ class Supervisor:
         """Keep a worker connected and ready until cancelled or ``stop()``."""
         attempt = 0
         failed_start: int | None = None  # the status of the last life's failed start
+        fresh = not self.restarts  # this life is a start or a load, not a restart
         try:
             while not self._stopping:
+                if not self._wanted:  # unloaded until load() (or stop())
+                    self.status, attempt, failed_start = "unloaded", 0, None
+                    self._set_ready(False)
+                    self._pulse()
+                    await self._wanted_event.wait()
+                    fresh = True  # a load, not a restart
+                    continue
                 started = time.monotonic()
                 start_failed: int | None = None
                 try:
-                    await self._one_life()
+                    await self._one_life(fresh)
                 except _StartFailed as exc:
                     if exc.status == failed_start:  # the same again: it would loop
-                        return self._give_up(WorkerRefusedToStart(f"{exc} twice in a row"))
+                        if self._give_up(WorkerRefusedToStart(f"{exc} twice in a row")):
+                            return
+                        continue
                     start_failed = exc.status
                     self.last_error = str(exc)
                     log.error("worker failed: %s", exc)
                 except WorkerRefusedToStart as exc:
-                    return self._give_up(exc)
+                    if self._give_up(exc):
+                        return
+                    continue
                 except (OSError, TimeoutError, WireError, WarmupFailed, anyio.EndOfStream) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.error("worker failed: %s", self.last_error)
@@ -151,11 +182,14 @@ class Supervisor:
                 self._set_ready(False)
                 if self._stopping:
                     break
+                if not self._wanted:  # unload(): no restart
+                    continue
                 if time.monotonic() - started > self.config.stable_after:
                     attempt = 0
                 delay = self.config.backoff[min(attempt, len(self.config.backoff) - 1)]
                 attempt += 1
                 self.restarts += 1
+                fresh = False
                 self.status = "restarting"
                 log.warning("restarting the worker in %.1fs (restart %d)", delay, self.restarts)
                 await anyio.sleep(delay)
@@ -164,19 +198,69 @@ class Supervisor:
                 self.status = "stopped"
             self._set_ready(False)
             self._listening.set()
+            self._pulse()
 
-    def _give_up(self, exc: WorkerRefusedToStart) -> None:
+    def _give_up(self, exc: WorkerRefusedToStart) -> bool:
+        """Not restarted: failed, and True (``run`` ends); a worker started by ``load()``
+        is unloaded instead (that load fails with this error), and False."""
         self.last_error = str(exc)
         log.error("%s: not restarting it", exc)
-        self.status = "failed"
         self._set_ready(False)
         self._listening.set()
+        if self._on_demand:
+            self._wanted, self._wanted_event = False, anyio.Event()
+            return False
+        self.status = "failed"
+        self._pulse()
+        return True
+
+    async def load(self) -> None:
+        """Start the worker of an unloaded supervisor (a no-op for one that has a
+        worker) and wait until it is ready; ``LoadFailed`` when it gave up first."""
+        self._on_demand = True  # from now on, a give-up unloads it
+        if not self._wanted and not self._stopping:
+            self._wanted, self.last_error, self.status = True, None, "starting"
+            self._wanted_event.set()
+        while not self.ready:
+            changed = self._changed
+            if self._stopping:
+                raise LoadFailed("the server is shutting down")
+            if not self._wanted or self.status == "failed":
+                raise LoadFailed(self.last_error or "the worker did not start")
+            await changed.wait()
+
+    async def unload(self) -> None:
+        """Stop the worker and wait until its process ended (its memory given back);
+        ``run`` then waits, unloaded, for the next ``load()``. What it still held is
+        aborted: the caller unloads a worker that holds nothing."""
+        if not self._wanted:
+            return
+        self._wanted, self._wanted_event = False, anyio.Event()
+        client = self.client
+        if client is not None:
+            client.abort_all()
+            if self.config.worker is None:
+                await client.shutdown()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await client.close()
+        if self._life_scope is not None:
+            self._life_scope.cancel()
+        while self.status != "unloaded" and not self._stopping and not self._wanted:
+            changed = self._changed
+            await changed.wait()
+
+    def _pulse(self) -> None:
+        """Wake whoever waits for a change of state (``load``, ``unload``)."""
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def stop(self) -> None:
         """End ``run``: a spawned worker is asked to shut down; a remote one (not ours to
         stop) sees the connection close, frees what it held and waits for the next
         frontend."""
         self._stopping = True
+        self._wanted_event.set()  # an unloaded one's run ends
         client = self.client
         if client is not None:
             client.abort_all()
@@ -189,8 +273,8 @@ class Supervisor:
             self._life_scope.cancel()
 
     # -- one worker's life ---------------------------------------------------------------
-    async def _one_life(self) -> None:
-        self.status = "starting" if not self.restarts else "restarting"
+    async def _one_life(self, fresh: bool) -> None:
+        self.status = "starting" if fresh else "restarting"
         with (
             anyio.CancelScope() as self._life_scope,
             tempfile.TemporaryDirectory(prefix="lifecycle-") as tmp,
@@ -207,7 +291,7 @@ class Supervisor:
             finally:
                 self.client = None
                 if proc is not None:
-                    await _reap(proc, grace=3.0 if self._stopping else 0.0)
+                    await _reap(proc, grace=3.0 if self._stopping or not self._wanted else 0.0)
 
     async def _handshake(self, address: str, proc: anyio.abc.Process | None) -> WorkerClient:
         """Connected and HELLO read. A spawned worker listens before it loads its model,
@@ -269,8 +353,8 @@ class Supervisor:
             tg.start_soon(self._watchdog, client)
             reason = await client.run()
             tg.cancel_scope.cancel()
-        self.last_error = reason
-        if not self._stopping:
+        self.last_error = reason if self._wanted else None
+        if not self._stopping and self._wanted:
             log.error("worker connection ended: %s", reason)
 
     async def _warm_up(self, client: WorkerClient) -> None:
@@ -321,6 +405,7 @@ class Supervisor:
         self.ready = ready
         if ready:
             self._ready_event.set()
+            self._pulse()
         elif self._ready_event.is_set():
             self._ready_event = anyio.Event()
 

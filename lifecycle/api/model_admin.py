@@ -1,0 +1,58 @@
+"""The admin routes that load and unload a model by name (``lifecycle.model_set``; as
+llama-server's router names them), installed when models load on demand
+(``--models-max``, ``--sleep-idle-seconds``):
+
+- ``POST /models/load`` ``{"model": NAME}``: 200 ``{"model", "state": "loaded"}`` once
+  it is loaded (at once when it was), after the least recently used model was unloaded
+  to make room; 503 naming the cause when its load failed.
+- ``POST /models/unload`` ``{"model": NAME}``: 200 ``{"model", "state": "unloaded"}``
+  once its workers ended, after its requests that hold a worker finished (its new
+  requests wait meanwhile, and load it again after); 400 for a model served by remote
+  workers.
+
+A name the server does not have: 404 ``model_not_found`` in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lifecycle.api.calls import error_response
+from lifecycle.api.model_routes import not_found
+from lifecycle.core.errors import ServeError
+from lifecycle.model_set import ModelSet
+from transport import JSONResponse, Request, Response, Router
+
+__all__ = ["install_model_admin"]
+
+
+def install_model_admin(router: Router, models: ModelSet) -> None:
+    async def load(request: Request) -> Response:
+        name = await _model_of(request)
+        if isinstance(name, Response):
+            return name
+        try:
+            slot = await models.load(name)
+        except ServeError as exc:
+            return error_response(exc.cause.status, exc.message, exc.cause.retry_after)
+        return JSONResponse({"model": slot.name, "state": slot.state})
+
+    async def unload(request: Request) -> Response:
+        name = await _model_of(request)
+        if isinstance(name, Response):
+            return name
+        try:
+            slot = await models.unload(name)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        return JSONResponse({"model": slot.name, "state": slot.state})
+
+    async def _model_of(request: Request) -> str | Response:
+        body: Any = await request.json()  # HTTPError 400 when it is no JSON
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            return error_response(400, 'the body must be a JSON object with "model": a model name')
+        return name if models.get(name) is not None else not_found(name)
+
+    router.add("POST", "/models/load", load)
+    router.add("POST", "/models/unload", unload)
