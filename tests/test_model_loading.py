@@ -216,3 +216,44 @@ def test_a_model_that_cannot_load_ends_its_requests_naming_it(
         (tmp_path / "beta.gguf").write_bytes(good)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         assert states(url) == {"alpha": "unloaded", "beta": "loaded"}
+
+
+def test_the_least_recently_used_model_makes_room(tmp_path: pathlib.Path) -> None:
+    """Three models, two loaded at most (on the scripted worker: no weights to load, so
+    only the choice is timed): a third model's load unloads the one used least recently."""
+    for i, name in enumerate(("a", "b", "c")):
+        write_tiny_gguf(tmp_path / f"{name}.gguf", TinySpec(seed=i))
+    args = ("--models-dir", str(tmp_path), "--models-max", "2", "--scripted-worker")
+    with server(*args) as (url, _):
+
+        def use(model: str) -> None:
+            body = {"model": model, "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 200
+
+        assert states(url) == {"a": "loaded", "b": "loaded", "c": "unloaded"}
+        use("b")
+        use("a")  # b is now the least recently used
+        use("c")
+        assert states(url) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        use("b")  # a was used before c
+        assert states(url) == {"a": "unloaded", "b": "loaded", "c": "loaded"}
+
+
+def test_models_dir_and_what_is_refused(tmp_path: pathlib.Path) -> None:
+    from lifecycle.app import slot_configs
+    from lifecycle.models import models_in
+    from lifecycle.runtime import AppConfig
+
+    with pytest.raises(ValueError, match="no such folder"):
+        models_in(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no GGUF file or model folder"):
+        models_in(str(tmp_path))
+    (tmp_path / "b.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    assert models_in(str(tmp_path)) == [f"b={tmp_path / 'b.gguf'}", f"hf={tmp_path / 'hf'}"]
+    for option in ({"models_max": 1}, {"sleep_idle_seconds": 5.0}):
+        with pytest.raises(ValueError, match="--frontends N keeps its model loaded"):
+            slot_configs(AppConfig(frontends=2, **option))  # type: ignore[arg-type]

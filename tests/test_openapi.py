@@ -10,11 +10,13 @@ import yaml
 from lifecycle.api.anthropic import AnthropicAPI
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
+from lifecycle.api.model_admin import install_model_admin
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
+from lifecycle.model_set import ModelSet
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.tracer import Tracer
@@ -45,6 +47,7 @@ def test_every_installed_route_is_specified() -> None:
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     install_metrics(recorder, Metrics.__new__(Metrics))  # type: ignore[arg-type]
     install_debug(recorder, Tracer(), replay=_no_replay)  # type: ignore[arg-type]
+    install_model_admin(recorder, ModelSet([]))  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 
 
