@@ -139,14 +139,18 @@ async def serve_app(
     ``models``: the model files already checked, one per model (``slot_configs``);
     those not given are checked here, before the listener binds and the workers start
     (``ModelFileError``). Each model runs its own ``Runtime``; the first model's owns
-    the listener, the metrics, the traces and the extensions."""
+    the listener and the extensions; one tracer watches every model (its ring, trace
+    log and debug routes)."""
     checked, configs = list(models), slot_configs(cfg)
     at_start = [
         ModelSet.loads_at_start(i, cfg.models_max, bool(worker_addresses(c)))
         for i, c in enumerate(configs)
     ]
+    # One tracer for every model: one ring, one trace log (one writer per file), one
+    # debug feed; each model's runtime joins it, and it closes after them all.
+    tracer = Tracer(cfg.trace) if cfg.debug_routes or cfg.trace.log_path else None
     rts = [
-        Runtime(c, checked.pop(0) if checked else None, loaded=start)
+        Runtime(c, checked.pop(0) if checked else None, loaded=start, tracer=tracer)
         for c, start in zip(configs, at_start, strict=True)
     ]
     for one in rts:
@@ -156,6 +160,8 @@ async def serve_app(
     handler: list[Handler] = [_starting]  # swapped for the router once the tokenizer is in
     server = Server(lambda request: handler[0](request), _server_config(cfg))
     async with AsyncExitStack() as stack:
+        if tracer is not None:  # after every runtime closed: requests cut at shutdown logged
+            stack.callback(tracer.close)
         groups = [await stack.enter_async_context(one.running()) for one in rts]
         tg = groups[0]
         # A spawned worker listens once it took its options and its device, before its
@@ -180,6 +186,8 @@ async def serve_app(
         ]
         if model_set is not None:
             tg.start_soon(model_set.run)
+        if tracer is not None:
+            tg.start_soon(tracer.run)
         frontend = frontends[0]
         assert rt.metrics is not None
         access = _access_log(cfg, frontend)
@@ -193,13 +201,15 @@ async def serve_app(
             for spec in cfg.extend:  # checked by serve before it listened
                 resolve_extension(spec)(Extension(router, api, frontend, cfg))
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.
-            if rt.tracer is not None:
-                served_id = rt.served_model_id()
+            if tracer is not None:  # every model's requests (Tracer.watch)
+                by_model = {one.served_model_id(): one for one in rts}
 
                 async def replay(trace: dict[str, Any]) -> dict[str, Any]:
-                    return await replay_in_process(frontend, trace, served_id)
+                    one = by_model.get(trace.get("model") or "", rt)  # the model that served it
+                    assert one.frontend is not None
+                    return await replay_in_process(one.frontend, trace, one.served_model_id())
 
-                install_debug(router, rt.tracer, enabled=cfg.debug_routes, replay=replay)
+                install_debug(router, tracer, enabled=cfg.debug_routes, replay=replay)
             handler[0] = cors(
                 _model_router([r[3] for r in routes], router, auth), cfg.cors_allow_origins
             )

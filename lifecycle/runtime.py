@@ -178,17 +178,25 @@ class Runtime:
     ``await check_model()`` checks it, which callers do before they listen or start the
     worker, so that a file the worker cannot run is one ``ModelFileError``.
     ``loaded=False``: its spawned workers start unloaded (``lifecycle.model_set`` loads
-    them when a request names the model)."""
+    them when a request names the model). ``tracer``: one that another runs and closes
+    (``serve_app``: one for every model), which this model's requests join; without
+    it, the runtime makes its own (debug routes or ``--trace-log``), runs and closes it."""
 
     def __init__(
-        self, cfg: AppConfig, model: CheckedModel | None = None, *, loaded: bool = True
+        self,
+        cfg: AppConfig,
+        model: CheckedModel | None = None,
+        *,
+        loaded: bool = True,
+        tracer: Tracer | None = None,
     ) -> None:
         self.config = cfg
         self.model = model
         self.supervisor = _supervisor(cfg, loaded)
         self._otlp_endpoint = _otlp_endpoint(cfg.otlp_traces_endpoint)
         self.frontend: Frontend | None = None
-        self.tracer: Tracer | None = None
+        self.tracer: Tracer | None = tracer
+        self._owns_tracer = tracer is None
         self.metrics: Metrics | None = None
         self.otlp: OtlpExporter | None = None
         self.chat: Any = None
@@ -251,10 +259,11 @@ class Runtime:
         tg.start_soon(fe.calls.watch_deadlines)
         fields.install(fields.UnknownFields(strict=cfg.strict_fields))
         self.metrics = Metrics(fe, model=model_id(cfg, path))
-        if cfg.debug_routes or cfg.trace.log_path:
+        if self.tracer is not None or cfg.debug_routes or cfg.trace.log_path:
             self.tracer = self._tracer(fe)
             self.metrics.watch_tracer(self.tracer)
-            tg.start_soon(self.tracer.run)
+            if self._owns_tracer:
+                tg.start_soon(self.tracer.run)
         elif cfg.trace.record_prompts:
             log.warning("--trace-prompts records nothing without debug routes or --trace-log")
         if self._otlp_endpoint is not None:
@@ -281,8 +290,9 @@ class Runtime:
         prompts = self.config.trace.record_prompts
         probe = call_probe(fe.calls, self.worker_of, self.worker_name, prompts)
         recorder = self._recorder(fe) if self.config.trace.record_prompts else None
-        tracer = Tracer(self.config.trace, registry=fe.registry, probe=probe, recorder=recorder)
-        fe.events.subscribe(tracer)  # its transition and released hooks
+        tracer = self.tracer or Tracer(self.config.trace)
+        # this model's requests, named by its id: its feed tells the tracer of them only
+        fe.events.subscribe(tracer.watch(self.served_model_id(), fe.registry, probe, recorder))
         return tracer
 
     def served_model_id(self) -> str:
@@ -308,11 +318,11 @@ class Runtime:
         return otlp
 
     def close(self) -> None:
-        """Logs the traces left and gives the state machine's observer back: after every
-        request task ended, so those cancelled at shutdown reach the log too."""
+        """Stops the frontend's feed and logs the traces left (of a tracer it owns): after
+        every request task ended, so those cancelled at shutdown reach the log too."""
         if self.frontend is not None:
             self.frontend.events.close()
-        if self.tracer is not None:
+        if self.tracer is not None and self._owns_tracer:
             self.tracer.close()
         if self.otlp is not None:
             self.otlp.close()  # the spans still queued go out (bounded wait)

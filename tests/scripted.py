@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def without_model_label(line: str) -> str:
+    """A ``/metrics`` sample line less its ``model_name`` label (every series of a model
+    has one)."""
+    line = re.sub(r',model_name="[^"]*"', "", line)
+    return re.sub(r'model_name="[^"]*",?', "", line)
 
 
 @contextmanager

@@ -239,7 +239,7 @@ def test_reply_id_finds_its_trace(url: str, greedy: Any) -> None:
     assert (trace["request_id"], trace["route"]) == (greedy.id.removeprefix("msg_"), "/v1/messages")
     metrics = httpx.get(url + "/metrics", headers={"x-api-key": KEY}).text
     counted = re.search(r'http_requests_total\{endpoint="/v1/messages",method="POST",'
-                        r'status="200"\} (\d+)', metrics)  # fmt: skip
+                        r'model_name="[^"]+",status="200"\} (\d+)', metrics)  # fmt: skip
     assert counted is not None and int(counted.group(1)) > 0
 
 

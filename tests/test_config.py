@@ -29,8 +29,12 @@ def _config(argv: list[str]):  # noqa: ANN202
 def _samples(tmp_path: Path) -> dict[str, object]:
     keys = tmp_path / "keys"
     keys.write_text("k-from-file\n")
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "extra.gguf").write_bytes(b"")
     special: dict[str, object] = {
         "api_key_file": str(keys),
+        "models_dir": str(models),
         "restart_backoff": "0.1,2",
         "worker_args": "--step-delay 0.1",
         "log_level": "debug",

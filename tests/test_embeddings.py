@@ -27,7 +27,7 @@ import pytest
 from lifecycle.testing.scripted_worker import scripted_embedding
 from wire import EmbedOptions
 
-from .scripted import lifecycle_server
+from .scripted import lifecycle_server, without_model_label
 
 HIDDEN = 576  # the scripted worker's default hidden_size, SmolLM2-135M's too
 SERVER_ARGS = ("--scripted-worker", "--max-running", "1", "--worker-args", "--step-delay 0.01")
@@ -82,8 +82,10 @@ def _idle(info: dict[str, Any]) -> bool:
 
 
 def _metric(url: str, line_start: str) -> float:
+    """The value of the sample whose line starts with ``line_start``, its model's
+    ``model_name`` label left out."""
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(line_start):
+        if without_model_label(line).startswith(line_start):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

@@ -247,7 +247,7 @@ def test_traces_and_metrics_see_engine_requests(engine: Engine) -> None:
     anon = engine.generate("hi", {"max_new_tokens": 2})
     assert engine.trace(anon["meta_info"]["id"]) is not None  # found by meta_info.id
     text = engine.metrics()
-    assert 'lifecycle_requests_total{outcome="done"}' in text
+    assert 'lifecycle_requests_total{model_name="' in text and ',outcome="done"} ' in text
 
 
 def test_options_are_the_servers(engine: Engine) -> None:

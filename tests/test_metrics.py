@@ -54,14 +54,27 @@ def anyio_backend() -> str:
 W0 = (("worker", "0"),)  # the one worker's label
 
 
+# The process's own families: no model_name (once, however many models).
+PROCESS_FAMILIES = ("lifecycle_process_", "lifecycle_unknown_fields", "lifecycle_tracer_",
+                    "lifecycle_trace_log_")  # fmt: skip
+
+
 def scrape(url: str) -> Samples:
+    """The samples by name and labels, less ``model_name``: every model series has it,
+    one value (the one model's id), and the process's own have none."""
     r = httpx.get(url + "/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out: Samples = {}
+    models: set[str] = set()
     for family in text_string_to_metric_families(r.text):
         assert family.name.startswith("lifecycle_"), family.name
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            model = labels.pop("model_name", None)
+            assert (model is None) == family.name.startswith(PROCESS_FAMILIES), s
+            models.update([model] if model is not None else [])
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    assert len(models) == 1, models
     return out
 
 

@@ -7,6 +7,7 @@ Each test starts ``python -m gpu.worker`` on a tiny GGUF and ``lifecycle serve
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,5 +182,6 @@ def test_a_remote_worker_beside_a_spawned_one(tiny_gguf) -> None:
             assert info["router"]["policy"] == "round_robin"
             assert min(info["router"]["picks"]) >= 3, info["router"]
             metrics = httpx.get(url + "/metrics").text
-            assert 'lifecycle_worker_ready{worker="0"} 1.0' in metrics
-            assert 'lifecycle_worker_ready{worker="1"} 1.0' in metrics
+            for w in ("0", "1"):  # each with its model's model_name label
+                assert re.search(rf'^lifecycle_worker_ready{{model_name="[^"]+",worker="{w}"}} 1.0$',
+                                 metrics, re.M), metrics  # fmt: skip

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from .scripted import lifecycle_server
+from .scripted import lifecycle_server, without_model_label
 from .ws_helpers import (
     Collected,
     SilentClient,
@@ -214,8 +214,10 @@ def fast_url() -> Iterator[str]:
 
 
 def _metric(url: str, line_start: str) -> float:
+    """The value of the sample whose line starts with ``line_start``, its model's
+    ``model_name`` label left out."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(line_start):
+        if without_model_label(line).startswith(line_start):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

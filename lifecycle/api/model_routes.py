@@ -1,15 +1,20 @@
 """The routes of several models behind one handler (``--model`` repeated; the slots are
 ``lifecycle.app.slot_configs``): each request goes to the model its ``model``
 names: the body's ``model`` on every route that generates (the native ``/generate``
-too), the path's on ``/v1/models/{model}``; a request that names none goes to the first
-model; a name no model has is OpenAI's 404 ``model_not_found``. ``/v1/models`` lists
-every model; ``/health`` is 200 once every model is ready. Every other route (metrics,
-debug, admin) is the first model's.
+too, POST or PUT), tokenizes or counts tokens (``BODY_MODEL_ROUTES``), the path's on
+``/v1/models/{model}``, the query's (``?model=``) on the WebSocket upgrade (a socket
+serves one model); a request that names none goes to the first model; a name no model
+has is OpenAI's 404 ``model_not_found``. ``/v1/models`` lists every model; ``/health``
+is 200 once every model is ready. What the server reports joins every model's answer:
+``/metrics`` (one exposition, each model's series labelled ``model_name``),
+``/server_info`` (the first model's at top level, every model's in ``models``) and
+``/get_load`` (every model's workers). The debug routes are the first model's router's,
+and its tracer watches every model. Every other route (admin) is the first model's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -21,9 +26,18 @@ from lifecycle.api.auth import Auth
 from lifecycle.api.openai import openai_error
 from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.routes import GENERATION_ROUTES
+from lifecycle.api.websocket import WS_PATH
+from lifecycle.tracing.shared_metrics import join_models
 from transport import Handler, HTTPError, JSONResponse, Request, Response
 
-__all__ = ["ModelRouter", "Slot", "not_found"]
+__all__ = ["BODY_MODEL_ROUTES", "ModelRouter", "Slot", "not_found"]
+
+# The routes whose body names the model: those that generate, and those that read the
+# model's tokenizer (each model may have its own).
+BODY_MODEL_ROUTES = GENERATION_ROUTES | {
+    "/v1/messages/count_tokens",
+    *(prefix + route for prefix in ("", "/v1") for route in ("/tokenize", "/detokenize")),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +79,20 @@ class ModelRouter:
         if path.startswith("/v1/models/") and request.method == "GET":
             name = unquote(path.removeprefix("/v1/models/"))
             return await self._to(name, request, "/v1/models/{model:path}")
-        if path == "/health" and request.method == "GET":
-            return await self._health(request)
-        if request.method == "POST" and path in GENERATION_ROUTES:
+        if request.method == "GET":
+            if path == "/health":
+                return await self._health(request)
+            join = _JOINED.get(path)
+            if join is not None:
+                return await self._joined(request, join)
+        if request.method in ("POST", "PUT") and path in BODY_MODEL_ROUTES:
             model = await _model_of(request)
             if model is not None:
                 return await self._to(model, request, path)
+        if path == WS_PATH and request.method == "GET":  # a socket serves one model
+            named = request.query().get("model")
+            if named:
+                return await self._to(named[-1], request, path)
         return await first.handler(request)
 
     async def _to(self, name: str, request: Request, route: str) -> Response:
@@ -93,11 +115,58 @@ class ModelRouter:
             data += orjson.loads(answer.body).get("data", [])
         return JSONResponse({"object": "list", "data": data})
 
+    async def _joined(self, request: Request, join: Join) -> Response:
+        """Every model's answer to ``request``, joined: the first that is not a 200 (a
+        401 is the same for all) as it is; else the first's, with the joined body."""
+        answers = [await slot.handler(request) for slot in self.slots]
+        refused = next((a for a in answers if a.status != 200), None)
+        if refused is not None:
+            return refused
+        ids = [slot.model_id for slot in self.slots]
+        answers[0].body = join(ids, [a.body for a in answers])
+        return answers[0]
+
     async def _health(self, request: Request) -> Response:
         """Healthy once every model is: the first answer that is not a 200, else the
         first model's."""
         answers = [await slot.handler(request) for slot in self.slots]
         return next((a for a in answers if a.status != 200), answers[0])
+
+
+# Several models' answers (their ids, their bodies, in model order) as one body.
+Join = Callable[[list[str], list[bytes]], bytes]
+
+
+def _metrics(ids: list[str], bodies: list[bytes]) -> bytes:
+    """One exposition: each model's series carry their ``model_name`` already."""
+    return join_models(bodies)
+
+
+def _server_info(ids: list[str], bodies: list[bytes]) -> bytes:
+    """The first model's ``/server_info`` with every model's ``models`` entries."""
+    first, *others = (orjson.loads(b) for b in bodies)
+    for other in others:
+        first["models"] += other["models"]
+    return orjson.dumps(first)
+
+
+def _load(ids: list[str], bodies: list[bytes]) -> bytes:
+    """Every model's ``/get_load`` entries, each naming its ``model``, in model order."""
+    return orjson.dumps(
+        [
+            {**entry, "model": m}
+            for m, b in zip(ids, bodies, strict=True)
+            for entry in orjson.loads(b)
+        ]
+    )
+
+
+_JOINED: dict[str, Join] = {
+    "/metrics": _metrics,
+    "/server_info": _server_info,
+    "/get_server_info": _server_info,
+    "/get_load": _load,
+}
 
 
 async def _model_of(request: Request) -> str | None:

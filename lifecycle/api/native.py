@@ -271,11 +271,11 @@ class NativeAPI:
         return Response(("Cache flushed.\n" + "".join(f"{m}\n" for m in lines)).encode())
 
     async def get_load(self, request: Request) -> Response:
-        """SGLang's ``/get_load``: one entry per worker (``dp_rank``, its index), each
-        naming its ``model`` (with several models, the ``ModelRouter`` lists them all)."""
-        model = self.server_args.get("served_model_name")
-        members = self.fe.supervisor.members
-        return JSONResponse([await _worker_load(i, m, model) for i, m in enumerate(members)])
+        """SGLang's ``/get_load``: one entry per worker (``dp_rank``, its index); with
+        several models, the ``ModelRouter`` lists every model's, each naming its model."""
+        return JSONResponse(
+            [await _worker_load(i, m) for i, m in enumerate(self.fe.supervisor.members)]
+        )
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
@@ -394,14 +394,12 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
     return state
 
 
-async def _worker_load(rank: int, sup: Supervisor, model: str | None) -> dict[str, Any]:
+async def _worker_load(rank: int, sup: Supervisor) -> dict[str, Any]:
     """One worker's load as SGLang's ``/get_load`` entry: requests held (running and
-    waiting at the worker, plus queued here for it), waiting ones, KV tokens in use; and
-    the ``model`` it serves."""
+    waiting at the worker, plus queued here for it), waiting ones, KV tokens in use."""
     client = sup.client
-    out: dict[str, Any] = {"dp_rank": rank, "model": model, "num_reqs": 0,
-                           "num_waiting_reqs": 0, "num_tokens": 0, "num_pending_tokens": 0,
-                           "ts_tic": time.time()}  # fmt: skip
+    out: dict[str, Any] = {"dp_rank": rank, "num_reqs": 0, "num_waiting_reqs": 0,
+                           "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.time()}  # fmt: skip
     if client is None or not sup.ready:
         return out
     try:

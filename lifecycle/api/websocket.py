@@ -95,8 +95,13 @@ def choose_codec(request: Request) -> tuple[MessageCodec, str | None]:
     return MessageCodec(fmt == "cbor"), None
 
 
-def _error(mid: Any, cause: Cause, message: str) -> dict[str, Any]:
-    return {"type": "error", "id": mid, **cause.body(message)}
+def _error(mid: Any, cause: Cause, message: str, status: int | None = None) -> dict[str, Any]:
+    """An error message; ``status``: the HTTP status the same request would get, when not
+    its cause's (a 404 for a model the server does not have)."""
+    body = cause.body(message)
+    if status is not None:
+        body["error"]["code"] = status
+    return {"type": "error", "id": mid, **body}
 
 
 class WebSocketAPI:
@@ -222,6 +227,7 @@ class StreamSession:
         """The native request for a ``generate`` (native body) or ``completions``/``chat``
         (OpenAI body) message; raises RequestError."""
         if kind == "generate":
+            self._check_model(body.get("model"))
             body = {k: v for k, v in body.items() if k not in _HTTP_ONLY_FIELDS}
             return parse_generate(body, vocab_size=self.native.fe.model_config.vocab_size)
         if self.openai is None:
@@ -232,6 +238,16 @@ class StreamSession:
         except OpenAIError as exc:
             raise RequestError(exc.message, exc.status) from None
 
+    def _check_model(self, name: Any) -> None:
+        """A ``generate`` message's ``model``, when it names one, must be the socket's
+        (its ``?model=``) under a strict model name (several models served): another is
+        the 404 the same request gets over HTTP, never another model's tokens."""
+        api = self.openai
+        if api is None or not api.strict_model or not isinstance(name, str):
+            return
+        if name not in api.model_names:
+            raise RequestError(f"The model `{name}` does not exist.", 404)
+
     async def _generate(
         self, mid: Any, body: dict[str, Any], kind: str, scope: anyio.CancelScope
     ) -> dict[str, Any]:
@@ -240,8 +256,8 @@ class StreamSession:
         try:
             req = await self._request(body, kind)
         except RequestError as exc:  # refused before its call: still traced and counted
-            reject(fe, Cause.INVALID, exc.message)
-            return _error(mid, Cause.INVALID, exc.message)
+            reject(fe, Cause.INVALID, exc.message, exc.status)
+            return _error(mid, Cause.INVALID, exc.message, exc.status)
 
         def gone() -> tuple[Cause, str]:  # a cancel message, or the socket's end
             if scope.cancel_called:

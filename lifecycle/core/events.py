@@ -9,20 +9,26 @@ four (each optional):
 - ``released(rec)``: the worker let go of a record's hold (the tracer's release times);
 - ``closed(call)``: every record of the call is terminal (metrics, the export).
 
-The record-level events come from the state machine's one process-wide observer slot
-(``lifecycle.core.fsm.set_observer``), which the feed takes while something subscribes
-to them and gives back on ``close``. A subscriber's bug never stops a request: the
-state machine isolates ``transition`` and ``released`` (``fsm._tell``), the feed
-``opened`` and ``closed``. Nothing here does I/O.
+The record-level events come from the records themselves: while something subscribes
+to them, the frontend's registry gives each record it files this feed as its observer
+(``RequestRecord.observer``), so that with several frontends in one process (one per
+model) each feed hears of its own records only; ``close`` stops that. (A feed made
+without a registry takes the state machine's one process-wide observer slot instead,
+``fsm.set_observer``, and gives it back on ``close``.) A subscriber's bug never stops a
+request: the state machine isolates ``transition`` and ``released`` (``fsm._tell``), the
+feed ``opened`` and ``closed``. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lifecycle.core import fsm
+
+if TYPE_CHECKING:
+    from lifecycle.core.registry import Registry
 
 __all__ = ["Events"]
 
@@ -32,8 +38,10 @@ KINDS = ("opened", "transition", "released", "closed")
 
 
 class Events:
-    def __init__(self) -> None:
+    def __init__(self, registry: Registry | None = None) -> None:
+        """``registry``: the frontend's, whose records this feed hears of."""
         self._hooks: dict[str, list[Callable[..., None]]] = {k: [] for k in KINDS}
+        self._registry = registry
         self._installed = False
         self._previous: Any = None
 
@@ -45,13 +53,25 @@ class Events:
                 self._hooks[kind].append(hook)
         wants_records = self._hooks["transition"] or self._hooks["released"]
         if wants_records and not self._installed:
-            self._previous, self._installed = fsm.set_observer(self), True
+            if self._registry is not None:
+                self._registry.observer = self
+            else:
+                self._previous = fsm.set_observer(self)
+            self._installed = True
 
     def close(self) -> None:
-        """Give the state machine's observer slot back (a second Engine in a process that
-        shuts down first leaves the first one's feed working)."""
-        if self._installed and fsm._observer is self:
-            fsm.set_observer(self._previous)
+        """Stop the record-level events: records filed from now on have no observer, and
+        those filed before tell subscribers nothing more (a feed without a registry gives
+        the state machine's slot back: a second Engine in a process that shuts down
+        first leaves the first one's feed working)."""
+        if self._installed:
+            if self._registry is not None:
+                if self._registry.observer is self:
+                    self._registry.observer = None
+            elif fsm._observer is self:
+                fsm.set_observer(self._previous)
+        self._hooks["transition"].clear()
+        self._hooks["released"].clear()
         self._installed = False
 
     # -- the events ------------------------------------------------------------------------

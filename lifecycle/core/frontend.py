@@ -84,7 +84,7 @@ class Frontend(Generic[W]):
         self.draining = False
         # The one feed the tracer, metrics, access log and export subscribe to
         # (opened / transition / released / closed; lifecycle.core.events).
-        self.events = Events()
+        self.events = Events(self.registry)  # its records tell it, and only it
 
     def call(
         self, req: GenerateRequest, exit_cause: ExitCause | None = None, *, owner: object = None

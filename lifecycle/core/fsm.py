@@ -125,20 +125,26 @@ class HoldRecord(Protocol):
 
 
 class TransitionObserver(Protocol):
-    """Told of every transition and worker release in this process (``lifecycle.tracing.tracer``)."""
+    """Told of transitions and worker releases: of one frontend's records (its feed,
+    ``lifecycle.core.events``), or of every record in the process (``set_observer``)."""
 
     def transition(self, rec: RequestRecord, entry: RawEntry) -> None: ...
 
     def released(self, rec: RequestRecord) -> None: ...
 
 
-# The one hook on the hot path: None (the default) costs one global load and one `if`
-# per edge. Module-level rather than per record so a record carries no extra slot.
+# Two hooks on the hot path, each None by default (one load and one `if` per edge): the
+# record's own observer (``RequestRecord.observer``: the feed of the frontend whose
+# registry filed it, ``lifecycle.core.events``), and this process-wide one, which sees
+# every record (tests, the simulation, a bare ``with Tracer():``). Several frontends in
+# one process (one per model) each see their own records only through the first.
 _observer: TransitionObserver | None = None
 
 
 def set_observer(observer: TransitionObserver | None) -> TransitionObserver | None:
-    """Install (or clear, with None) the process-wide observer; returns the previous one."""
+    """Install (or clear, with None) the process-wide observer; returns the previous one.
+    A frontend's feed is not installed here: its registry gives each record it files
+    that feed as its ``observer``."""
     global _observer
     previous, _observer = _observer, observer
     return previous
@@ -182,6 +188,7 @@ class RequestRecord:
         "created_ns",
         "tokens",
         "released_ns",
+        "observer",
     )
 
     def __init__(
@@ -209,6 +216,9 @@ class RequestRecord:
         # When the worker let go of its hold (monotonic ns; None while it holds one, or
         # never had one): the record is the one place the hold's end is kept.
         self.released_ns: int | None = None
+        # Told of this record's edges and release, beside the process-wide observer: the
+        # feed of the frontend that owns it (set when its registry files it).
+        self.observer: TransitionObserver | None = None
 
     def __repr__(self) -> str:
         cause = f" cause={self.cause.value}" if self.cause else ""
@@ -258,6 +268,8 @@ class RequestRecord:
         entry = (monotonic_ns(), src, dst, event, detail)
         self._trace.append(entry)
         self.state = dst
+        if self.observer is not None:
+            _tell(self.observer.transition, self, entry)
         if _observer is not None:
             _tell(_observer.transition, self, entry)
         return True
@@ -286,13 +298,17 @@ class RequestRecord:
         entry = (monotonic_ns(), src, edge[0], Event.FAIL, cause)
         self._trace.append(entry)
         self.state = edge[0]
+        if self.observer is not None:
+            _tell(self.observer.transition, self, entry)
         if _observer is not None:
             _tell(_observer.transition, self, entry)
         return True
 
     def worker_released(self) -> None:
-        """The hold ended (the submission said so): noted, and the observer told."""
+        """The hold ended (the submission said so): noted, and the observers told."""
         self.released_ns = monotonic_ns()
+        if self.observer is not None:
+            _tell(self.observer.released, self)
         if _observer is not None:
             _tell(_observer.released, self)
 

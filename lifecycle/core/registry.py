@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from lifecycle.core.errors import RequestError
-from lifecycle.core.fsm import RequestRecord
+from lifecycle.core.fsm import RequestRecord, TransitionObserver
 from lifecycle.core.states import Cause, State
 
 __all__ = ["DuplicateRid", "Registry"]
@@ -30,10 +30,15 @@ class Registry:
 
     ``remove`` on a record the worker still holds (an error after dispatch) keeps it as a
     tombstone until ``worker_released(id)``: its KV blocks are not free until then.
+
+    ``observer``: what each record it files is told of its edges and release (its
+    ``RequestRecord.observer``; the frontend's feed sets it, ``lifecycle.core.events``),
+    so that with several frontends in one process each sees its own records only.
     """
 
     __slots__ = (
-        "_live", "_by_rid", "_by_request_id", "_tombstones", "received", "finished", "failed"
+        "_live", "_by_rid", "_by_request_id", "_tombstones", "received", "finished", "failed",
+        "observer",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -45,6 +50,7 @@ class Registry:
         self.received = 0  # records added; each leaves finished or failed
         self.finished = 0  # left in DONE
         self.failed: dict[str, int] = {}  # left in ERROR, by cause
+        self.observer: TransitionObserver | None = None
 
     def add(self, rec: RequestRecord) -> None:
         rid = rec.client_rid
@@ -53,6 +59,7 @@ class Registry:
                 raise DuplicateRid(rid)
             self._by_rid[rid] = rec
         self._live[rec.id] = rec
+        rec.observer = self.observer  # before its first edge (validate)
         if rec.request_id is not None:
             self._by_request_id[rec.request_id] = rec
         self.received += 1

@@ -11,6 +11,12 @@ carries the worker's step histograms (``wire/stats.py``: counted once per step t
 
 The registry is our own ``CollectorRegistry``, never the process-global one, so several
 apps (tests) in one process do not collide.
+
+Every series of a model carries ``model_name`` (its served model id: SGLang's and vLLM's
+label), with one model too; the series of the process itself (``lifecycle_process_*``,
+the unknown body fields, the tracer's health) carry none. A server with several models
+answers one exposition (``shared_metrics.join_models``): each family once, every model's
+samples under it, the process's series once.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall
     from lifecycle.core.frontend import Frontend
 
-__all__ = ["PREFIX", "Metrics", "TracerHealth", "record_timings"]
+__all__ = ["MODEL_LABEL", "PREFIX", "Metrics", "TracerHealth", "record_timings"]
 
 
 class TracerHealth(Protocol):
@@ -63,6 +69,7 @@ class TracerHealth(Protocol):
 log = logging.getLogger("lifecycle.tracing.metrics")
 
 PREFIX = "lifecycle"
+MODEL_LABEL = "model_name"  # the served model id on each of a model's series
 STATS_TIMEOUT = 1.0
 
 # Seconds. Fine at the low end (a 135M model on a GPU answers in milliseconds), up to the
@@ -119,7 +126,8 @@ def finish_label(state: State, cause: Cause | None, finish: Any) -> str:
 
 class Metrics:
     def __init__(self, frontend: Frontend, model: str = "") -> None:
-        """``model``: the served model id, a label of ``lifecycle_build_info``."""
+        """``model``: the served model id: every series' ``model_name``, and the
+        ``model`` of ``lifecycle_build_info``."""
         # No `_created` series beside each counter and histogram (prometheus_client's
         # switch: it is process-wide, and this process serves one exposition).
         disable_created_metrics()
@@ -170,10 +178,15 @@ class Metrics:
             f"{p}_retractions", "Times the worker preempted a sequence to free KV blocks "
             "(recomputed later), summed over ended samples.", registry=r,
         )  # fmt: skip
-        # The frontend's own process: lifecycle_process_resident_memory_bytes, CPU seconds,
-        # open file descriptors (Linux /proc; nothing elsewhere).
-        ProcessCollector(namespace=p, registry=r)
         self.registry.register(_LiveCollector(self))
+        # The process's own series, without model_name (once however many models):
+        # lifecycle_process_resident_memory_bytes, CPU seconds, open file descriptors
+        # (Linux /proc; nothing elsewhere), the unknown body fields, the tracer's health.
+        self.process = CollectorRegistry(auto_describe=True)
+        ProcessCollector(namespace=p, registry=self.process)
+        self.process.register(_ProcessCollector(self))
+        self._labelled = CollectorRegistry(auto_describe=False)
+        self._labelled.register(_Labelled(self.registry, model))
         frontend.events.subscribe(self)
 
     def watch_tracer(self, tracer: TracerHealth) -> None:
@@ -233,8 +246,24 @@ class Metrics:
         return self.text(), CONTENT_TYPE_LATEST
 
     def text(self) -> bytes:
-        """The exposition as it stands, the workers' gauges from the last STATS."""
-        return generate_latest(self.registry)
+        """The exposition as it stands, the workers' gauges from the last STATS: the
+        model's series, each labelled with its ``model_name``, then the process's."""
+        return generate_latest(self._labelled) + generate_latest(self.process)
+
+
+class _Labelled(Collector):
+    """``registry``'s families, each sample labelled ``model_name``: ``model``."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.registry, self.model = registry, model
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [
+                s._replace(labels={**s.labels, MODEL_LABEL: self.model}) for s in family.samples
+            ]
+            yield out
 
 
 def _latency(registry: CollectorRegistry, name: str, help_text: str) -> Histogram:
@@ -275,18 +304,6 @@ class _LiveCollector(Collector):
                      fe.admission.depth)  # fmt: skip
         yield _gauge("admission_queue_capacity", "Admission bound (beyond it: 503).",
                      fe.admission.capacity)  # fmt: skip
-        unknown = CounterMetricFamily(
-            f"{p}_unknown_fields",
-            "Requests that sent a body field this server does not know (ignored; "
-            "--strict-fields refuses them), by where and field: the first 64 names, "
-            "then <where>.(other).",
-            labels=["field"],
-        )
-        for name, count in sorted(fields.policy().snapshot().items()):
-            unknown.add_metric([name], count)
-        yield unknown
-        if self.m.tracer is not None:
-            yield from _tracer_health(self.m.tracer)
         # One series per worker (label "worker": its index in the pool, "0" alone).
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
@@ -372,6 +389,32 @@ class _LiveCollector(Collector):
         yield from histograms.values()
         if worker_info.samples:
             yield worker_info
+
+
+class _ProcessCollector(Collector):
+    """The process's own families read at scrape time (no model_name): the unknown body
+    fields (one policy for the process) and the tracer's health (one tracer for every
+    model)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the families below are created fresh on every collect
+
+    def collect(self) -> Iterator[Metric]:
+        unknown = CounterMetricFamily(
+            f"{PREFIX}_unknown_fields",
+            "Requests that sent a body field this server does not know (ignored; "
+            "--strict-fields refuses them), by where and field: the first 64 names, "
+            "then <where>.(other).",
+            labels=["field"],
+        )
+        for name, count in sorted(fields.policy().snapshot().items()):
+            unknown.add_metric([name], count)
+        yield unknown
+        if self.m.tracer is not None:
+            yield from _tracer_health(self.m.tracer)
 
 
 def _le(bound: float) -> str:

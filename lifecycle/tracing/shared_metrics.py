@@ -7,13 +7,17 @@ frontend publishes its exposition to the launcher's private folder every second 
 each scrape), and answers a scrape with every frontend's latest, each sample labelled
 ``frontend="i"``: the whole server, each series one frontend's own monotonic count, at
 most a second old for the frontends not asked. Sum over ``frontend`` for the server.
+
+A server with several models (``--model`` repeated) answers one scrape for all of them
+the same way (``join_models``): each model's exposition, its series labelled
+``model_name``, under one HELP and TYPE per family.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,7 +25,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-__all__ = ["PUBLISH_INTERVAL", "SharedMetrics"]
+from lifecycle.tracing.metrics import MODEL_LABEL
+
+__all__ = ["PUBLISH_INTERVAL", "SharedMetrics", "join_models"]
 
 log = logging.getLogger("lifecycle.metrics")
 
@@ -66,9 +72,28 @@ class SharedMetrics:
                 out.samples += [
                     s._replace(labels={"frontend": str(i), **s.labels}) for s in family.samples
                 ]
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(list(families.values())))
-        return generate_latest(registry)
+        return _exposition(families)
+
+
+def join_models(texts: Sequence[bytes]) -> bytes:
+    """Several models' expositions (``Metrics.text``, one per model, in order) as one: one
+    HELP and TYPE per family, every model's samples under it; a sample without
+    ``model_name`` (the process's own) from the first exposition only."""
+    families: dict[str, Metric] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            out = families.get(family.name)
+            if out is None:
+                families[family.name] = family
+            else:
+                out.samples += [s for s in family.samples if MODEL_LABEL in s.labels]
+    return _exposition(families)
+
+
+def _exposition(families: dict[str, Metric]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
 
 
 class _Families(Collector):

@@ -109,8 +109,10 @@ class FinishedTrace:
         cause, extra = rec.cause, self.extra
         tokens = extra.get("tokens")
         first = at.get("first_token")
+        wait = extra.get("model_wait")
         out: dict[str, Any] = {
             "id": rec.id,
+            "model": extra.get("model"),
             "rid": rec.client_rid,
             "request_id": rec.request_id,
             "route": rec.route,
@@ -132,6 +134,7 @@ class FinishedTrace:
             "params": _params(extra.get("sampling")),
             "worker": extra.get("worker"),
             "worker_index": extra.get("worker_index"),
+            "model_wait_ms": None if wait is None else wait * 1e3,
             "states_ms": states,
             "transitions": transitions,
             "handoffs": handoffs,
@@ -175,6 +178,7 @@ def live_summary(rec: RequestRecord, now_ns: int, extra: dict[str, Any]) -> dict
     entered = raw[-1][0] if raw else rec.created_ns
     return {
         "id": rec.id,
+        "model": extra.get("model"),
         "rid": rec.client_rid,
         "request_id": rec.request_id,
         "route": rec.route,

@@ -1,6 +1,11 @@
 """The tracer: the ring of finished traces, the trace log and the live transition feed.
 
-``Tracer`` is the process's transition observer (``lifecycle.core.fsm.set_observer``). On each
+A server's ``Tracer`` watches every model it serves: ``watch`` gives it one model's
+requests (its id, registry, probe and recorder) as a ``TracedModel``, which that model's
+frontend feed subscribes (``lifecycle.core.events``): one ring, one trace log (one writer
+per file) and one live feed for all of them, each trace naming its model. Alone (tests,
+``with tracer:``) it is the process-wide transition observer
+(``lifecycle.core.fsm.set_observer``) of the model given to its constructor. On each
 edge it does almost nothing: when a request reaches a terminal state it goes into the
 ring (and, once the worker holds nothing for it, into the log); when someone watches the
 feed, the edge is appended to one pending list. ``run()`` is the driver: every
@@ -49,6 +54,7 @@ __all__ = [
     "Probe",
     "Recorder",
     "TraceConfig",
+    "TracedModel",
     "Tracer",
     "call_probe",
     "default_probe",
@@ -106,9 +112,10 @@ def call_probe(
 ) -> Probe:
     """``worker_probe``'s answer plus what the request's call knows: the client's address,
     prompt and cached tokens, each sample's finish reason, the sampling parameters, the
-    worker that served it (its index under ``--dp``), a rejection's HTTP status and, with
-    ``prompts`` (``--trace-prompts``), the prompt's text. Asked when a request is listed
-    and once at its terminal edge, while its call still owns it."""
+    worker that served it (its index under ``--dp``), a rejection's HTTP status, how long
+    it waited for its model to load (``model_wait``, seconds) and, with ``prompts``
+    (``--trace-prompts``), the prompt's text. Asked when a request is listed and once at
+    its terminal edge, while its call still owns it."""
     base = worker_probe(fallback)
 
     def probe(rec: RequestRecord) -> dict[str, Any]:
@@ -121,6 +128,8 @@ def call_probe(
             out["client"] = ex.client
         if call.http_status is not None:
             out["status"] = call.http_status
+        if call.model_wait is not None:  # it waited for its model to load on demand
+            out["model_wait"] = call.model_wait
         if out["worker"] is not None and call.client is not None:
             served = worker_of(call.client)
             if served is not None:
@@ -158,8 +167,38 @@ class TraceConfig:
     record_prompts: bool = False  # --trace-prompts: prompt and output ids, for replay
 
 
+class TracedModel:
+    """One model's requests as the tracer reads them: the model's served id, the registry
+    of its live requests, its probe and recorder. Its frontend's feed subscribes it
+    (``Tracer.watch``), so it hears of that model's records only."""
+
+    __slots__ = ("tracer", "model", "registry", "probe", "recorder")
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        model: str | None,
+        registry: Registry | None,
+        probe: Probe,
+        recorder: Recorder | None,
+    ) -> None:
+        self.tracer = tracer
+        self.model = model
+        self.registry = registry
+        self.probe = probe
+        self.recorder = recorder
+
+    def transition(self, rec: RequestRecord, entry: RawEntry) -> None:
+        self.tracer._transition(self, rec, entry)
+
+    def released(self, rec: RequestRecord) -> None:
+        self.tracer._release(self, rec)
+
+
 class Tracer:
-    """Observer of every transition; owner of the ring, the log and the feed subscribers."""
+    """Observer of every transition of the models it watches; owner of the ring, the log
+    and the feed subscribers. ``registry``, ``probe``, ``recorder`` and ``model``: the
+    first model's (``self.own``); ``watch`` adds others."""
 
     def __init__(
         self,
@@ -168,13 +207,12 @@ class Tracer:
         registry: Registry | None = None,
         probe: Probe = default_probe,
         recorder: Recorder | None = None,
+        model: str | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
-        self.probe = probe
-        # Asked once per finished request, and only with ``record_prompts``: prompts may
-        # be private, so without it no trace holds a prompt or output id.
-        self.recorder = recorder if config.record_prompts else None
+        self.models: list[TracedModel] = []
+        self.own = self.watch(model, registry, probe, recorder)
         self.ring = TraceRing(config.ring_size)
         self.log: TraceLog | None = None
         self.log_error: str | None = None  # why the trace log was turned off
@@ -191,6 +229,22 @@ class Tracer:
         self._pending: list[list[Any]] = []
         self._overflow = False
         self.logged = 0
+
+    def watch(
+        self,
+        model: str | None,
+        registry: Registry | None,
+        probe: Probe = default_probe,
+        recorder: Recorder | None = None,
+    ) -> TracedModel:
+        """One more model's requests in this tracer's ring, log and feed: subscribe the
+        answer to that model's frontend feed (``frontend.events.subscribe``). The
+        recorder is asked once per finished request, and only with ``record_prompts``:
+        prompts may be private, so without it no trace holds a prompt or output id."""
+        recorder = recorder if self.config.record_prompts else None
+        traced = TracedModel(self, model, registry, probe, recorder)
+        self.models.append(traced)
+        return traced
 
     # -- installation --------------------------------------------------------------------
     def install(self) -> None:
@@ -223,28 +277,34 @@ class Tracer:
 
     # -- the observer (hot path) ---------------------------------------------------------
     def transition(self, rec: RequestRecord, entry: RawEntry) -> None:
+        self._transition(self.own, rec, entry)
+
+    def released(self, rec: RequestRecord) -> None:
+        self._release(self.own, rec)
+
+    def _transition(self, m: TracedModel, rec: RequestRecord, entry: RawEntry) -> None:
         # Identity tests and ``_value_``: hashing an Enum member or reading ``.value``
         # runs Python-level code, and this runs on every edge of every request.
         try:  # free unless it raises (3.11's zero-cost try)
             dst = entry[2]
             if self._subscribers:
-                self._feed(rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_,
+                self._feed(m, rec, entry[0], entry[1]._value_, dst._value_, entry[3]._value_,
                            entry[4])  # fmt: skip
             if dst is _DONE or dst is _ERROR:
-                self._finish(rec, entry[0])
+                self._finish(m, rec, entry[0])
         except Exception:  # the edge is taken already: the request must go on
             self._failed(rec, "transition")
 
-    def released(self, rec: RequestRecord) -> None:
+    def _release(self, m: TracedModel, rec: RequestRecord) -> None:
         try:
-            self._released(rec)
+            self._released(m, rec)
         except Exception:  # runs in the worker link's reader: it must go on
             self._failed(rec, "release")
 
-    def _released(self, rec: RequestRecord) -> None:
+    def _released(self, m: TracedModel, rec: RequestRecord) -> None:
         if self._subscribers:
             state = rec.state._value_
-            self._feed(rec, rec.released_ns or time.monotonic_ns(), state, state,
+            self._feed(m, rec, rec.released_ns or time.monotonic_ns(), state, state,
                        "worker_released", None)  # fmt: skip
         if rec.terminal:  # its trace waited for this in the ring (unless the ring dropped it)
             ft = self.ring.get(rec.id)
@@ -261,19 +321,32 @@ class Tracer:
             log.debug("the tracer failed on request %d (%s)", rec.id, where, exc_info=True)
 
     def _feed(
-        self, rec: RequestRecord, t_ns: int, src: str, dst: str, event: str, detail: Any
+        self,
+        m: TracedModel,
+        rec: RequestRecord,
+        t_ns: int,
+        src: str,
+        dst: str,
+        event: str,
+        detail: Any,
     ) -> None:
         if len(self._pending) >= self.config.feed_max_pending:
             self._overflow = True
             return
         self._pending.append([rec.id, rec.client_rid, t_ns, src, dst, event, detail_json(detail),
-                              rec.request_id, rec.route])  # fmt: skip
+                              rec.request_id, rec.route, m.model])  # fmt: skip
 
-    def _finish(self, rec: RequestRecord, t_ns: int) -> None:
-        extra = self.probe(rec)
-        if self.recorder is not None:
+    def _extra(self, m: TracedModel, rec: RequestRecord) -> dict[str, Any]:
+        """What the model's probe says of ``rec``, and the model's id."""
+        extra = m.probe(rec)
+        extra["model"] = m.model
+        return extra
+
+    def _finish(self, m: TracedModel, rec: RequestRecord, t_ns: int) -> None:
+        extra = self._extra(m, rec)
+        if m.recorder is not None:
             try:
-                replay = self.recorder(rec)
+                replay = m.recorder(rec)
             except Exception:  # a recorder's bug must not break the request's last edge
                 log.exception("recording request %d for replay failed", rec.id)
                 replay = None
@@ -346,44 +419,46 @@ class Tracer:
         return None
 
     def _lookup(self, key: str) -> dict[str, Any] | None:
-        rec = self._find_live(key)
-        if rec is not None:
+        for m in self.models:
+            rec = _find_live(m.registry, key)
+            if rec is None:
+                continue
             if rec.terminal:
                 ft = self.ring.get(rec.id)
                 if ft is not None:
                     return ft.to_json(self.offset_ns)
-            return self._live_trace(rec)
+            return self._live_trace(m, rec)
         ft = self.ring.get(int(key)) if key.isdigit() else None
         ft = ft or self.ring.by_rid(key)
         return ft.to_json(self.offset_ns) if ft is not None else None
 
-    def _find_live(self, key: str) -> RequestRecord | None:
-        reg = self.registry
-        if reg is None:
-            return None
-        if key.isdigit():
-            rec = reg.get(int(key)) or reg.tombstone(int(key))
-            if rec is not None:
-                return rec
-        return reg.by_client_rid(key) or reg.by_request_id(key)
-
-    def _live_trace(self, rec: RequestRecord) -> dict[str, Any]:
+    def _live_trace(self, m: TracedModel, rec: RequestRecord) -> dict[str, Any]:
         now = time.monotonic_ns()
-        ft = FinishedTrace(rec, now, self.probe(rec))
+        ft = FinishedTrace(rec, now, self._extra(m, rec))
         out = ft.to_json(self.offset_ns)
         out["finished_ns"] = None
         out["live"] = live_summary(rec, now, ft.extra)
         return out
 
     def live(self) -> list[dict[str, Any]]:
+        """Every watched model's live requests, each naming its model."""
         now = time.monotonic_ns()
-        recs = list(self.registry) if self.registry is not None else []
-        return [live_summary(r, now, self.probe(r)) for r in recs]
+        return [
+            live_summary(r, now, self._extra(m, r))
+            for m in self.models
+            if m.registry is not None
+            for r in m.registry
+        ]
 
     def counts(self) -> dict[str, int]:
         """Live requests per state; for done and error, how many ended there so far (the
-        registry's books)."""
-        return self.registry.counts() if self.registry is not None else {}
+        registries' books, every model's together)."""
+        total: dict[str, int] = {}
+        for m in self.models:
+            if m.registry is not None:
+                for state, n in m.registry.counts().items():
+                    total[state] = total.get(state, 0) + n
+        return total
 
     def finished_traces(self) -> list[dict[str, Any]]:
         return [ft.to_json(self.offset_ns) for ft in self.ring.all()]
@@ -447,6 +522,18 @@ class Tracer:
     @property
     def subscribers(self) -> int:
         return sum(1 for s in self._subscribers if not s.closed)
+
+
+def _find_live(reg: Registry | None, key: str) -> RequestRecord | None:
+    """The live or tombstoned record ``key`` names in ``reg``: its internal id, client rid
+    or request id."""
+    if reg is None:
+        return None
+    if key.isdigit():
+        rec = reg.get(int(key)) or reg.tombstone(int(key))
+        if rec is not None:
+            return rec
+    return reg.by_client_rid(key) or reg.by_request_id(key)
 
 
 class _Subscriber:

@@ -126,11 +126,11 @@ class SimSupervisor(Supervisor):
         self._link[1].reset()
         return True
 
-    async def _one_life(self) -> None:
+    async def _one_life(self, fresh: bool) -> None:
         w = self.world
         self.lives += 1
         life = self.lives
-        self.status = "starting" if not self.restarts else "restarting"
+        self.status = "starting" if fresh else "restarting"
         fe_end, w_end = pipe(f"worker{life}")
         w.link_faults(fe_end, w_end)
         self._link = (fe_end, w_end)
