@@ -13,6 +13,7 @@ import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -31,8 +32,9 @@ from gpu.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.piecewise import MixedGraphs
 from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
-from gpu.sampling import NON_FINITE, parse_request, sample
+from gpu.sampling import NON_FINITE, parse_request, sample, sample_greedy
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
+from gpu.step_books import quiet_ends, token_entries
 from wire import (
     MAX_N,
     ErrorCode,
@@ -463,9 +465,11 @@ class Engine:
     ) -> list[StepEntry]:
         """Sample one token for each of ``samplers`` and make their STEP entries.
 
-        The loop below runs once per sampled row of every step, so it reads only what a
-        row needs: per-token extras when logprobs or hidden states were asked for in this
-        step, the matcher when the row has one, the fault hook when a plan is installed."""
+        Per-row work is per-batch where it can be (issue 57): a batch whose every row is
+        greedy and plain, with no grammar, forks, logprobs or hidden states (a decode
+        step's usual case), takes its tokens from one argmax and no other pass over it."""
+        if all(s.argmax_only and s.matcher is None and not s.forks for s in samplers):
+            return self._entries(samplers, sample_greedy(logits), None, hidden)
         if any(s.forks for s in samplers):
             samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
         want_lp = any(s.options.return_logprob for s in samplers)
@@ -479,41 +483,37 @@ class Engine:
     ) -> list[StepEntry]:  # fmt: skip
         """Each sampler's new token appended and its STEP entry (a terminal one when it
         ended); a sampler whose request ended since its row was scheduled has none."""
-        extras = lp is not None or hidden is not None
-        faults = active_plan() is not None
-        seqs, eog, entries = self.seqs, self._eog_set, []
-        for i, (seq, tok) in enumerate(zip(samplers, sampled, strict=False)):
-            if seqs.get(seq.rid) is not seq:
-                continue
-            if tok == NON_FINITE:
-                self._fail(seq, NON_FINITE_MESSAGE)
-                continue
-            if seq.budget is not None:  # the reasoning's end forced in place of the sample
-                tok = seq.budget.next(tok)
-            extra = token_extra(seq, i, tok, lp, hidden) if extras else {}
-            if faults and (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
-                extra = {**extra, "logprobs": b"\x01\x02\x03"}  # a malformed field
-            tokens, p = seq.tokens, seq.params
-            tokens.append(tok)
-            if seq.matcher is None:
-                if (
-                    seq.started
-                    and not seq.stop_window
-                    and len(tokens) - seq.prompt_len < p.max_new_tokens
-                    and tok not in p.stop_token_ids
-                    and (p.ignore_eos or tok not in eog)
-                ):  # goes on: what _emit gives when finish_reason finds nothing
-                    entries.append(StepEntry(seq.rid, pack_id(tok), None, extra or None))
-                    continue
-            else:
-                seq.grammar_error = advance(seq, tok)
-            entries.append(self._emit(seq, tok, extra))
-        return entries
+        quiet = lp is None and hidden is None and active_plan() is None
+        rows = partial(self._entry, lp=lp, hidden=hidden)
+        return token_entries(samplers, sampled, self.seqs, rows, quiet)
+
+    def _entry(self, seq: Sequence, i: int, tok: int, lp: torch.Tensor | None = None,
+               hidden: torch.Tensor | None = None) -> StepEntry | None:  # fmt: skip
+        """Row ``i``'s token appended to ``seq`` and its entry; None when it has none."""
+        if self.seqs.get(seq.rid) is not seq:
+            return None
+        if tok == NON_FINITE:
+            self._fail(seq, NON_FINITE_MESSAGE)
+            return None
+        if seq.budget is not None:  # the reasoning's end forced in place of the sample
+            tok = seq.budget.next(tok)
+        extra = token_extra(seq, i, tok, lp, hidden) if lp is not None or hidden is not None else {}
+        if (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
+            extra = {**extra, "logprobs": b"\x01\x02\x03"}  # a malformed field
+        tokens, ends = seq.tokens, seq.ends
+        tokens.append(tok)
+        if seq.matcher is not None:
+            seq.grammar_error = advance(seq, tok)
+        elif ends is not None and tok not in ends and len(tokens) < seq.max_len:
+            # goes on: what _emit gives when finish_reason finds nothing
+            return StepEntry(seq.rid, pack_id(tok), None, extra or None)
+        return self._emit(seq, tok, extra)
 
     def _emit(self, seq: Sequence, tok: int, extra: dict[str, Any]) -> StepEntry:
         """The STEP entry of ``seq``'s new token ``tok``: a terminal one when it ended."""
         if not seq.started:
             seq.started = True
+            seq.ends = quiet_ends(seq, self._eog_set)
             extra["prompt_tokens"] = seq.prompt_len
             extra["cached_tokens"] = seq.cached_tokens
             extra.update(prompt_extra(seq))

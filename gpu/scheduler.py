@@ -72,10 +72,21 @@ class Sequence:
     # What the sampler asks of every row each step, read from ``params`` once.
     greedy: bool = field(init=False)
     plain: bool = field(init=False)  # no bias, penalty or EOG mask changes its logits
+    # greedy and plain, no logprobs or hidden states: its token is its logits' argmax
+    # alone when it has no grammar (``Engine._finish_step``'s one pass over the batch)
+    argmax_only: bool = field(init=False)
+    max_len: int = field(init=False)  # len(tokens) when max_new_tokens is reached
+    # A started quiet row's ids that end it (``gpu/step_books.py``, set by the engine).
+    ends: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         self.greedy = self.params.greedy
         self.plain = not self.params.adjusts_logits
+        self.max_len = self.prompt_len + self.params.max_new_tokens
+        o = self.options
+        self.argmax_only = (
+            self.greedy and self.plain and not o.return_logprob and not o.return_hidden_states
+        )
 
     @property
     def prompt(self) -> list[int]:

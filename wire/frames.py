@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import cbor2
 import numpy as np
 
+from wire.step_cbor import encode_step
+
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
@@ -294,7 +296,10 @@ def _to_array(frame: Frame) -> list[Any]:
 
 
 def encode_frame(frame: Frame) -> bytes:
-    """One frame -> CBOR bytes (without the length prefix; see ``framing``)."""
+    """One frame -> CBOR bytes (without the length prefix; see ``framing``). A STEP
+    frame's decode rows are written in bulk (``wire/step_cbor.py``: the same bytes)."""
+    if type(frame) is Step:
+        return encode_step(K_STEP, frame.step_no, frame.entries)
     return cbor2.dumps(_to_array(frame))
 
 
