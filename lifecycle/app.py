@@ -37,7 +37,7 @@ from lifecycle.core.states import DRAIN
 from lifecycle.extend import Extension, resolve_extension
 from lifecycle.link.pool import WorkerPool
 from lifecycle.link.supervisor import Supervisor, WorkerRefusedToStart
-from lifecycle.model_set import ModelSet, ModelSlot
+from lifecycle.link.model_set import ModelSet, ModelSlot
 from lifecycle.runtime import (
     AppConfig,
     Runtime,

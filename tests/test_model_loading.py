@@ -1,4 +1,4 @@
-"""Models loaded on demand and unloaded when idle (issue 55, point 3; lifecycle/model_set.py):
+"""Models loaded on demand and unloaded when idle (issue 55, point 3; lifecycle/link/model_set.py):
 ``--models-max``, ``--sleep-idle-seconds``, ``POST /models/load`` and ``/models/unload``,
 on real servers with two tiny GGUF models (different random weights) and real workers.
 

@@ -16,7 +16,7 @@ from lifecycle.api.openai import OpenAIAPI
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
-from lifecycle.model_set import ModelSet
+from lifecycle.link.model_set import ModelSet
 from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.tracer import Tracer

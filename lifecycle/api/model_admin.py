@@ -1,4 +1,4 @@
-"""The admin routes that load and unload a model by name (``lifecycle.model_set``; as
+"""The admin routes that load and unload a model by name (``lifecycle.link.model_set``; as
 llama-server's router names them), installed when models load on demand
 (``--models-max``, ``--sleep-idle-seconds``):
 
@@ -20,7 +20,7 @@ from typing import Any
 from lifecycle.api.calls import error_response
 from lifecycle.api.model_routes import not_found
 from lifecycle.core.errors import ServeError
-from lifecycle.model_set import ModelSet
+from lifecycle.link.model_set import ModelSet
 from transport import JSONResponse, Request, Response, Router
 
 __all__ = ["install_model_admin"]

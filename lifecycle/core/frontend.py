@@ -49,7 +49,7 @@ W = TypeVar("W", bound=Workers)  # the runtime's Supervisor or WorkerPool
 
 
 class ModelLoader(Protocol):
-    """Loads a model on demand (``lifecycle.model_set``: several models, some unloaded):
+    """Loads a model on demand (``lifecycle.link.model_set``: several models, some unloaded):
     whether its worker must be loaded before a call can run on it, and the wait for
     that load (a ``ServeError`` naming the model and the cause when it fails)."""
 

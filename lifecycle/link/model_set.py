@@ -35,7 +35,7 @@ from lifecycle.link.supervisor import LoadFailed
 
 __all__ = ["ModelSet", "ModelSlot", "State"]
 
-log = logging.getLogger("lifecycle.model_set")
+log = logging.getLogger("lifecycle.link.model_set")
 
 State = Literal["loaded", "loading", "unloading", "unloaded"]
 
