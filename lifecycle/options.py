@@ -47,6 +47,7 @@ class Option:
     maximum: float | None = None
     form: tuple[str, str] | None = None  # a pattern the value matches, and it in words
     worker: WorkerOption | None = None  # a forwarded option: the worker's, whose checks apply
+    const: Any = None  # the flag's value when given without one (``--ray`` alone)
 
     @property
     def flag(self) -> str:
@@ -191,6 +192,25 @@ OPTIONS: tuple[Option, ...] = (
         _WORKER,
         repeat=True,
     ),  # fmt: skip
+    _o(
+        "ray",
+        "place the --dp N workers on a Ray cluster as actors that Ray restarts: ADDRESS "
+        "is a cluster's (host:port, ray://...), auto (RAY_ADDRESS or the one running "
+        "here), or local, the default: a cluster of this machine alone (pip install "
+        "lifecycle[ray])",
+        _WORKER,
+        server=True,
+        metavar="ADDRESS",
+        const="local",
+    ),
+    _o(
+        "ray_replica_resources",
+        'the Ray resources each replica asks for, a JSON object (default: {"GPU": 1} '
+        'where the cluster has GPUs, else {"CPU": 1})',
+        _WORKER,
+        server=True,
+        metavar="JSON",
+    ),
     _o(
         "worker_token",
         "the secret remote workers check (default: $LIFECYCLE_WORKER_TOKEN)",
@@ -455,6 +475,11 @@ def add_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
             g.add_argument(o.flag, action="store_true", help=o.help)
         elif o.repeat:
             g.add_argument(o.flag, action="append", default=None, type=o.parse, help=o.help)
+        elif o.const is not None:
+            g.add_argument(
+                o.flag, nargs="?", const=o.const, type=o.parse, default=o.default, help=o.help,
+                metavar=o.metavar or _meta(o),
+            )  # fmt: skip
         else:
             shown = o.help if o.default in (None, "") else f"{o.help} (default: %(default)s)"
             g.add_argument(

@@ -72,6 +72,8 @@ class AppConfig:
         "strict_model_name"
     ]  # another model name: 404 (default: served)
     worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
+    ray: str | None = None  # --ray: the workers are Ray actors on this cluster (or local)
+    ray_replica_resources: str | None = None  # --ray: what each replica asks for (JSON)
     worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
     worker_tls_ca: str | None = None  # CA for tls: workers' certificates; None: the system's
     worker_module: str = "gpu.worker"
@@ -177,7 +179,7 @@ class Runtime:
     ``model`` is the model file already checked (``modelfile.check``); without it,
     ``await check_model()`` checks it, which callers do before they listen or start the
     worker, so that a file the worker cannot run is one ``ModelFileError``.
-    ``loaded=False``: its spawned workers start unloaded (``lifecycle.model_set`` loads
+    ``loaded=False``: its spawned workers start unloaded (``lifecycle.link.model_set`` loads
     them when a request names the model). ``tracer``: one that another runs and closes
     (``serve_app``: one for every model), which this model's requests join; without
     it, the runtime makes its own (debug routes or ``--trace-log``), runs and closes it."""
@@ -235,7 +237,7 @@ class Runtime:
 
     async def load(self, tg: anyio.abc.TaskGroup, loader: ModelLoader | None = None) -> Frontend:
         """The tokenizer, frontend, tracer and metrics; ``loader``: the model is loaded
-        on demand (``lifecycle.model_set``), a call waits for it through this."""
+        on demand (``lifecycle.link.model_set``), a call waits for it through this."""
         cfg = self.config
         model = await self.check_model()
         tokenizer, chat, model_config = model.tokenizer, model.chat, model.config
@@ -283,8 +285,7 @@ class Runtime:
         i = self.frontend.worker_index(client) if self.frontend is not None else None
         if i is None:
             return None
-        member = self.supervisor.members[i]
-        return i, member.config.worker or f"local pid {member.worker_pid}"
+        return i, self.supervisor.member_name(i)
 
     def _tracer(self, fe: Frontend) -> Tracer:
         prompts = self.config.trace.record_prompts
@@ -360,6 +361,8 @@ def _supervisor(cfg: AppConfig, loaded: bool = True) -> Supervisor | WorkerPool:
     remote ones, or both) a pool of them behind the router; ``loaded=False``: the
     spawned ones start unloaded (``Supervisor.load``)."""
     remote = worker_addresses(cfg)
+    if cfg.ray is not None:
+        return _ray_workers(cfg, remote, loaded)
     local = cfg.dp if cfg.dp is not None else (0 if remote else 1)
     if local < 0 or (local < 1 and not remote):
         raise ValueError(f"dp must be at least 1 without --worker, got {cfg.dp}")
@@ -373,9 +376,32 @@ def _supervisor(cfg: AppConfig, loaded: bool = True) -> Supervisor | WorkerPool:
     return WorkerPool(members, Router(cfg.router_policy))
 
 
+def _ray_workers(cfg: AppConfig, remote: tuple[str, ...], loaded: bool) -> WorkerPool:
+    """``--ray``: ``--dp N`` (1 by default) Ray actors run the workers
+    (``lifecycle.link.ray_replicas``); with ``--worker`` or an on-demand model: ValueError."""
+    from lifecycle.link.ray_replicas import RayConfig, RayWorkers, replica_resources
+
+    if remote:
+        raise ValueError("--ray places the workers itself: no --worker beside it")
+    if not loaded:
+        raise ValueError("--ray replicas stay loaded: no --models-max below the models given")
+    dp = cfg.dp if cfg.dp is not None else 1
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1 with --ray, got {dp}")
+    ray_config = RayConfig(
+        cfg.ray or "local", dp, replica_resources(cfg.ray_replica_resources),
+        cfg.worker_module, worker_args(cfg),
+    )  # fmt: skip
+    return RayWorkers(ray_config, _supervisor_config(cfg, None, None), Router(cfg.router_policy))
+
+
 def _one_supervisor(
     cfg: AppConfig, address: str | None, token: str | None, loaded: bool = True
 ) -> Supervisor:
+    return Supervisor(_supervisor_config(cfg, address, token), loaded=loaded)
+
+
+def _supervisor_config(cfg: AppConfig, address: str | None, token: str | None) -> SupervisorConfig:
     sup_config = SupervisorConfig(
         worker=address,
         token=token,
@@ -388,7 +414,7 @@ def _one_supervisor(
     )
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)
-    return Supervisor(sup_config, loaded=loaded)
+    return sup_config
 
 
 FRONTEND_INDEX_ENV = "LIFECYCLE_FRONTEND_INDEX"  # set by serve --frontends in each frontend
@@ -471,6 +497,8 @@ _PLAIN = (
     "weight_version",
     "strict_model_name",
     "worker",
+    "ray",
+    "ray_replica_resources",
     "worker_token",
     "worker_tls_ca",
     "device",

@@ -28,6 +28,7 @@ from lifecycle.core.params import parse_generate
 from lifecycle.core.results import chunks, indexed, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
 from lifecycle.link.pool import WorkerPool
+from lifecycle.link.ray_replicas import RayWorkers
 from lifecycle.link.supervisor import Supervisor
 from lifecycle.link.worker_client import WorkerClient
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
@@ -353,6 +354,8 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
             "workers": states,
         }
     ]
+    if isinstance(sup, RayWorkers):  # --ray: each replica's node, actor and state
+        out["ray_replicas"] = sup.replicas()
     router = getattr(sup, "router", None)
     if router is not None:  # several workers (--dp)
         out["router"] = {"policy": router.policy, "picks": list(router.picks),

@@ -170,6 +170,10 @@ class WorkerPool:
             "workers": len(self.members),
         }
 
+    def member_name(self, index: int) -> str:
+        """How traces name worker ``index`` (``Supervisor.member_name``)."""
+        return self.members[index].member_name(0)
+
     async def wait_listening(self) -> None:
         """Until every spawned worker listens (``Supervisor.wait_listening``)."""
         for s in self.members:

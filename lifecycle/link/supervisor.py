@@ -16,7 +16,7 @@ import ssl
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,9 @@ log = logging.getLogger("lifecycle.link.supervisor")
 @dataclass(frozen=True, slots=True)
 class SupervisorConfig:
     worker: str | None = None  # address of a worker started elsewhere; None: spawn one
+    # Where the worker started elsewhere is now, asked before each connection (a Ray
+    # replica's address moves with its actor; ``worker`` then names it, e.g. ray:0).
+    locate: Callable[[], Awaitable[str]] | None = None
     worker_module: str = "gpu.worker"  # spawned as: python -m <module> --listen unix:...
     worker_args: tuple[str, ...] = ()  # e.g. ("--model", path, "--device", "cpu")
     hello_timeout: float = 300.0  # loading a model takes a while
@@ -90,7 +93,7 @@ _EXIT_WAIT_S = 2.0  # a spawned worker's connection ended before HELLO: is it ex
 
 class Supervisor:
     """Keeps one worker running from ``run`` to ``stop``. ``loaded=False`` builds it
-    unloaded (a model loaded on demand, ``lifecycle.model_set``): no worker until
+    unloaded (a model loaded on demand, ``lifecycle.link.model_set``): no worker until
     ``load()``; ``unload()`` stops the worker again, its memory given back, and the
     supervisor waits for the next ``load()``."""
 
@@ -105,6 +108,7 @@ class Supervisor:
         self.restarts = 0
         self.last_error: str | None = None
         self.worker_pid: int | None = None
+        self.address: str | None = config.worker  # where it connects (``locate``'s last)
         self.on_ready: list[Callable[[WorkerClient], None]] = []
         self._ready_event = anyio.Event()
         self._stopping = False
@@ -124,6 +128,10 @@ class Supervisor:
     def members(self) -> list[Supervisor]:
         """The supervisors behind this one (a ``WorkerPool`` has several)."""
         return [self]
+
+    def member_name(self, index: int) -> str:
+        """How traces name the worker: its address, or its pid when it runs here."""
+        return self.address or f"local pid {self.worker_pid}"
 
     def pick(self, prompt: Sequence[int] | None = None) -> WorkerClient | None:
         """The worker's client for a call (``prompt`` routes in a pool), when ready."""
@@ -281,6 +289,8 @@ class Supervisor:
         ):
             proc: anyio.abc.Process | None = None
             address = self.config.worker
+            if self.config.locate is not None:
+                address = self.address = await self.config.locate()
             if address is None:
                 address = f"unix:{os.path.join(tmp, 'worker.sock')}"
                 proc = await self._spawn(address)
