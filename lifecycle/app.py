@@ -35,9 +35,9 @@ from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.states import DRAIN
 from lifecycle.extend import Extension, resolve_extension
+from lifecycle.link.model_set import ModelSet, ModelSlot
 from lifecycle.link.pool import WorkerPool
 from lifecycle.link.supervisor import Supervisor, WorkerRefusedToStart
-from lifecycle.link.model_set import ModelSet, ModelSlot
 from lifecycle.runtime import (
     AppConfig,
     Runtime,
@@ -196,8 +196,9 @@ async def serve_app(
             routes = [_routes(one, shared) for one in rts]
             router, api, auth, _ = routes[0]
             router.access_log = access
-            if model_set is not None:  # behind the admin key, as /flush_cache
-                install_model_admin(router, model_set)
+            # behind the admin key, as /flush_cache
+            ids = {one.served_model_id(): fe for one, fe in zip(rts, frontends, strict=True)}
+            install_model_admin(router, model_set, ids)
             for spec in cfg.extend:  # checked by serve before it listened
                 resolve_extension(spec)(Extension(router, api, frontend, cfg))
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.

@@ -257,3 +257,14 @@ def test_models_dir_and_what_is_refused(tmp_path: pathlib.Path) -> None:
     for option in ({"models_max": 1}, {"sleep_idle_seconds": 5.0}):
         with pytest.raises(ValueError, match="--frontends N keeps its model loaded"):
             slot_configs(AppConfig(frontends=2, **option))  # type: ignore[arg-type]
+
+
+def test_without_the_options_models_stay_and_the_routes_say_so(models_dir: pathlib.Path) -> None:
+    alpha = str(models_dir / "alpha.gguf")
+    with server("--model", alpha, "--scripted-worker") as (url, _):
+        r = httpx.post(url + "/models/load", json={"model": "alpha"})
+        assert (r.status_code, r.json()) == (200, {"model": "alpha", "state": "loaded"})
+        r = httpx.post(url + "/models/unload", json={"model": "alpha"})
+        assert r.status_code == 400 and "--models-max" in r.json()["error"]["message"]
+        r = httpx.post(url + "/models/load", json={"model": "gamma"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -47,7 +47,7 @@ def test_every_installed_route_is_specified() -> None:
     WebSocketAPI.install(WebSocketAPI.__new__(WebSocketAPI), recorder)  # type: ignore[arg-type]
     install_metrics(recorder, Metrics.__new__(Metrics))  # type: ignore[arg-type]
     install_debug(recorder, Tracer(), replay=_no_replay)  # type: ignore[arg-type]
-    install_model_admin(recorder, ModelSet([]))  # type: ignore[arg-type]
+    install_model_admin(recorder, ModelSet([]), {})  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 
 
