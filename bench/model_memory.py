@@ -13,15 +13,13 @@ baseline, same run), and its tokens beside the first request's (the same).
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 from typing import Any
 
 import httpx
 import psutil
 
-from tests.scripted import free_port, stop_process
+from tests.scripted import server_process
 
 
 def _rss(proc: psutil.Process) -> tuple[int, int, int]:
@@ -50,24 +48,11 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=2.0, help="--sleep-idle-seconds")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    port = free_port()
-    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port),
-            "--device", args.device, "--sleep-idle-seconds", str(args.sleep),
-            "--log-level", "warning"]  # fmt: skip
+    flags = ["--device", args.device, "--sleep-idle-seconds", str(args.sleep),
+             "--log-level", "warning"]  # fmt: skip
     if args.model:
-        argv += ["--model", args.model]
-    proc = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "no server"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        flags += ["--model", args.model]
+    with server_process(*flags, timeout=300) as (url, proc):
         server = psutil.Process(proc.pid)
         first, _ = _generate(url)
         _, warm = _generate(url)  # the baseline: the model loaded
@@ -88,8 +73,6 @@ def main() -> None:
         print(f"request to the loaded model: {warm * 1e3:8.0f} ms")
         print(f"request that loads it again: {woken * 1e3:8.0f} ms")
         print(f"same tokens after waking: {again == first}")
-    finally:
-        stop_process(proc)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -58,14 +58,29 @@ def without_model_label(line: str) -> str:
 @contextmanager
 def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
     """``python -m lifecycle serve`` as a real process; yields its base URL."""
+    with server_process(*args, wait_ready=wait_ready) as (url, _):
+        yield url
+
+
+@contextmanager
+def server_process(
+    *args: str,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
+    ready: Callable[[str], bool] | None = None,
+    timeout: float = 120.0,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m lifecycle serve`` as a real process (``env``: added to this one's);
+    yields its base URL and the process once ``/health`` is 200 (and ``ready(url)``
+    holds, when given), or at once it answers with ``wait_ready=False``."""
     import httpx
 
     port = free_port()
     argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(argv, cwd=ROOT)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
@@ -73,12 +88,12 @@ def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
                 raise RuntimeError("server did not become ready")
             try:
                 r = httpx.get(url + "/health", timeout=2)
-                if r.status_code == 200 or not wait_ready:
+                if not wait_ready or (r.status_code == 200 and (ready is None or ready(url))):
                     break
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        yield url
+        yield url, proc
     finally:
         stop_process(proc)
 

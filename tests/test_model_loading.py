@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.scripted import ROOT, free_port, stop_process
+from tests.scripted import server_process
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 _SERVE = ("--device", "cpu", "--max-running", "4", "--kv-cache-tokens", "1024")
@@ -41,24 +39,8 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @contextmanager
 def server(*args: str) -> Iterator[tuple[str, psutil.Process]]:
     """``lifecycle serve`` as a real process, once ``/health`` is 200: its URL and process."""
-    port = free_port()
-    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *_SERVE, *args]
-    proc = subprocess.Popen(argv, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the server exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    with server_process(*_SERVE, *args) as (url, proc):
         yield url, psutil.Process(proc.pid)
-    finally:
-        stop_process(proc)
 
 
 def workers_of(server: psutil.Process) -> dict[str, int]:

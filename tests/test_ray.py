@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +18,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.scripted import ROOT, free_port, stop_process
+from tests.scripted import server_process
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # Ray finds a node's address from the route to the internet unless told this, on Linux
@@ -55,21 +53,11 @@ def cluster() -> Iterator[tuple[Cluster, list[Any]]]:
         c.shutdown()
 
 
-def _serve(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "lifecycle", "serve", "--port", str(port), *_SERVE, *args]
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **LOOPBACK})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "the server did not become ready"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200 and _all_ready(url):
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+def _serve(*args: str) -> Any:
+    """A server on the tiny model, its Ray processes on loopback, once every replica is
+    ready: ``(url, process)``."""
+    env = LOOPBACK
+    return server_process(*_SERVE, *args, env=env, ready=_all_ready, timeout=180)
 
 
 def _all_ready(url: str) -> bool:
@@ -105,14 +93,10 @@ def test_replicas_on_two_nodes_give_the_local_tokens(
 ) -> None:
     c, _ = cluster
     prompts = [f"hello {i}" for i in range(6)]
-    proc, url = _serve("--model", str(model), "--dp", "2")
-    try:
+    with _serve("--model", str(model), "--dp", "2") as (url, _):
         local = [_greedy(url, p) for p in prompts]
-    finally:
-        stop_process(proc)
     args = ("--ray", c.address, "--ray-replica-resources", _REPLICA)
-    proc, url = _serve("--model", str(model), "--dp", "2", *args)
-    try:
+    with _serve("--model", str(model), "--dp", "2", *args) as (url, _):
         assert [_greedy(url, p) for p in prompts] == local
         replicas = _replicas(url)
         nodes = {r["node_id"] for r in replicas}
@@ -124,8 +108,6 @@ def test_replicas_on_two_nodes_give_the_local_tokens(
             assert alive == nodes and {r["actor_id"] for r in replicas} <= set(actors)
         finally:
             ray.shutdown()
-    finally:
-        stop_process(proc)
 
 
 async def _stream(url: str, i: int, tokens: int, seen: list[int]) -> dict[str, Any]:
@@ -162,58 +144,57 @@ def test_a_node_removed_mid_stream_loses_only_its_replicas_requests(
     c, nodes = cluster
     args = ("--ray", c.address, "--ray-replica-resources", _REPLICA,
             "--router-policy", "round_robin")  # fmt: skip
-    proc, url = _serve("--model", str(model), "--dp", "2", *args)
     try:
-        before = _replicas(url)
-        workers = {n.node_id: n for n in nodes}  # the head node is not removed
-        victim = next(r for r in before if r["node_id"] in workers)
-        other = next(r for r in before if r is not victim)
-        n, tokens = 6, 240
-        seen = [0] * n
+        with _serve("--model", str(model), "--dp", "2", *args) as (url, _):
+            before = _replicas(url)
+            workers = {n.node_id: n for n in nodes}  # the head node is not removed
+            victim = next(r for r in before if r["node_id"] in workers)
+            other = next(r for r in before if r is not victim)
+            n, tokens = 6, 240
+            seen = [0] * n
 
-        async def run() -> list[dict[str, Any]]:
-            results: list[dict[str, Any]] = []
+            async def run() -> list[dict[str, Any]]:
+                results: list[dict[str, Any]] = []
 
-            async def one(i: int) -> None:
-                results.append(await _stream(url, i, tokens, seen))
+                async def one(i: int) -> None:
+                    results.append(await _stream(url, i, tokens, seen))
 
-            async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(one, i)
-                while min(seen) < 5:  # every stream is under way
-                    await anyio.sleep(0.02)
-                await anyio.to_thread.run_sync(c.remove_node, workers[victim["node_id"]])
-            return results
+                async with anyio.create_task_group() as tg:
+                    for i in range(n):
+                        tg.start_soon(one, i)
+                    while min(seen) < 5:  # every stream is under way
+                        await anyio.sleep(0.02)
+                    await anyio.to_thread.run_sync(c.remove_node, workers[victim["node_id"]])
+                return results
 
-        removed_at = time.monotonic()
-        results = anyio.run(run)
-        lost = [r for r in results if r["rank"] == victim["index"]]
-        kept = [r for r in results if r["rank"] == other["index"]]
-        assert lost and kept and len(lost) + len(kept) == n, results
-        for r in kept:
-            assert r["done"] and r["error"] is None and r["tokens"] == tokens, r
-        for r in lost:  # an error event, then [DONE]
-            assert r["done"] and r["error"] is not None and r["tokens"] < tokens, r
-            assert r["error"]["code"] == 503, r
-        deadline = removed_at + recovery_s
-        while True:
-            assert time.monotonic() < deadline, _replicas(url)
-            now = _replicas(url)
-            back = now[victim["index"]]
-            if back["state"] == "ready" and back["node_id"] not in (
-                victim["node_id"],
-                other["node_id"],
-            ):
-                break
-            time.sleep(0.5)
-        print(f"replica recreated and ready {time.monotonic() - removed_at:.1f} s after")
-        assert now[other["index"]]["node_id"] == other["node_id"]  # left alone
-        for i in range(4):  # both replicas serve again
-            assert len(_greedy(url, f"after {i}")) == 8
-        picks = httpx.get(url + "/server_info").json()["router"]["picks"]
-        assert all(p > 0 for p in picks), picks
+            removed_at = time.monotonic()
+            results = anyio.run(run)
+            lost = [r for r in results if r["rank"] == victim["index"]]
+            kept = [r for r in results if r["rank"] == other["index"]]
+            assert lost and kept and len(lost) + len(kept) == n, results
+            for r in kept:
+                assert r["done"] and r["error"] is None and r["tokens"] == tokens, r
+            for r in lost:  # an error event, then [DONE]
+                assert r["done"] and r["error"] is not None and r["tokens"] < tokens, r
+                assert r["error"]["code"] == 503, r
+            deadline = removed_at + recovery_s
+            while True:
+                assert time.monotonic() < deadline, _replicas(url)
+                now = _replicas(url)
+                back = now[victim["index"]]
+                if back["state"] == "ready" and back["node_id"] not in (
+                    victim["node_id"],
+                    other["node_id"],
+                ):
+                    break
+                time.sleep(0.5)
+            print(f"replica recreated and ready {time.monotonic() - removed_at:.1f} s after")
+            assert now[other["index"]]["node_id"] == other["node_id"]  # left alone
+            for i in range(4):  # both replicas serve again
+                assert len(_greedy(url, f"after {i}")) == 8
+            picks = httpx.get(url + "/server_info").json()["router"]["picks"]
+            assert all(p > 0 for p in picks), picks
     finally:
-        stop_process(proc)
         c.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={"replica": 1})
 
 
@@ -229,12 +210,12 @@ def test_the_frontend_owns_its_replicas(
     ray.init(address=c.address, log_to_driver=False)
     try:
         for how in ("terminate", "kill"):
-            proc, url = _serve("--model", str(model), "--dp", "2", *args)
-            ids = {r["actor_id"] for r in _replicas(url)}
-            pids = [r["pid"] for r in _replicas(url)]
-            assert {a for a, (_, s) in _actors().items() if s == "ALIVE"} >= ids
-            getattr(proc, how)()
-            proc.wait(60)
+            with _serve("--model", str(model), "--dp", "2", *args) as (url, proc):
+                ids = {r["actor_id"] for r in _replicas(url)}
+                pids = [r["pid"] for r in _replicas(url)]
+                assert {a for a, (_, s) in _actors().items() if s == "ALIVE"} >= ids
+                getattr(proc, how)()
+                proc.wait(60)
             deadline = time.monotonic() + owned_s
             while any(_actors().get(a, ("", "DEAD"))[1] != "DEAD" for a in ids) or any(
                 _alive(p) for p in pids

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -126,10 +126,9 @@ class RayWorkers(WorkerPool):
         self._actors: list[Any] = []
         self._where: list[dict[str, Any]] = [{} for _ in range(ray_config.replicas)]
         self._placed = anyio.Event()
-        self._cluster: Any = None
         members = [
             Supervisor(
-                _replace(
+                replace(
                     sup_config, worker=f"ray:{i}", token=ray_config.token, locate=self._locator(i)
                 )
             )  # fmt: skip
@@ -219,12 +218,6 @@ class RayWorkers(WorkerPool):
             {"index": i, **w, "state": m.status, "restarts": m.restarts}
             for i, (w, m) in enumerate(zip(self._where, self.members, strict=True))
         ]
-
-
-def _replace(cfg: SupervisorConfig, **changes: Any) -> SupervisorConfig:
-    from dataclasses import replace
-
-    return replace(cfg, **changes)
 
 
 def _short(exc: BaseException) -> str:

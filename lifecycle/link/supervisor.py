@@ -244,16 +244,7 @@ class Supervisor:
         if not self._wanted:
             return
         self._wanted, self._wanted_event = False, anyio.Event()
-        client = self.client
-        if client is not None:
-            client.abort_all()
-            if self.config.worker is None:
-                await client.shutdown()
-            else:
-                with anyio.CancelScope(shield=True):
-                    await client.close()
-        if self._life_scope is not None:
-            self._life_scope.cancel()
+        await self._end_life()
         while self.status != "unloaded" and not self._stopping and not self._wanted:
             changed = self._changed
             await changed.wait()
@@ -269,6 +260,12 @@ class Supervisor:
         frontend."""
         self._stopping = True
         self._wanted_event.set()  # an unloaded one's run ends
+        await self._end_life()
+
+    async def _end_life(self) -> None:
+        """End the worker's life (``stop``, ``unload``): what it holds aborted, a spawned
+        worker asked to shut down, a remote one's connection closed (the worker is not
+        ours to stop: it frees what it held and waits for the next frontend)."""
         client = self.client
         if client is not None:
             client.abort_all()
