@@ -61,7 +61,9 @@ from gpu.kernel_choice import triton_ops  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.memory import kv_bytes_per_token  # noqa: E402
+from gpu.model import Ops  # noqa: E402
 from gpu.piecewise import MixedGraphs  # noqa: E402
+from gpu.runner import trunk_for  # noqa: E402
 from wire.worker_options import KERNEL_MODES  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -113,12 +115,14 @@ def weight_bytes(lm: LoadedModel) -> int:
     return sum(seen.values())
 
 
-def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: argparse.Namespace,
-                clock: Clock) -> dict[str, Any]:  # fmt: skip
+def decode_case(lm: LoadedModel, ops: Ops, batch: int, context: int, backend: Any,
+                args: argparse.Namespace, clock: Clock) -> dict[str, Any]:  # fmt: skip
     """The three timings of one batch size, and how far graphs and eager agree."""
     per = -(-(context + 1) // BLOCK_SIZE)
-    cache = PagedKVCache(lm.config, batch * per, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
-    cache.ops = lm.model.ops  # --kernels: the model's and the cache's alike
+    cache = PagedKVCache(
+        lm.config, batch * per, BLOCK_SIZE, lm.device, lm.dtype, scratch=True, ops=ops
+    )  # --kernels: the torch path's and the cache's alike
+    trunk = trunk_for(lm.model, cache, ops)
     tables = [list(range(s * per, (s + 1) * per)) for s in range(batch)]
     decodes = [(t, context + 1) for t in tables]
     ids = [min(TOKEN, lm.config.vocab_size - 1)] * batch
@@ -128,10 +132,11 @@ def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: a
 
     def eager() -> torch.Tensor:
         cache.prepare(decodes, [])
-        return lm.model(ids_t, pos_t, cache)
+        return lm.model.logits(trunk(ids_t, pos_t))  # type: ignore[return-value]
 
     # The engine's bound (the model's context): blocks pad to the next power of two.
-    graphs = StepGraphs(lm.model, cache, backend, batch, lm.config.context_length)
+    graphs = StepGraphs(lm.model, cache, trunk_for(lm.model, cache, ops, fuse=False), backend,
+                        batch, lm.config.context_length)  # fmt: skip
     key = graphs.shape_for(decodes)
     assert key is not None, (batch, context)
     t = time.perf_counter()
@@ -159,32 +164,34 @@ def decode_case(lm: LoadedModel, batch: int, context: int, backend: Any, args: a
     return out
 
 
-def prefill_case(lm: LoadedModel, n: int, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+def prefill_case(lm: LoadedModel, ops: Ops, n: int, args: argparse.Namespace, clock: Clock,
+                 ) -> dict[str, Any]:  # fmt: skip
     ids = torch.randint(100, lm.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     ids, positions = ids.to(lm.device), torch.arange(n, device=lm.device)
     last = torch.tensor([n - 1], device=lm.device)
     blocks = -(-n // BLOCK_SIZE)
-    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype)
-    cache.ops = lm.model.ops
+    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype, ops=ops)
+    trunk = trunk_for(lm.model, cache, ops)
     chunk = PrefillChunk(list(range(blocks)), 0, n)
 
     def step() -> None:
         cache.prepare([], [chunk])
-        lm.model(ids, positions, cache, logits_indices=last)
+        lm.model.logits(trunk(ids, positions), last)
 
     s = clock.stats(step, max(2, args.runs // 2), args.warmup)
     return {"tokens": n, **s, "tokens_per_s": n / (s["min_ms"] / 1e3)}
 
 
-def mixed_case(lm: LoadedModel, decodes: int, context: int, chunk: int, backend: Any,
+def mixed_case(lm: LoadedModel, ops: Ops, decodes: int, context: int, chunk: int, backend: Any,
                args: argparse.Namespace, clock: Clock) -> dict[str, Any]:  # fmt: skip
     """One step of ``decodes`` decode rows and a ``chunk``-token prompt chunk, eager and
     piecewise, and how far the two agree."""
     per = -(-(context + 1) // BLOCK_SIZE)
     chunk_blocks = -(-chunk // BLOCK_SIZE)
     blocks = decodes * per + chunk_blocks
-    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype, scratch=True)
-    cache.ops = lm.model.ops
+    cache = PagedKVCache(lm.config, blocks, BLOCK_SIZE, lm.device, lm.dtype, scratch=True,
+                         ops=ops)  # fmt: skip
+    trunk = trunk_for(lm.model, cache, ops)
     dec = [(list(range(s * per, (s + 1) * per)), context + 1) for s in range(decodes)]
     prefill = [PrefillChunk(list(range(decodes * per, blocks)), 0, chunk)]
     gen = torch.Generator().manual_seed(1)
@@ -196,9 +203,9 @@ def mixed_case(lm: LoadedModel, decodes: int, context: int, chunk: int, backend:
 
     def eager() -> torch.Tensor:
         cache.prepare(dec, prefill)
-        return lm.model(ids_t, pos_t, cache, logits_indices=idx)
+        return lm.model.logits(trunk(ids_t, pos_t), idx)  # type: ignore[return-value]
 
-    mixed = MixedGraphs(lm.model, cache, backend, max(512, decodes + chunk))
+    mixed = MixedGraphs(lm.model, cache, ops, backend, max(512, decodes + chunk))
 
     def piecewise() -> torch.Tensor:
         x = mixed.run(ids, pos, dec, prefill)
@@ -215,7 +222,7 @@ def mixed_case(lm: LoadedModel, decodes: int, context: int, chunk: int, backend:
 
     def layers() -> torch.Tensor:  # the pieces' own function: the model's torch path
         cache.prepare(dec, prefill)
-        x = lm.model.run_layers(lm.model.embed_rows(ids_t), pos_t, cache)
+        x = lm.model.run_layers(lm.model.embed_rows(ids_t), pos_t, cache, ops)
         return lm.model.logits(x, idx)  # type: ignore[return-value]
 
     # Eager is that path on a GPU; with quantized weights on the CPU it is the fused
@@ -342,16 +349,16 @@ def main(argv: list[str] | None = None) -> int:
         res.update(bandwidth_bytes_per_s=bw, weight_bytes=wbytes, kv_bytes_per_token=kv_token)
         runs: dict[str, dict[str, Any]] = {}
         for kernels in args.kernels:
-            lm.model.ops = triton_ops(kernels, dev)
+            ops = triton_ops(kernels, dev)
             run: dict[str, Any] = {}
             rows = []
             for b in args.batches:
-                row = decode_case(lm, b, args.context, backend, args, clock)
+                row = decode_case(lm, ops, b, args.context, backend, args, clock)
                 _floors(row, wbytes, kv_token, bw)
                 rows.append(row)
             run["decode"] = rows
-            run["prefill"] = prefill_case(lm, args.prompt, args, clock)
-            run["mixed"] = mixed_case(lm, args.mixed_decodes, args.context, args.mixed_chunk,
+            run["prefill"] = prefill_case(lm, ops, args.prompt, args, clock)
+            run["mixed"] = mixed_case(lm, ops, args.mixed_decodes, args.context, args.mixed_chunk,
                                       backend, args, clock)  # fmt: skip
             runs[kernels] = run
     res.update(runs[args.kernels[0]])  # the first kernels' figures at the top, as before

@@ -35,6 +35,7 @@ from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from gpu.model import Linear  # noqa: E402
+from gpu.runner import trunk_for  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 128
@@ -67,24 +68,28 @@ def prefill_ms(lm: LoadedModel) -> float:
     last = torch.tensor([PROMPT - 1])
     cache, (table,) = paged_cache(lm, 1, PROMPT)
     positions = torch.arange(PROMPT)
+    trunk = trunk_for(lm.model, cache)  # what a served step runs
 
     def step() -> None:
         cache.prepare([], [PrefillChunk(table, 0, PROMPT)])
-        lm.model(ids, positions, cache, logits_indices=last)
+        lm.model.logits(trunk(ids, positions), last)
 
     return median_ms(step, runs=2)
 
 
-def decode_ms(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]], batch: int) -> float:
+def decode_ms(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]], batch: int,
+              fuse: bool = True) -> float:  # fmt: skip
     """One new token per sequence after CONTEXT positions (attention cost does not depend
-    on what the cached rows hold, so they are never computed)."""
+    on what the cached rows hold, so they are never computed); ``fuse`` False: the torch
+    path."""
+    trunk = trunk_for(lm.model, cache, fuse=fuse)
     ids = torch.full((batch,), 1000, dtype=torch.int64)
     positions = torch.full((batch,), CONTEXT, dtype=torch.int64)
     decodes = [(tables[s], CONTEXT + 1) for s in range(batch)]
 
     def step() -> None:
         cache.prepare(decodes, [])
-        lm.model(ids, positions, cache)
+        lm.model.logits(trunk(ids, positions))
 
     return median_ms(step, runs=7 if batch <= 8 else 5, warmup=2)
 
@@ -95,9 +100,7 @@ def decode_pair(lm: LoadedModel, cache: PagedKVCache, tables: list[list[int]],
     fused, unfused = [], []
     for _ in range(3):
         for flag, got in ((True, fused), (False, unfused)):
-            lm.model.fuse_trunk = flag
-            got.append(decode_ms(lm, cache, tables, batch))
-    lm.model.fuse_trunk = True
+            got.append(decode_ms(lm, cache, tables, batch, flag))
     return statistics.median(fused), statistics.median(unfused)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
@@ -19,17 +19,15 @@ from typing import Any
 
 import torch
 
+from gpu.engine_config import EngineConfig
 from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
-from gpu.graphs import StepGraphs, graph_backend
-from gpu.kernel_choice import triton_ops
-from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, kv_storage_dtype
+from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel
 from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
-from gpu.memory import MemoryFootprint
+from gpu.memory import KVPlan, MemoryFootprint
 from gpu.overlap import InFlight, flies, fly, land, overlap_on
-from gpu.piecewise import MixedGraphs
 from gpu.pooling import pool
 from gpu.runner import ModelRunner, StepInput
 from gpu.sampling import NON_FINITE, parse_request, sample, sample_greedy
@@ -49,7 +47,6 @@ from wire import (
 from wire.faults import active_plan, fault_point
 from wire.reasoning_budget import BudgetState
 from wire.sampling import STOP_REGEX_WINDOW
-from wire.worker_options import DEFAULT_BLOCK_SIZE, MIXED_GRAPH_MODES
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
@@ -63,22 +60,6 @@ class ProtocolError(ValueError):
 
 class TooLong(ValueError):
     """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    kv_blocks: int
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_running: int = 64
-    max_pending: int = 256
-    step_tokens: int = 512
-    mixed_prefill_tokens: int = 512
-    decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
-    overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
-    kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype
-    # auto: with the decode graphs, every other step replays piecewise (gpu/piecewise.py)
-    mixed_graphs: str = "auto"
-    kernels: str = "torch"  # torch | triton: the torch path's ops (gpu/kernel_choice.py)
 
 
 def _prefills(seq: Sequence) -> bool:
@@ -113,23 +94,27 @@ def _declared_n(e: SubmitEntry) -> int:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        kv_plan: KVPlan | None = None,
+        cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+    ) -> None:
+        """Every backend is chosen once, as the engine is made (the runner's: the kernels,
+        the trunk, the cache, the graphs; the overlap): the loaded model is shared
+        between engines and holds none of them. ``kv_plan``: how the cache was sized from the card's memory (None: from
+        ``--kv-blocks`` / ``--kv-mib``); ``cache_type``: what makes the cache (a
+        tensor-parallel leader's, ``gpu.tp.leader_cache``, tells its followers)."""
         self.loaded = loaded
         self.model = loaded.model
         self.mc = loaded.config
         self.config = config
+        self.kv_plan = kv_plan
         self.blocks = BlockManager(config.kv_blocks, config.block_size)
-        graphs = graph_backend(config.decode_graphs, loaded.device)
-        ops = triton_ops(config.kernels, loaded.device)
-        # The model is the loaded one: an engine sets its ops, the next engine of the
-        # same model its own.
-        self.model.ops = ops
-        self.cache = PagedKVCache(
-            self.mc, config.kv_blocks, config.block_size, loaded.device, loaded.dtype,
-            scratch=graphs is not None, kv_dtype=kv_storage_dtype(
-                config.kv_cache_dtype, loaded.device, loaded.dtype, loaded.model.quantized()),
-        )  # fmt: skip
-        self.cache.ops = ops
+        self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
+        self.runner = ModelRunner(loaded, config, self.max_context, cache_type)
+        self.cache = self.runner.cache
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
@@ -137,21 +122,9 @@ class Engine:
         )
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
-        self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.step_no = 0
         self.step_stats = StepStats()  # every step's time, sequences and tokens
-        self.kv_plan: Any = None  # gpu.memory.KVPlan when sized from the card's memory
         self._footprint: MemoryFootprint | None = None
-        self.graphs = None if graphs is None else StepGraphs(
-            self.model, self.cache, graphs, config.max_running, self.max_context
-        )  # fmt: skip
-        if config.mixed_graphs not in MIXED_GRAPH_MODES:
-            raise ValueError(f"mixed graphs must be one of {', '.join(MIXED_GRAPH_MODES)}, "
-                             f"got {config.mixed_graphs!r}")  # fmt: skip
-        self.mixed_graphs = None
-        if graphs is not None and config.mixed_graphs == "auto":
-            self.mixed_graphs = MixedGraphs(self.model, self.cache, graphs, config.step_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.graphs, self.mixed_graphs)
         self._eog = tuple(sorted(self.mc.eog_ids))
         self._eog_set = frozenset(self._eog)
         tok = loaded.tokenizer

@@ -5,7 +5,8 @@ dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its mat
 ``FusedTrunk`` hands the whole trunk to C: the same q_linear and paged attention kernels
 the torch path calls, with the norms, RoPE, the cache write and SwiGLU between them
 written in C, and what other architectures add to the layer (sliding windows, soft
-caps, GeGLU, post-norms, per-layer RoPE tables: ``modelfile/config.py``). It applies
+caps, GeGLU, post-norms, per-layer RoPE tables), as the model's spec says
+(``gpu/layer_spec.py``: the ``native`` backend's row). It applies
 when every projection is a ``QuantLinear``, the cache is fp32
 on the CPU with the native attention kernel; every row of the step then attends as one
 query (``PagedKVCache.row_queries``: decodes and prompt tokens alike, so a token's result
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gpu.kv_cache import PagedKVCache
+from gpu.layer_spec import ModelSpec, refusal
 from gpu.native import NativeKernels
 from gpu.quant import QuantLinear
 from modelfile.config import ModelConfig
@@ -98,7 +100,7 @@ def _ptr(t: Tensor | None) -> int | None:
 class FusedTrunk:
     """The trunk of a step for one model on one cache."""
 
-    def __init__(self, config: ModelConfig, layers: Sequence[LayerWeights],
+    def __init__(self, config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights],
                  rope: Sequence[tuple[Tensor, Tensor]], cache: PagedKVCache,
                  kernels: NativeKernels) -> None:  # fmt: skip
         """``rope``: each layer's cos, sin tables ``[context, head_dim]`` fp32."""
@@ -118,19 +120,26 @@ class FusedTrunk:
                 qkv.ptr, o.ptr, gu.ptr, down.ptr, qkv.qtype, o.qtype, gu.qtype, down.qtype,
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.post_attn_norm),
-                _ptr(layer.post_ffn_norm), cos.data_ptr(), sin.data_ptr(), c.window(i),
+                _ptr(layer.post_ffn_norm), cos.data_ptr(), sin.data_ptr(), spec.layers[i].window,
             )  # fmt: skip
         self.table = table
-        self.act = _ACT_GELU_TANH if c.act == "gelu_tanh" else _ACT_SILU
+        # one activation and one score cap for every layer (``refusal`` otherwise)
+        self.act = _ACT_GELU_TANH if spec.layers[0].act == "gelu_tanh" else _ACT_SILU
+        self.softcap = spec.layers[0].attn_softcap
         self.scale = cache.scale
         self.rows = cache.k.shape[2]
         self.block_size = cache.block_size
         self.kv_half = int(cache.k.dtype == torch.float16)
 
     @staticmethod
-    def applies(config: ModelConfig, layers: Sequence[LayerWeights], cache: object) -> bool:
-        """Whether these layers and attention backend can take the fused step at all."""
+    def applies(
+        config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights], cache: object
+    ) -> bool:
+        """Whether these layers and attention backend can take the fused step at all: the
+        native backend runs every feature of the model's spec (gpu/layer_spec.py)."""
         if not isinstance(cache, PagedKVCache) or cache.kernels is None:
+            return False
+        if refusal("native", spec) is not None:
             return False
         if cache.dtype != torch.float32 or cache.k.dtype not in (torch.float16, torch.float32):
             return False
@@ -166,7 +175,7 @@ class FusedTrunk:
             x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
             c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
-            self.block_size, self.kv_half, self.scale, self.act, c.attn_softcap,
+            self.block_size, self.kv_half, self.scale, self.act, self.softcap,
             torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:

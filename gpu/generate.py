@@ -16,11 +16,12 @@ from gpu.cpu_runtime import tune_cpu_runtime
 
 tune_cpu_runtime()  # before torch is imported (gpu.engine imports it)
 
-from gpu.engine import DEFAULT_BLOCK_SIZE, Engine, EngineConfig  # noqa: E402
+from gpu.engine import Engine, EngineConfig  # noqa: E402
 from gpu.loader import LoadedModel, load_model  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
 from modelfile.hub import resolve_model  # noqa: E402
 from wire import Finish, SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
+from wire.worker_options import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
 

@@ -175,6 +175,7 @@ class StepGraphs:
         self,
         model: Any,  # gpu.model.Llama
         cache: PagedKVCache,
+        trunk: Callable[[Tensor, Tensor], Tensor],
         backend: GraphBackend,
         max_batch: int,
         max_context: int,
@@ -183,7 +184,8 @@ class StepGraphs:
     ) -> None:
         if cache.scratch_block is None:
             raise ValueError("StepGraphs needs a PagedKVCache with a scratch block")
-        self.model, self.cache, self.backend = model, cache, backend
+        """``trunk``: the model's torch path over ``cache`` (``gpu.runner.trunk_for``)."""
+        self.model, self.cache, self.trunk, self.backend = model, cache, trunk, backend
         sizes = sorted({s for s in batch_sizes if s < max_batch} | {max_batch})
         self.batch_sizes = tuple(sizes)
         self.max_blocks = -(-max_context // cache.block_size)
@@ -245,7 +247,7 @@ class StepGraphs:
 
         def step() -> None:
             self.cache.use_layout(shape.layout)
-            x = self.model.trunk(shape.ids, shape.pos, self.cache)
+            x = self.trunk(shape.ids, shape.pos)
             shape.logits.copy_(self.model.logits(x))
 
         shape.replay = self.backend.capture(step)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from gpu.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.host import decode_slots, flat_tables, ints, to_device
+from gpu.layer_spec import spec_of
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
 
@@ -158,6 +159,7 @@ class PagedKVCache:
         native: bool | None = None,
         scratch: bool = False,
         kv_dtype: torch.dtype | None = None,
+        ops: Any = None,
     ) -> None:
         """``dtype``: what attention computes in; ``kv_dtype``: what K and V are stored as
         (None: ``dtype``; see ``kv_storage_dtype``), rounded to it as they are written,
@@ -165,7 +167,10 @@ class PagedKVCache:
         through the C kernel (``gpu/native.py``); None means whenever it loads, the model
         is fp32 on the CPU and the cache fp32 or fp16. ``scratch``: one more block,
         ``scratch_block``, that no sequence owns (padding rows of a captured decode step
-        write there: ``gpu/graphs.py``)."""
+        write there: ``gpu/graphs.py``). ``ops``: ``gpu/triton_ops.py`` with ``--kernels
+        triton`` (the engine's choice): decodes then read the cache in place through their
+        block tables, one kernel a layer, where the block and the head are powers of two
+        (Triton's blocks are); else the gather path."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
@@ -177,19 +182,20 @@ class PagedKVCache:
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
-        self.scale = config.query_scale
-        self.sdpa_scale = config.attn_scale  # None: SDPA's own 1/sqrt(head_dim), the same
-        self.softcap = config.attn_softcap
-        self.window = config.sliding_window
-        self.windows = [config.window(i) for i in range(config.n_layers)]
+        # What the layers' attention computes (gpu/layer_spec.py): one scale, one cap and
+        # one window width for every layer (``refusal`` turns a model away otherwise).
+        spec = spec_of(config)
+        first = spec.layers[0]
+        self.scale = first.query_scale
+        self.sdpa_scale = first.sdpa_scale
+        self.softcap = first.attn_softcap
+        self.windows = spec.windows
+        self.window = spec.widest_window  # the masks' window; each layer's: ``windows``
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = self.k.device
         self._layout: _Layout | None = None
-        # gpu/triton_ops.py when ``--kernels triton`` (set by the engine): decodes read the
-        # cache in place through their block tables, one kernel a layer, where the block
-        # and the head are powers of two (Triton's blocks are); else the gather path.
-        self.ops: Any = None
+        self.ops = ops
         self._pow2 = _pow2(block_size) and _pow2(config.head_dim)
         self.kernels: NativeKernels | None = None
         native_kv = store in (torch.float16, torch.float32)

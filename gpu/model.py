@@ -1,8 +1,9 @@
 """The decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, and what the
-other architectures add to Llama's layer (``modelfile/config.py``): q/k/v biases (Qwen2),
-per-head q/k RMSNorm (Qwen3), scaled RoPE frequencies (``gpu/rope.py``: linear, yarn,
-Llama 3's factors, Phi-3's LongRoPE), sliding-window layers (the attention backend's:
-``ModelConfig.window``).
+other architectures add to Llama's layer, as the model's spec says layer by layer
+(``gpu/layer_spec.py``, never the family): q/k/v biases (Qwen2), per-head q/k RMSNorm
+(Qwen3), scaled RoPE frequencies (``gpu/rope.py``: linear, yarn, Llama 3's factors,
+Phi-3's LongRoPE), norms after attention and MLP, GeGLU, capped logits (Gemma),
+sliding-window layers (the attention backend's).
 
 Weights arrive in the HF layout (a llama file's q/k rows un-permuted by the loader,
 ``gpu.rope.unpermute_rope_rows``), so RoPE is the rotate-half form. Attention goes
@@ -24,14 +25,14 @@ instead: one copy of each weight, no fp32 shadow.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from types import ModuleType
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.fused import FusedTrunk
-from gpu.kv_cache import PagedKVCache
+from gpu.layer_spec import spec_of
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 from gpu.quant import QuantLinear, QuantWeight
 from gpu.rope import rope_inv_freq, rope_tables
@@ -42,8 +43,14 @@ __all__ = [
     "Llama",
     "Linear",
     "LlamaWeights",
+    "Ops",
     "PackedLinear",
 ]
+
+# The fused Triton kernels a torch-path step launches (``--kernels triton``:
+# ``gpu/triton_ops.py``), or None: torch's own ops. RoPE through them needs a
+# power-of-two head.
+Ops = ModuleType | None
 
 
 class AttentionBackend(Protocol):
@@ -164,9 +171,6 @@ class LlamaWeights(nn.Module):
 
 
 class Llama(nn.Module):
-    rope_cos: Tensor
-    rope_sin: Tensor
-
     def __init__(
         self,
         config: ModelConfig,
@@ -204,36 +208,27 @@ class Llama(nn.Module):
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
             self.head = PackedLinear(self.lm_head)
         device = self.embed.device
+        # What every layer computes (gpu/layer_spec.py): the torch path reads it here.
+        self.spec = spec = spec_of(config)
         self.rope_freqs = rope_freqs  # kept for the tensor-parallel shards (gpu/tp_model.py)
-        inv_freq, attention = rope_inv_freq(
-            config.head_dim, config.rope_theta, config.rope_scaling, rope_freqs
-        )
-        cos, sin = rope_tables(inv_freq, config.context_length, attention)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        # Gemma 3's windowed layers rotate with their own base, unscaled.
-        self.rope_window: tuple[Tensor, Tensor] | None = None
-        if config.window_rope_theta is not None:
-            local, _ = rope_inv_freq(config.head_dim, config.window_rope_theta)
-            cos, sin = rope_tables(local, config.context_length)
-            self.rope_window = (cos.to(device), sin.to(device))
+        # The spec's RoPE tables (cos, sin) ``[context, head_dim]`` fp32: the first with
+        # the file's scaling; another (Gemma 3's windowed layers) its own base, unscaled.
+        self._rope: list[tuple[Tensor, Tensor]] = []
+        for theta, scaled in spec.rope_tables:
+            inv_freq, attention = rope_inv_freq(
+                config.head_dim, theta, *((config.rope_scaling, rope_freqs) if scaled else ())
+            )
+            cos, sin = rope_tables(inv_freq, config.context_length, attention)
+            self._rope.append((cos.to(device), sin.to(device)))
         # Gemma's sqrt(hidden), rounded to the compute dtype as transformers rounds it
         # (``Gemma2TextScaledWordEmbedding``: the scale cast to the weights' dtype).
         dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
         self.embed_scale: Tensor | None = None
-        if config.embed_scale != 1.0:
-            self.embed_scale = torch.tensor(config.embed_scale, dtype=dtype, device=device)
+        if spec.embed_scale != 1.0:
+            self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype, device=device)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
-        self._gelu = config.act == "gelu_tanh"
-        # The fused Triton kernels (``--kernels triton``, gpu/triton_ops.py), or None: the
-        # torch ops. RoPE through them needs a power-of-two head.
-        self.ops: Any = None
-        # Steps through one native call when the weights and the step allow it
-        # (gpu/fused.py); False keeps every step on the torch path (benchmarks, tests).
-        self.fuse_trunk = True
-        self._fused: FusedTrunk | None = None
-        self._quantized: bool | None = None
+        self._quantized = any(isinstance(lin, QuantLinear) for lin in self.linears())
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds for its weights, each storage counted once:
@@ -261,8 +256,6 @@ class Llama(nn.Module):
 
     def quantized(self) -> bool:
         """Whether any weight is kept as quantized blocks."""
-        if self._quantized is None:
-            self._quantized = any(isinstance(lin, QuantLinear) for lin in self.linears())
         return self._quantized
 
     def linears(self) -> list[Linear]:
@@ -281,19 +274,20 @@ class Llama(nn.Module):
         logits_indices: Tensor | None = None,
         return_hidden: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Logits (fp32) ``[K, vocab]`` for rows ``logits_indices`` (all rows if None).
+        """Logits (fp32) ``[K, vocab]`` for rows ``logits_indices`` (all rows if None),
+        through the torch ops.
 
         The LM head runs only on those rows: it is the largest matmul of the model.
         """
         return self.logits(self.trunk(input_ids, positions, attn), logits_indices, return_hidden)
 
-    def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        """Every row's last-layer output ``[T, hidden]``, before the final norm."""
-        x = self.embed_rows(input_ids)
-        fused = self._fused_for(attn)
-        if fused is not None and (rows := cast(PagedKVCache, attn).row_queries()) is not None:
-            return fused(x, positions, *rows)
-        return self.run_layers(x, positions, attn)
+    def trunk(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, ops: Ops = None
+    ) -> Tensor:
+        """Every row's last-layer output ``[T, hidden]``, before the final norm, through
+        the torch ops or the fused Triton kernels ``ops`` (the runner's choice, made once:
+        ``gpu/runner.py``, which also chooses the native fused trunk where it applies)."""
+        return self.run_layers(self.embed_rows(input_ids), positions, attn, ops)
 
     def embed_rows(self, input_ids: Tensor) -> Tensor:
         """The embedded rows ``[T, hidden]`` the first layer reads."""
@@ -305,13 +299,15 @@ class Llama(nn.Module):
             x = x * self.embed_scale
         return x
 
-    def run_layers(self, x: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+    def run_layers(
+        self, x: Tensor, positions: Tensor, attn: AttentionBackend, ops: Ops = None
+    ) -> Tensor:
         """The torch path's layers over embedded rows ``x``."""
         rope = self.rope_rows(positions, x.dtype)
         for i in range(len(self.layers)):
             cos, sin = rope[i]
-            q, k, v = self.attention_in(i, x, cos, sin)
-            x = self.attention_out(i, x, attn(i, q, k, v))
+            q, k, v = self.attention_in(i, x, cos, sin, ops)
+            x = self.attention_out(i, x, attn(i, q, k, v), ops)
         return x
 
     def rope_rows(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
@@ -332,26 +328,7 @@ class Llama(nn.Module):
 
     def rope_table(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32."""
-        if self.rope_window is not None and self.config.window(layer):
-            return self.rope_window
-        return self.rope_cos, self.rope_sin
-
-    def _fused_for(self, attn: AttentionBackend) -> FusedTrunk | None:
-        """The fused decode trunk for this cache, made on first use; None when it does not
-        apply (fp32 or CUDA weights, another backend, no kernels, turned off)."""
-        if not self.fuse_trunk:
-            return None
-        f = self._fused
-        if f is not None and f.cache_ref() is attn:  # every step of a served model
-            return f
-        if not self.quantized():
-            return None
-        layers = [cast(LlamaWeights, layer) for layer in self.layers]
-        if not FusedTrunk.applies(self.config, layers, attn):
-            return None
-        rope = [self.rope_table(i) for i in range(self.config.n_layers)]
-        self._fused = FusedTrunk(self.config, layers, rope, cast(PagedKVCache, attn), _kernels())
-        return self._fused
+        return self._rope[self.spec.layers[layer].rope_table]
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
@@ -373,7 +350,7 @@ class Llama(nn.Module):
             x = x[logits_indices]
         h = self.final_norm(x)
         logits = self.head(h).float()
-        if cap := self.config.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        if cap := self.spec.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
             if self.quantized() and logits.device.type == "cpu" and logits.is_contiguous():
                 logits = _kernels().softcap(logits, cap)  # the same bits on every CPU
             else:
@@ -381,28 +358,27 @@ class Llama(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def attention_in(
-        self, i: int, x: Tensor, cos: Tensor, sin: Tensor
+        self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ops: Ops = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Layer ``i`` up to its attention: the queries, keys and values of rows ``x``
         (the layer's torch path; a piecewise step captures it, ``gpu/piecewise.py``)."""
-        c = self.config
+        c, ls = self.config, self.spec.layers[i]
         w = self._weights[i]
         t = x.shape[0]
-        ops = self.ops
         if ops is not None:
             h = ops.rms_norm(x, w.attn_norm, c.rms_eps)
         else:
             h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
         qkv = w.qkv(h)
-        if w.bqkv is not None:
-            qkv = qkv + w.bqkv
+        if ls.qkv_bias:
+            qkv = qkv + _given(w.bqkv)
         qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
-        if w.q_norm is not None and w.k_norm is not None:
+        if ls.qk_norm:
             hd = (c.head_dim,)
             qk = torch.cat(
                 (
-                    F.rms_norm(qk[:, : c.n_heads], hd, w.q_norm, c.rms_eps),
-                    F.rms_norm(qk[:, c.n_heads :], hd, w.k_norm, c.rms_eps),
+                    F.rms_norm(qk[:, : c.n_heads], hd, _given(w.q_norm), c.rms_eps),
+                    F.rms_norm(qk[:, c.n_heads :], hd, _given(w.k_norm), c.rms_eps),
                 ),
                 dim=1,
             )
@@ -413,22 +389,28 @@ class Llama(nn.Module):
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         return qk[:, : c.n_heads], qk[:, c.n_heads :], v
 
-    def attention_out(self, i: int, x: Tensor, o: Tensor) -> Tensor:
+    def attention_out(self, i: int, x: Tensor, o: Tensor, ops: Ops = None) -> Tensor:
         """Layer ``i`` from its attention's output ``o`` on: the rows the next layer reads."""
-        c = self.config
+        c, ls = self.config, self.spec.layers[i]
         w = self._weights[i]
         y = w.o(o.reshape(x.shape[0], c.n_heads * c.head_dim))
-        if w.post_attn_norm is not None:
-            y = F.rms_norm(y, self._shape, w.post_attn_norm, c.rms_eps)
-        ops = self.ops
+        if ls.post_norms:
+            y = F.rms_norm(y, self._shape, _given(w.post_attn_norm), c.rms_eps)
+        gelu = ls.act == "gelu_tanh"
         if ops is not None:
             x, h = ops.add_rms_norm(x, y, w.ffn_norm, c.rms_eps)
-            y = w.down(ops.gated(w.gate_up(h), self._gelu))
+            y = w.down(ops.gated(w.gate_up(h), gelu))
         else:
             x = x + y
             h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)
-            y = w.down((F.gelu(gate, approximate="tanh") if self._gelu else F.silu(gate)) * up)
-        if w.post_ffn_norm is not None:
-            y = F.rms_norm(y, self._shape, w.post_ffn_norm, c.rms_eps)
+            y = w.down((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up)
+        if ls.post_norms:
+            y = F.rms_norm(y, self._shape, _given(w.post_ffn_norm), c.rms_eps)
         return x + y
+
+
+def _given(t: Tensor | None) -> Tensor:
+    """A weight the layer's spec names (the loader builds each one the spec names)."""
+    assert t is not None, "the layer's spec names a weight the loader did not build"
+    return t

@@ -38,7 +38,7 @@ from torch import Tensor
 from gpu.graphs import GraphBackend
 from gpu.host import ints, pinned, put_futures
 from gpu.kv_cache import PagedKVCache, PrefillChunk
-from gpu.model import Llama
+from gpu.model import Llama, Ops
 
 __all__ = ["MixedGraphs", "token_sizes"]
 
@@ -82,9 +82,10 @@ class MixedGraphs:
     ``run`` returns the step's output, or None when it is too large (run it eagerly)."""
 
     def __init__(
-        self, model: Llama, cache: PagedKVCache, backend: GraphBackend, max_tokens: int
+        self, model: Llama, cache: PagedKVCache, ops: Ops, backend: GraphBackend, max_tokens: int
     ) -> None:
-        self.model, self.cache, self.backend = model, cache, backend
+        """``ops``: the kernels of the model's torch path (``gpu.runner.ModelRunner``)."""
+        self.model, self.cache, self.ops, self.backend = model, cache, ops, backend
         self.sizes = token_sizes(max_tokens)
         self.pieces: dict[int, list[Callable[[], None]]] = {}
         self._statics: _Statics | None = None  # made with the first capture
@@ -135,7 +136,7 @@ class MixedGraphs:
 
     # -- inside ---------------------------------------------------------------------------
     def _capture(self, size: int) -> list[Callable[[], None]]:
-        model = self.model
+        model, ops = self.model, self.ops
         if self._statics is None:
             self._statics = _Statics(model, self.sizes[-1], self.cache.device, self.cache.dtype)
         st = self._statics
@@ -149,7 +150,7 @@ class MixedGraphs:
 
         def attention_in(i: int, rows: Tensor) -> None:
             t = st.table_of[i]
-            qi, ki, vi = model.attention_in(i, rows, cos[t], sin[t])
+            qi, ki, vi = model.attention_in(i, rows, cos[t], sin[t], ops)
             q.copy_(qi)
             k.copy_(ki)
             v.copy_(vi)
@@ -165,14 +166,14 @@ class MixedGraphs:
 
         def between(i: int) -> Callable[[], None]:
             def piece() -> None:
-                rows = model.attention_out(i - 1, x, o)
+                rows = model.attention_out(i - 1, x, o, ops)
                 x.copy_(rows)
                 attention_in(i, rows)
 
             return piece
 
         def last() -> None:
-            x.copy_(model.attention_out(n_layers - 1, x, o))
+            x.copy_(model.attention_out(n_layers - 1, x, o, ops))
 
         fns = [first, *(between(i) for i in range(1, n_layers)), last]
         pieces = [self.backend.capture(fn) for fn in fns]

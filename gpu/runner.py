@@ -9,26 +9,101 @@ It owns what depends on the device and the weights rather than on the requests:
 - CUDA graph replay (``gpu/graphs.py``) when the step is a captured shape: pure decode,
   every row sampled, no hidden states asked; any other step, with graphs on, replays
   piecewise around an eager attention (``gpu/piecewise.py``);
-- the trunk, whose fused native or torch path the model chooses itself
-  (``Llama.trunk``: the fused trunk for quantized weights on the CPU, docs/determinism.md);
-  a tensor-parallel shard announces the step to its followers inside its trunk
-  (``gpu/tp_model.py``);
+- the trunk, chosen once when the runner is built (``trunk_for``): the native fused
+  trunk (``gpu/fused.py``) for quantized weights on the CPU's native attention
+  (docs/determinism.md), else the model's torch path through the kernels chosen
+  (torch's or Triton's); a tensor-parallel shard announces the step to its followers
+  inside its trunk (``gpu/tp_model.py``);
 - the LM head on just the rows that need logits (the largest matmul of the model).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import cast
 
 from torch import Tensor
 
-from gpu.graphs import StepGraphs
+from gpu.engine_config import EngineConfig
+from gpu.fused import FusedTrunk
+from gpu.graphs import StepGraphs, graph_backend
 from gpu.host import ints, put_futures
-from gpu.kv_cache import PagedKVCache, PrefillChunk
-from gpu.model import Llama
+from gpu.kernel_choice import triton_ops
+from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
+from gpu.layer_spec import refusal
+from gpu.loader import LoadedModel
+from gpu.model import Llama, LlamaWeights, Ops
+from gpu.native import load_kernels
 from gpu.piecewise import MixedGraphs
+from wire.worker_options import MIXED_GRAPH_MODES
 
-__all__ = ["ModelRunner", "StepInput", "StepOutput"]
+__all__ = [
+    "ModelRunner",
+    "NativeTrunk",
+    "StepInput",
+    "StepOutput",
+    "Trunk",
+    "forward",
+    "trunk_for",
+]
+
+# A step's trunk over the declared cache: token ids and positions in, every row's
+# last-layer output ``[T, hidden]`` out.
+Trunk = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class NativeTrunk:
+    """A step's layers in one native call (``gpu/fused.py``), every row one query over
+    the cache's declared layout."""
+
+    model: Llama
+    cache: PagedKVCache
+    fused: FusedTrunk
+
+    def __call__(self, ids: Tensor, positions: Tensor) -> Tensor:
+        rows = self.cache.row_queries()
+        assert rows is not None, "the native kernels lay every step out as row queries"
+        return self.fused(self.model.embed_rows(ids), positions, *rows)
+
+
+def trunk_for(model: Llama, cache: PagedKVCache, ops: Ops = None, fuse: bool = True) -> Trunk:
+    """The trunk of ``model``'s steps on ``cache``, chosen once: the native fused trunk
+    when ``fuse`` and it applies (quantized weights, the cache on the CPU's native
+    attention kernel, ``FusedTrunk.applies``), else the torch path through ``ops``.
+    ``fuse`` False keeps every step on the torch path (``EngineConfig.fuse_trunk``:
+    benchmarks and tests compare the two)."""
+    layers = [cast(LlamaWeights, layer) for layer in model.layers]
+    kernels = load_kernels()
+    if (
+        fuse
+        and kernels is not None
+        and model.quantized()
+        and FusedTrunk.applies(model.config, model.spec, layers, cache)
+    ):
+        rope = [model.rope_table(i) for i in range(model.config.n_layers)]
+        fused = FusedTrunk(model.config, model.spec, layers, rope, cache, kernels)
+        return NativeTrunk(model, cache, fused)
+    return partial(model.trunk, attn=cache, ops=ops)
+
+
+def forward(
+    model: Llama,
+    cache: PagedKVCache,
+    ids: Tensor,
+    positions: Tensor,
+    logits_indices: Tensor | None = None,
+    fuse: bool = True,
+) -> Tensor:
+    """One step of ``model`` on ``cache`` (declared with ``prepare``) as an engine runs
+    it, without an engine: the trunk ``trunk_for`` chooses, then the logits of rows
+    ``logits_indices`` (all rows if None). For a model driven by hand (tests,
+    benchmarks); a loop of steps keeps one ``trunk_for``."""
+    out = model.logits(trunk_for(model, cache, fuse=fuse)(ids, positions), logits_indices)
+    assert isinstance(out, Tensor)
+    return out
 
 
 @dataclass(slots=True)
@@ -60,17 +135,55 @@ class StepOutput:
 
 
 class ModelRunner:
+    """The model side of an engine's steps, every device decision made here once: the
+    kernels of the torch path (``--kernels``), the KV cache, the trunk (``trunk_for``),
+    decode graphs and piecewise graphs (``--decode-graphs``, ``--mixed-graphs``)."""
+
     def __init__(
         self,
-        model: Llama,
-        cache: PagedKVCache,
-        graphs: StepGraphs | None,
-        mixed: MixedGraphs | None = None,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        max_context: int,
+        cache_type: Callable[..., PagedKVCache] = PagedKVCache,
     ) -> None:
+        """``cache_type``: what makes the cache (``Engine``)."""
+        if config.mixed_graphs not in MIXED_GRAPH_MODES:
+            raise ValueError(f"mixed graphs must be one of {', '.join(MIXED_GRAPH_MODES)}, "
+                             f"got {config.mixed_graphs!r}")  # fmt: skip
+        dev, model = loaded.device, loaded.model
         self.model = model
-        self.cache = cache
-        self.graphs = graphs
-        self.mixed = mixed
+        backend = graph_backend(config.decode_graphs, dev)
+        self.ops = triton_ops(config.kernels, dev)
+        # every backend asked for runs every feature of the model's layers, or the
+        # engine is not made (gpu/layer_spec.py; the fused trunk gives way instead)
+        chosen = ("torch", *(("triton",) if self.ops else ()), *(("graphs",) if backend else ()))
+        for name in chosen:
+            if (why := refusal(name, model.spec)) is not None:
+                raise ValueError(why)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dev, loaded.dtype, model.quantized())
+        self.cache = cache = cache_type(
+            loaded.config, config.kv_blocks, config.block_size, dev, loaded.dtype,
+            scratch=backend is not None, kv_dtype=kv_dtype, ops=self.ops,
+        )  # fmt: skip
+        self.trunk = trunk_for(model, cache, self.ops, config.fuse_trunk)
+        self.graphs: StepGraphs | None = None
+        self.mixed: MixedGraphs | None = None
+        if backend is not None:  # they capture the torch path (their layouts are not
+            torch_trunk = trunk_for(model, cache, self.ops, fuse=False)  # the native kernel's)
+            self.graphs = StepGraphs(
+                model, cache, torch_trunk, backend, config.max_running, max_context
+            )
+            if config.mixed_graphs == "auto":
+                self.mixed = MixedGraphs(model, cache, self.ops, backend, config.step_tokens)
+
+    def backends(self) -> dict[str, str]:
+        """What was chosen, as HELLO's capacity names it."""
+        return {
+            "decode_graphs": self.graphs.kind if self.graphs is not None else "off",
+            "mixed_graphs": self.mixed.kind if self.mixed is not None else "off",
+            "kernels": "triton" if self.ops is not None else "torch",
+            "trunk": "fused" if isinstance(self.trunk, NativeTrunk) else "torch",
+        }
 
     def run(self, step: StepInput) -> StepOutput:
         if (
@@ -91,7 +204,7 @@ class ModelRunner:
             ids = ints(step.ids, device=dev)
             if step.future is not None:
                 put_futures(ids, step.future)
-            x = self.model.trunk(ids, ints(step.pos, device=dev), self.cache)
+            x = self.trunk(ids, ints(step.pos, device=dev))
         if not step.logit_rows:  # a step of embed prefills alone needs no LM head
             return StepOutput(x, None, None)
         idx = ints(step.logit_rows, device=dev)

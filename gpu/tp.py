@@ -32,13 +32,16 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from gpu.engine import Engine  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
+from gpu.layer_spec import refusal, spec_of  # noqa: E402
 from gpu.loader import LoadedModel, load_model, resolve_device  # noqa: E402
 from gpu.tp_messages import (  # noqa: E402
     CacheSpec,
@@ -65,7 +68,8 @@ __all__ = [
     "Followers",
     "LeaderCache",
     "follow",
-    "lead",
+    "graphs_under_tp",
+    "leader_cache",
     "main",
     "start_leader",
     "stop_leader",
@@ -153,19 +157,14 @@ class Followers:
 
 
 class LeaderCache(PagedKVCache):
-    """Rank 0's ``PagedKVCache``: each op is applied here and queued for the followers."""
+    """Rank 0's ``PagedKVCache``: each op is applied here and queued for the followers,
+    which make theirs, of the same number and size of blocks, when it is made."""
 
-    followers: Followers
-
-    @classmethod
-    def adopt(cls, cache: PagedKVCache, followers: Followers) -> LeaderCache:
-        """``cache`` (its tensors: no second allocation) as a ``LeaderCache``; the
-        followers make theirs, of the same number and size of blocks."""
-        out = cls.__new__(cls)
-        out.__dict__.update(cache.__dict__)
-        out.followers = followers
-        followers.announce(encode_cache(cache.num_blocks, cache.block_size))
-        return out
+    def __init__(self, followers: Followers, *args: Any, **kwargs: Any) -> None:
+        """``PagedKVCache``'s arguments after ``followers``."""
+        super().__init__(*args, **kwargs)
+        self.followers = followers
+        followers.announce(encode_cache(self.num_blocks, self.block_size))
 
     def prepare(
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
@@ -203,12 +202,16 @@ def _join(store: dist.Store, rank: int, world: int, device: str) -> dist.Process
     return dist.new_group(backend="gloo", timeout=_NO_TIMEOUT) if cuda else None
 
 
-def _load_shard(path: str, dev: str, dt: str, world: int, rank: int) -> LoadedModel:
-    """Rank ``rank``'s shard, read from the file as its slices (``ShardLoad``)."""
+def _load_shard(
+    path: str, dev: str, dt: str, world: int, rank: int, followers: Followers | None = None
+) -> LoadedModel:
+    """Rank ``rank``'s shard, read from the file as its slices (``ShardLoad``); rank 0's
+    announces each model call to ``followers``."""
     shard = ShardLoad(world, rank)
     lm = load_model(path, device=dev, dtype=dt, weights="fp32", shard=shard)
+    announce = None if followers is None else followers.announce
     with torch.inference_mode():
-        model = shard.model(lm.model, None)
+        model = shard.model(lm.model, None, announce)
     model.eval()
     return dataclasses.replace(lm, config=model.config, model=model)
 
@@ -233,7 +236,10 @@ def start_leader(
     main thread (the followers' death signal follows the thread that spawned them).
     """
     path = str(model_path or default_model_path())
-    shard_plan(model_parts(open_model(path))[2], world, 0)
+    config = model_parts(open_model(path))[2]
+    shard_plan(config, world, 0)
+    if (why := refusal("tp", spec_of(config))) is not None:
+        raise ValueError(why)
     _set_threads(threads)
     dev, dt = _rank_device(device, dtype, 0)
     store = dist.TCPStore(
@@ -248,32 +254,29 @@ def start_leader(
         cmd = [sys.executable, "-m", "wire.child", SUPERVISED, "gpu.tp", *args]
         procs.append(subprocess.Popen(cmd, env=env))
     followers = Followers(procs, Channel(None))
-    loaded = _load_shard(path, dev, dt, world, 0)  # shards are fp32 slices
+    loaded = _load_shard(path, dev, dt, world, 0, followers)  # shards are fp32 slices
     followers.channel.group = _join(store, 0, world, dev)
     assert isinstance(loaded.model, ShardedLlama)
-    loaded.model.announce = followers.announce
     log.info("tensor parallel: rank 0 of %d holds %s", world, loaded.model.plan)
     return loaded, followers
 
 
-def lead(engine: Engine, followers: Followers) -> None:
-    """Route the engine's cache ops through the followers: its cache, and the scheduler's
-    hook on it (bound when the engine was made).
+def leader_cache(followers: Followers) -> Callable[..., PagedKVCache]:
+    """What a tensor-parallel engine makes its cache with (``Engine``'s ``cache_type``):
+    a ``LeaderCache`` of ``followers``, so that every cache op reaches them, and the
+    scheduler's hook on it too."""
+    return partial(LeaderCache, followers)
 
-    Decode graphs (``gpu/graphs.py``) replay a step without calling the model, so the
-    followers would never hear of it: ``auto`` turns them off, asking for them is refused.
-    """
-    if engine.graphs is not None:
-        if engine.config.decode_graphs != "auto":
-            raise ValueError(
-                f"--tp does not run with --decode-graphs {engine.config.decode_graphs}"
-            )
+
+def graphs_under_tp(mode: str) -> str:
+    """The decode-graph mode of a tensor-parallel engine: decode graphs
+    (``gpu/graphs.py``) replay a step without calling the model, so the followers would
+    never hear of it: ``auto`` turns them off, asking for them is refused."""
+    if mode not in ("auto", "off"):
+        raise ValueError(f"--tp does not run with --decode-graphs {mode}")
+    if mode == "auto":
         log.info("tensor parallel: decode graphs off (every step is announced to the followers)")
-        engine.graphs = engine.runner.graphs = None
-        engine.mixed_graphs = engine.runner.mixed = None  # piecewise steps skip the trunk too
-    cache = LeaderCache.adopt(engine.cache, followers)
-    engine.cache = engine.runner.cache = cache
-    engine.scheduler.copy_rows = cache.copy_rows
+    return "off"
 
 
 def stop_leader(engine: Engine) -> None:

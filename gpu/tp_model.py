@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor
 
-from gpu.model import AttentionBackend, Llama, LlamaWeights, PackedLinear
+from gpu.model import AttentionBackend, Llama, LlamaWeights, Ops, PackedLinear
 from gpu.tp_messages import encode_forward, encode_logits
 from modelfile.config import ModelConfig
 from modelfile.gguf_meta import ModelFileError
@@ -191,11 +191,13 @@ class ShardedLlama(Llama):
         lm_head: Tensor | None,
         group: dist.ProcessGroup | None,
         rope_freqs: Tensor | None = None,
+        announce: Callable[[list[int]], None] | None = None,
     ) -> None:
+        """``announce``: rank 0's, which tells the followers each call before joining its
+        collectives (None on a follower)."""
         super().__init__(config, embed, layers, norm, lm_head, rope_freqs)
         self.plan, self.group = plan, group
-        # Rank 0 only: tells the followers each call before joining its collectives.
-        self.announce: Callable[[list[int]], None] | None = None
+        self.announce = announce
         # The shards are fp32 slices (load_model(weights="fp32")): PackedLinear throughout.
         self.head = GatheringLinear.around(
             cast(PackedLinear, self.head), plan, config.vocab_size, group
@@ -204,14 +206,16 @@ class ShardedLlama(Llama):
             layer.o = ReducingLinear.around(cast(PackedLinear, layer.o), group)
             layer.down = ReducingLinear.around(cast(PackedLinear, layer.down), group)
 
-    def trunk(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+    def trunk(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, ops: Ops = None
+    ) -> Tensor:
         if self.announce is not None:
             self.announce(encode_forward(input_ids.tolist(), positions.tolist()))
         with _in_step():
             x = self.embed_tokens(input_ids)
             if self.embed_scale is not None:
                 x = x * self.embed_scale
-            return self.run_layers(x, positions, attn)
+            return self.run_layers(x, positions, attn, ops)
 
     def logits(
         self, x: Tensor, logits_indices: Tensor | None = None, return_hidden: bool = False
@@ -349,12 +353,18 @@ class ShardLoad:
             local, vocab_size=self.plan.vocab_rows
         )
 
-    def model(self, built: Llama, group: dist.ProcessGroup | None) -> ShardedLlama:
-        """The rank's ``ShardedLlama`` over the weights ``load_model`` built."""
+    def model(
+        self,
+        built: Llama,
+        group: dist.ProcessGroup | None,
+        announce: Callable[[list[int]], None] | None = None,
+    ) -> ShardedLlama:
+        """The rank's ``ShardedLlama`` over the weights ``load_model`` built (``announce``:
+        rank 0's, ``ShardedLlama``)."""
         assert self.plan is not None and self.config is not None, "load_model first"
         tied = built.lm_head is built.embed
         return ShardedLlama(
             self.plan.local_config(self.config), self.plan, built.embed.data,
             [cast(LlamaWeights, layer) for layer in built.layers], built.norm.data,
-            None if tied else built.lm_head.data, group, built.rope_freqs,
+            None if tied else built.lm_head.data, group, built.rope_freqs, announce,
         )  # fmt: skip

@@ -210,16 +210,14 @@ def _hello(engine: Engine) -> wire.Hello:
     }
     if isinstance(engine.model, ShardedLlama):
         model["tp"] = engine.model.plan.world
-    capacity = {
+    capacity: dict[str, Any] = {
         "max_running": c.max_running,
         "max_pending": c.max_pending,
         "kv_blocks": c.kv_blocks,
         "block_size": c.block_size,
         "max_context": engine.max_context,
-        "decode_graphs": engine.graphs.kind if engine.graphs is not None else "off",
+        **engine.runner.backends(),
         "overlap": engine.overlap,
-        "mixed_graphs": engine.mixed_graphs.kind if engine.mixed_graphs is not None else "off",
-        "kernels": "triton" if engine.model.ops is not None else "torch",
         "weights": "quantized" if engine.model.quantized() else "dense",
         "kv_dtype": engine.cache.element,
     }

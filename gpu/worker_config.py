@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
 import wire
 from gpu.engine import Engine, EngineConfig
-from gpu.kv_cache import kv_storage_dtype
+from gpu.kv_cache import PagedKVCache, kv_storage_dtype
 from gpu.loader import load_model, resolve_device
 from gpu.memory import cuda_free_bytes, plan_kv
 from wire.worker_options import (
@@ -173,23 +174,21 @@ def build_engine(config: WorkerConfig) -> Engine:
         log.info("KV cache: %s", plan.info())
     else:
         blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
-    engine = Engine(
-        lm,
-        EngineConfig(
-            blocks,
-            config.block_size,
-            config.max_running,
-            config.max_pending,
-            config.step_tokens,
-            mixed_prefill_tokens(config, lm.device),
-            config.decode_graphs,
-            config.overlap,
-            config.kv_cache_dtype,
-            config.mixed_graphs,
-            config.kernels,
-        ),
+    graphs = config.decode_graphs
+    cache_type: Callable[..., PagedKVCache] = PagedKVCache
+    if followers is not None:  # every cache op and step reaches the followers
+        graphs, cache_type = tp.graphs_under_tp(graphs), tp.leader_cache(followers)
+    engine_config = EngineConfig(
+        blocks,
+        config.block_size,
+        config.max_running,
+        config.max_pending,
+        config.step_tokens,
+        mixed_prefill_tokens(config, lm.device),
+        graphs,
+        config.overlap,
+        config.kv_cache_dtype,
+        config.mixed_graphs,
+        config.kernels,
     )
-    engine.kv_plan = plan
-    if followers is not None:
-        tp.lead(engine, followers)
-    return engine
+    return Engine(lm, engine_config, plan, cache_type)

@@ -39,6 +39,7 @@ import hashlib, json, sys
 import torch
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.loader import load_model
+from gpu.runner import NativeTrunk, forward, trunk_for
 
 lm = load_model(sys.argv[1], device="cpu", weights="quantized")
 bs = 16
@@ -46,12 +47,13 @@ cache = PagedKVCache(lm.config, 24, bs)
 ids = [(i * 53) % 250 + 3 for i in range(120)]
 with torch.inference_mode():
     cache.prepare([], [PrefillChunk([0, 1], 0, 20), PrefillChunk([2, 3], 0, 9)])
-    first = lm.model(torch.tensor(ids[:20] + ids[40:49]), torch.tensor([*range(20), *range(9)]), cache)
+    first = forward(lm.model, cache, torch.tensor(ids[:20] + ids[40:49]),
+                    torch.tensor([*range(20), *range(9)]))
     cache.prepare([([0, 1], 21), ([2, 3], 10)],
                   [PrefillChunk(list(range(4, 9)), 0, 70), PrefillChunk([0, 1], 21, 5)])
-    step = lm.model(torch.tensor([7, 8, *ids[50:120], *ids[20:25]]),
-                    torch.tensor([20, 9, *range(70), *range(21, 26)]), cache)
-assert lm.model._fused is not None
+    step = forward(lm.model, cache, torch.tensor([7, 8, *ids[50:120], *ids[20:25]]),
+                   torch.tensor([20, 9, *range(70), *range(21, 26)]))
+assert isinstance(trunk_for(lm.model, cache), NativeTrunk)
 digest = lambda t: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 print(json.dumps({"logits": digest(torch.cat([first, step])), "k": digest(cache.k),
                   "v": digest(cache.v), "argmax": step.argmax(-1).tolist(),

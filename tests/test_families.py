@@ -47,6 +47,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu import native
 from gpu.kv_cache import PrefillChunk
 from gpu.loader import load_model
+from gpu.runner import NativeTrunk, trunk_for
 from modelfile.config import RopeScaling
 from tests.dense_cache import DenseKVCache
 from tests.hf_reference import (
@@ -140,15 +141,11 @@ def _greedy(lm: Any, prompt: list[int], n: int, fuse: bool = True,
             follow: list[int] | None = None) -> tuple[list[int], torch.Tensor]:  # fmt: skip
     """Quantized weights on the paged cache: the prompt, then ``n`` decodes, each of the
     token picked (``follow``'s instead, where given). (the picks, the decodes' logits)"""
-    seqs, picks, rows, step = PagedSeqs(lm, 1, 256), [], [], prompt
-    lm.model.fuse_trunk = fuse
-    try:
-        for i in range(n):
-            rows.append(run_steps(lm.model, seqs, [([0], [step])])[0][-1])
-            picks.append(int(rows[-1].argmax()))
-            step = [follow[i] if follow else picks[-1]]
-    finally:
-        lm.model.fuse_trunk = True
+    seqs, picks, rows, step = PagedSeqs(lm, 1, 256, fuse=fuse), [], [], prompt
+    for i in range(n):
+        rows.append(run_steps(lm.model, seqs, [([0], [step])])[0][-1])
+        picks.append(int(rows[-1].argmax()))
+        step = [follow[i] if follow else picks[-1]]
     return picks, torch.stack(rows).double()
 
 
@@ -235,11 +232,11 @@ def _served_vs_transformers(family: Family, hf32: Any, file_type: FileType,
     lm = load_model(write_family_gguf(family, hf32, path, file_type), device="cpu",
                     weights="quantized")  # fmt: skip
     assert lm.model.quantized()
-    lm.model.fuse_trunk = fuse
     prompt = PROMPT_LEN - SERVED_DECODES
     steps = [([0], [ids[:prompt]]), *[([0], [[t]]) for t in ids[prompt:]]]
-    ours = torch.cat(run_steps(lm.model, PagedSeqs(lm, 1, 256), steps)).double()
-    assert (lm.model._fused is not None) == fuse  # the served path: the fused native trunk
+    seqs = PagedSeqs(lm, 1, 256, fuse=fuse)
+    ours = torch.cat(run_steps(lm.model, seqs, steps)).double()
+    assert isinstance(seqs.trunk, NativeTrunk) == fuse  # the served path: the fused trunk
     flips = int((ours.argmax(-1) != want.argmax(-1)).sum())
     return flips, float((ours - want).abs().max())
 
@@ -340,7 +337,7 @@ def test_fused_trunk_matches_the_torch_path(family: Family, hf_models: tuple[Any
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     got = _step(lm, cache, decodes, prefills, ids, pos, fuse=True)
-    assert lm.model._fused is not None
+    assert isinstance(trunk_for(lm.model, cache), NativeTrunk)
     starts = [0, 1, 2, 2 + len(chunk)]  # two decodes, the chunk, the fresh prompt
     apart = (got[starts] - want[starts]).abs().amax(-1) > 1e-4
     assert int(apart.sum()) <= 1, apart

@@ -5,7 +5,7 @@ What is promised exactly is asserted exactly (docs/determinism.md): a token's lo
 the K/V rows it writes are one function of its token, position and the cache rows before
 it, bit for bit, whatever else the step holds and however its prompt was chunked.
 
-Against the torch path (``fuse_trunk = False``: the same q_linear and attention kernels,
+Against the torch path (``trunk_for(..., fuse=False)``: the same q_linear and attention kernels,
 torch's norms, RoPE, SwiGLU and SDPA in their own summation order) the first layer agrees
 to fp32 rounding; past it the int8 rounding of each matmul's input (llama.cpp's,
 ``gpu/quant.py``) now and then moves one value by a quantum (block amax / 127), and
@@ -23,6 +23,7 @@ import torch
 from gpu import native
 from gpu.kv_cache import PagedKVCache, PrefillChunk
 from gpu.loader import LoadedModel, load_model
+from gpu.runner import NativeTrunk, forward, trunk_for
 from tests.threads import torch_threads
 from tests.tiny_gguf import TinyModel
 
@@ -69,7 +70,7 @@ def _prefilled(lm: LoadedModel, prompts: list[list[int]], room: int = 8, spare: 
     with torch.inference_mode():
         for p, t in zip(prompts, tables, strict=True):
             cache.prepare([], [PrefillChunk(t, 0, len(p))])
-            lm.model(torch.tensor(p), torch.arange(len(p)), cache)
+            forward(lm.model, cache, torch.tensor(p), torch.arange(len(p)))
     return cache, tables
 
 
@@ -90,7 +91,7 @@ def _both(lm: LoadedModel, prompts: list[list[int]], new: list[int],
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     got = _decode(lm, cache, tables, prompts, new, fuse=True)
-    assert lm.model._fused is not None and lm.model._fused.cache_ref() is cache
+    assert isinstance(trunk_for(lm.model, cache), NativeTrunk)
     return want, got, k_want, cache.k.clone(), k0
 
 
@@ -140,13 +141,9 @@ def test_fused_step_alone_equals_it_in_a_batch(qlm: LoadedModel, kv: torch.dtype
 def _step(lm: LoadedModel, cache: PagedKVCache, decodes: list[tuple[list[int], int]],
           prefills: list[PrefillChunk], ids: list[int], pos: list[int], fuse: bool,
           ) -> torch.Tensor:  # fmt: skip
-    lm.model.fuse_trunk = fuse
-    try:
-        with torch.inference_mode():
-            cache.prepare(decodes, prefills)
-            return lm.model(torch.tensor(ids), torch.tensor(pos), cache)
-    finally:
-        lm.model.fuse_trunk = True
+    with torch.inference_mode():
+        cache.prepare(decodes, prefills)
+        return forward(lm.model, cache, torch.tensor(ids), torch.tensor(pos), fuse=fuse)
 
 
 def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel, kv: torch.dtype) -> None:
@@ -167,7 +164,8 @@ def test_a_mixed_step_matches_the_torch_path(qlm: LoadedModel, kv: torch.dtype) 
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     got = _step(qlm, cache, decodes, prefills, ids, pos, fuse=True)
-    assert cache.row_queries() is not None and qlm.model._fused is not None
+    assert cache.row_queries() is not None
+    assert isinstance(trunk_for(qlm.model, cache), NativeTrunk)
     # 72 rows: a few may land on an int8 rounding boundary in one path (measured on one
     # CPU: 4 rows 0.01-0.05 apart), the rest equal to 1e-6.
     _mostly_equal(got, want)
@@ -197,7 +195,7 @@ def test_a_mixed_step_on_two_threads_equals_one_thread(qlm: LoadedModel, kv: tor
         with torch_threads(threads):
             logits = _step(qlm, cache, decodes, prefills, ids, pos, fuse=True)
         runs.append((logits, cache.k.clone(), cache.v.clone()))
-    assert qlm.model._fused is not None
+    assert isinstance(trunk_for(qlm.model, cache), NativeTrunk)
     assert not torch.equal(runs[0][1], k0)  # the step wrote its rows
     for two, one in zip(*runs, strict=True):
         assert torch.equal(two, one)
@@ -220,14 +218,10 @@ def test_fusion_applies_to_every_step_on_quantized_weights(
     cache.prepare([(tables[0], 4)], [])
     slots, rows, lens = cache.row_queries() or (None, None, None)
     assert rows is not None and lens is not None and lens.tolist() == [4]
-    assert qlm.model._fused_for(cache) is not None
-    qlm.model.fuse_trunk = False
-    try:
-        assert qlm.model._fused_for(cache) is None
-    finally:
-        qlm.model.fuse_trunk = True
+    assert isinstance(trunk_for(qlm.model, cache), NativeTrunk)
+    assert not isinstance(trunk_for(qlm.model, cache, fuse=False), NativeTrunk)
     dense = load_model(tiny_gguf.path, device="cpu", weights="fp32")
-    assert dense.model._fused_for(PagedKVCache(dense.config, 4, BS)) is None
+    assert not isinstance(trunk_for(dense.model, PagedKVCache(dense.config, 4, BS)), NativeTrunk)
     # the torch fallback of decode attention (no native kernel) takes the torch path
     plain = PagedKVCache(qlm.config, 4, BS, native=False)
     plain.prepare([([0], 1)], [])

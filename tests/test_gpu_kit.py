@@ -101,12 +101,13 @@ def _fields(config: Any) -> dict[str, Any]:
 def test_random_model_generates_finite_logits_and_tokens(random_model: Path) -> None:
     lm = load_model(random_model, device="cpu")
     from gpu.kv_cache import PagedKVCache, PrefillChunk
+    from gpu.runner import forward
 
     ids = [5, 40, 77, 100, 200, 30]
     cache = PagedKVCache(lm.config, 1, 16)
     cache.prepare([], [PrefillChunk([0], 0, len(ids))])
     with torch.inference_mode():
-        logits = lm.model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        logits = forward(lm.model, cache, torch.tensor(ids), torch.arange(len(ids)))
     assert torch.isfinite(logits).all()
     assert 0.05 < float(logits.std()) < 5.0  # spread out, neither flat nor exploding
     out = _greedy(random_model, [ids, ids[:3]], 6)

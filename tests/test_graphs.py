@@ -20,6 +20,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.graphs import EagerBackend, StepGraphs, graph_backend, pad_shape
 from gpu.kv_cache import PagedKVCache
 from gpu.loader import LoadedModel, load_model
+from gpu.runner import trunk_for
 from tests.engine_runs import run_to_end
 from tests.tiny_gguf import TinyModel
 
@@ -78,7 +79,7 @@ def test_static_buffer_steps_match_the_plain_step(lm: LoadedModel) -> None:
     engine = _engine(lm, "eager")
     graphed = _generate(engine, prompts, 40)
     assert graphed == plain
-    g = engine.graphs
+    g = engine.runner.graphs
     assert g is not None and g.replays > 0
     shapes = {b for b, _ in g.shapes}
     assert 8 in shapes  # five sequences padded to eight
@@ -96,17 +97,18 @@ def test_sampled_and_penalised_steps_match_too(lm: LoadedModel) -> None:
 
 def test_a_batch_over_the_largest_shape_runs_eagerly(lm: LoadedModel) -> None:
     engine = _engine(lm, "eager", max_running=16)
-    assert engine.graphs is not None
-    engine.graphs.batch_sizes = (1, 2)  # fewer shapes than the batch needs
+    assert engine.runner.graphs is not None
+    engine.runner.graphs.batch_sizes = (1, 2)  # fewer shapes than the batch needs
     prompts = _prompts(4, lm.config.vocab_size, seed=2)
     assert _generate(engine, prompts, 8) == _generate(_engine(lm, "off"), prompts, 8)
-    assert all(b <= 2 for b, _ in engine.graphs.shapes)
+    assert all(b <= 2 for b, _ in engine.runner.graphs.shapes)
 
 
 def test_padding_rows_write_only_the_scratch_block(lm: LoadedModel) -> None:
     cache = PagedKVCache(lm.config, 8, 16, scratch=True)
     assert cache.scratch_block == 8 and cache.num_blocks == 9
-    graphs = StepGraphs(lm.model, cache, EagerBackend(), max_batch=4, max_context=128)
+    graphs = StepGraphs(lm.model, cache, trunk_for(lm.model, cache, fuse=False), EagerBackend(),
+                        max_batch=4, max_context=128)  # fmt: skip
     before = cache.k[:, :, : 8 * 16].clone()
     with torch.inference_mode():
         graphs.run([7], [0], [([3], 1)])  # one real row (block 3, position 0), three padded
@@ -116,7 +118,8 @@ def test_padding_rows_write_only_the_scratch_block(lm: LoadedModel) -> None:
 
 def test_stepgraphs_needs_a_scratch_block(lm: LoadedModel) -> None:
     with pytest.raises(ValueError, match="scratch block"):
-        StepGraphs(lm.model, PagedKVCache(lm.config, 8, 16), EagerBackend(), 4, 128)
+        cache = PagedKVCache(lm.config, 8, 16)
+        StepGraphs(lm.model, cache, trunk_for(lm.model, cache), EagerBackend(), 4, 128)
 
 
 # -- on a GPU -------------------------------------------------------------------------------
@@ -156,7 +159,7 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
         cuda = load_model(path, device="cuda", dtype=dtype)
         engine = _engine(cuda, "on", blocks=4096, max_running=64)
         graphed = _generate(engine, prompts, n)
-        assert engine.mixed_graphs is not None and engine.mixed_graphs.replays > 0
+        assert engine.runner.mixed is not None and engine.runner.mixed.replays > 0
         eager = _generate(_engine(cuda, "off", blocks=4096, max_running=64), prompts, n)
         whole = _engine(cuda, "on", blocks=4096, max_running=64, mixed="off")
         assert _generate(whole, prompts, n) == eager, dtype  # the decode graphs alone

@@ -17,6 +17,7 @@ from gpu.generate import greedy_generate
 from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.loader import LoadedModel, load_model
 from gpu.model import Llama
+from gpu.runner import trunk_for
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 
@@ -69,11 +70,13 @@ class PagedSeqs:
     stored as the worker stores them by default (fp16 for quantized weights on the CPU)."""
 
     def __init__(self, lm: LoadedModel, max_seqs: int, max_len: int, native: bool | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
-        """``kv_dtype``: what K and V are stored as (None: the worker's default)."""
+                 kv_dtype: torch.dtype | None = None, fuse: bool = True) -> None:  # fmt: skip
+        """``kv_dtype``: what K and V are stored as (None: the worker's default);
+        ``fuse``: the trunk an engine chooses (False: the torch path)."""
         self.per = -(-max_len // 16)
         kv = kv_dtype or kv_storage_dtype("auto", lm.device, lm.dtype, lm.model.quantized())
         self.backend = PagedKVCache(lm.config, max_seqs * self.per, 16, native=native, kv_dtype=kv)
+        self.trunk = trunk_for(lm.model, self.backend, fuse=fuse)
         self.n = [0] * max_seqs
 
     def _table(self, s: int) -> list[int]:
@@ -111,7 +114,10 @@ def run_steps(
             pos = cache.positions(seq_ids, lens)
             cache.prepare(seq_ids, lens)
             ids = torch.tensor([i for c in chunks for i in c], dtype=torch.int64)
-            out.append(model(ids, pos, cache.backend if isinstance(cache, PagedSeqs) else cache))
+            if isinstance(cache, PagedSeqs):  # the trunk an engine's runner chooses
+                out.append(model.logits(cache.trunk(ids, pos)))
+            else:
+                out.append(model(ids, pos, cache))
     return out
 
 

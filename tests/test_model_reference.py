@@ -56,6 +56,7 @@ import torch
 from gpu import native
 from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.loader import LoadedModel, load_model
+from gpu.runner import forward
 from modelfile.gguf_file import default_model_path
 from tests.dense_cache import DenseKVCache
 
@@ -139,8 +140,11 @@ def _forward(lm: LoadedModel, cache: Cache, ids: list[int], rows: list[int]) -> 
     cache.prepare([0], [len(ids)])
     x = torch.tensor(ids, dtype=torch.int64, device=lm.device)
     idx = torch.tensor(rows, dtype=torch.int64, device=lm.device)
-    attn = cache.backend if isinstance(cache, _PagedSequence) else cache
-    return lm.model(x, positions, attn, logits_indices=idx)
+    if isinstance(cache, _PagedSequence):  # the trunk an engine chooses
+        return forward(lm.model, cache.backend, x, positions, logits_indices=idx)
+    out = lm.model(x, positions, cache, logits_indices=idx)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 def _run_prompt(lm: LoadedModel, cache: Cache, prompt: dict) -> OurRun:

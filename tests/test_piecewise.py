@@ -58,13 +58,15 @@ def test_piecewise_steps_match_the_plain_step(lm: LoadedModel) -> None:
     prompts = _prompts(6, lm.config.vocab_size, seed=3)
     plain = _run(_engine(lm, "off"), prompts, 24)
     engine = _engine(lm, "eager")
-    assert engine.mixed_graphs is not None and engine.mixed_graphs.kind == "eager"
+    assert engine.runner.mixed is not None and engine.runner.mixed.kind == "eager"
     assert _run(engine, prompts, 24) == plain
-    mixed = engine.mixed_graphs
+    mixed = engine.runner.mixed
     assert mixed.replays > 0
     assert len(mixed.pieces) >= 2  # steps of different sizes padded to different sizes
     assert all(len(p) == lm.config.n_layers + 1 for p in mixed.pieces.values())
-    assert engine.graphs is not None and engine.graphs.replays > 0  # decodes stay whole
+    assert (
+        engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    )  # decodes stay whole
 
 
 def test_sampled_steps_and_a_step_over_the_largest_size_match_too(lm: LoadedModel) -> None:
@@ -74,16 +76,16 @@ def test_sampled_steps_and_a_step_over_the_largest_size_match_too(lm: LoadedMode
     sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "presence_penalty": 0.4}
     plain = _run(_engine(lm, "off"), prompts, 16, sampling)
     engine = _engine(lm, "eager")
-    assert engine.mixed_graphs is not None
-    engine.mixed_graphs.sizes = (16,)  # a larger step is over every size
+    assert engine.runner.mixed is not None
+    engine.runner.mixed.sizes = (16,)  # a larger step is over every size
     assert _run(engine, prompts, 16, sampling) == plain
-    assert list(engine.mixed_graphs.pieces) == [16]
+    assert list(engine.runner.mixed.pieces) == [16]
 
 
 def test_mixed_graphs_off_leaves_those_steps_eager(lm: LoadedModel) -> None:
     engine = _engine(lm, "eager", mixed="off")
-    assert engine.mixed_graphs is None and engine.runner.mixed is None
-    assert _engine(lm, "off").mixed_graphs is None  # no decode graphs: no pieces either
+    assert engine.runner.mixed is None
+    assert _engine(lm, "off").runner.mixed is None  # no decode graphs: no pieces either
     with pytest.raises(ValueError, match="mixed graphs must be one of"):
         _engine(lm, "eager", mixed="sometimes")
 
@@ -93,7 +95,7 @@ def test_padding_rows_reach_neither_the_attention_nor_the_cache(lm: LoadedModel)
     and the trunk's rows equal the plain trunk's."""
     cache = PagedKVCache(lm.config, 8, 16, scratch=True)
     plain_cache = PagedKVCache(lm.config, 8, 16, scratch=True)
-    mixed = MixedGraphs(lm.model, cache, EagerBackend(), max_tokens=64)
+    mixed = MixedGraphs(lm.model, cache, None, EagerBackend(), max_tokens=64)
     prompt = [7, 8, 9]
     chunk = PrefillChunk(block_table=[2], start=0, n=3)
     before = cache.k.clone()

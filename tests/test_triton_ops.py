@@ -14,6 +14,7 @@ where compiled kernels round to nearest even, also within one unit of 2^-7)."""
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -126,9 +127,11 @@ def lm(tiny_gguf: TinyModel) -> LoadedModel:
     return load_model(tiny_gguf.path, device=DEV.type)
 
 
-def _engine(lm: LoadedModel, kernels: str, graphs: str = "off") -> Engine:
+def _engine(lm: LoadedModel, kernels: str, graphs: str = "off", native: bool | None = None,
+            ) -> Engine:  # fmt: skip
     return Engine(lm, EngineConfig(256, 16, 8, 64, 64, 16, decode_graphs=graphs,
-                                   kernels=kernels))  # fmt: skip
+                                   kernels=kernels),
+                  cache_type=partial(PagedKVCache, native=native))  # fmt: skip
 
 
 def test_the_model_with_triton_kernels_gives_the_torch_paths_tokens(
@@ -137,8 +140,8 @@ def test_the_model_with_triton_kernels_gives_the_torch_paths_tokens(
     """The tiny model (fp32) served through the kernels, with and without the static-buffer
     graphs (whole decode steps and piecewise ones), gives the torch path's greedy tokens;
     the cache's decode rows go through the paged kernel (``--kernels triton`` sets both
-    the model's and the cache's ops). On the CPU the cache's C kernel would take the
-    decodes first; it is turned off here, as a GPU never has it."""
+    the torch path's and the cache's kernels). On the CPU the cache's C kernel would take
+    the decodes first; the cache is made without it here, as a GPU never has it."""
     calls = []
     paged = ops.paged_decode
     monkeypatch.setattr(ops, "paged_decode", lambda *a: calls.append(1) or paged(*a))
@@ -147,13 +150,13 @@ def test_the_model_with_triton_kernels_gives_the_torch_paths_tokens(
     plain = run_to_end(_engine(lm, "torch"), prompts, [s] * 3)
     assert not calls
     for graphs in ("off", "eager"):
-        fused = _engine(lm, "triton", graphs)
-        assert fused.model.ops is ops and fused.cache.ops is ops
-        fused.cache.kernels = None
+        fused = _engine(lm, "triton", graphs, native=False)
+        assert fused.runner.ops is ops and fused.cache.ops is ops
+        assert fused.cache.kernels is None
         assert run_to_end(fused, prompts, [s] * 3) == plain, graphs
         assert len(calls) >= 11 * lm.config.n_layers, graphs  # every decode step's layers
         calls.clear()
-    assert _engine(lm, "torch").model.ops is None  # the next engine sets its own
+    assert _engine(lm, "torch").runner.ops is None  # each engine its own, the model none
 
 
 def test_kernel_modes() -> None:
@@ -164,15 +167,14 @@ def test_kernel_modes() -> None:
 
 
 def test_the_cache_picks_the_paged_kernel_for_decodes(lm: LoadedModel) -> None:
-    cache = PagedKVCache(lm.config, 8, 16, DEV, native=False)
-    cache.ops = ops
+    cache = PagedKVCache(lm.config, 8, 16, DEV, native=False, ops=ops)
     cache.prepare([([3, 1], 20)], [])
     lay = cache._layout
     assert lay is not None and lay.dec_tables is not None and lay.dec_rows is None
     assert lay.dec_tables.tolist() == [[3, 1]] and lay.dec_lens is not None
     assert lay.dec_lens.tolist() == [20]
-    odd = PagedKVCache(lm.config, 8, 12, DEV, native=False)  # a block of 12: not for Triton
-    odd.ops = ops
+    # a block of 12: not a power of two, so not for Triton
+    odd = PagedKVCache(lm.config, 8, 12, DEV, native=False, ops=ops)
     odd.prepare([([3, 1], 20)], [])
     assert not odd.triton_decode
     assert odd._layout is not None and odd._layout.dec_rows is not None  # the gather path

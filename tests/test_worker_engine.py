@@ -20,6 +20,7 @@ from gpu.engine import Engine, EngineConfig, ProtocolError
 from gpu.generate import greedy_generate
 from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
 from gpu.loader import LoadedModel, load_model
+from gpu.runner import forward
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids
@@ -106,7 +107,7 @@ def _forward_both(
     for q, t in step:
         lens[q] += len(t)
     with torch.inference_mode():
-        return lm.model(ids, pos, paged), lm.model(ids, pos, dense)
+        return forward(lm.model, paged, ids, pos), lm.model(ids, pos, dense)
 
 
 @pytest.mark.parametrize("native", [False, None], ids=["torch-decode", "native-decode"])

@@ -1,0 +1,30 @@
+"""What an engine is made with (``gpu/engine.py``; the worker fills it from its options,
+``gpu/worker_config.py``): the cache's size, the scheduler's bounds, and the backends its
+runner chooses once (``gpu/runner.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wire.worker_options import DEFAULT_BLOCK_SIZE
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_running: int = 64
+    max_pending: int = 256
+    step_tokens: int = 512
+    mixed_prefill_tokens: int = 512
+    decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
+    overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
+    kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype
+    # auto: with the decode graphs, every other step replays piecewise (gpu/piecewise.py)
+    mixed_graphs: str = "auto"
+    kernels: str = "torch"  # torch | triton: the torch path's ops (gpu/kernel_choice.py)
+    # The native fused trunk where it applies (gpu/runner.py, trunk_for); False keeps
+    # every step on the torch path (benchmarks and tests compare the two).
+    fuse_trunk: bool = True
