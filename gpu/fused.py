@@ -101,9 +101,10 @@ class FusedTrunk:
     """The trunk of a step for one model on one cache."""
 
     def __init__(self, config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights],
-                 rope: Sequence[tuple[Tensor, Tensor]], cache: PagedKVCache,
+                 rope: Sequence[tuple[Tensor, Tensor] | None], cache: PagedKVCache,
                  kernels: NativeKernels) -> None:  # fmt: skip
-        """``rope``: each layer's cos, sin tables ``[context, head_dim]`` fp32."""
+        """``rope``: each layer's cos, sin tables ``[context, head_dim]`` fp32 (None: the
+        layer rotates nothing)."""
         c = config
         self.kernels = kernels
         self.cache_ref = weakref.ref(cache)
@@ -114,13 +115,13 @@ class FusedTrunk:
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
             assert all(isinstance(w, QuantLinear) for w in lins)
             qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
-            cos, sin = rope[i]
             table[i] = _Layer(
                 layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                 qkv.ptr, o.ptr, gu.ptr, down.ptr, qkv.qtype, o.qtype, gu.qtype, down.qtype,
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.post_attn_norm),
-                _ptr(layer.post_ffn_norm), cos.data_ptr(), sin.data_ptr(), spec.layers[i].window,
+                _ptr(layer.post_ffn_norm), *(_ptr(t) for t in rope[i] or (None, None)),
+                spec.layers[i].window,
             )  # fmt: skip
         self.table = table
         # one activation and one score cap for every layer (``refusal`` otherwise)

@@ -33,6 +33,7 @@ FEATURES: dict[str, str] = {
     "gelu_tanh": "GeGLU (GELU's tanh form) in the MLP",
     "sliding_window": "sliding-window attention",
     "window_rope": "windowed layers with RoPE tables of their own",
+    "nope_layers": "layers without RoPE",
     "attn_softcap": "soft-capped attention scores",
     "final_softcap": "soft-capped logits",
     "embed_scale": "scaled embeddings",
@@ -63,7 +64,7 @@ class LayerSpec:
     """One decoder layer: what it computes around its attention and MLP."""
 
     window: int  # keys it attends to, its own included; 0: every key
-    rope_table: int  # which of the model's RoPE tables it rotates q and k with
+    rope_table: int | None  # the model's RoPE table it rotates q and k with; None: none
     qkv_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE
     post_norms: bool  # RMSNorm of the attention's and the MLP's outputs
@@ -93,7 +94,7 @@ class ModelSpec:
         layers = tuple(
             LayerSpec(
                 window=c.window(i),
-                rope_table=1 if len(tables) > 1 and c.window(i) else 0,
+                rope_table=None if i in c.nope_layers else int(len(tables) > 1 and c.window(i) > 0),
                 qkv_bias=c.qkv_bias,
                 qk_norm=c.qk_norm,
                 post_norms=c.post_norms,
@@ -118,7 +119,8 @@ class ModelSpec:
                 ("post_norms", layer.post_norms),
                 ("gelu_tanh", layer.act == "gelu_tanh"),
                 ("sliding_window", layer.window > 0),
-                ("window_rope", layer.rope_table > 0),
+                ("window_rope", bool(layer.rope_table)),
+                ("nope_layers", layer.rope_table is None),
                 ("attn_softcap", layer.attn_softcap > 0),
             )
             if on
@@ -134,6 +136,11 @@ class ModelSpec:
         if self.embed_scale != 1.0:
             used.add("embed_scale")
         return frozenset(used)
+
+    @property
+    def rope_of(self) -> tuple[int | None, ...]:
+        """Each layer's RoPE table (None: it rotates nothing)."""
+        return tuple(layer.rope_table for layer in self.layers)
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -305,30 +305,27 @@ class Llama(nn.Module):
         """The torch path's layers over embedded rows ``x``."""
         rope = self.rope_rows(positions, x.dtype)
         for i in range(len(self.layers)):
-            cos, sin = rope[i]
-            q, k, v = self.attention_in(i, x, cos, sin, ops)
+            q, k, v = self.attention_in(i, x, rope[i], ops)
             x = self.attention_out(i, x, attn(i, q, k, v), ops)
         return x
 
-    def rope_rows(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's RoPE (cos, sin) ``[T, 1, head_dim]`` at ``positions``; layers that
-        share a table share its rows. The tables stay fp32 (as HF computes them) and are
-        cast once per step, not per layer."""
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-        out = []
-        for i in range(len(self.layers)):
-            table = self.rope_table(i)
-            if id(table[0]) not in rows:
-                rows[id(table[0])] = (
-                    table[0][positions].unsqueeze(1).to(dtype),
-                    table[1][positions].unsqueeze(1).to(dtype),
-                )
-            out.append(rows[id(table[0])])
-        return out
+    def rope_rows(
+        self, positions: Tensor, dtype: torch.dtype
+    ) -> list[tuple[Tensor, Tensor] | None]:
+        """Each layer's RoPE (cos, sin) ``[T, 1, head_dim]`` at ``positions`` (None: the
+        layer rotates nothing); layers that share a table share its rows. The tables stay
+        fp32 (as HF computes them) and are cast once per step, not per layer."""
+        rows = [
+            (cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
+            for cos, sin in self._rope
+        ]
+        return [None if t is None else rows[t] for t in self.spec.rope_of]
 
-    def rope_table(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32."""
-        return self._rope[self.spec.layers[layer].rope_table]
+    def rope_table(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """Layer ``layer``'s RoPE tables (cos, sin) ``[context, head_dim]`` fp32; None
+        where it rotates nothing."""
+        t = self.spec.layers[layer].rope_table
+        return None if t is None else self._rope[t]
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
@@ -358,10 +355,12 @@ class Llama(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def attention_in(
-        self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ops: Ops = None
+        self, i: int, x: Tensor, rope: tuple[Tensor, Tensor] | None, ops: Ops = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Layer ``i`` up to its attention: the queries, keys and values of rows ``x``
-        (the layer's torch path; a piecewise step captures it, ``gpu/piecewise.py``)."""
+        rotated by ``rope`` (cos, sin ``[T, 1, head_dim]``; None: the layer rotates
+        nothing), the layer's torch path (a piecewise step captures it,
+        ``gpu/piecewise.py``)."""
         c, ls = self.config, self.spec.layers[i]
         w = self._weights[i]
         t = x.shape[0]
@@ -382,9 +381,12 @@ class Llama(nn.Module):
                 ),
                 dim=1,
             )
-        if ops is not None and c.head_dim & (c.head_dim - 1) == 0:
-            qk = ops.rope(qk, cos, sin)
+        if rope is None:  # a layer without RoPE (SmolLM3's every fourth)
+            pass
+        elif ops is not None and c.head_dim & (c.head_dim - 1) == 0:
+            qk = ops.rope(qk, *rope)
         else:
+            cos, sin = rope
             qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         v = qkv[:, self._qk_dim :].view(t, c.n_kv_heads, c.head_dim)
         return qk[:, : c.n_heads], qk[:, c.n_heads :], v

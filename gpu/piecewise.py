@@ -68,13 +68,13 @@ class _Statics:
         self.k = torch.zeros(rows, c.n_kv_heads, c.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.o = torch.zeros(rows, c.n_heads * c.head_dim, dtype=dtype, device=device)
-        # Each distinct RoPE table's rows (sliding-window layers may have their own).
-        tables: dict[int, int] = {}
-        self.table_of = [tables.setdefault(id(model.rope_table(i)[0]), len(tables))
-                         for i in range(c.n_layers)]  # fmt: skip
+        # Each RoPE table's rows (sliding-window layers may have their own; a layer
+        # without RoPE none: ``table_of`` None), as the model's spec numbers them.
+        self.table_of = model.spec.rope_of
         shape = (rows, 1, c.head_dim)
-        self.cos = [torch.zeros(shape, dtype=dtype, device=device) for _ in tables]
-        self.sin = [torch.zeros(shape, dtype=dtype, device=device) for _ in tables]
+        n = len(model.spec.rope_tables)
+        self.cos = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.sin = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
 
 
 class MixedGraphs:
@@ -146,11 +146,13 @@ class MixedGraphs:
         cos = [c[:p] for c in st.cos]
         sin = [s[:p] for s in st.sin]
         n_layers = model.config.n_layers
-        first_of = {t: st.table_of.index(t) for t in range(len(st.cos))}
+        # the first layer of each table used: its rows are the table's for the step
+        first_of = {t: st.table_of.index(t) for t in set(st.table_of) if t is not None}
 
         def attention_in(i: int, rows: Tensor) -> None:
             t = st.table_of[i]
-            qi, ki, vi = model.attention_in(i, rows, cos[t], sin[t], ops)
+            rope = None if t is None else (cos[t], sin[t])
+            qi, ki, vi = model.attention_in(i, rows, rope, ops)
             q.copy_(qi)
             k.copy_(ki)
             v.copy_(vi)
@@ -159,8 +161,10 @@ class MixedGraphs:
             rows = model.embed_rows(ids)
             rope = model.rope_rows(pos, rows.dtype)
             for t, layer in first_of.items():
-                cos[t].copy_(rope[layer][0])
-                sin[t].copy_(rope[layer][1])
+                table = rope[layer]
+                assert table is not None
+                cos[t].copy_(table[0])
+                sin[t].copy_(table[1])
             x.copy_(rows)
             attention_in(0, rows)
 

@@ -22,6 +22,9 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   in six windowed, which rotate with their own RoPE base (``rope.freq_base_swa``,
   10000 when absent) and no scaling, the others with ``rope.freq_base`` and the file's
   scaling (linear 8 for the 4B to 27B models).
+- ``smollm3``: Llama's layer (q/k rows permuted as Llama's), but every fourth layer
+  (3, 7, ...) rotates nothing: no RoPE on its q and k (llama.cpp's
+  ``n_no_rope_layer_step``, which no key stores).
 
 What a file stores decides the rest, whatever its architecture: fused or separate
 q/k/v and gate/up tensors, biases, q/k norms, post-norms. What it does not say is the
@@ -93,6 +96,8 @@ class Architecture:
     # The windowed layers' RoPE base when the file has no ``rope.freq_base_swa`` (they
     # then rotate unscaled); None: they share the other layers' tables.
     window_rope_base: float | None = None
+    # Layer i rotates nothing when (i + 1) % n == 0 (SmolLM3: 4); 0: every layer rotates.
+    no_rope_step: int = 0
 
 
 ARCHITECTURES = {
@@ -116,6 +121,7 @@ ARCHITECTURES = {
         hidden_scale_layers=frozenset({62}),
         window_rope_base=10000.0,
     ),
+    "smollm3": Architecture(rope_permuted=True, no_rope_step=4),
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 _ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -226,6 +232,7 @@ class ModelConfig:
     # The windowed layers' RoPE base, unscaled (Gemma 3's local layers); None: theirs
     # are the other layers' tables.
     window_rope_theta: float | None = None
+    nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's)
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
@@ -306,6 +313,9 @@ def config_from_gguf(f: Keys, tokens: Sequence[str]) -> ModelConfig:
         final_softcap=float(f.get(f"{arch}.final_logit_softcapping", a.final_softcap) or 0.0),
         post_norms=f.has_tensor("blk.0.post_attention_norm.weight"),
         window_rope_theta=_window_rope_theta(f, arch, a) if window_layers else None,
+        nope_layers=tuple(
+            i for i in range(n_layers) if a.no_rope_step and (i + 1) % a.no_rope_step == 0
+        ),
     )
 
 

@@ -48,6 +48,7 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 _MODEL_TYPES = {
     "llama": "llama",
@@ -57,6 +58,7 @@ _MODEL_TYPES = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "smollm3": "smollm3",
 }
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3", "longrope")
 _GEMMA = ("gemma2", "gemma3")
@@ -159,7 +161,7 @@ def _refuse_unmodelled(path: pathlib.Path, cfg: dict[str, Any], arch: str) -> No
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or want
     if act != want:
         raise ModelFileError(path, f"hidden_act {act!r} unsupported (supported: {want!r})")
-    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "smollm3") and cfg.get("use_sliding_window"):
         raise ModelFileError(path, "sliding-window attention (use_sliding_window) unsupported")
     if arch != "qwen2" and cfg.get("attention_bias"):
         raise ModelFileError(path, "attention_bias (biases on q/k/v and o_proj) unsupported")
@@ -173,6 +175,17 @@ def _refuse_unmodelled(path: pathlib.Path, cfg: dict[str, Any], arch: str) -> No
         )  # fmt: skip
     if arch == "gemma3" and _window_rope(cfg)["rope_type"] != "default":
         raise ModelFileError(path, "scaled RoPE on Gemma 3's sliding-window layers unsupported")
+
+
+def _nope_layers(cfg: dict[str, Any], config: ModelConfig) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE as config.json lists them (``no_rope_layers``: 1 where
+    a layer rotates, 0 where not; absent: every fourth, the architecture's step)."""
+    flags = cfg.get("no_rope_layers") if config.arch == "smollm3" else None
+    if flags is None:
+        return config.nope_layers
+    if len(flags) != config.n_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {config.n_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
 def _rope_keys(path: pathlib.Path, cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -335,6 +348,7 @@ def config_from_hf(
             window_layers=(
                 tuple(range(config.n_layers)) if mistral_window else config.window_layers
             ),
+            nope_layers=_nope_layers(cfg, config),
         )
     except KeyError as exc:
         raise ModelFileError(path, f"required key {exc.args[0]!r} is missing") from None

@@ -97,6 +97,7 @@ _LAYERS = {
         "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate rows first, as GGUF's
         "ffn_down.weight": "mlp.down_proj.weight",
     },
+    "smollm3": _LLAMA,
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORM},
 }

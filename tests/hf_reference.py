@@ -10,7 +10,8 @@ linear and YaRN scaling, Phi-3's fused q/k/v and gate/up, LongRoPE (long factors
 file's context exceeds the original one) and a sliding window of 16 keys on every layer
 (shorter than the tests' 120-token prompt, so the window matters), Gemma 2's scaled
 embeddings, GeGLU, post-norms, soft caps and windows on every other layer, Gemma 3's q/k
-norms, five windowed layers in six and their own RoPE base. Weights are drawn at a trained model's spread, not
+norms, five windowed layers in six and their own RoPE base, SmolLM3's layers without RoPE
+(every fourth). Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
 norm weights 1 + N(0, 0.1) (Gemma's, which scale by 1 + w: N(0, 0.1)), biases as the
@@ -64,7 +65,8 @@ class Family:
 
     @property
     def permuted(self) -> bool:
-        return self.arch == "llama"
+        """q/k rows permuted by the converter (``LlamaModel.permute``; SmolLM3's is one)."""
+        return self.arch in ("llama", "smollm3")
 
     @property
     def gemma(self) -> bool:
@@ -198,6 +200,19 @@ FAMILIES = {
                 "pad_token_id": 0,
             },
             config_class="Gemma3TextConfig",
+        ),
+        # Four layers: the fourth (layer 3) rotates nothing, as every fourth of SmolLM3's.
+        Family(
+            "smollm3",
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            {
+                "num_hidden_layers": 4,
+                "tie_word_embeddings": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },  # fmt: skip
         ),
     )
 }

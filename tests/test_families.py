@@ -94,6 +94,7 @@ SERVED_FIGURES: dict[tuple[str, str], tuple[int, float]] = {
     ("qwen2-wide", "Q8_0"): (4, 0.284),
     ("qwen2-yarn", "Q8_0"): (4, 0.429),
     ("qwen3", "Q8_0"): (1, 0.254),
+    ("smollm3", "Q8_0"): (6, 0.539),
     ("qwen2-wide", "Q4_K_M"): (6, 0.318),
     ("llama", "Q4_K_M"): (5, 0.443),
     ("qwen2", "Q4_0"): (3, 0.349),
@@ -113,6 +114,7 @@ SERVED = [
     "qwen3",
     "phi3",
     "gemma2",
+    "smollm3",
 ]  # one family per architecture, served for real
 
 
@@ -157,7 +159,9 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     assert c.arch == family.arch
     assert c.qkv_bias == (family.arch == "qwen2")
     assert c.qk_norm == (family.arch in ("qwen3", "gemma3"))
-    assert c.rope_permuted == (family.arch == "llama")
+    assert c.rope_permuted == family.permuted
+    rotates = getattr(hf, "no_rope_layers", None) or [1] * c.n_layers
+    assert list(c.nope_layers) == [i for i, r in enumerate(rotates) if not r]
     hidden = family.config.get("hidden_size", 64)
     assert c.head_dim == family.config.get("head_dim", hidden // 4)
     assert c.rope_freq_factors == (family.name == "llama3")
@@ -346,7 +350,13 @@ def test_fused_trunk_matches_the_torch_path(family: Family, hf_models: tuple[Any
     tokens, fused = _greedy(lm, _prompt(40, 12), GREEDY)
     picks, torch_path = _greedy(lm, _prompt(40, 12), GREEDY, fuse=False, follow=tokens)
     assert float((fused - torch_path).abs().max()) <= FUSED_GAP
-    assert sum(a != b for a, b in zip(picks, tokens, strict=True)) <= 1, (picks, tokens)
+    # Every logit within FUSED_GAP of the other path's: the picks can differ only where
+    # the torch path's top two are within 2 * FUSED_GAP (a near tie), and nowhere else
+    # (2026-12-07, Zen 4: smollm3 two such picks, margins 0.041 and 0.021).
+    for i, (a, b) in enumerate(zip(picks, tokens, strict=True)):
+        if a != b:
+            margin = float(torch_path[i, a] - torch_path[i, b])
+            assert margin <= 2 * FUSED_GAP, (i, a, b, margin)
 
 
 def native_kernels_missing() -> bool:

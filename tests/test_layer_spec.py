@@ -52,6 +52,11 @@ def test_gemma2_and_gemma3_layers_as_their_configurations_say() -> None:
     assert scaled.layers[0].sdpa_scale == 0.25  # given: SDPA is passed it
 
 
+def test_smollm3_layers_without_rope() -> None:
+    spec = ModelSpec.of(replace(LLAMA, arch="smollm3", nope_layers=(3,)))
+    assert spec.rope_of == (0, 0, 0, None) and spec.features == {"nope_layers"}
+
+
 def test_every_feature_is_named_and_every_backend_row_names_features() -> None:
     assert set(BACKENDS) == {"torch", "native", "triton", "tp", "graphs"}
     for backend, row in BACKENDS.items():

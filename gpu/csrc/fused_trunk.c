@@ -56,7 +56,7 @@ typedef struct {
     void *kc, *vc; /* the layer's cache: fp16 or fp32 (trunk_layers' kv_half) */
     const float *bqkv, *q_norm, *k_norm;     /* NULL where the architecture has none */
     const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
-    const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd] */
+    const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd]; NULL: none */
     int32_t window;                          /* sliding window in keys; 0: none */
 } trunk_layer;
 
@@ -126,14 +126,14 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
         if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             float *row = qkv + (int64_t)r * qkv_w;
-            const float *c = L->cos + pos[r] * hd, *s = L->sin + pos[r] * hd;
             if (L->bqkv)
                 for (int64_t i = 0; i < qkv_w; i++) row[i] += L->bqkv[i];
             if (L->q_norm && L->k_norm) {
                 rms_norm_rows(row, L->q_norm, row, h, hd, eps);
                 rms_norm_rows(row + q_w, L->k_norm, row + q_w, kv, hd, eps);
             }
-            rope(row, h + kv, hd, c, s);
+            if (L->cos) /* NULL: the layer rotates nothing (SmolLM3's every fourth) */
+                rope(row, h + kv, hd, L->cos + pos[r] * hd, L->sin + pos[r] * hd);
             for (int32_t j = 0; j < kv; j++) {
                 int64_t at = ((int64_t)j * rows + slots[r]) * hd;
                 to_cache(L->kc, at, row + q_w + (int64_t)j * hd, hd, kv_half);
