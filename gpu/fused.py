@@ -90,6 +90,7 @@ class _Layer(ctypes.Structure):
         ("cos", _p),
         ("sin", _p),
         ("window", _i32),
+        ("residual_scale", ctypes.c_float),
     ]
 
 
@@ -121,7 +122,7 @@ class FusedTrunk:
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.post_attn_norm),
                 _ptr(layer.post_ffn_norm), *(_ptr(t) for t in rope[i] or (None, None)),
-                spec.layers[i].window,
+                spec.layers[i].window, spec.layers[i].residual_scale,
             )  # fmt: skip
         self.table = table
         # one activation and one score cap for every layer (``refusal`` otherwise)

@@ -37,6 +37,8 @@ FEATURES: dict[str, str] = {
     "attn_softcap": "soft-capped attention scores",
     "final_softcap": "soft-capped logits",
     "embed_scale": "scaled embeddings",
+    "residual_scale": "scaled residual branches",
+    "logit_scale": "scaled logits",
     # What the backends take once for every layer (their kernels' arguments), when the
     # layers differ: no backend runs these today.
     "layer_activations": "layers of different activations",
@@ -74,6 +76,7 @@ class LayerSpec:
     # The same scale as SDPA is given it: None where it is SDPA's own 1/sqrt(head_dim)
     # (SDPA computes that value itself, to its own last bit).
     sdpa_scale: float | None
+    residual_scale: float  # the attention's and the MLP's outputs times this (1.0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     embed_scale: float  # embeddings times this (1.0: none)
     final_softcap: float  # logits capped the same way (0: uncapped)
+    logit_scale: float  # logits divided by this (1.0: none)
     # The RoPE tables, by index: (base, scaled by the file's rope scaling)
     rope_tables: tuple[tuple[float, bool], ...]
 
@@ -102,10 +106,11 @@ class ModelSpec:
                 attn_softcap=c.attn_softcap,
                 query_scale=c.query_scale,
                 sdpa_scale=c.attn_scale,
+                residual_scale=c.residual_scale,
             )
             for i in range(c.n_layers)
         )
-        return cls(layers, c.embed_scale, c.final_softcap, tuple(tables))
+        return cls(layers, c.embed_scale, c.final_softcap, c.logit_scale, tuple(tables))
 
     @property
     def features(self) -> frozenset[str]:
@@ -121,6 +126,7 @@ class ModelSpec:
                 ("sliding_window", layer.window > 0),
                 ("window_rope", bool(layer.rope_table)),
                 ("nope_layers", layer.rope_table is None),
+                ("residual_scale", layer.residual_scale != 1.0),
                 ("attn_softcap", layer.attn_softcap > 0),
             )
             if on
@@ -135,6 +141,8 @@ class ModelSpec:
             used.add("final_softcap")
         if self.embed_scale != 1.0:
             used.add("embed_scale")
+        if self.logit_scale != 1.0:
+            used.add("logit_scale")
         return frozenset(used)
 
     @property

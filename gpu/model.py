@@ -347,6 +347,8 @@ class Llama(nn.Module):
             x = x[logits_indices]
         h = self.final_norm(x)
         logits = self.head(h).float()
+        if self.spec.logit_scale != 1.0:  # Granite: the logits divided by its scale
+            logits = logits / self.spec.logit_scale
         if cap := self.spec.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
             if self.quantized() and logits.device.type == "cpu" and logits.is_contiguous():
                 logits = _kernels().softcap(logits, cap)  # the same bits on every CPU
@@ -398,6 +400,8 @@ class Llama(nn.Module):
         y = w.o(o.reshape(x.shape[0], c.n_heads * c.head_dim))
         if ls.post_norms:
             y = F.rms_norm(y, self._shape, _given(w.post_attn_norm), c.rms_eps)
+        if ls.residual_scale != 1.0:  # Granite's residual multiplier
+            y = y * ls.residual_scale
         gelu = ls.act == "gelu_tanh"
         if ops is not None:
             x, h = ops.add_rms_norm(x, y, w.ffn_norm, c.rms_eps)
@@ -409,6 +413,8 @@ class Llama(nn.Module):
             y = w.down((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up)
         if ls.post_norms:
             y = F.rms_norm(y, self._shape, _given(w.post_ffn_norm), c.rms_eps)
+        if ls.residual_scale != 1.0:
+            y = y * ls.residual_scale
         return x + y
 
 

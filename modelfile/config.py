@@ -22,6 +22,10 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   in six windowed, which rotate with their own RoPE base (``rope.freq_base_swa``,
   10000 when absent) and no scaling, the others with ``rope.freq_base`` and the file's
   scaling (linear 8 for the 4B to 27B models).
+- ``granite``: Llama's layer (q/k rows permuted as Llama's) with four multipliers the file
+  stores: ``embedding_scale`` (the embeddings), ``attention.scale`` (the query scale),
+  ``residual_scale`` (the attention's and the MLP's outputs before their residual adds)
+  and ``logit_scale`` (the logits divided by it).
 - ``smollm3``: Llama's layer (q/k rows permuted as Llama's), but every fourth layer
   (3, 7, ...) rotates nothing: no RoPE on its q and k (llama.cpp's
   ``n_no_rope_layer_step``, which no key stores).
@@ -122,6 +126,7 @@ ARCHITECTURES = {
         window_rope_base=10000.0,
     ),
     "smollm3": Architecture(rope_permuted=True, no_rope_step=4),
+    "granite": Architecture(rope_permuted=True),
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 _ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -233,6 +238,10 @@ class ModelConfig:
     # are the other layers' tables.
     window_rope_theta: float | None = None
     nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's)
+    # Each layer's attention and MLP outputs times this before their residual adds, and
+    # the logits divided by ``logit_scale`` (Granite's ``residual_scale`` and ``logit_scale``)
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
@@ -307,16 +316,27 @@ def config_from_gguf(f: Keys, tokens: Sequence[str]) -> ModelConfig:
         sliding_window=window,
         window_layers=window_layers,
         act=a.act,
-        embed_scale=float(np.float32(math.sqrt(hidden))) if a.embed_scale else 1.0,
-        attn_scale=(hidden / n_heads) ** -0.5 if n_layers in a.hidden_scale_layers else None,
+        embed_scale=_scale(f, f"{arch}.embedding_scale")
+        or (float(np.float32(math.sqrt(hidden))) if a.embed_scale else 1.0),
+        attn_scale=_scale(f, f"{arch}.attention.scale")
+        or ((hidden / n_heads) ** -0.5 if n_layers in a.hidden_scale_layers else None),
         attn_softcap=float(f.get(f"{arch}.attn_logit_softcapping", a.attn_softcap) or 0.0),
         final_softcap=float(f.get(f"{arch}.final_logit_softcapping", a.final_softcap) or 0.0),
         post_norms=f.has_tensor("blk.0.post_attention_norm.weight"),
         window_rope_theta=_window_rope_theta(f, arch, a) if window_layers else None,
+        residual_scale=_scale(f, f"{arch}.residual_scale") or 1.0,
+        logit_scale=_scale(f, f"{arch}.logit_scale") or 1.0,
         nope_layers=tuple(
             i for i in range(n_layers) if a.no_rope_step and (i + 1) % a.no_rope_step == 0
         ),
     )
+
+
+def _scale(f: Keys, key: str) -> float | None:
+    """A multiplier the file stores (Granite's), or None where it has none (0 is none,
+    as llama.cpp reads it)."""
+    value = f.get(key)
+    return float(value) if value else None
 
 
 def _window_rope_theta(f: Keys, arch: str, a: Architecture) -> float | None:

@@ -49,6 +49,7 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 _MODEL_TYPES = {
     "llama": "llama",
@@ -59,6 +60,7 @@ _MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "smollm3": "smollm3",
+    "granite": "granite",
 }
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3", "longrope")
 _GEMMA = ("gemma2", "gemma3")
@@ -271,7 +273,20 @@ def converter_keys(path: pathlib.Path, cfg: dict[str, Any], arch: str) -> dict[s
         keys[f"{a}.attention.sliding_window_pattern"] = pattern
     elif arch == "phi3":
         keys[f"{a}.attention.sliding_window"] = window
+    elif arch == "granite":  # GraniteModel.set_gguf_parameters: the multipliers given
+        for key, name in _GRANITE_SCALES.items():
+            if value := cfg.get(name):
+                keys[f"{a}.{key}"] = _f32(value)
     return keys
+
+
+# Granite's config.json multipliers and the keys its converter writes them as.
+_GRANITE_SCALES = {
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
 
 
 class _ConverterKeys:

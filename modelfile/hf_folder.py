@@ -98,6 +98,7 @@ _LAYERS = {
         "ffn_down.weight": "mlp.down_proj.weight",
     },
     "smollm3": _LLAMA,
+    "granite": _LLAMA,
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORM},
 }

@@ -11,7 +11,7 @@ file's context exceeds the original one) and a sliding window of 16 keys on ever
 (shorter than the tests' 120-token prompt, so the window matters), Gemma 2's scaled
 embeddings, GeGLU, post-norms, soft caps and windows on every other layer, Gemma 3's q/k
 norms, five windowed layers in six and their own RoPE base, SmolLM3's layers without RoPE
-(every fourth). Weights are drawn at a trained model's spread, not
+(every fourth), Granite's embedding, attention, residual and logit multipliers. Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
 norm weights 1 + N(0, 0.1) (Gemma's, which scale by 1 + w: N(0, 0.1)), biases as the
@@ -66,7 +66,7 @@ class Family:
     @property
     def permuted(self) -> bool:
         """q/k rows permuted by the converter (``LlamaModel.permute``; SmolLM3's is one)."""
-        return self.arch in ("llama", "smollm3")
+        return self.arch in ("llama", "smollm3", "granite")
 
     @property
     def gemma(self) -> bool:
@@ -214,6 +214,23 @@ FAMILIES = {
                 "pad_token_id": 0,
             },  # fmt: skip
         ),
+        # Granite's four multipliers, each far enough from 1 (or from 1/sqrt(head_dim))
+        # that a missing one moves every logit.
+        Family(
+            "granite",
+            "granite",
+            "GraniteForCausalLM",
+            {
+                "tie_word_embeddings": True,
+                "embedding_multiplier": 3.0,
+                "attention_multiplier": 0.125,
+                "residual_multiplier": 0.5,
+                "logits_scaling": 4.0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },
+        ),
     )
 }
 
@@ -353,6 +370,11 @@ def write_family_gguf(
         if c.final_logit_softcapping:
             w.add_final_logit_softcapping(c.final_logit_softcapping)
         w.add_sliding_window(c.sliding_window)
+    if arch == "granite":  # GraniteModel.set_gguf_parameters
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
         original = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)

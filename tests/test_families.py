@@ -95,6 +95,7 @@ SERVED_FIGURES: dict[tuple[str, str], tuple[int, float]] = {
     ("qwen2-yarn", "Q8_0"): (4, 0.429),
     ("qwen3", "Q8_0"): (1, 0.254),
     ("smollm3", "Q8_0"): (6, 0.539),
+    ("granite", "Q8_0"): (6, 0.046),
     ("qwen2-wide", "Q4_K_M"): (6, 0.318),
     ("llama", "Q4_K_M"): (5, 0.443),
     ("qwen2", "Q4_0"): (3, 0.349),
@@ -115,6 +116,7 @@ SERVED = [
     "phi3",
     "gemma2",
     "smollm3",
+    "granite",
 ]  # one family per architecture, served for real
 
 
@@ -179,11 +181,15 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     gemma = family.arch.startswith("gemma")
     assert c.act == ("gelu_tanh" if gemma else "silu")
     assert c.post_norms == gemma
-    assert c.embed_scale == (float(np.float32(hidden**0.5)) if gemma else 1.0)
+    embed = float(np.float32(hidden**0.5)) if gemma else 1.0
+    assert c.embed_scale == getattr(hf, "embedding_multiplier", embed)
+    assert c.residual_scale == getattr(hf, "residual_multiplier", 1.0)
+    assert c.logit_scale == getattr(hf, "logits_scaling", 1.0)
     assert c.attn_softcap == (getattr(hf, "attn_logit_softcapping", None) or 0.0)
     assert c.final_softcap == (getattr(hf, "final_logit_softcapping", None) or 0.0)
     scalar = getattr(hf, "query_pre_attn_scalar", None) or c.head_dim
-    assert c.query_scale == pytest.approx(scalar**-0.5, rel=1e-12)
+    scale = getattr(hf, "attention_multiplier", scalar**-0.5)
+    assert c.query_scale == pytest.approx(scale, rel=1e-12)
     local = rope.get("sliding_attention", {}).get("rope_theta")
     assert c.window_rope_theta == local
 

@@ -12,10 +12,11 @@
  *                                  layer's own tables: Gemma 3's local layers have theirs)
  *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c: the
  *                                  layer's sliding window, the scores' soft cap)
- *   y = o @ Wo^T;  y = rms_norm(y) * post_attn_norm (Gemma 2/3);  x += y
+ *   y = o @ Wo^T;  y = rms_norm(y) * post_attn_norm (Gemma 2/3);  x += r * y
+ *                                 (r: the layer's residual scale, Granite's; else 1)
  *   h = rms_norm(x) * ffn_norm;   g, u = h @ Wgu^T
  *   y = (act(g) * u) @ Wdown^T    (act: SiLU, or GELU's tanh form for Gemma)
- *   y = rms_norm(y) * post_ffn_norm (Gemma 2/3);  x += y
+ *   y = rms_norm(y) * post_ffn_norm (Gemma 2/3);  x += r * y
  *
  * Every row is one query: a decoding sequence's new token, or one token of a short
  * prompt chunk. Each row has its own block table and key count (a prompt token's is
@@ -58,6 +59,7 @@ typedef struct {
     const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
     const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd]; NULL: none */
     int32_t window;                          /* sliding window in keys; 0: none */
+    float residual_scale;                    /* y times this before x += y (Granite; 1) */
 } trunk_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -145,7 +147,9 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
         if (rc) break;
         if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;
         if (L->post_attn_norm) rms_norm_rows(y, L->post_attn_norm, y, m, hidden, eps);
-        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
+        /* y * 1 is y: the same bits where there is no multiplier (no fused multiply-add:
+           -ffp-contract=off, so each product is rounded as the torch path's) */
+        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += L->residual_scale * y[i];
         rms_norm_rows(x, L->ffn_norm, hbuf, m, hidden, eps);
         if ((rc = q_linear(hbuf, L->wgu, gu, L->t_gu, m, 2 * inter, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
@@ -156,7 +160,7 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
         }
         if ((rc = q_linear(gated, L->wdown, y, L->t_down, m, hidden, inter, threads))) break;
         if (L->post_ffn_norm) rms_norm_rows(y, L->post_ffn_norm, y, m, hidden, eps);
-        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += y[i];
+        for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += L->residual_scale * y[i];
     }
     free(hbuf);
     free(qkv);
