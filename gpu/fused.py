@@ -6,7 +6,7 @@ dispatch (some 20 torch ops and 5 ctypes calls a layer, 30 layers) as in its mat
 the torch path calls, with the norms, RoPE, the cache write and SwiGLU between them
 written in C, and what other architectures add to the layer (sliding windows, soft
 caps, GeGLU, post-norms, per-layer RoPE tables), as the model's spec says
-(``gpu/layer_spec.py``: the ``native`` backend's row). It applies
+(``modelfile/layer_spec.py``: the ``native`` backend's row). It applies
 when every projection is a ``QuantLinear``, the cache is fp32
 on the CPU with the native attention kernel; every row of the step then attends as one
 query (``PagedKVCache.row_queries``: decodes and prompt tokens alike, so a token's result
@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from gpu.kv_cache import PagedKVCache
-from gpu.layer_spec import ModelSpec, refusal
 from gpu.native import NativeKernels
 from gpu.quant import QuantLinear
 from modelfile.config import ModelConfig
+from modelfile.layer_spec import ModelSpec, refusal
 
 __all__ = ["FusedTrunk"]
 
@@ -43,9 +43,9 @@ class LayerWeights(Protocol):
     """What the trunk reads of one decoder layer (``gpu.model.LlamaWeights``)."""
 
     @property
-    def attn_norm(self) -> Tensor: ...
+    def attn_norm(self) -> Tensor | None: ...
     @property
-    def ffn_norm(self) -> Tensor: ...
+    def ffn_norm(self) -> Tensor | None: ...
     @property
     def qkv(self) -> Any: ...
     @property
@@ -91,6 +91,7 @@ class _Layer(ctypes.Structure):
         ("sin", _p),
         ("window", _i32),
         ("residual_scale", ctypes.c_float),
+        ("qk_whole", _i32),
     ]
 
 
@@ -117,12 +118,13 @@ class FusedTrunk:
             assert all(isinstance(w, QuantLinear) for w in lins)
             qkv, o, gu, down = (w for w in lins if isinstance(w, QuantLinear))
             table[i] = _Layer(
-                layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
+                _ptr(layer.attn_norm), _ptr(layer.ffn_norm),
                 qkv.ptr, o.ptr, gu.ptr, down.ptr, qkv.qtype, o.qtype, gu.qtype, down.qtype,
                 cache.k[i].data_ptr(), cache.v[i].data_ptr(), _ptr(layer.bqkv),
                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.post_attn_norm),
                 _ptr(layer.post_ffn_norm), *(_ptr(t) for t in rope[i] or (None, None)),
                 spec.layers[i].window, spec.layers[i].residual_scale,
+                int(spec.layers[i].qk_norm_whole),
             )  # fmt: skip
         self.table = table
         # one activation and one score cap for every layer (``refusal`` otherwise)
@@ -138,7 +140,7 @@ class FusedTrunk:
         config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights], cache: object
     ) -> bool:
         """Whether these layers and attention backend can take the fused step at all: the
-        native backend runs every feature of the model's spec (gpu/layer_spec.py)."""
+        native backend runs every feature of the model's spec (modelfile/layer_spec.py)."""
         if not isinstance(cache, PagedKVCache) or cache.kernels is None:
             return False
         if refusal("native", spec) is not None:

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from gpu.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.host import decode_slots, flat_tables, ints, to_device
-from gpu.layer_spec import spec_of
 from gpu.native import NativeKernels, load_kernels
 from modelfile.config import ModelConfig
+from modelfile.layer_spec import spec_of
 
 __all__ = [
     "BlockManager",
@@ -182,7 +182,7 @@ class PagedKVCache:
         self._k_layers = self.k.unbind(0)
         self._v_layers = self.v.unbind(0)
         self.n_kv_heads = config.n_kv_heads
-        # What the layers' attention computes (gpu/layer_spec.py): one scale, one cap and
+        # What the layers' attention computes (modelfile/layer_spec.py): one scale, one cap and
         # one window width for every layer (``refusal`` turns a model away otherwise).
         spec = spec_of(config)
         first = spec.layers[0]

@@ -235,8 +235,14 @@ def _build_model(
             ts.append(t if heads is None else unpermute_rope_rows(t, heads))
         return place(torch.cat(ts))
 
-    def head_norm(name: str) -> torch.Tensor | None:
-        return place(get(name, (c.head_dim,))) if c.qk_norm else None
+    def qk_norm(name: str, rows: int) -> torch.Tensor | None:
+        """A q or k norm: per head, or over the whole projection's ``rows`` (OLMo 2)."""
+        if not c.qk_norm:
+            return None
+        return place(get(name, (rows,) if c.qk_norm_whole else (c.head_dim,)))
+
+    def pre_norm(name: str) -> torch.Tensor | None:
+        return place(get(name, (c.hidden,))) if c.pre_norms else None
 
     def post_norm(name: str) -> torch.Tensor | None:
         return place(get(name, (c.hidden,))) if c.post_norms else None
@@ -263,15 +269,15 @@ def _build_model(
         p = f"blk.{i}."
         layers.append(
             LlamaWeights(
-                attn_norm=place(get(p + "attn_norm.weight", (c.hidden,))),
+                attn_norm=pre_norm(p + "attn_norm.weight"),
                 wqkv=matrix(qkv_parts(p)),
                 wo=matrix([(p + "attn_output.weight", (c.hidden, q_rows), None)]),
-                ffn_norm=place(get(p + "ffn_norm.weight", (c.hidden,))),
+                ffn_norm=pre_norm(p + "ffn_norm.weight"),
                 w_gate_up=matrix(gate_up_parts(p)),
                 w_down=matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
                 bqkv=bias(p),
-                q_norm=head_norm(p + "attn_q_norm.weight"),
-                k_norm=head_norm(p + "attn_k_norm.weight"),
+                q_norm=qk_norm(p + "attn_q_norm.weight", q_rows),
+                k_norm=qk_norm(p + "attn_k_norm.weight", kv_rows),
                 post_attn_norm=post_norm(p + "post_attention_norm.weight"),
                 post_ffn_norm=post_norm(p + "post_ffw_norm.weight"),
             )

@@ -1,6 +1,6 @@
 """The decoder in plain torch: RMSNorm, RoPE (rotate-half), GQA, SwiGLU, and what the
 other architectures add to Llama's layer, as the model's spec says layer by layer
-(``gpu/layer_spec.py``, never the family): q/k/v biases (Qwen2), per-head q/k RMSNorm
+(``modelfile/layer_spec.py``, never the family): q/k/v biases (Qwen2), per-head q/k RMSNorm
 (Qwen3), scaled RoPE frequencies (``gpu/rope.py``: linear, yarn, Llama 3's factors,
 Phi-3's LongRoPE), norms after attention and MLP, GeGLU, capped logits (Gemma),
 sliding-window layers (the attention backend's).
@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.layer_spec import spec_of
 from gpu.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
 from gpu.quant import QuantLinear, QuantWeight
 from gpu.rope import rope_inv_freq, rope_tables
 from modelfile.config import ModelConfig
+from modelfile.layer_spec import spec_of
 
 __all__ = [
     "AttentionBackend",
@@ -117,11 +117,15 @@ def _kernels() -> NativeKernels:
 class LlamaWeights(nn.Module):
     """One decoder layer's parameters, in the HF layout, q/k/v and gate/up fused. Each
     projection is an fp32 matrix (a parameter) or a ``QuantWeight`` (its blocks a buffer
-    under the same name). ``bqkv`` (the q/k/v biases, joined), ``q_norm`` / ``k_norm``
-    (per-head RMSNorm weights ``[head_dim]``) and ``post_attn_norm`` / ``post_ffn_norm``
-    (RMSNorm of the attention's and the MLP's outputs before their residual adds,
-    ``[hidden]``: Gemma 2/3) are None where the architecture has none."""
+    under the same name). ``attn_norm`` / ``ffn_norm`` (RMSNorm before attention and
+    MLP: OLMo 2 has none), ``bqkv`` (the q/k/v biases, joined), ``q_norm`` / ``k_norm``
+    (RMSNorm weights ``[head_dim]`` per head, or over the whole projection: OLMo 2's) and
+    ``post_attn_norm`` / ``post_ffn_norm`` (RMSNorm of the attention's and the MLP's
+    outputs before their residual adds, ``[hidden]``: Gemma 2/3, OLMo 2) are None where
+    the architecture has none."""
 
+    attn_norm: Tensor | None
+    ffn_norm: Tensor | None
     wqkv: Tensor
     wo: Tensor
     w_gate_up: Tensor
@@ -134,10 +138,10 @@ class LlamaWeights(nn.Module):
 
     def __init__(
         self,
-        attn_norm: Tensor,
+        attn_norm: Tensor | None,
         wqkv: Tensor | QuantWeight | list[QuantWeight],
         wo: Tensor | QuantWeight | list[QuantWeight],
-        ffn_norm: Tensor,
+        ffn_norm: Tensor | None,
         w_gate_up: Tensor | QuantWeight | list[QuantWeight],
         w_down: Tensor | QuantWeight | list[QuantWeight],
         bqkv: Tensor | None = None,
@@ -147,9 +151,8 @@ class LlamaWeights(nn.Module):
         post_ffn_norm: Tensor | None = None,
     ) -> None:
         super().__init__()
-        self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
-        self.ffn_norm = nn.Parameter(ffn_norm, requires_grad=False)
-        optional = (("bqkv", bqkv), ("q_norm", q_norm), ("k_norm", k_norm),
+        optional = (("attn_norm", attn_norm), ("ffn_norm", ffn_norm), ("bqkv", bqkv),
+                    ("q_norm", q_norm), ("k_norm", k_norm),
                     ("post_attn_norm", post_attn_norm), ("post_ffn_norm", post_ffn_norm))  # fmt: skip
         for name, t in optional:
             if t is None:
@@ -208,7 +211,7 @@ class Llama(nn.Module):
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
             self.head = PackedLinear(self.lm_head)
         device = self.embed.device
-        # What every layer computes (gpu/layer_spec.py): the torch path reads it here.
+        # What every layer computes (modelfile/layer_spec.py): the torch path reads it here.
         self.spec = spec = spec_of(config)
         self.rope_freqs = rope_freqs  # kept for the tensor-parallel shards (gpu/tp_model.py)
         # The spec's RoPE tables (cos, sin) ``[context, head_dim]`` fp32: the first with
@@ -366,15 +369,24 @@ class Llama(nn.Module):
         c, ls = self.config, self.spec.layers[i]
         w = self._weights[i]
         t = x.shape[0]
-        if ops is not None:
+        if not ls.pre_norms:  # OLMo 2: the projections read the rows as they are
+            h = x
+        elif ops is not None:
             h = ops.rms_norm(x, w.attn_norm, c.rms_eps)
         else:
             h = F.rms_norm(x, self._shape, w.attn_norm, c.rms_eps)
         qkv = w.qkv(h)
         if ls.qkv_bias:
             qkv = qkv + _given(w.bqkv)
-        qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
-        if ls.qk_norm:
+        q_rows = c.n_heads * c.head_dim
+        if ls.qk_norm_whole:  # OLMo 2: over all of q's rows, all of k's
+            q = F.rms_norm(qkv[:, :q_rows], (q_rows,), _given(w.q_norm), c.rms_eps)
+            k = F.rms_norm(qkv[:, q_rows : self._qk_dim], (self._qk_dim - q_rows,),
+                           _given(w.k_norm), c.rms_eps)  # fmt: skip
+            qk = torch.cat((q, k), dim=1).view(t, c.n_heads + c.n_kv_heads, c.head_dim)
+        else:
+            qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
+        if ls.qk_norm and not ls.qk_norm_whole:
             hd = (c.head_dim,)
             qk = torch.cat(
                 (
@@ -403,12 +415,14 @@ class Llama(nn.Module):
         if ls.residual_scale != 1.0:  # Granite's residual multiplier
             y = y * ls.residual_scale
         gelu = ls.act == "gelu_tanh"
-        if ops is not None:
+        if ops is not None and ls.pre_norms:
             x, h = ops.add_rms_norm(x, y, w.ffn_norm, c.rms_eps)
-            y = w.down(ops.gated(w.gate_up(h), gelu))
         else:
             x = x + y
-            h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps)
+            h = F.rms_norm(x, self._shape, w.ffn_norm, c.rms_eps) if ls.pre_norms else x
+        if ops is not None:
+            y = w.down(ops.gated(w.gate_up(h), gelu))
+        else:
             gate, up = w.gate_up(h).chunk(2, dim=-1)
             y = w.down((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up)
         if ls.post_norms:

@@ -32,11 +32,11 @@ from gpu.graphs import StepGraphs, graph_backend
 from gpu.host import ints, put_futures
 from gpu.kernel_choice import triton_ops
 from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
-from gpu.layer_spec import refusal
 from gpu.loader import LoadedModel
 from gpu.model import Llama, LlamaWeights, Ops
 from gpu.native import load_kernels
 from gpu.piecewise import MixedGraphs
+from modelfile.layer_spec import refusal
 from wire.worker_options import MIXED_GRAPH_MODES
 
 __all__ = [
@@ -155,7 +155,7 @@ class ModelRunner:
         backend = graph_backend(config.decode_graphs, dev)
         self.ops = triton_ops(config.kernels, dev)
         # every backend asked for runs every feature of the model's layers, or the
-        # engine is not made (gpu/layer_spec.py; the fused trunk gives way instead)
+        # engine is not made (modelfile/layer_spec.py; the fused trunk gives way instead)
         chosen = ("torch", *(("triton",) if self.ops else ()), *(("graphs",) if backend else ()))
         for name in chosen:
             if (why := refusal(name, model.spec)) is not None:

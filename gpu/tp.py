@@ -41,7 +41,6 @@ import torch.distributed as dist  # noqa: E402
 
 from gpu.engine import Engine  # noqa: E402
 from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
-from gpu.layer_spec import refusal, spec_of  # noqa: E402
 from gpu.loader import LoadedModel, load_model, resolve_device  # noqa: E402
 from gpu.tp_messages import (  # noqa: E402
     CacheSpec,
@@ -60,6 +59,7 @@ from gpu.tp_messages import (  # noqa: E402
 )
 from gpu.tp_model import ShardedLlama, ShardLoad, shard_plan  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
+from modelfile.layer_spec import refusal, spec_of  # noqa: E402
 from modelfile.source import model_parts, open_model  # noqa: E402
 from wire.child import SUPERVISED  # noqa: E402
 

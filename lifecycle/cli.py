@@ -86,7 +86,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     checks = (_refused_worker_options, _refused_device, _unresolved_extension, _port_taken)
-    for refused in (check(cfg) for check in checks):
+    for refused in (*(check(cfg) for check in checks), _refused_backends(cfg, models)):
         if refused is not None:  # the worker's own rules, this torch, the port
             print(f"error: {refused}", file=sys.stderr)
             return 2
@@ -193,6 +193,31 @@ def _refused_worker_options(cfg: AppConfig) -> str | None:
         return None
     forwarded = [o for o in WORKER_OPTIONS if o.forwarded]
     return refused_combination({o.name: getattr(cfg, o.serve_name or o.name) for o in forwarded})
+
+
+def _refused_backends(cfg: AppConfig, models: tuple[CheckedModel, ...]) -> str | None:
+    """Why a backend the options ask for (``--kernels triton``, ``--tp``, ``--decode-graphs
+    on`` or ``eager``) cannot run a feature of a model's layers, before anything listens
+    (``modelfile.layer_spec``: each backend's row; the worker refuses the same at start);
+    None when every one runs every model, or no model worker is spawned here."""
+    from modelfile.layer_spec import refusal, spec_of
+
+    if not _spawns_model_worker(cfg):
+        return None
+    asked = [("torch", "")]
+    if cfg.kernels == "triton":
+        asked.append(("triton", "--kernels triton"))
+    if (cfg.tp or 1) > 1:
+        asked.append(("tp", f"--tp {cfg.tp}"))
+    if cfg.decode_graphs in ("on", "eager"):
+        asked.append(("graphs", f"--decode-graphs {cfg.decode_graphs}"))
+    for model in models:
+        spec = spec_of(model.config)
+        for backend, option in asked:
+            if (why := refusal(backend, spec)) is not None:
+                by = f", asked for by {option}" if option else ""
+                return f"{model.path}: {why}{by}"
+    return None
 
 
 async def _run_until_signalled(cfg: AppConfig, models: tuple[CheckedModel, ...]) -> None:

@@ -41,7 +41,8 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        out[p + "attn_norm.weight"] = (c.hidden,)
+        if c.pre_norms:
+            out[p + "attn_norm.weight"] = (c.hidden,)
         if c.fused_qkv:
             out[p + "attn_qkv.weight"] = (q_rows + 2 * kv_rows, c.hidden)
         else:
@@ -49,7 +50,8 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "attn_k.weight"] = (kv_rows, c.hidden)
             out[p + "attn_v.weight"] = (kv_rows, c.hidden)
         out[p + "attn_output.weight"] = (c.hidden, q_rows)
-        out[p + "ffn_norm.weight"] = (c.hidden,)
+        if c.pre_norms:
+            out[p + "ffn_norm.weight"] = (c.hidden,)
         if c.fused_gate_up:
             out[p + "ffn_up.weight"] = (2 * c.ffn, c.hidden)
         else:
@@ -60,9 +62,9 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "attn_q.bias"] = (q_rows,)
             out[p + "attn_k.bias"] = (kv_rows,)
             out[p + "attn_v.bias"] = (kv_rows,)
-        if c.qk_norm:
-            out[p + "attn_q_norm.weight"] = (c.head_dim,)
-            out[p + "attn_k_norm.weight"] = (c.head_dim,)
+        if c.qk_norm:  # per head, or over the whole projection (OLMo 2)
+            out[p + "attn_q_norm.weight"] = (q_rows,) if c.qk_norm_whole else (c.head_dim,)
+            out[p + "attn_k_norm.weight"] = (kv_rows,) if c.qk_norm_whole else (c.head_dim,)
         if c.post_norms:
             out[p + "post_attention_norm.weight"] = (c.hidden,)
             out[p + "post_ffw_norm.weight"] = (c.hidden,)

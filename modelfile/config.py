@@ -26,6 +26,10 @@ is the few ways it differs from Llama, read from the file's keys and tensors:
   stores: ``embedding_scale`` (the embeddings), ``attention.scale`` (the query scale),
   ``residual_scale`` (the attention's and the MLP's outputs before their residual adds)
   and ``logit_scale`` (the logits divided by it).
+- ``olmo2``: no norm before attention or MLP, an RMSNorm of each one's output instead
+  (``post_attention_norm``, ``post_ffw_norm``: the files have no ``attn_norm`` or
+  ``ffn_norm``); RMSNorm of q and k over the whole projection (``attn_q_norm`` of
+  heads x head size), not per head; rotate-half RoPE as stored.
 - ``smollm3``: Llama's layer (q/k rows permuted as Llama's), but every fourth layer
   (3, 7, ...) rotates nothing: no RoPE on its q and k (llama.cpp's
   ``n_no_rope_layer_step``, which no key stores).
@@ -102,6 +106,8 @@ class Architecture:
     window_rope_base: float | None = None
     # Layer i rotates nothing when (i + 1) % n == 0 (SmolLM3: 4); 0: every layer rotates.
     no_rope_step: int = 0
+    # q/k norms over the whole projection (OLMo 2), not per head (Qwen3, Gemma 3).
+    qk_norm_whole: bool = False
 
 
 ARCHITECTURES = {
@@ -127,6 +133,7 @@ ARCHITECTURES = {
     ),
     "smollm3": Architecture(rope_permuted=True, no_rope_step=4),
     "granite": Architecture(rope_permuted=True),
+    "olmo2": Architecture(qk_norm_whole=True),
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 _ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -242,6 +249,8 @@ class ModelConfig:
     # the logits divided by ``logit_scale`` (Granite's ``residual_scale`` and ``logit_scale``)
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2 has none)
+    qk_norm_whole: bool = False  # q/k norms over the whole projection, not per head
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in keys (its own key included); 0: none."""
@@ -325,6 +334,8 @@ def config_from_gguf(f: Keys, tokens: Sequence[str]) -> ModelConfig:
         post_norms=f.has_tensor("blk.0.post_attention_norm.weight"),
         window_rope_theta=_window_rope_theta(f, arch, a) if window_layers else None,
         residual_scale=_scale(f, f"{arch}.residual_scale") or 1.0,
+        pre_norms=f.has_tensor("blk.0.attn_norm.weight"),
+        qk_norm_whole=a.qk_norm_whole and f.has_tensor("blk.0.attn_q_norm.weight"),
         logit_scale=_scale(f, f"{arch}.logit_scale") or 1.0,
         nope_layers=tuple(
             i for i in range(n_layers) if a.no_rope_step and (i + 1) % a.no_rope_step == 0

@@ -50,6 +50,7 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 _MODEL_TYPES = {
     "llama": "llama",
@@ -61,6 +62,7 @@ _MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "smollm3": "smollm3",
     "granite": "granite",
+    "olmo2": "olmo2",
 }
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3", "longrope")
 _GEMMA = ("gemma2", "gemma3")

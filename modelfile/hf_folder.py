@@ -99,6 +99,13 @@ _LAYERS = {
     },
     "smollm3": _LLAMA,
     "granite": _LLAMA,
+    "olmo2": {  # no norm before attention or MLP; each one's output normed
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        **_QK_NORM,
+        **_ATTN,
+        **_MLP,
+    },
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORM},
 }

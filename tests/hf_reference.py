@@ -11,7 +11,8 @@ file's context exceeds the original one) and a sliding window of 16 keys on ever
 (shorter than the tests' 120-token prompt, so the window matters), Gemma 2's scaled
 embeddings, GeGLU, post-norms, soft caps and windows on every other layer, Gemma 3's q/k
 norms, five windowed layers in six and their own RoPE base, SmolLM3's layers without RoPE
-(every fourth), Granite's embedding, attention, residual and logit multipliers. Weights are drawn at a trained model's spread, not
+(every fourth), Granite's embedding, attention, residual and logit multipliers, OLMo 2's
+norms after attention and MLP (none before) and q/k norms over the whole projection. Weights are drawn at a trained model's spread, not
 transformers' init (std 0.02 would leave every logit within a rounding error of the
 others): matrices N(0, 0.2) at hidden 64 (0.2 sqrt(64 / hidden) wider, the same gain),
 norm weights 1 + N(0, 0.1) (Gemma's, which scale by 1 + w: N(0, 0.1)), biases as the
@@ -209,6 +210,18 @@ FAMILIES = {
             {
                 "num_hidden_layers": 4,
                 "tie_word_embeddings": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },  # fmt: skip
+        ),
+        # OLMo 2: norms after attention and MLP only, q/k norms over the whole projection
+        Family(
+            "olmo2",
+            "olmo2",
+            "Olmo2ForCausalLM",
+            {
+                "tie_word_embeddings": False,
                 "bos_token_id": 1,
                 "eos_token_id": 2,
                 "pad_token_id": 0,

@@ -96,6 +96,7 @@ SERVED_FIGURES: dict[tuple[str, str], tuple[int, float]] = {
     ("qwen3", "Q8_0"): (1, 0.254),
     ("smollm3", "Q8_0"): (6, 0.539),
     ("granite", "Q8_0"): (6, 0.046),
+    ("olmo2", "Q8_0"): (6, 0.161),
     ("qwen2-wide", "Q4_K_M"): (6, 0.318),
     ("llama", "Q4_K_M"): (5, 0.443),
     ("qwen2", "Q4_0"): (3, 0.349),
@@ -117,6 +118,7 @@ SERVED = [
     "gemma2",
     "smollm3",
     "granite",
+    "olmo2",
 ]  # one family per architecture, served for real
 
 
@@ -160,7 +162,9 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     hf = hf_models[1].config
     assert c.arch == family.arch
     assert c.qkv_bias == (family.arch == "qwen2")
-    assert c.qk_norm == (family.arch in ("qwen3", "gemma3"))
+    assert c.qk_norm == (family.arch in ("qwen3", "gemma3", "olmo2"))
+    assert c.qk_norm_whole == (family.arch == "olmo2")
+    assert c.pre_norms == (family.arch != "olmo2")
     assert c.rope_permuted == family.permuted
     rotates = getattr(hf, "no_rope_layers", None) or [1] * c.n_layers
     assert list(c.nope_layers) == [i for i, r in enumerate(rotates) if not r]
@@ -180,7 +184,7 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
     assert all(c.window(i) == hf.sliding_window for i in windowed)
     gemma = family.arch.startswith("gemma")
     assert c.act == ("gelu_tanh" if gemma else "silu")
-    assert c.post_norms == gemma
+    assert c.post_norms == (gemma or family.arch == "olmo2")
     embed = float(np.float32(hidden**0.5)) if gemma else 1.0
     assert c.embed_scale == getattr(hf, "embedding_multiplier", embed)
     assert c.residual_scale == getattr(hf, "residual_multiplier", 1.0)

@@ -344,8 +344,7 @@ def _edit_tensors(folder: pathlib.Path, edit: Any) -> None:
 BAD_FOLDERS = {
     "arch": (lambda d: _edit_config(d, architectures=["MambaForCausalLM"]),
              "config.json: unsupported architecture 'MambaForCausalLM' (supported: "
-             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-             "Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM)"),
+             f"{', '.join(HF_ARCHITECTURES)})"),
     "rope": (lambda d: _edit_config(d, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
              "RoPE scaling 'dynamic' unsupported (supported: default, linear, yarn, llama3, "
              "and longrope for Phi-3)"),

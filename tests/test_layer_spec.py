@@ -1,19 +1,23 @@
-"""The one layer description (gpu/layer_spec.py): what each family's configuration makes
+"""The one layer description (modelfile/layer_spec.py): what each family's configuration makes
 of its layers, the features it names, and the refusals that name a backend and the
 feature it lacks, before an engine is made (issue 57, point 1)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from gpu import layer_spec
 from gpu.engine import Engine, EngineConfig
-from gpu.layer_spec import BACKENDS, FEATURES, ModelSpec, refusal, spec_of
 from gpu.loader import LoadedModel, load_model
+from modelfile import layer_spec
 from modelfile.config import ModelConfig
+from modelfile.layer_spec import BACKENDS, FEATURES, ModelSpec, refusal, spec_of
+from tests.scripted import free_port
 from tests.tiny_gguf import TinyModel
 
 LLAMA = ModelConfig("llama", 4, 64, 128, 4, 2, 16, 1e4, 1e-5, 256, 300, True, 1, 2, (2,),
@@ -117,3 +121,27 @@ def test_an_engine_asked_for_a_backend_that_lacks_a_feature_is_not_made(
     monkeypatch.setitem(layer_spec.BACKENDS, "native", BACKENDS["native"] - {"embed_scale"})
     engine = Engine(qlm, replace(config, decode_graphs="off"))
     assert engine.runner.backends()["trunk"] == "torch"  # the fused trunk gave way
+
+
+def test_a_server_refuses_tensor_parallel_olmo2_before_it_listens(tmp_path: Path) -> None:
+    """OLMo 2's q/k norms sum over the whole projection, which a shard holds part of: the
+    tp backend's row lacks the feature, so ``serve --tp 2`` ends before it listens or
+    spawns a worker, its one line naming the backend, the feature and the option."""
+    import torch
+
+    from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
+
+    fam = FAMILIES["olmo2"]
+    path = write_family_gguf(fam, build_hf(fam, dtype=torch.float32), tmp_path / "olmo2.gguf")
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lifecycle", "serve", "--model", str(path), "--device", "cpu",
+         "--tp", "2", "--port", str(port)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stderr + proc.stdout
+    assert proc.returncode == 2, out[-2000:]
+    assert out.strip() == (
+        f"error: {path}: the tp backend does not run RMSNorm of q and k over the whole "
+        "projection (qk_norm_whole), which this model uses, asked for by --tp 2"
+    )

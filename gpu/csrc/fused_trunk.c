@@ -5,9 +5,11 @@
  * overhead, ctypes, Python) about as much again. This function runs the same layer
  * (gpu/model.py, Llama._layer) for every layer with no Python between ops:
  *
- *   h = rms_norm(x) * attn_norm;  qkv = h @ Wqkv^T          (q_linear, quant_linear.c)
+ *   h = rms_norm(x) * attn_norm;  qkv = h @ Wqkv^T          (q_linear, quant_linear.c;
+ *                                 OLMo 2 has no attn_norm: h = x)
  *   qkv += bqkv                   (Qwen2's biases, when the layer has them)
- *   q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm per head  (Qwen3, Gemma 3)
+ *   q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm per head  (Qwen3, Gemma 3; over
+ *                                 the whole projection for OLMo 2: qk_whole)
  *   q, k = rope(q), rope(k)       (x * cos + roll(x, hd / 2) * sin, sin sign-folded; the
  *                                  layer's own tables: Gemma 3's local layers have theirs)
  *   K/V cache rows `slots` <- k, v;  o = paged attention   (paged_attention.c: the
@@ -60,6 +62,7 @@ typedef struct {
     const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd]; NULL: none */
     int32_t window;                          /* sliding window in keys; 0: none */
     float residual_scale;                    /* y times this before x += y (Granite; 1) */
+    int32_t qk_whole;                        /* q/k norms over the whole projection (OLMo 2) */
 } trunk_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -124,13 +127,18 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
     if (!hbuf || !qkv || !att || !gu || !gated || !y) rc = -1;
     for (int32_t l = 0; l < n_layers && rc == 0; l++) {
         const trunk_layer *L = layers + l;
-        rms_norm_rows(x, L->attn_norm, hbuf, m, hidden, eps);
+        /* no norm before attention (OLMo 2): the projection reads the rows as they are */
+        if (L->attn_norm) rms_norm_rows(x, L->attn_norm, hbuf, m, hidden, eps);
+        else memcpy(hbuf, x, sizeof(float) * (size_t)m * (size_t)hidden);
         if ((rc = q_linear(hbuf, L->wqkv, qkv, L->t_qkv, m, qkv_w, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             float *row = qkv + (int64_t)r * qkv_w;
             if (L->bqkv)
                 for (int64_t i = 0; i < qkv_w; i++) row[i] += L->bqkv[i];
-            if (L->q_norm && L->k_norm) {
+            if (L->q_norm && L->k_norm && L->qk_whole) { /* one norm over all of q, of k */
+                rms_norm_rows(row, L->q_norm, row, 1, q_w, eps);
+                rms_norm_rows(row + q_w, L->k_norm, row + q_w, 1, (int64_t)kv * hd, eps);
+            } else if (L->q_norm && L->k_norm) {
                 rms_norm_rows(row, L->q_norm, row, h, hd, eps);
                 rms_norm_rows(row + q_w, L->k_norm, row + q_w, kv, hd, eps);
             }
@@ -150,7 +158,8 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
         /* y * 1 is y: the same bits where there is no multiplier (no fused multiply-add:
            -ffp-contract=off, so each product is rounded as the torch path's) */
         for (int64_t i = 0; i < (int64_t)m * hidden; i++) x[i] += L->residual_scale * y[i];
-        rms_norm_rows(x, L->ffn_norm, hbuf, m, hidden, eps);
+        if (L->ffn_norm) rms_norm_rows(x, L->ffn_norm, hbuf, m, hidden, eps);
+        else memcpy(hbuf, x, sizeof(float) * (size_t)m * (size_t)hidden);
         if ((rc = q_linear(hbuf, L->wgu, gu, L->t_gu, m, 2 * inter, hidden, threads))) break;
         for (int32_t r = 0; r < m; r++) {
             const float *g = gu + (int64_t)r * 2 * inter;

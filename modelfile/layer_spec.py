@@ -29,6 +29,8 @@ __all__ = ["BACKENDS", "FEATURES", "LayerSpec", "ModelSpec", "refusal", "spec_of
 FEATURES: dict[str, str] = {
     "qkv_bias": "biases on the q/k/v projections",
     "qk_norm": "per-head RMSNorm of q and k",
+    "qk_norm_whole": "RMSNorm of q and k over the whole projection",
+    "no_pre_norms": "layers without a norm before attention and MLP",
     "post_norms": "RMSNorm of the attention's and the MLP's outputs",
     "gelu_tanh": "GeGLU (GELU's tanh form) in the MLP",
     "sliding_window": "sliding-window attention",
@@ -56,7 +58,8 @@ BACKENDS: dict[str, frozenset[str]] = {
     "torch": _ALL,
     "native": _ALL,
     "triton": _ALL,
-    "tp": _ALL,
+    # a shard holds some of the heads: a norm over the whole projection sums over all
+    "tp": _ALL - {"qk_norm_whole"},
     "graphs": _ALL,
 }
 
@@ -68,7 +71,9 @@ class LayerSpec:
     window: int  # keys it attends to, its own included; 0: every key
     rope_table: int | None  # the model's RoPE table it rotates q and k with; None: none
     qkv_bias: bool
-    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    qk_norm: bool  # RMSNorm of q and k before RoPE: per head, or
+    qk_norm_whole: bool  # over the whole projection (OLMo 2)
+    pre_norms: bool  # RMSNorm before attention and MLP (OLMo 2: none)
     post_norms: bool  # RMSNorm of the attention's and the MLP's outputs
     act: str  # the MLP gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
     attn_softcap: float  # scores capped at +-this (cap tanh(s / cap)); 0: uncapped
@@ -101,6 +106,8 @@ class ModelSpec:
                 rope_table=None if i in c.nope_layers else int(len(tables) > 1 and c.window(i) > 0),
                 qkv_bias=c.qkv_bias,
                 qk_norm=c.qk_norm,
+                qk_norm_whole=c.qk_norm_whole,
+                pre_norms=c.pre_norms,
                 post_norms=c.post_norms,
                 act=c.act,
                 attn_softcap=c.attn_softcap,
@@ -120,7 +127,9 @@ class ModelSpec:
             for layer in self.layers
             for name, on in (
                 ("qkv_bias", layer.qkv_bias),
-                ("qk_norm", layer.qk_norm),
+                ("qk_norm", layer.qk_norm and not layer.qk_norm_whole),
+                ("qk_norm_whole", layer.qk_norm_whole),
+                ("no_pre_norms", not layer.pre_norms),
                 ("post_norms", layer.post_norms),
                 ("gelu_tanh", layer.act == "gelu_tanh"),
                 ("sliding_window", layer.window > 0),
