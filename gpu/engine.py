@@ -10,87 +10,44 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
 from typing import Any
 
 import torch
 
+from gpu.admission import Admission, ProtocolError, TooLong, declared_n, prefills
 from gpu.engine_config import EngineConfig
 from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
 from gpu.grammar import Grammars, advance
-from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk
+from gpu.kv_cache import BlockManager, PagedKVCache
 from gpu.loader import LoadedModel
-from gpu.logprobs import LogprobRows, prompt_extra, prompt_logprob_rows, token_extra
+from gpu.logprobs import prompt_extra, token_extra
 from gpu.memory import KVPlan, MemoryFootprint
 from gpu.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.pooling import pool
-from gpu.runner import ModelRunner, StepInput
-from gpu.sampling import NON_FINITE, parse_request, sample, sample_greedy
+from gpu.runner import ModelRunner
+from gpu.sampling import NON_FINITE, sample, sample_greedy
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
+from gpu.step import Step, lay_out
 from gpu.step_books import quiet_ends, token_entries
 from wire import (
-    MAX_N,
     ErrorCode,
     Finish,
     StepEntry,
     StepStats,
     SubmitEntry,
-    ids_to_list,
     pack_f32s,
     pack_id,
 )
 from wire.faults import active_plan, fault_point
-from wire.reasoning_budget import BudgetState
-from wire.sampling import STOP_REGEX_WINDOW
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
 log = logging.getLogger(__name__)
 NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
-
-
-class ProtocolError(ValueError):
-    """The frontend broke the protocol (e.g. reused a live rid): the connection must close."""
-
-
-class TooLong(ValueError):
-    """The request can never fit the context or the KV budget (REQ-ERROR "too_long")."""
-
-
-def _prefills(seq: Sequence) -> bool:
-    """Whether a request must run its prompt: always unless it asks for no tokens, and
-    then still when it embeds or scores the prompt (SGLang's prompt logprobs with
-    ``max_new_tokens`` 0)."""
-    o = seq.options
-    return (
-        seq.params.max_new_tokens > 0
-        or o.embed is not None
-        or (o.return_logprob and o.logprob_start_len >= 0)
-    )
-
-
-@dataclass(slots=True)
-class _Ran:
-    """A step after its model call: what is left for the host."""
-
-    batch: list[tuple[Sequence, int]]
-    samplers: list[Sequence]
-    scored: list[Sequence]
-    pooled: list[tuple[Sequence, torch.Tensor]]
-    rows: LogprobRows
-    logits: torch.Tensor | None
-    hidden: torch.Tensor | None
-
-
-def _declared_n(e: SubmitEntry) -> int:
-    """The entry's n when it is a usable count (else 1): how many rids an error covers."""
-    n = e.sampling.get("n", 1) if isinstance(e.sampling, dict) else 1
-    return n if type(n) is int and 1 <= n <= MAX_N else 1
 
 
 class Engine:
@@ -129,6 +86,8 @@ class Engine:
         self._eog_set = frozenset(self._eog)
         tok = loaded.tokenizer
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
+        self.admission = Admission(self.mc.vocab_size, self._eog, self.max_context,
+                                   config.max_pending, self.grammars, self.generator)  # fmt: skip
         # The end a finished grammar reports (it is not sampled: nothing else could be).
         self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
         self.overlap = overlap_on(config.overlap, loaded.device)
@@ -175,15 +134,15 @@ class Engine:
         done: list[StepEntry] = []
         for e in entries:
             try:
-                seq = self._make_sequence(e)
+                seq = self.admission.sequence(e, self.holds, len(self.seqs) + len(self.reserved))
             except ValueError as exc:
                 if isinstance(exc, ProtocolError):
                     raise
                 code = ErrorCode.TOO_LONG if isinstance(exc, TooLong) else ErrorCode.INVALID
                 # Every rid the request would occupy gets its terminal entry.
-                errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + _declared_n(e))]
+                errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + declared_n(e))]
                 continue
-            if seq.params.max_new_tokens == 0 and not _prefills(seq):
+            if seq.params.max_new_tokens == 0 and not prefills(seq):
                 extra = {"prompt_tokens": seq.prompt_len}
                 done += [
                     StepEntry(r, b"", [Finish.LENGTH, 0], extra)
@@ -196,51 +155,22 @@ class Engine:
             self.scheduler.add(seq)
         return errors, done
 
-    def _make_sequence(self, e: SubmitEntry) -> Sequence:
-        v = self.mc.vocab_size
-        prompt = ids_to_list(e.prompt)
-        params, opts = parse_request(e.sampling, e.options, v, len(prompt))
-        rids = range(e.rid, e.rid + params.n)
-        if any(r in self.seqs or r in self.reserved for r in rids):
-            raise ProtocolError(f"rid {e.rid} (n={params.n}) overlaps a live request")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= v:
-            raise ValueError(f"prompt has token ids outside [0, {v - 1}]")
-        total = len(prompt) + (0 if opts.embed is not None else params.max_new_tokens)
-        if total > self.max_context:
-            raise TooLong(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the maximum context of {self.max_context} tokens"
-            )
-        live = len(self.seqs) + len(self.reserved)
-        if live + params.n > self.config.max_pending:
-            raise ValueError(
-                f"credit limit exceeded: {live} rids live, max_pending {self.config.max_pending}"
-            )
-        seq = Sequence(e.rid, prompt, len(prompt), params, opts, self.generator(params.seed))
-        seq.eog_ids = self._eog
-        seq.forks = params.n - 1
-        if opts.reasoning_budget is not None:
-            seq.budget = BudgetState(opts.reasoning_budget)
-        if opts.return_logprob and opts.logprob_start_len >= 0:
-            # Positions whose logits score prompt tokens must be computed, not reused.
-            seq.prefix_limit = max(opts.logprob_start_len - 1, 0)
-        if opts.embed is not None and opts.embed.pooling == "mean":
-            seq.prefix_limit = 0  # every position's hidden state is pooled: none is reused
-        if params.stop:
-            seq.stop_window = max(len(s) for s in params.stop) + 2
-        if params.stop_regex:  # checked by from_wire: bounded, valid
-            seq.stop_patterns = tuple(re.compile(p) for p in params.stop_regex)
-            seq.stop_window = max(seq.stop_window, STOP_REGEX_WINDOW)
-        if params.grammar is not None:
-            compiled = self.grammars.compile(params.grammar)
-            seq.matcher = compiled.matcher
-            seq.grammar_info = {
-                "grammar_compile_ms": round(compiled.compile_ms, 3),
-                "grammar_cached": compiled.cached,
-            }
-        return seq
+    def _run(self, batch: list[tuple[Sequence, int]], prev: InFlight | None) -> Step:
+        """The step laid out (``gpu/step.py``) and run; a fault plan may fail, delay or
+        kill it here, or make its logits NaN."""
+        step = lay_out(batch, prev)
+        fault = fault_point("worker.forward")
+        if fault is not None:
+            fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
+        out = self.runner.run(step.input)
+        pooling = step.pooling
+        pooled = (
+            pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []
+        )
+        step.ran(out, pooled)
+        if step.logits is not None and fault is not None and fault.action == "nan":
+            step.logits = torch.full_like(step.logits, float("nan"))
+        return step
 
     def generator(self, seed: int | None) -> torch.Generator | None:
         """The request's own generator, which only its rows draw from, a fixed amount per
@@ -311,74 +241,15 @@ class Engine:
         if not batch:
             return [] if prev is None else self._resolve(prev)
         self.step_no += 1
-        step = StepInput()
-        ran = self._run(batch, step, prev)
+        step = self._run(batch, prev)
         entries = [] if prev is None else self._resolve(prev)
-        entries += self._settle(ran, prev is not None)
+        entries += self._settle(step, prev is not None)
         # Once per step, never per token: its time (scheduling to the STEP entries), its
         # sequences and its tokens, for STATS (wire/stats.py).
-        self.step_stats.record(perf_counter() - t0, len(batch), len(step.ids))
+        self.step_stats.record(perf_counter() - t0, len(batch), len(step.input.ids))
         return entries
 
-    def _run(self, batch: list[tuple[Sequence, int]], step: StepInput,
-             prev: InFlight | None) -> _Ran:  # fmt: skip
-        """The step's rows in order, and the model call."""
-        ids, pos, decodes, prefills = step.ids, step.pos, step.decodes, step.prefills
-        rows = LogprobRows()
-        samplers: list[Sequence] = []
-        scored: list[Sequence] = []  # max_new_tokens 0: prompt logprobs only, no sample
-        pooling: list[tuple[Sequence, int, int]] = []  # embed requests: seq, first row, rows
-        future_rows: list[int] = []  # rows whose input the step in flight sampled
-        future_src: list[int] = []
-        sample_rows = rows.sample_rows
-        for seq, n in batch:
-            c, row = seq.num_computed, len(ids)
-            if seq.future is not None and c + n == len(seq.tokens):
-                future_rows.append(row + n - 1)
-                future_src.append(seq.future)
-            if n == 1 and seq.started and c + 1 == len(seq.tokens):
-                # A decode that samples (the common row): what the general path does.
-                ids.append(seq.tokens[c])
-                pos.append(c)
-                decodes.append((seq.block_table, c + 1))
-                sample_rows.append(row)
-                samplers.append(seq)
-                continue
-            ids += seq.tokens[c : c + n]
-            pos += range(c, c + n)
-            if n == 1:
-                decodes.append((seq.block_table, c + 1))
-            else:
-                prefills.append(PrefillChunk(seq.block_table, c, n))
-            if seq.options.embed is not None:
-                pooling.append((seq, row, n))  # prefill only: nothing is sampled
-                continue
-            if not seq.started:
-                prompt_logprob_rows(seq, c, n, row, rows)
-            if c + n == len(seq.tokens) and seq.params.max_new_tokens == 0:
-                scored.append(seq)
-            elif c + n == len(seq.tokens):
-                rows.add_sample(row + n - 1)
-                samplers.append(seq)
-        if future_rows:
-            assert prev is not None, "a placeholder token with no step in flight"
-            step.future = (future_rows, future_src, prev.on_device)
-        step.logit_rows = rows.indices
-        step.want_hidden = any(s.options.return_hidden_states for s in samplers)
-        step.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)
-        fault = fault_point("worker.forward")
-        if fault is not None:
-            fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
-        out = self.runner.run(step)
-        logits, hidden = out.logits, out.hidden
-        pooled = (
-            pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []
-        )
-        if logits is not None and fault is not None and fault.action == "nan":
-            logits = torch.full_like(logits, float("nan"))
-        return _Ran(batch, samplers, scored, pooled, rows, logits, hidden)
-
-    def _settle(self, ran: _Ran, after_resolve: bool) -> list[StepEntry]:
+    def _settle(self, ran: Step, after_resolve: bool) -> list[StepEntry]:
         """The host's part after the model call: the KV the step wrote is the cache's (its
         full blocks published), embed and score requests end, and the samplers sample:
         at once, or left in flight when overlapped and every one is plain.
