@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
-from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -19,35 +18,30 @@ import torch
 
 from gpu.admission import Admission, ProtocolError, TooLong, declared_n, prefills
 from gpu.engine_config import EngineConfig
-from gpu.finish import finish_reason
 from gpu.forks import fork_samplers
-from gpu.grammar import Grammars, advance
+from gpu.grammar import Grammars
 from gpu.kv_cache import BlockManager, PagedKVCache
 from gpu.loader import LoadedModel
-from gpu.logprobs import prompt_extra, token_extra
 from gpu.memory import KVPlan, MemoryFootprint
 from gpu.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.pooling import pool
 from gpu.runner import ModelRunner
-from gpu.sampling import NON_FINITE, sample, sample_greedy
+from gpu.sampling import sample, sample_greedy
 from gpu.scheduler import Scheduler, SchedulerConfig, Sequence
 from gpu.step import Step, lay_out
-from gpu.step_books import quiet_ends, token_entries
+from gpu.step_books import Books, terminal
 from wire import (
     ErrorCode,
     Finish,
     StepEntry,
     StepStats,
     SubmitEntry,
-    pack_f32s,
-    pack_id,
 )
-from wire.faults import active_plan, fault_point
+from wire.faults import fault_point
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
 log = logging.getLogger(__name__)
-NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class Engine:
@@ -83,13 +77,14 @@ class Engine:
         self.step_stats = StepStats()  # every step's time, sequences and tokens
         self._footprint: MemoryFootprint | None = None
         self._eog = tuple(sorted(self.mc.eog_ids))
-        self._eog_set = frozenset(self._eog)
         tok = loaded.tokenizer
         self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
         self.admission = Admission(self.mc.vocab_size, self._eog, self.max_context,
                                    config.max_pending, self.grammars, self.generator)  # fmt: skip
         # The end a finished grammar reports (it is not sampled: nothing else could be).
-        self._grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
+        grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
+        self.books = Books(self.seqs, self.reserved, self._end, self._fail,
+                           self.mc.eog_ids, tok.decode, grammar_end)  # fmt: skip
         self.overlap = overlap_on(config.overlap, loaded.device)
         self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
         # Requests the last steps failed (rid, why), for the worker to report as errors.
@@ -190,7 +185,7 @@ class Engine:
             seq = self.seqs.pop(rid, None)
             if seq is not None:
                 self.scheduler.remove(seq)
-                out.append(self._terminal(seq, b"", [Finish.ABORT, message]))
+                out.append(terminal(seq, b"", [Finish.ABORT, message]))
                 # Forks not yet made go with their parent: each gets its own terminal entry.
                 for r in [r for r, p in self.reserved.items() if p is seq]:
                     del self.reserved[r]
@@ -199,6 +194,11 @@ class Engine:
                 del self.reserved[rid]
                 out.append(StepEntry(rid, b"", [Finish.ABORT, message], None))
         return out
+
+    def _end(self, seq: Sequence) -> None:
+        """``seq`` ended: no longer live, its blocks released."""
+        del self.seqs[seq.rid]
+        self.scheduler.remove(seq)
 
     def _fail(self, seq: Sequence, why: str) -> None:
         """End ``seq`` (and its forks not yet made) as failed: no entry, an error the
@@ -259,11 +259,11 @@ class Engine:
         if after_resolve:
             batch = [(s, n) for s, n in batch if seqs.get(s.rid) is s]
         self.scheduler.computed(batch)
-        entries = [self._embedded(seq, vec) for seq, vec in ran.pooled]
+        entries = [self.books.embedded(seq, vec) for seq, vec in ran.pooled]
         logits = ran.logits
         if logits is not None:
             ran.rows.collect_prompt(logits)
-        entries += [e for seq in ran.scored for e in self._scored(seq)]
+        entries += [e for seq in ran.scored for e in self.books.scored(seq)]
         samplers = ran.samplers
         if logits is None or not samplers:
             return entries
@@ -277,32 +277,7 @@ class Engine:
     def _resolve(self, flight: InFlight) -> list[StepEntry]:
         """An overlapped step's tokens read at last: each sampler's placeholder becomes its
         token, and the entries are what ``_finish_step`` makes of them."""
-        return self._entries(flight.samplers, land(flight), None, None)
-
-    def _embedded(self, seq: Sequence, vec: torch.Tensor) -> StepEntry:
-        """An embed request's one STEP entry; its blocks are released now."""
-        assert seq.options.embed is not None
-        if seq.options.embed.normalize:
-            vec = vec / vec.norm().clamp_min(1e-12)
-        del self.seqs[seq.rid]
-        self.scheduler.remove(seq)
-        extra = {
-            "cached_tokens": seq.cached_tokens,
-            "embedding": pack_f32s(vec.cpu().numpy()),
-        }
-        return self._terminal(seq, b"", [Finish.EMBED, vec.numel()], extra)
-
-    def _scored(self, seq: Sequence) -> list[StepEntry]:
-        """A ``max_new_tokens`` 0 request whose prompt is computed: its terminal entries,
-        with the prompt logprobs (one per rid when n > 1); its blocks are released now."""
-        del self.seqs[seq.rid]
-        self.scheduler.remove(seq)
-        extra = {"cached_tokens": seq.cached_tokens, **prompt_extra(seq)}
-        out = [self._terminal(seq, b"", [Finish.LENGTH, 0], extra)]
-        for r in [r for r, p in self.reserved.items() if p is seq]:
-            del self.reserved[r]
-            out.append(self._terminal(seq, b"", [Finish.LENGTH, 0], extra)._replace(rid=r))
-        return out
+        return self.books.entries(flight.samplers, land(flight), None, None)
 
     def _finish_step(
         self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
@@ -313,71 +288,10 @@ class Engine:
         greedy and plain, with no grammar, forks, logprobs or hidden states (a decode
         step's usual case), takes its tokens from one argmax and no other pass over it."""
         if all(s.argmax_only and s.matcher is None and not s.forks for s in samplers):
-            return self._entries(samplers, sample_greedy(logits), None, hidden)
+            return self.books.entries(samplers, sample_greedy(logits), None, hidden)
         if any(s.forks for s in samplers):
             samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
         want_lp = any(s.options.return_logprob for s in samplers)
         allowed = self.grammars.constrain(samplers)
         result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
-        return self._entries(samplers, result.tokens, result.logprobs, hidden)
-
-    def _entries(
-        self, samplers: list[Sequence], sampled: list[int], lp: torch.Tensor | None,
-        hidden: torch.Tensor | None,
-    ) -> list[StepEntry]:  # fmt: skip
-        """Each sampler's new token appended and its STEP entry (a terminal one when it
-        ended); a sampler whose request ended since its row was scheduled has none."""
-        quiet = lp is None and hidden is None and active_plan() is None
-        rows = partial(self._entry, lp=lp, hidden=hidden)
-        return token_entries(samplers, sampled, self.seqs, rows, quiet)
-
-    def _entry(self, seq: Sequence, i: int, tok: int, lp: torch.Tensor | None = None,
-               hidden: torch.Tensor | None = None) -> StepEntry | None:  # fmt: skip
-        """Row ``i``'s token appended to ``seq`` and its entry; None when it has none."""
-        if self.seqs.get(seq.rid) is not seq:
-            return None
-        if tok == NON_FINITE:
-            self._fail(seq, NON_FINITE_MESSAGE)
-            return None
-        if seq.budget is not None:  # the reasoning's end forced in place of the sample
-            tok = seq.budget.next(tok)
-        extra = token_extra(seq, i, tok, lp, hidden) if lp is not None or hidden is not None else {}
-        if (f := fault_point("worker.sample", seq.rid)) is not None and f.apply():
-            extra = {**extra, "logprobs": b"\x01\x02\x03"}  # a malformed field
-        tokens, ends = seq.tokens, seq.ends
-        tokens.append(tok)
-        if seq.matcher is not None:
-            seq.grammar_error = advance(seq, tok)
-        elif ends is not None and tok not in ends and len(tokens) < seq.max_len:
-            # goes on: what _emit gives when finish_reason finds nothing
-            return StepEntry(seq.rid, pack_id(tok), None, extra or None)
-        return self._emit(seq, tok, extra)
-
-    def _emit(self, seq: Sequence, tok: int, extra: dict[str, Any]) -> StepEntry:
-        """The STEP entry of ``seq``'s new token ``tok``: a terminal one when it ended."""
-        if not seq.started:
-            seq.started = True
-            seq.ends = quiet_ends(seq, self._eog_set)
-            extra["prompt_tokens"] = seq.prompt_len
-            extra["cached_tokens"] = seq.cached_tokens
-            extra.update(prompt_extra(seq))
-            extra.update(seq.grammar_info)
-        finish = finish_reason(
-            seq, self.mc.eog_ids, self.loaded.tokenizer.decode, self._grammar_end
-        )
-        if finish is None:
-            return StepEntry(seq.rid, pack_id(tok), None, extra or None)
-        if seq.grammar_done:
-            extra["grammar_done"] = True
-        del self.seqs[seq.rid]
-        self.scheduler.remove(seq)
-        return self._terminal(seq, pack_id(tok), finish, extra)
-
-    def _terminal(
-        self, seq: Sequence, new: bytes, finish: list[Any], extra: dict[str, Any] | None = None
-    ) -> StepEntry:
-        extra = dict(extra or {})
-        extra["num_retractions"] = seq.num_retractions
-        if not seq.started:
-            extra["prompt_tokens"] = seq.prompt_len
-        return StepEntry(seq.rid, new, finish, extra)
+        return self.books.entries(samplers, result.tokens, result.logprobs, hidden)

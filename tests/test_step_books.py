@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.engine
+import gpu.step_books
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import LoadedModel, load_model
 from gpu.sampling import NON_FINITE, SampleRow, sample, sample_greedy
@@ -83,7 +83,7 @@ def test_quiet_rows_get_the_entries_the_general_path_gives(
     short = _steps(lm, reqs)
     ends = [e.finish[0] for step in short for e in step if e.finish]
     assert {Finish.STOP, Finish.LENGTH, Finish.ABORT} <= set(ends)
-    monkeypatch.setattr(gpu.engine, "quiet_ends", lambda seq, eog: None)
+    monkeypatch.setattr(gpu.step_books, "quiet_ends", lambda seq, eog: None)
     assert _steps(lm, reqs) == short
 
 
