@@ -249,27 +249,7 @@ class PagedKVCache:
             assert dec is not None
             dec_tables, dec_lens = to_device(dec[0], dev), to_device(dec[1], dev)
         elif decodes:
-            # Each table cut or padded (with block 0) to the longest context's blocks.
-            nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
-            tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
-            # Keys are whole blocks (L a multiple of block_size): the gather is then
-            # already contiguous for bmm, where a sliced view measured 4x slower. The
-            # bias masks every key past a context, padding blocks included.
-            dec_len = nb * self.block_size
-            blocks = [b for t in tables for b in t]
-            # Rows of the cache seen as [n_kv * num_blocks, block_size * head_dim]: a
-            # dim-0 gather of whole contiguous rows is a memcpy each (2x faster than the
-            # same gather along dim 1), and comes out in (kv head, sequence, block) order.
-            dec_rows = (
-                torch.arange(self.n_kv_heads, device=dev)[:, None] * self.num_blocks
-                + ints(blocks, device=dev)[None, :]
-            ).reshape(-1)
-            lens = ints([ctx for _, ctx in decodes], device=dev)
-            dec_bias = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype)
-            if self.window:
-                dec_bias_window = decode_bias(
-                    lens, dec_len, self.n_kv_heads, self.dtype, self.window
-                )
+            dec_rows, dec_len, dec_bias, dec_bias_window = self._gather_layout(decodes)
         pre = []
         windows = []
         row = len(decodes)
@@ -296,6 +276,34 @@ class PagedKVCache:
             dec_bias_window,
             tuple(windows),
         )
+
+    def _gather_layout(
+        self, decodes: Sequence[tuple[Sequence[int], int]]
+    ) -> tuple[Tensor, int, Tensor, Tensor | None]:
+        """The gather + ``bmm`` decode's layout: block rows, keys per sequence, the bias
+        (and the sliding-window layers' bias, where the model has them)."""
+        dev = self.device
+        # Each table cut or padded (with block 0) to the longest context's blocks.
+        nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
+        tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
+        # Keys are whole blocks (L a multiple of block_size): the gather is then
+        # already contiguous for bmm, where a sliced view measured 4x slower. The
+        # bias masks every key past a context, padding blocks included.
+        dec_len = nb * self.block_size
+        blocks = [b for t in tables for b in t]
+        # Rows of the cache seen as [n_kv * num_blocks, block_size * head_dim]: a
+        # dim-0 gather of whole contiguous rows is a memcpy each (2x faster than the
+        # same gather along dim 1), and comes out in (kv head, sequence, block) order.
+        dec_rows = (
+            torch.arange(self.n_kv_heads, device=dev)[:, None] * self.num_blocks
+            + ints(blocks, device=dev)[None, :]
+        ).reshape(-1)
+        lens = ints([ctx for _, ctx in decodes], device=dev)
+        bias = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype)
+        window = None
+        if self.window:
+            window = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype, self.window)
+        return dec_rows, dec_len, bias, window
 
     def _row_queries(
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
@@ -374,25 +382,31 @@ class PagedKVCache:
             else:  # own k/v are all the keys; else every key of the sequence, gathered
                 keys, vals = kc.index_select(1, index), vc.index_select(1, index)
                 keys, vals = keys.to(self.dtype), vals.to(self.dtype)
-            qh = q[row : row + n].transpose(0, 1).unsqueeze(0)
-            if self.softcap:  # SDPA has no cap: the scores written out
-                if mask is None:
-                    key = torch.arange(n, device=q.device)
-                    mask = key[None, :] <= key[:, None]
-                o = capped_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), mask,
-                                     self.scale, self.softcap)  # fmt: skip
-            else:
-                o = F.scaled_dot_product_attention(
-                    qh,
-                    keys.unsqueeze(0),
-                    vals.unsqueeze(0),
-                    attn_mask=mask,
-                    is_causal=mask is None and n > 1,
-                    scale=self.sdpa_scale,
-                    enable_gqa=True,
-                )
-            outs.append(o[0].transpose(0, 1))
+            outs.append(self._chunk(q[row : row + n], keys, vals, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _chunk(self, q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None) -> Tensor:
+        """One prompt chunk's attention: its queries ``[n, heads, hd]`` over ``keys`` /
+        ``vals`` ``[kv, L, hd]`` under ``mask`` (None: causal over its own keys)."""
+        n = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if self.softcap:  # SDPA has no cap: the scores written out
+            if mask is None:
+                key = torch.arange(n, device=q.device)
+                mask = key[None, :] <= key[:, None]
+            o = capped_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), mask,
+                                 self.scale, self.softcap)  # fmt: skip
+        else:
+            o = F.scaled_dot_product_attention(
+                qh,
+                keys.unsqueeze(0),
+                vals.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None and n > 1,
+                scale=self.sdpa_scale,
+                enable_gqa=True,
+            )
+        return o[0].transpose(0, 1)
 
     def _decode(self, kc: Tensor, vc: Tensor, q: Tensor, rows: Tensor, bias: Tensor) -> Tensor:
         """One query per sequence, GQA folded into ``baddbmm``/``bmm``.

@@ -139,78 +139,60 @@ def _quant_mode(weights: str, device: torch.device, dtype: torch.dtype) -> str |
     return "file" if usable and load_kernels() is not None else None
 
 
-def _build_model(
-    f: ModelSource,
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    progress: Callable[[int, int], None],
-    quant: str | None = None,
-) -> Llama:
-    c = config
-    sizes = _tensor_bytes(f)  # what each tensor takes in the file
-    # type name -> (tensors, bytes in the file, bytes as Q8_0) of what the kernels cannot read
-    requantized: dict[str, tuple[int, int, int]] = {}
-    total, done = sum(sizes.values()), 0
+# One tensor of a joined matrix: (GGUF name, shape, heads to un-permute or None).
+_Part = tuple[str, tuple[int, int], int | None]
 
-    def check_shape(name: str, shape: tuple[int, ...]) -> None:
-        got = f.tensor_shape(name)
+
+class _Reader:
+    """Reads a file's tensors for ``_build_model``: dense (dequantized, placed on the
+    device in the dtype) or kept as blocks (``quant``), q/k rows un-permuted, the
+    progress line kept, and what had to be requantized counted for one warning."""
+
+    def __init__(self, f: ModelSource, config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype, progress: Callable[[int, int], None],
+                 quant: str | None) -> None:  # fmt: skip
+        self.f, self.c, self.device, self.dtype = f, config, device, dtype
+        self.progress, self.quant = progress, quant
+        self.sizes = _tensor_bytes(f)  # what each tensor takes in the file
+        self.total, self.done = sum(self.sizes.values()), 0
+        # type name -> (tensors, bytes in the file, bytes as Q8_0) of what the kernels
+        # cannot read
+        self.requantized: dict[str, tuple[int, int, int]] = {}
+        c = config
+        self.q_rows, self.kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        # a llama file's q/k rows (and biases) are permuted for llama.cpp's RoPE: undone
+        self.q_perm: int | None = c.n_heads if c.rope_permuted else None
+        self.k_perm: int | None = c.n_kv_heads if c.rope_permuted else None
+
+    def _read(self, name: str, shape: tuple[int, ...]) -> None:
+        got = self.f.tensor_shape(name)
         if got != shape:
-            raise ModelFileError(f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+            raise ModelFileError(self.f.path, f"tensor {name!r} has shape {got}, expected {shape}")
+        self.done += self.sizes.get(name, 0)
+        self.progress(self.done, self.total)
 
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        nonlocal done
-        check_shape(name, shape)
-        arr = f.dequantize(name)
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor dequantized to fp32, on the CPU."""
+        self._read(name, shape)
+        arr = self.f.dequantize(name)
         # F32 tensors come back as read-only views of the mmap: copy those, not the rest.
         arr = arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, order="C")
-        t = torch.from_numpy(arr)
-        done += sizes.get(name, 0)
-        progress(done, total)
-        return t
+        return torch.from_numpy(arr)
 
-    def place(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
-
-    def matrix(
-        parts: list[tuple[str, tuple[int, int], int | None]],
-    ) -> torch.Tensor | QuantWeight | list[QuantWeight]:
-        """Tensors ``parts`` (name, shape, heads to un-permute or None) joined row-wise:
-        dense, or quantized blocks when ``quant`` says so (module docstring): one
-        ``QuantWeight``, or one per run of parts of the same type when the file stores
-        them in different types (read in place all the same)."""
-        types = [f.tensor_type(name) for name, _, _ in parts]
-        k = parts[0][1][1]
-        if quant is None or k % 32 or (quant == "file" and set(types) & _FLOAT_TYPES):
-            return place(joined(parts, get))
-        if all(t in KERNEL_TYPES for t in types):
-            runs: list[QuantWeight] = []
-            for qtype, group in itertools.groupby(
-                zip(parts, types, strict=True), key=lambda p: p[1]
-            ):
-                runs.append(QuantWeight(joined([p for p, _ in group], raw_blocks), qtype, k))
-            return runs[0] if len(runs) == 1 else runs
-        w = requantize(joined(parts, get))
-        kinds = sorted({t.name for t in types if t not in _FLOAT_TYPES})
-        if kinds:  # floats quantized on request are no loss to report
-            key = "+".join(kinds)
-            n, was, now = requantized.get(key, (0, 0, 0))
-            was += sum(sizes.get(name, 0) for name, _, _ in parts)
-            requantized[key] = (n + len(parts), was, now + w.blocks.numel())
-        return w
-
-    def raw_blocks(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def raw_blocks(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor's blocks as stored, uint8 ``[rows, bytes per row]`` (copied out)."""
-        nonlocal done
-        check_shape(name, shape)
-        b = torch.from_numpy(np.array(f.blocks(name)))
-        done += sizes.get(name, 0)
-        progress(done, total)
-        return b
+        self._read(name, shape)
+        return torch.from_numpy(np.array(self.f.blocks(name)))
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def vector(self, name: str, n: int) -> torch.Tensor:
+        """A 1-D tensor of ``n`` (a norm weight), placed."""
+        return self.place(self.get(name, (n,)))
 
     def joined(
-        parts: list[tuple[str, tuple[int, int], int | None]],
-        read: Callable[[str, tuple[int, ...]], torch.Tensor],
+        self, parts: list[_Part], read: Callable[[str, tuple[int, ...]], torch.Tensor]
     ) -> torch.Tensor:
         """Each part read (dense rows or their blocks), q/k rows un-permuted (whole rows:
         the permutation commutes with row-wise quantization), joined row-wise."""
@@ -221,42 +203,80 @@ def _build_model(
         ]
         return torch.cat(ts) if len(ts) > 1 else ts[0]
 
-    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    # a llama file's q/k rows (and biases) are permuted for llama.cpp's RoPE: undone
-    q_perm, k_perm = (c.n_heads, c.n_kv_heads) if c.rope_permuted else (None, None)
+    def matrix(self, parts: list[_Part]) -> torch.Tensor | QuantWeight | list[QuantWeight]:
+        """Tensors ``parts`` joined row-wise: dense, or quantized blocks when ``quant``
+        says so (module docstring): one ``QuantWeight``, or one per run of parts of the
+        same type when the file stores them in different types (read in place all the
+        same)."""
+        types = [self.f.tensor_type(name) for name, _, _ in parts]
+        k, quant = parts[0][1][1], self.quant
+        if quant is None or k % 32 or (quant == "file" and set(types) & _FLOAT_TYPES):
+            return self.place(self.joined(parts, self.get))
+        if all(t in KERNEL_TYPES for t in types):
+            runs: list[QuantWeight] = []
+            for qtype, group in itertools.groupby(
+                zip(parts, types, strict=True), key=lambda p: p[1]
+            ):
+                runs.append(QuantWeight(self.joined([p for p, _ in group], self.raw_blocks),
+                                        qtype, k))  # fmt: skip
+            return runs[0] if len(runs) == 1 else runs
+        w = requantize(self.joined(parts, self.get))
+        kinds = sorted({t.name for t in types if t not in _FLOAT_TYPES})
+        if kinds:  # floats quantized on request are no loss to report
+            key = "+".join(kinds)
+            n, was, now = self.requantized.get(key, (0, 0, 0))
+            was += sum(self.sizes.get(name, 0) for name, _, _ in parts)
+            self.requantized[key] = (n + len(parts), was, now + w.blocks.numel())
+        return w
 
-    def bias(p: str) -> torch.Tensor | None:
-        if not c.qkv_bias:
-            return None
-        parts = [("attn_q", q_rows, q_perm), ("attn_k", kv_rows, k_perm), ("attn_v", kv_rows, None)]
+    def single(self, name: str, shape: tuple[int, int]) -> torch.Tensor | QuantWeight:
+        w = self.matrix([(name, shape, None)])
+        assert not isinstance(w, list)  # one tensor is one run
+        return w
+
+    def layer(self, i: int) -> LlamaWeights:
+        """Decoder layer ``i``'s weights: what the configuration says the file holds."""
+        c, p = self.c, f"blk.{i}."
+        q_rows, kv_rows = self.q_rows, self.kv_rows
+        # q/k norms per head, or over the whole projection's rows (OLMo 2)
+        q_norm, k_norm = (q_rows, kv_rows) if c.qk_norm_whole else (c.head_dim, c.head_dim)
+        return LlamaWeights(
+            attn_norm=self.vector(p + "attn_norm.weight", c.hidden) if c.pre_norms else None,
+            wqkv=self.matrix(self._qkv_parts(p)),
+            wo=self.matrix([(p + "attn_output.weight", (c.hidden, q_rows), None)]),
+            ffn_norm=self.vector(p + "ffn_norm.weight", c.hidden) if c.pre_norms else None,
+            w_gate_up=self.matrix(self._gate_up_parts(p)),
+            w_down=self.matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
+            bqkv=self._bias(p) if c.qkv_bias else None,
+            q_norm=self.vector(p + "attn_q_norm.weight", q_norm) if c.qk_norm else None,
+            k_norm=self.vector(p + "attn_k_norm.weight", k_norm) if c.qk_norm else None,
+            post_attn_norm=(self.vector(p + "post_attention_norm.weight", c.hidden)
+                            if c.post_norms else None),
+            post_ffn_norm=(self.vector(p + "post_ffw_norm.weight", c.hidden)
+                           if c.post_norms else None),
+        )  # fmt: skip
+
+    def _bias(self, p: str) -> torch.Tensor:
+        parts = [("attn_q", self.q_rows, self.q_perm), ("attn_k", self.kv_rows, self.k_perm),
+                 ("attn_v", self.kv_rows, None)]  # fmt: skip
         ts = []
         for name, rows, heads in parts:
-            t = get(p + name + ".bias", (rows,))
+            t = self.get(p + name + ".bias", (rows,))
             ts.append(t if heads is None else unpermute_rope_rows(t, heads))
-        return place(torch.cat(ts))
+        return self.place(torch.cat(ts))
 
-    def qk_norm(name: str, rows: int) -> torch.Tensor | None:
-        """A q or k norm: per head, or over the whole projection's ``rows`` (OLMo 2)."""
-        if not c.qk_norm:
-            return None
-        return place(get(name, (rows,) if c.qk_norm_whole else (c.head_dim,)))
-
-    def pre_norm(name: str) -> torch.Tensor | None:
-        return place(get(name, (c.hidden,))) if c.pre_norms else None
-
-    def post_norm(name: str) -> torch.Tensor | None:
-        return place(get(name, (c.hidden,))) if c.post_norms else None
-
-    def qkv_parts(p: str) -> list[tuple[str, tuple[int, int], int | None]]:
+    def _qkv_parts(self, p: str) -> list[_Part]:
+        c, q_rows, kv_rows = self.c, self.q_rows, self.kv_rows
         if c.fused_qkv:  # Phi-3: one tensor, q then k then v, HF's layout
             return [(p + "attn_qkv.weight", (q_rows + 2 * kv_rows, c.hidden), None)]
         return [
-            (p + "attn_q.weight", (q_rows, c.hidden), q_perm),
-            (p + "attn_k.weight", (kv_rows, c.hidden), k_perm),
+            (p + "attn_q.weight", (q_rows, c.hidden), self.q_perm),
+            (p + "attn_k.weight", (kv_rows, c.hidden), self.k_perm),
             (p + "attn_v.weight", (kv_rows, c.hidden), None),
         ]
 
-    def gate_up_parts(p: str) -> list[tuple[str, tuple[int, int], int | None]]:
+    def _gate_up_parts(self, p: str) -> list[_Part]:
+        c = self.c
         if c.fused_gate_up:  # Phi-3: ffn_up holds gate then up
             return [(p + "ffn_up.weight", (2 * c.ffn, c.hidden), None)]
         return [
@@ -264,49 +284,46 @@ def _build_model(
             (p + "ffn_up.weight", (c.ffn, c.hidden), None),
         ]
 
-    layers = []
-    for i in range(c.n_layers):
-        p = f"blk.{i}."
-        layers.append(
-            LlamaWeights(
-                attn_norm=pre_norm(p + "attn_norm.weight"),
-                wqkv=matrix(qkv_parts(p)),
-                wo=matrix([(p + "attn_output.weight", (c.hidden, q_rows), None)]),
-                ffn_norm=pre_norm(p + "ffn_norm.weight"),
-                w_gate_up=matrix(gate_up_parts(p)),
-                w_down=matrix([(p + "ffn_down.weight", (c.hidden, c.ffn), None)]),
-                bqkv=bias(p),
-                q_norm=qk_norm(p + "attn_q_norm.weight", q_rows),
-                k_norm=qk_norm(p + "attn_k_norm.weight", kv_rows),
-                post_attn_norm=post_norm(p + "post_attention_norm.weight"),
-                post_ffn_norm=post_norm(p + "post_ffw_norm.weight"),
-            )
-        )
+    def rope_freqs(self) -> torch.Tensor | None:
+        """Llama 3's frequency factors, or Phi-3's long or short ones (those the served
+        context reads); None for neither."""
+        c = self.c
+        if c.rope_scaling.kind == "longrope":
+            which = "long" if c.rope_scaling.long_factors(c.context_length) else "short"
+            return self.get(f"rope_factors_{which}.weight", (c.head_dim // 2,))
+        return self.get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
 
-    def single(name: str, shape: tuple[int, int]) -> torch.Tensor | QuantWeight:
-        w = matrix([(name, shape, None)])
-        assert not isinstance(w, list)  # one tensor is one run
-        return w
-
-    embed = single("token_embd.weight", (c.vocab_size, c.hidden))
-    norm = place(get("output_norm.weight", (c.hidden,)))
-    head = None if c.tied_embeddings else single("output.weight", (c.vocab_size, c.hidden))
-    freqs = get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
-    if c.rope_scaling.kind == "longrope":  # the factors the served context reads
-        which = "long" if c.rope_scaling.long_factors(c.context_length) else "short"
-        freqs = get(f"rope_factors_{which}.weight", (c.head_dim // 2,))
-    progress(total, total)  # the line ends even when the file holds tensors we skip
-    if requantized:
+    def warn_requantized(self) -> None:
+        if not self.requantized:
+            return
         log.warning(
             "requantized to Q8_0 at load (the kernels read %s in place, not %s): %s",
             ", ".join(sorted(t.name for t in KERNEL_TYPES)),
-            ", ".join(sorted(requantized)),
+            ", ".join(sorted(self.requantized)),
             "; ".join(
                 f"{name}: {n} tensors, {was / 2**20:.1f} MiB in the file, {now / 2**20:.1f} MiB "
                 "in memory"
-                for name, (n, was, now) in sorted(requantized.items())
+                for name, (n, was, now) in sorted(self.requantized.items())
             ),
         )
+
+
+def _build_model(
+    f: ModelSource,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None],
+    quant: str | None = None,
+) -> Llama:
+    c, r = config, _Reader(f, config, device, dtype, progress, quant)
+    layers = [r.layer(i) for i in range(c.n_layers)]
+    embed = r.single("token_embd.weight", (c.vocab_size, c.hidden))
+    norm = r.vector("output_norm.weight", c.hidden)
+    head = None if c.tied_embeddings else r.single("output.weight", (c.vocab_size, c.hidden))
+    freqs = r.rope_freqs()
+    progress(r.total, r.total)  # the line ends even when the file holds tensors we skip
+    r.warn_requantized()
     return Llama(config, embed, layers, norm, head, freqs)
 
 
