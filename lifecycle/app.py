@@ -28,6 +28,7 @@ from lifecycle.api.model_admin import install_model_admin
 from lifecycle.api.model_routes import ModelRouter, Slot
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
+from lifecycle.api.replica_admin import install_replica_admin
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.routes import AppRouter
 from lifecycle.api.score import ScoreAPI
@@ -199,6 +200,7 @@ async def serve_app(
             # behind the admin key, as /flush_cache
             ids = {one.served_model_id(): fe for one, fe in zip(rts, frontends, strict=True)}
             install_model_admin(router, model_set, ids)
+            install_replica_admin(router, ids)
             for spec in cfg.extend:  # checked by serve before it listened
                 resolve_extension(spec)(Extension(router, api, frontend, cfg))
             # The router (AppRouter) already asks /debug/* for an admin key when keys are set.

@@ -212,6 +212,35 @@ OPTIONS: tuple[Option, ...] = (
         metavar="JSON",
     ),
     _o(
+        "ray_autoscale",
+        "with --ray: grow and shrink the replicas between MIN and MAX on the queue "
+        "(one more while more than --ray-autoscale-queue requests per ready replica wait, "
+        "one fewer, drained first, while the load fits one fewer; --dp: the count at "
+        "start, default MIN)",
+        _WORKER,
+        server=True,
+        metavar="MIN:MAX",
+        form=(r"\s*\d+\s*:\s*\d+\s*", "MIN:MAX replicas, e.g. 1:4"),
+    ),
+    _o(
+        "ray_autoscale_queue",
+        "--ray-autoscale: requests waiting per ready replica (held beyond what it runs "
+        "at once) that ask for one more (default 1)",
+        _WORKER,
+        server=True,
+        type=float,
+        minimum=0,
+    ),
+    _o(
+        "ray_autoscale_after",
+        "--ray-autoscale: seconds the queue stays long before one more replica, and "
+        "the load stays low before one fewer (default 10:60)",
+        _WORKER,
+        server=True,
+        metavar="UP:DOWN",
+        form=(r"\s*[0-9.]+\s*:\s*[0-9.]+\s*", "UP:DOWN seconds, e.g. 10:60"),
+    ),
+    _o(
         "worker_token",
         "the secret remote workers check (default: $LIFECYCLE_WORKER_TOKEN)",
         _WORKER,

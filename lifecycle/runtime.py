@@ -25,6 +25,7 @@ from lifecycle.core.buffers import CONTROL_HEADROOM
 from lifecycle.core.frontend import Frontend, FrontendConfig, ModelLoader
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
+from lifecycle.link.autoscale import AutoscaleConfig, autoscale_after, autoscale_bounds
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 from lifecycle.models import ModelSpec, model_arguments, models_in, split_name
@@ -74,6 +75,9 @@ class AppConfig:
     worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
     ray: str | None = None  # --ray: the workers are Ray actors on this cluster (or local)
     ray_replica_resources: str | None = None  # --ray: what each replica asks for (JSON)
+    ray_autoscale: str | None = None  # --ray: MIN:MAX replicas, scaled on the queue
+    ray_autoscale_queue: float | None = None  # waiting per ready replica that adds one
+    ray_autoscale_after: str | None = None  # UP:DOWN seconds before one more, one fewer
     worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
     worker_tls_ca: str | None = None  # CA for tls: workers' certificates; None: the system's
     worker_module: str = "gpu.worker"
@@ -363,6 +367,9 @@ def _supervisor(cfg: AppConfig, loaded: bool = True) -> Supervisor | WorkerPool:
     remote = worker_addresses(cfg)
     if cfg.ray is not None:
         return _ray_workers(cfg, remote, loaded)
+    autoscale = (cfg.ray_autoscale, cfg.ray_autoscale_queue, cfg.ray_autoscale_after)
+    if any(v is not None for v in autoscale):
+        raise ValueError("--ray-autoscale scales Ray replicas: give --ray with it")
     local = cfg.dp if cfg.dp is not None else (0 if remote else 1)
     if local < 0 or (local < 1 and not remote):
         raise ValueError(f"dp must be at least 1 without --worker, got {cfg.dp}")
@@ -377,22 +384,43 @@ def _supervisor(cfg: AppConfig, loaded: bool = True) -> Supervisor | WorkerPool:
 
 
 def _ray_workers(cfg: AppConfig, remote: tuple[str, ...], loaded: bool) -> WorkerPool:
-    """``--ray``: ``--dp N`` (1 by default) Ray actors run the workers
-    (``lifecycle.link.ray_replicas``); with ``--worker`` or an on-demand model: ValueError."""
+    """``--ray``: ``--dp N`` (1 by default; ``--ray-autoscale``'s MIN) Ray actors run the
+    workers (``lifecycle.link.ray_replicas``); with ``--worker`` or an on-demand model,
+    or a count outside the autoscale bounds: ValueError."""
     from lifecycle.link.ray_replicas import RayConfig, RayWorkers, replica_resources
 
     if remote:
         raise ValueError("--ray places the workers itself: no --worker beside it")
     if not loaded:
         raise ValueError("--ray replicas stay loaded: no --models-max below the models given")
-    dp = cfg.dp if cfg.dp is not None else 1
+    auto = _autoscale(cfg)
+    dp = cfg.dp if cfg.dp is not None else (auto.low if auto is not None else 1)
     if dp < 1:
         raise ValueError(f"dp must be at least 1 with --ray, got {dp}")
+    if auto is not None and not auto.low <= dp <= auto.high:
+        raise ValueError(f"--dp {dp} is outside --ray-autoscale {auto.low}:{auto.high}")
     ray_config = RayConfig(
         cfg.ray or "local", dp, replica_resources(cfg.ray_replica_resources),
-        cfg.worker_module, worker_args(cfg),
+        cfg.worker_module, worker_args(cfg), tp=cfg.tp or 1, autoscale=auto,
     )  # fmt: skip
     return RayWorkers(ray_config, _supervisor_config(cfg, None, None), Router(cfg.router_policy))
+
+
+def _autoscale(cfg: AppConfig) -> AutoscaleConfig | None:
+    """``--ray-autoscale MIN:MAX`` and its two tunings as the policy's config; None
+    without it (the tunings alone: ValueError)."""
+    if cfg.ray_autoscale is None:
+        if cfg.ray_autoscale_queue is not None or cfg.ray_autoscale_after is not None:
+            raise ValueError("--ray-autoscale-queue and --ray-autoscale-after tune --ray-autoscale")
+        return None
+    low, high = autoscale_bounds(cfg.ray_autoscale)
+    auto = AutoscaleConfig(low, high)
+    if cfg.ray_autoscale_queue is not None:
+        auto = replace(auto, queue=cfg.ray_autoscale_queue)
+    if cfg.ray_autoscale_after is not None:
+        up, down = autoscale_after(cfg.ray_autoscale_after)
+        auto = replace(auto, up_after=up, down_after=down)
+    return auto
 
 
 def _one_supervisor(
@@ -499,6 +527,9 @@ _PLAIN = (
     "worker",
     "ray",
     "ray_replica_resources",
+    "ray_autoscale",
+    "ray_autoscale_queue",
+    "ray_autoscale_after",
     "worker_token",
     "worker_tls_ca",
     "device",

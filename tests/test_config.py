@@ -46,6 +46,8 @@ def _samples(tmp_path: Path) -> dict[str, object]:
         "tool_call_parser": "mistral",
         "device": "cuda:1",  # of the form cpu | cuda | cuda:N
         "mem_fraction": 0.5,  # a share: at most 1
+        "ray_autoscale": "1:3",  # MIN:MAX
+        "ray_autoscale_after": "0.5:2",  # UP:DOWN seconds
     }
     out: dict[str, object] = {}
     for o in OPTIONS:

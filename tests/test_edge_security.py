@@ -176,8 +176,8 @@ async def test_admin_routes_are_closed_with_api_keys_and_no_admin_key(
             r = await c.post("/generate", json=echo_body(1, 3), headers={"x-api-key": KEY})
             assert r.status_code == 200  # the other routes are as before
     assert (
-        "admin routes (/abort_request, /flush_cache, /models/load and unload, /debug): closed"
-        in caplog.text
+        "admin routes (/abort_request, /flush_cache, /models/load and unload, /replicas, "
+        "/debug): closed" in caplog.text
     )
 
 

@@ -71,9 +71,10 @@ def greedy(url: str, model: str, rid: str | None = None) -> list[int]:
     return list(r.json()["output_ids"])
 
 
-async def stream(url: str, model: str, tokens: int) -> tuple[str, int]:
+async def stream(url: str, model: str, tokens: int,
+                 started: anyio.Event | None = None) -> tuple[str, int]:  # fmt: skip
     """A streamed /generate of ``tokens`` forced tokens: ("done", n) after [DONE] with no
-    error event, else ("error" | "cut", n)."""
+    error event, else ("error" | "cut", n); ``started`` is set at its first token."""
     body = {"model": model, "input_ids": [11, 12, 13], "stream": True,
             "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}  # fmt: skip
     seen, error = 0, False
@@ -86,6 +87,8 @@ async def stream(url: str, model: str, tokens: int) -> tuple[str, int]:
                     event = json.loads(line[6:])
                     error = error or "error" in event
                     seen = len(event.get("output_ids", ())) or seen
+                    if started is not None and seen:
+                        started.set()
     return "cut", seen
 
 
@@ -106,26 +109,30 @@ def test_models_max_one_swaps_without_cutting_anything(models_dir: pathlib.Path)
         assert list(workers_of(proc)) == ["alpha"]
         alpha = greedy(url, "alpha")
 
-        async def swap_under_load() -> tuple[list[tuple[str, int]], list[int], float, float]:
+        async def swap_under_load() -> tuple[list[tuple[str, int]], list[int], list[float],
+                                             float, float]:  # fmt: skip
             ends: list[float] = []
             results: list[tuple[str, int]] = []
+            started = [anyio.Event(), anyio.Event()]
 
-            async def hold() -> None:
-                results.append(await stream(url, "alpha", _LONG))
+            async def hold(i: int) -> None:
+                results.append(await stream(url, "alpha", _LONG, started[i]))
                 ends.append(time.monotonic())
 
             async with anyio.create_task_group() as tg:
-                for _ in range(2):
-                    tg.start_soon(hold)
-                await anyio.sleep(0.3)  # the streams run
-                assert states(url)["alpha"] == "loaded" and not results
+                for i in range(2):
+                    tg.start_soon(hold, i)
+                for event in started:  # the streams run: beta is asked at once
+                    await event.wait()
+                beta_start = time.monotonic()
                 beta = await anyio.to_thread.run_sync(greedy, url, "beta", "beta-1")
                 beta_end = time.monotonic()
-            return results, beta, max(ends), beta_end
+            return results, beta, ends, beta_start, beta_end
 
-        results, beta, alpha_end, beta_end = anyio.run(swap_under_load)
+        results, beta, ends, beta_start, beta_end = anyio.run(swap_under_load)
         assert results == [("done", _LONG)] * 2  # nothing of alpha's was cut
-        assert alpha_end < beta_end  # beta waited for them
+        assert beta_start < min(ends)  # beta was asked while they streamed
+        assert max(ends) < beta_end  # and waited for them
         assert states(url) == {"alpha": "unloaded", "beta": "loaded"}
         wait_for(lambda: list(workers_of(proc)) == ["beta"])
         assert beta != alpha

@@ -13,6 +13,7 @@ from lifecycle.api.metrics import install_metrics
 from lifecycle.api.model_admin import install_model_admin
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
+from lifecycle.api.replica_admin import install_replica_admin
 from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
@@ -48,6 +49,7 @@ def test_every_installed_route_is_specified() -> None:
     install_metrics(recorder, Metrics.__new__(Metrics))  # type: ignore[arg-type]
     install_debug(recorder, Tracer(), replay=_no_replay)  # type: ignore[arg-type]
     install_model_admin(recorder, ModelSet([]), {})  # type: ignore[arg-type]
+    install_replica_admin(recorder, {})  # type: ignore[arg-type]
     assert recorder.paths == set(spec["paths"])
 
 

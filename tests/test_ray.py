@@ -1,6 +1,7 @@
-"""Workers placed, restarted and owned by Ray (issue 58; lifecycle/link/ray_replicas.py),
-on a real local Ray cluster of three nodes (``ray.cluster_utils.Cluster``), each with
-one ``replica`` resource, every node on the loopback address and no dashboard.
+"""Workers placed, restarted, scaled and owned by Ray (issue 58;
+lifecycle/link/ray_replicas.py), on a real local Ray cluster of three nodes
+(``ray.cluster_utils.Cluster``), each with one ``replica`` resource and two CPUs, every
+node on the loopback address and no dashboard.
 
 A replica asks for ``{"replica": 1}``, so at most one runs on a node: Ray's own state
 (the actors' node ids) says where each is."""
@@ -10,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -95,6 +97,8 @@ def test_replicas_on_two_nodes_give_the_local_tokens(
     prompts = [f"hello {i}" for i in range(6)]
     with _serve("--model", str(model), "--dp", "2") as (url, _):
         local = [_greedy(url, p) for p in prompts]
+        for r in (httpx.get(url + "/replicas"), httpx.post(url + "/replicas", json={"count": 3})):
+            assert r.status_code == 400 and "--ray" in r.json()["error"]["message"], r.text
     args = ("--ray", c.address, "--ray-replica-resources", _REPLICA)
     with _serve("--model", str(model), "--dp", "2", *args) as (url, _):
         assert [_greedy(url, p) for p in prompts] == local
@@ -108,6 +112,16 @@ def test_replicas_on_two_nodes_give_the_local_tokens(
             assert alive == nodes and {r["actor_id"] for r in replicas} <= set(actors)
         finally:
             ray.shutdown()
+        # A replica's worker killed alone: its actor ends with it, Ray recreates both,
+        # and the replica serves again (a new worker process), within 60 s.
+        os.kill(replicas[0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (
+            (now := _replicas(url)[0])["state"] == "ready" and now["pid"] != replicas[0]["pid"]
+        ):
+            assert time.monotonic() < deadline, now
+            time.sleep(0.2)
+        assert [_greedy(url, p) for p in prompts] == local
 
 
 async def _stream(url: str, i: int, tokens: int, seen: list[int]) -> dict[str, Any]:
@@ -119,10 +133,10 @@ async def _stream(url: str, i: int, tokens: int, seen: list[int]) -> dict[str, A
     out: dict[str, Any] = {"rank": None, "error": None, "done": False}
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", url + "/generate", json=body) as r:
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
+            async for line in _sse_lines(r):
+                if line == b"data: [DONE]":
                     out["done"] = True
-                elif line.startswith("data: "):
+                elif line.startswith(b"data: "):
                     event = json.loads(line[6:])
                     if "error" in event:
                         out["error"] = event["error"]
@@ -131,6 +145,16 @@ async def _stream(url: str, i: int, tokens: int, seen: list[int]) -> dict[str, A
                     seen[i] = len(event["output_ids"])
     out["tokens"] = seen[i]
     return out
+
+
+async def _sse_lines(r: httpx.Response) -> AsyncIterator[bytes]:
+    """The stream's lines split at b"\\n" only: a token's text may hold U+2028 or
+    U+0085, which JSON leaves as they are and ``aiter_lines`` would split at."""
+    buf = b""
+    async for chunk in r.aiter_bytes():
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
 
 
 def test_a_node_removed_mid_stream_loses_only_its_replicas_requests(
@@ -232,3 +256,183 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return not pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+# -- scaled at run time (POST /replicas, --ray-autoscale) and --tp inside a replica ------
+
+
+def _scaling(url: str) -> dict[str, Any]:
+    r = httpx.get(url + "/replicas", timeout=10)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _scale(url: str, count: int) -> dict[str, Any]:
+    r = httpx.post(url + "/replicas", json={"count": count}, timeout=10)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _settled(s: dict[str, Any], n: int) -> bool:
+    """``n`` replicas listed (none draining), every one ready."""
+    return len(s["replicas"]) == n and all(r["state"] == "ready" for r in s["replicas"])
+
+
+class _Traffic:
+    """``lanes`` streams at a time, each of ``tokens`` forced tokens, one after another
+    on every lane until ``stop``; ``results``: each stream's (``_stream``), ``states``:
+    every replica state ``/replicas`` showed meanwhile (``watch``)."""
+
+    def __init__(self, url: str, lanes: int, tokens: int) -> None:
+        self.url, self.lanes, self.tokens = url, lanes, tokens
+        self.results: list[dict[str, Any]] = []
+        self.states: set[str] = set()
+
+    async def run(self, scenario: Any) -> None:
+        self.stop = anyio.Event()
+        seen = [0] * self.lanes
+
+        async def lane(i: int) -> None:
+            while not self.stop.is_set():
+                self.results.append(await _stream(self.url, i, self.tokens, seen))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(self.lanes):
+                tg.start_soon(lane, i)
+            try:
+                await scenario(self)
+            finally:
+                self.stop.set()
+
+    async def until(self, check: Any, bound_s: float) -> dict[str, Any]:
+        """``/replicas`` read until ``check`` holds of it, within ``bound_s``."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            s = await anyio.to_thread.run_sync(_scaling, self.url)
+            self.states |= {r["state"] for r in s["replicas"]}
+            if check(s):
+                return s
+            assert time.monotonic() < deadline, s
+            await anyio.sleep(0.02)
+
+    def whole(self) -> set[int]:
+        """Every stream completed whole; the replicas that served them."""
+        assert self.results
+        for r in self.results:
+            assert r["done"] and r["error"] is None and r["tokens"] == self.tokens, r
+        return {r["rank"] for r in self.results}
+
+
+def _idle_and_free(url: str, bound_s: float) -> dict[str, Any]:
+    """/server_info once nothing is live and every replica left holds all its KV
+    blocks free, within ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        left = [r["index"] for r in info["ray_replicas"] if r["state"] != "removed"]
+        states = [info["internal_states"][i] for i in left]
+        if info["live_requests"] == 0 and all(
+            s.get("kv_blocks_free") == s.get("kv_blocks_total") is not None for s in states
+        ):
+            return dict(info)
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_scaled_2_3_1_through_the_admin_route_under_traffic(
+    cluster: tuple[Cluster, list[Any]], model: pathlib.Path
+) -> None:
+    """Streams run throughout: scaled up, the third replica is placed on the free node
+    and served once ready; scaled down to one, two replicas are drained (what they hold
+    finishes whole) and removed. No stream is cut, every KV block of the replica left is
+    free, Ray lists the removed replicas' actors dead, within BOUND_S of each change."""
+    bound_s = 60.0
+    c, _ = cluster
+    args = ("--ray", c.address, "--ray-replica-resources", _REPLICA,
+            "--router-policy", "round_robin")  # fmt: skip
+    with _serve("--model", str(model), "--dp", "2", *args) as (url, _):
+        for bad in (0, 65, "2"):  # a count outside 1..64, or not an integer
+            r = httpx.post(url + "/replicas", json={"count": bad})
+            assert r.status_code == 400 and "count" in r.json()["error"]["message"], r.text
+        traffic = _Traffic(url, lanes=6, tokens=48)  # two a replica: each holds some
+        seen: dict[str, Any] = {}
+
+        async def scenario(t: _Traffic) -> None:
+            assert (await anyio.to_thread.run_sync(_scale, url, 3))["count"] == 3
+            seen["three"] = await t.until(lambda s: _settled(s, 3), bound_s)
+            while not any(r["rank"] == 2 for r in t.results):  # routed to once ready
+                await anyio.sleep(0.05)
+            assert (await anyio.to_thread.run_sync(_scale, url, 1))["count"] == 1
+            seen["one"] = await t.until(lambda s: _settled(s, 1), bound_s)
+
+        anyio.run(traffic.run, scenario)
+        assert traffic.whole() == {0, 1, 2}
+        assert "draining" in traffic.states, traffic.states
+        three = seen["three"]["replicas"]
+        assert len({r["node_id"] for r in three}) == 3  # one per node (one "replica" each)
+        (kept,) = seen["one"]["replicas"]
+        info = _idle_and_free(url, bound_s)
+        states = [r["state"] for r in info["ray_replicas"]]
+        assert states.count("removed") == 2 and states[kept["index"]] == "ready", states
+        assert all(p > 0 for p in info["router"]["picks"]), info["router"]
+        gone = {r["actor_id"] for r in three} - {kept["actor_id"]}
+        ray.init(address=c.address, log_to_driver=False)
+        try:
+            deadline = time.monotonic() + bound_s
+            while any(_actors().get(a, ("", "DEAD"))[1] != "DEAD" for a in gone):
+                assert time.monotonic() < deadline, _actors()
+                time.sleep(0.2)
+        finally:
+            ray.shutdown()
+
+
+def test_autoscaled_on_the_queue(cluster: tuple[Cluster, list[Any]], model: pathlib.Path) -> None:
+    """--ray-autoscale 1:2 with short waits: more streams than a replica runs at once
+    add the second replica; idle again, it is drained and removed. No stream is cut."""
+    bound_s = 60.0
+    c, _ = cluster
+    args = ("--ray", c.address, "--ray-replica-resources", _REPLICA,
+            "--ray-autoscale", "1:2", "--ray-autoscale-after", "0.5:2")  # fmt: skip
+    with _serve("--model", str(model), *args) as (url, _):
+        start = _scaling(url)
+        assert start["count"] == 1 and start["autoscale"] == {"min": 1, "max": 2}, start
+        r = httpx.post(url + "/replicas", json={"count": 3})  # outside the bounds
+        assert r.status_code == 400 and "--ray-autoscale 1:2" in r.json()["error"]["message"]
+        traffic = _Traffic(url, lanes=10, tokens=64)  # 4 run at once: 6 queued
+
+        async def scenario(t: _Traffic) -> None:
+            await t.until(lambda s: s["count"] == 2 and _settled(s, 2), bound_s)
+            t.stop.set()
+            await t.until(lambda s: s["count"] == 1 and _settled(s, 1), bound_s)
+
+        anyio.run(traffic.run, scenario)
+        traffic.whole()
+        _idle_and_free(url, bound_s)
+
+
+def test_a_tp2_replica_is_one_placement_group_on_one_node(
+    cluster: tuple[Cluster, list[Any]], model: pathlib.Path
+) -> None:
+    """--tp 2: the replica's two ranks are one STRICT_PACK placement group of two
+    bundles of its resources, both on its node (Ray's placement group table says so);
+    it gives the tokens of a local --tp 2, and its group is removed with the server."""
+    c, _ = cluster
+    prompts = [f"split {i}" for i in range(3)]
+    with _serve("--model", str(model), "--tp", "2") as (url, _):
+        local = [_greedy(url, p) for p in prompts]
+    args = ("--ray", c.address, "--ray-replica-resources", '{"CPU": 1}')
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        with _serve("--model", str(model), "--tp", "2", *args) as (url, _):
+            assert [_greedy(url, p) for p in prompts] == local
+            (replica,) = _replicas(url)
+            group = ray.util.placement_group_table()[replica["placement_group"]]
+            assert group["strategy"] == "STRICT_PACK" and group["state"] == "CREATED", group
+            assert list(group["bundles"].values()) == [{"CPU": 1.0}] * 2, group
+            assert set(group["bundles_to_node_id"].values()) == {replica["node_id"]}, group
+        deadline = time.monotonic() + 30
+        while ray.util.placement_group_table()[replica["placement_group"]]["state"] != "REMOVED":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()

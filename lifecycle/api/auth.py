@@ -37,7 +37,7 @@ __all__ = [
 log = logging.getLogger("lifecycle.api.auth")
 
 ADMIN_ROUTES: frozenset[str] = frozenset(
-    {"/abort_request", "/flush_cache", "/models/load", "/models/unload"}
+    {"/abort_request", "/flush_cache", "/models/load", "/models/unload", "/replicas"}
 )
 ADMIN_PREFIXES: tuple[str, ...] = ("/debug",)
 
@@ -57,7 +57,10 @@ class AuthConfig:
     @property
     def admin_policy(self) -> str:
         """Who may use the admin routes, as start-up logs it."""
-        routes = "admin routes (/abort_request, /flush_cache, /models/load and unload, /debug)"
+        routes = (
+            "admin routes (/abort_request, /flush_cache, /models/load and unload, /replicas, "
+            "/debug)"
+        )
         if self.admin_api_keys:
             return f"{routes}: admin keys only"
         if not self.api_keys:

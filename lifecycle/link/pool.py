@@ -13,6 +13,11 @@ picks among the ready ones:
   ``balance_rel`` times the least loaded one's; otherwise the least loaded. The prefix
   index is bounded (least recently used blocks go first) and forgets a worker's blocks
   when its cache is flushed (``WorkerPool.flush``).
+
+Members join and leave at run time (``add``, ``drain`` then ``remove``: a Ray
+deployment scaled by ``/replicas``). A member keeps its index for the pool's life, so
+the router's ``picks``, the metrics' ``worker`` label, ``/server_info`` and traces keep
+naming the same worker: one that left keeps its slot, marked ``removed``.
 """
 
 from __future__ import annotations
@@ -25,15 +30,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from lifecycle.link.supervisor import LoadFailed, Supervisor, supervision_info
 from lifecycle.link.worker_client import WorkerClient
 
-__all__ = ["POLICIES", "Router", "WorkerPool"]
+__all__ = ["DRAINING", "POLICIES", "REMOVED", "Router", "WorkerPool"]
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 _MAX_BLOCKS = 64  # prefix blocks looked at per prompt
 _INDEX_SIZE = 100_000  # prefix blocks remembered
+DRAINING, REMOVED = "draining", "removed"  # a member on its way out, and one gone
+_DRAIN_POLL_S = 0.05
 
 
 def _load(client: WorkerClient) -> int:
@@ -130,22 +138,37 @@ class WorkerPool:
     def __init__(self, members: list[Supervisor], router: Router) -> None:
         self.members = members
         self.router = router
+        self._leaving: dict[int, str] = {}  # index -> DRAINING or REMOVED
+        self._group: anyio.abc.TaskGroup | None = None  # ``run``'s, where members join
+        self._stopping = anyio.Event()
+
+    # -- which members serve -----------------------------------------------------------------
+    def state(self, index: int) -> str:
+        """Member ``index``'s state: draining or removed once it leaves, else its
+        supervisor's status (starting, ready, restarting...)."""
+        return self._leaving.get(index) or self.members[index].status
+
+    @property
+    def live(self) -> list[tuple[int, Supervisor]]:
+        """The members routed to (not draining, not removed), with their indexes."""
+        return [(i, s) for i, s in enumerate(self.members) if i not in self._leaving]
 
     # -- what the frontend and the routes read of a supervisor ----------------------------
     @property
     def ready(self) -> bool:
-        return any(s.ready for s in self.members)
+        return any(s.ready for _, s in self.live)
 
     @property
     def status(self) -> str:
         if self.ready:
             return "ready"
-        return self.members[0].status
+        live = self.live
+        return live[0][1].status if live else "stopped"
 
     @property
     def client(self) -> WorkerClient | None:
         """A ready worker's client (for the probe and stats); None when none is ready."""
-        for s in self.members:
+        for _, s in self.live:
             if s.ready and s.client is not None:
                 return s.client
         return None
@@ -160,14 +183,15 @@ class WorkerPool:
 
     @property
     def last_error(self) -> str | None:
-        return next((s.last_error for s in self.members if s.last_error), None)
+        return next((s.last_error for _, s in self.live if s.last_error), None)
 
     def info(self) -> dict[str, Any]:
+        live = self.live
         return {
             **supervision_info(self),
             "router": self.router.policy,
-            "workers_ready": sum(s.ready for s in self.members),
-            "workers": len(self.members),
+            "workers_ready": sum(s.ready for _, s in live),
+            "workers": len(live),
         }
 
     def member_name(self, index: int) -> str:
@@ -184,7 +208,7 @@ class WorkerPool:
         worker's (a readiness check: the router neither counts nor learns it)."""
         if prompt is None:
             return self.client
-        ready = [(i, s.client) for i, s in enumerate(self.members) if s.ready and s.client]
+        ready = [(i, s.client) for i, s in self.live if s.ready and s.client]
         if not ready:
             return None
         i = self.router.pick(ready, prompt)  # type: ignore[arg-type]
@@ -204,7 +228,7 @@ class WorkerPool:
             out.append((i, ok, message))
 
         async with anyio.create_task_group() as tg:
-            for i, s in enumerate(self.members):
+            for i, s in self.live:
                 if s.ready and s.client is not None:
                     tg.start_soon(one, i, s.client)
         self.router.forget({i for i, ok, _ in out if ok})
@@ -213,10 +237,41 @@ class WorkerPool:
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
+            self._group = tg
             for s in self.members:
                 tg.start_soon(s.run)
+            try:
+                await self._stopping.wait()  # members may join until the pool stops
+            finally:
+                self._group = None
+
+    def add(self, member: Supervisor) -> int:
+        """A member joins (its supervisor started, routed to once ready); its index.
+        RuntimeError once the pool stopped."""
+        if self._group is None or self._stopping.is_set():
+            raise RuntimeError("the pool is not running")
+        self.members.append(member)
+        self._group.start_soon(member.run)
+        return len(self.members) - 1
+
+    def drain(self, index: int) -> None:
+        """No call is routed to member ``index`` any more (``remove`` ends it)."""
+        self._leaving.setdefault(index, DRAINING)
+
+    async def remove(self, index: int) -> None:
+        """Member ``index`` drained (``drain``), then, once the calls it holds have
+        finished whole (its worker holds none, none queued for it), its supervisor
+        stopped; its slot stays, marked removed, and the router forgets its prefixes."""
+        self.drain(index)
+        member = self.members[index]
+        while (c := member.client) is not None and (c.busy or c.queued):
+            await anyio.sleep(_DRAIN_POLL_S)
+        await member.stop()
+        self._leaving[index] = REMOVED
+        self.router.forget({index})
 
     async def stop(self) -> None:
+        self._stopping.set()
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for s in self.members:

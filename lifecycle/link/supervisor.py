@@ -332,7 +332,8 @@ class Supervisor:
 
     async def _connect(self, address: str, proc: anyio.abc.Process | None) -> FrameStream:
         """Connect, retrying while the worker starts: every 50 ms for a spawned one, with
-        a back-off up to 2 s for a remote one (which may be down for a while)."""
+        a back-off up to 2 s for a remote one (which may be down for a while); one whose
+        address is located (``SupervisorConfig.locate``) is located again each time."""
         addr = parse_address(address)
         tls = client_tls_context(self.config.tls_ca) if addr.tls else None
         delay = 0.05
@@ -352,6 +353,10 @@ class Supervisor:
                     await anyio.sleep(delay)
                     if proc is None:
                         delay = min(delay * 2, 2.0)
+                    if self.config.locate is not None:  # a replica Ray placed again may
+                        address = self.address = await self.config.locate()  # have moved
+                        addr = parse_address(address)
+                        tls = client_tls_context(self.config.tls_ca) if addr.tls else None
 
     async def _serve(self, client: WorkerClient) -> None:
         self.client = client
