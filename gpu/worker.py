@@ -38,9 +38,7 @@ _CPU_TUNING = tune_cpu_runtime()
 import wire  # noqa: E402
 from gpu.engine import Engine, ProtocolError  # noqa: E402
 from gpu.link import AUTH_TIMEOUT, Link, TlsLink, authenticate, server_tls_context  # noqa: E402
-from gpu.memory import device_memory  # noqa: E402
 from gpu.threads import ThreadGovernor, apply_threads, resolve_threads, worker_governor  # noqa: E402
-from gpu.tp_model import ShardedLlama  # noqa: E402
 from gpu.worker_config import (  # noqa: E402
     WorkerConfig,
     build_engine,
@@ -48,9 +46,9 @@ from gpu.worker_config import (  # noqa: E402
     parse_config,
     refused_at_start,
 )
+from gpu.worker_info import hello, stats  # noqa: E402
 from modelfile.gguf_meta import ModelFileError  # noqa: E402
 from modelfile.hub import resolve_model  # noqa: E402
-from modelfile.source import model_bytes  # noqa: E402
 from wire.address import listen_unix, parse_address  # noqa: E402
 from wire.faults import fault_point  # noqa: E402
 
@@ -192,58 +190,11 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
         inbox.put((conn, _EOF))
 
 
-def _hello(engine: Engine) -> wire.Hello:
-    lm, mc, c = engine.loaded, engine.mc, engine.config
-    model = {
-        "name": mc.name,
-        "path": str(lm.path),
-        "file_bytes": model_bytes(lm.path),  # with path: the model's identity in traces
-        "arch": mc.arch,
-        "vocab_size": mc.vocab_size,
-        "context_length": mc.context_length,
-        "eos_id": mc.eos_id,
-        "eog_ids": list(mc.eog_ids),
-        "device": str(lm.device),
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "pid": os.getpid(),
-        "hidden_size": mc.hidden,
-    }
-    if isinstance(engine.model, ShardedLlama):
-        model["tp"] = engine.model.plan.world
-    capacity: dict[str, Any] = {
-        "max_running": c.max_running,
-        "max_pending": c.max_pending,
-        "kv_blocks": c.kv_blocks,
-        "block_size": c.block_size,
-        "max_context": engine.max_context,
-        **engine.runner.backends(),
-        "overlap": engine.overlap,
-        "weights": "quantized" if engine.model.quantized() else "dense",
-        "kv_dtype": engine.cache.element,
-    }
-    if engine.kv_plan is not None:
-        capacity.update(engine.kv_plan.info())
-    return wire.Hello(model, capacity)
-
-
-def _stats(engine: Engine) -> dict[str, Any]:
-    load = engine.load()
-    problems = engine.check()
-    load["integrity_ok"] = not problems
-    if problems:
-        load["integrity_problems"] = problems[:8]
-    footprint = engine.footprint()
-    # RSS now (STATS is asked for, not periodic), and on CUDA the card's memory.
-    load["memory"] = {**footprint.split(), **device_memory(footprint.device)}
-    load.update(engine.step_stats.to_wire())  # the steps since start-up (wire/stats.py)
-    return load
-
-
 def _handle(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> bool:
     """Apply one queued frame of ``conn``'s; True when it asks the worker to shut down."""
     if frame is _JOIN:
         hub.join(conn)
-        conn.send(_hello(engine))
+        conn.send(hello(engine))
     elif frame is _EOF:
         _leave(engine, hub, conn, "connection lost")
     elif not conn.alive or conn.slot < 0:
@@ -286,7 +237,7 @@ def _apply(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> None:
         missing = [r for r, e in zip(rids, _inward(conn, rids), strict=True) if not engine.holds(e)]
         conn.send(wire.AuditReply(frame.nonce, missing))
     elif isinstance(frame, wire.StatsReq):
-        conn.send(wire.Stats(frame.nonce, _stats(engine)))
+        conn.send(wire.Stats(frame.nonce, stats(engine)))
     elif isinstance(frame, wire.Flush):
         ok, message = engine.flush()
         conn.send(wire.FlushReply(frame.nonce, ok, message))
