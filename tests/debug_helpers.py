@@ -7,7 +7,7 @@ moves through the real state machine (the same calls the request path makes).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Submission
 from lifecycle.tracing.debug import Auth, install_debug
 from lifecycle.tracing.tracer import Probe, TraceConfig, Tracer, default_probe
-from transport import Router, Server, ServerConfig
+from transport import JSONResponse, Request, Response, Router, Server, ServerConfig
 
 TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)
 
@@ -69,14 +69,29 @@ class DebugServer:
             rec.submission.move("release")  # type: ignore[union-attr]
 
 
+def _no_replicas(router: Router) -> None:
+    async def server_info(request: Request) -> Response:
+        return JSONResponse({})
+
+    router.add("GET", "/server_info", server_info)
+
+
 @asynccontextmanager
 async def debug_server(
-    *, auth: Auth | None = None, enabled: bool = True, probe: Probe = default_probe, **trace: Any
+    *,
+    auth: Auth | None = None,
+    enabled: bool = True,
+    probe: Probe = default_probe,
+    routes: Callable[[Router], None] | None = None,
+    **trace: Any,
 ) -> AsyncIterator[DebugServer]:
+    """``routes``: installs more routes beside the debug ones; without it a stand-in
+    ``/server_info`` with no Ray replicas (every real server has one: the page reads it)."""
     registry = Registry()
     tracer = Tracer(TraceConfig(**trace), registry=registry, probe=probe)
     router = Router()
     install_debug(router, tracer, enabled=enabled, auth=auth)
+    (routes or _no_replicas)(router)
     server = Server(router, ServerConfig(port=0, shutdown_timeout=2))
     with tracer:
         async with anyio.create_task_group() as tg:

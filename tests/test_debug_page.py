@@ -185,3 +185,40 @@ async def explain_search_and_follow(srv: Any, page: Page) -> None:
     )
     await choose(page, "search", "")
     await wait_rows(page, everything)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make ci-deps)")
+async def test_debug_page_shows_each_ray_replica() -> None:
+    """With ``--ray`` the page lists each replica's state, node, actor and address, as
+    ``/server_info``'s ``ray_replicas`` gives them (a stand-in route here: the real
+    list is tests/test_ray.py's); without them the panel stays hidden."""
+    from transport import JSONResponse, Request, Response, Router
+
+    replicas = [
+        {"index": 0, "state": "ready", "node_id": "n0", "actor_id": "a0",
+         "address": "tcp:127.0.0.1:4100", "restarts": 0},
+        {"index": 1, "state": "draining", "node_id": "n1", "actor_id": "a1",
+         "address": "tcp:127.0.0.1:4101", "restarts": 2},
+    ]  # fmt: skip
+    served: dict[str, Any] = {}
+
+    async def server_info(request: Request) -> Response:
+        return JSONResponse(served)
+
+    def routes(router: Router) -> None:
+        router.add("GET", "/server_info", server_info)
+
+    assert CHROMIUM is not None
+    async with debug_server(routes=routes) as srv, chromium_page(CHROMIUM) as page:
+        await page.send("Page.navigate", {"url": f"{srv.url}/debug"})
+        await page.wait_for("document.getElementById('status')?.textContent === 'live'", 30)
+        assert await page.eval("document.getElementById('replicas').hidden") is True
+        served["ray_replicas"] = replicas
+        await page.wait_for("document.querySelectorAll('#replicas .replica').length === 2", 10)
+        rows = await page.eval("[...document.querySelectorAll('#replicas .replica')]"
+                               ".map(r => r.textContent)")  # fmt: skip
+        assert rows == [
+            "#0 ready · node n0 · actor a0 · tcp:127.0.0.1:4100 · restarts 0",
+            "#1 draining · node n1 · actor a1 · tcp:127.0.0.1:4101 · restarts 2",
+        ]
