@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from gpu import native
 from gpu.kv_cache import PagedKVCache
+from modelfile.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(
     native.load_kernels() is None,
@@ -27,32 +27,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@dataclass(frozen=True)
-class Shape:
-    n_layers: int = 2
-    n_heads: int = 9
-    n_kv_heads: int = 3
-    head_dim: int = 64
-    # What the cache reads of a model beyond its shape: no custom query scale, no
-    # score cap, no sliding window (Llama's defaults).
-    attn_scale: float | None = None
-    attn_softcap: float = 0.0
-    sliding_window: int = 0
-
-    @property
-    def query_scale(self) -> float:
-        return self.head_dim**-0.5
-
-    def window(self, layer: int) -> int:
-        return 0
+def attention_shape(n_heads: int = 9, n_kv_heads: int = 3, head_dim: int = 64) -> ModelConfig:
+    """A two-layer model of the default model's attention shape (or another), Llama's
+    layer: no custom query scale, no score cap, no sliding window."""
+    return ModelConfig("llama", 2, n_heads * head_dim, 4 * n_heads * head_dim, n_heads,
+                       n_kv_heads, head_dim, 1e4, 1e-5, 256, 300, True, 1, 2, (2,), False,
+                       "shape")  # fmt: skip
 
 
 def caches(
-    shape: Shape, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
+    shape: ModelConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype = torch.float32
 ) -> tuple[PagedKVCache, PagedKVCache]:
     """The torch path's cache and the native one, both storing ``kv_dtype``, filled alike."""
-    ref = PagedKVCache(shape, num_blocks, block_size, native=False, kv_dtype=kv_dtype)  # type: ignore[arg-type]
-    nat = PagedKVCache(shape, num_blocks, block_size, native=True, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    ref = PagedKVCache(shape, num_blocks, block_size, native=False, kv_dtype=kv_dtype)
+    nat = PagedKVCache(shape, num_blocks, block_size, native=True, kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(1)
     ref.k.copy_(torch.randn(ref.k.shape, generator=g))
     ref.v.copy_(torch.randn(ref.v.shape, generator=g))
@@ -77,11 +65,15 @@ def decode_batch(
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     ("shape", "block_size"),
-    [(Shape(), 16), (Shape(), 5), (Shape(n_heads=4, n_kv_heads=2, head_dim=24), 16)],
+    [
+        (attention_shape(), 16),
+        (attention_shape(), 5),
+        (attention_shape(n_heads=4, n_kv_heads=2, head_dim=24), 16),
+    ],
     ids=["hd64-bs16", "hd64-bs5", "hd24-generic"],
 )
 def test_native_decode_matches_the_torch_path(
-    shape: Shape, block_size: int, kv_dtype: torch.dtype
+    shape: ModelConfig, block_size: int, kv_dtype: torch.dtype
 ) -> None:
     """The C kernel against the torch path on the same cache: both store the new keys
     rounded alike (torch's conversion and F16C round to nearest even) and attend to the
@@ -109,7 +101,7 @@ def test_native_decode_matches_the_torch_path(
 
 def test_native_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
     rng = random.Random(3)
-    _, nat = caches(Shape(), 128, 16)
+    _, nat = caches(attention_shape(), 128, 16)
     decodes = decode_batch(rng, 128, 16, [40, 90, 5, 130])
     q, k, v = torch.randn(4, 9, 64), torch.randn(4, 3, 64), torch.randn(4, 3, 64)
     nat.prepare(decodes, [])
@@ -129,10 +121,10 @@ def test_build_failure_or_opt_out_falls_back_to_torch(
     with caplog.at_level(logging.WARNING, logger="gpu.native"):
         assert native.load_kernels() is None
     assert "no C compiler" in caplog.text
-    cache = PagedKVCache(Shape(), 8, 16)  # type: ignore[arg-type]
+    cache = PagedKVCache(attention_shape(), 8, 16)
     assert cache.kernels is None
     with pytest.raises(RuntimeError, match="unavailable"):
-        PagedKVCache(Shape(), 8, 16, native=True)  # type: ignore[arg-type]
+        PagedKVCache(attention_shape(), 8, 16, native=True)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv("LIFECYCLE_NATIVE", "0")
