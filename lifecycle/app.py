@@ -22,6 +22,7 @@ from lifecycle.api.anthropic import AnthropicAPI
 from lifecycle.api.auth import Auth, AuthConfig
 from lifecycle.api.calls import error_response
 from lifecycle.api.cors import cors
+from lifecycle.api.debug import install_debug
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
 from lifecycle.api.model_admin import install_model_admin
@@ -47,7 +48,6 @@ from lifecycle.runtime import (
     worker_addresses,
     worker_args,
 )
-from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_in_process
 from lifecycle.tracing.shared_metrics import PUBLISH_INTERVAL, SharedMetrics

@@ -14,12 +14,12 @@ from typing import Any
 
 import anyio
 
+from lifecycle.api.debug import Auth, install_debug
 from lifecycle.core.buffers import OutputBuffer
 from lifecycle.core.fsm import RequestRecord, new_request
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Submission
-from lifecycle.tracing.debug import Auth, install_debug
 from lifecycle.tracing.tracer import Probe, TraceConfig, Tracer, default_probe
 from transport import JSONResponse, Request, Response, Router, Server, ServerConfig
 

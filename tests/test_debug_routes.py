@@ -9,8 +9,8 @@ import httpx
 import pytest
 import websockets
 
+from lifecycle.api.debug import admin_auth
 from lifecycle.core.states import Cause
-from lifecycle.tracing.debug import admin_auth
 from tests.debug_helpers import debug_server
 from transport import Request
 

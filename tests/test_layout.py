@@ -50,7 +50,8 @@ FORBIDDEN_INSIDE = {
     "lifecycle/chat": {*_ROOMS - {"lifecycle.chat"}, *_TOP},
     "lifecycle/link": {*_ROOMS - {"lifecycle.link"}, *_TOP},
     "lifecycle/api": {"lifecycle.testing", *_TOP},
-    "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP},
+    # the tracer knows requests, not HTTP: its routes (lifecycle/api/debug.py) do
+    "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP, "transport"},
     # the scripted worker is a wire peer: it frames the protocol with the link's stream
     "lifecycle/testing": {*_ROOMS - {"lifecycle.testing", "lifecycle.link"}, *_TOP},
 }

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from lifecycle.api.anthropic import AnthropicAPI
+from lifecycle.api.debug import install_debug
 from lifecycle.api.embeddings import EmbeddingsAPI
 from lifecycle.api.metrics import install_metrics
 from lifecycle.api.model_admin import install_model_admin
@@ -18,7 +19,6 @@ from lifecycle.api.responses import ResponsesAPI
 from lifecycle.api.score import ScoreAPI
 from lifecycle.api.websocket import WebSocketAPI
 from lifecycle.link.model_set import ModelSet
-from lifecycle.tracing.debug import install_debug
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.tracer import Tracer
 
