@@ -366,8 +366,10 @@ def test_scaled_2_3_1_through_the_admin_route_under_traffic(
             seen["one"] = await t.until(lambda s: _settled(s, 1), bound_s)
 
         anyio.run(traffic.run, scenario)
+        # Nothing cut while two replicas that held streams (six lanes, round robin) left:
+        # they were drained first. (Seeing "draining" in a poll of /replicas is a race
+        # with how fast the drain ends: not asserted.)
         assert traffic.whole() == {0, 1, 2}
-        assert "draining" in traffic.states, traffic.states
         three = seen["three"]["replicas"]
         assert len({r["node_id"] for r in three}) == 3  # one per node (one "replica" each)
         (kept,) = seen["one"]["replicas"]
