@@ -93,7 +93,9 @@ class _ModelClock:
     def __init__(self, engine: Engine) -> None:
         self.ms = 0.0
         runner = engine.runner
-        self._wrap(runner.model, "trunk")
+        # the trunk the runner chose once (gpu/runner.py); a tree from before that choice
+        # (``--baseline``) called the model's own
+        self._wrap(runner if hasattr(runner, "trunk") else runner.model, "trunk")
         self._wrap(runner.model, "logits")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "run")
