@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wire.worker_options import DEFAULT_BLOCK_SIZE
+from wire.worker_options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_STEP_TOKENS,
+)
 
 __all__ = ["EngineConfig"]
 
@@ -15,10 +20,11 @@ __all__ = ["EngineConfig"]
 class EngineConfig:
     kv_blocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
-    max_running: int = 64
-    max_pending: int = 256
-    step_tokens: int = 512
-    mixed_prefill_tokens: int = 512
+    max_running: int = DEFAULT_MAX_RUNNING
+    max_pending: int = DEFAULT_MAX_PENDING
+    step_tokens: int = DEFAULT_STEP_TOKENS
+    # the worker's own default depends on the device (gpu/worker_config.py)
+    mixed_prefill_tokens: int = DEFAULT_STEP_TOKENS
     decode_graphs: str = "auto"  # auto (CUDA graphs on CUDA, off elsewhere) | on | eager | off
     overlap: str = "auto"  # auto (on CUDA, off elsewhere) | on | off: Engine.step
     kv_cache_dtype: str = "auto"  # what K and V are stored as: gpu/kv_cache.py, kv_storage_dtype

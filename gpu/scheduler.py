@@ -23,18 +23,19 @@ from gpu.kv_cache import BlockManager
 from wire.options import RequestOptions
 from wire.reasoning_budget import BudgetState
 from wire.sampling import SamplingParams
+from wire.worker_options import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
 
 __all__ = ["Scheduler", "SchedulerConfig", "Sequence"]
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_running: int = 64
-    step_tokens: int = 512
+    max_running: int = DEFAULT_MAX_RUNNING
+    step_tokens: int = DEFAULT_STEP_TOKENS
     # While any sequence is decoding, prompt tokens (new prefills and later chunks) per
     # step stop at this: a chunk shares its step with every decode. The worker's default
     # depends on the device (gpu/worker_config.py, CPU_MIXED_PREFILL_TOKENS).
-    mixed_prefill_tokens: int = 512
+    mixed_prefill_tokens: int = DEFAULT_STEP_TOKENS
 
 
 @dataclass(slots=True, eq=False)

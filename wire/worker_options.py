@@ -222,6 +222,13 @@ def worker_defaults() -> dict[str, Any]:
     return {o.name: o.default for o in WORKER_OPTIONS}
 
 
+# The worker's defaults that the engine's, the scheduler's and the scripted worker's
+# configurations take as theirs (one definition: the options above).
+DEFAULT_MAX_RUNNING: int = worker_defaults()["max_running"]
+DEFAULT_MAX_PENDING: int = worker_defaults()["max_pending"]
+DEFAULT_STEP_TOKENS: int = worker_defaults()["step_tokens"]
+
+
 def refused_combination(values: Mapping[str, Any]) -> str | None:
     """Why the worker refuses these options together, in one line, or None. ``values``:
     options by name, None or absent for the worker's default. The one definition of the

@@ -39,6 +39,7 @@ import anyio
 import wire
 from lifecycle.link.wire_stream import FrameStream, parse_address, serve
 from wire.faults import fault_point
+from wire.worker_options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PENDING, DEFAULT_MAX_RUNNING
 
 __all__ = ["ScriptConfig", "ScriptedWorker", "main", "scripted_embedding"]
 
@@ -53,10 +54,10 @@ class ScriptConfig:
     # costing ``prefill_delay``); a step that only prefills sends an empty STEP, as the
     # model's worker does
     prefill_chunk: int = 0
-    max_running: int = 64
-    max_pending: int = 256
+    max_running: int = DEFAULT_MAX_RUNNING  # the model worker's defaults
+    max_pending: int = DEFAULT_MAX_PENDING
     kv_blocks: int = 4096
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     vocab_size: int = 49152
     context_length: int = 8192
     eos_id: int = 2
