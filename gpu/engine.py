@@ -54,9 +54,10 @@ class Engine:
     ) -> None:
         """Every backend is chosen once, as the engine is made (the runner's: the kernels,
         the trunk, the cache, the graphs; the overlap): the loaded model is shared
-        between engines and holds none of them. ``kv_plan``: how the cache was sized from the card's memory (None: from
-        ``--kv-blocks`` / ``--kv-mib``); ``cache_type``: what makes the cache (a
-        tensor-parallel leader's, ``gpu.tp.leader_cache``, tells its followers)."""
+        between engines and holds none of them. ``kv_plan``: how the cache was sized
+        from the card's memory (None: from ``--kv-blocks`` / ``--kv-mib``);
+        ``cache_type``: what makes the cache (a tensor-parallel leader's,
+        ``gpu.tp.leader_cache``, tells its followers)."""
         self.loaded = loaded
         self.model = loaded.model
         self.mc = loaded.config
@@ -76,15 +77,15 @@ class Engine:
         self.step_no = 0
         self.step_stats = StepStats()  # every step's time, sequences and tokens
         self._footprint: MemoryFootprint | None = None
-        self._eog = tuple(sorted(self.mc.eog_ids))
+        eog = tuple(sorted(self.mc.eog_ids))
         tok = loaded.tokenizer
-        self.grammars = Grammars(tok, self.mc.vocab_size, self._eog)
-        self.admission = Admission(self.mc.vocab_size, self._eog, self.max_context,
+        self.grammars = Grammars(tok, self.mc.vocab_size, eog)
+        self.admission = Admission(self.mc.vocab_size, eog, self.max_context,
                                    config.max_pending, self.grammars, self.generator)  # fmt: skip
         # The end a finished grammar reports (it is not sampled: nothing else could be).
-        grammar_end = tok.eos_id if tok.eos_id is not None else self._eog[0]
-        self.books = Books(self.seqs, self.reserved, self._end, self._fail,
-                           self.mc.eog_ids, tok.decode, grammar_end)  # fmt: skip
+        grammar_end = tok.eos_id if tok.eos_id is not None else eog[0]
+        self.books = Books(self.seqs, self.reserved, self._end, self._fail, eog, tok.decode,
+                           grammar_end)  # fmt: skip
         self.overlap = overlap_on(config.overlap, loaded.device)
         self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
         # Requests the last steps failed (rid, why), for the worker to report as errors.

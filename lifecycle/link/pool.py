@@ -35,7 +35,7 @@ import anyio.abc
 from lifecycle.link.supervisor import LoadFailed, Supervisor, supervision_info
 from lifecycle.link.worker_client import WorkerClient
 
-__all__ = ["DRAINING", "POLICIES", "REMOVED", "Router", "WorkerPool"]
+__all__ = ["DRAINING", "POLICIES", "REMOVED", "Router", "WorkerPool", "held"]
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 _MAX_BLOCKS = 64  # prefix blocks looked at per prompt
@@ -44,7 +44,8 @@ DRAINING, REMOVED = "draining", "removed"  # a member on its way out, and one go
 _DRAIN_POLL_S = 0.05
 
 
-def _load(client: WorkerClient) -> int:
+def held(client: WorkerClient) -> int:
+    """The requests a worker holds: in flight at it plus queued for it (its load)."""
     return client.in_flight + client.queued
 
 
@@ -68,9 +69,9 @@ class Router:
         if self.policy == "round_robin":
             choice = ready[next(self._turn) % len(ready)][0]
         elif self.policy == "least_load":  # ties: the one picked least so far
-            choice = min(ready, key=lambda r: (_load(r[1]), self.picks[r[0]], r[0]))[0]
+            choice = min(ready, key=lambda r: (held(r[1]), self.picks[r[0]], r[0]))[0]
         else:  # a new prefix goes where the least is cached (SGLang's smallest tree)
-            least = min(ready, key=lambda r: (_load(r[1]), self._cached[r[0]], r[0]))
+            least = min(ready, key=lambda r: (held(r[1]), self._cached[r[0]], r[0]))
             # prefix blocks are the workers' KV blocks (HELLO's capacity; the same for all)
             block = int(ready[0][1].capacity["block_size"])
             keys = _prefix_keys(prompt, block) if prompt else []
@@ -83,8 +84,8 @@ class Router:
     def _follow(
         self, keys: list[bytes], ready: list[tuple[int, WorkerClient]], least: tuple[int, Any]
     ) -> int:
-        loads = dict((i, _load(c)) for i, c in ready)
-        floor = _load(least[1])
+        loads = dict((i, held(c)) for i, c in ready)
+        floor = held(least[1])
         for key in reversed(keys):  # the longest prefix first
             w = self._index.get(key)
             if w is not None and w in loads:

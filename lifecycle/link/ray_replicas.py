@@ -43,7 +43,7 @@ import anyio
 import anyio.abc
 
 from lifecycle.link.autoscale import TICK_S, AutoscaleConfig, Autoscaler
-from lifecycle.link.pool import REMOVED, Router, WorkerPool
+from lifecycle.link.pool import REMOVED, Router, WorkerPool, held
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 
 __all__ = ["REPLICAS_LIMIT", "RayConfig", "RayWorkers", "replica_resources"]
@@ -264,11 +264,11 @@ class RayWorkers(WorkerPool):
         while True:
             await anyio.sleep(TICK_S)
             ready = [s.client for _, s in self.live if s.ready and s.client is not None]
-            held = [c.in_flight + c.queued for c in ready]
+            loads = [held(c) for c in ready]
             running = min((int(c.capacity.get("max_running", 1)) for c in ready), default=1)
-            want = autoscaler.target(anyio.current_time(), self._target, held, running)
+            want = autoscaler.target(anyio.current_time(), self._target, loads, running)
             if want != self._target:
-                log.info("ray autoscale: %d -> %d replicas (held: %s)", self._target, want, held)
+                log.info("ray autoscale: %d -> %d replicas (held: %s)", self._target, want, loads)
                 self._target = want
                 self._wake.set()
 
@@ -382,8 +382,7 @@ class RayWorkers(WorkerPool):
 
 
 def _held(s: Supervisor) -> int:
-    c = s.client
-    return c.in_flight + c.queued if c is not None else 0
+    return held(s.client) if s.client is not None else 0
 
 
 def _short(exc: BaseException) -> str:
