@@ -8,7 +8,7 @@ beside it (one process each spinning in pure Python; by default one per CPU this
 process may use), then quiet again: its loaded tokens/s over the mean of the two quiet
 legs is the share of its speed it keeps. Fair sharing of every core between one busy
 loop and the server's threads gives 0.5x; issue 53 measured 1/37 (12.6-13.4 s for 32
-tokens against 0.34-0.37 s) before the worker's thread governor (``gpu/threads.py``).
+tokens against 0.34-0.37 s) before the worker's thread governor (``gpu/worker/threads.py``).
 
 Contenders: ``ours`` (the defaults: threads from the CPU budget, the governor on),
 ``ours-fixed`` (the same thread count held fixed, ``LIFECYCLE_FIXED_THREADS=1``: what

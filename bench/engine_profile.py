@@ -41,14 +41,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CODE = pathlib.Path(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else ROOT
 sys.path.insert(0, str(CODE))
 
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
 import torch  # noqa: E402
 
-from gpu.engine import Engine, EngineConfig  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.model.loader import load_model  # noqa: E402
+from gpu.runtime.engine import Engine, EngineConfig  # noqa: E402
 from wire import Step, SubmitEntry, encode_frame, pack_ids  # noqa: E402
 
 
@@ -93,7 +93,7 @@ class _ModelClock:
     def __init__(self, engine: Engine) -> None:
         self.ms = 0.0
         runner = engine.runner
-        # the trunk the runner chose once (gpu/runner.py); a tree from before that choice
+        # the trunk the runner chose once (gpu/runtime/runner.py); a tree from before that choice
         # (``--baseline``) called the model's own
         self._wrap(runner if hasattr(runner, "trunk") else runner.model, "trunk")
         self._wrap(runner.model, "logits")

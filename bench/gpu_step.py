@@ -9,7 +9,7 @@ tokens of context, logits for every row, no sampling) run three ways:
 
 - ``eager``: ``PagedKVCache.prepare`` + the model's forward, as the engine runs a step
   with ``decode_graphs="off"``;
-- ``graphs``: ``gpu.graphs.StepGraphs.run`` (the static buffers filled from the host,
+- ``graphs``: ``gpu.backends.graphs.StepGraphs.run`` (the static buffers filled from the host,
   then the captured graph replayed: ``CudaBackend`` on a GPU, ``EagerBackend``, the same
   step without capture, on the CPU);
 - ``replay``: on a GPU, the captured graph alone, buffers already filled (the device's
@@ -26,11 +26,11 @@ whose argmax matches.
 
 And a mixed step, ``--mixed-decodes`` decode rows (``--context`` each) beside one
 ``--mixed-chunk``-token prompt chunk, logits for the decode rows and the chunk's last:
-``eager`` as above, ``piecewise`` through ``gpu.piecewise.MixedGraphs`` (captured
+``eager`` as above, ``piecewise`` through ``gpu.backends.piecewise.MixedGraphs`` (captured
 pieces around an eager attention; without capture on the CPU), and the check against the
 model's torch path (eager on a GPU), which the pieces are made of.
 
-``--kernels torch triton`` runs all of it once with each (``gpu/triton_ops.py``: the
+``--kernels torch triton`` runs all of it once with each (``gpu/kernels/triton_ops.py``: the
 torch path's ops fused into Triton kernels), one table each.
 """
 
@@ -50,20 +50,20 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
 import torch  # noqa: E402
 
-from gpu.graphs import CudaBackend, EagerBackend, StepGraphs  # noqa: E402
-from gpu.kernel_choice import triton_ops  # noqa: E402
-from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
-from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.memory import kv_bytes_per_token  # noqa: E402
-from gpu.model import Ops  # noqa: E402
-from gpu.piecewise import MixedGraphs  # noqa: E402
-from gpu.runner import trunk_for  # noqa: E402
+from gpu.backends.graphs import CudaBackend, EagerBackend, StepGraphs  # noqa: E402
+from gpu.backends.piecewise import MixedGraphs  # noqa: E402
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
+from gpu.cache.memory import kv_bytes_per_token  # noqa: E402
+from gpu.kernels.kernel_choice import triton_ops  # noqa: E402
+from gpu.model.decoder import Ops  # noqa: E402
+from gpu.model.loader import LoadedModel, load_model  # noqa: E402
+from gpu.runtime.runner import trunk_for  # noqa: E402
 from wire.worker_options import KERNEL_MODES  # noqa: E402
 
 BLOCK_SIZE = 16

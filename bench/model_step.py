@@ -8,7 +8,7 @@ the worker's default stores them: fp16 with quantized weights), and the same
 matmul shapes timed bare (the model's projections and LM head at those row counts), so
 the gap between the model and its matmul floor is visible; then the two modes' ratios.
 With quantized weights the decode step is timed twice, alternating: through the fused
-native trunk (``gpu/fused.py``, what the worker runs) and through the torch path
+native trunk (``gpu/backends/fused.py``, what the worker runs) and through the torch path
 (``unfused``), the baseline it replaced. The steal share of each mode's run is printed
 (above 10 %: not comparable). Runs in about a minute on an idle machine. ``python bench/model_step.py [THREADS] [--weights
 quantized,fp32] [--model GGUF]``.
@@ -24,18 +24,18 @@ from collections.abc import Callable
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
-# As the worker does (gpu/worker.py): bounded OpenMP spin, big temporaries kept in the heap.
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+# As the worker does (gpu/worker/process.py): bounded OpenMP spin, big temporaries kept in the heap.
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
 import torch  # noqa: E402
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype  # noqa: E402
-from gpu.loader import LoadedModel, load_model  # noqa: E402
-from gpu.model import Linear  # noqa: E402
-from gpu.runner import trunk_for  # noqa: E402
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype  # noqa: E402
+from gpu.model.decoder import Linear  # noqa: E402
+from gpu.model.loader import LoadedModel, load_model  # noqa: E402
+from gpu.runtime.runner import trunk_for  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXT = 128

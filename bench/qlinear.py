@@ -1,7 +1,7 @@
 """Decode-row linear layers: fp32 (what the worker runs today) against GGUF Q4_1 / Q8_0 kernels.
 
 For SmolLM2's projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) and
-its LM head (49152x576) at 1 and 2 rows, times ``gpu.model.PackedLinear`` on the
+its LM head (49152x576) at 1 and 2 rows, times ``gpu.model.decoder.PackedLinear`` on the
 dequantized weight against ``NativeKernels.q_linear`` on the blocks: Q4_1 as the
 bundled GGUF stores the layers, Q8_0 as it stores the embedding (the tied head); the
 other type of each is a requantization with gguf.quants. Every layer's own weight is
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
@@ -41,8 +41,8 @@ from gguf.quants import quantize  # noqa: E402
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
 from bench.procs import busy_cpu_seconds  # noqa: E402
-from gpu.model import PackedLinear  # noqa: E402
-from gpu.native import NativeKernels, load_kernels, quant_row_bytes  # noqa: E402
+from gpu.kernels.native import NativeKernels, load_kernels, quant_row_bytes  # noqa: E402
+from gpu.model.decoder import PackedLinear  # noqa: E402
 from modelfile.gguf_file import GGUFFile, default_model_path  # noqa: E402
 
 SHAPES = {  # name -> the GGUF tensors fused into it, as the loader fuses them

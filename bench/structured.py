@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from gpu.engine import Engine, EngineConfig  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.model.loader import load_model  # noqa: E402
+from gpu.runtime.engine import Engine, EngineConfig  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
 from wire import SubmitEntry, ids_to_list, pack_ids  # noqa: E402
 

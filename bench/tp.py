@@ -24,16 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from gpu.kernels.cpu_runtime import tune_cpu_runtime  # noqa: E402
 
 tune_cpu_runtime()
 
 import torch  # noqa: E402
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from gpu import tp  # noqa: E402
-from gpu.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
-from gpu.loader import LoadedModel, load_model  # noqa: E402
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
+from gpu.model.loader import LoadedModel, load_model  # noqa: E402
+from gpu.parallel import tp  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
 
 CONTEXT = 128

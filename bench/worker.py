@@ -93,8 +93,8 @@ def decode_rate(marks: list[tuple[float, int]], batch: int) -> float:
     return toks / (marks[-1][0] - marks[start][0])
 
 
-# The configuration before the worker's CPU tuning (gpu/cpu_runtime.py) and the C decode
-# attention (gpu/native.py): the baseline run next to the current one.
+# The configuration before the worker's CPU tuning (gpu/kernels/cpu_runtime.py) and the C decode
+# attention (gpu/kernels/native.py): the baseline run next to the current one.
 BASELINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "LIFECYCLE_NATIVE": "0"}
 
 

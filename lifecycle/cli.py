@@ -297,7 +297,7 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def run_worker_module(module: str, argv: list[str]) -> int:
-    """Run a ``gpu`` entry point (``gpu.worker``, ``gpu.generate``) by module name, so that
+    """Run a ``gpu`` entry point (``gpu.worker``, ``gpu.worker.generate``) by module name, so that
     this package never imports the worker: ``python -m module argv``, in this process."""
     if importlib.util.find_spec("torch") is None:
         print(
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         gen += ["--model", args.model] if args.model else []
         gen += ["--device", args.device] if args.device else []
         gen += ["--chat"] if args.chat else []
-        return run_worker_module("gpu.generate", gen)
+        return run_worker_module("gpu.worker.generate", gen)
     if args.command == "trace":
         try:
             return run_trace(args)

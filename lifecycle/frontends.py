@@ -6,7 +6,7 @@ with ``--worker``: the frontends use those) on Unix sockets in a private folder,
 frontends, each a ``lifecycle serve`` of its own with the same options, ``--reuse-port``
 (the kernel spreads connections among the listeners of one port, SO_REUSEPORT) and
 ``--worker`` for each worker. A worker serves every frontend at once, each frontend's
-requests on its own connection (``gpu/worker.py``), so a frontend that dies ends only its
+requests on its own connection (``gpu/worker/process.py``), so a frontend that dies ends only its
 own requests (the worker frees what that connection held); this process starts it
 again, and a worker that dies is started again the same way while the frontends
 reconnect to it. SIGTERM or SIGINT: the frontends drain and stop, then the workers.

@@ -100,7 +100,7 @@ class AppConfig:
     mixed_graphs: str | None = None  # auto | off; None: the worker's (auto)
     kernels: str | None = None  # torch | triton; None: the worker's (torch)
     tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
-    threads: int | None = None  # each spawned worker's CPU threads; None: gpu/threads.py
+    threads: int | None = None  # each spawned worker's CPU threads; None: gpu/worker/threads.py
     dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
     router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
     max_queued: int = _DEFAULT["max_queued"]  # admission bound in the frontend

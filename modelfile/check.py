@@ -36,7 +36,7 @@ class CheckedModel:
 
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the decoder reads for ``c``, by GGUF name, with its row-major shape
-    (what ``gpu/loader.py`` reads, in its order)."""
+    (what ``gpu/model/loader.py`` reads, in its order)."""
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     out: dict[str, tuple[int, ...]] = {}
     for i in range(c.n_layers):

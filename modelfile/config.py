@@ -1,6 +1,6 @@
 """The model configuration, read from GGUF metadata.
 
-One decoder (``gpu/model.py``) serves every architecture named here; an architecture
+One decoder (``gpu/model/decoder.py``) serves every architecture named here; an architecture
 is the few ways it differs from Llama, read from the file's keys and tensors:
 
 - ``llama`` (Llama 1-3, Mistral, SmolLM): q/k rows permuted by the converter for
@@ -38,7 +38,7 @@ What a file stores decides the rest, whatever its architecture: fused or separat
 q/k/v and gate/up tensors, biases, q/k norms, post-norms. What it does not say is the
 architecture's row of ``ARCHITECTURES`` (llama.cpp's per-architecture facts). RoPE
 scaling from ``{arch}.rope.scaling.*``: ``linear`` and ``yarn`` (transformers'
-definitions, ``gpu.rope.rope_inv_freq``).
+definitions, ``gpu.model.rope.rope_inv_freq``).
 """
 
 from __future__ import annotations

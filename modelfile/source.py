@@ -2,7 +2,7 @@
 
 ``open_model(path)`` gives a ``GGUFFile`` for a file and an ``HFFolder`` for a
 directory; both answer ``ModelSource`` (tensors by GGUF name, their types and shapes,
-float32 data), which is all ``gpu/loader.py`` asks of either, and ``model_parts`` gives
+float32 data), which is all ``gpu/model/loader.py`` asks of either, and ``model_parts`` gives
 their tokenizer, chat template and config.
 """
 

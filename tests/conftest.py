@@ -25,9 +25,9 @@ def strict_fields():  # noqa: ANN201
 
 
 @pytest.fixture(scope="session")
-def cpu_model():  # noqa: ANN201 (gpu.loader.LoadedModel; imported lazily so collection stays cheap)
+def cpu_model():  # noqa: ANN201 (gpu.model.loader.LoadedModel; imported lazily so collection stays cheap)
     """The default GGUF model, fp32 on CPU, shared by every test that needs it."""
-    from gpu.loader import load_model
+    from gpu.model.loader import load_model
 
     return load_model(device="cpu")
 

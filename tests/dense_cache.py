@@ -1,7 +1,7 @@
 """A contiguous per-sequence KV cache: the simple ``AttentionBackend``, kept as an oracle.
 
-Nothing that serves or generates uses it: the worker and ``python -m gpu.generate`` both
-run the engine on the paged cache (``gpu/kv_cache.py``). It stays as the independent
+Nothing that serves or generates uses it: the worker and ``python -m gpu.worker.generate`` both
+run the engine on the paged cache (``gpu/cache/kv_cache.py``). It stays as the independent
 "run alone" implementation the paged path is checked against (``tests/test_worker_engine.py``:
 logits of both backends, and engine tokens against greedy runs on this one;
 ``tests/test_model.py`` and ``tests/test_model_reference.py`` check the model itself

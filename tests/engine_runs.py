@@ -3,7 +3,7 @@ the tests that compare one engine's tokens with another's (graphs, overlap)."""
 
 from __future__ import annotations
 
-from gpu.engine import Engine
+from gpu.runtime.engine import Engine
 from wire import SubmitEntry, ids_to_list, pack_ids
 
 __all__ = ["run_to_end"]

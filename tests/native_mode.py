@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu import native
+from gpu.kernels import native
 
 __all__ = ["cpu_default_weights", "needs_native"]
 

@@ -12,11 +12,11 @@ from functools import partial
 import pytest
 import torch
 
-from gpu import tp
-from gpu.engine import Engine, EngineConfig
-from gpu.kv_cache import PagedKVCache
-from gpu.loader import LoadedModel, load_model
-from gpu.runner import NativeTrunk
+from gpu.cache.kv_cache import PagedKVCache
+from gpu.model.loader import LoadedModel, load_model
+from gpu.parallel import tp
+from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.runner import NativeTrunk
 from tests.tiny_gguf import TinyModel
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.loader import LoadedModel
+from gpu.model.loader import LoadedModel
 from modelfile.chat import ChatTemplate, ChatTemplateError
 
 SMOLLM2_HI = (

@@ -2,7 +2,7 @@
 
 The promise is bitwise: a token's logits on the default (quantized, native) path are one
 function of the model file and the token's prefix, whichever build of the kernels runs
-them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/native_build.py); the tests
+them. Each build is asked for by ``LIFECYCLE_NATIVE_ISA`` (gpu/kernels/native_build.py); the tests
 compare every build whose flags differ from the default's on this CPU
 (``native_build.other_isas``): portable C (no vector extensions) always, AVX2 alone where
 AVX-512 or VNNI is listed, AVX2 with AVX-VNNI where both that and AVX-512 are, AVX-512
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu import native, native_build
+from gpu.kernels import native, native_build
 from tests.tiny_gguf import TinyModel
 
 pytestmark = pytest.mark.skipif(
@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = r"""
 import hashlib, json, sys
 import torch
-from gpu.kv_cache import PagedKVCache, PrefillChunk
-from gpu.loader import load_model
-from gpu.runner import NativeTrunk, forward, trunk_for
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
+from gpu.model.loader import load_model
+from gpu.runtime.runner import NativeTrunk, forward, trunk_for
 
 lm = load_model(sys.argv[1], device="cpu", weights="quantized")
 bs = 16

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.kv_cache import kv_storage_dtype
-from gpu.loader import LoadedModel, load_model
+from gpu.cache.kv_cache import kv_storage_dtype
+from gpu.model.loader import LoadedModel, load_model
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 from tests.worker_client import Result, WorkerClient, spawn_worker

@@ -44,10 +44,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu import native
-from gpu.kv_cache import PrefillChunk
-from gpu.loader import load_model
-from gpu.runner import NativeTrunk, trunk_for
+from gpu.cache.kv_cache import PrefillChunk
+from gpu.kernels import native
+from gpu.model.loader import load_model
+from gpu.runtime.runner import NativeTrunk, trunk_for
 from modelfile.config import RopeScaling
 from tests.dense_cache import DenseKVCache
 from tests.hf_reference import (
@@ -399,7 +399,7 @@ def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.
     """The static-buffer decode step (``--decode-graphs eager``: gather + bmm with each
     layer's mask, the window's among them) gives the tokens of the plain step (the fused
     native trunk), prompts and contexts longer than the window."""
-    from gpu.engine import Engine, EngineConfig
+    from gpu.runtime.engine import Engine, EngineConfig
     from tests.test_graphs import _generate
 
     family = FAMILIES[name]

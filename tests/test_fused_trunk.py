@@ -1,4 +1,4 @@
-"""The fused trunk (``gpu/fused.py`` over ``gpu/csrc/fused_trunk.c``): every step of
+"""The fused trunk (``gpu/backends/fused.py`` over ``gpu/kernels/csrc/fused_trunk.c``): every step of
 quantized weights on the CPU, decodes and prompt chunks of any length.
 
 What is promised exactly is asserted exactly (docs/determinism.md): a token's logits and
@@ -8,7 +8,7 @@ it, bit for bit, whatever else the step holds and however its prompt was chunked
 Against the torch path (``trunk_for(..., fuse=False)``: the same q_linear and attention kernels,
 torch's norms, RoPE, SwiGLU and SDPA in their own summation order) the first layer agrees
 to fp32 rounding; past it the int8 rounding of each matmul's input (llama.cpp's,
-``gpu/quant.py``) now and then moves one value by a quantum (block amax / 127), and
+``gpu/model/quant.py``) now and then moves one value by a quantum (block amax / 127), and
 which value does depends on torch's kernels and so on the CPU. On the 2-layer tiny
 model most rows are equal to fp32 rounding (the median row within 1e-4) and a row that
 meets a rounding boundary moves by one quantum's effect (``TINY_BOUNDS``); the bundled
@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import native
-from gpu.kv_cache import PagedKVCache, PrefillChunk
-from gpu.loader import LoadedModel, load_model
-from gpu.runner import NativeTrunk, forward, trunk_for
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
+from gpu.kernels import native
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.runner import NativeTrunk, forward, trunk_for
 from tests.threads import torch_threads
 from tests.tiny_gguf import TinyModel
 

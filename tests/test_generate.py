@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gpu.generate import run_generate
+from gpu.worker.generate import run_generate
 from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,8 +27,8 @@ def test_generate_and_the_worker_run_the_engine_not_the_dense_oracle() -> None:
     # paged cache; the dense cache is only the tests' oracle (tests/dense_cache.py), and
     # nothing of the tests is loaded by the product.
     code = (
-        "import sys, gpu.generate, gpu.worker; "
-        "assert 'gpu.engine' in sys.modules; "
+        "import sys, gpu.worker.generate, gpu.worker; "
+        "assert 'gpu.runtime.engine' in sys.modules; "
         "assert not [m for m in sys.modules if m.split('.')[0] == 'tests'], sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu import native
-from gpu.loader import load_model, resolve_device
-from gpu.model import PackedLinear
-from gpu.quant import QuantLinear, QuantWeight
-from gpu.rope import unpermute_rope_rows
+from gpu.kernels import native
+from gpu.model.decoder import PackedLinear
+from gpu.model.loader import load_model, resolve_device
+from gpu.model.quant import QuantLinear, QuantWeight
+from gpu.model.rope import unpermute_rope_rows
 from modelfile.gguf_file import ModelFileError, default_model_path
 from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel, TinySpec, hf_permute, write_tiny_gguf
@@ -39,9 +39,9 @@ def test_config_from_metadata(tiny_gguf: TinyModel) -> None:
 
 
 def test_load_logs_time_and_memory(tiny_gguf: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="gpu.loader"):
+    with caplog.at_level(logging.INFO, logger="gpu.model.loader"):
         load_model(tiny_gguf.path, device="cpu")
-    (record,) = [r for r in caplog.records if r.name == "gpu.loader"]
+    (record,) = [r for r in caplog.records if r.name == "gpu.model.loader"]
     assert "tiny.gguf" in record.message and "rss" in record.message and "weights" in record.message
 
 
@@ -85,7 +85,7 @@ def test_quantized_weights_keep_the_file_blocks(
     file stores them in different types); other quantized types become Q8_0, logged with
     their cost."""
     tiny = write_tiny_gguf(tmp_path / "q.gguf", QUANT_SPEC)
-    with caplog.at_level(logging.WARNING, logger="gpu.loader"):
+    with caplog.at_level(logging.WARNING, logger="gpu.model.loader"):
         lm = load_model(tiny.path, device="cpu")
     assert lm.model.quantized()
     w = {k: torch.from_numpy(v) for k, v in tiny.weights.items()}

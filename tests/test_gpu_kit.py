@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import load_model
+from gpu.model.loader import load_model
+from gpu.runtime.engine import Engine, EngineConfig
 from modelfile.gguf_file import GGUFFile
 from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel
@@ -100,8 +100,8 @@ def _fields(config: Any) -> dict[str, Any]:
 
 def test_random_model_generates_finite_logits_and_tokens(random_model: Path) -> None:
     lm = load_model(random_model, device="cpu")
-    from gpu.kv_cache import PagedKVCache, PrefillChunk
-    from gpu.runner import forward
+    from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
+    from gpu.runtime.runner import forward
 
     ids = [5, 40, 77, 100, 200, 30]
     cache = PagedKVCache(lm.config, 1, 16)

@@ -1,4 +1,4 @@
-"""Captured decode steps (``gpu/graphs.py``): the static-buffer step the GPU replays,
+"""Captured decode steps (``gpu/backends/graphs.py``): the static-buffer step the GPU replays,
 checked on the CPU without capture (``decode_graphs="eager"``) against the plain step,
 and on a GPU (skipped without one) with CUDA graphs against eager CUDA and the CPU.
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig
-from gpu.graphs import EagerBackend, StepGraphs, graph_backend, pad_shape
-from gpu.kv_cache import PagedKVCache
-from gpu.loader import LoadedModel, load_model
-from gpu.runner import trunk_for
+from gpu.backends.graphs import EagerBackend, StepGraphs, graph_backend, pad_shape
+from gpu.cache.kv_cache import PagedKVCache
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.runner import trunk_for
 from tests.engine_runs import run_to_end
 from tests.tiny_gguf import TinyModel
 
@@ -135,7 +135,7 @@ def test_cuda_graphs_equal_eager_cuda_and_agree_with_the_cpu() -> None:
     graphs equals eager CUDA and CUDA graphs without overlapped steps token for token, in
     bf16 and in fp32, and CUDA agrees with the CPU worker (fp32 weights) on at least the
     first 16 tokens of each prompt. The prompts' steps replay piecewise
-    (``gpu/piecewise.py``); with ``--mixed-graphs off`` (decode graphs alone) the same
+    (``gpu/backends/piecewise.py``); with ``--mixed-graphs off`` (decode graphs alone) the same
     holds.
 
     On the bundled model both CUDA modes are held to that. On a same-shape model with
@@ -190,9 +190,9 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-# -- the KV cache sized to the card (gpu/memory.py) ------------------------------------------
+# -- the KV cache sized to the card (gpu/cache/memory.py) ------------------------------------------
 def test_kv_plan_takes_the_fraction_less_the_step_reserve(lm: LoadedModel) -> None:
-    from gpu.memory import decode_bytes, kv_bytes_per_token, plan_kv, prefill_bytes
+    from gpu.cache.memory import decode_bytes, kv_bytes_per_token, plan_kv, prefill_bytes
 
     mc = lm.config
     per_token = kv_bytes_per_token(mc, 2)
@@ -218,7 +218,7 @@ def test_kv_plan_takes_the_fraction_less_the_step_reserve(lm: LoadedModel) -> No
 def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
     """The numbers /server_info would show on the card the CUDA issue names: SmolLM2's
     shape in bf16 with 139 GiB free (less ~0.3 GiB of weights) at the default 0.85."""
-    from gpu.memory import plan_kv
+    from gpu.cache.memory import plan_kv
     from modelfile.config import ModelConfig
     from wire.worker_options import DEFAULT_MEM_FRACTION
 
@@ -233,7 +233,7 @@ def test_kv_plan_for_smollm2_on_an_h200_in_figures() -> None:
 
 # -- the worker's flags ------------------------------------------------------------------------
 def test_mem_fraction_is_refused_on_the_cpu(tiny_gguf: TinyModel) -> None:
-    from gpu.worker import WorkerConfig, build_engine
+    from gpu.worker.process import WorkerConfig, build_engine
 
     with pytest.raises(SystemExit, match="--mem-fraction sizes the KV cache on a CUDA device"):
         build_engine(WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", mem_fraction=0.5))

@@ -29,9 +29,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from gpu import native
-from gpu.generate import run_generate
-from gpu.loader import load_model
+from gpu.kernels import native
+from gpu.model.loader import load_model
+from gpu.worker.generate import run_generate
 from modelfile.check import check_model
 from modelfile.gguf_meta import ModelFileError
 from modelfile.hf_config import HF_ARCHITECTURES, llama3_rope_factors

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import LoadedModel, load_model
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
 from modelfile import layer_spec
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import BACKENDS, FEATURES, ModelSpec, refusal, spec_of

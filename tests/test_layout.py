@@ -55,6 +55,15 @@ FORBIDDEN_INSIDE = {
     # the scripted worker is a wire peer: it frames the protocol with the link's stream
     "lifecycle/testing": {*_ROOMS - {"lifecycle.testing", "lifecycle.link"}, *_TOP},
 }
+# The worker's rooms, each importing only those after it (the model and the cache are
+# independent of each other): worker -> parallel -> runtime -> backends -> cache, model -> kernels.
+_GPU = ("gpu.worker", "gpu.parallel", "gpu.runtime", "gpu.backends", "gpu.cache", "gpu.model")
+FORBIDDEN_INSIDE.update(
+    {room.replace(".", "/"): {*_GPU[: i + 1]} - {room} for i, room in enumerate(_GPU)}
+)
+FORBIDDEN_INSIDE["gpu/model"] |= {"gpu.cache"}
+FORBIDDEN_INSIDE["gpu/cache"] |= {"gpu.model"}
+FORBIDDEN_INSIDE["gpu/kernels"] = {*_GPU}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -84,7 +93,7 @@ def test_package_does_not_import_forbidden_layers(package: str) -> None:
 
 
 @pytest.mark.parametrize("room", sorted(FORBIDDEN_INSIDE))
-def test_lifecycle_rooms_import_one_way(room: str) -> None:
+def test_rooms_inside_import_one_way(room: str) -> None:
     offenders = []
     for path in sorted((ROOT / room).rglob("*.py")):
         for name in sorted(_imported_modules(path)):

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu import native
-from gpu.generate import greedy_generate
-from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
-from gpu.loader import LoadedModel, load_model
-from gpu.model import Llama
-from gpu.runner import trunk_for
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
+from gpu.kernels import native
+from gpu.model.decoder import Llama
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.runner import trunk_for
+from gpu.worker.generate import greedy_generate
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.model import PackedLinear
+from gpu.model.decoder import PackedLinear
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 32, 77])

@@ -7,9 +7,9 @@ fixture made by tools/make_model_fixture.py (see docs/references.md).
 
 Two modes run every test: ``fp32`` (weights dequantized at load, what CUDA and --tp run,
 on the dense test cache) and ``served``: the CPU default, quantized weights (GGUF blocks
-read by gpu/csrc/quant_linear.c, x rounded to int8 per block of 32 as llama.cpp's Q4_1 /
+read by gpu/kernels/csrc/quant_linear.c, x rounded to int8 per block of 32 as llama.cpp's Q4_1 /
 Q8_0 dot products do) on the worker's paged cache, every step through the fused native
-trunk (gpu/fused.py). The served path computes the same bits on every CPU and build
+trunk (gpu/backends/fused.py). The served path computes the same bits on every CPU and build
 (docs/determinism.md, tests/test_determinism.py), so its figures below are exact values
 of this code on this file, the same on an AVX2 or an AVX-512 machine (a digest of the
 whole run is held to the one recorded, ``SERVED_SHA256``), and each bound sits above
@@ -53,10 +53,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu import native
-from gpu.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
-from gpu.loader import LoadedModel, load_model
-from gpu.runner import forward
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
+from gpu.kernels import native
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.runner import forward
 from modelfile.gguf_file import default_model_path
 from tests.dense_cache import DenseKVCache
 

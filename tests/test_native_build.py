@@ -1,7 +1,7 @@
 """The kernels build wherever the C compiler can build OpenMP code at all.
 
 Every test of the native kernels skips when ``native.load_kernels()`` gives None (no
-compiler, ``LIFECYCLE_NATIVE=0``), so a compile error in ``gpu/csrc/`` would turn them
+compiler, ``LIFECYCLE_NATIVE=0``), so a compile error in ``gpu/kernels/csrc/`` would turn them
 into skips and the suite would stay green on the torch fallback. This test fails
 instead, with the compiler's message, for every build the CPU can run.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu import native, native_build
+from gpu.kernels import native, native_build
 
 PROBE = "#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n"
 

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (gpu/native.py) against the torch path it replaces.
+"""The C decode-attention kernel (gpu/kernels/native.py) against the torch path it replaces.
 
 Both run through ``PagedKVCache`` on the same cache contents and block tables: the
 AVX2 head_dim-64 path (the default model's shape) and the generic loops (any other
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu import native
-from gpu.kv_cache import PagedKVCache
+from gpu.cache.kv_cache import PagedKVCache
+from gpu.kernels import native
 from modelfile.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -118,7 +118,7 @@ def test_build_failure_or_opt_out_falls_back_to_torch(
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "k"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="gpu.native"):
+    with caplog.at_level(logging.WARNING, logger="gpu.kernels.native"):
         assert native.load_kernels() is None
     assert "no C compiler" in caplog.text
     cache = PagedKVCache(attention_shape(), 8, 16)
@@ -169,7 +169,7 @@ def test_small_linear_matches_f_linear(n: int, k: int, rows: int) -> None:
 def test_packed_linear_uses_the_kernel_at_one_or_two_rows_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpu.model import PackedLinear
+    from gpu.model.decoder import PackedLinear
 
     lin = PackedLinear(torch.randn(64, 32))
     assert lin.interleaved is not None and lin.kernels is not None

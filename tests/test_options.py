@@ -112,7 +112,7 @@ def test_the_worker_options_are_one_table() -> None:
     with its value."""
     import dataclasses
 
-    from gpu.worker_config import WorkerConfig, parse_config
+    from gpu.worker.config import WorkerConfig, parse_config
     from lifecycle.runtime import worker_args
     from wire.worker_options import WORKER_OPTIONS, worker_defaults
 

@@ -3,7 +3,7 @@
 ``token_ids_logprob``, and an embed request's logprobs, are checked by the frontend with
 the worker's own bounds (``wire.RequestOptions``), so nothing the frontend accepts is
 refused by the worker later, and nothing it refuses would have run. The worker's side is
-the real one (``gpu.sampling.parse_request``, which the scripted worker shares through
+the real one (``gpu.runtime.sampling.parse_request``, which the scripted worker shares through
 ``wire.RequestOptions.from_wire``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from gpu.sampling import parse_request
+from gpu.runtime.sampling import parse_request
 from lifecycle.core.errors import RequestError
 from lifecycle.core.params import parse_generate
 from wire import MAX_TOP_LOGPROBS, RequestOptions

@@ -1,5 +1,5 @@
 """Overlapped steps (``EngineConfig.overlap``): the engine launches step N+1 before it
-reads step N's tokens, whose rows take those tokens on the device (gpu/engine.py,
+reads step N's tokens, whose rows take those tokens on the device (gpu/runtime/engine.py,
 ``Engine.step``). On the CPU nothing runs ahead, but every host path is the GPU's: the
 placeholders, the rows filled from the previous step's tokens, the requests that end a
 step late, the steps that must sample at once.
@@ -16,8 +16,8 @@ import random
 import httpx
 import pytest
 
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import LoadedModel, load_model
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
 from tests.engine_runs import run_to_end
 from tests.native_mode import needs_native
 from tests.scripted import lifecycle_server

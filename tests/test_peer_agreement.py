@@ -46,9 +46,9 @@ import torch
 
 from bench import llama_server
 from bench.procs import ServerProcess
-from gpu import native
-from gpu.kv_cache import kv_storage_dtype
-from gpu.loader import LoadedModel, load_model
+from gpu.cache.kv_cache import kv_storage_dtype
+from gpu.kernels import native
+from gpu.model.loader import LoadedModel, load_model
 from tests.hf_reference import FAMILIES, build_hf, write_family_gguf
 from tests.test_model import PagedSeqs, run_steps
 

@@ -1,4 +1,4 @@
-"""Steps with prompt chunks replayed piecewise (``gpu/piecewise.py``): the captured
+"""Steps with prompt chunks replayed piecewise (``gpu/backends/piecewise.py``): the captured
 pieces around an eager attention, checked on the CPU without capture (the
 ``EagerBackend`` a GPU's ``CudaBackend`` stands in for) against the plain step, token
 for token; on a GPU, ``tests/test_graphs.py``'s CUDA test runs them under CUDA graphs.
@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig
-from gpu.graphs import EagerBackend
-from gpu.kv_cache import PagedKVCache, PrefillChunk
-from gpu.loader import LoadedModel, load_model
-from gpu.piecewise import MixedGraphs, token_sizes
+from gpu.backends.graphs import EagerBackend
+from gpu.backends.piecewise import MixedGraphs, token_sizes
+from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
 from tests.engine_runs import run_to_end
 from tests.tiny_gguf import TinyModel
 

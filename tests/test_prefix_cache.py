@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import LoadedModel, load_model
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
 from tests.test_worker_engine import GREEDY, dense_greedy, ids_of, prompts, run
 from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 from wire import SubmitEntry, f32s_to_list, ids_to_list, pack_ids

@@ -1,4 +1,4 @@
-"""The quantized-weight linear kernel (gpu/csrc/quant_linear.c) against dequantize-then-F.linear.
+"""The quantized-weight linear kernel (gpu/kernels/csrc/quant_linear.c) against dequantize-then-F.linear.
 
 What the kernel multiplies by must be exactly what gguf.quants (the loader's
 dequantization) makes of the blocks: ``q_dequantize`` runs the kernel's own reading of
@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from gpu import native, native_build
+from gpu.kernels import native, native_build
 from modelfile.gguf_file import GGUFFile, default_model_path
 from tests.threads import torch_threads
 

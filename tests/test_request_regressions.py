@@ -120,7 +120,7 @@ def test_lost_dispatch_ends_alone_while_others_stream(srv: LiveServer) -> None:
 def test_long_prefill_is_not_hung(srv: LiveServer) -> None:
     """Issue 37 item 10: with ``--hung-timeout 2`` a 7k-token prompt (26 s of prefill)
     ended 503 worker_lost: a step that only prefills sent nothing, so the watchdog saw
-    no progress. Protection: such a step sends an empty STEP (``gpu.worker._step``; the
+    no progress. Protection: such a step sends an empty STEP (``gpu.worker.process._step``; the
     scripted worker's ``--prefill-chunk`` does the same), which the watchdog counts.
     Here 640 prompt tokens take 10 chunks of 0.3 s: 3 s without a token, hung timeout 1 s."""
     pid = srv.worker()["pid"]

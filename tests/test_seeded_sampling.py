@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import LoadedModel, load_model
-from gpu.sampling import SampleRow, sample
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.sampling import SampleRow, sample
 from tests.tiny_gguf import TinyModel
 from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 

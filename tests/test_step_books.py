@@ -1,6 +1,6 @@
 """Issue 57: a step's host work per row kept short. Each short path must give what the
-general one gives: quiet rows' entries (``gpu/step_books.py``), the greedy rows' argmax
-(``gpu/sampling.py``, numpy on the CPU), and a STEP frame's bytes (``wire/step_cbor.py``).
+general one gives: quiet rows' entries (``gpu/runtime/step_books.py``), the greedy rows' argmax
+(``gpu/runtime/sampling.py``, numpy on the CPU), and a STEP frame's bytes (``wire/step_cbor.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.step_books
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import LoadedModel, load_model
-from gpu.sampling import NON_FINITE, SampleRow, sample, sample_greedy
+import gpu.runtime.step_books
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.sampling import NON_FINITE, SampleRow, sample, sample_greedy
 from tests.tiny_gguf import TinyModel
 from wire import Finish, Step, StepEntry, SubmitEntry, decode_frame, encode_frame, pack_ids
 from wire.frames import K_STEP
@@ -83,7 +83,7 @@ def test_quiet_rows_get_the_entries_the_general_path_gives(
     short = _steps(lm, reqs)
     ends = [e.finish[0] for step in short for e in step if e.finish]
     assert {Finish.STOP, Finish.LENGTH, Finish.ABORT} <= set(ends)
-    monkeypatch.setattr(gpu.step_books, "quiet_ends", lambda seq, eog: None)
+    monkeypatch.setattr(gpu.runtime.step_books, "quiet_ends", lambda seq, eog: None)
     assert _steps(lm, reqs) == short
 
 

@@ -100,7 +100,7 @@ def test_a_frontend_gets_a_core_only_where_cores_are_many(
 def test_threads_come_from_the_flag_then_the_environment_then_the_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpu.threads import resolve_threads
+    from gpu.worker.threads import resolve_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert resolve_threads(5, True) == (5, "--threads")
@@ -110,7 +110,7 @@ def test_threads_come_from_the_flag_then_the_environment_then_the_budget(
 
 
 def test_the_governor_takes_a_thread_from_contention_and_gives_it_back_when_idle() -> None:
-    from gpu.threads import ThreadGovernor
+    from gpu.worker.threads import ThreadGovernor
 
     g = ThreadGovernor(4)
     g.threads = 4

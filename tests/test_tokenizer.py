@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.loader import LoadedModel
+from gpu.model.loader import LoadedModel
 from modelfile.tokenizer import Tokenizer, build_tokenizer
 from modelfile.vocab import load_tokenizer
 from tests.tiny_gguf import TinyModel

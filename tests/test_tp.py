@@ -20,8 +20,8 @@ import psutil
 import pytest
 import torch
 
-from gpu.kv_cache import PrefillChunk
-from gpu.tp_messages import (
+from gpu.cache.kv_cache import PrefillChunk
+from gpu.parallel.tp_messages import (
     CacheSpec,
     CopyBlock,
     CopyRows,
@@ -38,7 +38,7 @@ from gpu.tp_messages import (
     encode_prepare,
     encode_stop,
 )
-from gpu.tp_model import ShardLoad, even_runs, shard_plan
+from gpu.parallel.tp_model import ShardLoad, even_runs, shard_plan
 from modelfile.config import ModelConfig
 from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 from tests.worker_client import WorkerClient, spawn_worker
@@ -169,7 +169,7 @@ def test_each_rank_reads_only_its_slices(tiny3: TinyModel) -> None:
     """ShardLoad: every rank's weights are its slices of the single-process model's,
     read as such from the file (o and down by columns, the rest by rows, the vocabulary
     padded), and together the ranks hold each weight once."""
-    from gpu.loader import load_model
+    from gpu.model.loader import load_model
 
     full = load_model(tiny3.path, device="cpu", weights="fp32")
     c, hd = full.config, full.config.head_dim

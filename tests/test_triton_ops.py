@@ -1,4 +1,4 @@
-"""The fused Triton kernels (``gpu/triton_ops.py``, ``--kernels triton``) against the torch
+"""The fused Triton kernels (``gpu/kernels/triton_ops.py``, ``--kernels triton``) against the torch
 ops they replace: compiled on a GPU, through Triton's interpreter on the CPU
 (``TRITON_INTERPRET=1``, set here before Triton is imported when there is no GPU).
 
@@ -27,11 +27,11 @@ pytest.importorskip("triton", reason="Triton is in the dev extra (pip install '.
 
 import torch.nn.functional as F  # noqa: E402
 
-from gpu import triton_ops as ops  # noqa: E402
-from gpu.engine import Engine, EngineConfig  # noqa: E402
-from gpu.kernel_choice import triton_ops  # noqa: E402
-from gpu.kv_cache import PagedKVCache, capped_attention  # noqa: E402
-from gpu.loader import LoadedModel, load_model  # noqa: E402
+from gpu.cache.kv_cache import PagedKVCache, capped_attention  # noqa: E402
+from gpu.kernels import triton_ops as ops  # noqa: E402
+from gpu.kernels.kernel_choice import triton_ops  # noqa: E402
+from gpu.model.loader import LoadedModel, load_model  # noqa: E402
+from gpu.runtime.engine import Engine, EngineConfig  # noqa: E402
 from tests.engine_runs import run_to_end  # noqa: E402
 from tests.tiny_gguf import TinyModel  # noqa: E402
 
@@ -181,7 +181,7 @@ def test_the_cache_picks_the_paged_kernel_for_decodes(lm: LoadedModel) -> None:
 
 
 def test_tensor_parallel_refuses_the_triton_kernels(tiny_gguf: TinyModel) -> None:
-    from gpu.worker_config import WorkerConfig, build_engine
+    from gpu.worker.config import WorkerConfig, build_engine
 
     config = WorkerConfig(model_path=str(tiny_gguf.path), device="cpu", tp=2, kernels="triton")
     with pytest.raises(SystemExit, match="leave --kernels at torch"):

@@ -16,11 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.engine import Engine, EngineConfig, ProtocolError
-from gpu.generate import greedy_generate
-from gpu.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
-from gpu.loader import LoadedModel, load_model
-from gpu.runner import forward
+from gpu.cache.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
+from gpu.model.loader import LoadedModel, load_model
+from gpu.runtime.engine import Engine, EngineConfig, ProtocolError
+from gpu.runtime.runner import forward
+from gpu.worker.generate import greedy_generate
 from tests.dense_cache import DenseKVCache
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids

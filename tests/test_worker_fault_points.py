@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from gpu.step_books import NON_FINITE_MESSAGE
+from gpu.runtime.step_books import NON_FINITE_MESSAGE
 from tests.tiny_gguf import TinyModel
 from tests.worker_client import WorkerClient, served_worker
 from wire import Stats, StatsReq, f32s_to_list

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig
-from gpu.grammar import allowed_tokens
-from gpu.sampling import SampleRow, _constrain, sample
+from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.grammar import allowed_tokens
+from gpu.runtime.sampling import SampleRow, _constrain, sample
 from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 @pytest.fixture(scope="module")
 def fp32_model():  # noqa: ANN201
     """fp32 weights: constrained rows are compared with the same rows run alone."""
-    from gpu.loader import load_model
+    from gpu.model.loader import load_model
 
     return load_model(device="cpu", weights="fp32")
 
@@ -82,10 +82,10 @@ def test_a_grammar_wins_over_a_min_new_tokens_ban() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_native_and_torch_masks_agree(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C loop (gpu/csrc/token_mask.c) and the torch fallback ban the same tokens, leave
+    """The C loop (gpu/kernels/csrc/token_mask.c) and the torch fallback ban the same tokens, leave
     the free rows alone, and keep the allowed logits as they were."""
     if not native:
-        monkeypatch.setattr("gpu.sampling.load_kernels", lambda: None)
+        monkeypatch.setattr("gpu.runtime.sampling.load_kernels", lambda: None)
     gen = torch.Generator().manual_seed(0)
     vocab = 1000  # not a multiple of 32: the last word is partial
     logits = torch.randn(6, vocab, generator=gen)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.memory import MemoryFootprint, kv_bytes_per_token
-from gpu.native import load_kernels
-from gpu.worker_config import (
+from gpu.cache.memory import MemoryFootprint, kv_bytes_per_token
+from gpu.kernels.native import load_kernels
+from gpu.worker.config import (
     WorkerConfig,
     build_engine,
     kv_blocks_for,
@@ -94,10 +94,10 @@ def test_the_split_adds_up_and_the_line_says_it() -> None:
 
 def test_a_kv_cache_is_resident_as_it_is_written_and_other_never_negative() -> None:
     """Issue 53: the cache is reserved whole but its pages are mapped as they are first
-    written (calloc, ``gpu/kv_cache.py``); counted resident at its reserved size, the
+    written (calloc, ``gpu/cache/kv_cache.py``); counted resident at its reserved size, the
     start-up line said ``other -375 MiB``. A real cache of 64 MiB, not touched, then
     half written."""
-    from gpu.kv_cache import PagedKVCache
+    from gpu.cache.kv_cache import PagedKVCache
     from modelfile.config import ModelConfig
 
     mc = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 1e4, 1e-5, 64, 32, True, 1, 2, (2,), False,
@@ -131,7 +131,7 @@ def test_resident_bytes_counts_whole_pages_within_each_range() -> None:
 
     import numpy as np
 
-    from gpu.memory import resident_bytes
+    from gpu.cache.memory import resident_bytes
 
     page = mmap.PAGESIZE
     buf = np.zeros(64 * page, dtype=np.uint8)  # calloc: fresh pages, or reused heap
@@ -184,7 +184,7 @@ def test_server_info_shows_each_workers_memory(tiny_gguf: TinyModel) -> None:
 def test_the_mixed_prefill_cap_defaults_by_device() -> None:
     """32 prompt tokens a mixed step on the CPU (ITL at 32 streams), the step budget on
     CUDA; a given value wins on both."""
-    from gpu.worker_config import mixed_prefill_tokens
+    from gpu.worker.config import mixed_prefill_tokens
     from wire.worker_options import CPU_MIXED_PREFILL_TOKENS
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -33,7 +33,7 @@ MODULES = (
     "lifecycle.runtime",
     "lifecycle.testing.pytest_plugin",
     "gpu.worker",
-    "gpu.engine",
+    "gpu.runtime.engine",
     "bench.serving",
     "bench.procs",
     "bench.gpu_step",

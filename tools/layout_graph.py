@@ -35,7 +35,13 @@ ROOMS: dict[str, str] = {
     "transport": "frontend",
     "modelfile": "both",
     "wire": "both",
-    "gpu": "worker",
+    "gpu.worker": "worker",
+    "gpu.parallel": "worker",
+    "gpu.runtime": "worker",
+    "gpu.backends": "worker",
+    "gpu.cache": "worker",
+    "gpu.model": "worker",
+    "gpu.kernels": "worker",
 }
 
 __all__ = ["ROOMS", "arrows", "render", "room_of"]

@@ -56,7 +56,7 @@ MISSED_THEN = (
     _m("gemma2_final_softcap", "issue 54, point 4",
        "Gemma 2's final logit soft cap 1.25 times too large on the served (quantized CPU) path",
        ("tests/test_families.py",),
-       Edit("gpu/model.py", "logits = _kernels().softcap(logits, cap)",
+       Edit("gpu/model/decoder.py", "logits = _kernels().softcap(logits, cap)",
             "logits = _kernels().softcap(logits, cap * 1.25)")),
     _m("llama3_rope_blend", "issue 54, point 5",
        "Llama 3's RoPE blend between the wavelength limits divides by (high + low)",
@@ -72,9 +72,9 @@ MISSED_THEN = (
     _m("x_scale_everywhere", "issue 54, point 7",
        "x's int8 scale computed as amax * (1/127) in every build (all builds still agree)",
        ("tests/test_qlinear.py",),
-       Edit("gpu/csrc/quant_linear.c", "float d = _mm_cvtss_f32(m4) / 127.0f, id",
+       Edit("gpu/kernels/csrc/quant_linear.c", "float d = _mm_cvtss_f32(m4) / 127.0f, id",
             "float d = _mm_cvtss_f32(m4) * (1.0f / 127.0f), id"),
-       Edit("gpu/csrc/quant_linear.c", "float d = amax / 127.0f, id",
+       Edit("gpu/kernels/csrc/quant_linear.c", "float d = amax / 127.0f, id",
             "float d = amax * (1.0f / 127.0f), id")),
 )  # fmt: skip
 
@@ -83,7 +83,7 @@ CAUGHT_THEN = (
     _m("kv_blocks_of_running_leak", "issue 54, caught",
        "a running sequence's KV blocks are not freed when it finishes or is aborted",
        ("tests/test_engine.py",),
-       Edit("gpu/scheduler.py",
+       Edit("gpu/runtime/scheduler.py",
             "        if seq in self.running:\n            self.running.remove(seq)\n"
             "        elif seq in self.waiting:",
             "        if seq in self.running:\n            self.running.remove(seq)\n"
@@ -91,7 +91,7 @@ CAUGHT_THEN = (
     _m("cached_block_never_evictable", "issue 54, caught",
        "a prefix-cached block whose last holder lets go is lost, neither free nor evictable",
        ("tests/test_engine.py", "tests/test_prefix_cache.py"),
-       Edit("gpu/blocks.py",
+       Edit("gpu/cache/blocks.py",
             "                if self._tokens[b] is not None:\n                    self._cached[b] = None\n",
             "                if self._tokens[b] is not None:\n                    pass\n")),
     _m("utf8_split_at_chunk", "issue 54, caught",
@@ -109,7 +109,7 @@ CAUGHT_THEN = (
     _m("round_half_away_portable", "issue 54, caught",
        "the portable kernel rounds x half away from zero (the SIMD builds: half to even)",
        ("tests/test_qlinear.py",),
-       Edit("gpu/csrc/quant_linear.c", "int q = (int)nearbyintf(v[i] * id);",
+       Edit("gpu/kernels/csrc/quant_linear.c", "int q = (int)nearbyintf(v[i] * id);",
             "int q = (int)roundf(v[i] * id);")),
     _m("template_autoescape", "issue 54, caught",
        "chat templates render with HTML autoescape (transformers' environment has none)",
@@ -124,7 +124,7 @@ CAUGHT_THEN = (
     _m("stop_token_ids_ignored", "issue 54, caught",
        "a request's stop_token_ids do not end it",
        ("tests/test_worker_engine.py", "tests/test_engine.py"),
-       Edit("gpu/finish.py",
+       Edit("gpu/runtime/finish.py",
             "if tok in p.stop_token_ids or (not p.ignore_eos and tok in eog_ids):",
             "if not p.ignore_eos and tok in eog_ids:")),
     _m("reasoning_end_tag_leaks", "issue 54, caught",
@@ -149,7 +149,7 @@ CAUGHT_THEN = (
        "top-p drops the token whose probability crosses top_p (a top_p below the first "
        "token's probability drops every token)",
        ("tests/test_worker_sampling.py",),
-       Edit("gpu/sampling.py", "drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]",
+       Edit("gpu/runtime/sampling.py", "drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]",
             "drop = sorted_p.cumsum(dim=-1) > top_p[:, None]")),
 )  # fmt: skip
 
@@ -158,7 +158,7 @@ FIXES = (
     _m("nan_logits_sampled", "issue 54, point 8",
        "a row of NaN logits is sampled as token 0 instead of failing its request",
        ("tests/test_worker_sampling.py", "tests/test_worker_fault_points.py"),
-       Edit("gpu/sampling.py", "    return tokens, best.values < math.inf\n",
+       Edit("gpu/runtime/sampling.py", "    return tokens, best.values < math.inf\n",
             "    return tokens, best.values == best.values\n")),
     _m("slow_reader_is_stalled", "issue 54, point 9",
        "the send deadline counts a write's whole length, not the time without progress",

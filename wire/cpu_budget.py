@@ -10,7 +10,7 @@ The budget here is the smaller of the CPUs in this process's affinity mask and i
 cgroup's CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``,
 the tightest along the path to the root), rounded down, at least one. Torch-free: the
 frontend reads it for its start-up line and the worker for its thread pools
-(``gpu/threads.py``). The cgroup tree's root is a parameter, so tests read a fake one.
+(``gpu/worker/threads.py``). The cgroup tree's root is a parameter, so tests read a fake one.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ core; docs/structured.md has the measurements behind the choice):
 
 The frontend checks a grammar before anything is queued (``check_grammar``: a bad one is
 a 400 with the library's message); the worker compiles it against its tokenizer, once
-per distinct grammar (``gpu/grammar.py``).
+per distinct grammar (``gpu/runtime/grammar.py``).
 """
 
 from __future__ import annotations

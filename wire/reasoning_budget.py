@@ -4,7 +4,7 @@ vLLM's ``thinking_token_budget`` and llama.cpp's reasoning budget close it.
 
 The frontend knows the reasoning format and whether the prompt opened the reasoning; it
 sends the budget with the ids of the tags, tokenized by its tokenizer. Both workers (the
-model's, ``gpu/engine.py``, and the scripted one) apply the same ``BudgetState``, one per
+model's, ``gpu/runtime/engine.py``, and the scripted one) apply the same ``BudgetState``, one per
 sample, to each token they append; nothing here reads a tensor.
 
 - The count starts at the output's start when ``start`` is empty (the prompt opened the

@@ -2,7 +2,7 @@
 
 The frontend validates a client's ``sampling_params`` once, with SGLang's messages
 (``lifecycle/core/sampling.py``), builds a ``SamplingParams`` and sends ``to_wire()``; the
-worker reads the map back with ``from_wire`` and samples with it (``gpu/sampling.py``).
+worker reads the map back with ``from_wire`` and samples with it (``gpu/runtime/sampling.py``).
 ``from_wire`` checks again, because a worker trusts no peer: a bad field is a REQ-ERROR
 ``invalid`` for that rid, never a failed step. The bounded numbers have one table,
 ``RANGES``, with their messages, which both sides apply (``tests/test_options_contract.py``

@@ -1,6 +1,6 @@
 """The worker's options, declared once as torch-free data (``python -m gpu.worker --help``).
 
-``gpu/worker_config.py`` builds the worker's argparse and ``WorkerConfig``'s defaults
+``gpu/worker/config.py`` builds the worker's argparse and ``WorkerConfig``'s defaults
 from this table; ``lifecycle serve`` offers the options marked ``forwarded`` under the
 same name and help, and passes the ones set on to the worker it spawns
 (``lifecycle.runtime.worker_args``); the scripted worker takes those marked
@@ -40,13 +40,13 @@ __all__ = [
     "worker_defaults",
 ]
 
-GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/graphs.py
-MIXED_GRAPH_MODES = ("auto", "off")  # gpu/piecewise.py: auto is with the decode graphs
-KERNEL_MODES = ("torch", "triton")  # gpu/kernel_choice.py
-OVERLAP_MODES = ("auto", "on", "off")  # gpu/engine.py, Engine.step
-WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/loader.py
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/kv_cache.py, kv_storage_dtype
-# --dtype's names, each to torch's name of the type (gpu/loader.py, resolve_device)
+GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/backends/graphs.py
+MIXED_GRAPH_MODES = ("auto", "off")  # gpu/backends/piecewise.py: auto is with the decode graphs
+KERNEL_MODES = ("torch", "triton")  # gpu/kernels/kernel_choice.py
+OVERLAP_MODES = ("auto", "on", "off")  # gpu/runtime/engine.py, Engine.step
+WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/model/loader.py
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/cache/kv_cache.py, kv_storage_dtype
+# --dtype's names, each to torch's name of the type (gpu/model/loader.py, resolve_device)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
           "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}  # fmt: skip
 DEVICE_FORM = (r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N")  # a pattern, and it in words
@@ -55,7 +55,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
 # fp32), near llama-server's default 32k-token f16 cache: with the quantized weights
 # (96 MiB) and the rest (~260 MiB) the worker stays near llama-server's resident size.
 DEFAULT_CPU_KV_MIB = 640
-DEFAULT_MEM_FRACTION = 0.85  # CUDA: the KV cache's share of free memory (gpu/memory.py)
+DEFAULT_MEM_FRACTION = 0.85  # CUDA: the KV cache's share of free memory (gpu/cache/memory.py)
 # On the CPU a step's time grows with its rows (about 1.8 ms a row at 32-64 rows), so a
 # prompt chunk that joins the decodes lengthens every stream's gap. Capping a mixed
 # step's prompt tokens at 32, measured 2026-12-04 (64 tokens in, 64 out, streaming):
@@ -233,7 +233,7 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
     """Why the worker refuses these options together, in one line, or None. ``values``:
     options by name, None or absent for the worker's default. The one definition of the
     rules that need no model and no device probe: the worker applies it at start
-    (``gpu/worker_config.py``), ``lifecycle serve`` before it listens or spawns."""
+    (``gpu/worker/config.py``), ``lifecycle serve`` before it listens or spawns."""
     v = {**worker_defaults(), **{k: x for k, x in values.items() if x is not None}}
     if v["kv_cache_tokens"] is not None and v["kv_memory_mib"] is not None:
         return "size the KV cache by --kv-cache-tokens or by --kv-memory-mib, not both"

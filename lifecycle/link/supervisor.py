@@ -64,7 +64,7 @@ class WarmupFailed(RuntimeError):
 
 class WorkerRefusedToStart(OSError):
     """A spawned worker exited with status 2 before its HELLO: it refused its model or
-    its options (``gpu/worker.py`` prints why, one line, to the stderr it shares with
+    its options (``gpu/worker/process.py`` prints why, one line, to the stderr it shares with
     this process); or it failed at start-up twice in a row with the same status.
     Starting it again would fail again: it is not restarted."""
 

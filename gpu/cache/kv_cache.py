@@ -1,0 +1,444 @@
+"""The paged KV cache: a block manager with a prefix cache, and the attention backend.
+
+``BlockManager`` (``gpu/cache/blocks.py``) is the bookkeeping: which block holds what, and
+the prefix cache; this module re-exports it.
+
+``PagedKVCache`` holds the tensors (per layer ``[n_kv, num_blocks * block_size,
+head_dim]``, kv head outermost) and implements the model's ``AttentionBackend``. A step
+lays tokens out as every decoding sequence first (one query each) and then each prefill
+chunk (causal SDPA over its cached and new tokens). Decode attention on the CPU in fp32
+runs in a C kernel that reads each sequence's blocks in place (``gpu/kernels/native.py``);
+elsewhere, or without a C compiler, it is batched matmuls over a gather of whole blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpu.cache.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
+from gpu.kernels.host import decode_slots, flat_tables, ints, to_device
+from gpu.kernels.native import NativeKernels, load_kernels
+from modelfile.config import ModelConfig
+from modelfile.layer_spec import spec_of
+
+__all__ = [
+    "BlockManager",
+    "NoFreeBlocks",
+    "PagedKVCache",
+    "PrefillChunk",
+    "PrefixHit",
+    "block_hash",
+    "decode_bias",
+    "decode_layout",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One sequence's new tokens at positions ``start .. start+n-1`` in this step."""
+
+    block_table: Sequence[int]
+    start: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    slots: Tensor  # [T] cache row of each new token
+    n_decode: int
+    dec_rows: Tensor | None  # [n_kv * D * nb] rows of the flat per-layer cache to gather
+    dec_len: int  # L: keys per decode sequence (whole blocks)
+    dec_bias: Tensor | None  # additive mask [n_kv * D, 1, L]: 0 or -inf past a context
+    dec_tables: Tensor | None  # native kernel: int32 [D, nb] block tables (padded)
+    dec_lens: Tensor | None  # native kernel: int32 [D] keys per sequence
+    prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
+    # Every row as one query over its own keys (int32 tables [T, nb], lens [T]): what the
+    # native kernel reads for a step gpu/backends/fused.py runs whole, prompt chunks of any length
+    # included (each prompt token then attends exactly as it would decoding: a token's
+    # result does not depend on how its prompt was chunked or cached); None without the
+    # native kernels.
+    row_queries: tuple[Tensor, Tensor] | None = None
+    # The sliding-window layers' masks (None when the model has none): ``dec_bias`` and
+    # each prefill's mask with the keys more than the window behind their query masked.
+    dec_bias_window: Tensor | None = None
+    prefill_windows: tuple[Tensor, ...] = ()
+
+
+def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor,
+                  bias_window: Tensor | None = None, tables: Tensor | None = None,
+                  lens: Tensor | None = None) -> _Layout:  # fmt: skip
+    """A decode-only step over given tensors (what ``prepare`` builds for the gather +
+    ``bmm`` path): ``n`` sequences, new-token ``slots [n]``, block ``rows [n_kv * n *
+    nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]`` (and
+    ``bias_window``, the same for the sliding-window layers); or, for the Triton decode
+    kernel, block ``tables [n, nb]`` and ``lens [n]`` (int32)."""
+    return _Layout(slots, n, rows, keys, bias, tables, lens, (), None, bias_window)
+
+
+def decode_bias(lens: Tensor, keys: int, n_kv: int, dtype: torch.dtype,
+                window: int = 0) -> Tensor:  # fmt: skip
+    """The additive mask ``[n_kv * D, 1, keys]`` of ``D`` one-query sequences of ``lens``
+    keys each, laid out as gathered blocks: -inf past a context and, with a ``window``,
+    more than ``window`` keys behind its query."""
+    key = torch.arange(keys, device=lens.device)[None, :]
+    masked = key >= lens[:, None]
+    if window:
+        masked |= key < lens[:, None] - window
+    bias = torch.zeros(masked.shape, dtype=dtype, device=lens.device)
+    bias.masked_fill_(masked, float("-inf"))
+    return bias.expand(n_kv, *bias.shape).reshape(-1, 1, keys)
+
+
+def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                     softcap: float) -> Tensor:  # fmt: skip
+    """Attention with soft-capped scores (Gemma 2: ``cap * tanh(s / cap)`` before the mask
+    and the softmax, which SDPA cannot do): ``q [B, H, Q, D]``, ``k``/``v [B, KV, L, D]``,
+    bool ``mask`` broadcasting to ``[B, H, Q, L]``; softmax in fp32 as transformers'."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
+    """Zeros; on the CPU in fp32 or fp16 from calloc (numpy), whose large blocks are fresh
+    pages the kernel maps on first write: the cache's resident memory grows with the
+    blocks sequences have used, not with its capacity (torch.zeros writes every page)."""
+    if torch.device(device or "cpu").type == "cpu" and dtype in _NUMPY:
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY[dtype]))
+    return torch.zeros(shape, device=device, dtype=dtype)
+
+
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def kv_storage_dtype(
+    choice: str, device: torch.device, dtype: torch.dtype, quantized: bool
+) -> torch.dtype:
+    """What the worker's paged cache stores K and V as (``--kv-cache-dtype``): ``auto`` is
+    fp16 for quantized weights on the CPU (llama.cpp's f16 cache: half the memory a token
+    of fp32, and next to the weights' own rounding a rounding of 2^-11 relative), else the
+    model's ``dtype``; ``fp16`` / ``bf16`` / ``fp32`` name it. Every path attends to the
+    stored values, read back as ``dtype``."""
+    if choice == "auto":
+        return torch.float16 if quantized and device.type == "cpu" else dtype
+    return KV_DTYPES[choice]
+
+
+KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class PagedKVCache:
+    """The paged ``AttentionBackend``: call ``prepare`` before each forward.
+
+    K/V live per layer as ``[n_kv, rows, head_dim]`` (row = block * block_size + offset),
+    so gathering whole blocks along dim 1 yields ``[n_kv * D, nb * block_size, head_dim]``
+    for D decoding sequences with no further copy: the batch layout ``bmm`` wants.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        native: bool | None = None,
+        scratch: bool = False,
+        kv_dtype: torch.dtype | None = None,
+        ops: Any = None,
+    ) -> None:
+        """``dtype``: what attention computes in; ``kv_dtype``: what K and V are stored as
+        (None: ``dtype``; see ``kv_storage_dtype``), rounded to it as they are written,
+        and every path attends to the stored values. ``native``: decode attention
+        through the C kernel (``gpu/kernels/native.py``); None means whenever it loads, the model
+        is fp32 on the CPU and the cache fp32 or fp16. ``scratch``: one more block,
+        ``scratch_block``, that no sequence owns (padding rows of a captured decode step
+        write there: ``gpu/backends/graphs.py``). ``ops``: ``gpu/kernels/triton_ops.py`` with ``--kernels
+        triton`` (the engine's choice): decodes then read the cache in place through their
+        block tables, one kernel a layer, where the block and the head are powers of two
+        (Triton's blocks are); else the gather path."""
+        self.scratch_block: int | None = num_blocks if scratch else None
+        num_blocks += int(scratch)
+        shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
+        self.dtype = dtype
+        store = kv_dtype or dtype
+        self.k = _zeros(shape, device, store)
+        self.v = _zeros(shape, device, store)
+        # Per-layer views made once: indexing self.k[layer] every call is an extra op.
+        self._k_layers = self.k.unbind(0)
+        self._v_layers = self.v.unbind(0)
+        self.n_kv_heads = config.n_kv_heads
+        # What the layers' attention computes (modelfile/layer_spec.py): one scale, one cap and
+        # one window width for every layer (``refusal`` turns a model away otherwise).
+        spec = spec_of(config)
+        first = spec.layers[0]
+        self.scale = first.query_scale
+        self.sdpa_scale = first.sdpa_scale
+        self.softcap = first.attn_softcap
+        self.windows = spec.windows
+        self.window = spec.widest_window  # the masks' window; each layer's: ``windows``
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = self.k.device
+        self._layout: _Layout | None = None
+        self.ops = ops
+        self._pow2 = _pow2(block_size) and _pow2(config.head_dim)
+        self.kernels: NativeKernels | None = None
+        native_kv = store in (torch.float16, torch.float32)
+        if (
+            native is not False
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and native_kv
+        ):
+            self.kernels = load_kernels()
+        if native and self.kernels is None:
+            raise RuntimeError("native kernels were asked for but are unavailable")
+
+    @property
+    def triton_decode(self) -> bool:
+        """Whether decode rows go through the Triton paged kernel (``ops`` set, and block
+        and head powers of two)."""
+        return self.ops is not None and self._pow2
+
+    @property
+    def element(self) -> str:
+        """What K and V are stored as, by name: float16, bfloat16 or float32."""
+        return str(self.k.dtype).removeprefix("torch.")
+
+    def nbytes(self) -> int:
+        """Bytes of the K and V tensors, the scratch block included."""
+        return self.k.nbytes + self.v.nbytes
+
+    def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    def prepare(
+        self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
+    ) -> None:
+        """Declare the step: ``decodes`` as (block_table, context length incl. the new token)."""
+        dev, bs = self.device, self.block_size
+        slots = decode_slots(decodes, bs)
+        dec_rows = dec_bias = dec_tables = dec_lens = dec_bias_window = None
+        dec_len = 0
+        row_queries = None
+        if self.kernels is not None:
+            # The native kernel reads each row's table and key count, decodes first: the
+            # decodes' share of the step's row queries, or their own beside a long chunk.
+            row_queries = self._row_queries(decodes, prefills)
+            dec = row_queries if row_queries is not None else self._row_queries(decodes, [])
+            if decodes and dec is not None:
+                dec_tables, dec_lens = dec[0][: len(decodes)], dec[1][: len(decodes)]
+        elif decodes and self.triton_decode:
+            dec = self._row_queries(decodes, [])
+            assert dec is not None
+            dec_tables, dec_lens = to_device(dec[0], dev), to_device(dec[1], dev)
+        elif decodes:
+            dec_rows, dec_len, dec_bias, dec_bias_window = self._gather_layout(decodes)
+        pre = []
+        windows = []
+        row = len(decodes)
+        for c in prefills:
+            slots.extend(self._slots(c.block_table, c.start, c.start + c.n))
+            index = ints(self._slots(c.block_table, 0, c.start + c.n), device=dev)
+            key = torch.arange(c.start + c.n, device=dev)
+            query = (c.start + torch.arange(c.n, device=dev))[:, None]
+            mask = key[None, :] <= query if c.start else None
+            pre.append((row, c.n, index, mask))
+            if self.window:  # over every key of the sequence, cached or new
+                windows.append((key[None, :] <= query) & (key[None, :] > query - self.window))
+            row += c.n
+        self._layout = _Layout(
+            ints(slots, device=dev),
+            len(decodes),
+            dec_rows,
+            dec_len,
+            dec_bias,
+            dec_tables,
+            dec_lens,
+            tuple(pre),
+            row_queries,
+            dec_bias_window,
+            tuple(windows),
+        )
+
+    def _gather_layout(
+        self, decodes: Sequence[tuple[Sequence[int], int]]
+    ) -> tuple[Tensor, int, Tensor, Tensor | None]:
+        """The gather + ``bmm`` decode's layout: block rows, keys per sequence, the bias
+        (and the sliding-window layers' bias, where the model has them)."""
+        dev = self.device
+        # Each table cut or padded (with block 0) to the longest context's blocks.
+        nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
+        tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
+        # Keys are whole blocks (L a multiple of block_size): the gather is then
+        # already contiguous for bmm, where a sliced view measured 4x slower. The
+        # bias masks every key past a context, padding blocks included.
+        dec_len = nb * self.block_size
+        blocks = [b for t in tables for b in t]
+        # Rows of the cache seen as [n_kv * num_blocks, block_size * head_dim]: a
+        # dim-0 gather of whole contiguous rows is a memcpy each (2x faster than the
+        # same gather along dim 1), and comes out in (kv head, sequence, block) order.
+        dec_rows = (
+            torch.arange(self.n_kv_heads, device=dev)[:, None] * self.num_blocks
+            + ints(blocks, device=dev)[None, :]
+        ).reshape(-1)
+        lens = ints([ctx for _, ctx in decodes], device=dev)
+        bias = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype)
+        window = None
+        if self.window:
+            window = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype, self.window)
+        return dec_rows, dec_len, bias, window
+
+    def _row_queries(
+        self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
+    ) -> tuple[Tensor, Tensor] | None:
+        """Each row's table and key count: a decode reads its context, a prompt token the
+        positions up to its own. A chunk's rows share one table (an expanded view, copied
+        once by the concatenation)."""
+        keys = [ctx for _, ctx in decodes] + [c.start + c.n for c in prefills]
+        if not keys:
+            return None
+        nb = -(-max(keys) // self.block_size)
+        tables: list[Tensor] = []
+        lens: list[Tensor] = []
+        if decodes:
+            flat = flat_tables((t for t, _ in decodes), nb, 0)
+            tables.append(ints(flat, torch.int32).view(len(decodes), nb))
+            lens.append(ints(keys[: len(decodes)], torch.int32))
+        for c in prefills:
+            tables.append(ints(flat_tables([c.block_table], nb, 0), torch.int32).expand(c.n, nb))
+            lens.append(torch.arange(c.start + 1, c.start + c.n + 1, dtype=torch.int32))
+        return torch.cat(tables), torch.cat(lens)
+
+    def row_queries(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(slots, tables, lens)`` of the declared step when the native kernel can attend
+        every row as one query (decodes and prompt tokens alike): what ``gpu/backends/fused.py``
+        takes; None without the native kernels."""
+        lay = self._layout
+        if lay is None or lay.row_queries is None:
+            return None
+        return lay.slots, *lay.row_queries
+
+    def use_layout(self, layout: _Layout) -> None:
+        """Declare the step with a layout built elsewhere (``decode_layout``: a captured
+        step's static buffers) instead of ``prepare``."""
+        self._layout = layout
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        lay = self._layout
+        if lay is None:
+            raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
+        kc, vc = self._k_layers[layer], self._v_layers[layer]
+        # Stored as the cache's element (rounded when it is narrower), and every path
+        # attends to the stored values (``.to`` of the same dtype is no copy).
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
+        kc.index_copy_(1, lay.slots, k.transpose(0, 1))
+        vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        window = self.windows[layer]
+        outs = []
+        # The C kernel on the CPU, the Triton one with --kernels triton: the same call
+        paged = self.kernels.paged_attention if self.kernels is not None else (
+            self.ops.paged_decode if self.ops is not None else None)  # fmt: skip
+        if lay.dec_tables is not None and lay.dec_lens is not None and paged is not None:
+            outs.append(
+                paged(
+                    q[: lay.n_decode],
+                    kc,
+                    vc,
+                    lay.dec_tables,
+                    lay.dec_lens,
+                    self.block_size,
+                    self.scale,
+                    window,
+                    self.softcap,
+                )  # fmt: skip
+            )
+        elif lay.dec_rows is not None and lay.dec_bias is not None:
+            bias = lay.dec_bias_window if window else lay.dec_bias
+            assert bias is not None
+            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay.dec_rows, bias))
+        for i, (row, n, index, mask) in enumerate(lay.prefills):
+            if window:  # the window's mask, over every key of the sequence
+                mask = lay.prefill_windows[i]
+            if mask is None or mask.shape[1] == n:  # nothing cached before the chunk: its
+                keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            else:  # own k/v are all the keys; else every key of the sequence, gathered
+                keys, vals = kc.index_select(1, index), vc.index_select(1, index)
+                keys, vals = keys.to(self.dtype), vals.to(self.dtype)
+            outs.append(self._chunk(q[row : row + n], keys, vals, mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _chunk(self, q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None) -> Tensor:
+        """One prompt chunk's attention: its queries ``[n, heads, hd]`` over ``keys`` /
+        ``vals`` ``[kv, L, hd]`` under ``mask`` (None: causal over its own keys)."""
+        n = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if self.softcap:  # SDPA has no cap: the scores written out
+            if mask is None:
+                key = torch.arange(n, device=q.device)
+                mask = key[None, :] <= key[:, None]
+            o = capped_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), mask,
+                                 self.scale, self.softcap)  # fmt: skip
+        else:
+            o = F.scaled_dot_product_attention(
+                qh,
+                keys.unsqueeze(0),
+                vals.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None and n > 1,
+                scale=self.sdpa_scale,
+                enable_gqa=True,
+            )
+        return o[0].transpose(0, 1)
+
+    def _decode(self, kc: Tensor, vc: Tensor, q: Tensor, rows: Tensor, bias: Tensor) -> Tensor:
+        """One query per sequence, GQA folded into ``baddbmm``/``bmm``.
+
+        The G query heads sharing a kv head are G rows against its keys (no kv
+        expansion). Batch index is (kv head, sequence), matching the block gather. On the
+        2-core CPU this replaced SDPA's flash kernel over a row gather plus transposes.
+        """
+        d, h, hd = q.shape
+        kv, flat = self.n_kv_heads, (self.n_kv_heads * self.num_blocks, self.block_size * hd)
+        shape = (kv * d, -1, hd)
+        keys = kc.view(flat).index_select(0, rows).view(shape).to(q.dtype)
+        vals = vc.view(flat).index_select(0, rows).view(shape).to(q.dtype)
+        qg = q.view(d, kv, h // kv, hd).transpose(0, 1).reshape(kv * d, h // kv, hd)
+        if self.softcap:  # the cap goes between the product and the mask
+            scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap + bias
+        else:
+            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        probs = scores.softmax(-1, dtype=torch.float32).to(vals.dtype)  # fp32 as HF does
+        out = torch.bmm(probs, vals)
+        return out.view(kv, d, h // kv, hd).transpose(0, 1).reshape(d, h, hd)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV in every layer (forking a partial last block)."""
+        bs = self.block_size
+        self.k[:, :, dst * bs : (dst + 1) * bs] = self.k[:, :, src * bs : (src + 1) * bs]
+        self.v[:, :, dst * bs : (dst + 1) * bs] = self.v[:, :, src * bs : (src + 1) * bs]
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` rows of one block's KV into another, in every layer (a
+        prefix hit that ends inside a block: copy-on-write of the matched head)."""
+        s, d = src * self.block_size, dst * self.block_size
+        self.k[:, :, d : d + n] = self.k[:, :, s : s + n]
+        self.v[:, :, d : d + n] = self.v[:, :, s : s + n]

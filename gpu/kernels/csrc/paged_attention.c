@@ -1,0 +1,278 @@
+/* Decode attention straight from the paged KV cache: one query token per sequence.
+ *
+ * The torch path (gpu/cache/kv_cache.py, PagedKVCache._decode) gathers every sequence's
+ * blocks into a contiguous copy and runs batched matmuls of 3 x head_dim rows on it:
+ * the KV is read from DRAM, written, read again, and each tiny matmul pays its own
+ * setup. This kernel reads each key and value once, from where they lie.
+ *
+ * Layout (row-major, as PagedKVCache stores one layer):
+ *   q      [D, H, HD]       fp32, the step's queries, RoPE applied; sequence s starts at
+ *                           q + s * q_stride (the rows may be a strided slice)
+ *   kc, vc [KV, ROWS, HD]   cache rows, fp32 or fp16 (kv_half; read as fp32, exactly);
+ *                           row = block * BS + offset
+ *   tables [D, MAXNB]       int32 block table of each sequence
+ *   lens   [D]              int32 keys per sequence (context including the new token)
+ *   out    [D, H, HD]
+ * Query head i reads kv head i / (H / KV) (grouped-query attention).
+ * A layer with a sliding window (window > 0) attends to the last `window` keys of each
+ * sequence only (its own included), as transformers and llama.cpp mask them; softcap > 0
+ * caps the scores at +-softcap (cap * tanh(score / cap), Gemma 2) before the softmax.
+ * Softmax in fp32 with the maximum subtracted, as torch computes it. Each (sequence,
+ * kv head) pair is one function of its query, key count and cache rows, whatever else
+ * is in the call and on every build (fixed_order.h): a score is the lanes-and-tree sum
+ * of q[d] * k[d] (lane d % 8) times scale; the softmax's denominator the lanes-and-tree
+ * sum of exp_fixed(score - max); each output the sum over keys in order of
+ * weight * v[d], one fused multiply-add a key.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "fixed_order.h"
+
+static void softmax_rows(float *restrict scores, int32_t g, int32_t len, float softcap) {
+    for (int32_t j = 0; j < g; j++) {
+        float *sc = scores + (int64_t)j * len;
+        if (softcap > 0.0f) fo_softcap(sc, len, softcap);
+        float m = sc[0];
+        for (int32_t p = 1; p < len; p++) m = sc[p] > m ? sc[p] : m;
+        fo_exp_sub(sc, len, m);
+        float inv = 1.0f / fo_sum(sc, len);
+        for (int32_t p = 0; p < len; p++) sc[p] *= inv;
+    }
+}
+
+/* n fp16 values at src as fp32 at dst (exact). */
+static inline void halves_to_floats(float *restrict dst, const uint16_t *restrict src, int64_t n) {
+    int64_t i = 0;
+#ifdef FO_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = fo_half_to_float(src[i]);
+}
+
+/* Where one (sequence, kv head) pair's key and value blocks come from, as fp32: the
+ * cache's own rows when it holds fp32; when it holds fp16, either the blocks from
+ * `from` on converted ahead for a run of rows of one sequence (kconv, vconv), or each
+ * block converted into buf when it is read, once for all the pair's query heads. */
+typedef struct {
+    const void *k, *v; /* the kv head's cache rows */
+    const int32_t *table;
+    int32_t half, bs, hd, from;
+    const float *kconv, *vconv; /* NULL: not converted ahead */
+    float *buf;                 /* one block */
+} kv_src;
+
+static inline const void *raw_block(const kv_src *src, const void *base, int32_t b) {
+    size_t elem = src->half ? 2 : 4;
+    return (const char *)base + elem * (size_t)src->table[b] * (size_t)src->bs * (size_t)src->hd;
+}
+
+/* Block b's first n rows as fp32. */
+static inline const float *kv_block(const kv_src *src, const void *base, const float *conv,
+                                    int32_t b, int32_t n) {
+    if (!src->half) return raw_block(src, base, b);
+    if (conv) return conv + (int64_t)(b - src->from) * src->bs * src->hd;
+    halves_to_floats(src->buf, raw_block(src, base, b), (int64_t)n * src->hd);
+    return src->buf;
+}
+
+#ifdef FO_AVX2
+/* Ask for `bytes` at p ahead of use: each block's rows start where the hardware
+ * prefetcher would start cold. */
+static inline void prefetch(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* head_dim 64: eight keys' dot products per query at a time, one horizontal reduction
+ * for all eight; the weighted sum of values block by block, each query's 64 outputs in
+ * registers across the block. Keys first .. len - 1 (first > 0 under a sliding window);
+ * scores[p - first] is key p's. */
+static void one_pair64(const float *restrict q, const kv_src *src, int32_t first, int32_t len,
+                       int32_t g, float scale, float softcap, float *restrict scores,
+                       float *restrict out) {
+    enum { HD = 64 };
+    int32_t bs = src->bs, nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
+    size_t bytes = (src->half ? 2 : 4) * (size_t)bs * HD;
+    int ahead = !src->kconv; /* blocks read where they lie: prefetch the next */
+    __m256 vscale = _mm256_set1_ps(scale);
+    for (int32_t b = b0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *kb = kv_block(src, src->k, src->kconv, b, n);
+        if (ahead && b + 1 < nb) prefetch(raw_block(src, src->k, b + 1), bytes);
+        else if (ahead) prefetch(raw_block(src, src->v, b0), bytes);
+        int32_t t = b == b0 ? first - b * bs : 0;
+        float *sb = scores + (int64_t)b * bs - first; /* key b * bs + t scores at sb[t] */
+        for (; t + 8 <= n; t += 8) {
+            const float *k = kb + (int64_t)t * HD;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * HD;
+                __m256 a[8];
+                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+                for (int d = 0; d < HD; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qj + d);
+                    for (int r = 0; r < 8; r++)
+                        a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * HD + d), a[r]);
+                }
+                __m256 sums = fo_tree8x8(a);
+                _mm256_storeu_ps(sb + (int64_t)j * nk + t, _mm256_mul_ps(sums, vscale));
+            }
+        }
+        for (; t < n; t++) {
+            const float *k = kb + (int64_t)t * HD;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * HD;
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < HD; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);
+                sb[(int64_t)j * nk + t] = fo_tree8_v(a) * scale;
+            }
+        }
+    }
+    softmax_rows(scores, g, nk, softcap);
+    for (int32_t d = 0; d < g * HD; d++) out[d] = 0.0f;
+    for (int32_t b = b0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs, t0 = b == b0 ? first - b * bs : 0;
+        const float *vb = kv_block(src, src->v, src->vconv, b, n);
+        if (ahead && b + 1 < nb) prefetch(raw_block(src, src->v, b + 1), bytes);
+        for (int32_t j = 0; j < g; j++) {
+            const float *sc = scores + (int64_t)j * nk + b * bs - first;
+            float *o = out + (int64_t)j * HD;
+            __m256 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_ps(o + r * 8);
+            for (int32_t t = t0; t < n; t++) {
+                __m256 w = _mm256_broadcast_ss(sc + t);
+                const float *v = vb + (int64_t)t * HD;
+                for (int r = 0; r < 8; r++)
+                    a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
+            }
+            for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + r * 8, a[r]);
+        }
+    }
+}
+#endif
+
+/* Any head_dim that is a multiple of 8: the same function in portable C. */
+static void one_pair(const float *restrict q, const kv_src *src, int32_t first, int32_t len,
+                     int32_t g, float scale, float softcap, float *restrict scores,
+                     float *restrict out) {
+    int32_t bs = src->bs, hd = src->hd, nb = (len + bs - 1) / bs, b0 = first / bs;
+    int32_t nk = len - first;
+    for (int32_t b = b0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *kb = kv_block(src, src->k, src->kconv, b, n);
+        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
+            const float *k = kb + (int64_t)t * hd;
+            for (int32_t j = 0; j < g; j++) {
+                const float *qj = q + (int64_t)j * hd;
+                float l[8] = {0};
+                for (int32_t d = 0; d < hd; d++) l[d % 8] = fmaf(qj[d], k[d], l[d % 8]);
+                scores[(int64_t)j * nk + b * bs + t - first] = fo_tree8(l) * scale;
+            }
+        }
+    }
+    softmax_rows(scores, g, nk, softcap);
+    for (int32_t d = 0; d < g * hd; d++) out[d] = 0.0f;
+    for (int32_t b = b0; b < nb; b++) {
+        int32_t n = len - b * bs < bs ? len - b * bs : bs;
+        const float *vb = kv_block(src, src->v, src->vconv, b, n);
+        for (int32_t t = b == b0 ? first - b * bs : 0; t < n; t++) {
+            const float *v = vb + (int64_t)t * hd;
+            for (int32_t j = 0; j < g; j++) {
+                float w = scores[(int64_t)j * nk + b * bs + t - first];
+                float *o = out + (int64_t)j * hd;
+                for (int32_t d = 0; d < hd; d++) o[d] = fmaf(w, v[d], o[d]);
+            }
+        }
+    }
+}
+
+/* Consecutive rows of one sequence (a prompt chunk: the same block table) take at most
+ * RUN rows a work item, its fp16 blocks converted once for all of them. */
+enum { RUN = 16 };
+
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then unset).
+ * kv_half: the cache holds fp16 (else fp32); window: keys per sequence a query attends
+ * to, its own included (0: all); softcap: the scores' cap (0: none). */
+int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
+                    int32_t kv_half, const int32_t *tables, const int32_t *lens, float *out,
+                    int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
+                    int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads) {
+    int32_t g = h / kv;
+    int32_t maxlen = 1;
+    for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
+    if (threads < 1) threads = 1;
+    /* the runs: rows [run[i], run[i + 1]) */
+    int32_t *run = malloc(sizeof(int32_t) * ((size_t)d + 1));
+    if (!run) return -1;
+    int32_t nrun = 0, multi = 0;
+    for (int32_t s = 0; s < d; s++) {
+        const int32_t *t = tables + (int64_t)s * maxnb;
+        if (s == 0 || s - run[nrun - 1] >= RUN || memcmp(t, t - maxnb, sizeof(int32_t) * maxnb))
+            run[nrun++] = s;
+        else multi = 1;
+    }
+    run[nrun] = d;
+    /* per thread: one row's scores, one block, and (fp16, runs of rows) a sequence's blocks */
+    size_t conv = kv_half && multi ? (size_t)maxnb * bs * hd : 0;
+    size_t per_thread = (size_t)g * maxlen + (size_t)bs * hd + 2 * conv;
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (!scratch) {
+        free(run);
+        return -1;
+    }
+    size_t elem = kv_half ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < (int64_t)nrun * kv; i++) {
+#ifdef _OPENMP
+        float *scores = scratch + per_thread * (size_t)omp_get_thread_num();
+#else
+        float *scores = scratch;
+#endif
+        int32_t r = (int32_t)(i / kv), kvh = (int32_t)(i % kv);
+        size_t at = elem * (size_t)kvh * (size_t)rows * (size_t)hd;
+        kv_src src = {.k = (const char *)kc + at, .v = (const char *)vc + at,
+                      .table = tables + (int64_t)run[r] * maxnb, .half = kv_half, .bs = bs,
+                      .hd = hd, .buf = scores + (size_t)g * maxlen};
+        if (kv_half && run[r + 1] - run[r] > 1) { /* convert the run's blocks once */
+            int32_t lo = maxnb, hi = 0;
+            for (int32_t s = run[r]; s < run[r + 1]; s++) {
+                int32_t n = lens[s], first = window > 0 && n > window ? n - window : 0;
+                if (n < 1) continue;
+                lo = first / bs < lo ? first / bs : lo;
+                hi = (n + bs - 1) / bs > hi ? (n + bs - 1) / bs : hi;
+            }
+            float *kbuf = src.buf + (size_t)bs * hd, *vbuf = kbuf + conv;
+            for (int32_t b = lo; b < hi; b++) {
+                size_t off = (size_t)(b - lo) * bs * hd;
+                halves_to_floats(kbuf + off, raw_block(&src, src.k, b), (int64_t)bs * hd);
+                halves_to_floats(vbuf + off, raw_block(&src, src.v, b), (int64_t)bs * hd);
+            }
+            src.from = lo, src.kconv = kbuf, src.vconv = vbuf;
+        }
+        for (int32_t s = run[r]; s < run[r + 1]; s++) {
+            const float *qs = q + (int64_t)s * q_stride + (int64_t)kvh * g * hd;
+            float *os = out + ((int64_t)s * h + (int64_t)kvh * g) * hd;
+            int32_t n = lens[s];
+            if (n < 1) {
+                for (int32_t j = 0; j < g * hd; j++) os[j] = 0.0f;
+                continue;
+            }
+            int32_t first = window > 0 && n > window ? n - window : 0;
+#ifdef FO_AVX2
+            if (hd == 64) {
+                one_pair64(qs, &src, first, n, g, scale, softcap, scores, os);
+                continue;
+            }
+#endif
+            one_pair(qs, &src, first, n, g, scale, softcap, scores, os);
+        }
+    }
+    free(scratch);
+    free(run);
+    return 0;
+}

@@ -1,0 +1,331 @@
+"""Small C kernels for the CPU path, compiled on first use with the system C compiler.
+
+Only what torch cannot do well with its own ops lives here: decode attention read
+straight from the paged KV cache (``gpu/kernels/csrc/paged_attention.c``), linear layers at
+one or two rows from a row-interleaved weight copy (``gpu/kernels/csrc/small_linear.c``), and
+grammar masks applied to logits in place (``gpu/kernels/csrc/token_mask.c``), linear layers
+straight from GGUF quantized blocks (``gpu/kernels/csrc/quant_linear.c``), and a step's
+decoder layers in one call over those (``gpu/kernels/csrc/fused_trunk.c``, ``gpu/backends/fused.py``). The
+library is built once per source, compiler and flag set into a cache directory
+(``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
+``~/.cache/lifecycle/kernels``: ``gpu/kernels/native_build.py``) and loaded with ctypes; the build
+takes about a second.
+No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
+(same results to rounding, slower at long contexts), with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from torch import Tensor
+
+from gpu.kernels.native_build import ISAS, build, kernel_cache_dir, native_enabled
+
+__all__ = [
+    "QL_PARTS",
+    "QParts",
+    "QUANT_TYPES",
+    "quant_row_bytes",
+    "SMALL_LINEAR_MAX_ROWS",
+    "NativeKernels",
+    "load_kernels",
+    "load_kernels_built_for",
+]
+
+log = logging.getLogger("gpu.kernels.native")
+
+SMALL_LINEAR_MAX_ROWS = 2  # above this oneDNN's packed GEMM is as fast or faster
+# The GGML types ``q_linear`` reads in place (codes): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+# Q5_K, Q6_K. Their block sizes are gguf's (GGML_QUANT_SIZES).
+QUANT_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+
+
+# q_linear's qtype for a weight in parts of different types (``QParts``).
+QL_PARTS = -1
+QL_MAX_PARTS = 4
+
+
+class QParts(ctypes.Structure):
+    """``q_parts`` in quant_linear.c: up to four weights of their own types stacked
+    row-wise (their outputs side by side)."""
+
+    _fields_ = [
+        ("n", ctypes.c_int32),
+        ("qtype", ctypes.c_int32 * QL_MAX_PARTS),
+        ("rows", ctypes.c_int64 * QL_MAX_PARTS),
+        ("w", ctypes.c_void_p * QL_MAX_PARTS),
+    ]
+
+
+def quant_row_bytes(qtype: int, k: int) -> int | None:
+    """Bytes of one row of ``k`` weights of GGML type ``qtype``; None when ``qtype`` is not
+    a kernel type or ``k`` is not a whole number of its blocks."""
+    if qtype not in QUANT_TYPES:
+        return None
+    elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return None if k % elems else k // elems * size
+
+
+_lock = threading.Lock()
+_loaded: dict[str, NativeKernels | None] = {}
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+        pa = lib.paged_attention
+        pa.argtypes = [p, i64, p, p, i32, p, p, p, i32, i32, i32, i32, i64, i32, i32,
+                       f32, i32, f32, i32]  # fmt: skip
+        pa.restype = ctypes.c_int
+        self._attention = pa
+        lin = lib.small_linear
+        lin.argtypes = [p, p, p, i32, i64, i64, i32]
+        lin.restype = None
+        self._small_linear = lin
+        tm = lib.apply_token_bitmask
+        tm.argtypes = [p, i64, p, p, i32, i32, i32, p]
+        tm.restype = None
+        self._token_mask = tm
+        ql = lib.q_linear
+        ql.argtypes = [p, p, p, i32, i32, i64, i64, i32]
+        ql.restype = ctypes.c_int
+        self._q_linear = ql
+        qr = lib.q_linear_reference
+        qr.argtypes = [p, p, p, i32, i32, i64, i64]
+        qr.restype = ctypes.c_int
+        self._q_linear_reference = qr
+        qd = lib.q_dequantize
+        qd.argtypes = [p, p, i32, i64, i64]
+        qd.restype = ctypes.c_int
+        self._q_dequantize = qd
+        dl = lib.trunk_layers
+        dl.argtypes = [p, i32, p, p, i32, i32, i32, i32, i32, i32, f32,
+                       p, p, p, i32, i64, i32, i32, f32, i32, f32, i32]  # fmt: skip
+        dl.restype = ctypes.c_int
+        self.trunk_layers = dl  # gpu/backends/fused.py builds its arguments
+        sc = lib.softcap_rows
+        sc.argtypes = [p, i64, f32]
+        sc.restype = None
+        self._softcap = sc
+        rn = lib.rms_norm_rows
+        rn.argtypes = [p, p, p, i32, i32, f32]
+        rn.restype = None
+        self._rms_norm = rn
+
+    def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
+        """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
+        quant_row_bytes(qtype, K)]``; ``qtype`` a GGML type code of ``QUANT_TYPES``. x is
+        rounded to int8 per block of 32 first (llama.cpp's way): close to, not equal to,
+        ``F.linear`` on the dequantized weight."""
+        x = _fp32_rows(x)
+        m, k = x.shape
+        _check_blocks(w, qtype, k)
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        rc = self._q_linear(
+            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def q_linear_reference(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
+        """``q_linear``'s function as quant_linear.c's header defines it, computed output
+        by output on one thread: what the tests hold the kernel's paths to."""
+        x = _fp32_rows(x)
+        m, k = x.shape
+        _check_blocks(w, qtype, k)
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        rc = self._q_linear_reference(
+            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k
+        )
+        if rc != 0:
+            raise MemoryError("q_linear_reference: scratch allocation failed")
+        return y
+
+    def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:
+        """``q_linear`` over a weight in parts (``QParts``, checked by its maker: each
+        part's blocks hold rows of ``x.shape[1]``; rows add up to ``n``)."""
+        x = _fp32_rows(x)
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        rc = self._q_linear(
+            x.data_ptr(), ctypes.addressof(parts), y.data_ptr(), QL_PARTS, x.shape[0], n,
+            x.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"q_linear refused the parts for rows of {x.shape[1]}")
+        if rc != 0:
+            raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` per row of fp32 ``x [M, N]``, the
+        fused trunk's norm: each row one function of itself (fixed_order.h)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError(f"rms_norm takes fp32 [M, N] rows, not {x.dtype} {tuple(x.shape)}")
+        x, weight = x.contiguous(), weight.contiguous()
+        if weight.shape != (x.shape[1],):
+            raise ValueError(f"norm weight {tuple(weight.shape)} for rows of {x.shape[1]}")
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def q_dequantize(self, w: Tensor, qtype: int, k: int) -> Tensor:
+        """The fp32 ``[N, K]`` that ``q_linear`` multiplies by (what tests compare)."""
+        _check_blocks(w, qtype, k)
+        out = torch.empty((w.shape[0], k), dtype=torch.float32)
+        if self._q_dequantize(w.data_ptr(), out.data_ptr(), qtype, w.shape[0], k) != 0:
+            raise MemoryError("q_dequantize: scratch allocation failed")
+        return out
+
+    def apply_token_bitmask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+        """Ban, in place, what ``bitmask`` [R, W] int32 does not allow in ``logits``' rows
+        ``rows`` (int64 [R]); ``logits`` fp32 with unit stride along the vocabulary.
+        Returns alive (int32 [R]): 1 where a row kept a logit above -inf."""
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        bitmask = bitmask.contiguous()
+        alive = torch.empty(rows.shape[0], dtype=torch.int32)
+        self._token_mask(
+            logits.data_ptr(),
+            logits.stride(0),
+            bitmask.data_ptr(),
+            rows.data_ptr(),
+            rows.shape[0],
+            bitmask.shape[1],
+            logits.shape[1],
+            alive.data_ptr(),
+        )
+        return alive
+
+    @staticmethod
+    def interleave(weight: Tensor) -> Tensor:
+        """``[N, K]`` -> ``[N/8, K, 8]``: the layout ``small_linear`` reads (N % 8 == 0)."""
+        n, k = weight.shape
+        return weight.detach().view(n // 8, 8, k).transpose(1, 2).contiguous()
+
+    def small_linear(self, x: Tensor, w8: Tensor) -> Tensor:
+        """``x [M, K] @ w^T`` for M <= a few rows, ``w8`` from ``interleave``."""
+        x = x.contiguous()
+        m, k = x.shape
+        n = w8.shape[0] * 8
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        self._small_linear(
+            x.data_ptr(), w8.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
+        )
+        return y
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        tables: Tensor,
+        lens: Tensor,
+        block_size: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> Tensor:
+        """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
+        H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
+        fp32 or both fp16, ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D, H,
+        HD]``. Over the last ``window`` keys of each sequence (0: all), its scores capped
+        at ``softcap`` (0: not)."""
+        d, h, hd = q.shape
+        kv, rows, _ = kc.shape
+        if kc.dtype != vc.dtype or kc.dtype not in (torch.float16, torch.float32):
+            raise ValueError(
+                f"paged_attention reads an fp16 or fp32 cache, not {kc.dtype} / {vc.dtype}"
+            )
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
+        rc = self._attention(
+            q.data_ptr(),
+            q.stride(0),
+            kc.data_ptr(),
+            vc.data_ptr(),
+            int(kc.dtype == torch.float16),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            out.data_ptr(),
+            d,
+            h,
+            kv,
+            hd,
+            rows,
+            block_size,
+            tables.shape[1],
+            scale,
+            window,
+            softcap,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged_attention: scratch allocation failed")
+        return out
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """``cap * tanh(x / cap)`` in place on contiguous fp32 ``x`` (returned), the same
+        bits on every build (fixed_order.h)."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"softcap takes contiguous fp32 CPU values, not {x.dtype}")
+        self._softcap(x.data_ptr(), x.numel(), cap)
+        return x
+
+
+def _fp32_rows(x: Tensor) -> Tensor:
+    """``x`` as the quantized linear takes it: fp32 ``[M, K]``, contiguous."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"q_linear takes fp32 [M, K] rows, not {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _check_blocks(w: Tensor, qtype: int, k: int) -> None:
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"q_linear takes GGML types {sorted(QUANT_TYPES)}, not {qtype}")
+    row = quant_row_bytes(qtype, k)
+    if row is None or k % 32 or w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row:
+        raise ValueError(f"blocks {tuple(w.shape)} {w.dtype} do not hold rows of {k} weights")
+    if not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError("blocks must be a contiguous CPU tensor")
+
+
+def load_kernels_built_for(isa: str) -> NativeKernels:
+    """A separate build of the kernels for ``isa`` (one of ``ISAS``), loaded beside the
+    process's own: what tests compare the default build with. Raises when it cannot be
+    built."""
+    if isa not in ISAS:
+        raise ValueError(f"isa {isa!r}: expected one of {', '.join(ISAS)}")
+    with _lock:
+        return NativeKernels(build(kernel_cache_dir(), isa))
+
+
+def load_kernels() -> NativeKernels | None:
+    """The kernels, built if needed; None (logged once) when disabled or unavailable."""
+    if not native_enabled():
+        return None
+    cache = kernel_cache_dir()
+    with _lock:
+        if str(cache) in _loaded:
+            return _loaded[str(cache)]
+        kernels: NativeKernels | None = None
+        try:
+            kernels = NativeKernels(build(cache))
+            log.info("native CPU kernels loaded from %s", kernels.path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        _loaded[str(cache)] = kernels
+        return kernels

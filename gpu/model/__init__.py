@@ -1,0 +1,3 @@
+"""The model: weights loaded from a GGUF file or a Hugging Face folder, the decoder's math over
+the layer description (``modelfile/layer_spec.py``), quantized linears and RoPE tables. A new
+family is a row in ``modelfile/``; a new operation a spec field read by ``decoder.py``."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism (``--tp K``): K ranks under ``torch.distributed``."""

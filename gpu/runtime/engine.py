@@ -1,0 +1,298 @@
+"""The step engine: SUBMIT entries in, one list of STEP entries out per scheduler step.
+
+No I/O here: ``gpu/worker/process.py`` drives it. ``step()`` is the loop body: schedule, lay the
+batch out as a ``StepInput``, run it (``gpu/runtime/runner.py``: the cache layout, graph replay
+or the trunk, the LM head only on the rows that need logits), one batched sampling
+pass, then per-sequence bookkeeping (stop checks, frees).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from gpu.cache.kv_cache import BlockManager, PagedKVCache
+from gpu.cache.memory import KVPlan, MemoryFootprint
+from gpu.model.loader import LoadedModel
+from gpu.runtime.admission import Admission, ProtocolError, TooLong, declared_n, prefills
+from gpu.runtime.engine_config import EngineConfig
+from gpu.runtime.forks import fork_samplers
+from gpu.runtime.grammar import Grammars
+from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
+from gpu.runtime.pooling import pool
+from gpu.runtime.runner import ModelRunner
+from gpu.runtime.sampling import sample, sample_greedy
+from gpu.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+from gpu.runtime.step import Step, lay_out
+from gpu.runtime.step_books import Books, terminal
+from wire import (
+    ErrorCode,
+    Finish,
+    StepEntry,
+    StepStats,
+    SubmitEntry,
+)
+from wire.faults import fault_point
+
+__all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        kv_plan: KVPlan | None = None,
+        cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+    ) -> None:
+        """Every backend is chosen once, as the engine is made (the runner's: the kernels,
+        the trunk, the cache, the graphs; the overlap): the loaded model is shared
+        between engines and holds none of them. ``kv_plan``: how the cache was sized
+        from the card's memory (None: from ``--kv-blocks`` / ``--kv-mib``);
+        ``cache_type``: what makes the cache (a tensor-parallel leader's,
+        ``gpu.parallel.tp.leader_cache``, tells its followers)."""
+        self.loaded = loaded
+        self.model = loaded.model
+        self.mc = loaded.config
+        self.config = config
+        self.kv_plan = kv_plan
+        self.blocks = BlockManager(config.kv_blocks, config.block_size)
+        self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
+        self.runner = ModelRunner(loaded, config, self.max_context, cache_type)
+        self.cache = self.runner.cache
+        self.scheduler = Scheduler(
+            self.blocks,
+            SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
+            self.cache.copy_rows,
+        )
+        self.seqs: dict[int, Sequence] = {}
+        self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
+        self.step_no = 0
+        self.step_stats = StepStats()  # every step's time, sequences and tokens
+        self._footprint: MemoryFootprint | None = None
+        eog = tuple(sorted(self.mc.eog_ids))
+        tok = loaded.tokenizer
+        self.grammars = Grammars(tok, self.mc.vocab_size, eog)
+        self.admission = Admission(self.mc.vocab_size, eog, self.max_context,
+                                   config.max_pending, self.grammars, self.generator)  # fmt: skip
+        # The end a finished grammar reports (it is not sampled: nothing else could be).
+        grammar_end = tok.eos_id if tok.eos_id is not None else eog[0]
+        self.books = Books(self.seqs, self.reserved, self._end, self._fail, eog, tok.decode,
+                           grammar_end)  # fmt: skip
+        self.overlap = overlap_on(config.overlap, loaded.device)
+        self._in_flight: InFlight | None = None  # an overlapped step's unread tokens
+        # Requests the last steps failed (rid, why), for the worker to report as errors.
+        self._failed: list[tuple[int, str]] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_work
+
+    def footprint(self) -> MemoryFootprint:
+        """The weights' and the KV cache's allocated bytes, their device and the cache's
+        memory, whose resident part each split measures (made on first use)."""
+        if self._footprint is None:
+            dev = self.loaded.device
+            name = dev.type if dev.type == "cpu" else str(dev)
+            kv = (self.cache.k, self.cache.v)
+            self._footprint = MemoryFootprint.of(self.model.weight_bytes(), kv, name)
+        return self._footprint
+
+    def holds(self, rid: int) -> bool:
+        """Whether ``rid`` is live here (a sequence, or a fork not made yet)."""
+        return rid in self.seqs or rid in self.reserved
+
+    def load(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_free": self.blocks.num_free,
+            "kv_blocks_cached": self.blocks.num_cached,
+            "rids": len(self.seqs) + len(self.reserved),
+        }
+
+    # -- ingress ---------------------------------------------------------------------
+
+    def submit(
+        self, entries: Iterable[SubmitEntry]
+    ) -> tuple[list[tuple[int, str, str]], list[StepEntry]]:
+        """Queue valid entries; returns (REQ-ERROR tuples, immediately terminal entries)."""
+        errors: list[tuple[int, str, str]] = []
+        done: list[StepEntry] = []
+        for e in entries:
+            try:
+                seq = self.admission.sequence(e, self.holds, len(self.seqs) + len(self.reserved))
+            except ValueError as exc:
+                if isinstance(exc, ProtocolError):
+                    raise
+                code = ErrorCode.TOO_LONG if isinstance(exc, TooLong) else ErrorCode.INVALID
+                # Every rid the request would occupy gets its terminal entry.
+                errors += [(r, code, str(exc)) for r in range(e.rid, e.rid + declared_n(e))]
+                continue
+            if seq.params.max_new_tokens == 0 and not prefills(seq):
+                extra = {"prompt_tokens": seq.prompt_len}
+                done += [
+                    StepEntry(r, b"", [Finish.LENGTH, 0], extra)
+                    for r in range(e.rid, e.rid + 1 + seq.forks)
+                ]
+                continue
+            for r in range(seq.rid + 1, seq.rid + seq.forks + 1):
+                self.reserved[r] = seq
+            self.seqs[seq.rid] = seq
+            self.scheduler.add(seq)
+        return errors, done
+
+    def _run(self, batch: list[tuple[Sequence, int]], prev: InFlight | None) -> Step:
+        """The step laid out (``gpu/runtime/step.py``) and run; a fault plan may fail, delay or
+        kill it here, or make its logits NaN."""
+        step = lay_out(batch, prev)
+        fault = fault_point("worker.forward")
+        if fault is not None:
+            fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
+        out = self.runner.run(step.input)
+        pooling = step.pooling
+        pooled = (
+            pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []
+        )
+        step.ran(out, pooled)
+        if step.logits is not None and fault is not None and fault.action == "nan":
+            step.logits = torch.full_like(step.logits, float("nan"))
+        return step
+
+    def generator(self, seed: int | None) -> torch.Generator | None:
+        """The request's own generator, which only its rows draw from, a fixed amount per
+        step (``gpu.runtime.sampling``): a seed's tokens do not depend on what shares the batch.
+        Unseeded requests get one too, from a fresh random seed, so workers (``--dp``)
+        and restarts do not repeat each other's draws."""
+        g = torch.Generator(device=self.loaded.device)
+        g.manual_seed(random.getrandbits(63) if seed is None else seed & ((1 << 63) - 1))
+        return g
+
+    def abort(
+        self, rids: Iterable[int], message: str = "aborted by the frontend"
+    ) -> list[StepEntry]:
+        """End held rids now (blocks freed before the next step); unknown rids are ignored."""
+        out = []
+        for rid in rids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self.scheduler.remove(seq)
+                out.append(terminal(seq, b"", [Finish.ABORT, message]))
+                # Forks not yet made go with their parent: each gets its own terminal entry.
+                for r in [r for r, p in self.reserved.items() if p is seq]:
+                    del self.reserved[r]
+                    out.append(StepEntry(r, b"", [Finish.ABORT, message], None))
+            elif rid in self.reserved:
+                del self.reserved[rid]
+                out.append(StepEntry(rid, b"", [Finish.ABORT, message], None))
+        return out
+
+    def _end(self, seq: Sequence) -> None:
+        """``seq`` ended: no longer live, its blocks released."""
+        del self.seqs[seq.rid]
+        self.scheduler.remove(seq)
+
+    def _fail(self, seq: Sequence, why: str) -> None:
+        """End ``seq`` (and its forks not yet made) as failed: no entry, an error the
+        worker reports (``take_failed``); the rest of the step goes on."""
+        log.error("request %d failed: %s", seq.rid, why)
+        self._failed += [(e.rid, why) for e in self.abort([seq.rid], why)]
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """The requests the steps since the last call failed, as (rid, why)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def abort_all(self, message: str) -> list[StepEntry]:
+        self._in_flight = None  # its tokens are never read: every request ends here
+        return self.abort(list(self.seqs) + list(self.reserved), message)
+
+    def check(self) -> list[str]:
+        problems = self.scheduler.check()
+        if not self.scheduler.has_work and (self.seqs or self.reserved):
+            problems.append(f"idle but {len(self.seqs) + len(self.reserved)} rids still live")
+        return problems
+
+    def flush(self) -> tuple[bool, str]:
+        n = self.blocks.flush()
+        return True, f"dropped {n} cached blocks"
+
+    # -- the step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEntry]:
+        """Schedule, run, postprocess: the STEP entries of what ended or sampled.
+
+        Overlapped (``EngineConfig.overlap``, ``gpu/runtime/overlap.py``), a step whose samplers
+        all fly leaves its tokens on the device: the next call launches the following
+        step first, its rows reading them there, and only then reads them and makes their
+        entries (``_resolve``). The same tokens either way (docs/worker.md)."""
+        t0 = perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        batch = self.scheduler.schedule()
+        if not batch:
+            return [] if prev is None else self._resolve(prev)
+        self.step_no += 1
+        step = self._run(batch, prev)
+        entries = [] if prev is None else self._resolve(prev)
+        entries += self._settle(step, prev is not None)
+        # Once per step, never per token: its time (scheduling to the STEP entries), its
+        # sequences and its tokens, for STATS (wire/stats.py).
+        self.step_stats.record(perf_counter() - t0, len(batch), len(step.input.ids))
+        return entries
+
+    def _settle(self, ran: Step, after_resolve: bool) -> list[StepEntry]:
+        """The host's part after the model call: the KV the step wrote is the cache's (its
+        full blocks published), embed and score requests end, and the samplers sample:
+        at once, or left in flight when overlapped and every one is plain.
+        ``after_resolve``: requests that ended as the step before resolved are gone."""
+        seqs = self.seqs
+        batch = ran.batch
+        if after_resolve:
+            batch = [(s, n) for s, n in batch if seqs.get(s.rid) is s]
+        self.scheduler.computed(batch)
+        entries = [self.books.embedded(seq, vec) for seq, vec in ran.pooled]
+        logits = ran.logits
+        if logits is not None:
+            ran.rows.collect_prompt(logits)
+        entries += [e for seq in ran.scored for e in self.books.scored(seq)]
+        samplers = ran.samplers
+        if logits is None or not samplers:
+            return entries
+        logits = logits[ran.rows.sample_slice]
+        hid = None if ran.hidden is None else ran.hidden[ran.rows.sample_slice]
+        if self.overlap and hid is None and all(flies(s) for s in samplers):
+            self._in_flight = fly(samplers, logits)
+            return entries
+        return entries + self._finish_step(samplers, logits, hid)
+
+    def _resolve(self, flight: InFlight) -> list[StepEntry]:
+        """An overlapped step's tokens read at last: each sampler's placeholder becomes its
+        token, and the entries are what ``_finish_step`` makes of them."""
+        return self.books.entries(flight.samplers, land(flight), None, None)
+
+    def _finish_step(
+        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> list[StepEntry]:
+        """Sample one token for each of ``samplers`` and make their STEP entries.
+
+        Per-row work is per-batch where it can be (issue 57): a batch whose every row is
+        greedy and plain, with no grammar, forks, logprobs or hidden states (a decode
+        step's usual case), takes its tokens from one argmax and no other pass over it."""
+        if all(s.argmax_only and s.matcher is None and not s.forks for s in samplers):
+            return self.books.entries(samplers, sample_greedy(logits), None, hidden)
+        if any(s.forks for s in samplers):
+            samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
+        want_lp = any(s.options.return_logprob for s in samplers)
+        allowed = self.grammars.constrain(samplers)
+        result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
+        return self.books.entries(samplers, result.tokens, result.logprobs, hidden)

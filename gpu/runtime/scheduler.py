@@ -1,0 +1,270 @@
+"""Continuous batching: waiting/running queues, chunked prefill, preemption by recompute.
+
+One rule drives every sequence: each step it is fed ``tokens[num_computed:]`` (up to the
+step's token budget; while others decode, prompt tokens are capped lower), and when that
+reaches the end of its tokens the step samples one more. A decode is the one-token case; a prefill, a later chunk of one, and the recompute
+after a preemption are the longer cases. Running sequences are served first (so every
+running request decodes every step); waiting ones are admitted while blocks, slots and
+budget last. When a running sequence needs a block and none is free, the most recently
+admitted sequence is preempted (blocks released, recomputed later).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu.cache.kv_cache import BlockManager
+from wire.options import RequestOptions
+from wire.reasoning_budget import BudgetState
+from wire.sampling import SamplingParams
+from wire.worker_options import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
+
+__all__ = ["Scheduler", "SchedulerConfig", "Sequence"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running: int = DEFAULT_MAX_RUNNING
+    step_tokens: int = DEFAULT_STEP_TOKENS
+    # While any sequence is decoding, prompt tokens (new prefills and later chunks) per
+    # step stop at this: a chunk shares its step with every decode. The worker's default
+    # depends on the device (gpu/worker/config.py, CPU_MIXED_PREFILL_TOKENS).
+    mixed_prefill_tokens: int = DEFAULT_STEP_TOKENS
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sampled sequence (a request with n > 1 has n of them after its prefill)."""
+
+    rid: int
+    tokens: list[int]  # prompt + output so far
+    prompt_len: int
+    params: SamplingParams
+    options: RequestOptions
+    generator: torch.Generator | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the published full blocks
+    num_computed: int = 0  # tokens whose KV is in the cache
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    started: bool = False  # its first STEP entry was sent
+    forks: int = 0  # siblings to fork off at the first sampled token (n - 1)
+    prefix_limit: int = 1 << 62  # prompt tokens the prefix cache may supply
+    stop_window: int = 0  # tokens of output to decode when checking stop strings
+    stop_patterns: tuple[re.Pattern[str], ...] = ()  # stop_regex, compiled
+    prompt_logprobs: list[Any] = field(default_factory=list)  # rows gathered during prefill
+    pooled: Any = None  # embed, mean pooling: the sum of the final hidden rows so far
+    matcher: Any = None  # the grammar's llguidance matcher (gpu/runtime/grammar.py), if constrained
+    grammar_done: bool = False  # the matcher accepts nothing more: the sample ends
+    grammar_error: str | None = None  # the matcher refused a sampled token (a bug)
+    grammar_info: dict[str, Any] = field(default_factory=dict)  # compile time, cache hit
+    eog_ids: tuple[int, ...] = ()  # the model's end-of-generation ids (masked by min_new_tokens)
+    # Overlapped steps (``Engine``): the last token is a placeholder for the one the step
+    # in flight sampled at this index; its real value is known when that step resolves.
+    future: int | None = None
+    # The request's thinking budget (``wire/reasoning_budget.py``): the end it forces.
+    budget: BudgetState | None = None
+    # What the sampler asks of every row each step, read from ``params`` once.
+    greedy: bool = field(init=False)
+    plain: bool = field(init=False)  # no bias, penalty or EOG mask changes its logits
+    # greedy and plain, no logprobs or hidden states: its token is its logits' argmax
+    # alone when it has no grammar (``Engine._finish_step``'s one pass over the batch)
+    argmax_only: bool = field(init=False)
+    max_len: int = field(init=False)  # len(tokens) when max_new_tokens is reached
+    # A started quiet row's ids that end it (``gpu/runtime/step_books.py``, set by the engine).
+    ends: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.greedy = self.params.greedy
+        self.plain = not self.params.adjusts_logits
+        self.max_len = self.prompt_len + self.params.max_new_tokens
+        o = self.options
+        self.argmax_only = (
+            self.greedy and self.plain and not o.return_logprob and not o.return_hidden_states
+        )
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        config: SchedulerConfig,
+        copy_rows: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """``copy_rows(src, dst, n)`` copies a block's first n KV rows (the paged
+        cache's); without it a prefix hit stops at the last whole block."""
+        self.blocks = blocks
+        self.config = config
+        self.copy_rows = copy_rows
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def live(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The step's batch: (sequence, new tokens); single-token entries first.
+
+        Per running row this is the worker's hottest Python (every decode of every step):
+        a decode whose next token fits its last block takes the first branch, with no
+        call; the rest (a new block, a prompt chunk, a preemption) the general one."""
+        budget = self.config.step_tokens
+        decoding = any(len(s.tokens) - s.num_computed == 1 for s in self.running)
+        prefill = min(budget, self.config.mixed_prefill_tokens) if decoding else budget
+        batch: list[tuple[Sequence, int]] = []
+        bs = self.blocks.block_size
+        preempted = 0
+        chunks = False
+        for seq in list(self.running):
+            c = seq.num_computed
+            left = len(seq.tokens) - c
+            if left == 1 and c < len(seq.block_table) * bs:
+                batch.append((seq, 1))  # a decode within its last block
+                budget -= 1
+                continue
+            if preempted and seq not in self.running:
+                continue  # preempted while an earlier one made room
+            n = 1 if left == 1 else min(left, max(min(budget, prefill), 1))
+            before = len(self.running)
+            if not self._reserve_running(seq, n):
+                preempted += 1
+                continue
+            preempted += before - len(self.running)
+            batch.append((seq, n))
+            budget -= n
+            if left > 1:
+                prefill -= n
+                chunks = True
+        while (
+            self.waiting
+            and min(budget, prefill) > 0
+            and len(self.running) < self.config.max_running
+        ):
+            seq = self.waiting[0]
+            n = self._admit(seq, min(budget, prefill))
+            if not n:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+            prefill -= n
+            chunks = chunks or n > 1
+        if chunks:
+            batch.sort(key=lambda e: e[1] > 1)
+        return batch
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        bs = self.blocks.block_size
+        return max(0, -(-(seq.num_computed + n) // bs) - len(seq.block_table))
+
+    def _reserve_running(self, seq: Sequence, n: int) -> bool:
+        while self._blocks_needed(seq, n) > self.blocks.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.blocks.allocate(self._blocks_needed(seq, n))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Hold the cached prefix and the first chunk's blocks; 0 when they do not fit."""
+        if seq.num_computed == 0 and not seq.block_table:
+            self._reuse_prefix(seq)
+        n = min(len(seq.tokens) - seq.num_computed, budget)
+        if self._blocks_needed(seq, n) > self.blocks.num_free:
+            self._drop_blocks(seq)
+            return 0
+        seq.block_table += self.blocks.allocate(self._blocks_needed(seq, n))
+        return n
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start from the longest cached prefix, to the token. At least one token is
+        left to compute: the logits of the last one give the next token."""
+        bs = self.blocks.block_size
+        hit = self.blocks.match_prefix(seq.tokens, min(len(seq.tokens) - 1, seq.prefix_limit))
+        seq.block_table, seq.block_hashes = hit.blocks, hit.hashes
+        seq.num_computed = len(hit.blocks) * bs
+        if hit.partial is not None:
+            if self.copy_rows is not None and self.blocks.num_free:
+                (own,) = self.blocks.allocate(1)
+                self.copy_rows(hit.partial, own, hit.partial_len)
+                seq.block_table.append(own)
+                seq.num_computed += hit.partial_len
+            self.blocks.release([hit.partial])
+        if not seq.started:
+            seq.cached_tokens = seq.num_computed
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """Release its blocks; the computed head of a partly filled last block is
+        published first, so a later request (or its own recompute) can copy it."""
+        bs, j = self.blocks.block_size, seq.num_computed // self.blocks.block_size
+        if seq.num_computed % bs and len(seq.block_table) > j and len(seq.block_hashes) == j:
+            parent = seq.block_hashes[-1] if j else None
+            head = seq.tokens[j * bs : seq.num_computed]
+            self.blocks.publish_partial(seq.block_table[j], parent, head)
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release everything; the sequence is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.num_retractions += 1
+        if not seq.started:
+            seq.prompt_logprobs.clear()  # gathered again by the recompute
+            seq.pooled = None
+        self.waiting.appendleft(seq)
+
+    def computed(self, batch: list[tuple[Sequence, int]]) -> None:
+        """The step wrote each row's ``n`` more tokens of KV: publish the blocks that
+        became full."""
+        bs = self.blocks.block_size
+        for seq, n in batch:
+            seq.num_computed = c = seq.num_computed + n
+            if (len(seq.block_hashes) + 1) * bs <= c:
+                self._publish(seq)
+
+    def _publish(self, seq: Sequence) -> None:
+        bs = self.blocks.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.blocks.register(seq.block_table[i], parent, seq.tokens[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def remove(self, seq: Sequence) -> None:
+        """Finish or abort: free its blocks now, wherever it is queued."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._drop_blocks(seq)
+
+    def check(self) -> list[str]:
+        return self.blocks.check(s.block_table for s in self.live())
