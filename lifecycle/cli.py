@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from lifecycle.options import add_flags, option_values
+from lifecycle.options import MODEL_WORKER, add_flags, option_values
 from lifecycle.runtime import app_config
 from lifecycle.tracing.cli import add_trace_parser, run_trace
 from wire.worker_options import OneLineParser
@@ -32,17 +32,10 @@ _CONFIG_HELP = (
 def _build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="print a greedy continuation of a prompt (offline)")
-    gen.add_argument("prompt")
-    gen.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, Hugging Face folder or Hub repo ORG/NAME[:QUANT] (default: bundled "
-        "SmolLM2)",
+    # gpu.worker.generate's own parser reads the rest (its flags, --help and errors): not restated
+    sub.add_parser(
+        "generate", add_help=False, help="print a greedy continuation of a prompt (offline)"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--device", default=None)
 
     srv = sub.add_parser("serve", help="serve the SGLang-native and OpenAI HTTP APIs")
     srv.add_argument("--config", default=None, metavar="FILE", help=_CONFIG_HELP)
@@ -141,7 +134,7 @@ def _unresolved_extension(cfg: AppConfig) -> str | None:
 
 def _spawns_model_worker(cfg: AppConfig) -> bool:
     """Workers running models start here (not remote ones, not the scripted one)."""
-    return cfg.worker_module == "gpu.worker" and not (cfg.worker and not cfg.dp)
+    return cfg.worker_module == MODEL_WORKER and not (cfg.worker and not cfg.dp)
 
 
 def _refused_device(cfg: AppConfig) -> str | None:
@@ -342,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "worker":
-        return run_worker_module("gpu.worker", ["--listen", args.listen, *rest])
+        return run_worker_module(MODEL_WORKER, ["--listen", args.listen, *rest])
+    if args.command == "generate":  # python -m gpu.worker.generate, whose flags these are
+        return run_worker_module("gpu.worker.generate", rest)
     if rest:
         print(f"lifecycle {args.command}: error: unrecognized arguments: {' '.join(rest)}",
               file=sys.stderr)  # fmt: skip
@@ -350,12 +345,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         serve_argv = list(sys.argv[1:] if argv is None else argv)
         return _serve(args, serve_argv[serve_argv.index("serve") + 1 :])
-    if args.command == "generate":
-        gen = [args.prompt, "--max-new-tokens", str(args.max_new_tokens)]
-        gen += ["--model", args.model] if args.model else []
-        gen += ["--device", args.device] if args.device else []
-        gen += ["--chat"] if args.chat else []
-        return run_worker_module("gpu.worker.generate", gen)
     if args.command == "trace":
         try:
             return run_trace(args)

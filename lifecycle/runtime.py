@@ -12,7 +12,7 @@ import os
 import shlex
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from lifecycle.link.autoscale import AutoscaleConfig, autoscale_after, autoscale
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
 from lifecycle.link.supervisor import Supervisor, SupervisorConfig
 from lifecycle.models import ModelSpec, model_arguments, models_in, split_name
-from lifecycle.options import OPTIONS, read_key_file
+from lifecycle.options import MODEL_WORKER, OPTIONS, SCRIPTED_WORKER, AppConfig, read_key_file
 from lifecycle.tracing.metrics import Metrics
 from lifecycle.tracing.replay import replay_record
 from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
@@ -46,99 +46,10 @@ __all__ = ["AppConfig", "Runtime", "app_config", "server_args", "worker_addresse
 log = logging.getLogger("lifecycle.runtime")
 
 
-# The options' defaults (lifecycle/options.py), which AppConfig's fields of the same name take.
-_DEFAULT = {o.name: o.default for o in OPTIONS}
-
-
-@dataclass(frozen=True, slots=True)
-class AppConfig:
-    host: str = _DEFAULT["host"]
-    port: int = _DEFAULT["port"]
-    frontends: int = _DEFAULT["frontends"]  # serve --frontends N (lifecycle/frontends.py)
-    reuse_port: bool = _DEFAULT["reuse_port"]
-    frontend_index: int | None = None  # which of --frontends N this process is; None: alone
-    frontends_dir: str | None = None  # --frontends N: the folder where their metrics meet
-    model: str | None = None  # GGUF file or HF folder; None: the bundled SmolLM2
-    revision: str | None = None  # --model ORG/NAME: the repo's branch, tag or commit
-    hf_file: str | None = None  # --model ORG/NAME: the GGUF file chosen by name
-    model_repo: str | None = None  # the Hub repo ``model`` was fetched from (its id)
-    more_models: tuple[ModelSpec, ...] = ()  # --model repeated: served beside the first
-    models_max: int | None = None  # models loaded at once (None: all, always)
-    sleep_idle_seconds: float | None = None  # a model idle this long is unloaded
-    served_model_name: str | None = None
-    weight_version: str = _DEFAULT[
-        "weight_version"
-    ]  # meta_info.weight_version, /model_info (SGLang's)
-    strict_model_name: bool = _DEFAULT[
-        "strict_model_name"
-    ]  # another model name: 404 (default: served)
-    worker: str | tuple[str, ...] | None = None  # workers started elsewhere (addresses)
-    ray: str | None = None  # --ray: the workers are Ray actors on this cluster (or local)
-    ray_replica_resources: str | None = None  # --ray: what each replica asks for (JSON)
-    ray_autoscale: str | None = None  # --ray: MIN:MAX replicas, scaled on the queue
-    ray_autoscale_queue: float | None = None  # waiting per ready replica that adds one
-    ray_autoscale_after: str | None = None  # UP:DOWN seconds before one more, one fewer
-    worker_token: str | None = None  # remote workers' secret; None: $LIFECYCLE_WORKER_TOKEN
-    worker_tls_ca: str | None = None  # CA for tls: workers' certificates; None: the system's
-    worker_module: str = "gpu.worker"
-    worker_extra_args: tuple[str, ...] = ()
-    device: str | None = None
-    dtype: str | None = None
-    weights: str | None = None  # auto | quantized | fp32 | q8_0 | q4_0; None: the worker's
-    context_length: int | None = None  # tokens served; None: the model's own
-    chat_template: str | None = None  # a Jinja file replacing the model's chat template
-    reasoning_parser: str | None = None  # <think> splitting (None: from the template)
-    tool_call_parser: str | None = None  # the tool-call format (None: from the template)
-    max_pending: int | None = None  # worker credits (rids in flight)
-    max_running: int | None = None
-    kv_cache_tokens: int | None = None
-    kv_memory_mib: int | None = None  # the KV cache in MiB (not with kv_cache_tokens)
-    kv_cache_dtype: str | None = None  # auto | fp16 | bf16 | fp32; None: the worker's (auto)
-    mem_fraction: float | None = None  # CUDA: the KV cache's share of free memory
-    decode_graphs: str | None = None  # auto | on | eager | off; None: the worker's (auto)
-    overlap: str | None = None  # auto | on | off; None: the worker's (auto)
-    mixed_graphs: str | None = None  # auto | off; None: the worker's (auto)
-    kernels: str | None = None  # torch | triton; None: the worker's (torch)
-    tp: int | None = None  # tensor-parallel ranks of each spawned worker; None: 1
-    threads: int | None = None  # each spawned worker's CPU threads; None: gpu/worker/threads.py
-    dp: int | None = None  # workers spawned here; None: 1, or 0 beside remote workers
-    router_policy: str = _DEFAULT["router_policy"]  # round_robin | least_load | cache_aware
-    max_queued: int = _DEFAULT["max_queued"]  # admission bound in the frontend
-    incremental_streaming_output: bool = _DEFAULT["incremental_streaming_output"]
-    request_timeout: float | None = None  # every request's deadline (None: none)
-    strict_fields: bool = _DEFAULT[
-        "strict_fields"
-    ]  # an unknown body field is a 400 (else ignored, counted)
-    send_timeout: float = _DEFAULT["send_timeout"]
-    hung_timeout: float = _DEFAULT["hung_timeout"]
-    drain_timeout: float = _DEFAULT[
-        "drain_timeout"
-    ]  # SIGTERM: in-flight requests finish until then
-    restart_backoff: tuple[float, ...] | None = None  # None: SupervisorConfig's default
-    warmup: bool = True
-    api_keys: tuple[str, ...] = ()
-    admin_api_keys: tuple[str, ...] = ()  # also guard /debug/* (AppRouter treats it as admin)
-    open_admin_routes: bool = _DEFAULT[
-        "open_admin_routes"
-    ]  # user keys and no admin key: admin routes open to all
-    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    trace: TraceConfig = TraceConfig()  # ring size, --trace-log and its rotation
-    debug_routes: bool = True  # /debug, /debug/requests, /debug/feed (docs/tracing.md)
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP span export (docs/monitoring.md)
-    access_log: str | None = None  # "-": stderr; a path; None: off
-    access_log_format: str = _DEFAULT["access_log_format"]  # json | common
-    log_requests: bool = _DEFAULT["log_requests"]  # the prompt text in access log lines
-    cors_allow_origins: tuple[str, ...] = ()  # CORS answered for these ("*": any); () off
-    extend: tuple[str, ...] = ()  # MODULE:FUNCTION adding routes (lifecycle/extend.py)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def worker_args(cfg: AppConfig) -> tuple[str, ...]:
     """The ``gpu.worker`` command-line options this configuration implies."""
     args: list[str] = []
-    scripted = cfg.worker_module != "gpu.worker"  # the scripted worker loads no model
+    scripted = cfg.worker_module != MODEL_WORKER  # the scripted worker loads no model
     for o in WORKER_OPTIONS:
         if not o.forwarded or (scripted and not o.scripted):
             continue
@@ -481,11 +392,12 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
     if v["api_key_file"]:
         keys += read_key_file(v["api_key_file"])
     public = tuple(v["public_route"] or DEFAULT_PUBLIC_ROUTES)
-    fields: dict[str, Any] = dict(
-        **{k: v[k] for k in _PLAIN},
+    # the options that are the fields of their name, as they are (a few converted below)
+    plain = {o.name: v[o.name] for o in OPTIONS if o.into == o.name}
+    built: dict[str, Any] = dict(
         model_repo=model.repo_id,
         more_models=tuple(ModelSpec(m.path, m.repo_id, n) for n, m in others),
-        worker_module="lifecycle.testing.scripted_worker" if v["scripted_worker"] else "gpu.worker",
+        worker_module=SCRIPTED_WORKER if v["scripted_worker"] else MODEL_WORKER,
         worker_extra_args=tuple(_split_args(v["worker_args"])),
         restart_backoff=_backoff(v["restart_backoff"]),
         api_keys=tuple(keys),
@@ -506,67 +418,7 @@ def app_config(values: Mapping[str, Any], **fixed: Any) -> AppConfig:
             o.strip() for g in v.get("cors_allow_origins") or () for o in g.split(",") if o.strip()
         ),
     )
-    return AppConfig(**{**fields, **fixed})
-
-
-# Options that are AppConfig fields of the same name and value.
-_PLAIN = (
-    "threads",
-    "host",
-    "port",
-    "frontends",
-    "reuse_port",
-    "model",
-    "revision",
-    "hf_file",
-    "served_model_name",
-    "models_max",
-    "sleep_idle_seconds",
-    "weight_version",
-    "strict_model_name",
-    "worker",
-    "ray",
-    "ray_replica_resources",
-    "ray_autoscale",
-    "ray_autoscale_queue",
-    "ray_autoscale_after",
-    "worker_token",
-    "worker_tls_ca",
-    "device",
-    "dtype",
-    "weights",
-    "context_length",
-    "chat_template",
-    "reasoning_parser",
-    "tool_call_parser",
-    "max_pending",
-    "max_running",
-    "kv_cache_tokens",
-    "kv_memory_mib",
-    "kv_cache_dtype",
-    "mem_fraction",
-    "decode_graphs",
-    "overlap",
-    "mixed_graphs",
-    "kernels",
-    "tp",
-    "dp",
-    "router_policy",
-    "max_queued",
-    "incremental_streaming_output",
-    "strict_fields",
-    "request_timeout",
-    "send_timeout",
-    "hung_timeout",
-    "drain_timeout",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "otlp_traces_endpoint",
-    "open_admin_routes",
-    "access_log",
-    "access_log_format",
-    "log_requests",
-)
+    return AppConfig(**{**plain, **built, **fixed})
 
 
 def _split_args(value: str | list[str] | tuple[str, ...] | None) -> list[str]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from lifecycle.cli import parse_args
 from lifecycle.config import ConfigError, env_values, file_values
-from lifecycle.options import OPTIONS, engine_values, option_values
+from lifecycle.options import OPTIONS, Option, engine_values, option_values
 from lifecycle.runtime import app_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +70,9 @@ def _samples(tmp_path: Path) -> dict[str, object]:
     return out
 
 
-def _flags(values: dict[str, object]) -> list[str]:
+def _flags(values: dict[str, object], options: Sequence[Option] = OPTIONS) -> list[str]:
     argv: list[str] = []
-    for o in OPTIONS:
+    for o in options:
         v = values[o.name]
         if o.type is None:
             argv += [o.flag] if v else []
@@ -106,6 +107,22 @@ def test_every_key_in_a_file_is_the_flag(tmp_path: Path) -> None:
     yaml_path = tmp_path / "serve.yaml"
     yaml_path.write_text("".join(f"{k.replace('_', '-')}: {v!r}\n" for k, v in values.items()))
     assert _config(["serve", "--config", str(yaml_path)]) == from_flags
+
+
+def test_each_option_sets_the_field_it_names(tmp_path: Path) -> None:
+    """Where an option goes is declared with it (``Option.into``): given alone, each one
+    changes that ``AppConfig`` field, its own or the one it feeds (``--api-key-file``:
+    ``api_keys``, ``--trace-log``: ``trace``); only the process's options set none."""
+    values = _samples(tmp_path)
+    base = ["--model", "base.gguf"]  # --models-dir's models are served beside it
+    for o in OPTIONS:
+        if o.into is None:
+            assert o.name in ("faults", "log_level"), o.name
+            continue
+        given = _flags({o.name: values[o.name]}, [o])
+        at_default = _config(["serve", *([] if o.name == "model" else base)])
+        cfg = _config(["serve", *([] if o.name == "model" else base), *given])
+        assert getattr(cfg, o.into) != getattr(at_default, o.into), o.name
 
 
 def test_file_then_environment_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

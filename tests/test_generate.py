@@ -22,6 +22,18 @@ def test_cli_prints_a_continuation(tiny_gguf: TinyModel) -> None:
     assert done.stdout.endswith("\n") and len(done.stdout) > 1
 
 
+def test_lifecycle_generate_passes_its_arguments_on() -> None:
+    """Issue 57: ``lifecycle generate`` declared ``gpu.worker.generate``'s flags again. It
+    declares none: what follows ``generate`` reaches that module's parser as it is."""
+    from lifecycle.cli import _build_parser, parse_args
+
+    argv = ["hi there", "--chat", "--max-new-tokens=3", "--model", "m.gguf", "--device", "cpu"]
+    args, rest = parse_args(["generate", *argv])
+    assert (args.command, rest) == ("generate", argv)
+    generate = _build_parser()._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
+    assert generate._actions == []
+
+
 def test_generate_and_the_worker_run_the_engine_not_the_dense_oracle() -> None:
     # One inference path (issue 16): offline generation is the worker's engine on the
     # paged cache; the dense cache is only the tests' oracle (tests/dense_cache.py), and

@@ -68,7 +68,6 @@ def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
     server runs with by default holds exactly that value."""
     import dataclasses
 
-    from lifecycle.runtime import _PLAIN
     from wire.worker_options import DEFAULT_CPU_KV_MIB
 
     with pytest.raises(SystemExit):
@@ -81,7 +80,7 @@ def test_help_shows_each_default_and_it_is_the_one_that_runs(capsys) -> None:
         if o.type is None or o.repeat or o.default in (None, ""):
             continue
         assert f"(default: {o.default})" in text, o.name
-        if o.name in _PLAIN:
+        if o.into == o.name:  # the AppConfig field of its name
             assert getattr(running, o.name) == o.default, o.name
             assert fields[o.name] == o.default, f"AppConfig's {o.name} default differs"
             checked += 1
@@ -139,3 +138,63 @@ def test_the_worker_options_are_one_table() -> None:
             name = w.serve_name or w.name
             if w.forwarded and name != drop:
                 assert getattr(worker, w.name) == values[name], w.name
+
+
+def test_each_option_is_declared_once() -> None:
+    """Issue 57: each option was listed three times (``OPTIONS``, ``AppConfig``'s fields,
+    the ``_PLAIN`` names in runtime.py). ``AppConfig``'s declarations are now the one
+    list: in lifecycle/options.py each option's name is written once (a field declared
+    with ``option()`` or ``forwarded()``, or the ``Option`` a field is fed by or the
+    process takes), every option names the ``AppConfig`` field it sets, and no module
+    holds a list or a class of option names again (a restated list fails here)."""
+    import ast
+    import dataclasses
+    from collections import Counter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = {o.name for o in OPTIONS}
+    assert len(names) == len(OPTIONS)
+    written: Counter[str] = Counter()
+    for node in ast.walk(ast.parse((root / "lifecycle/options.py").read_text())):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            made_by = getattr(getattr(node.value, "func", None), "id", "")
+            if made_by in ("option", "forwarded"):
+                written[node.target.id] += 1
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Option":
+            if isinstance(node.args[0], ast.Constant):  # not the makers' Option(name, ...)
+                written[node.args[0].value] += 1
+    assert written == Counter(names)
+
+    fields = {f.name for f in dataclasses.fields(AppConfig)}
+    assert fields & names == {o.name for o in OPTIONS if o.into == o.name}
+    assert {o.into for o in OPTIONS} - {None} <= fields
+    assert {o.name for o in OPTIONS if o.into is None} == {"faults", "log_level"}  # the process's
+
+    for path in sorted((root / "lifecycle").rglob("*.py")):
+        schema = path == root / "lifecycle/options.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set):
+                listed = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            elif isinstance(node, ast.ClassDef) and not (schema and node.name == "AppConfig"):
+                listed = [s.target.id for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]  # fmt: skip
+            else:
+                continue
+            restated = names.intersection(listed)
+            assert len(restated) < 8, f"{path}:{node.lineno} lists options again: {restated}"
+
+
+def test_each_fields_type_is_its_options() -> None:
+    """The flag of an option field reads the field's annotated type (a forwarded one's
+    is the worker's, which the annotation must agree with)."""
+    import typing
+
+    hints = typing.get_type_hints(AppConfig)
+    for o in OPTIONS:
+        if o.into != o.name or o.type is None or getattr(o.type, "__name__", "") == "<lambda>":
+            continue
+        kinds = {k for k in typing.get_args(hints[o.name]) if k is not type(None)}
+        kinds = {typing.get_args(k)[0] if typing.get_args(k) else k for k in kinds}
+        if o.name != "restart_backoff":  # a comma list, read by runtime._backoff
+            assert o.type in kinds or hints[o.name] is o.type, o.name

@@ -7,7 +7,6 @@ same greedy request.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from gpu.runtime.engine import Engine, EngineConfig  # noqa: E402
 from modelfile.gguf_file import ModelFileError  # noqa: E402
 from modelfile.hub import resolve_model  # noqa: E402
 from wire import Finish, SamplingParams, SubmitEntry, ids_to_list, pack_ids  # noqa: E402
-from wire.worker_options import DEFAULT_BLOCK_SIZE  # noqa: E402
+from wire.worker_options import DEFAULT_BLOCK_SIZE, OneLineParser  # noqa: E402
 
 __all__ = ["greedy_generate", "main", "run_generate"]
 
@@ -114,10 +113,13 @@ def run_generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu.worker.generate", description=__doc__)
+    parser = OneLineParser(prog="python -m gpu.worker.generate", description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face folder or Hub repo ORG/NAME[:QUANT] (default: bundled "
+        "SmolLM2)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
