@@ -49,7 +49,8 @@ FORBIDDEN_INSIDE = {
     "lifecycle/core": {*_ROOMS, *_TOP},
     "lifecycle/chat": {*_ROOMS - {"lifecycle.chat"}, *_TOP},
     "lifecycle/link": {*_ROOMS - {"lifecycle.link"}, *_TOP},
-    "lifecycle/api": {"lifecycle.testing", *_TOP},
+    # the faces reach the worker link through lifecycle/core/ports.py, never its classes
+    "lifecycle/api": {"lifecycle.testing", "lifecycle.link", *_TOP},
     # the tracer knows requests, not HTTP: its routes (lifecycle/api/debug.py) do
     "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP, "transport"},
     # the scripted worker is a wire peer: it frames the protocol with the link's stream
@@ -169,3 +170,26 @@ def test_no_module_imports_in_a_circle() -> None:
         modules[name] = {n for n in modules[name] if not (ROOT / n.replace(".", "/")).is_dir()}
     found = _cycle(modules)
     assert found is None, f"modules import in a circle: {' -> '.join(found or [])}"
+
+
+def test_the_calls_state_does_no_io() -> None:
+    """``lifecycle/core/call_state.py`` is the call without I/O: it awaits nothing, reads no
+    clock and imports no event loop; ``call.py`` drives it. Only the router sets the
+    HTTP context a call takes (``ORIGIN``)."""
+    path = ROOT / "lifecycle" / "core" / "call_state.py"
+    tree = ast.parse(path.read_text())
+    assert not {"anyio", "asyncio", "time"} & _imported_top_levels(path)
+    awaits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Await)]
+    assert not awaits, f"call_state.py awaits at lines {awaits}"
+    setters = []
+    for py in sorted((ROOT / "lifecycle").rglob("*.py")):
+        for n in ast.walk(ast.parse(py.read_text())):
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "set"
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id == "ORIGIN"
+            ):
+                setters.append(str(py.relative_to(ROOT)))
+    assert set(setters) == {"lifecycle/api/routes.py"}, setters

@@ -10,9 +10,10 @@ import pytest
 from lifecycle.api.openai_outputs import TokenTexts
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.outputs import OutputOptions, SampleOutput
+from lifecycle.core.sampling import SamplingRequest
 from modelfile.gguf_file import default_model_path
 from modelfile.vocab import load_tokenizer
-from wire import pack_f32s
+from wire import RequestOptions, SamplingParams, pack_f32s
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def tok() -> Any:
 def test_regression_coalesced_steps_keep_their_own_logprob_ids(tok: Any) -> None:
     """A chunk holding several steps used to pair every step's logprobs with the chunk's
     last ids, so all entries named the same token."""
-    sample = SampleOutput(tok, OutputOptions(return_logprob=True), [1, 2], "r")
+    sample = SampleOutput(tok, OutputOptions(RequestOptions(return_logprob=True)), [1, 2], "r")
     extras = [{"logprobs": pack_f32s([-float(k)])} for k in (1, 2, 3)]
     sample.consume(Chunk([500, 600, 700], extras))
     sample.consume(Chunk([800], [{"logprobs": pack_f32s([-4.0])}]))
@@ -49,12 +50,13 @@ def test_a_stop_regex_finish_names_the_pattern_the_worker_matched(tok: Any) -> N
     from lifecycle.core.submission import finish_reason
 
     patterns = (r"\bfoo", "foo")
+    by_regex = OutputOptions(sampling=SamplingRequest(SamplingParams(stop_regex=patterns)))
     ids = tok.encode("xfoo bar", add_special_tokens=False)
-    sample = SampleOutput(tok, OutputOptions(stop_regex=patterns), [1, 2], "r")
+    sample = SampleOutput(tok, by_regex, [1, 2], "r")
     sample.consume(Chunk(ids, []))
     sample.end(finish_reason(["stop", "foo", 1]))
     assert sample.finish == {"type": "stop", "matched": "foo"}
     assert sample.final_text == "x"  # trimmed at the match
-    bad = SampleOutput(tok, OutputOptions(stop_regex=patterns), [1, 2], "r")
+    bad = SampleOutput(tok, by_regex, [1, 2], "r")
     with pytest.raises(ValueError, match="pattern 2 of 2"):  # a worker bug, not a guess
         bad.end(finish_reason(["stop", "foo", 2]))

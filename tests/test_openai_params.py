@@ -26,11 +26,12 @@ def test_completion_defaults_and_mapping() -> None:
     assert (r.sampling.n, r.sampling.params.top_k, r.model) == (2, 5, "m")
     req = r.generate_request()
     assert [i.text for i in req.items] == ["a", "b"] and req.is_batch
-    assert not req.items[0].return_logprob
+    assert not req.items[0].options.return_logprob
     r = parse_completion({"prompt": [1, 2], "logprobs": 3, "echo": True, "rid": "x"}, **OPTS)
     item = r.generate_request().items[0]
     assert item.input_ids == [1, 2] and item.client_rid == "x"
-    assert (item.return_logprob, item.top_logprobs_num, item.logprob_start_len) == (True, 3, 0)
+    o = item.options
+    assert (o.return_logprob, o.top_logprobs_num, o.logprob_start_len) == (True, 3, 0)
 
 
 def test_chat_defaults_and_mapping() -> None:

@@ -13,6 +13,7 @@ from lifecycle.core.params import (
     expand_samples,
 )
 from lifecycle.core.states import Cause
+from wire import RequestOptions
 
 from .params_helpers import V, gen, message_of
 
@@ -160,8 +161,7 @@ def test_single_text_defaults() -> None:
     item = req.items[0]
     assert (item.index, item.text, item.input_ids, item.client_rid) == (0, "hello", None, None)
     assert item.sampling == SamplingRequest()
-    assert (item.return_logprob, item.logprob_start_len, item.top_logprobs_num) == (False, -1, 0)
-    assert item.token_ids_logprob is None and not item.return_hidden_states
+    assert item.options == RequestOptions() and not item.return_text_in_logprobs
 
 
 def test_ignored_and_null_unsupported_fields_are_accepted() -> None:
@@ -221,19 +221,17 @@ def test_logprob_options_broadcast_or_per_prompt() -> None:
             "return_hidden_states": [False, True],
         }
     )
-    a, b = req.items
+    a, b = (item.options for item in req.items)
     assert a.return_logprob and b.return_logprob
     assert (a.top_logprobs_num, b.top_logprobs_num) == (1, 2)
-    assert a.token_ids_logprob == [5, 6] and b.token_ids_logprob == [5, 6]
-    assert a.token_ids_logprob is not b.token_ids_logprob
-    assert a.return_text_in_logprobs and (a.return_hidden_states, b.return_hidden_states) == (
-        False,
-        True,
-    )
+    assert (a.logprob_start_len, b.logprob_start_len) == (0, 0)
+    assert a.token_ids_logprob == (5, 6) and b.token_ids_logprob == (5, 6)
+    assert req.items[0].return_text_in_logprobs and req.items[1].return_text_in_logprobs
+    assert (a.return_hidden_states, b.return_hidden_states) == (False, True)
     req = gen({"text": ["a", "b"], "token_ids_logprob": [[1], []]})
-    assert [i.token_ids_logprob for i in req.items] == [[1], None]
-    assert gen({"text": "a", "token_ids_logprob": []}).items[0].token_ids_logprob is None
-    assert gen({"text": "a", "token_ids_logprob": 7}).items[0].token_ids_logprob == [7]
+    assert [i.options.token_ids_logprob for i in req.items] == [(1,), ()]
+    assert gen({"text": "a", "token_ids_logprob": []}).items[0].options.token_ids_logprob == ()
+    assert gen({"text": "a", "token_ids_logprob": 7}).items[0].options.token_ids_logprob == (7,)
 
 
 # -- context length ------------------------------------------------------------------------

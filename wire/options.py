@@ -24,6 +24,10 @@ PROMPT_LOGPROB_BYTES = 16 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class RequestOptions:
+    """One definition of each option: the frontend's requests carry this value as it is,
+    and a ``/generate`` body sets each field by its name (``lifecycle.core.params``): a
+    flag defaults to False, a count is at least its default, which means off."""
+
     return_logprob: bool = False
     logprob_start_len: int = -1  # the first prompt position with logprobs; -1: none
     top_logprobs_num: int = 0

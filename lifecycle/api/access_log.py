@@ -15,47 +15,27 @@ an answered request (or ``/health``) into a 500.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from lifecycle.core.origin import EXCHANGE
-from lifecycle.core.origin import Exchange as Named
 from lifecycle.core.states import State
 from lifecycle.tracing.metrics import record_timings
 
 if TYPE_CHECKING:
     from lifecycle.core.call import GenerateCall
     from lifecycle.core.frontend import Frontend
-    from transport import Request, WebSocket
+    from lifecycle.core.origin import Origin
 
-__all__ = ["AccessLog", "Exchange"]
+__all__ = ["AccessLog"]
 
 FORMATS = ("json", "common")
 
 log = logging.getLogger("lifecycle.access")
-
-
-@dataclass(slots=True)
-class Exchange:
-    route: str
-    request: Request
-    started: float = field(default_factory=time.monotonic)
-    calls: list[GenerateCall] = field(default_factory=list)
-    # The request's id (read when the line is written: the body's rid may name it later).
-    named: Named | None = field(default_factory=EXCHANGE.get)
-
-
-_current: contextvars.ContextVar[Exchange | None] = contextvars.ContextVar(
-    "lifecycle_access_exchange", default=None
-)
 
 
 class AccessLog:
@@ -76,20 +56,19 @@ class AccessLog:
         )
         frontend.events.subscribe(self)
 
-    def begin(self, route: str, request: Request) -> contextvars.Token[Exchange | None]:
-        """The exchange of ``request``, current in the handler's task until ``end``."""
-        return _current.set(Exchange(route, request))
+    def begin(self, origin: Origin) -> None:
+        """Collect the calls made for ``origin`` until ``end`` writes their lines."""
+        origin.logged = []
 
-    def end(self, token: contextvars.Token[Exchange | None], status: int) -> None:
+    def end(self, origin: Origin, status: int) -> None:
         """Write the exchange's lines (``status`` -1: none, a WebSocket session's come
-        from ``session``)."""
-        ex = _current.get()
-        _current.reset(token)
-        if ex is None or status < 0:
+        from its own origin when the socket closes)."""
+        calls, origin.logged = origin.logged, None
+        if calls is None or status < 0:
             return
-        total_ms = (time.monotonic() - ex.started) * 1e3
-        lines = [self._line(ex, status, total_ms, c) for c in ex.calls] or [
-            self._line(ex, status, total_ms, None)
+        total_ms = (time.monotonic() - origin.started) * 1e3
+        lines = [self._line(origin, status, total_ms, c) for c in calls] or [
+            self._line(origin, status, total_ms, None)
         ]
         self._write(b"".join(lines))
 
@@ -103,44 +82,30 @@ class AccessLog:
             log.error("access log %s failed to write (%s): access logging is off until "
                       "restart; serving goes on", self.target, exc)  # fmt: skip
 
-    def session(
-        self, route: str, request: Request, run: Callable[[WebSocket], Awaitable[None]]
-    ) -> Callable[[WebSocket], Awaitable[None]]:
-        """``run`` (a WebSocket session) as one exchange: a line per generation on the
-        socket when it closes, status 101."""
-
-        async def logged(ws: WebSocket) -> None:
-            token = self.begin(route, request)
-            try:
-                await run(ws)
-            finally:
-                self.end(token, 101)
-
-        return logged
-
     def close(self) -> None:
         if self._own_fd:
             os.close(self.fd)
             self._own_fd = False
 
     def opened(self, call: GenerateCall) -> None:
-        ex = _current.get()
-        if ex is not None:
-            ex.calls.append(call)
+        origin = call.origin
+        if origin is not None and origin.logged is not None:
+            origin.logged.append(call)
 
-    def _line(self, ex: Exchange, status: int, total_ms: float, call: GenerateCall | None) -> bytes:
-        req = ex.request
-        client = f"{req.client[0]}:{req.client[1]}" if req.client else "-"
+    def _line(
+        self, origin: Origin, status: int, total_ms: float, call: GenerateCall | None
+    ) -> bytes:
+        req = origin.request
         rec: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "client": client,
+            "client": origin.client or "-",
             "method": req.method,
             "path": req.path,
-            "route": ex.route,
+            "route": origin.route,
             "status": status,
         }
-        if ex.named is not None:
-            rec["request_id"] = ex.named.id
+        if not origin.per_call:  # a WebSocket generation is named by its own rid
+            rec["request_id"] = origin.id
         if call is not None:
             rec.update(_call_fields(call))
             if self.log_requests:

@@ -24,7 +24,7 @@ from lifecycle.api.calls import error_response
 from lifecycle.api.model_routes import not_found
 from lifecycle.core.errors import ServeError
 from lifecycle.core.frontend import Frontend
-from lifecycle.link.model_set import ModelSet
+from lifecycle.core.ports import ModelLoads
 from transport import JSONResponse, Request, Response, Router
 
 __all__ = ["install_model_admin"]
@@ -37,7 +37,7 @@ _STAYS = (
 
 
 def install_model_admin(
-    router: Router, models: ModelSet | None, frontends: Mapping[str, Frontend]
+    router: Router, models: ModelLoads | None, frontends: Mapping[str, Frontend]
 ) -> None:
     """``models``: the server's model set (None: every model stays loaded);
     ``frontends``: each model's, by its id."""

@@ -25,12 +25,9 @@ from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import parse_generate
+from lifecycle.core.ports import FlushesEveryWorker, ObservedLink, ObservedWorker, RayReplicas
 from lifecycle.core.results import chunks, indexed, is_multi, unary_results
 from lifecycle.core.states import DRAIN, Cause
-from lifecycle.link.pool import WorkerPool
-from lifecycle.link.ray_replicas import RayWorkers
-from lifecycle.link.supervisor import Supervisor
-from lifecycle.link.worker_client import WorkerClient
 from transport import HTTPError, JSONResponse, Request, Response, Router, SSEResponse
 from transport.aio import at_pass_end
 from transport.sse import frame_event
@@ -194,7 +191,7 @@ class NativeAPI:
             return _serve_error(exc)
         failed: list[str] = []
 
-        async def one(i: int, member: Supervisor) -> None:
+        async def one(i: int, member: ObservedWorker) -> None:
             try:
                 ok, detail = await self.fe.probe(HEALTH_PROBE_TIMEOUT, member.client)
             except ServeError as exc:
@@ -256,8 +253,8 @@ class NativeAPI:
         sup = self.fe.supervisor
         try:
             client = self.fe.ready_client()
-            assert isinstance(client, WorkerClient)  # the link's, behind the core's protocol
-            if isinstance(sup, WorkerPool):
+            assert isinstance(client, ObservedLink)  # the link's, behind the core's protocol
+            if isinstance(sup, FlushesEveryWorker):
                 replies = await sup.flush()
             else:
                 replies = [(0, *await client.flush())]
@@ -354,7 +351,7 @@ async def server_state(fe: Frontend, server_args: dict[str, Any]) -> dict[str, A
             "workers": states,
         }
     ]
-    if isinstance(sup, RayWorkers):  # --ray: each replica's node, actor and state
+    if isinstance(sup, RayReplicas):  # --ray: each replica's node, actor and state
         out["ray_replicas"] = sup.replicas()
     router = getattr(sup, "router", None)
     if router is not None:  # several workers (--dp)
@@ -371,7 +368,7 @@ _MODEL_BOOKS = (
 )  # fmt: skip
 
 
-async def _worker_state(sup: Supervisor) -> dict[str, Any]:
+async def _worker_state(sup: ObservedWorker) -> dict[str, Any]:
     state: dict[str, Any] = {"pid": sup.worker_pid, **sup.info()}
     client = sup.client
     if client is not None:
@@ -397,7 +394,7 @@ async def _worker_state(sup: Supervisor) -> dict[str, Any]:
     return state
 
 
-async def _worker_load(rank: int, sup: Supervisor) -> dict[str, Any]:
+async def _worker_load(rank: int, sup: ObservedWorker) -> dict[str, Any]:
     """One worker's load as SGLang's ``/get_load`` entry: requests held (running and
     waiting at the worker, plus queued here for it), waiting ones, KV tokens in use."""
     client = sup.client

@@ -184,7 +184,7 @@ class ChoiceState:
         return {"content": content, "refusal": None}
 
     def logprobs(self, meta: dict[str, Any], first: bool) -> dict[str, Any] | None:
-        if not self.sample.opts.return_logprob:
+        if not self.sample.opts.request.return_logprob:
             return None
         return self._chat(meta) if self.chat else self._legacy(meta, first)
 

@@ -30,7 +30,7 @@ from lifecycle.core.fields import accept_unknown
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from modelfile.chat import RESERVED_VARIABLES
-from wire import MAX_REASONING_BUDGET
+from wire import MAX_REASONING_BUDGET, RequestOptions
 
 __all__ = [
     "REASONING_EFFORTS",
@@ -114,6 +114,13 @@ class OpenAIRequest:
         """The native request; ``prompts`` replaces ours (chat: the rendered token ids)."""
         prompts = prompts if prompts is not None else self.prompts
         rids = [self.rid if len(prompts) == 1 else f"{self.rid}_{i}" for i in range(len(prompts))]
+        lp = self.logprobs
+        options = RequestOptions(
+            return_logprob=lp is not None,
+            # echo + logprobs scores the prompt too (legacy completions)
+            logprob_start_len=0 if self.echo and lp is not None else -1,
+            top_logprobs_num=lp or 0,
+        )
         items = [
             GenerateItem(
                 index=i,
@@ -121,13 +128,7 @@ class OpenAIRequest:
                 input_ids=None if isinstance(p, str) else p,
                 sampling=self.sampling,
                 client_rid=rids[i] if self.rid else None,
-                return_logprob=self.logprobs is not None,
-                # echo + logprobs scores the prompt too (legacy completions)
-                logprob_start_len=0 if self.echo and self.logprobs is not None else -1,
-                top_logprobs_num=self.logprobs or 0,
-                token_ids_logprob=None,
-                return_text_in_logprobs=False,
-                return_hidden_states=False,
+                options=options,
                 reasoning_budget=self.reasoning_budget,
             )
             for i, p in enumerate(prompts)

@@ -22,7 +22,7 @@ from typing import Any
 from lifecycle.api.calls import error_response
 from lifecycle.api.model_routes import not_found
 from lifecycle.core.frontend import Frontend
-from lifecycle.link.ray_replicas import RayWorkers
+from lifecycle.core.ports import RayReplicas
 from transport import JSONResponse, Request, Response, Router
 
 __all__ = ["install_replica_admin"]
@@ -36,17 +36,17 @@ _NOT_RAY = (
 def install_replica_admin(router: Router, frontends: Mapping[str, Frontend]) -> None:
     """``frontends``: each model's, by its id (the first: the default)."""
 
-    def replicas_of(name: Any) -> RayWorkers | Response:
+    def replicas_of(name: Any) -> RayReplicas | Response:
         if name is None:
             name = next(iter(frontends), None)
         if not isinstance(name, str) or name not in frontends:
             return not_found(str(name))
         workers = frontends[name].supervisor
-        if not isinstance(workers, RayWorkers):
+        if not isinstance(workers, RayReplicas):
             return error_response(400, _NOT_RAY)
         return workers
 
-    def answer(name: str | None, workers: RayWorkers) -> Response:
+    def answer(name: str | None, workers: RayReplicas) -> Response:
         return JSONResponse({"model": name or next(iter(frontends)), **workers.scaling()})
 
     async def show(request: Request) -> Response:

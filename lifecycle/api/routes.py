@@ -26,10 +26,9 @@ from lifecycle.api.anthropic_params import ANTHROPIC_ROUTES, anthropic_reply
 from lifecycle.api.auth import Auth
 from lifecycle.core.call import reject
 from lifecycle.core.origin import (
-    CALL_ORIGIN,
-    EXCHANGE,
+    ORIGIN,
     REQUEST_ID_HEADER,
-    Exchange,
+    Origin,
     client_request_id,
     new_request_id,
 )
@@ -104,7 +103,7 @@ class AppRouter(Router):
         generation = route in GENERATION_ROUTES
 
         async def guarded(request: Request) -> Response:
-            ex = EXCHANGE.get()
+            ex = ORIGIN.get()
             if ex is not None:
                 ex.route = route
             denied = self.auth.check_route(request, route)
@@ -115,33 +114,32 @@ class AppRouter(Router):
                 if generation:
                     self._refused(ex, denied.status, _message(denied))
                 return denied
-            if self.access_log is None:
-                return await self._answer(route, handler, request, ex, generation)
             access = self.access_log
-            token = access.begin(route, request)
+            if access is None or ex is None:
+                return await self._answer(route, handler, request, ex, generation)
+            access.begin(ex)
             status = 500
             try:
                 response = await self._answer(route, handler, request, ex, generation)
                 status = response.status
                 if isinstance(response, WebSocketResponse):
-                    status = -1  # the session's own line comes when the socket closes
-                    response.session = access.session(route, request, response.session)
+                    status = -1  # the session's own lines come when the socket closes
                 return response
             except HTTPError as exc:
                 status = exc.status
                 raise
             finally:
-                access.end(token, status)
+                access.end(ex, status)
 
         return guarded
 
     async def _answer(
-        self, route: str, handler: Handler, request: Request, ex: Exchange | None, generation: bool
+        self, route: str, handler: Handler, request: Request, ex: Origin | None, generation: bool
     ) -> Response:
         if not generation:
             response = await self._handle(route, handler, request)
             if isinstance(response, WebSocketResponse) and ex is not None:
-                response.session = _session(ex, response.session)
+                response.session = _session(ex, response.session, self.access_log)
             return response
         try:
             response = await self._handle(route, handler, request)
@@ -155,7 +153,7 @@ class AppRouter(Router):
             self._refused(ex, response.status, _message(response))
         return response
 
-    def _refused(self, ex: Exchange | None, status: int, message: str) -> None:
+    def _refused(self, ex: Origin | None, status: int, message: str) -> None:
         """A generation request answered ``status`` before it made a call: recorded as
         one that ended in error with the matching cause."""
         fe = self.frontend
@@ -185,8 +183,7 @@ class AppRouter(Router):
             self.metrics.observe_http(route, request.method, status)
 
     async def __call__(self, request: Request) -> Response:
-        origin = CALL_ORIGIN.set(request)  # the calls this request makes came from it
-        exchange = EXCHANGE.set(_exchange(request))
+        token = ORIGIN.set(_origin(request))  # the calls this request makes came from it
         try:
             return await super().__call__(request)
         except HTTPError as exc:
@@ -194,11 +191,10 @@ class AppRouter(Router):
                 self._observe(UNMATCHED, request, exc.status)
             raise
         finally:
-            EXCHANGE.reset(exchange)
-            CALL_ORIGIN.reset(origin)
+            ORIGIN.reset(token)
 
 
-def _exchange(request: Request) -> Exchange:
+def _origin(request: Request) -> Origin:
     """The request's id (its valid ``X-Request-Id``, else a new one) and the header that
     carries it back on every answer."""
     given = client_request_id(request.headers.get(REQUEST_ID_HEADER))
@@ -207,21 +203,25 @@ def _exchange(request: Request) -> Exchange:
     if request.response_headers:
         headers += request.response_headers
     request.response_headers = headers
-    client = f"{request.client[0]}:{request.client[1]}" if request.client else None
-    return Exchange(rid, given is not None, client=client, headers=headers)
+    return Origin(request, rid, given is not None, headers=headers)
 
 
-def _session(ex: Exchange, run: Session) -> Session:
+def _session(ex: Origin, run: Session, access: AccessLog | None) -> Session:
     """A WebSocket session whose generations know their route and client (each is a
-    request with an id of its own: ``Exchange.per_call``)."""
-    shared = Exchange(ex.id, ex.given, ex.route, ex.client, per_call=True)
+    request with an id of its own: ``Origin.per_call``); with an access log, one line
+    per generation on it when the socket closes, status 101."""
 
     async def session(ws: WebSocket) -> None:
-        token = EXCHANGE.set(shared)
+        shared = ex.session()
+        token = ORIGIN.set(shared)
+        if access is not None:
+            access.begin(shared)
         try:
             await run(ws)
         finally:
-            EXCHANGE.reset(token)
+            if access is not None:
+                access.end(shared, 101)
+            ORIGIN.reset(token)
 
     return session
 

@@ -23,7 +23,7 @@ from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EmbedOptions, Finish
+from wire import EmbedOptions, Finish, RequestOptions
 
 __all__ = ["EmbedInputs", "Embedding", "Embeddings", "embed", "embed_request", "hidden_size"]
 
@@ -110,13 +110,7 @@ def embed_request(
                 input_ids=ids,
                 sampling=sampling,
                 client_rid=None if rids is None else rids[i],
-                return_logprob=False,
-                logprob_start_len=-1,
-                top_logprobs_num=0,
-                token_ids_logprob=None,
-                return_text_in_logprobs=False,
-                return_hidden_states=False,
-                embed=options,
+                options=RequestOptions(embed=options),
             )
         )
     return GenerateRequest(items, is_batch=len(items) > 1, stream=False)

@@ -92,7 +92,7 @@ class Frontend(Generic[W]):
         """A new call for ``req``; enter it with ``async with`` before starting it.
         ``exit_cause``: why it ends when its owner leaves early; ``owner``: who made it
         (an API key's digest; ``LiveCalls.abort`` on that owner's behalf reaches it). Its
-        deadline: the request's ``X-Request-Timeout`` header (``CALL_ORIGIN``), else
+        deadline: the request's ``X-Request-Timeout`` header (``lifecycle.core.origin``), else
         ``request_timeout``. It closes itself once its last sample ended."""
         call = GenerateCall(self, req, exit_cause or owner_left, self.config.request_timeout)
         self.calls.own(call, owner)

@@ -9,13 +9,14 @@ text for logprobs is decoded once per token, never again per frame.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.detok import SampleText, TokenizerLike
 from lifecycle.core.reasoning import ReasoningCount, ReasoningFormat
-from wire import Finish, f32s_to_list, ids_to_list
+from lifecycle.core.sampling import SamplingRequest
+from wire import Finish, RequestOptions, f32s_to_list, ids_to_list
 
 if TYPE_CHECKING:
     from lifecycle.core.params import GenerateItem
@@ -27,16 +28,14 @@ Entry = list[Any]  # [logprob | None, token_id, text | None]
 
 @dataclass(frozen=True, slots=True)
 class OutputOptions:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] | None = None
+    """What one prompt's samples report, and how their text is cut: the request's own
+    values as they are, and the server's facts about it."""
+
+    request: RequestOptions = field(default_factory=RequestOptions)  # what the worker returns
+    # how the text is cut: stops (a stop_regex match's finish names its pattern), special
+    # tokens, the stop's trim
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
     return_text_in_logprobs: bool = False
-    return_hidden_states: bool = False
-    skip_special_tokens: bool = True
-    stops: tuple[str, ...] = ()
-    stop_regex: tuple[str, ...] = ()  # the patterns: a match's finish names its pattern
-    no_stop_trim: bool = False
     weight_version: str = "default"  # the server's, in every meta_info (SGLang's key)
     reasoning: ReasoningFormat | None = None  # what meta_info.reasoning_tokens counts
     reasoning_open: bool = False  # the prompt opened the reasoning
@@ -46,28 +45,21 @@ class OutputOptions:
     def of(
         cls,
         item: GenerateItem,
+        request: RequestOptions,
         weight_version: str,
         reasoning: ReasoningFormat | None = None,
         reasoning_open: bool = False,
         dp_rank: int | None = None,
     ) -> OutputOptions:
-        """What one prompt's samples report, and how their text is cut."""
-        sp = item.sampling
+        """``item``'s, with ``request`` the options its SUBMIT carries."""
         return cls(
+            request=request,
+            sampling=item.sampling,
+            return_text_in_logprobs=item.return_text_in_logprobs,
             weight_version=weight_version,
             reasoning=reasoning,
             reasoning_open=reasoning_open,
             dp_rank=dp_rank,
-            return_logprob=item.return_logprob,
-            logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=item.top_logprobs_num,
-            token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
-            return_text_in_logprobs=item.return_text_in_logprobs,
-            return_hidden_states=item.return_hidden_states,
-            skip_special_tokens=sp.skip_special_tokens,
-            stops=tuple(sp.stop),
-            stop_regex=tuple(sp.params.stop_regex),
-            no_stop_trim=sp.no_stop_trim,
         )
 
 
@@ -91,9 +83,10 @@ def _regex_finish(finish: Any, opts: OutputOptions) -> Any:
     i = finish.get("regex")
     if i is None:
         return finish
-    if not (type(i) is int and 0 <= i < len(opts.stop_regex)):
-        raise ValueError(f"a stop_regex finish names pattern {i!r} of {len(opts.stop_regex)}")
-    return {"type": Finish.STOP, "matched": opts.stop_regex[i]}
+    patterns = opts.sampling.params.stop_regex
+    if not (type(i) is int and 0 <= i < len(patterns)):
+        raise ValueError(f"a stop_regex finish names pattern {i!r} of {len(patterns)}")
+    return {"type": Finish.STOP, "matched": patterns[i]}
 
 
 def _lp(v: float) -> float | None:
@@ -110,9 +103,9 @@ class SampleOutput:
         self.rid = rid
         self.text = SampleText(
             tokenizer,
-            skip_special_tokens=opts.skip_special_tokens,
-            stops=opts.stops,
-            no_stop_trim=opts.no_stop_trim,
+            skip_special_tokens=opts.sampling.skip_special_tokens,
+            stops=opts.sampling.stop,
+            no_stop_trim=opts.sampling.no_stop_trim,
         )
         self.ids: list[int] = []
         self.finish: Any = None  # finish_reason dict once ended
@@ -160,7 +153,7 @@ class SampleOutput:
                             "cached": bool(extra.get("grammar_cached")), "done": False}  # fmt: skip
         if extra.get("grammar_done") and self.grammar is not None:
             self.grammar["done"] = True
-        if not self.opts.return_logprob:
+        if not self.opts.request.return_logprob:
             if "hidden_states" in extra:
                 self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
             return
@@ -177,10 +170,10 @@ class SampleOutput:
                 self._add(
                     "output_top_logprobs", self._tops(extra["top_ids"], extra["top_logprobs"])
                 )
-            if "ids_logprobs" in extra and self.opts.token_ids_logprob:
+            if "ids_logprobs" in extra and self.opts.request.token_ids_logprob:
                 self._add("output_token_ids_logprobs", self._given(extra["ids_logprobs"]))
         if "prompt_logprobs" in extra:
-            start = max(self.opts.logprob_start_len, 0)
+            start = max(self.opts.request.logprob_start_len, 0)
             values = f32s_to_list(extra["prompt_logprobs"])
             ids = self.prompt[start : start + len(values)]
             self._add(
@@ -192,7 +185,7 @@ class SampleOutput:
                     "input_top_logprobs",
                     self._tops(extra["prompt_top_ids"], extra["prompt_top_logprobs"]),
                 )
-            if "prompt_ids_logprobs" in extra and self.opts.token_ids_logprob:
+            if "prompt_ids_logprobs" in extra and self.opts.request.token_ids_logprob:
                 self._add("input_token_ids_logprobs", self._given(extra["prompt_ids_logprobs"]))
         if "hidden_states" in extra:
             self.hidden += [f32s_to_list(h) for h in extra["hidden_states"]]
@@ -212,7 +205,7 @@ class SampleOutput:
         ]
 
     def _given(self, rows: list[bytes]) -> list[Any]:
-        given = self.opts.token_ids_logprob or ()
+        given = self.opts.request.token_ids_logprob or ()
         return [
             [self._entry(v, i) for v, i in zip(f32s_to_list(r), given, strict=False)] for r in rows
         ]
@@ -247,10 +240,10 @@ class SampleOutput:
     def result(self, e2e: float) -> dict[str, Any]:
         """The unary reply item."""
         meta = self.meta(e2e)
-        if self.opts.return_logprob:
+        if self.opts.request.return_logprob:
             meta.update(self._lp_fields(0))
             meta["output_token_logprobs_length"] = len(self.lp.get("output_token_logprobs", ()))
-        if self.opts.return_hidden_states:
+        if self.opts.request.return_hidden_states:
             meta["hidden_states"] = self.hidden
         text = self.final_text if self.final_text is not None else self.text.raw
         return {"text": text, "output_ids": list(self.ids), "meta_info": meta}
@@ -270,16 +263,16 @@ class SampleOutput:
         else:
             out_text, out_ids = text, list(self.ids)
             lp_from = 0
-        if self.opts.return_logprob:
+        if self.opts.request.return_logprob:
             meta.update(self._lp_fields(lp_from))
-        if self.opts.return_hidden_states and ended:
+        if self.opts.request.return_hidden_states and ended:
             meta["hidden_states"] = self.hidden
         self.sent_chars = max(self.sent_chars, len(text))
         self.sent_ids = len(self.ids)
         return {"text": out_text, "output_ids": out_ids, "meta_info": meta}
 
     def _lp_fields(self, out_from: int) -> dict[str, Any]:
-        o = self.opts
+        o = self.opts.request
         fields: dict[str, Any] = {
             "input_token_logprobs": self.lp.get("input_token_logprobs", []),
             "output_token_logprobs": self.lp.get("output_token_logprobs", [])[out_from:],

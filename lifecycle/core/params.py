@@ -13,16 +13,17 @@ is a bug.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
 from lifecycle.core.states import Cause
-from wire import EmbedOptions, ReasoningBudget, RequestOptions
+from wire import ReasoningBudget, RequestOptions
 
 __all__ = [
+    "BODY_OPTIONS",
     "GenerateItem",
     "GenerateRequest",
     "RequestError",
@@ -35,6 +36,21 @@ __all__ = [
 
 MAX_SEQUENCES = 1024  # prompts x n per request: bounds what one body can make us hold
 
+# ``RequestOptions`` fields a body does not set by name: ``/encode`` makes ``embed``, and
+# ``reasoning_budget`` is ``max_thinking_tokens`` in ids, made once the prompt is tokenized.
+_MADE_ELSEWHERE = frozenset({"embed", "reasoning_budget"})
+# The flags and counts of ``RequestOptions`` a body sets per prompt, by their name, with
+# their defaults (SGLang's normalize_param: a scalar broadcasts, a list is per prompt). A
+# flag defaults to False; a count is at least its default, which means off (-1, 0).
+BODY_OPTIONS: dict[str, bool | int] = {
+    f.name: f.default
+    for f in fields(RequestOptions)
+    if f.name not in _MADE_ELSEWHERE and isinstance(f.default, bool | int)
+}
+# Every other option a body sets has a rule of its own here (``_token_ids_logprob``).
+assert {f.name for f in fields(RequestOptions)} - _MADE_ELSEWHERE - BODY_OPTIONS.keys() == {
+    "token_ids_logprob"
+}, "a RequestOptions field that is neither a flag nor a count needs a parsing rule"
 _FIELDS = frozenset(
     {
         "text",
@@ -42,14 +58,10 @@ _FIELDS = frozenset(
         "sampling_params",
         "stream",
         "rid",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "token_ids_logprob",
         "return_text_in_logprobs",
-        "return_hidden_states",
         "max_thinking_tokens",
         "model",  # which model serves it (lifecycle.api.model_routes), read before here
+        *(f.name for f in fields(RequestOptions) if f.name not in _MADE_ELSEWHERE),
     }
 )
 # Accepted and ignored: bookkeeping that changes nothing about the output.
@@ -120,16 +132,13 @@ class GenerateItem:
     text: str | None
     input_ids: list[int] | None
     sampling: SamplingRequest
-    client_rid: str | None
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    token_ids_logprob: list[int] | None
-    return_text_in_logprobs: bool
-    return_hidden_states: bool
-    # An embed request (``lifecycle.core.embed``): prefill only, the pooled final hidden
-    # state instead of tokens (n is 1, no logprobs).
-    embed: EmbedOptions | None = None
+    client_rid: str | None = None
+    # What the worker returns besides tokens, as the client asked (an embed request,
+    # ``lifecycle.core.embed``: prefill only, the pooled final hidden state instead of
+    # tokens, n is 1, no logprobs). Checked against the prompt once it is tokenized, when
+    # its reasoning budget in ids is set (``request_options``).
+    options: RequestOptions = field(default_factory=RequestOptions)
+    return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
     # A thinking budget: the reasoning closed after this many tokens (``/generate``'s
     # ``max_thinking_tokens``, chat's ``thinking_token_budget``, Anthropic's
     # ``budget_tokens``; ``core/reasoning.py``).
@@ -141,15 +150,7 @@ class GenerateItem:
         """What the worker must return besides tokens (a SUBMIT entry's options), checked
         against the tokenized prompt with the worker's own bounds: ``RequestError`` (400)
         for what the worker would refuse. ``budget``: the thinking budget in ids."""
-        opts = RequestOptions(
-            return_logprob=self.return_logprob,
-            logprob_start_len=self.logprob_start_len,
-            top_logprobs_num=self.top_logprobs_num,
-            token_ids_logprob=tuple(self.token_ids_logprob or ()),
-            return_hidden_states=self.return_hidden_states,
-            embed=self.embed,
-            reasoning_budget=budget,
-        )
+        opts = replace(self.options, reasoning_budget=budget)
         try:
             opts.check(vocab_size, prompt_len)
         except ValueError as exc:
@@ -184,6 +185,23 @@ def _int_at_least(name: str, v: Any, lo: int, default: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise _bad(f"{name} must be an integer >= {lo}, got {v!r}.")
     return v
+
+
+def _option(name: str, v: Any, default: bool | int) -> bool | int:
+    """One of ``BODY_OPTIONS``: a flag, or a count at least its default."""
+    if isinstance(default, bool):
+        return _flag(name, v, default)
+    return _int_at_least(name, v, default, default)
+
+
+def _request_options(
+    per: dict[str, list[Any]], i: int, token_ids_logprob: tuple[int, ...]
+) -> RequestOptions:
+    """Prompt ``i``'s options, each of ``BODY_OPTIONS`` read from its per-prompt values."""
+    values: dict[str, Any] = {
+        name: _option(name, per[name][i], d) for name, d in BODY_OPTIONS.items()
+    }
+    return RequestOptions(**values, token_ids_logprob=token_ids_logprob)
 
 
 def _budget(v: Any) -> int | None:
@@ -291,9 +309,9 @@ def _per_prompt(name: str, raw: Any, batch: int, is_batch: bool, n: int) -> list
 
 def _token_ids_logprob(
     raw: Any, batch: int, is_batch: bool, n: int, vocab: int
-) -> list[list[int] | None]:
+) -> list[tuple[int, ...]]:
     if not raw:  # None and [] alike
-        return [None] * batch
+        return [()] * batch
     if not isinstance(raw, list):
         per: list[Any] = [[raw] for _ in range(batch)]
     elif not isinstance(raw[0], list):
@@ -308,10 +326,10 @@ def _token_ids_logprob(
         )
     else:
         per = raw
-    out: list[list[int] | None] = []
+    out: list[tuple[int, ...]] = []
     for ids in per:
         if not ids:
-            out.append(None)
+            out.append(())
             continue
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids
@@ -322,7 +340,7 @@ def _token_ids_logprob(
                 raise _bad(
                     f"token_ids_logprob contains out-of-vocabulary token id {t}; valid range is [0, {vocab})."
                 )
-        out.append(list(ids))
+        out.append(tuple(ids))
     return out
 
 
@@ -345,15 +363,9 @@ def parse_generate(
         )
     is_batch = is_batch or n > 1  # SGLang: a single prompt with n > 1 becomes a batch of one
     rids = _rids(body.get("rid"), batch, is_batch)
-    opts = {
+    per = {
         name: _per_prompt(name, body.get(name), batch, is_batch, n)
-        for name in (
-            "return_logprob",
-            "logprob_start_len",
-            "top_logprobs_num",
-            "return_hidden_states",
-            "max_thinking_tokens",
-        )
+        for name in (*BODY_OPTIONS, "max_thinking_tokens")
     }
     tid = _token_ids_logprob(body.get("token_ids_logprob"), batch, is_batch, n, vocab_size)
     stream = _flag("stream", body.get("stream"), False)
@@ -365,17 +377,9 @@ def parse_generate(
             input_ids=None if are_texts else prompts[i],
             sampling=sampling[i],
             client_rid=rids[i],
-            return_logprob=_flag("return_logprob", opts["return_logprob"][i], False),
-            logprob_start_len=_int_at_least(
-                "logprob_start_len", opts["logprob_start_len"][i], -1, -1
-            ),
-            top_logprobs_num=_int_at_least("top_logprobs_num", opts["top_logprobs_num"][i], 0, 0),
-            token_ids_logprob=tid[i],
+            options=_request_options(per, i, tid[i]),
             return_text_in_logprobs=text_in_logprobs,
-            return_hidden_states=_flag(
-                "return_hidden_states", opts["return_hidden_states"][i], False
-            ),
-            reasoning_budget=_budget(opts["max_thinking_tokens"][i]),
+            reasoning_budget=_budget(per["max_thinking_tokens"][i]),
         )
         for i in range(batch)
     ]

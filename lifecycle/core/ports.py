@@ -1,20 +1,32 @@
-"""What the request core needs of the worker link (``lifecycle.link``), as protocols: the
-core submits, aborts and probes through them and never imports the link, whose
-``WorkerClient``, ``Supervisor`` and ``WorkerPool`` satisfy them. ``generate_probe``, the
-one real generation of the warm-up and of ``/health_generate``, is written against them.
+"""What the request core and the API need of the worker link (``lifecycle.link``), as
+protocols: they submit, abort, probe, read the workers' state and administer them through
+these and never import the link, whose ``WorkerClient``, ``Supervisor``, ``WorkerPool``,
+``RayWorkers`` and ``ModelSet`` satisfy them. ``generate_probe``, the one real generation
+of the warm-up and of ``/health_generate``, is written against them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
 from lifecycle.core.buffers import OutputBuffer
 from lifecycle.core.submission import Sink, Submission, WorkerFailure
 
-__all__ = ["WorkerLink", "WorkerMember", "Workers", "generate_probe"]
+__all__ = [
+    "FlushesEveryWorker",
+    "LoadedModel",
+    "ModelLoads",
+    "ObservedLink",
+    "ObservedWorker",
+    "RayReplicas",
+    "WorkerLink",
+    "WorkerMember",
+    "Workers",
+    "generate_probe",
+]
 
 
 class WorkerLink(Protocol):
@@ -52,6 +64,79 @@ class Workers(Protocol):
     def members(self) -> Sequence[WorkerMember]: ...
 
     def pick(self, prompt: Sequence[int] | None = None) -> Any: ...  # WorkerLink | None
+
+
+# -- what the API's info and admin routes ask (lifecycle.api) -------------------------------
+@runtime_checkable
+class ObservedLink(WorkerLink, Protocol):
+    """One worker's client as ``/server_info``, ``/get_load`` and ``/flush_cache`` read it."""
+
+    @property
+    def in_flight(self) -> int: ...  # rids the worker holds, tombstones included
+
+    @property
+    def queued(self) -> int: ...  # submitted here, not yet sent
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]: ...  # its STATS
+
+    async def flush(self, timeout: float = 30.0) -> tuple[bool, str]: ...
+
+
+class ObservedWorker(Protocol):
+    """One supervised worker as the health and info routes read it."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def last_error(self) -> str | None: ...
+
+    @property
+    def worker_pid(self) -> int | None: ...
+
+    @property
+    def client(self) -> ObservedLink | None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class FlushesEveryWorker(Protocol):
+    """Several workers (``--dp``) that flush together, and whose router forgets them."""
+
+    async def flush(self, timeout: float = 30.0) -> list[tuple[int, bool, str]]: ...
+
+
+@runtime_checkable
+class RayReplicas(Protocol):
+    """Workers placed as Ray replicas (``--ray``): where each runs, and their number."""
+
+    def replicas(self) -> list[dict[str, Any]]: ...
+
+    def scaling(self) -> dict[str, Any]: ...
+
+    def scale(self, count: int) -> None: ...  # ValueError for a count out of bounds
+
+
+class LoadedModel(Protocol):
+    """One model of the set, after a load or an unload."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+
+class ModelLoads(Protocol):
+    """The server's model set (``--models-max``, ``--sleep-idle-seconds``)."""
+
+    async def load(self, name: str) -> LoadedModel: ...  # ServeError when it cannot
+
+    async def unload(self, name: str) -> LoadedModel: ...  # ValueError when it stays
 
 
 class _ProbeSink:

@@ -151,9 +151,9 @@ class Engine:
     ) -> Any:
         """SGLang's ``/generate`` for one prompt (a dict) or a batch (a list in input
         order), ``stream=True``: an iterator of the same chunks as the HTTP stream.
-        ``fields``: ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
-        ``token_ids_logprob``, ``return_text_in_logprobs``, ``return_hidden_states``,
-        ``rid``. A batch shows a progress bar on a terminal unless ``progress=False``."""
+        ``fields``: the body's request options (``wire.RequestOptions``' flags and counts,
+        ``token_ids_logprob``), ``return_text_in_logprobs`` and ``rid``. A batch shows a
+        progress bar on a terminal unless ``progress=False``."""
         bodies, batch = generate_bodies(prompt, input_ids, sampling_params, fields)
         if stream:
             left = StreamExit(self.config.send_timeout)

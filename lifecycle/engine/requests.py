@@ -13,7 +13,7 @@ import anyio
 
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.frontend import Frontend
-from lifecycle.core.params import GenerateRequest, parse_generate
+from lifecycle.core.params import BODY_OPTIONS, GenerateRequest, parse_generate
 from lifecycle.core.results import chunks, unary_results
 from lifecycle.core.states import Cause
 
@@ -32,14 +32,9 @@ T = TypeVar("T")
 
 log = logging.getLogger("lifecycle.engine")
 
-# Per-prompt fields of a /generate body (scalars broadcast, lists are per prompt).
-_PER_PROMPT = (
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "return_hidden_states",
-)
+# Per-prompt fields of a /generate body (scalars broadcast, lists are per prompt): the
+# request options' flags and counts, and whether logprobs carry their token's text.
+_PER_PROMPT = (*BODY_OPTIONS, "return_text_in_logprobs")
 _RETRY = frozenset({Cause.OVERLOADED, Cause.NOT_READY})  # an in-process caller waits
 _RETRY_FOR_S = 120.0
 _EMBED_CHUNK = 16  # inputs per embedding call of a large encode

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from lifecycle.core.fsm import RawEntry
-from lifecycle.core.origin import CALL_ORIGIN
 from lifecycle.core.sampling import SamplingRequest
 from lifecycle.core.states import Cause, Event, State
 from lifecycle.core.version import __version__
@@ -202,9 +201,9 @@ class OtlpExporter:
 
     # -- the loop's side: two observers ---------------------------------------------------
     def opened(self, call: GenerateCall) -> None:
-        origin = CALL_ORIGIN.get()
-        if origin is not None:  # the headers are read in the export thread
-            self._origins[call] = (origin.path, origin.headers.raw)
+        request = call.origin.call_request if call.origin is not None else None
+        if request is not None:  # the headers are read in the export thread
+            self._origins[call] = (request.path, request.headers.raw)
 
     def closed(self, call: GenerateCall) -> None:
         origin = self._origins.pop(call, _NO_ORIGIN)
@@ -226,7 +225,7 @@ class OtlpExporter:
                     rec.id, rec.client_rid or (first.rid if first else None), rec.created_ns,
                     rec.raw_trace, rec.state, rec.cause, rec.detail, origin,
                     item.sampling if item is not None else None,
-                    item is not None and item.embed is not None, first.prompt_tokens if first else None, out,
+                    item is not None and item.options.embed is not None, first.prompt_tokens if first else None, out,
                     cached, reasons, worker,
                 )
             )  # fmt: skip

@@ -113,7 +113,7 @@ def replay_record(
     embedding or a prompt that never reached the worker."""
     run = next((r for r in call.runs if r.rec is rec), None)
     item = run.item if run is not None else None
-    if run is None or item is None or not run.samples or item.embed is not None:
+    if run is None or item is None or not run.samples or item.options.embed is not None:
         return None
     client = call.client
     card = client.model if client is not None else {}

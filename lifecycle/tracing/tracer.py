@@ -123,9 +123,9 @@ def call_probe(
         call = calls.of(rec.id)
         if call is None:
             return out
-        ex = call.exchange
-        if ex is not None:
-            out["client"] = ex.client
+        origin = call.origin
+        if origin is not None:
+            out["client"] = origin.client
         if call.http_status is not None:
             out["status"] = call.http_status
         if call.model_wait is not None:  # it waited for its model to load on demand

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle.core import call as call_mod
+from lifecycle.core.call_state import CallState, _Sink
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause
@@ -35,14 +35,14 @@ class Mutation:
 
 
 def _abort_lost_in_tokenize() -> list[tuple[Any, str, Any]]:
-    real = call_mod.GenerateCall.abort
+    real = CallState.abort
 
     def abort(self: Any, message: str, rec_id: int | None = None) -> None:
         if any(run.sub is None for run in self.runs):
             return  # the bug: an abort that comes while the prompt is tokenized is dropped
         real(self, message, rec_id)
 
-    return [(call_mod.GenerateCall, "abort", abort)]
+    return [(CallState, "abort", abort)]
 
 
 def _live_call_leak() -> list[tuple[Any, str, Any]]:
@@ -71,7 +71,7 @@ def _credit_leak() -> list[tuple[Any, str, Any]]:
 
 
 def _silent_failure() -> list[tuple[Any, str, Any]]:
-    return [(call_mod.GenerateCall, "error", lambda self: None)]
+    return [(CallState, "error", lambda self: None)]
 
 
 def _unfinished_stream() -> list[tuple[Any, str, Any]]:
@@ -86,14 +86,14 @@ def _unfinished_stream() -> list[tuple[Any, str, Any]]:
 
 
 def _token_miscount() -> list[tuple[Any, str, Any]]:
-    real = call_mod._Sink.append
+    real = _Sink.append
 
     def append(self: Any, ids: list[int], extra: Any = None) -> None:
         real(self, ids, extra)
         if len(ids) and self.rec.tokens == 2:
             self.rec.tokens += 1  # the bug: the second token is counted twice
 
-    return [(call_mod._Sink, "append", append)]
+    return [(_Sink, "append", append)]
 
 
 def _rid_never_freed() -> list[tuple[Any, str, Any]]:
@@ -116,7 +116,7 @@ def _no_watchdog() -> list[tuple[Any, str, Any]]:
 
 
 def _abort_ends_internal() -> list[tuple[Any, str, Any]]:
-    real = call_mod.GenerateCall._item_ended
+    real = CallState._item_ended
 
     def item_ended(self: Any, run: Any) -> None:
         if not run.rec.terminal and any(
@@ -126,7 +126,7 @@ def _abort_ends_internal() -> list[tuple[Any, str, Any]]:
             return
         real(self, run)
 
-    return [(call_mod.GenerateCall, "_item_ended", item_ended)]
+    return [(CallState, "_item_ended", item_ended)]
 
 
 def _no_abort_on_close() -> list[tuple[Any, str, Any]]:
@@ -137,8 +137,8 @@ def _no_abort_on_close() -> list[tuple[Any, str, Any]]:
         finally:
             self.client = client
 
-    real = call_mod.GenerateCall.close
-    return [(call_mod.GenerateCall, "close", close)]
+    real = CallState.close
+    return [(CallState, "close", close)]
 
 
 MUTATIONS = {
