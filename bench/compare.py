@@ -12,7 +12,9 @@ TTFT of a long prompt no prefix cache can serve, and each server's RSS. The peer
 bench-peer``) or llama-cpp-python's server (``python -m llama_cpp.server``, an optional
 extra that builds llama.cpp when installed). The default, ``auto``, takes llama-server
 when its binary exists, else llama-cpp-python; a peer that is absent is skipped with a
-note saying how to get it.
+note saying how to get it. ``--baseline-rev REV`` adds our server as it was at commit REV
+to the same rotation, so that a change is measured against the commit before it, and the
+peer, in one run.
 
 ``--mode frontend`` puts no model anywhere: our server drives a scripted instant worker
 (``python -m lifecycle.testing.scripted_worker``), the baseline is a FastAPI/uvicorn app doing the
@@ -205,15 +207,16 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
             ("fixed_cpu_us_per_request", "CPU us per request (fixed part)", 0),
             ("marginal_cpu_us_per_token", "CPU us per streamed token (marginal)", 1),
         ]
-    a, b = (labels + [""])[:2]
+    # ours against each other contender (the peer, and ``base``: ours at --baseline-rev)
+    others = labels[1:]
     for key, title, digits in cols:
         print(f"\n{title}")
         head = f"{'conc':>5} " + " ".join(f"{lb:>12}" for lb in labels)
-        print(head + (f" {a + '/' + b:>14}" if b else ""))
+        print(head + "".join(f" {labels[0] + '/' + b:>14}" for b in others))
         for conc, row in summary.items():
             vals = [row[lb].get(key, float("nan")) for lb in labels]
             line = f"{conc:>5} " + " ".join(f"{v:>12.{digits}f}" for v in vals)
-            print(line + (f" {_fmt_ratio(vals[0], vals[1]):>14}" if b else ""))
+            print(line + "".join(f" {_fmt_ratio(vals[0], v):>14}" for v in vals[1:]))
 
     def per_level(fmt: Callable[[dict[str, Any]], str]) -> str:
         return "; ".join(
@@ -303,6 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-requests", type=int, default=3,
                    help="fresh-prefix prompts per rep (0: no fresh-prefix TTFT)")  # fmt: skip
     p.add_argument("--ours-cmd", default=OURS_CMD)
+    p.add_argument(
+        "--baseline-rev",
+        default=None,
+        metavar="REV",
+        help="model mode: also run our server as it was at this commit (unpacked with git "
+        "archive), label base, in the same A B C rotation: a change measured against the "
+        "commit before it, in one run",
+    )
     p.add_argument("--ours-frontend-cmd", default=OURS_FRONTEND_CMD)
     p.add_argument("--worker-cmd", default=SCRIPTED_WORKER_CMD)
     p.add_argument("--baseline-http", choices=("auto", "h11", "httptools"), default="auto")

@@ -28,6 +28,7 @@ from bench.procs import ServerProcess, free_port
 __all__ = [
     "PEERS",
     "Contender",
+    "baseline_tree",
     "default_model_path",
     "resolve_peer",
     "start_frontend_contenders",
@@ -170,35 +171,49 @@ def _start_llama_cpp_python(args: argparse.Namespace, model: str) -> Contender |
     return Contender("peer", peer, spec, kind="llama-cpp-python") if peer else None
 
 
-def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], list[ServerProcess]]:
-    model = args.model or default_model_path()
-    ours_spec = RequestSpec(api=args.api, ignore_eos="flag")
-    out: list[Contender] = []
+def baseline_tree(rev: str) -> Path:
+    """The tree of commit ``rev`` unpacked beside this one (``git archive``, once per
+    commit): our server as it was, run from there (``python -m`` reads the current
+    folder's packages first)."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    tree = Path("/tmp") / f"lifecycle-baseline-{commit[:12]}"
+    if not (tree / "lifecycle").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", commit], cwd=ROOT, capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
+
+
+def _start_ours(label: str, args: argparse.Namespace, model: str, cwd: Path) -> Contender | None:
     port = free_port()
-    ours = _try_start(
-        "ours",
-        lambda: ServerProcess.start(
-            "ours",
-            _cmd(
-                args.ours_cmd,
-                python=sys.executable,
-                port=port,
-                model=model,
-                kv_tokens=llama_server.CTX_SIZE,
-            ),  # fmt: skip
-            port,
-            "/health",
-            args.start_timeout,
-            cwd=ROOT,
-        ),
+    cmd = _cmd(
+        args.ours_cmd, python=sys.executable, port=port, model=model,
+        kv_tokens=llama_server.CTX_SIZE,
+    )  # fmt: skip
+    proc = _try_start(
+        label, lambda: ServerProcess.start(label, cmd, port, "/health", args.start_timeout, cwd=cwd)
     )
-    if ours:
-        out.append(Contender("ours", ours, ours_spec))
+    return Contender(label, proc, RequestSpec(api=args.api, ignore_eos="flag")) if proc else None
+
+
+def start_model_contenders(args: argparse.Namespace) -> tuple[list[Contender], list[ServerProcess]]:
+    """Ours, the peer, and with ``--baseline-rev`` ours at that commit (label ``base``)."""
+    model = args.model or default_model_path()
+    out = [c for c in [_start_ours("ours", args, model, ROOT)] if c]
     start_peer = {"llama-server": _start_llama_server, "llama-cpp-python": _start_llama_cpp_python}
     if args.peer is not None:
         peer = start_peer[args.peer](args, model)
         if peer:
             out.append(peer)
+    if getattr(args, "baseline_rev", None):
+        base = _start_ours("base", args, model, baseline_tree(args.baseline_rev))
+        if base:
+            out.append(base)
     return out, [c.proc for c in out]
 
 

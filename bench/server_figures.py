@@ -92,7 +92,10 @@ def print_extras(ttft: dict[str, Any], rss: dict[str, dict[str, float | None]], 
     if ttft:
         vals = [ttft[lb]["median_ms"] for lb in labels]
         line = ", ".join(f"{lb} {v:.0f}" for lb, v in zip(labels, vals, strict=True))
-        ratio = f"; {labels[0]}/{labels[1]} {vals[0] / vals[1]:.2f}" if len(labels) > 1 else ""
+        ratio = "".join(
+            f"; {labels[0]}/{lb} {vals[0] / v:.2f}"
+            for lb, v in zip(labels[1:], vals[1:], strict=True)
+        )
         steal = ", ".join(
             f"{lb} " + "/".join(f"{x:.1f}" for x in ttft[lb]["rep_steal_pct"]) for lb in labels
         )

@@ -127,3 +127,32 @@ def test_build_script_does_nothing_when_the_binary_is_there(tmp_path: Path) -> N
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == f"llama-server is already built: {binary}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # nothing downloaded
+
+
+def test_a_baseline_commit_gets_its_own_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    """--baseline-rev adds ``base`` (ours at an older commit) beside the peer: the table
+    prints ours over each of them."""
+    row = {"completed": 4, "failed": 0, "foreign_cpu_pct": 1.0, "rep_steal_pct": [0.0]}
+    summary = {
+        1: {
+            "ours": {**row, "output_tok_s": 150.0},
+            "llama-server": {**row, "output_tok_s": 100.0},
+            "base": {**row, "output_tok_s": 120.0},
+        }
+    }
+    print_table(summary, ["ours", "llama-server", "base"], frontend=False)
+    out = capsys.readouterr().out
+    assert "ours/llama-server" in out and "ours/base" in out
+    assert "1.50" in out and "1.25" in out
+
+
+def test_the_baseline_tree_is_the_commit_unpacked() -> None:
+    from bench.contenders import baseline_tree
+
+    tree = baseline_tree("HEAD")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert tree.name == f"lifecycle-baseline-{head.stdout.strip()[:12]}"
+    shown = subprocess.run(
+        ["git", "show", "HEAD:bench/compare.py"], capture_output=True, text=True, check=True
+    ).stdout
+    assert (tree / "bench" / "compare.py").read_text() == shown
