@@ -12,8 +12,8 @@ import pytest
 
 from lifecycle.api.anthropic import _Blocks, stop_reason
 from lifecycle.api.anthropic_params import anthropic_reply, error_event, messages_chat_body
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.states import Cause
+from lifecycle.faces.openai_errors import OpenAIError
 from transport import JSONResponse, SSEEvent
 from transport.sse import frame_event
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from lifecycle.api.openai_params import parse_chat
 from lifecycle.chat.tool_prompt import render_chat
+from lifecycle.faces.openai_params import parse_chat
 from modelfile.chat import ChatTemplate, ChatTemplateError
 from tests.llamacpp_vocab import templates_dir
 

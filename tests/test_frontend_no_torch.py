@@ -144,14 +144,25 @@ def test_control_both_witnesses_see_a_process_that_imports_torch(tmp_path: Path)
     assert any("_C" in p for p in libraries) and any("libtorch" in p for p in libraries)
 
 
-# An Engine that served a generation and a chat, then listed what it imported.
+# An Engine that served a generation, a chat, a batch file of OpenAI lines (the three
+# URLs) and /server_info, then listed what it imported.
 _ENGINE_SCRIPT = """
-import json, sys
+import json, sys, tempfile
+from pathlib import Path
 from lifecycle.engine import Engine
-with Engine(scripted_worker=True) as e:
+with Engine(scripted_worker=True) as e, tempfile.TemporaryDirectory() as tmp:
     out = e.generate("hi", {"max_new_tokens": 2, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 2, out
     chat = e.chat([{"role": "user", "content": "hi"}], {"max_new_tokens": 2})
+    lines = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2}),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+             ("/v1/embeddings", {"input": "hi"})]
+    inp, res = Path(tmp, "in.jsonl"), Path(tmp, "out.jsonl")
+    inp.write_text("".join(json.dumps({"url": u, "body": b}) + "\\n" for u, b in lines))
+    summary = e.run_batch(inp, res, progress=False)
+    assert summary.ok == 3, res.read_text()
+    assert e.server_info()["live_requests"] == 0
 loaded = [m for m in sys.modules if m.split(".")[0] in ("transport", "torch")
           or m.startswith("lifecycle.api")]
 print(json.dumps(loaded))
@@ -160,8 +171,9 @@ print(json.dumps(loaded))
 
 def test_the_engine_imports_no_http_code() -> None:
     """Issue 38: ``lifecycle/engine`` is the runtime without HTTP, so importing it, and
-    an Engine that starts, generates and chats, load neither the transport nor the HTTP
-    faces (``lifecycle.api``), nor torch (the worker is another process)."""
+    an Engine that starts, generates, chats, answers OpenAI batch lines and
+    ``server_info`` (issue 57), load neither the transport nor the HTTP faces
+    (``lifecycle.api``), nor torch (the worker is another process)."""
     bare = subprocess.run(
         [sys.executable, "-c", "import sys, lifecycle.engine; print(sorted(sys.modules))"],
         capture_output=True, text=True, check=True, cwd=ROOT,

@@ -5,12 +5,14 @@
 
 and, inside ``lifecycle``, never back:
 
-    api -> tracing -> core,  api -> chat -> core,  testing -> link -> core
+    api -> tracing -> core,  api -> faces -> chat -> core,  testing -> link -> core
 
-(the faces report to the observability room, which knows no face; ``chat`` is the text
-side, HTTP-free, which the Engine uses without the faces; ``link`` is the process and
-socket side, which the sans-IO core reaches only through ``lifecycle.core.ports``). The
-frontend spawns the worker by module name (``python -m gpu.worker``): not an import."""
+(the HTTP routes report to the observability room, which knows no route; ``faces`` is
+what each API's bodies and replies say without HTTP, and ``chat`` the text side, both of
+which the Engine uses while it imports nothing of ``lifecycle.api`` nor ``transport``;
+``link`` is the process and socket side, which the sans-IO core reaches only through
+``lifecycle.core.ports``). The frontend spawns the worker by module name (``python -m
+gpu.worker``): not an import."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ FORBIDDEN = {
 }
 
 # lifecycle's own rooms: what each may not import (the arrows run api/tracing/testing
-# -> core; the app and the CLI at the top join them; production never imports testing).
+# -> core, api -> faces -> chat; the app and the CLI at the top join them; production
+# never imports testing).
 _TOP = {
     "lifecycle.app",
     "lifecycle.cli",
@@ -40,6 +43,7 @@ _TOP = {
 }
 _ROOMS = {
     "lifecycle.api",
+    "lifecycle.faces",
     "lifecycle.chat",
     "lifecycle.link",
     "lifecycle.tracing",
@@ -48,6 +52,8 @@ _ROOMS = {
 FORBIDDEN_INSIDE = {
     "lifecycle/core": {*_ROOMS, *_TOP},
     "lifecycle/chat": {*_ROOMS - {"lifecycle.chat"}, *_TOP},
+    # the APIs without HTTP: the routes (lifecycle/api) and the Engine both use them
+    "lifecycle/faces": {*_ROOMS - {"lifecycle.faces", "lifecycle.chat"}, *_TOP, "transport"},
     "lifecycle/link": {*_ROOMS - {"lifecycle.link"}, *_TOP},
     # the faces reach the worker link through lifecycle/core/ports.py, never its classes
     "lifecycle/api": {"lifecycle.testing", "lifecycle.link", *_TOP},
@@ -55,6 +61,8 @@ FORBIDDEN_INSIDE = {
     "lifecycle/tracing": {*_ROOMS - {"lifecycle.tracing"}, *_TOP, "transport"},
     # the scripted worker is a wire peer: it frames the protocol with the link's stream
     "lifecycle/testing": {*_ROOMS - {"lifecycle.testing", "lifecycle.link"}, *_TOP},
+    # the runtime without HTTP, at any time: the AST sees imports inside functions too
+    "lifecycle/engine": {"lifecycle.api", "lifecycle.app", "transport"},
 }
 # The worker's rooms, each importing only those after it (the model and the cache are
 # independent of each other): worker -> parallel -> runtime -> backends -> cache, model -> kernels.

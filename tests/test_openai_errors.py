@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from lifecycle.api.openai_errors import OpenAIError, sglang_error_type
 from lifecycle.core.states import Cause
+from lifecycle.faces.openai_errors import OpenAIError, sglang_error_type
 
 from .scripted import lifecycle_server
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from lifecycle.api.openai_outputs import TokenTexts
 from lifecycle.core.buffers import Chunk
 from lifecycle.core.outputs import OutputOptions, SampleOutput
 from lifecycle.core.sampling import SamplingRequest
+from lifecycle.faces.openai_outputs import TokenTexts
 from modelfile.gguf_file import default_model_path
 from modelfile.vocab import load_tokenizer
 from wire import RequestOptions, SamplingParams, pack_f32s

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.api.openai_errors import OpenAIError
-from lifecycle.api.openai_params import parse_chat, parse_completion
+from lifecycle.faces.openai_errors import OpenAIError
+from lifecycle.faces.openai_params import parse_chat, parse_completion
 
 OPTS: dict[str, Any] = {
     "vocab_size": 100,

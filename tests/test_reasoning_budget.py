@@ -13,13 +13,13 @@ import pytest
 
 import wire
 from lifecycle.api.anthropic_params import messages_chat_body
-from lifecycle.api.openai_errors import OpenAIError
-from lifecycle.api.openai_params import parse_chat
 from lifecycle.chat.reasoning import REASONING_PARSERS
 from lifecycle.core import reasoning
 from lifecycle.core.errors import RequestError
 from lifecycle.core.params import parse_generate
 from lifecycle.core.reasoning import budget_option
+from lifecycle.faces.openai_errors import OpenAIError
+from lifecycle.faces.openai_params import parse_chat
 from tests.wire_schema import validate_frame
 from wire import BudgetState, ReasoningBudget, RequestOptions
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from lifecycle.api.openai_params import (
+from lifecycle.faces.openai_params import (
     REASONING_EFFORTS,
     OpenAIError,
     parse_chat,

@@ -101,7 +101,7 @@ def test_stream_survives_bytes_that_are_not_utf8(spm: tuple[Tokenizer, list[str]
 def test_logprob_bytes_are_the_tokens_bytes(spm: tuple[Tokenizer, list[str]]) -> None:
     """OpenAI logprobs' ``bytes`` of a byte-fallback token are its byte, and its token
     string OpenAI's ``bytes:\\xNN``; a piece's are its text's, "▁" a space."""
-    from lifecycle.api.openai_outputs import TokenTexts
+    from lifecycle.faces.openai_outputs import TokenTexts
 
     tok, tokens = spm
     texts = TokenTexts(tok)
@@ -116,7 +116,7 @@ def test_a_folders_byte_pieces_are_their_bytes() -> None:
     import tokenizers
     from tokenizers import models
 
-    from lifecycle.api.openai_outputs import TokenTexts
+    from lifecycle.faces.openai_outputs import TokenTexts
 
     vocab = {"<unk>": 0, "<0xE2>": 1, "\u2581hi": 2, "<0x41>": 3}
     inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))

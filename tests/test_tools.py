@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle.api.openai_errors import OpenAIError
-from lifecycle.api.openai_params import parse_chat
 from lifecycle.chat.tool_params import ToolSpec, tool_grammar
 from lifecycle.chat.tool_prompt import TOOLS_PROMPT, render_chat
 from lifecycle.chat.tools import ToolCallParser, call_id, parse_tool_calls
+from lifecycle.faces.openai_errors import OpenAIError
+from lifecycle.faces.openai_params import parse_chat
 from modelfile.chat import ChatTemplate
 from wire.grammar import check_grammar
 

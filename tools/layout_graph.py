@@ -27,6 +27,7 @@ END = "<!-- layout_graph: end -->"
 ROOMS: dict[str, str] = {
     "lifecycle": "frontend",
     "lifecycle.api": "frontend",
+    "lifecycle.faces": "frontend",
     "lifecycle.chat": "frontend",
     "lifecycle.link": "frontend",
     "lifecycle.tracing": "frontend",

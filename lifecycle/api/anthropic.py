@@ -36,12 +36,12 @@ from lifecycle.api.anthropic_params import (
 )
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import OpenAIAPI, run_call, start_call
-from lifecycle.api.openai_errors import OpenAIError
-from lifecycle.api.openai_outputs import ChoiceState, finish_reason
-from lifecycle.api.openai_params import OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.origin import current_request_id
 from lifecycle.core.states import Cause
+from lifecycle.faces.openai_errors import OpenAIError
+from lifecycle.faces.openai_outputs import ChoiceState, finish_reason
+from lifecycle.faces.openai_params import OpenAIRequest, parse_chat
 from transport import JSONResponse, Request, Response, Router, SSEEvent, SSEResponse
 
 __all__ = ["ABORTED", "AnthropicAPI", "stop_reason"]
@@ -97,10 +97,10 @@ class AnthropicAPI:
     ) -> tuple[dict[str, Any], OpenAIRequest, list[int]]:
         """The body, its chat request and its prompt ids; raises ``OpenAIError``."""
         o = self.openai
-        body = await o._body(request)
-        oreq, messages = parse_chat(messages_chat_body(body, count=count), **o._chat_opts())
-        ids = await o._chat_prompt(messages, oreq.continue_final, oreq.tools,
-                                   oreq.template_kwargs)  # fmt: skip
+        body = await o.json_body(request)
+        oreq, messages = parse_chat(messages_chat_body(body, count=count), **o.chat_opts())
+        ids = await o.chat_prompt(messages, oreq.continue_final, oreq.tools,
+                                  oreq.template_kwargs)  # fmt: skip
         return body, oreq, ids
 
     async def count_tokens(self, request: Request) -> Response:
@@ -142,7 +142,7 @@ class AnthropicAPI:
 
     def _usage(self, call: GenerateCall) -> dict[str, Any]:
         """Anthropic's usage: ``input_tokens`` not read from the prefix cache."""
-        u = self.openai._usage(call)
+        u = self.openai.usage(call)
         cached = u["prompt_tokens_details"]["cached_tokens"]
         return {
             "input_tokens": u["prompt_tokens"] - cached,

@@ -25,9 +25,9 @@ from typing import Any
 
 import orjson
 
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.states import Cause
+from lifecycle.faces.openai_errors import OpenAIError
 from transport import JSONResponse, Response
 
 __all__ = [

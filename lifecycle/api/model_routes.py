@@ -24,9 +24,9 @@ import orjson
 from lifecycle.api.anthropic_params import ANTHROPIC_ROUTES, anthropic_reply
 from lifecycle.api.auth import Auth
 from lifecycle.api.openai import openai_error
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.api.routes import GENERATION_ROUTES
 from lifecycle.api.websocket import WS_PATH
+from lifecycle.faces.openai_errors import OpenAIError
 from lifecycle.tracing.shared_metrics import join_models
 from transport import Handler, HTTPError, JSONResponse, Request, Response
 

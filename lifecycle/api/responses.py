@@ -45,12 +45,12 @@ import orjson
 
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import OpenAIAPI, openai_error, run_call, start_call
-from lifecycle.api.openai_errors import OpenAIError
-from lifecycle.api.openai_outputs import ChoiceState
-from lifecycle.api.openai_params import OpenAIRequest, parse_chat
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.origin import current_request_id
+from lifecycle.faces.openai_errors import OpenAIError
+from lifecycle.faces.openai_outputs import ChoiceState
+from lifecycle.faces.openai_params import OpenAIRequest, parse_chat
 from transport import JSONResponse, Request, Response, Router, SSEResponse
 
 __all__ = ["ResponsesAPI", "chat_body"]
@@ -208,9 +208,9 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         o = self.openai
         try:
-            body = await o._body(request)
-            oreq, messages = parse_chat(chat_body(body), **o._chat_opts())
-            ids = await o._chat_prompt(messages, tools=oreq.tools, variables=oreq.template_kwargs)
+            body = await o.json_body(request)
+            oreq, messages = parse_chat(chat_body(body), **o.chat_opts())
+            ids = await o.chat_prompt(messages, tools=oreq.tools, variables=oreq.template_kwargs)
         except OpenAIError as exc:
             return openai_error(exc)
         async with http_call(self.fe, oreq.generate_request([ids]), request) as call:
@@ -241,7 +241,7 @@ class ResponsesAPI:
             return JSONResponse(out)
 
     def _usage(self, call: GenerateCall, choice: ChoiceState) -> dict[str, Any]:
-        u = self.openai._usage(call)
+        u = self.openai.usage(call)
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {
             "input_tokens": u["prompt_tokens"],

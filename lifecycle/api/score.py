@@ -16,12 +16,12 @@ from typing import Any
 
 from lifecycle.api.calls import http_call
 from lifecycle.api.openai import openai_error, run_call, start_call
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.call import GenerateCall
 from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.frontend import Frontend
 from lifecycle.core.params import MAX_SEQUENCES, parse_generate
+from lifecycle.faces.openai_errors import OpenAIError
 from transport import HTTPError, JSONResponse, Request, Response, Router
 
 __all__ = ["ScoreAPI", "score_body"]

@@ -27,12 +27,12 @@ import orjson
 from lifecycle.api.auth import owner
 from lifecycle.api.native import NativeAPI
 from lifecycle.api.openai import OpenAIAPI
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.core.call import GenerateCall, reject
 from lifecycle.core.errors import RequestError, ServeError
 from lifecycle.core.params import GenerateRequest, parse_generate
 from lifecycle.core.results import chunks, is_multi
 from lifecycle.core.states import Cause
+from lifecycle.faces.openai_errors import OpenAIError
 from transport import Request, Response, Router, WebSocket, WebSocketClosed, WebSocketResponse
 from transport.websocket import handshake_problem
 

@@ -24,6 +24,9 @@ from typing import Any
 import orjson
 
 from lifecycle.engine.requests import EngineError, Requests, caller_left, windowed
+from lifecycle.faces.embeddings import EmbeddingsFace
+from lifecycle.faces.openai import OpenAIFace
+from lifecycle.faces.openai_errors import OpenAIError
 
 __all__ = ["BatchSummary", "done_lines", "read_lines", "run_lines"]
 
@@ -81,7 +84,7 @@ def read_lines(path: Path, skip: set[int]) -> Iterator[tuple[int, Any]]:
 
 async def run_lines(
     requests: Requests,
-    openai: Any,
+    openai: OpenAIFace,
     lines: Iterator[tuple[int, Any]],
     output: Path,
     window: int,
@@ -111,7 +114,7 @@ async def run_lines(
         summary.seconds += time.monotonic() - t0
 
 
-async def _answer(requests: Requests, openai: Any, i: int, obj: Any) -> dict[str, Any]:
+async def _answer(requests: Requests, openai: OpenAIFace, i: int, obj: Any) -> dict[str, Any]:
     if isinstance(obj, ValueError):
         return {"line": i, "custom_id": None, "error": {"cause": "invalid", "message": str(obj)}}
     if not isinstance(obj, dict):
@@ -132,15 +135,16 @@ async def _answer(requests: Requests, openai: Any, i: int, obj: Any) -> dict[str
     return {"line": i, "custom_id": custom_id, "result": result}
 
 
-async def _openai_line(openai: Any, i: int, custom_id: Any, obj: dict[str, Any]) -> dict[str, Any]:
-    from lifecycle.api.embeddings import EmbeddingsAPI
-    from lifecycle.api.openai_errors import OpenAIError
-
+async def _openai_line(
+    openai: OpenAIFace, i: int, custom_id: Any, obj: dict[str, Any]
+) -> dict[str, Any]:
     request_id = f"batch_req_{uuid.uuid4().hex}"
     try:
         if obj.get("url") == "/v1/embeddings":  # OpenAI's Batch API takes them too
-            api = EmbeddingsAPI(openai.fe, model_id=openai.model_id, model_names=openai.model_names)
-            reply = await api.reply(obj.get("body"), caller_left)
+            face = EmbeddingsFace(
+                openai.fe, model_id=openai.model_id, model_names=openai.model_names
+            )
+            reply = await face.reply(obj.get("body"), caller_left)
         else:
             reply = await openai.reply(obj.get("url"), obj.get("body"), caller_left)
         response = {"status_code": 200, "request_id": request_id, "body": reply}

@@ -33,6 +33,8 @@ from lifecycle.engine.requests import (
     interleave,
     prompt_items,
 )
+from lifecycle.faces.openai import OpenAIFace
+from lifecycle.faces.server_info import server_state
 from lifecycle.options import engine_values
 from lifecycle.runtime import Runtime, app_config, server_args
 from modelfile.gguf_meta import ModelFileError
@@ -305,12 +307,10 @@ class Engine:
                 bar.close()
         return summary
 
-    def _openai(self) -> Any:
-        from lifecycle.api.openai import OpenAIAPI
-
+    def _openai(self) -> OpenAIFace:
         rt = self.runtime
         model_id = rt.served_model_id()
-        return OpenAIAPI(
+        return OpenAIFace(
             self.frontend, rt.chat, model_id=model_id, model_path=rt.model_path,
             tool_call_parser=self.config.tool_call_parser,
         )  # fmt: skip
@@ -319,8 +319,6 @@ class Engine:
     def server_info(self) -> dict[str, Any]:
         """What ``/server_info`` says (``live_requests``, ``internal_states`` with the
         worker's KV blocks, ...)."""
-        from lifecycle.api.native import server_state
-
         return self._live.call(
             server_state, self.frontend, server_args(self.config, self.runtime.model_path)
         )

@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lifecycle.api.openai_errors import OpenAIError
 from lifecycle.chat.tool_formats import ToolFormat
 from lifecycle.chat.tool_params import (
     ToolParamError,
@@ -29,6 +28,7 @@ from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
+from lifecycle.faces.openai_errors import OpenAIError
 from modelfile.chat import RESERVED_VARIABLES
 from wire import MAX_REASONING_BUDGET, RequestOptions
 
