@@ -116,15 +116,17 @@ class _ModelClock:
 def timed(
     engine: Engine, steps: int, clock: _ModelClock | None = None
 ) -> list[tuple[float, float]]:
-    """(whole step with its STEP frame's encoding, model call) in ms, per step."""
+    """(whole step with its STEP frame's encoding, model call) in ms, per step. In
+    inference mode throughout, as the worker's step loop runs (``gpu/worker/process.py``)."""
     out = []
-    for _ in range(steps):
-        before = clock.ms if clock is not None else 0.0
-        t = time.perf_counter()
-        entries = engine.step()
-        encode_frame(Step(engine.step_no, entries))
-        whole = (time.perf_counter() - t) * 1e3
-        out.append((whole, (clock.ms - before) if clock is not None else 0.0))
+    with torch.inference_mode():
+        for _ in range(steps):
+            before = clock.ms if clock is not None else 0.0
+            t = time.perf_counter()
+            entries = engine.step()
+            encode_frame(Step(engine.step_no, entries))
+            whole = (time.perf_counter() - t) * 1e3
+            out.append((whole, (clock.ms - before) if clock is not None else 0.0))
     return out
 
 

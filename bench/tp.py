@@ -5,7 +5,8 @@ threads, default all cores) and as a ``--tp 2`` group (rank 0 in this process, r
 spawned as the worker spawns it, one torch thread each). Then, alternating A (tp 1) and
 B (tp 2) for ``ROUNDS`` rounds, times a decode step at batch 1 and batch 8 (~128 tokens of
 context each, logits for every row, as the engine's decode steps are) and a prefill of a
-256-token prompt (logits for its last row), on the worker's paged KV cache; prints min
+256-token prompt (logits for its last row), each a step value run by the worker's
+``ModelRunner`` (on rank 0 of tp 2 broadcast to rank 1 first, which runs it too); prints min
 and median per leg and measure, and the CPU's steal share over each leg (a leg above
 10 % is flagged as not comparable).
 
@@ -31,9 +32,11 @@ tune_cpu_runtime()
 import torch  # noqa: E402
 
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from gpu.cache.kv_cache import PagedKVCache, PrefillChunk  # noqa: E402
-from gpu.model.loader import LoadedModel, load_model  # noqa: E402
+from gpu.cache.kv_cache import PrefillChunk  # noqa: E402
+from gpu.model.loader import load_model  # noqa: E402
 from gpu.parallel import tp  # noqa: E402
+from gpu.runtime.engine_config import EngineConfig  # noqa: E402
+from gpu.runtime.runner import ModelRunner, StepInput  # noqa: E402
 from modelfile.gguf_file import default_model_path  # noqa: E402
 
 CONTEXT = 128
@@ -55,33 +58,26 @@ def _times(fn: Callable[[], object], runs: int = RUNS, warmup: int = 2) -> list[
 
 
 class Leg:
-    """One side of the comparison: a model, its paged cache, its thread count."""
+    """One side of the comparison: a model's runner (its paged cache), its thread count."""
 
-    def __init__(self, lm: LoadedModel, cache: PagedKVCache, threads: int) -> None:
-        self.lm, self.cache, self.threads = lm, cache, threads
+    def __init__(self, runner: ModelRunner, threads: int) -> None:
+        self.runner, self.threads = runner, threads
         per = -(-max(CONTEXT + 1, PROMPT) // BLOCK_SIZE)
         self.tables = [list(range(i * per, (i + 1) * per)) for i in range(max(BATCHES))]
 
     def decode(self, batch: int) -> list[float]:
-        ids = torch.full((batch,), 1000, dtype=torch.int64)
-        positions = torch.full((batch,), CONTEXT, dtype=torch.int64)
-        decodes = [(self.tables[s], CONTEXT + 1) for s in range(batch)]
-
-        def step() -> None:
-            self.cache.prepare(decodes, [])
-            self.lm.model(ids, positions, self.cache)
-
-        return _times(step)
+        step = StepInput(
+            [1000] * batch, [CONTEXT] * batch, [(self.tables[s], CONTEXT + 1) for s in range(batch)],
+            logit_rows=list(range(batch)),
+        )  # fmt: skip
+        return _times(lambda: self.runner.run(step))
 
     def prefill(self) -> list[float]:
-        ids = torch.randint(100, 40000, (PROMPT,), generator=torch.Generator().manual_seed(0))
-        positions, last = torch.arange(PROMPT), torch.tensor([PROMPT - 1])
-
-        def step() -> None:
-            self.cache.prepare([], [PrefillChunk(self.tables[0], 0, PROMPT)])
-            self.lm.model(ids, positions, self.cache, logits_indices=last)
-
-        return _times(step, runs=max(3, RUNS // 2), warmup=1)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(100, 40000, (PROMPT,), generator=g).tolist()
+        step = StepInput(ids, list(range(PROMPT)), [], [PrefillChunk(self.tables[0], 0, PROMPT)],
+                         logit_rows=[PROMPT - 1])  # fmt: skip
+        return _times(lambda: self.runner.run(step), runs=max(3, RUNS // 2), warmup=1)
 
     def run(self) -> tuple[dict[str, list[float]], float]:
         torch.set_num_threads(self.threads)
@@ -91,19 +87,20 @@ class Leg:
         return out, steal_share(start, steal_ticks())
 
 
-def _blocks() -> int:
-    return max(BATCHES) * -(-max(CONTEXT + 1, PROMPT) // BLOCK_SIZE)
+def _config() -> EngineConfig:
+    blocks = max(BATCHES) * -(-max(CONTEXT + 1, PROMPT) // BLOCK_SIZE)
+    return EngineConfig(blocks, BLOCK_SIZE, decode_graphs="off", fuse_trunk=False)
 
 
 def main() -> int:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     tp1_threads = int(sys.argv[2]) if len(sys.argv) > 2 else torch.get_num_threads()
     path = str(default_model_path())
-    whole = load_model(path, device="cpu", weights="fp32")
-    a = Leg(whole, PagedKVCache(whole.config, _blocks(), BLOCK_SIZE), tp1_threads)
+    whole, config = load_model(path, device="cpu", weights="fp32"), _config()
+    a = Leg(ModelRunner(whole, config, CONTEXT + PROMPT), tp1_threads)
     shard, followers = tp.start_leader(2, path, "cpu", None, 1)
-    cache = tp.LeaderCache.adopt(PagedKVCache(shard.config, _blocks(), BLOCK_SIZE), followers)
-    b = Leg(shard, cache, 1)
+    b = Leg(ModelRunner(shard, config, CONTEXT + PROMPT, followers=followers), 1)
+    followers.start(config, CONTEXT + PROMPT)
     legs = {"A tp 1": a, "B tp 2": b}
     times: dict[str, dict[str, list[float]]] = {name: {} for name in legs}
     steal: dict[str, list[float]] = {name: [] for name in legs}

@@ -6,7 +6,8 @@ its RoPE table (or none), its q/k norms and biases, its norms after attention an
 its activation, its score cap and query scale, and the model's embedding scale and
 final cap. The backends (the torch path ``gpu/model/decoder.py``, the native fused trunk
 ``gpu/backends/fused.py``, the paged attention ``gpu/cache/kv_cache.py`` and its C and Triton kernels,
-the tensor-parallel shard ``gpu/parallel/tp_model.py``) read the spec and never the family.
+the torch path over a tensor-parallel shard ``gpu/model/shard.py``) read the spec and never
+the family.
 
 ``BACKENDS`` says which backend runs which of the spec's features. A new operation is a
 feature here, a field of the spec, and one function per backend that runs it; a backend
@@ -51,7 +52,7 @@ FEATURES: dict[str, str] = {
 # Which backend runs which feature. ``torch``: the model's torch path (gpu/model/decoder.py);
 # ``native``: the fused trunk (gpu/backends/fused.py, gpu/kernels/csrc/fused_trunk.c) and the CPU's paged
 # attention kernel; ``triton``: the fused Triton kernels (gpu/kernels/triton_ops.py); ``tp``:
-# a tensor-parallel shard (gpu/parallel/tp_model.py); ``graphs``: captured steps (gpu/backends/graphs.py,
+# a tensor-parallel shard (gpu/model/shard.py, linear.py); ``graphs``: captured steps (gpu/backends/graphs.py,
 # gpu/backends/piecewise.py), which replay the torch path.
 _ALL = frozenset(FEATURES) - {"layer_activations", "layer_attention", "layer_windows"}
 BACKENDS: dict[str, frozenset[str]] = {

@@ -123,12 +123,12 @@ def test_engines_of_one_model_choose_their_own_and_leave_the_model_alone(
         "decode_graphs": "off", "mixed_graphs": "off", "kernels": "torch", "trunk": "torch",
     }  # fmt: skip
     assert {k: id(v) for k, v in vars(qlm.model).items()} == before
-    assert fused.scheduler.copy_rows == fused.cache.copy_rows  # the cache the engine made
+    assert fused.cache is fused.runner.cache  # the cache the engine made, the runner's
 
 
 def test_an_engine_makes_its_cache_with_what_it_is_given(qlm: LoadedModel) -> None:
-    """``cache_type``: the cache is made once, of that kind, and the scheduler's hook and
-    the runner read that one (a tensor-parallel leader's tells its followers so)."""
+    """``cache_type``: the cache is made once, of that kind, and the runner (which makes
+    each step's KV copies on it) reads that one."""
     engine = Engine(
         qlm, EngineConfig(64, 16, 4, 16, 64, 16), cache_type=partial(PagedKVCache, native=False)
     )

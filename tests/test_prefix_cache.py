@@ -11,6 +11,7 @@ kept (SGLang's radix cache stops its match at the same place, ``input_len - 1``)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpu.model.loader import LoadedModel, load_model
 from gpu.runtime.engine import Engine, EngineConfig
@@ -119,3 +120,30 @@ def test_cache_under_eviction_pressure_stays_sound(lm: LoadedModel) -> None:
         got = run(engine, [(i, q, {**GREEDY, "max_new_tokens": 3}, {})])
         assert ids_of(got[i]) == dense_greedy(lm, q, 3)[0], i
     assert engine.flush()[0] and engine.blocks.num_cached == 0 and engine.check() == []
+
+
+def test_a_hits_copy_rides_in_its_step_and_is_made_before_the_model_runs(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 57, point 3: scheduling a hit that ends inside a block only records its copy
+    (the KV is untouched then); the step value carries it (``StepInput.copies``) and the
+    runner makes it before the model reads the cache."""
+    engine = Engine(lm, EngineConfig(kv_blocks=64, block_size=16))
+    p = prompts(1, lm.config.vocab_size, seed=23, lo=40, hi=41)[0]
+    s = {**GREEDY, "max_new_tokens": 1}
+    cold = run(engine, [(1, p, s, {})])
+    seen = []
+    real = engine.runner.run
+
+    def spy(step):  # type: ignore[no-untyped-def]
+        seen.append((list(step.copies), engine.cache.k.clone()))
+        return real(step)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    warm = run(engine, [(2, p, s, {})])
+    assert _cached(warm, 2) == 39 and ids_of(warm[2]) == ids_of(cold[1])
+    (src, dst, n), k = seen[0][0][0], seen[0][1]
+    assert n == 39 - 32 and [c for c, _ in seen[1:]] == [[]] * (len(seen) - 1)
+    rows = slice(src * 16, src * 16 + n), slice(dst * 16, dst * 16 + n)
+    assert not torch.equal(k[:, :, rows[0]], k[:, :, rows[1]])  # not yet made
+    assert torch.equal(engine.cache.k[:, :, rows[0]], engine.cache.k[:, :, rows[1]])

@@ -1,6 +1,6 @@
-"""Tensor parallelism (``--tp``): the split, the step messages, and real worker groups.
+"""Tensor parallelism (``--tp``): the split, the step message, and real worker groups.
 
-The split and the codec are tested in memory; the worker is run as a process and spoken
+The split and the step message are tested in memory; the worker is run as a process and spoken
 to over the wire: on a tiny GGUF with 3 KV heads (K = 2 splits them unevenly and its
 odd vocabulary needs padding) for greedy equality, refusal and the followers' lifetime,
 and on the real model for greedy equality on the reference prompts.
@@ -21,24 +21,9 @@ import pytest
 import torch
 
 from gpu.cache.kv_cache import PrefillChunk
-from gpu.parallel.tp_messages import (
-    CacheSpec,
-    CopyBlock,
-    CopyRows,
-    Forward,
-    Logits,
-    Prepare,
-    Stop,
-    decode_ops,
-    encode_cache,
-    encode_copy_block,
-    encode_copy_rows,
-    encode_forward,
-    encode_logits,
-    encode_prepare,
-    encode_stop,
-)
-from gpu.parallel.tp_model import ShardLoad, even_runs, shard_plan
+from gpu.model.shard import even_runs, shard_plan
+from gpu.parallel.tp import decode_step, encode_step
+from gpu.runtime.runner import StepInput
 from modelfile.config import ModelConfig
 from tests.tiny_gguf import TinyModel, TinySpec, write_tiny_gguf
 from tests.worker_client import WorkerClient, spawn_worker
@@ -120,39 +105,26 @@ def test_more_ranks_than_kv_heads_is_refused() -> None:
         shard_plan(_config(9, 3), 0, 0)
 
 
-# -- the step messages ------------------------------------------------------------------
+# -- the step message -------------------------------------------------------------------
 
 
-def test_messages_round_trip_in_order() -> None:
-    decodes = [([3, 4, 5], 40), ([7], 2)]
-    prefills = [PrefillChunk([1, 2], 0, 20), PrefillChunk([9, 8, 6], 16, 30)]
-    ints = (
-        encode_cache(64, 16)
-        + encode_copy_rows(1, 2, 3)
-        + encode_prepare(decodes, prefills)
-        + encode_forward([10, 11, 12], [0, 1, 2])
-        + encode_logits([2])
-        + encode_copy_block(5, 6)
-        + encode_prepare([], [])
-        + encode_stop()
-    )
-    assert list(decode_ops(ints)) == [
-        CacheSpec(64, 16),
-        CopyRows(1, 2, 3),
-        Prepare(decodes, prefills),
-        Forward([10, 11, 12], [0, 1, 2]),
-        Logits([2]),
-        CopyBlock(5, 6),
-        Prepare([], []),
-        Stop(),
-    ]
+def test_a_step_reaches_the_followers_whole_and_in_order() -> None:
+    """The step value as rank 0 broadcasts it (JSON) and a follower runs it: rows, their
+    layout and the KV copies in order; an overlapped step's rows read on the device
+    arrive as the tokens they read."""
+    import json
 
-
-def test_a_cut_or_unknown_message_is_refused() -> None:
-    with pytest.raises(ValueError, match="ends inside"):
-        list(decode_ops(encode_forward([1, 2], [0, 1])[:-1]))
-    with pytest.raises(ValueError, match="unknown op"):
-        list(decode_ops([99]))
+    step = StepInput(
+        ids=[10, 0, 12, 13], pos=[39, 1, 16, 17], decodes=[([3, 4, 5], 40), ([7], 2)],
+        prefills=[PrefillChunk([9, 8, 6], 16, 2)], logit_rows=[0, 1, 3], want_hidden=True,
+        future=([1], [2], torch.tensor([5, 6, 11])), copies=[(1, 2, 3), (5, 6, 16), (2, 1, 4)],
+    )  # fmt: skip
+    got = decode_step(json.loads(json.dumps(encode_step(step))))
+    assert got == StepInput(
+        [10, 11, 12, 13], [39, 1, 16, 17], [([3, 4, 5], 40), ([7], 2)],
+        [PrefillChunk([9, 8, 6], 16, 2)], [0, 1, 3], True, False, None,
+        [(1, 2, 3), (5, 6, 16), (2, 1, 4)],
+    )  # fmt: skip
 
 
 # -- worker groups on a tiny model ------------------------------------------------------
@@ -166,19 +138,18 @@ def tiny3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 def test_each_rank_reads_only_its_slices(tiny3: TinyModel) -> None:
-    """ShardLoad: every rank's weights are its slices of the single-process model's,
-    read as such from the file (o and down by columns, the rest by rows, the vocabulary
-    padded), and together the ranks hold each weight once."""
+    """``load_model(rank=, world=)``: every rank's weights are its slices of the
+    single-process model's, read as such from the file (o and down by columns, the rest
+    by rows, the vocabulary padded), and together the ranks hold each weight once."""
     from gpu.model.loader import load_model
 
     full = load_model(tiny3.path, device="cpu", weights="fp32")
     c, hd = full.config, full.config.head_dim
     shards = []
     for rank in range(2):
-        shard = ShardLoad(2, rank)
-        lm = load_model(tiny3.path, device="cpu", weights="fp32", shard=shard)
-        assert shard.plan is not None
-        shards.append((shard.plan, lm.model))
+        lm = load_model(tiny3.path, device="cpu", weights="fp32", rank=rank, world=2)
+        assert lm.model.plan is not None
+        shards.append((lm.model.plan, lm.model))
     (p0, m0), (p1, m1) = shards
     for i, layer in enumerate(full.model.layers):
         q, k, v = layer.wqkv.split([c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd])
@@ -252,8 +223,8 @@ def _greedy_runs(c: WorkerClient, prompts: list[list[int]], tokens: int, rid0: i
 
 
 def _tiny_session(c: WorkerClient) -> list:
-    """Batched prompts, then prefix-cache hits ending inside a block (copy_rows) and a
-    fork with n = 2 (copy_block of the partial last block)."""
+    """Batched prompts, then prefix-cache hits ending inside a block (a KV copy) and a
+    fork with n = 2 (a copy of the partial last block)."""
     prompts = [[5 + (i * 7 + j * 3) % 250 for j in range(3 + 5 * i)] for i in range(6)]
     out = _greedy_runs(c, prompts, 12, 1)
     out += _greedy_runs(c, [prompts[5][:21] + [9, 9, 9]], 8, 100)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import struct as _struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -72,10 +73,9 @@ def pack_ids(ids: Any) -> bytes:
     return np.asarray(ids, dtype=_I32).tobytes()
 
 
-def pack_id(token: int) -> bytes:
-    """One token id -> int32 LE bytes: ``pack_ids([token])``, a tenth of its time (the
-    worker packs one per row of every decode step)."""
-    return token.to_bytes(4, "little", signed=True)
+# One token id -> int32 LE bytes: ``pack_ids([token])`` in one C call, with no Python
+# frame (the worker packs one per row of every decode step: 0.1 us against 0.25).
+pack_id: Callable[[int], bytes] = _struct.Struct("<i").pack
 
 
 def ids_to_list(data: bytes) -> list[int]:

@@ -56,11 +56,14 @@ def encode_step(kind: int, step_no: int, entries: Sequence[Sequence[Any]]) -> by
     rows = _plain_rows(step_no, rids, new_ids)
     if rows is None:
         return cbor2.dumps([kind, step_no, entries])
-    blob, at = rows
+    blob, width = rows
     parts = [head(4, 3), head(0, kind), head(0, step_no), head(4, n), blob]
     if plain is None:
         return b"".join(parts)
     parts.pop()
+    first = np.zeros(len(width) + 1, dtype=np.int64)  # each plain entry's first byte, the end
+    np.cumsum(_ARG_BYTES[width] + 9, out=first[1:])
+    at = first.tolist()
     written = 0  # the plain entries' bytes are blob[at[k]:at[k + 1]], the others between
     for k, i in enumerate([i for i, p in enumerate(plain) if not p]):
         before = i - k  # the plain entries before entry i
@@ -72,10 +75,10 @@ def encode_step(kind: int, step_no: int, entries: Sequence[Sequence[Any]]) -> by
 
 def _plain_rows(
     step_no: Any, rids: Sequence[Any], new_ids: Sequence[Any]
-) -> tuple[bytes, list[int]] | None:
-    """The plain entries ``[rid, new_ids, null, null]`` one after another, and the offset
-    of each entry's first byte and of the end; None unless cbor2 would write the same:
-    each rid an int (not a bool) in uint64, each ``new_ids`` one 4-byte ``bytes``."""
+) -> tuple[bytes, np.ndarray] | None:
+    """The plain entries ``[rid, new_ids, null, null]`` one after another, and each rid's
+    width (an index of ``_ARG_BYTES``); None unless cbor2 would write the same: each rid
+    an int (not a bool) in uint64, each ``new_ids`` one 4-byte ``bytes``."""
     if not (
         type(step_no) is int
         and 0 <= step_no < 1 << 64
@@ -92,11 +95,8 @@ def _plain_rows(
     width = np.searchsorted(_BOUNDS, r, side="right")  # 0: the rid is its initial byte
     rows = np.empty(len(r), dtype=_ENTRY)
     rows["array"], rows["bytes"], rows["nulls"] = 0x84, 0x44, 0xF6F6
-    small = np.minimum(r, 23).astype(np.intp)  # the rids under 24 are their initial byte
-    rows["initial"] = np.where(width, width + 0x17, small)  # else 0x18, 0x19, 0x1a, 0x1b
+    # a rid under 24 is its initial byte, width 0; a wider one's is 0x17 + its width
+    rows["initial"] = np.minimum(r, 0x17).astype(np.intp) + width
     rows["arg"] = r
     rows["id"] = np.frombuffer(b"".join(new_ids), dtype="V4")
-    blob = rows.view(_U1).reshape(-1, 17)[_KEEP[width]].tobytes()
-    at = np.zeros(len(r) + 1, dtype=np.int64)
-    np.cumsum(_ARG_BYTES[width] + 9, out=at[1:])
-    return blob, at.tolist()
+    return rows.view(_U1).reshape(-1, 17)[_KEEP[width]].tobytes(), width

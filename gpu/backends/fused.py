@@ -20,15 +20,14 @@ a step passes its rows, positions and block tables.
 from __future__ import annotations
 
 import ctypes
-import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from gpu.cache.kv_cache import PagedKVCache
 from gpu.kernels.native import NativeKernels
+from gpu.model.decoder import LlamaWeights
 from gpu.model.quant import QuantLinear
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import ModelSpec, refusal
@@ -37,62 +36,22 @@ __all__ = ["FusedTrunk"]
 
 _p, _i32 = ctypes.c_void_p, ctypes.c_int32
 _ACT_SILU, _ACT_GELU_TANH = 0, 1  # fused_trunk.c's act
-
-
-class LayerWeights(Protocol):
-    """What the trunk reads of one decoder layer (``gpu.model.decoder.LlamaWeights``)."""
-
-    @property
-    def attn_norm(self) -> Tensor | None: ...
-    @property
-    def ffn_norm(self) -> Tensor | None: ...
-    @property
-    def qkv(self) -> Any: ...
-    @property
-    def o(self) -> Any: ...
-    @property
-    def gate_up(self) -> Any: ...
-    @property
-    def down(self) -> Any: ...
-    @property
-    def bqkv(self) -> Tensor | None: ...
-    @property
-    def q_norm(self) -> Tensor | None: ...
-    @property
-    def k_norm(self) -> Tensor | None: ...
-    @property
-    def post_attn_norm(self) -> Tensor | None: ...
-    @property
-    def post_ffn_norm(self) -> Tensor | None: ...
+# the layer's fp32 vectors the C code reads in place (None: the architecture has none)
+_FP32 = ("attn_norm", "ffn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
 class _Layer(ctypes.Structure):
     """``trunk_layer`` in fused_trunk.c."""
 
     _fields_ = [
-        ("attn_norm", _p),
-        ("ffn_norm", _p),
-        ("wqkv", _p),
-        ("wo", _p),
-        ("wgu", _p),
-        ("wdown", _p),
-        ("t_qkv", _i32),
-        ("t_o", _i32),
-        ("t_gu", _i32),
-        ("t_down", _i32),
-        ("kc", _p),
-        ("vc", _p),
-        ("bqkv", _p),
-        ("q_norm", _p),
-        ("k_norm", _p),
-        ("post_attn_norm", _p),
-        ("post_ffn_norm", _p),
-        ("cos", _p),
-        ("sin", _p),
-        ("window", _i32),
-        ("residual_scale", ctypes.c_float),
-        ("qk_whole", _i32),
-    ]
+        ("attn_norm", _p), ("ffn_norm", _p),
+        ("wqkv", _p), ("wo", _p), ("wgu", _p), ("wdown", _p),
+        ("t_qkv", _i32), ("t_o", _i32), ("t_gu", _i32), ("t_down", _i32),
+        ("kc", _p), ("vc", _p),
+        ("bqkv", _p), ("q_norm", _p), ("k_norm", _p), ("post_attn_norm", _p), ("post_ffn_norm", _p),
+        ("cos", _p), ("sin", _p),
+        ("window", _i32), ("residual_scale", ctypes.c_float), ("qk_whole", _i32),
+    ]  # fmt: skip
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -102,14 +61,13 @@ def _ptr(t: Tensor | None) -> int | None:
 class FusedTrunk:
     """The trunk of a step for one model on one cache."""
 
-    def __init__(self, config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights],
+    def __init__(self, config: ModelConfig, spec: ModelSpec, layers: Sequence[LlamaWeights],
                  rope: Sequence[tuple[Tensor, Tensor] | None], cache: PagedKVCache,
                  kernels: NativeKernels) -> None:  # fmt: skip
         """``rope``: each layer's cos, sin tables ``[context, head_dim]`` fp32 (None: the
         layer rotates nothing)."""
         c = config
         self.kernels = kernels
-        self.cache_ref = weakref.ref(cache)
         self.config = c
         self.rope = rope  # kept alive: the table points at them
         table = (_Layer * c.n_layers)()
@@ -137,17 +95,15 @@ class FusedTrunk:
 
     @staticmethod
     def applies(
-        config: ModelConfig, spec: ModelSpec, layers: Sequence[LayerWeights], cache: object
+        config: ModelConfig, spec: ModelSpec, layers: Sequence[LlamaWeights], cache: object
     ) -> bool:
         """Whether these layers and attention backend can take the fused step at all: the
         native backend runs every feature of the model's spec (modelfile/layer_spec.py)."""
         if not isinstance(cache, PagedKVCache) or cache.kernels is None:
             return False
-        if refusal("native", spec) is not None:
+        if refusal("native", spec) is not None or config.head_dim > 512:
             return False
         if cache.dtype != torch.float32 or cache.k.dtype not in (torch.float16, torch.float32):
-            return False
-        if config.head_dim > 512:
             return False
         return all(
             isinstance(w, QuantLinear)
@@ -156,15 +112,7 @@ class FusedTrunk:
         ) and all(
             n.dtype == torch.float32 and n.is_contiguous() and n.device.type == "cpu"
             for layer in layers
-            for n in (
-                layer.attn_norm,
-                layer.ffn_norm,
-                layer.bqkv,
-                layer.q_norm,
-                layer.k_norm,
-                layer.post_attn_norm,
-                layer.post_ffn_norm,
-            )  # fmt: skip
+            for n in (getattr(layer, name) for name in _FP32)
             if n is not None
         )
 

@@ -6,25 +6,17 @@ states or prompt logprobs) is padded up to a captured shape ``(B, nb)``: ``B`` t
 batch size in ``batch_sizes`` at or above the step's sequences, ``nb`` the next power
 of two at or above the longest context's blocks. Each shape has its graph, captured the
 first time it is needed (a CUDA graph fixes every tensor's shape and address), over
-static buffers the step writes in place:
-
-- ``ids``, ``pos``: the new token and its position, per row;
-- ``slots``: the cache row each new token's K/V goes to;
-- ``rows``: the blocks each row's keys are gathered from (the gather + ``bmm`` decode of
-  ``PagedKVCache``, which needs no host synchronisation), and ``bias`` the additive mask
-  past each context (and ``bias_window``, the sliding-window layers', when the model
-  has them);
-- ``logits``: the LM head's output for every row, read back as ``logits[:D]``.
+static buffers the step writes in place (``_Buffers``): its ids and positions, the cache
+slots of its new K/V, and the block rows and additive masks of the gather + ``bmm``
+decode of ``PagedKVCache``, which needs no host synchronisation; the LM head writes
+every row's logits into one too, read back as ``logits[:D]``.
 
 Padding rows point at a scratch block that no sequence owns (``PagedKVCache`` is built
 with one extra block for it: ``scratch_block``), with a context of one key, so they
 compute finite values that nobody reads. Graphs share one memory pool, captured
 largest first when warmed up together, and their static buffers are views of one set
-made at the largest shape (a step's logits are read before the next replay).
-
-The device abstraction is ``GraphBackend``: ``capture(fn)`` returns a replay callable.
-``EagerBackend`` calls ``fn`` again each time; ``CudaBackend`` warms ``fn`` up on a side
-stream, captures it under ``torch.cuda.graph`` and replays it.
+made at the largest shape (a step's logits are read before the next replay). How a
+shape is captured is its ``GraphBackend``'s: ``EagerBackend`` or ``CudaBackend``.
 """
 
 from __future__ import annotations
@@ -68,7 +60,8 @@ class EagerBackend:
 
 
 class CudaBackend:
-    """``torch.cuda.CUDAGraph`` per capture, all in one memory pool."""
+    """``torch.cuda.CUDAGraph`` per capture, all in one memory pool: ``fn`` warmed up on a
+    side stream, captured under ``torch.cuda.graph``, replayed."""
 
     kind = "cuda_graph"
 
@@ -117,9 +110,7 @@ def pad_shape(n: int, max_blocks: int, batch_sizes: Sequence[int], block_size: i
     if b is None:
         return None
     need = max(1, -(-ctx // block_size))
-    nb = 1
-    while nb < need:
-        nb *= 2
+    nb = 1 << (need - 1).bit_length()  # the next power of two
     return b, min(nb, max_blocks) if need <= max_blocks else need
 
 
@@ -139,11 +130,9 @@ class _Buffers:
         self.bias_window = torch.zeros_like(self.bias) if cache.window else None
         self.logits = torch.zeros(max_b * vocab, dtype=torch.float32, device=dev)
         # The Triton decode kernel's block tables and lengths (``--kernels triton``)
-        self.tables: Tensor | None = None
-        self.lens: Tensor | None = None
-        if cache.triton_decode:
-            self.tables = torch.zeros(max_b * max_nb, dtype=torch.int32, device=dev)
-            self.lens = torch.ones(max_b, dtype=torch.int32, device=dev)
+        triton = cache.triton_decode
+        self.tables = torch.zeros(max_b * max_nb, dtype=torch.int32, device=dev) if triton else None
+        self.lens = torch.ones(max_b, dtype=torch.int32, device=dev) if triton else None
 
 
 class _Shape:
@@ -154,37 +143,29 @@ class _Shape:
         self.b, self.nb = b, nb
         self.ids, self.pos, self.slots = buf.ids[:b], buf.pos[:b], buf.slots[:b]
         self.rows = buf.rows[: kv * b * nb]
-        self.bias = buf.bias[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
-        self.bias_window = None
-        if buf.bias_window is not None:
-            self.bias_window = buf.bias_window[: kv * b * nb * bs].view(kv * b, 1, nb * bs)
+        bias_shape = (kv * b, 1, nb * bs)
+        self.bias = buf.bias[: kv * b * nb * bs].view(bias_shape)
+        window = buf.bias_window
+        self.bias_window = None if window is None else window[: kv * b * nb * bs].view(bias_shape)
         self.logits = buf.logits[: b * vocab].view(b, vocab)
-        self.tables: Tensor | None = None
-        self.lens: Tensor | None = None
-        if buf.tables is not None and buf.lens is not None:
-            self.tables, self.lens = buf.tables[: b * nb].view(b, nb), buf.lens[:b]
+        self.tables = None if buf.tables is None else buf.tables[: b * nb].view(b, nb)
+        self.lens = None if buf.lens is None else buf.lens[:b]
         self.layout = decode_layout(self.slots, b, self.rows, nb * bs, self.bias,
                                     self.bias_window, self.tables, self.lens)  # fmt: skip
         self.replay: Callable[[], None] | None = None
 
 
 class StepGraphs:
-    """Pure-decode steps through captured shapes; ``run`` returns logits ``[D, vocab]``."""
+    """Pure-decode steps through captured shapes; ``run`` returns logits ``[D, vocab]``.
+    ``model``: a ``gpu.model.decoder.Llama``; ``trunk``: its torch path over ``cache``
+    (``gpu.runtime.runner.trunk_for``)."""
 
-    def __init__(
-        self,
-        model: Any,  # gpu.model.decoder.Llama
-        cache: PagedKVCache,
-        trunk: Callable[[Tensor, Tensor], Tensor],
-        backend: GraphBackend,
-        max_batch: int,
-        max_context: int,
-        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-        max_graphs: int = 128,
-    ) -> None:
+    def __init__(self, model: Any, cache: PagedKVCache, trunk: Callable[[Tensor, Tensor], Tensor],
+                 backend: GraphBackend, max_batch: int, max_context: int,
+                 batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, max_graphs: int = 128,
+                 ) -> None:  # fmt: skip
         if cache.scratch_block is None:
             raise ValueError("StepGraphs needs a PagedKVCache with a scratch block")
-        """``trunk``: the model's torch path over ``cache`` (``gpu.runtime.runner.trunk_for``)."""
         self.model, self.cache, self.trunk, self.backend = model, cache, trunk, backend
         sizes = sorted({s for s in batch_sizes if s < max_batch} | {max_batch})
         self.batch_sizes = tuple(sizes)
@@ -221,9 +202,7 @@ class StepGraphs:
         key = self.shape_for(decodes)
         if key is None:
             return None
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self._capture(*key)
+        shape = self.shapes.get(key) or self._capture(*key)
         self._fill(shape, ids, pos, decodes)
         if future is not None:
             put_futures(shape.ids, future)  # in place: the graph reads these addresses
@@ -260,46 +239,35 @@ class StepGraphs:
         """Write one step into the shape's buffers in place (host to device copies, no
         new device tensors: the graph reads these addresses)."""
         b, nb, bs = shape.b, shape.nb, self.cache.block_size
-        scratch = self.cache.scratch_block
+        kv, scratch = self.cache.n_kv_heads, self.cache.scratch_block
         assert scratch is not None
         d = len(decodes)
         pad = b - d
         # Every table cut or padded (with the scratch block) to nb: one flat list and one
         # conversion (gpu/kernels/host.py).
         flat = flat_tables((table for table, _ in decodes), nb, scratch)
-        flat += [scratch] * (nb * pad)
-        lens = [ctx for _, ctx in decodes]
-        slots = decode_slots(decodes, bs)
-        lens += [1] * pad
-        slots += [scratch * bs] * pad
-        host_ids = ints([*ids[:d], *[0] * pad])
-        host_pos = ints([*pos[:d], *[0] * pad])
-        kv, nblocks = self.cache.n_kv_heads, self.cache.num_blocks
-        blocks = ints(flat)
-        rows = (torch.arange(kv)[:, None] * nblocks + blocks[None, :]).reshape(-1)
-        host_lens = ints(lens)
-        bias = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype)
-        # From pinned memory, so the copies do not wait for the step before (gpu/kernels/host.py).
+        blocks = ints(flat + [scratch] * (nb * pad))
+        lens = ints([*(ctx for _, ctx in decodes), *[1] * pad])
+        rows = (torch.arange(kv)[:, None] * self.cache.num_blocks + blocks[None, :]).reshape(-1)
         dev = shape.ids.device
-        shape.ids.copy_(pinned(host_ids, dev), non_blocking=True)
-        shape.pos.copy_(pinned(host_pos, dev), non_blocking=True)
-        shape.slots.copy_(pinned(ints(slots), dev), non_blocking=True)
-        shape.rows.copy_(pinned(rows, dev), non_blocking=True)
-        shape.bias.copy_(pinned(bias.view(shape.bias.shape), dev), non_blocking=True)
+
+        def put(dst: Tensor, src: Tensor) -> None:
+            # From pinned memory, so the copy does not wait for the step before (host.py).
+            dst.copy_(pinned(src, dev), non_blocking=True)
+
+        put(shape.ids, ints([*ids[:d], *[0] * pad]))
+        put(shape.pos, ints([*pos[:d], *[0] * pad]))
+        put(shape.slots, ints(decode_slots(decodes, bs) + [scratch * bs] * pad))
+        put(shape.rows, rows)
+        put(shape.bias, decode_bias(lens, nb * bs, kv, shape.bias.dtype).view(shape.bias.shape))
         if shape.tables is not None and shape.lens is not None:
-            shape.tables.copy_(pinned(blocks.view(b, nb).to(torch.int32), dev), non_blocking=True)
-            shape.lens.copy_(pinned(host_lens.to(torch.int32), dev), non_blocking=True)
+            put(shape.tables, blocks.view(b, nb).to(torch.int32))
+            put(shape.lens, lens.to(torch.int32))
         if shape.bias_window is not None:
-            window = decode_bias(host_lens, nb * bs, kv, shape.bias.dtype,
-                                 self.cache.window)  # fmt: skip
-            window = pinned(window.view(shape.bias.shape), dev)
-            shape.bias_window.copy_(window, non_blocking=True)
+            window = decode_bias(lens, nb * bs, kv, shape.bias.dtype, self.cache.window)
+            put(shape.bias_window, window.view(shape.bias.shape))
 
     def info(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "batch_sizes": list(self.batch_sizes),
-            "captured": sorted(self.shapes),
-            "captures": self.captures,
-            "replays": self.replays,
-        }
+        return {"kind": self.kind, "batch_sizes": list(self.batch_sizes),
+                "captured": sorted(self.shapes), "captures": self.captures,
+                "replays": self.replays}  # fmt: skip

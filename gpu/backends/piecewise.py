@@ -99,14 +99,9 @@ class MixedGraphs:
     def size_for(self, rows: int) -> int | None:
         return next((s for s in self.sizes if s >= rows), None)
 
-    def run(
-        self,
-        ids: Sequence[int],
-        pos: Sequence[int],
-        decodes: Sequence[tuple[Sequence[int], int]],
-        prefills: Sequence[PrefillChunk],
-        future: tuple[list[int], list[int], Tensor] | None = None,
-    ) -> Tensor | None:
+    def run(self, ids: Sequence[int], pos: Sequence[int],
+            decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk],
+            future: tuple[list[int], list[int], Tensor] | None = None) -> Tensor | None:  # fmt: skip
         """The trunk's rows ``[T, hidden]`` of one step (``StepInput``'s fields), or
         None when it has more rows than the largest size (the caller runs it eagerly)."""
         t = len(ids)
@@ -140,47 +135,37 @@ class MixedGraphs:
         if self._statics is None:
             self._statics = _Statics(model, self.sizes[-1], self.cache.device, self.cache.dtype)
         st = self._statics
-        p = size
-        ids, pos, x, o = st.ids[:p], st.pos[:p], st.x[:p], st.o[:p]
-        q, k, v = st.q[:p], st.k[:p], st.v[:p]
-        cos = [c[:p] for c in st.cos]
-        sin = [s[:p] for s in st.sin]
+        ids, pos, x, o = st.ids[:size], st.pos[:size], st.x[:size], st.o[:size]
+        q, k, v = st.q[:size], st.k[:size], st.v[:size]
+        cos, sin = [c[:size] for c in st.cos], [s[:size] for s in st.sin]
         n_layers = model.config.n_layers
         # the first layer of each table used: its rows are the table's for the step
         first_of = {t: st.table_of.index(t) for t in set(st.table_of) if t is not None}
 
-        def attention_in(i: int, rows: Tensor) -> None:
-            t = st.table_of[i]
-            rope = None if t is None else (cos[t], sin[t])
-            qi, ki, vi = model.attention_in(i, rows, rope, ops)
-            q.copy_(qi)
-            k.copy_(ki)
-            v.copy_(vi)
-
-        def first() -> None:
-            rows = model.embed_rows(ids)
-            rope = model.rope_rows(pos, rows.dtype)
-            for t, layer in first_of.items():
-                table = rope[layer]
-                assert table is not None
-                cos[t].copy_(table[0])
-                sin[t].copy_(table[1])
-            x.copy_(rows)
-            attention_in(0, rows)
-
-        def between(i: int) -> Callable[[], None]:
-            def piece() -> None:
-                rows = model.attention_out(i - 1, x, o, ops)
+        def piece(i: int) -> Callable[[], None]:  # piece i, as the module's docstring says
+            def run() -> None:
+                if i == 0:
+                    rows = model.embed_rows(ids)
+                    step_rope = model.rope_rows(pos, rows.dtype)
+                    for t, layer in first_of.items():
+                        table = step_rope[layer]
+                        assert table is not None
+                        cos[t].copy_(table[0])
+                        sin[t].copy_(table[1])
+                else:
+                    rows = model.attention_out(i - 1, x, o, ops)
                 x.copy_(rows)
-                attention_in(i, rows)
+                if i < n_layers:
+                    n = st.table_of[i]
+                    rope = None if n is None else (cos[n], sin[n])
+                    qi, ki, vi = model.attention_in(i, rows, rope, ops)
+                    q.copy_(qi)
+                    k.copy_(ki)
+                    v.copy_(vi)
 
-            return piece
+            return run
 
-        def last() -> None:
-            x.copy_(model.attention_out(n_layers - 1, x, o, ops))
-
-        fns = [first, *(between(i) for i in range(1, n_layers)), last]
-        pieces = [self.backend.capture(fn) for fn in fns]
+        pieces = [self.backend.capture(piece(i)) for i in range(n_layers + 1)]
         self.pieces[size] = pieces
         self.captures += 1
         return pieces

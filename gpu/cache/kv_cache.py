@@ -1,7 +1,5 @@
-"""The paged KV cache: a block manager with a prefix cache, and the attention backend.
-
-``BlockManager`` (``gpu/cache/blocks.py``) is the bookkeeping: which block holds what, and
-the prefix cache; this module re-exports it.
+"""The paged KV cache: a block manager with a prefix cache (``gpu/cache/blocks.py``,
+re-exported here), and the attention backend.
 
 ``PagedKVCache`` holds the tensors (per layer ``[n_kv, num_blocks * block_size,
 head_dim]``, kv head outermost) and implements the model's ``AttentionBackend``. A step
@@ -13,7 +11,7 @@ elsewhere, or without a C compiler, it is batched matmuls over a gather of whole
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +22,7 @@ from torch import Tensor
 
 from gpu.cache.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.kernels.host import decode_slots, flat_tables, ints, to_device
-from gpu.kernels.native import NativeKernels, load_kernels
+from gpu.kernels.native import load_kernels
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import spec_of
 
@@ -53,22 +51,19 @@ class PrefillChunk:
 class _Layout:
     slots: Tensor  # [T] cache row of each new token
     n_decode: int
-    dec_rows: Tensor | None  # [n_kv * D * nb] rows of the flat per-layer cache to gather
-    dec_len: int  # L: keys per decode sequence (whole blocks)
-    dec_bias: Tensor | None  # additive mask [n_kv * D, 1, L]: 0 or -inf past a context
-    dec_tables: Tensor | None  # native kernel: int32 [D, nb] block tables (padded)
-    dec_lens: Tensor | None  # native kernel: int32 [D] keys per sequence
-    prefills: tuple[tuple[int, int, Tensor, Tensor | None], ...]  # (row0, n, index, mask)
-    # Every row as one query over its own keys (int32 tables [T, nb], lens [T]): what the
-    # native kernel reads for a step gpu/backends/fused.py runs whole, prompt chunks of any length
-    # included (each prompt token then attends exactly as it would decoding: a token's
-    # result does not depend on how its prompt was chunked or cached); None without the
-    # native kernels.
+    # Each prompt chunk: (first row, rows, cache rows of all its keys, mask: None for
+    # causal over its own keys, and the sliding-window layers' mask or None).
+    prefills: tuple[tuple[int, int, Tensor, Tensor | None, Tensor | None], ...] = ()
+    dec_rows: Tensor | None = None  # [n_kv * D * nb] rows of the flat per-layer cache to gather
+    dec_len: int = 0  # L: keys per decode sequence (whole blocks)
+    dec_bias: Tensor | None = None  # additive mask [n_kv * D, 1, L]: 0 or -inf past a context
+    dec_bias_window: Tensor | None = None  # the same, keys beyond the window masked too
+    dec_tables: Tensor | None = None  # paged kernels: int32 [D, nb] block tables (padded)
+    dec_lens: Tensor | None = None  # paged kernels: int32 [D] keys per sequence
+    # Every row as one query over its own keys (int32 tables [T, nb], lens [T]), prompt
+    # tokens included, for gpu/backends/fused.py: a token's result then does not depend on
+    # how its prompt was chunked or cached. None without the native kernels.
     row_queries: tuple[Tensor, Tensor] | None = None
-    # The sliding-window layers' masks (None when the model has none): ``dec_bias`` and
-    # each prefill's mask with the keys more than the window behind their query masked.
-    dec_bias_window: Tensor | None = None
-    prefill_windows: tuple[Tensor, ...] = ()
 
 
 def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor,
@@ -79,7 +74,7 @@ def decode_layout(slots: Tensor, n: int, rows: Tensor, keys: int, bias: Tensor,
     nb]`` of ``keys`` keys each, additive ``bias [n_kv * n, 1, keys]`` (and
     ``bias_window``, the same for the sliding-window layers); or, for the Triton decode
     kernel, block ``tables [n, nb]`` and ``lens [n]`` (int32)."""
-    return _Layout(slots, n, rows, keys, bias, tables, lens, (), None, bias_window)
+    return _Layout(slots, n, (), rows, keys, bias, bias_window, tables, lens)
 
 
 def decode_bias(lens: Tensor, keys: int, n_kv: int, dtype: torch.dtype,
@@ -162,15 +157,13 @@ class PagedKVCache:
         ops: Any = None,
     ) -> None:
         """``dtype``: what attention computes in; ``kv_dtype``: what K and V are stored as
-        (None: ``dtype``; see ``kv_storage_dtype``), rounded to it as they are written,
-        and every path attends to the stored values. ``native``: decode attention
-        through the C kernel (``gpu/kernels/native.py``); None means whenever it loads, the model
-        is fp32 on the CPU and the cache fp32 or fp16. ``scratch``: one more block,
+        (None: ``dtype``; see ``kv_storage_dtype``). ``native``: decode attention through
+        the C kernel (``gpu/kernels/native.py``); None: whenever it loads, the model is fp32
+        on the CPU and the cache fp32 or fp16. ``scratch``: one more block,
         ``scratch_block``, that no sequence owns (padding rows of a captured decode step
-        write there: ``gpu/backends/graphs.py``). ``ops``: ``gpu/kernels/triton_ops.py`` with ``--kernels
-        triton`` (the engine's choice): decodes then read the cache in place through their
-        block tables, one kernel a layer, where the block and the head are powers of two
-        (Triton's blocks are); else the gather path."""
+        write there: ``gpu/backends/graphs.py``). ``ops``: ``gpu/kernels/triton_ops.py``
+        (``--kernels triton``): decodes then read the cache in place, one kernel a layer,
+        where the block and the head are powers of two (Triton's blocks are)."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
@@ -196,24 +189,17 @@ class PagedKVCache:
         self.device = self.k.device
         self._layout: _Layout | None = None
         self.ops = ops
-        self._pow2 = _pow2(block_size) and _pow2(config.head_dim)
-        self.kernels: NativeKernels | None = None
-        native_kv = store in (torch.float16, torch.float32)
-        if (
-            native is not False
-            and self.device.type == "cpu"
-            and dtype == torch.float32
-            and native_kv
-        ):
-            self.kernels = load_kernels()
+        self.triton_decode = ops is not None and _pow2(block_size) and _pow2(config.head_dim)
+        fp32_cpu = self.device.type == "cpu" and dtype == torch.float32
+        use = native is not False and fp32_cpu and store in (torch.float16, torch.float32)
+        self.kernels = load_kernels() if use else None
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
-
-    @property
-    def triton_decode(self) -> bool:
-        """Whether decode rows go through the Triton paged kernel (``ops`` set, and block
-        and head powers of two)."""
-        return self.ops is not None and self._pow2
+        # The C kernel on the CPU, the Triton one with --kernels triton: the same call.
+        self._paged: Callable[..., Tensor] | None = (
+            self.kernels.paged_attention if self.kernels is not None
+            else ops.paged_decode if ops is not None else None
+        )  # fmt: skip
 
     @property
     def element(self) -> str:
@@ -224,86 +210,65 @@ class PagedKVCache:
         """Bytes of the K and V tensors, the scratch block included."""
         return self.k.nbytes + self.v.nbytes
 
-    def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+    def _slots(self, table: Sequence[int], n: int) -> list[int]:
+        """The cache rows of a sequence's first ``n`` positions."""
         bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+        return [table[p // bs] * bs + p % bs for p in range(n)]
 
     def prepare(
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
     ) -> None:
         """Declare the step: ``decodes`` as (block_table, context length incl. the new token)."""
-        dev, bs = self.device, self.block_size
-        slots = decode_slots(decodes, bs)
-        dec_rows = dec_bias = dec_tables = dec_lens = dec_bias_window = None
-        dec_len = 0
-        row_queries = None
+        dev, n = self.device, len(decodes)
+        slots = decode_slots(decodes, self.block_size)
+        rows = bias = bias_window = tables = lens = row_queries = None
+        keys = 0
         if self.kernels is not None:
-            # The native kernel reads each row's table and key count, decodes first: the
-            # decodes' share of the step's row queries, or their own beside a long chunk.
+            # The native kernel reads each row's table and key count, decodes first.
             row_queries = self._row_queries(decodes, prefills)
-            dec = row_queries if row_queries is not None else self._row_queries(decodes, [])
-            if decodes and dec is not None:
-                dec_tables, dec_lens = dec[0][: len(decodes)], dec[1][: len(decodes)]
+            if decodes and row_queries is not None:
+                tables, lens = row_queries[0][:n], row_queries[1][:n]
         elif decodes and self.triton_decode:
             dec = self._row_queries(decodes, [])
             assert dec is not None
-            dec_tables, dec_lens = to_device(dec[0], dev), to_device(dec[1], dev)
+            tables, lens = to_device(dec[0], dev), to_device(dec[1], dev)
         elif decodes:
-            dec_rows, dec_len, dec_bias, dec_bias_window = self._gather_layout(decodes)
-        pre = []
-        windows = []
-        row = len(decodes)
+            rows, keys, bias, bias_window = self._gather_layout(decodes)
+        pre, row = [], n
         for c in prefills:
-            slots.extend(self._slots(c.block_table, c.start, c.start + c.n))
-            index = ints(self._slots(c.block_table, 0, c.start + c.n), device=dev)
-            key = torch.arange(c.start + c.n, device=dev)
+            every = self._slots(c.block_table, c.start + c.n)
+            slots.extend(every[c.start :])
+            index = ints(every, device=dev)
+            key = torch.arange(c.start + c.n, device=dev)[None, :]
             query = (c.start + torch.arange(c.n, device=dev))[:, None]
-            mask = key[None, :] <= query if c.start else None
-            pre.append((row, c.n, index, mask))
-            if self.window:  # over every key of the sequence, cached or new
-                windows.append((key[None, :] <= query) & (key[None, :] > query - self.window))
+            mask = key <= query if c.start else None
+            # The window's mask is over every key of the sequence, cached or new.
+            window = (key <= query) & (key > query - self.window) if self.window else None
+            pre.append((row, c.n, index, mask, window))
             row += c.n
-        self._layout = _Layout(
-            ints(slots, device=dev),
-            len(decodes),
-            dec_rows,
-            dec_len,
-            dec_bias,
-            dec_tables,
-            dec_lens,
-            tuple(pre),
-            row_queries,
-            dec_bias_window,
-            tuple(windows),
-        )
+        self._layout = _Layout(ints(slots, device=dev), n, tuple(pre), rows, keys,
+                               bias, bias_window, tables, lens, row_queries)  # fmt: skip
 
     def _gather_layout(
         self, decodes: Sequence[tuple[Sequence[int], int]]
     ) -> tuple[Tensor, int, Tensor, Tensor | None]:
         """The gather + ``bmm`` decode's layout: block rows, keys per sequence, the bias
         (and the sliding-window layers' bias, where the model has them)."""
-        dev = self.device
-        # Each table cut or padded (with block 0) to the longest context's blocks.
+        dev, n_kv = self.device, self.n_kv_heads
+        # Keys are whole blocks, each table cut or padded (with block 0) to the longest
+        # context's: the gather is then already contiguous for bmm, where a sliced view
+        # measured 4x slower. The bias masks every key past a context, padding included.
         nb = -(-max(ctx for _, ctx in decodes) // self.block_size)
-        tables = [[*t[:nb], *[0] * (nb - len(t[:nb]))] for t, _ in decodes]
-        # Keys are whole blocks (L a multiple of block_size): the gather is then
-        # already contiguous for bmm, where a sliced view measured 4x slower. The
-        # bias masks every key past a context, padding blocks included.
-        dec_len = nb * self.block_size
-        blocks = [b for t in tables for b in t]
+        blocks = ints(flat_tables((t for t, _ in decodes), nb, 0), device=dev)
         # Rows of the cache seen as [n_kv * num_blocks, block_size * head_dim]: a
         # dim-0 gather of whole contiguous rows is a memcpy each (2x faster than the
         # same gather along dim 1), and comes out in (kv head, sequence, block) order.
-        dec_rows = (
-            torch.arange(self.n_kv_heads, device=dev)[:, None] * self.num_blocks
-            + ints(blocks, device=dev)[None, :]
-        ).reshape(-1)
+        rows = (torch.arange(n_kv, device=dev)[:, None] * self.num_blocks + blocks).reshape(-1)
+        keys = nb * self.block_size
         lens = ints([ctx for _, ctx in decodes], device=dev)
-        bias = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype)
-        window = None
-        if self.window:
-            window = decode_bias(lens, dec_len, self.n_kv_heads, self.dtype, self.window)
-        return dec_rows, dec_len, bias, window
+        bias = decode_bias(lens, keys, n_kv, self.dtype)
+        window = decode_bias(lens, keys, n_kv, self.dtype, self.window) if self.window else None
+        return rows, keys, bias, window
 
     def _row_queries(
         self, decodes: Sequence[tuple[Sequence[int], int]], prefills: Sequence[PrefillChunk]
@@ -353,30 +318,16 @@ class PagedKVCache:
         k, v = k.to(self.dtype), v.to(self.dtype)
         window = self.windows[layer]
         outs = []
-        # The C kernel on the CPU, the Triton one with --kernels triton: the same call
-        paged = self.kernels.paged_attention if self.kernels is not None else (
-            self.ops.paged_decode if self.ops is not None else None)  # fmt: skip
-        if lay.dec_tables is not None and lay.dec_lens is not None and paged is not None:
-            outs.append(
-                paged(
-                    q[: lay.n_decode],
-                    kc,
-                    vc,
-                    lay.dec_tables,
-                    lay.dec_lens,
-                    self.block_size,
-                    self.scale,
-                    window,
-                    self.softcap,
-                )  # fmt: skip
-            )
+        d = lay.n_decode
+        if lay.dec_tables is not None and lay.dec_lens is not None and self._paged is not None:
+            outs.append(self._paged(q[:d], kc, vc, lay.dec_tables, lay.dec_lens, self.block_size,
+                                    self.scale, window, self.softcap))  # fmt: skip
         elif lay.dec_rows is not None and lay.dec_bias is not None:
             bias = lay.dec_bias_window if window else lay.dec_bias
             assert bias is not None
-            outs.append(self._decode(kc, vc, q[: lay.n_decode], lay.dec_rows, bias))
-        for i, (row, n, index, mask) in enumerate(lay.prefills):
-            if window:  # the window's mask, over every key of the sequence
-                mask = lay.prefill_windows[i]
+            outs.append(self._decode(kc, vc, q[:d], lay.dec_rows, bias))
+        for row, n, index, causal, windowed in lay.prefills:
+            mask = windowed if window else causal
             if mask is None or mask.shape[1] == n:  # nothing cached before the chunk: its
                 keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:  # own k/v are all the keys; else every key of the sequence, gathered
@@ -389,22 +340,16 @@ class PagedKVCache:
         """One prompt chunk's attention: its queries ``[n, heads, hd]`` over ``keys`` /
         ``vals`` ``[kv, L, hd]`` under ``mask`` (None: causal over its own keys)."""
         n = q.shape[0]
-        qh = q.transpose(0, 1).unsqueeze(0)
+        qh, kh, vh = q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0)
         if self.softcap:  # SDPA has no cap: the scores written out
             if mask is None:
                 key = torch.arange(n, device=q.device)
                 mask = key[None, :] <= key[:, None]
-            o = capped_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), mask,
-                                 self.scale, self.softcap)  # fmt: skip
+            o = capped_attention(qh, kh, vh, mask, self.scale, self.softcap)
         else:
+            causal = mask is None and n > 1
             o = F.scaled_dot_product_attention(
-                qh,
-                keys.unsqueeze(0),
-                vals.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None and n > 1,
-                scale=self.sdpa_scale,
-                enable_gqa=True,
+                qh, kh, vh, attn_mask=mask, is_causal=causal, scale=self.sdpa_scale, enable_gqa=True
             )
         return o[0].transpose(0, 1)
 
@@ -430,15 +375,9 @@ class PagedKVCache:
         out = torch.bmm(probs, vals)
         return out.view(kv, d, h // kv, hd).transpose(0, 1).reshape(d, h, hd)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's KV in every layer (forking a partial last block)."""
-        bs = self.block_size
-        self.k[:, :, dst * bs : (dst + 1) * bs] = self.k[:, :, src * bs : (src + 1) * bs]
-        self.v[:, :, dst * bs : (dst + 1) * bs] = self.v[:, :, src * bs : (src + 1) * bs]
-
     def copy_rows(self, src: int, dst: int, n: int) -> None:
-        """Copy the first ``n`` rows of one block's KV into another, in every layer (a
-        prefix hit that ends inside a block: copy-on-write of the matched head)."""
+        """Copy the first ``n`` rows of one block's KV into another, in every layer
+        (copy-on-write: ``StepInput.copies``, the runner's before a step)."""
         s, d = src * self.block_size, dst * self.block_size
         self.k[:, :, d : d + n] = self.k[:, :, s : s + n]
         self.v[:, :, d : d + n] = self.v[:, :, s : s + n]

@@ -2,16 +2,12 @@
 card's free memory on a GPU (``--mem-fraction``, as SGLang's ``mem_fraction_static``
 is read here: of the memory free once the weights are loaded, this share is static).
 
-From that share the worker keeps back what a step needs besides the cache: the
-largest step's working set (an eager prefill of ``step_tokens`` rows, or a decode of
-``max_running`` sequences at the model's whole context, whose gathered K/V dominate)
-and the captured decode graphs' pool, which are allocated after the cache. What remains is the
-KV cache, in whole blocks. The arithmetic is pure so that the CPU tests check it; on a
-GPU ``cuda_free_bytes`` reads the card.
-
-Once built, ``MemoryFootprint`` splits the worker's resident memory (RSS) into the
-weights, the KV cache's resident part and the rest, for its log line and its STATS
-frames.
+From that share ``plan_kv`` keeps back what a step needs besides the cache (the largest
+step's working set and the captured graphs' pool, both allocated after it); what remains
+is the KV cache, in whole blocks. The arithmetic is pure so that the CPU tests check it;
+on a GPU ``cuda_free_bytes`` reads the card. Once built, ``MemoryFootprint`` splits the
+worker's resident memory (RSS) into the weights, the KV cache's resident part and the
+rest, for its log line and its STATS frames.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
-"""Process-wide CPU settings for a torch worker, applied before torch is imported.
+"""Process-wide CPU settings for a torch worker, applied before torch is imported
+(docs/worker.md, "Threads", has the measurements):
 
-Two costs dominate a decode step on a small shared VM besides the matmuls themselves,
-and neither is visible in torch's own profile as anything but slower ops:
-
-* **OpenMP wake-ups.** libgomp's pool threads either spin or sleep between parallel
-  regions. Spinning forever (``OMP_WAIT_POLICY=ACTIVE``) starves the thread each op's
-  barrier waits for when the CPU is shared with the frontend or other processes
-  (measured 3-8x slower decode under load). Sleeping at once (``PASSIVE``) pays a
-  wake-up, a VM exit on this kind of machine, at each of the ~200 parallel regions of
-  a step: batch-32 decode 206-224 tokens/s against 265-310 with a bounded spin. About
-  0.3 ms of spin (libgomp counts ~100,000 spins per ms) covers the gaps inside a
-  forward and still sleeps between steps and when idle (idle CPU stays 0 %).
-* **Page faults on large temporaries.** glibc serves big allocations (KV gathers,
-  activations) with ``mmap`` and trims freed heap back to the OS, so every step
-  faults the same tens of MB in again. Fixing the mmap threshold at its maximum and
-  raising the trim threshold keeps that memory in the heap: 3.5k fewer page faults per
-  batch-32 step, and the decode attention at 256 tokens of context 2.5-3.5x faster.
+* **OpenMP wake-ups.** libgomp's pool threads spin forever (``OMP_WAIT_POLICY=ACTIVE``:
+  they starve the barrier's other thread on a shared CPU) or sleep at once (``PASSIVE``:
+  a wake-up, a VM exit here, at each of a step's ~200 parallel regions). About 0.3 ms of
+  spin (libgomp counts ~100,000 spins per ms) covers the gaps inside a forward and still
+  sleeps between steps and when idle.
+* **Page faults on large temporaries.** glibc serves big allocations with ``mmap`` and
+  trims freed heap back to the OS, so every step faults the same tens of MB in again; a
+  fixed mmap threshold and a high trim threshold keep that memory in the heap.
 
 An environment that already sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
 """

@@ -6,10 +6,8 @@ one or two rows from a row-interleaved weight copy (``gpu/kernels/csrc/small_lin
 grammar masks applied to logits in place (``gpu/kernels/csrc/token_mask.c``), linear layers
 straight from GGUF quantized blocks (``gpu/kernels/csrc/quant_linear.c``), and a step's
 decoder layers in one call over those (``gpu/kernels/csrc/fused_trunk.c``, ``gpu/backends/fused.py``). The
-library is built once per source, compiler and flag set into a cache directory
-(``$LIFECYCLE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lifecycle/kernels``, else
-``~/.cache/lifecycle/kernels``: ``gpu/kernels/native_build.py``) and loaded with ctypes; the build
-takes about a second.
+library is built once per source, compiler and flag set into the kernel cache
+(``gpu/kernels/native_build.py``) and loaded with ctypes; the build takes about a second.
 No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
 (same results to rounding, slower at long contexts), with one log line saying why.
 """
@@ -21,6 +19,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -84,75 +83,47 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-        pa = lib.paged_attention
-        pa.argtypes = [p, i64, p, p, i32, p, p, p, i32, i32, i32, i32, i64, i32, i32,
-                       f32, i32, f32, i32]  # fmt: skip
-        pa.restype = ctypes.c_int
-        self._attention = pa
-        lin = lib.small_linear
-        lin.argtypes = [p, p, p, i32, i64, i64, i32]
-        lin.restype = None
-        self._small_linear = lin
-        tm = lib.apply_token_bitmask
-        tm.argtypes = [p, i64, p, p, i32, i32, i32, p]
-        tm.restype = None
-        self._token_mask = tm
-        ql = lib.q_linear
-        ql.argtypes = [p, p, p, i32, i32, i64, i64, i32]
-        ql.restype = ctypes.c_int
-        self._q_linear = ql
-        qr = lib.q_linear_reference
-        qr.argtypes = [p, p, p, i32, i32, i64, i64]
-        qr.restype = ctypes.c_int
-        self._q_linear_reference = qr
-        qd = lib.q_dequantize
-        qd.argtypes = [p, p, i32, i64, i64]
-        qd.restype = ctypes.c_int
-        self._q_dequantize = qd
-        dl = lib.trunk_layers
-        dl.argtypes = [p, i32, p, p, i32, i32, i32, i32, i32, i32, f32,
-                       p, p, p, i32, i64, i32, i32, f32, i32, f32, i32]  # fmt: skip
-        dl.restype = ctypes.c_int
-        self.trunk_layers = dl  # gpu/backends/fused.py builds its arguments
-        sc = lib.softcap_rows
-        sc.argtypes = [p, i64, f32]
-        sc.restype = None
-        self._softcap = sc
-        rn = lib.rms_norm_rows
-        rn.argtypes = [p, p, p, i32, i32, f32]
-        rn.restype = None
-        self._rms_norm = rn
+        p, rc = ctypes.c_void_p, ctypes.c_int
+        i32, i64, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+        def bind(name: str, restype: Any, *argtypes: Any) -> Any:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), restype
+            return fn
+
+        self._attention = bind("paged_attention", rc, p, i64, p, p, i32, p, p, p, i32, i32, i32,
+                               i32, i64, i32, i32, f32, i32, f32, i32)  # fmt: skip
+        self._small_linear = bind("small_linear", None, p, p, p, i32, i64, i64, i32)
+        self._token_mask = bind("apply_token_bitmask", None, p, i64, p, p, i32, i32, i32, p)
+        self._q_linear = bind("q_linear", rc, p, p, p, i32, i32, i64, i64, i32)
+        self._q_linear_reference = bind("q_linear_reference", rc, p, p, p, i32, i32, i64, i64)
+        self._q_dequantize = bind("q_dequantize", rc, p, p, i32, i64, i64)
+        # gpu/backends/fused.py builds its arguments
+        self.trunk_layers = bind("trunk_layers", rc, p, i32, p, p, i32, i32, i32, i32, i32, i32,
+                                 f32, p, p, p, i32, i64, i32, i32, f32, i32, f32, i32)  # fmt: skip
+        self._softcap = bind("softcap_rows", None, p, i64, f32)
+        self._rms_norm = bind("rms_norm_rows", None, p, p, p, i32, i32, f32)
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
         quant_row_bytes(qtype, K)]``; ``qtype`` a GGML type code of ``QUANT_TYPES``. x is
         rounded to int8 per block of 32 first (llama.cpp's way): close to, not equal to,
         ``F.linear`` on the dequantized weight."""
-        x = _fp32_rows(x)
-        m, k = x.shape
-        _check_blocks(w, qtype, k)
-        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
-        rc = self._q_linear(
-            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("q_linear: scratch allocation failed")
-        return y
+        return self._q_call(self._q_linear, "q_linear", x, w, qtype, torch.get_num_threads())
 
     def q_linear_reference(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``q_linear``'s function as quant_linear.c's header defines it, computed output
         by output on one thread: what the tests hold the kernel's paths to."""
+        return self._q_call(self._q_linear_reference, "q_linear_reference", x, w, qtype)
+
+    @staticmethod
+    def _q_call(fn: Any, name: str, x: Tensor, w: Tensor, qtype: int, *threads: int) -> Tensor:
         x = _fp32_rows(x)
         m, k = x.shape
         _check_blocks(w, qtype, k)
         y = torch.empty((m, w.shape[0]), dtype=torch.float32)
-        rc = self._q_linear_reference(
-            x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k
-        )
-        if rc != 0:
-            raise MemoryError("q_linear_reference: scratch allocation failed")
+        if fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k, *threads) != 0:
+            raise MemoryError(f"{name}: scratch allocation failed")
         return y
 
     def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:
@@ -198,15 +169,9 @@ class NativeKernels:
         bitmask = bitmask.contiguous()
         alive = torch.empty(rows.shape[0], dtype=torch.int32)
         self._token_mask(
-            logits.data_ptr(),
-            logits.stride(0),
-            bitmask.data_ptr(),
-            rows.data_ptr(),
-            rows.shape[0],
-            bitmask.shape[1],
-            logits.shape[1],
-            alive.data_ptr(),
-        )
+            logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), rows.data_ptr(),
+            rows.shape[0], bitmask.shape[1], logits.shape[1], alive.data_ptr(),
+        )  # fmt: skip
         return alive
 
     @staticmethod
@@ -226,18 +191,9 @@ class NativeKernels:
         )
         return y
 
-    def paged_attention(
-        self,
-        q: Tensor,
-        kc: Tensor,
-        vc: Tensor,
-        tables: Tensor,
-        lens: Tensor,
-        block_size: int,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> Tensor:
+    def paged_attention(self, q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, lens: Tensor,
+                        block_size: int, scale: float, window: int = 0, softcap: float = 0.0,
+                        ) -> Tensor:  # fmt: skip
         """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
         H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
         fp32 or both fp16, ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D, H,
@@ -253,26 +209,10 @@ class NativeKernels:
             q = q.contiguous()
         out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
         rc = self._attention(
-            q.data_ptr(),
-            q.stride(0),
-            kc.data_ptr(),
-            vc.data_ptr(),
-            int(kc.dtype == torch.float16),
-            tables.data_ptr(),
-            lens.data_ptr(),
-            out.data_ptr(),
-            d,
-            h,
-            kv,
-            hd,
-            rows,
-            block_size,
-            tables.shape[1],
-            scale,
-            window,
-            softcap,
-            torch.get_num_threads(),
-        )
+            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.float16),
+            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), d, h, kv, hd, rows, block_size,
+            tables.shape[1], scale, window, softcap, torch.get_num_threads(),
+        )  # fmt: skip
         if rc != 0:
             raise MemoryError("paged_attention: scratch allocation failed")
         return out

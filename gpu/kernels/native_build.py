@@ -24,7 +24,6 @@ __all__ = [
     "ISAS",
     "SOURCES",
     "build",
-    "cpu_has",
     "kernel_cache_dir",
     "native_enabled",
     "native_isa",
@@ -51,15 +50,12 @@ COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-
 # vector extensions. Every choice computes the same bits (tests/test_determinism.py).
 ISAS = ("auto", "avx512vnni", "avx512", "avxvnni", "avx2", "portable")
 LINK_FLAGS = ("-shared", "-fopenmp")
+_OFF = ("0", "false", "no", "off")
 
 
 def native_enabled() -> bool:
-    return os.environ.get("LIFECYCLE_NATIVE", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    """``LIFECYCLE_NATIVE=0`` (or false, no, off) leaves the torch path in place."""
+    return os.environ.get("LIFECYCLE_NATIVE", "1").strip().lower() not in _OFF
 
 
 def kernel_cache_dir() -> Path:
@@ -70,8 +66,7 @@ def kernel_cache_dir() -> Path:
 
 
 def native_isa() -> str:
-    """``LIFECYCLE_NATIVE_ISA``: auto (default), avx512vnni, avx512, avxvnni, avx2 or
-    portable."""
+    """``LIFECYCLE_NATIVE_ISA``, one of ``ISAS`` (default auto)."""
     isa = os.environ.get("LIFECYCLE_NATIVE_ISA", "auto").strip().lower() or "auto"
     if isa not in ISAS:
         raise RuntimeError(f"LIFECYCLE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISAS)}")
@@ -79,16 +74,11 @@ def native_isa() -> str:
 
 
 def _cpu_flags(isa: str | None = None) -> tuple[str, ...]:
-    """-mavx2 -mfma -mf16c where /proc/cpuinfo lists all three (x86 Linux; the kernels'
-    vector paths need each), then -mavx512f where it lists that too (only the
-    compiler's own vectorization of element-wise loops uses it: the same results), then
-    VNNI where listed: AVX512-VNNI with its VL and BW, or AVX-VNNI (the int8 dot
-    products of quant_linear.c in one instruction: the same integers), else the
-    compiler's default, then AMX's tiles where listed with AVX512-VNNI (its int8 tile
-    product: the same integers again). ``LIFECYCLE_NATIVE_ISA=avx512vnni`` leaves AMX
-    out, ``avx512`` VNNI and AMX, ``avxvnni`` AVX-512 (AVX-VNNI where listed, as on a CPU
-    without AVX-512), ``avx2`` AVX-512, VNNI and AMX, ``portable`` every extension (to
-    compare builds, or on a CPU whose flag is listed but slow)."""
+    """The compiler's ISA flags for ``isa`` (``ISAS``), each only where /proc/cpuinfo
+    lists it: AVX2/FMA/F16C (all three, or no vector paths), AVX-512F (only the compiler's
+    own vectorization of element-wise loops uses it), VNNI (the int8 dot products of
+    quant_linear.c in one instruction) and AMX's tiles (``auto`` only), each computing
+    the same results as the build without it."""
     isa = isa or native_isa()
     flags = _cpu_flag_set()
     if isa == "portable" or not {"avx2", "fma", "f16c"} <= flags:
@@ -135,20 +125,16 @@ def _cpu_flag_set() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists ``flag`` (tests that compare builds)."""
-    return flag in _cpu_flag_set()
-
-
 def build(cache: Path, isa: str | None = None) -> Path:
     """The library for ``isa`` (default: ``LIFECYCLE_NATIVE_ISA``) in ``cache``, built
     there first if it is not; raises with the compiler's message when it cannot be."""
     cc = os.environ.get("CC", "cc")
-    if shutil.which(shlex.split(cc)[0]) is None:
+    cc_cmd = shlex.split(cc)
+    if shutil.which(cc_cmd[0]) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     flags = (*COMPILE_FLAGS, *_cpu_flags(isa))
     version = subprocess.run(
-        [*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30
+        [*cc_cmd, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
     digest = hashlib.sha256(version.encode() + " ".join((*flags, *LINK_FLAGS)).encode())
     for src in (*SOURCES, *HEADERS):
@@ -158,20 +144,13 @@ def build(cache: Path, isa: str | None = None) -> Path:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent workers never load a partial file.
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
-    os.close(fd)
     with tempfile.TemporaryDirectory(dir=cache) as objdir:
-        try:
-            objects = []
-            for src in SOURCES:
-                obj = os.path.join(objdir, src.stem + ".o")
-                _run([*shlex.split(cc), *flags, "-c", "-o", obj, str(src)], cc)
-                objects.append(obj)
-            _run([*shlex.split(cc), *LINK_FLAGS, "-o", tmp, *objects, "-lm"], cc)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        objects = [os.path.join(objdir, src.stem + ".o") for src in SOURCES]
+        for src, obj in zip(SOURCES, objects, strict=True):
+            _run([*cc_cmd, *flags, "-c", "-o", obj, str(src)], cc)
+        lib = os.path.join(objdir, "cpu_kernels.so")
+        _run([*cc_cmd, *LINK_FLAGS, "-o", lib, *objects, "-lm"], cc)
+        os.replace(lib, target)
     return target
 
 

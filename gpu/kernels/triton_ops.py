@@ -1,24 +1,17 @@
 """The model's row-wise ops and paged decode attention as Triton kernels, fewer launches
-than the torch ops they replace (``--kernels triton``, docs/worker.md).
+than the torch ops they replace (``--kernels triton``; docs/worker.md, "Fused kernels").
 
 On a GPU a small model's step is bound by launches and by the GPU's own per-kernel
 latency, even replayed from a CUDA graph: a layer of the torch path is about twenty
-kernels. These fuse what the torch path runs as several:
-
-- ``add_rms_norm``: the residual add and the next RMSNorm (two kernels, or three with
-  the add) in one;
-- ``rope``: the rotary embedding of every query and key head (``x * cos + roll(x) *
-  sin``: four kernels) in one, into a contiguous tensor;
-- ``gated``: SwiGLU's ``silu(gate) * up`` (GeGLU's tanh GELU for Gemma) in one;
-- ``paged_decode``: one query per sequence against its paged keys and values, read in
-  place through its block table with an online softmax (the gather, the two products,
-  the softmax and the copies: eight kernels and a gathered copy of the context) in one.
+kernels. Each of these runs as one what the torch path runs as several: ``add_rms_norm``
+(two, or three with the add), ``rope`` (four), ``gated`` (SwiGLU, or Gemma's GeGLU) and
+``paged_decode`` (the gather, two products, the softmax and the copies: eight, and a
+gathered copy of the context; here the blocks are read in place, with an online softmax).
 
 Each computes in fp32 and stores in the input's dtype. ``TRITON_INTERPRET=1`` runs them
-on CPU tensors (Triton's interpreter), which is how the tests check them against the
-torch ops without a GPU (tests/test_triton_ops.py); on a GPU the same tests run
-compiled. Importing this module needs Triton: ``gpu/kernels/kernel_choice.py`` imports it when
-``--kernels triton`` asks for it.
+on CPU tensors (Triton's interpreter): the tests check them against the torch ops
+without a GPU (tests/test_triton_ops.py), and on a GPU compiled. Importing this module
+needs Triton: ``gpu/kernels/kernel_choice.py`` imports it when ``--kernels triton`` asks.
 """
 
 from __future__ import annotations

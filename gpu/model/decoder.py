@@ -14,38 +14,36 @@ Per-step op count matters on CPU (~2 us of dispatch per op, 30 layers), hence fu
 QKV and gate/up projections, one ``addcmul`` for RoPE on q and k together, and a
 precomputed cos/sin table indexed once per step.
 
-On CPU in fp32 every projection and the LM head run through ``PackedLinear``: oneDNN with
-weights reordered once at construction (torch's default path, MKL sgemm, re-packs the
-whole weight on every call, which at decode row counts cost about as much as the
-arithmetic itself), and at one or two rows a C kernel streaming a row-interleaved copy.
-When the loader keeps the GGUF's quantized blocks (``gpu/model/quant.py``, the CPU default
-with the native kernels), the projections, the embedding and the LM head read those
-instead: one copy of each weight, no fp32 shadow.
+Every projection and the LM head is a ``PackedLinear`` (``gpu/model/linear.py``) or, where
+the loader keeps the GGUF's quantized blocks (``gpu/model/quant.py``), a ``QuantLinear``:
+one copy of each weight, no fp32 shadow. Under ``--tp`` (a ``ShardPlan``,
+``gpu/model/shard.py``) the decoder holds one rank's heads, MLP slice and vocabulary rows,
+through the parallel linears of ``gpu/model/linear.py``.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu.kernels.native import SMALL_LINEAR_MAX_ROWS, NativeKernels, load_kernels
+from gpu.kernels.native import NativeKernels, load_kernels
+from gpu.model.linear import (
+    PackedLinear,
+    RowParallelLinear,
+    VocabParallelHead,
+    vocab_parallel_rows,
+)
 from gpu.model.quant import QuantLinear, QuantWeight
 from gpu.model.rope import rope_inv_freq, rope_tables
+from gpu.model.shard import ShardPlan
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import spec_of
 
-__all__ = [
-    "AttentionBackend",
-    "Llama",
-    "Linear",
-    "LlamaWeights",
-    "Ops",
-    "PackedLinear",
-]
+__all__ = ["AttentionBackend", "Linear", "Llama", "LlamaWeights", "Ops", "PackedLinear"]
 
 # The fused Triton kernels a torch-path step launches (``--kernels triton``:
 # ``gpu/kernels/triton_ops.py``), or None: torch's own ops. RoPE through them needs a
@@ -61,47 +59,6 @@ class AttentionBackend(Protocol):
         T is every token of the step, sequences laid out as the backend was told.
         """
         ...
-
-
-class PackedLinear:
-    """``F.linear(x, weight)`` without bias, through the fastest path for the row count.
-
-    On CPU in fp32: at one or two rows (decode at batch 1-2) the C kernel of
-    ``gpu/kernels/native.py`` over a row-interleaved copy of the weight (a pass over the weights
-    at memory speed: the 30 layers and the LM head at one row in 17-22 ms against 33-39
-    ms through oneDNN); above that oneDNN with the weight reordered once at construction
-    (the 30 layers' four projections plus the LM head at 32 rows cost 114-117 ms against
-    184-188 ms with ``F.linear``, which spends ~25 % of it copying weights into MKL's
-    panel format; 1.46 vs 2.06 s at 512 rows). Elsewhere (CUDA, half precision, no
-    oneDNN) it is plain ``F.linear``. The packed and interleaved copies are extra
-    tensors: the plain weight stays the model's parameter.
-    """
-
-    __slots__ = ("interleaved", "kernels", "packed", "weight")
-
-    def __init__(self, weight: Tensor) -> None:
-        self.weight = weight
-        self.packed: Tensor | None = None
-        self.interleaved: Tensor | None = None
-        self.kernels: NativeKernels | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if torch.backends.mkldnn.is_available():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if weight.shape[0] % 8 == 0 and (kernels := load_kernels()) is not None:
-                self.kernels = kernels
-                self.interleaved = kernels.interleave(weight)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if (
-            self.interleaved is not None
-            and self.kernels is not None
-            and x.dim() == 2
-            and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
-        ):
-            return self.kernels.small_linear(x, self.interleaved)
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 Linear = PackedLinear | QuantLinear
@@ -124,17 +81,10 @@ class LlamaWeights(nn.Module):
     outputs before their residual adds, ``[hidden]``: Gemma 2/3, OLMo 2) are None where
     the architecture has none."""
 
-    attn_norm: Tensor | None
-    ffn_norm: Tensor | None
     wqkv: Tensor
     wo: Tensor
     w_gate_up: Tensor
     w_down: Tensor
-    bqkv: Tensor | None
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    post_attn_norm: Tensor | None
-    post_ffn_norm: Tensor | None
 
     def __init__(
         self,
@@ -149,28 +99,28 @@ class LlamaWeights(nn.Module):
         k_norm: Tensor | None = None,
         post_attn_norm: Tensor | None = None,
         post_ffn_norm: Tensor | None = None,
+        reduce: bool = False,
     ) -> None:
+        """``reduce``: a tensor-parallel rank's, whose o and down hold its columns only
+        (``RowParallelLinear``)."""
         super().__init__()
-        optional = (("attn_norm", attn_norm), ("ffn_norm", ffn_norm), ("bqkv", bqkv),
-                    ("q_norm", q_norm), ("k_norm", k_norm),
-                    ("post_attn_norm", post_attn_norm), ("post_ffn_norm", post_ffn_norm))  # fmt: skip
-        for name, t in optional:
-            if t is None:
-                setattr(self, name, None)
-            else:
-                setattr(self, name, nn.Parameter(t, requires_grad=False))
+        self.attn_norm, self.ffn_norm = _param(attn_norm), _param(ffn_norm)
+        self.bqkv, self.q_norm, self.k_norm = _param(bqkv), _param(q_norm), _param(k_norm)
+        self.post_attn_norm, self.post_ffn_norm = _param(post_attn_norm), _param(post_ffn_norm)
         self.qkv = self._linear("wqkv", wqkv)
-        self.o = self._linear("wo", wo)
+        self.o = self._linear("wo", wo, reduce)
         self.gate_up = self._linear("w_gate_up", w_gate_up)
-        self.down = self._linear("w_down", w_down)
+        self.down = self._linear("w_down", w_down, reduce)
 
-    def _linear(self, name: str, w: Tensor | QuantWeight | list[QuantWeight]) -> Linear:
+    def _linear(
+        self, name: str, w: Tensor | QuantWeight | list[QuantWeight], reduce: bool = False
+    ) -> Linear:
         if isinstance(w, QuantWeight | list):
             lin = QuantLinear(w, _kernels())
             self.register_buffer(name, lin.blocks, persistent=False)
             return lin
         setattr(self, name, nn.Parameter(w, requires_grad=False))
-        return PackedLinear(getattr(self, name))
+        return (RowParallelLinear if reduce else PackedLinear)(getattr(self, name))
 
 
 class Llama(nn.Module):
@@ -182,9 +132,13 @@ class Llama(nn.Module):
         norm: Tensor,
         lm_head: Tensor | QuantWeight | None = None,
         rope_freqs: Tensor | None = None,
+        plan: ShardPlan | None = None,
     ) -> None:
+        """``plan``: a tensor-parallel rank's (``config`` its own heads and MLP width,
+        ``embed`` and ``lm_head`` its vocabulary rows); None at world 1."""
         super().__init__()
         self.config = config
+        self.plan = plan
         # Quantized, the embedding looks rows up in its blocks (``embed`` is then the
         # uint8 blocks buffer; ``embed_q`` says how to read them).
         self.embed_q = embed if isinstance(embed, QuantWeight) else None
@@ -196,35 +150,23 @@ class Llama(nn.Module):
         self._weights = list(layers)  # the same, without ModuleList's indexing per call
         self.norm = nn.Parameter(norm, requires_grad=False)
         # Tied embeddings share the tensor: no second 49152x576 copy.
-        self.head: Linear
         if lm_head is None:
             self.lm_head = self.embed
-            self.head = (
-                QuantLinear(embed, _kernels())
-                if isinstance(embed, QuantWeight)
-                else PackedLinear(self.lm_head)
-            )
         elif isinstance(lm_head, QuantWeight):
             self.register_buffer("lm_head", lm_head.blocks, persistent=False)
-            self.head = QuantLinear(lm_head, _kernels())
         else:
             self.lm_head = nn.Parameter(lm_head, requires_grad=False)
-            self.head = PackedLinear(self.lm_head)
+        self.head = _head(embed if lm_head is None else lm_head, self.lm_head, plan, config)
         device = self.embed.device
         # What every layer computes (modelfile/layer_spec.py): the torch path reads it here.
         self.spec = spec = spec_of(config)
-        self.rope_freqs = (
-            rope_freqs  # kept for the tensor-parallel shards (gpu/parallel/tp_model.py)
-        )
         # The spec's RoPE tables (cos, sin) ``[context, head_dim]`` fp32: the first with
         # the file's scaling; another (Gemma 3's windowed layers) its own base, unscaled.
         self._rope: list[tuple[Tensor, Tensor]] = []
         for theta, scaled in spec.rope_tables:
-            inv_freq, attention = rope_inv_freq(
-                config.head_dim, theta, *((config.rope_scaling, rope_freqs) if scaled else ())
-            )
-            cos, sin = rope_tables(inv_freq, config.context_length, attention)
-            self._rope.append((cos.to(device), sin.to(device)))
+            scaling = (config.rope_scaling, rope_freqs) if scaled else ()
+            inv_freq, attention = rope_inv_freq(config.head_dim, theta, *scaling)
+            self._rope.append(rope_tables(inv_freq, config.context_length, attention, device))
         # Gemma's sqrt(hidden), rounded to the compute dtype as transformers rounds it
         # (``Gemma2TextScaledWordEmbedding``: the scale cast to the weights' dtype).
         dtype = torch.float32 if isinstance(embed, QuantWeight) else embed.dtype
@@ -239,24 +181,18 @@ class Llama(nn.Module):
         """Bytes of every tensor the model holds for its weights, each storage counted once:
         the parameters and buffers, and the extra copies the linear layers keep (a packed
         or interleaved fp32 copy, quantized blocks)."""
+        tensors = [*self.parameters(), *self.buffers()]
+        for lin in self.linears():
+            for name in (n for cls in type(lin).__mro__ for n in getattr(cls, "__slots__", ())):
+                if isinstance(value := getattr(lin, name, None), Tensor):
+                    tensors.append(value)
         seen: dict[int, int] = {}
-
-        def add(t: Tensor | None) -> None:
-            if t is None:
-                return
+        for t in tensors:
             if t.layout == torch._mkldnn:  # type: ignore[attr-defined]  # opaque: no storage
                 seen[id(t)] = t.numel() * t.element_size()
-                return
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-
-        for t in (*self.parameters(), *self.buffers()):
-            add(t)
-        for lin in self.linears():
-            for name in lin.__slots__:
-                value = getattr(lin, name, None)
-                if isinstance(value, Tensor):
-                    add(value)
+            else:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
 
     def quantized(self) -> bool:
@@ -265,11 +201,7 @@ class Llama(nn.Module):
 
     def linears(self) -> list[Linear]:
         """Every projection of the model, the LM head last."""
-        out: list[Linear] = []
-        for layer in self.layers:
-            w = cast(LlamaWeights, layer)
-            out += [w.qkv, w.o, w.gate_up, w.down]
-        return [*out, self.head]
+        return [*(lin for w in self._weights for lin in (w.qkv, w.o, w.gate_up, w.down)), self.head]
 
     def forward(
         self,
@@ -280,10 +212,7 @@ class Llama(nn.Module):
         return_hidden: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits (fp32) ``[K, vocab]`` for rows ``logits_indices`` (all rows if None),
-        through the torch ops.
-
-        The LM head runs only on those rows: it is the largest matmul of the model.
-        """
+        through the torch ops; the LM head, the model's largest matmul, runs on those only."""
         return self.logits(self.trunk(input_ids, positions, attn), logits_indices, return_hidden)
 
     def trunk(
@@ -298,6 +227,8 @@ class Llama(nn.Module):
         """The embedded rows ``[T, hidden]`` the first layer reads."""
         if self.embed_q is not None:
             x = self.embed_q.rows(input_ids)
+        elif self.plan is not None:
+            x = vocab_parallel_rows(self.embed, input_ids, self.plan.vocab)
         else:
             x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
@@ -336,12 +267,7 @@ class Llama(nn.Module):
         """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
         With quantized weights the native norm, as the fused trunk's: torch's reduction
         order may change with the CPU's vector width (docs/determinism.md)."""
-        if (
-            self.quantized()
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and x.dim() == 2
-        ):
+        if self._quantized and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
             return _kernels().rms_norm(x, self.norm, self.config.rms_eps)
         return F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
 
@@ -365,9 +291,8 @@ class Llama(nn.Module):
         self, i: int, x: Tensor, rope: tuple[Tensor, Tensor] | None, ops: Ops = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Layer ``i`` up to its attention: the queries, keys and values of rows ``x``
-        rotated by ``rope`` (cos, sin ``[T, 1, head_dim]``; None: the layer rotates
-        nothing), the layer's torch path (a piecewise step captures it,
-        ``gpu/backends/piecewise.py``)."""
+        rotated by ``rope`` (cos, sin ``[T, 1, head_dim]``; None: no rotation). A piecewise
+        step captures it (``gpu/backends/piecewise.py``)."""
         c, ls = self.config, self.spec.layers[i]
         w = self._weights[i]
         t = x.shape[0]
@@ -380,23 +305,17 @@ class Llama(nn.Module):
         qkv = w.qkv(h)
         if ls.qkv_bias:
             qkv = qkv + _given(w.bqkv)
-        q_rows = c.n_heads * c.head_dim
-        if ls.qk_norm_whole:  # OLMo 2: over all of q's rows, all of k's
-            q = F.rms_norm(qkv[:, :q_rows], (q_rows,), _given(w.q_norm), c.rms_eps)
-            k = F.rms_norm(qkv[:, q_rows : self._qk_dim], (self._qk_dim - q_rows,),
-                           _given(w.k_norm), c.rms_eps)  # fmt: skip
-            qk = torch.cat((q, k), dim=1).view(t, c.n_heads + c.n_kv_heads, c.head_dim)
-        else:
-            qk = qkv[:, : self._qk_dim].view(t, c.n_heads + c.n_kv_heads, c.head_dim)
-        if ls.qk_norm and not ls.qk_norm_whole:
-            hd = (c.head_dim,)
-            qk = torch.cat(
-                (
-                    F.rms_norm(qk[:, : c.n_heads], hd, _given(w.q_norm), c.rms_eps),
-                    F.rms_norm(qk[:, c.n_heads :], hd, _given(w.k_norm), c.rms_eps),
-                ),
-                dim=1,
-            )
+        qk = qkv[:, : self._qk_dim]
+        if not ls.qk_norm_whole:
+            qk = qk.view(t, c.n_heads + c.n_kv_heads, c.head_dim)
+        if ls.qk_norm:  # per head, or over all of q's rows and all of k's (OLMo 2)
+            at = c.n_heads if qk.dim() == 3 else c.n_heads * c.head_dim
+            q, k = qk[:, :at], qk[:, at:]
+            q = F.rms_norm(q, q.shape[-1:], _given(w.q_norm), c.rms_eps)
+            k = F.rms_norm(k, k.shape[-1:], _given(w.k_norm), c.rms_eps)
+            qk = torch.cat((q, k), dim=1)
+        if ls.qk_norm_whole:
+            qk = qk.view(t, c.n_heads + c.n_kv_heads, c.head_dim)
         if rope is None:  # a layer without RoPE (SmolLM3's every fourth)
             pass
         elif ops is not None and c.head_dim & (c.head_dim - 1) == 0:
@@ -432,6 +351,21 @@ class Llama(nn.Module):
         if ls.residual_scale != 1.0:
             y = y * ls.residual_scale
         return x + y
+
+
+def _head(w: Tensor | QuantWeight, lm_head: Tensor, plan: ShardPlan | None,
+          config: ModelConfig) -> Linear:  # fmt: skip
+    """The LM head: ``w``'s quantized blocks, or over the parameter ``lm_head``."""
+    if isinstance(w, QuantWeight):
+        return QuantLinear(w, _kernels())
+    if plan is not None:
+        return VocabParallelHead(lm_head, plan.rank, plan.world, config.vocab_size)
+    return PackedLinear(lm_head)
+
+
+def _param(t: Tensor | None) -> nn.Parameter | None:
+    """An optional weight as a frozen parameter (inference only)."""
+    return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
 def _given(t: Tensor | None) -> Tensor:

@@ -21,7 +21,7 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import psutil
@@ -32,8 +32,9 @@ from gpu.kernels.native import load_kernels
 from gpu.model.decoder import Llama, LlamaWeights
 from gpu.model.quant import KERNEL_TYPES, QuantWeight, requantize
 from gpu.model.rope import unpermute_rope_rows
+from gpu.model.shard import ShardPlan, ShardSource, shard_plan
 from modelfile.chat import ChatTemplate
-from modelfile.check import check_tensors, expected_tensors
+from modelfile.check import check_tensors
 from modelfile.config import ModelConfig, with_context
 from modelfile.gguf_file import ModelFileError
 from modelfile.source import ModelSource, model_parts, open_model
@@ -79,12 +80,14 @@ def load_model(
     dtype: str | None = None,
     weights: str = "auto",
     context_length: int | None = None,
-    shard: Callable[[ModelSource, ModelConfig], tuple[ModelSource, ModelConfig]] | None = None,
+    rank: int = 0,
+    world: int = 1,
 ) -> LoadedModel:
     """``context_length``: the tokens to serve (``modelfile.config.with_context``; None:
-    the model's own); the RoPE tables are made for that many positions. ``shard``
-    (``gpu.parallel.tp_model.ShardLoad``): the file and config one tensor-parallel rank reads
-    instead, its slices only (fp32 weights); the model is built to that config."""
+    the model's own); the RoPE tables are made for that many positions. ``world`` > 1:
+    tensor-parallel rank ``rank``'s shard (``gpu/model/shard.py``), its slices only
+    (fp32 weights), the decoder built with its parallel linears and its config (its
+    own heads and MLP width) the loaded one."""
     dev, dt = resolve_device(device, dtype)
     t0 = time.perf_counter()
     f = open_model(path)
@@ -94,15 +97,13 @@ def load_model(
     check_tensors(f, config)  # every problem of the file before a weight is read
     t_vocab = time.perf_counter()
     quant = _quant_mode(weights, dev, dt)
-    source: ModelSource = f
-    if weights in _AT_LOAD:
-        source = _QuantizedAtLoad(f, _AT_LOAD[weights], expected_tensors(config))
-    if shard is not None:
+    plan = None
+    if world > 1:
         if quant is not None:
             raise ValueError("tensor-parallel shards are read as fp32 weights")
-        source, config = shard(source, config)
+        plan = shard_plan(config, world, rank)
     with torch.inference_mode():
-        model = _build_model(source, config, dev, dt, _progress_printer(f.path.name), quant)
+        model = _Reader(f, config, dev, dt, quant, plan, _AT_LOAD.get(weights)).build()
     model.eval()
     t_end = time.perf_counter()
     log.info(
@@ -120,7 +121,7 @@ def load_model(
         t_end - t_vocab,
         psutil.Process().memory_info().rss / 2**20,
     )
-    return LoadedModel(config, model, tokenizer, chat, f.path, dev, dt)
+    return LoadedModel(model.config, model, tokenizer, chat, f.path, dev, dt)
 
 
 def _quant_mode(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -135,30 +136,34 @@ def _quant_mode(weights: str, device: torch.device, dtype: torch.dtype) -> str |
             raise ValueError("quantized weights run on the CPU in float32 only")
         if load_kernels() is None:
             raise ValueError("quantized weights need the native CPU kernels (LIFECYCLE_NATIVE=0?)")
-        return "all" if weights == "quantized" else "file"  # _QuantizedAtLoad: every matrix
+        return "all" if weights == "quantized" else "file"  # at load: every matrix
     return "file" if usable and load_kernels() is not None else None
 
 
-# One tensor of a joined matrix: (GGUF name, shape, heads to un-permute or None).
-_Part = tuple[str, tuple[int, int], int | None]
+# One tensor of a joined matrix or vector: (GGUF name, shape, heads to un-permute or None).
+_Part = tuple[str, tuple[int, ...], int | None]
 
 
 class _Reader:
-    """Reads a file's tensors for ``_build_model``: dense (dequantized, placed on the
-    device in the dtype) or kept as blocks (``quant``), q/k rows un-permuted, the
-    progress line kept, and what had to be requantized counted for one warning."""
+    """Builds the model from a file's tensors: dense (dequantized, placed on the device in
+    the dtype) or kept as blocks (``quant``), q/k rows un-permuted, the progress line
+    kept, and what had to be requantized counted for one warning. ``retype``
+    (``--weights q8_0|q4_0``): every matrix read as blocks of that type. ``plan``: a
+    tensor-parallel rank's, whose tensors are read as its slices (``ShardSource``: the
+    vocabulary ones padded to ``vocab_rows``), its decoder's config its own heads and MLP."""
 
     def __init__(self, f: ModelSource, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, progress: Callable[[int, int], None],
-                 quant: str | None) -> None:  # fmt: skip
-        self.f, self.c, self.device, self.dtype = f, config, device, dtype
-        self.progress, self.quant = progress, quant
-        self.sizes = _tensor_bytes(f)  # what each tensor takes in the file
+                 dtype: torch.dtype, quant: str | None, plan: ShardPlan | None = None,
+                 retype: Q | None = None) -> None:  # fmt: skip
+        self.local = config if plan is None else plan.local_config(config)
+        c = self.local if plan is None else replace(self.local, vocab_size=plan.vocab_rows)
+        self.f = f if plan is None else ShardSource(f, config, plan)
+        self.c, self.device, self.dtype, self.plan = c, device, dtype, plan
+        self.progress, self.quant, self.retype = _progress_printer(f.path.name), quant, retype
+        self.sizes = f.stored_bytes()  # what each tensor takes in the file
         self.total, self.done = sum(self.sizes.values()), 0
-        # type name -> (tensors, bytes in the file, bytes as Q8_0) of what the kernels
-        # cannot read
+        # type name -> (tensors, bytes in the file, bytes as Q8_0) the kernels cannot read
         self.requantized: dict[str, tuple[int, int, int]] = {}
-        c = config
         self.q_rows, self.kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         # a llama file's q/k rows (and biases) are permuted for llama.cpp's RoPE: undone
         self.q_perm: int | None = c.n_heads if c.rope_permuted else None
@@ -180,9 +185,15 @@ class _Reader:
         return torch.from_numpy(arr)
 
     def raw_blocks(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor's blocks as stored, uint8 ``[rows, bytes per row]`` (copied out)."""
+        """A tensor's blocks as stored, uint8 ``[rows, bytes per row]`` (copied out); with
+        ``retype``, one stored in another type quantized here from its floats
+        (``requantize``: gguf-py's reference quantizer, what llama-quantize computes for
+        the legacy types)."""
         self._read(name, shape)
-        return torch.from_numpy(np.array(self.f.blocks(name)))
+        if self.retype is None or self.f.tensor_type(name) == self.retype:
+            return torch.from_numpy(np.array(self.f.blocks(name)))
+        w = np.require(self.f.dequantize(name), np.float32, ["C", "W"])  # a copy of a view
+        return requantize(torch.from_numpy(w), self.retype).blocks
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -196,11 +207,7 @@ class _Reader:
     ) -> torch.Tensor:
         """Each part read (dense rows or their blocks), q/k rows un-permuted (whole rows:
         the permutation commutes with row-wise quantization), joined row-wise."""
-        ts = [read(name, shape) for name, shape, _ in parts]
-        ts = [
-            t if h is None else unpermute_rope_rows(t, h)
-            for t, (_, _, h) in zip(ts, parts, strict=True)
-        ]
+        ts = [read(n, s) if h is None else unpermute_rope_rows(read(n, s), h) for n, s, h in parts]
         return torch.cat(ts) if len(ts) > 1 else ts[0]
 
     def matrix(self, parts: list[_Part]) -> torch.Tensor | QuantWeight | list[QuantWeight]:
@@ -208,17 +215,14 @@ class _Reader:
         says so (module docstring): one ``QuantWeight``, or one per run of parts of the
         same type when the file stores them in different types (read in place all the
         same)."""
-        types = [self.f.tensor_type(name) for name, _, _ in parts]
+        types = [self.retype or self.f.tensor_type(name) for name, _, _ in parts]
         k, quant = parts[0][1][1], self.quant
         if quant is None or k % 32 or (quant == "file" and set(types) & _FLOAT_TYPES):
             return self.place(self.joined(parts, self.get))
         if all(t in KERNEL_TYPES for t in types):
-            runs: list[QuantWeight] = []
-            for qtype, group in itertools.groupby(
-                zip(parts, types, strict=True), key=lambda p: p[1]
-            ):
-                runs.append(QuantWeight(self.joined([p for p, _ in group], self.raw_blocks),
-                                        qtype, k))  # fmt: skip
+            groups = itertools.groupby(zip(parts, types, strict=True), key=lambda p: p[1])
+            runs = [QuantWeight(self.joined([p for p, _ in group], self.raw_blocks), qtype, k)
+                    for qtype, group in groups]  # fmt: skip
             return runs[0] if len(runs) == 1 else runs
         w = requantize(self.joined(parts, self.get))
         kinds = sorted({t.name for t in types if t not in _FLOAT_TYPES})
@@ -254,16 +258,14 @@ class _Reader:
                             if c.post_norms else None),
             post_ffn_norm=(self.vector(p + "post_ffw_norm.weight", c.hidden)
                            if c.post_norms else None),
+            reduce=self.plan is not None,
         )  # fmt: skip
 
     def _bias(self, p: str) -> torch.Tensor:
-        parts = [("attn_q", self.q_rows, self.q_perm), ("attn_k", self.kv_rows, self.k_perm),
-                 ("attn_v", self.kv_rows, None)]  # fmt: skip
-        ts = []
-        for name, rows, heads in parts:
-            t = self.get(p + name + ".bias", (rows,))
-            ts.append(t if heads is None else unpermute_rope_rows(t, heads))
-        return self.place(torch.cat(ts))
+        parts: list[_Part] = [(p + "attn_q.bias", (self.q_rows,), self.q_perm),
+                              (p + "attn_k.bias", (self.kv_rows,), self.k_perm),
+                              (p + "attn_v.bias", (self.kv_rows,), None)]  # fmt: skip
+        return self.place(self.joined(parts, self.get))
 
     def _qkv_parts(self, p: str) -> list[_Part]:
         c, q_rows, kv_rows = self.c, self.q_rows, self.kv_rows
@@ -293,6 +295,17 @@ class _Reader:
             return self.get(f"rope_factors_{which}.weight", (c.head_dim // 2,))
         return self.get("rope_freqs.weight", (c.head_dim // 2,)) if c.rope_freq_factors else None
 
+    def build(self) -> Llama:
+        c = self.c
+        layers = [self.layer(i) for i in range(c.n_layers)]
+        embed = self.single("token_embd.weight", (c.vocab_size, c.hidden))
+        norm = self.vector("output_norm.weight", c.hidden)
+        head = None if c.tied_embeddings else self.single("output.weight", (c.vocab_size, c.hidden))
+        freqs = self.rope_freqs()
+        self.progress(self.total, self.total)  # the line ends even when tensors were skipped
+        self.warn_requantized()
+        return Llama(self.local, embed, layers, norm, head, freqs, self.plan)
+
     def warn_requantized(self) -> None:
         if not self.requantized:
             return
@@ -306,69 +319,6 @@ class _Reader:
                 for name, (n, was, now) in sorted(self.requantized.items())
             ),
         )
-
-
-def _build_model(
-    f: ModelSource,
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    progress: Callable[[int, int], None],
-    quant: str | None = None,
-) -> Llama:
-    c, r = config, _Reader(f, config, device, dtype, progress, quant)
-    layers = [r.layer(i) for i in range(c.n_layers)]
-    embed = r.single("token_embd.weight", (c.vocab_size, c.hidden))
-    norm = r.vector("output_norm.weight", c.hidden)
-    head = None if c.tied_embeddings else r.single("output.weight", (c.vocab_size, c.hidden))
-    freqs = r.rope_freqs()
-    progress(r.total, r.total)  # the line ends even when the file holds tensors we skip
-    r.warn_requantized()
-    return Llama(config, embed, layers, norm, head, freqs)
-
-
-def _tensor_bytes(f: ModelSource) -> dict[str, int]:
-    """Each tensor's bytes in the file (load progress)."""
-    return f.stored_bytes()
-
-
-class _QuantizedAtLoad:
-    """``--weights q8_0|q4_0``: ``f`` with every matrix the decoder reads (rows a whole
-    number of blocks of 32) typed ``qtype`` and read as its blocks, quantized here from
-    its floats (``requantize``; gguf-py's reference quantizer, what llama-quantize
-    computes for the legacy types). The loader then reads them in place as it reads a
-    file's own blocks; everything else (norms, biases) is ``f``'s."""
-
-    def __init__(self, f: ModelSource, qtype: Q, expected: dict[str, tuple[int, ...]]) -> None:
-        self._f, self._qtype, self.path = f, qtype, f.path
-        self._matrices = {n for n, s in expected.items() if len(s) == 2 and s[1] % 32 == 0}
-
-    def has_tensor(self, name: str) -> bool:
-        return self._f.has_tensor(name)
-
-    def stored_name(self, name: str) -> str:
-        return self._f.stored_name(name)
-
-    def tensor_type(self, name: str) -> Q:
-        return self._qtype if name in self._matrices else self._f.tensor_type(name)
-
-    def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return self._f.tensor_shape(name)
-
-    def dequantize(self, name: str) -> np.ndarray:
-        return self._f.dequantize(name)
-
-    def blocks(self, name: str) -> np.ndarray:
-        if name not in self._matrices or self._f.tensor_type(name) == self._qtype:
-            return self._f.blocks(name)
-        w = np.require(self._f.dequantize(name), np.float32, ["C", "W"])  # a copy of a view
-        return requantize(torch.from_numpy(w), self._qtype).blocks.numpy()
-
-    def stored_bytes(self) -> dict[str, int]:
-        return self._f.stored_bytes()
-
-    def check_tensor_types(self) -> None:
-        self._f.check_tensor_types()
 
 
 def _progress_printer(label: str) -> Callable[[int, int], None]:

@@ -48,13 +48,8 @@ class QuantWeight:
     k: int
 
     def __post_init__(self) -> None:
-        row = quant_row_bytes(int(self.qtype), self.k)
-        if (
-            row is None
-            or self.k % 32
-            or self.blocks.dtype != torch.uint8
-            or self.blocks.shape[1:] != (row,)
-        ):
+        row = quant_row_bytes(int(self.qtype), self.k)  # None unless k is whole blocks
+        if row is None or self.blocks.dtype != torch.uint8 or self.blocks.shape[1:] != (row,):
             raise ValueError(
                 f"{self.qtype.name} blocks {tuple(self.blocks.shape)} do not hold rows of {self.k}"
             )
@@ -108,14 +103,12 @@ class QuantLinear:
     def __init__(self, weight: QuantWeight | Sequence[QuantWeight], kernels: NativeKernels) -> None:
         self.kernels = kernels
         self._parts: QParts | None = None
-        self.weights = (weight,) if isinstance(weight, QuantWeight) else tuple(weight)
+        self.weights = parts = (weight,) if isinstance(weight, QuantWeight) else tuple(weight)
+        self.n = sum(p.shape[0] for p in parts)
         if isinstance(weight, QuantWeight):
             self.blocks = weight.blocks.contiguous()
-            self.qtype = int(weight.qtype)
-            self.n = weight.shape[0]
-            self.ptr = self.blocks.data_ptr()
+            self.qtype, self.ptr = int(weight.qtype), self.blocks.data_ptr()
             return
-        parts = list(weight)
         if not 1 < len(parts) <= QL_MAX_PARTS or len({p.k for p in parts}) != 1:
             raise ValueError(f"{len(parts)} parts of {sorted({p.k for p in parts})} columns")
         self.blocks = torch.cat([p.blocks.reshape(-1) for p in parts])
@@ -125,10 +118,7 @@ class QuantLinear:
             desc.qtype[i], desc.rows[i] = int(p.qtype), p.shape[0]
             desc.w[i] = self.blocks.data_ptr() + at
             at += p.blocks.numel()
-        self._parts = desc
-        self.qtype = QL_PARTS
-        self.n = sum(p.shape[0] for p in parts)
-        self.ptr = ctypes.addressof(desc)
+        self._parts, self.qtype, self.ptr = desc, QL_PARTS, ctypes.addressof(desc)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.dim() != 2:

@@ -30,16 +30,14 @@ def rope_inv_freq(
     freq_factors: Tensor | None = None,
 ) -> tuple[Tensor, float]:  # fmt: skip
     """RoPE's inverse frequencies ``[head_dim / 2]`` (fp32) and the factor cos/sin are
-    scaled by, as transformers defines them (``modeling_rope_utils``): linear divides
-    every frequency by the factor; yarn blends the interpolated (divided) and the
-    original frequencies along a ramp between the dimensions that turn ``beta_fast`` and
-    ``beta_slow`` times within the original context, and scales cos/sin by
-    0.1 ln(factor) + 1 unless the file gives the factor; ``freq_factors`` (a llama
-    file's ``rope_freqs`` tensor: Llama 3's scaling, precomputed by the converter)
-    divide the frequencies one by one. longrope (Phi-3): ``freq_factors`` are the
-    file's long or short factors (``RopeScaling.long_factors`` says which), dividing the
-    frequencies as transformers' ``_compute_longrope_parameters`` computes it, and cos/sin
-    are scaled by the file's ``attn_factor``."""
+    scaled by, as transformers' ``modeling_rope_utils`` defines them: linear divides them
+    by the factor; yarn blends the interpolated and the original frequencies along a ramp
+    between the dimensions that turn ``beta_fast`` and ``beta_slow`` times within the
+    original context, scaling cos/sin by 0.1 ln(factor) + 1 unless the file gives it;
+    ``freq_factors`` divide them one by one: a llama file's ``rope_freqs`` (Llama 3's
+    scaling, precomputed by the converter) or, for longrope (Phi-3,
+    ``_compute_longrope_parameters``), the file's long or short factors
+    (``RopeScaling.long_factors`` says which), cos/sin scaled by its ``attn_factor``."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     scaling = scaling or RopeScaling()
     if scaling.kind == "longrope":
@@ -60,9 +58,7 @@ def rope_inv_freq(
 
 def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[Tensor, float]:
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(s.original_context / (rotations * 2 * math.pi))) / (
-            2 * math.log(base)
-        )
+        return dim * math.log(s.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(s.beta_fast)), 0)
     high = float(min(math.ceil(correction_dim(s.beta_slow)), dim - 1))
@@ -71,9 +67,7 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (
-        1.0 / pos_freqs
-    ) * extrapolation
+    inv_freq = 1.0 / (s.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
     attention = s.attn_factor if s.attn_factor is not None else 0.1 * math.log(s.factor) + 1.0
     return inv_freq, attention
 

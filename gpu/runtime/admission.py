@@ -17,10 +17,16 @@ from gpu.runtime.grammar import Grammars
 from gpu.runtime.sampling import parse_request
 from gpu.runtime.scheduler import Sequence
 from wire import MAX_N, SubmitEntry, ids_to_list
+from wire.options import RequestOptions
 from wire.reasoning_budget import BudgetState
 from wire.sampling import STOP_REGEX_WINDOW
 
 __all__ = ["Admission", "ProtocolError", "TooLong", "declared_n", "prefills"]
+
+# A request's options as this one object when they are all defaults (most requests): a
+# step reads every row's options, and one object stays in the cache where a batch of
+# equal copies would each be read cold.
+_PLAIN = RequestOptions()
 
 
 class ProtocolError(ValueError):
@@ -68,6 +74,8 @@ class Admission:
         v = self.vocab
         prompt = ids_to_list(e.prompt)
         params, opts = parse_request(e.sampling, e.options, v, len(prompt))
+        if opts == _PLAIN:
+            opts = _PLAIN
         if any(held(r) for r in range(e.rid, e.rid + params.n)):
             raise ProtocolError(f"rid {e.rid} (n={params.n}) overlaps a live request")
         if not prompt:

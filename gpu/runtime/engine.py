@@ -25,7 +25,7 @@ from gpu.runtime.forks import fork_samplers
 from gpu.runtime.grammar import Grammars
 from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.runtime.pooling import pool
-from gpu.runtime.runner import ModelRunner
+from gpu.runtime.runner import Followers, ModelRunner
 from gpu.runtime.sampling import sample, sample_greedy
 from gpu.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
 from gpu.runtime.step import Step, lay_out
@@ -51,13 +51,13 @@ class Engine:
         config: EngineConfig,
         kv_plan: KVPlan | None = None,
         cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+        followers: Followers | None = None,
     ) -> None:
         """Every backend is chosen once, as the engine is made (the runner's: the kernels,
         the trunk, the cache, the graphs; the overlap): the loaded model is shared
         between engines and holds none of them. ``kv_plan``: how the cache was sized
         from the card's memory (None: from ``--kv-blocks`` / ``--kv-mib``);
-        ``cache_type``: what makes the cache (a tensor-parallel leader's,
-        ``gpu.parallel.tp.leader_cache``, tells its followers)."""
+        ``cache_type``: what makes the cache; ``followers``: the runner's (``--tp``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.mc = loaded.config
@@ -65,12 +65,11 @@ class Engine:
         self.kv_plan = kv_plan
         self.blocks = BlockManager(config.kv_blocks, config.block_size)
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
-        self.runner = ModelRunner(loaded, config, self.max_context, cache_type)
+        self.runner = ModelRunner(loaded, config, self.max_context, cache_type, followers)
         self.cache = self.runner.cache
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
-            self.cache.copy_rows,
         )
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
@@ -154,10 +153,10 @@ class Engine:
     def _run(self, batch: list[tuple[Sequence, int]], prev: InFlight | None) -> Step:
         """The step laid out (``gpu/runtime/step.py``) and run; a fault plan may fail, delay or
         kill it here, or make its logits NaN."""
-        step = lay_out(batch, prev)
         fault = fault_point("worker.forward")
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
+        step = lay_out(batch, prev, self.scheduler.take_copies())  # its copies, run next
         out = self.runner.run(step.input)
         pooling = step.pooling
         pooled = (
@@ -228,14 +227,17 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[StepEntry]:
         """Schedule, run, postprocess: the STEP entries of what ended or sampled.
 
         Overlapped (``EngineConfig.overlap``, ``gpu/runtime/overlap.py``), a step whose samplers
         all fly leaves its tokens on the device: the next call launches the following
         step first, its rows reading them there, and only then reads them and makes their
-        entries (``_resolve``). The same tokens either way (docs/worker.md)."""
+        entries (``_resolve``). The same tokens either way (docs/worker.md). In inference
+        mode: the caller's (the worker's step loop holds it), else entered here."""
+        if not torch.is_inference_mode_enabled():  # entering costs ~0.05 ms at batch 256
+            with torch.inference_mode():
+                return self.step()
         t0 = perf_counter()
         prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
@@ -268,8 +270,7 @@ class Engine:
         samplers = ran.samplers
         if logits is None or not samplers:
             return entries
-        logits = logits[ran.rows.sample_slice]
-        hid = None if ran.hidden is None else ran.hidden[ran.rows.sample_slice]
+        logits, hid = ran.rows.samples(logits), ran.rows.samples(ran.hidden)
         if self.overlap and hid is None and all(flies(s) for s in samplers):
             self._in_flight = fly(samplers, logits)
             return entries

@@ -26,7 +26,6 @@ class Engine(Protocol):
     config: Any  # EngineConfig: block_size
     scheduler: Scheduler
     blocks: BlockManager
-    cache: Any  # PagedKVCache (or tp's LeaderCache): copy_block
 
     def generator(self, seed: int | None) -> torch.Generator | None: ...
 
@@ -93,7 +92,7 @@ def _make_child(engine: Engine, parent: Sequence, k: int) -> Sequence | None:
     child.block_table = parent.block_table[:full]
     if partial:
         (b,) = engine.blocks.allocate(1)
-        engine.cache.copy_block(parent.block_table[full], b)
+        sched.copy_rows(parent.block_table[full], b, bs)  # made before the next step
         child.block_table.append(b)
     child.block_hashes = list(parent.block_hashes)
     child.prompt_logprobs = list(parent.prompt_logprobs)

@@ -12,14 +12,17 @@ It owns what depends on the device and the weights rather than on the requests:
 - the trunk, chosen once when the runner is built (``trunk_for``): the native fused
   trunk (``gpu/backends/fused.py``) for quantized weights on the CPU's native attention
   (docs/determinism.md), else the model's torch path through the kernels chosen
-  (torch's or Triton's); a tensor-parallel shard announces the step to its followers
-  inside its trunk (``gpu/parallel/tp_model.py``);
-- the LM head on just the rows that need logits (the largest matmul of the model).
+  (torch's or Triton's);
+- the LM head on just the rows that need logits (the largest matmul of the model);
+- the step's KV copies (``StepInput.copies``), made before the model runs;
+- under ``--tp``, rank 0 tells its followers each step, which run it on the same runner
+  over their shards (``gpu/parallel/tp.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -40,6 +43,7 @@ from modelfile.layer_spec import refusal
 from wire.worker_options import MIXED_GRAPH_MODES
 
 __all__ = [
+    "Followers",
     "ModelRunner",
     "NativeTrunk",
     "StepInput",
@@ -52,6 +56,9 @@ __all__ = [
 # A step's trunk over the declared cache: token ids and positions in, every row's
 # last-layer output ``[T, hidden]`` out.
 Trunk = Callable[[Tensor, Tensor], Tensor]
+# Rank 0's tensor-parallel followers: a step told to them, which they run on the same
+# runner while rank 0 runs it within this context (``gpu/parallel/tp.py``).
+Followers = Callable[["StepInput"], AbstractContextManager[object]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,9 @@ class StepInput:
     # (an overlapped step, ``Engine``): (rows, their indices in it, its tokens on the
     # device). Those rows of ``ids`` hold a placeholder until the device fills them.
     future: tuple[list[int], list[int], Tensor] | None = None
+    # KV rows to copy before the model runs, in order: (src block, dst block, rows), the
+    # scheduler's copy-on-write (``Scheduler.copy_rows``).
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -145,8 +155,11 @@ class ModelRunner:
         config: EngineConfig,
         max_context: int,
         cache_type: Callable[..., PagedKVCache] = PagedKVCache,
+        followers: Followers | None = None,
     ) -> None:
-        """``cache_type``: what makes the cache (``Engine``)."""
+        """``cache_type``: what makes the cache (``Engine``); ``followers``: rank 0's of
+        ``--tp``, told every step before it runs (``gpu/parallel/tp.py``)."""
+        self.followers = followers
         if config.mixed_graphs not in MIXED_GRAPH_MODES:
             raise ValueError(f"mixed graphs must be one of {', '.join(MIXED_GRAPH_MODES)}, "
                              f"got {config.mixed_graphs!r}")  # fmt: skip
@@ -186,6 +199,17 @@ class ModelRunner:
         }
 
     def run(self, step: StepInput) -> StepOutput:
+        """The step's KV copies, then its model call (a graph replay, piecewise or the
+        trunk) and the LM head on the rows that need logits; on rank 0 of ``--tp`` inside
+        ``followers`` (which has the other ranks run it too)."""
+        if self.followers is None:
+            return self._run(step)
+        with self.followers(step):
+            return self._run(step)
+
+    def _run(self, step: StepInput) -> StepOutput:
+        for src, dst, n in step.copies:
+            self.cache.copy_rows(src, dst, n)
         if (
             self.graphs is not None
             and step.all_sampled_decodes

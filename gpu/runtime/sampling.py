@@ -223,7 +223,14 @@ def sample(
 
 def sample_greedy(logits: Tensor) -> list[int]:
     """``sample``'s tokens when every row is greedy and plain, with no grammar and no
-    logprobs: each row's first maximal logit, ``NON_FINITE`` where it is not finite."""
+    logprobs: each row's first maximal logit, ``NON_FINITE`` where it is not finite.
+    fp32 on the CPU in three numpy calls and no torch op (in a batch-256 step each call
+    costs ~10-20 us, its code and the logits cold): the batch's maximum below +inf says
+    every row is finite (NaN and +inf are not), else ``_first_max`` row by row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        a = logits.numpy()
+        if a.max(initial=-np.inf) < np.inf:
+            return a.argmax(axis=1).tolist()  # type: ignore[no-any-return]
     tokens, sound = _first_max(logits)
     return tokens.masked_fill(~sound, NON_FINITE).tolist()  # type: ignore[no-any-return]
 

@@ -3,10 +3,10 @@ runs, and what the model gives back, in one place.
 
 ``lay_out`` turns a batch of (sequence, rows) into a ``Step``: the runner's input
 (``StepInput``: token ids and positions in row order, the decode rows and prompt
-chunks, which rows need logits) and the host's books of it (which sequences sample,
-score their prompt or pool it, and the logprob rows). The engine runs ``step.input``
-and records the model's output on it (``ran``); what is then left is the host's:
-``Engine._settle``.
+chunks, which rows need logits, the KV copies to make first) and the host's books of
+it (which sequences sample, score their prompt or pool it, and the logprob rows). The
+engine runs ``step.input`` and records the model's output on it (``ran``); what is then
+left is the host's: ``Engine._settle``.
 """
 
 from __future__ import annotations
@@ -44,12 +44,17 @@ class Step:
         self.logits, self.hidden, self.pooled = out.logits, out.hidden, pooled
 
 
-def lay_out(batch: list[tuple[Sequence, int]], prev: InFlight | None) -> Step:
+def lay_out(
+    batch: list[tuple[Sequence, int]],
+    prev: InFlight | None,
+    copies: list[tuple[int, int, int]] | None = None,
+) -> Step:
     """``batch``'s rows in order: a decode that samples (the common row) takes the short
     way; prompt chunks add their prompt-logprob rows, the last row of a finished prompt
     samples (or scores, or pools). ``prev``: the overlapped step still in flight, whose
-    sampled tokens some rows read on the device."""
-    step = Step(batch)
+    sampled tokens some rows read on the device; ``copies``: the KV copies the
+    scheduler decided for this step (``Scheduler.take_copies``), in order."""
+    step = Step(batch, StepInput(copies=copies or []))
     inp, rows, samplers = step.input, step.rows, step.samplers
     ids, pos, decodes, prefills = inp.ids, inp.pos, inp.decodes, inp.prefills
     future_rows: list[int] = []  # rows whose input the step in flight sampled

@@ -106,6 +106,10 @@ class Books:
         self.seqs, self.reserved, self.end, self.fail = seqs, reserved, end, fail
         self.eog, self._eog_set = eog, frozenset(eog)
         self.decode, self.grammar_end = decode, grammar_end
+        # The usual ends (no stop ids; with or without the EOG ids) as one object each, not
+        # one per request: each quiet row reads its ends every step, cold after the model.
+        usual = (frozenset((*eog, NON_FINITE)), frozenset((NON_FINITE,)))
+        self._usual_ends = {ends: ends for ends in usual}
 
     def embedded(self, seq: Sequence, vec: torch.Tensor) -> StepEntry:
         """An embed request's one STEP entry; its blocks are released now."""
@@ -166,7 +170,8 @@ class Books:
         """The STEP entry of ``seq``'s new token ``tok``: a terminal one when it ended."""
         if not seq.started:
             seq.started = True
-            seq.ends = quiet_ends(seq, self._eog_set)
+            ends = quiet_ends(seq, self._eog_set)
+            seq.ends = ends if ends is None else self._usual_ends.get(ends, ends)
             extra["prompt_tokens"] = seq.prompt_len
             extra["cached_tokens"] = seq.cached_tokens
             extra.update(prompt_extra(seq))

@@ -7,13 +7,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
 import wire
-from gpu.cache.kv_cache import PagedKVCache, kv_storage_dtype
+from gpu.cache.kv_cache import kv_storage_dtype
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
 from gpu.runtime.engine import Engine, EngineConfig
@@ -69,9 +68,7 @@ class WorkerConfig:
     # None: CPU_MIXED_PREFILL_TOKENS on the CPU, step_tokens on CUDA
     mixed_prefill_tokens: int | None = _D["mixed_prefill_tokens"]
     threads: int | None = _D["threads"]  # None: gpu/worker/threads.py, resolve_threads
-    tp: int = _D[
-        "tp"
-    ]  # tensor-parallel ranks (gpu/parallel/tp.py), each a process; 1: this one alone
+    tp: int = _D["tp"]  # tensor-parallel ranks (gpu/parallel/tp.py), each a process
     token: str | None = _D["token"]  # None: LIFECYCLE_WORKER_TOKEN
     tls_cert: str | None = _D["tls_cert"]
     tls_key: str | None = _D["tls_key"]  # when not in the certificate file
@@ -163,7 +160,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         raise SystemExit(refused)
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, lm.model.quantized())
-    elem = kv_dtype.itemsize  # the KV cache's element
+    elem = kv_dtype.itemsize  # bytes of the KV cache's element
     plan = None
     if _sized_by_fraction(config, lm.device):
         plan = plan_kv(
@@ -177,20 +174,14 @@ def build_engine(config: WorkerConfig) -> Engine:
     else:
         blocks = kv_blocks_for(config, mc.n_layers, mc.n_kv_heads, mc.head_dim, elem)
     graphs = config.decode_graphs
-    cache_type: Callable[..., PagedKVCache] = PagedKVCache
-    if followers is not None:  # every cache op and step reaches the followers
-        graphs, cache_type = tp.graphs_under_tp(graphs), tp.leader_cache(followers)
+    if followers is not None:  # every step reaches the followers: no graph replays one
+        graphs = tp.graphs_under_tp(graphs)
     engine_config = EngineConfig(
-        blocks,
-        config.block_size,
-        config.max_running,
-        config.max_pending,
-        config.step_tokens,
-        mixed_prefill_tokens(config, lm.device),
-        graphs,
-        config.overlap,
-        config.kv_cache_dtype,
-        config.mixed_graphs,
-        config.kernels,
-    )
-    return Engine(lm, engine_config, plan, cache_type)
+        blocks, config.block_size, config.max_running, config.max_pending, config.step_tokens,
+        mixed_prefill_tokens(config, lm.device), graphs, config.overlap, config.kv_cache_dtype,
+        config.mixed_graphs, config.kernels,
+    )  # fmt: skip
+    engine = Engine(lm, engine_config, plan, followers=followers)
+    if followers is not None:
+        followers.start(engine_config, engine.max_context)  # they make the same runner
+    return engine

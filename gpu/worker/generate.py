@@ -29,10 +29,8 @@ def greedy_generate(
     lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, stream: bool = False
 ) -> list[int]:
     """Greedy continuation of ``prompt_ids``, stopping at an end-of-generation id (not
-    returned) or after ``max_new_tokens``, capped by what the context leaves.
-
-    With ``stream``, text is written to stdout as it is decoded.
-    """
+    returned) or after ``max_new_tokens``, capped by what the context leaves. With
+    ``stream``, text is written to stdout as it is decoded."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     room = lm.config.context_length - len(prompt_ids)
@@ -45,25 +43,20 @@ def greedy_generate(
     for token in _engine_tokens(lm, prompt_ids, min(max_new_tokens, room)):
         out.append(token)
         if stream:
-            sys.stdout.write(decoder.step(token))
-            sys.stdout.flush()
+            print(decoder.step(token), end="", flush=True)
     if stream:
-        sys.stdout.write(decoder.flush() + "\n")
-        sys.stdout.flush()
+        print(decoder.flush(), flush=True)
     return out
 
 
 def _engine_tokens(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
     """The request's tokens as the engine steps; a matched end-of-generation id ends it."""
     blocks = max(1, math.ceil((len(prompt_ids) + max(max_new_tokens, 0)) / DEFAULT_BLOCK_SIZE))
-    engine = Engine(
-        lm, EngineConfig(kv_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, max_running=1)
-    )
+    engine = Engine(lm, EngineConfig(kv_blocks=blocks, max_running=1))  # DEFAULT_BLOCK_SIZE
     sampling = SamplingParams(max_new_tokens=max_new_tokens, top_k=1).to_wire()
-    errors, done = engine.submit([SubmitEntry(0, pack_ids(prompt_ids), sampling, {})])
+    errors, entries = engine.submit([SubmitEntry(0, pack_ids(prompt_ids), sampling, {})])
     if errors:
         raise ValueError(errors[0][2])
-    entries = done
     while True:
         for e in entries:
             new = ids_to_list(e.new_ids)
@@ -117,21 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prompt")
     parser.add_argument(
         "--model",
-        default=None,
         help="GGUF file, Hugging Face folder or Hub repo ORG/NAME[:QUANT] (default: bundled "
         "SmolLM2)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    parser.add_argument("--device", default=None)
-    args = parser.parse_args(argv)
-    return run_generate(
-        args.prompt,
-        model=args.model,
-        max_new_tokens=args.max_new_tokens,
-        chat=args.chat,
-        device=args.device,
-    )
+    parser.add_argument("--device")
+    args = vars(parser.parse_args(argv))  # run_generate's keywords, by name
+    return run_generate(args.pop("prompt"), **args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from typing import Any
 
 import wire
 from gpu.cache.memory import device_memory
-from gpu.parallel.tp_model import ShardedLlama
 from gpu.runtime.engine import Engine
 from modelfile.source import model_bytes
 
@@ -33,7 +32,7 @@ def hello(engine: Engine) -> wire.Hello:
         "pid": os.getpid(),
         "hidden_size": mc.hidden,
     }
-    if isinstance(engine.model, ShardedLlama):
+    if engine.model.plan is not None:  # a tensor-parallel rank's shard
         model["tp"] = engine.model.plan.world
     capacity: dict[str, Any] = {
         "max_running": c.max_running,

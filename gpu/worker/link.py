@@ -10,6 +10,7 @@ BIO and sent under ``_send`` (lock order: ``_send``, then ``_ssl``). TLS 1.3 onl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -39,7 +40,6 @@ class TlsLink:
     ``sendall``, ``shutdown``, ``close`` and ``settimeout``; the handshake runs here."""
 
     def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, timeout: float) -> None:
-        self.family = sock.family
         self._sock = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = ctx.wrap_bio(self._in, self._out, server_side=True)
@@ -75,7 +75,7 @@ class TlsLink:
                     return b""
                 produced = self._out.pending
             if produced:  # e.g. a key update's answer
-                self._flush()
+                self.sendall(b"")
             if data:
                 return data
             raw = self._sock.recv(_READ)
@@ -85,15 +85,12 @@ class TlsLink:
                 self._in.write(raw)
 
     def sendall(self, data: bytes) -> None:
+        """Send ``data`` and whatever else the SSL object produced before it (``b""``: that
+        alone)."""
         with self._send:
             with self._ssl:
-                self._obj.write(data)
-                out = self._out.read()
-            self._sock.sendall(out)
-
-    def _flush(self) -> None:
-        with self._send:
-            with self._ssl:
+                if data:
+                    self._obj.write(data)
                 out = self._out.read()
             if out:
                 self._sock.sendall(out)
@@ -111,7 +108,6 @@ def authenticate(link: Link | TlsLink, token: str, peer: str) -> bool:
     nonce = wire.new_nonce()
     link.sendall(wire.frame_bytes(wire.encode_frame(wire.Challenge(nonce))))
     buf = wire.FrameBuffer()
-    why = "no AUTH frame"
     link.settimeout(AUTH_TIMEOUT)
     try:
         payloads: list[bytes] = []
@@ -137,8 +133,6 @@ def authenticate(link: Link | TlsLink, token: str, peer: str) -> bool:
     finally:
         link.settimeout(None)
     log.warning("refused a frontend from %s: %s", peer, why)
-    try:
+    with contextlib.suppress(OSError):
         link.sendall(wire.frame_bytes(wire.encode_frame(wire.Fatal(f"unauthorized: {why}"))))
-    except OSError:
-        pass
     return False

@@ -19,6 +19,7 @@ its children.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,6 +27,7 @@ import socket
 import ssl
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +37,8 @@ from gpu.kernels.cpu_runtime import tune_cpu_runtime
 _CPU_TUNING = tune_cpu_runtime()
 
 # torch loads with these, after the tuning above.
+import torch  # noqa: E402
+
 import wire  # noqa: E402
 from gpu.runtime.engine import Engine, ProtocolError  # noqa: E402
 from gpu.worker.config import (  # noqa: E402
@@ -59,6 +63,8 @@ log = logging.getLogger("gpu.worker")
 _JOIN = object()  # a connection's first word: authenticated, wants its HELLO
 _EOF = object()  # the receiver's last word: the connection is gone
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# what a connection's thread queues for the step loop (PROBE it answers itself)
+_QUEUED = (wire.Submit, wire.Abort, wire.Audit, wire.StatsReq, wire.Flush, wire.Shutdown)
 RID_BITS = 40  # a frontend's rids are below 2**40; above: its connection's slot
 _RID_MASK = (1 << RID_BITS) - 1
 
@@ -70,8 +76,7 @@ class _Connection:
         self.sock = sock
         self.lock = threading.Lock()
         self.alive = True
-        self.slot = -1  # set when the step loop takes it in (``_Hub.join``)
-        self.base = 0  # slot << RID_BITS: added to its rids in the engine
+        self.slot = -1  # set by ``_Hub.join``; in the engine its rids carry it above RID_BITS
 
     def send(self, frame: wire.Frame) -> None:
         data = wire.frame_bytes(wire.encode_frame(frame))
@@ -97,10 +102,8 @@ class _Connection:
     def close(self) -> None:
         with self.lock:
             self.alive = False
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
 
@@ -113,16 +116,16 @@ class _Hub:
 
     def join(self, conn: _Connection) -> None:
         slot = next(k for k in range(len(self.conns) + 1) if k not in self.conns)
-        conn.slot, conn.base = slot, slot << RID_BITS
+        conn.slot = slot
         self.conns[slot] = conn
 
-    def leave(self, conn: _Connection) -> None:
+    def leave(self, engine: Engine, conn: _Connection, why: str) -> None:
+        """``conn`` is gone: what its frontend held ends and is freed; the others go on."""
+        held = [r for r in (*engine.seqs, *engine.reserved) if r >> RID_BITS == conn.slot]
+        engine.abort(held, why)
         if self.conns.get(conn.slot) is conn:
             del self.conns[conn.slot]
-
-    def held(self, engine: Engine, conn: _Connection) -> list[int]:
-        """The engine rids of everything ``conn``'s frontend has live here."""
-        return [r for r in (*engine.seqs, *engine.reserved) if r >> RID_BITS == conn.slot]
+        conn.close()
 
     def send_entries(self, step_no: int, entries: list[wire.StepEntry]) -> None:
         """One STEP to each frontend with entries in it, each entry under its own rid.
@@ -152,7 +155,7 @@ def _inward(conn: _Connection, rids: list[int]) -> list[int]:
     """A frontend's rids as the engine knows them; ProtocolError past ``RID_BITS``."""
     if rids and max(rids) > _RID_MASK:
         raise ProtocolError(f"rid {max(rids)} is not below 2**{RID_BITS}")
-    return [r + conn.base for r in rids] if conn.base else rids
+    return [r + (conn.slot << RID_BITS) for r in rids] if conn.slot else rids
 
 
 def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None:
@@ -170,15 +173,7 @@ def _receive(conn: _Connection, inbox: queue.Queue[Any], engine: Engine) -> None
                 frame = wire.decode_frame(payload)
                 if isinstance(frame, wire.Probe):
                     conn.send(wire.ProbeReply(frame.nonce, engine.load()))
-                elif isinstance(
-                    frame,
-                    wire.Submit
-                    | wire.Abort
-                    | wire.Audit
-                    | wire.StatsReq
-                    | wire.Flush
-                    | wire.Shutdown,
-                ):
+                elif isinstance(frame, _QUEUED):
                     inbox.put((conn, frame))
                 else:
                     raise wire.WireError(f"a frontend may not send {type(frame).__name__}")
@@ -196,7 +191,7 @@ def _handle(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> bool:
         hub.join(conn)
         conn.send(hello(engine))
     elif frame is _EOF:
-        _leave(engine, hub, conn, "connection lost")
+        hub.leave(engine, conn, "connection lost")
     elif not conn.alive or conn.slot < 0:
         pass  # what a dead connection queued before its end
     elif isinstance(frame, wire.Shutdown):
@@ -206,26 +201,18 @@ def _handle(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> bool:
             _apply(engine, hub, conn, frame)
         except ProtocolError as exc:
             conn.fatal(f"protocol error: {exc}")
-            _leave(engine, hub, conn, "protocol error")
+            hub.leave(engine, conn, "protocol error")
     return False
-
-
-def _leave(engine: Engine, hub: _Hub, conn: _Connection, why: str) -> None:
-    """``conn`` is gone: what its frontend held ends and is freed; the others go on."""
-    engine.abort(hub.held(engine, conn), why)
-    hub.leave(conn)
-    conn.close()
 
 
 def _apply(engine: Engine, hub: _Hub, conn: _Connection, frame: Any) -> None:
     if isinstance(frame, wire.Submit):
         entries = frame.entries
-        if conn.base or any(e.rid > _RID_MASK for e in entries):
+        if conn.slot or any(e.rid > _RID_MASK for e in entries):
             rids = _inward(conn, [e.rid for e in entries])
             entries = [replace(e, rid=r) for e, r in zip(entries, rids, strict=True)]
         errors, done = engine.submit(entries)
-        if errors:
-            hub.send_errors(errors)
+        hub.send_errors(errors)  # nothing is sent for none
         if done:
             hub.send_entries(engine.step_no, done)
     elif isinstance(frame, wire.Abort):
@@ -250,17 +237,12 @@ def _step(engine: Engine, hub: _Hub) -> None:
     except Exception:
         # Ours, not the frontend's: fail what is live, keep serving.
         log.exception("step %d failed; failing every live request", engine.step_no)
+        message = "the worker failed while running this request"
         aborted = engine.abort_all("internal error")
-        errs: list[tuple[int, str, str]] = [
-            (e.rid, wire.ErrorCode.INTERNAL, "the worker failed while running this request")
-            for e in aborted
-        ]
-        if errs:
-            hub.send_errors(errs)
+        hub.send_errors([(e.rid, wire.ErrorCode.INTERNAL, message) for e in aborted])
         return
     failed = engine.take_failed()  # requests a step failed alone (non-finite logits)
-    if failed:
-        hub.send_errors([(rid, wire.ErrorCode.INTERNAL, why) for rid, why in failed])
+    hub.send_errors([(rid, wire.ErrorCode.INTERNAL, why) for rid, why in failed])
     if not entries:
         if engine.step_no != before:  # a prompt chunk: progress the frontends can see
             for conn in list(hub.conns.values()):
@@ -276,14 +258,14 @@ def _step(engine: Engine, hub: _Hub) -> None:
         )
 
 
+@torch.inference_mode()  # for good: entered by every step, it cost ~0.05 ms of each
 def _run(engine: Engine, inbox: queue.Queue[Any], governor: ThreadGovernor) -> None:
     """The step loop over every frontend's frames, until one sends SHUTDOWN."""
     hub = _Hub()
     shutdown = False
     while not shutdown:
         if not engine.has_work:
-            problems = engine.check()
-            if problems:
+            if problems := engine.check():
                 log.error("integrity check failed: %s", problems[:8])
             governor.idle()
             shutdown = _handle(engine, hub, *inbox.get())
@@ -302,40 +284,7 @@ def _run(engine: Engine, inbox: queue.Queue[Any], governor: ThreadGovernor) -> N
         conn.close()
 
 
-def _frontend(
-    sock: socket.socket,
-    who: str,
-    token: str | None,
-    tls: ssl.SSLContext | None,
-    inbox: queue.Queue[Any],
-    engine: Engine,
-) -> None:
-    """One frontend's thread: TLS and the token check, then its frames into ``inbox``."""
-    link: Link | TlsLink = sock
-    try:
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            link = TlsLink(sock, tls, AUTH_TIMEOUT)
-        if token is not None and not authenticate(link, token, who):
-            link.close()
-            return
-    except (OSError, ssl.SSLError) as exc:
-        log.warning("refused a frontend from %s: %s", who, exc)
-        sock.close()
-        return
-    conn = _Connection(link)
-    inbox.put((conn, _JOIN))
-    _receive(conn, inbox, engine)
-
-
-def _accept(
-    listener: socket.socket,
-    token: str | None,
-    tls: ssl.SSLContext | None,
-    inbox: queue.Queue[Any],
-    engine: Engine,
-) -> None:
+def _accept(listener: socket.socket, frontend: Callable[[socket.socket, str], None]) -> None:
     """Accept frontends for as long as the listener is open, a thread each."""
     while True:
         try:
@@ -343,10 +292,7 @@ def _accept(
         except OSError:
             return  # the listener closed: the worker is ending
         who = str(peer) if peer else "a unix socket"
-        threading.Thread(
-            target=_frontend, args=(sock, who, token, tls, inbox, engine),
-            daemon=True, name="frontend",
-        ).start()  # fmt: skip
+        threading.Thread(target=frontend, args=(sock, who), daemon=True, name="frontend").start()
 
 
 def _listen(text: str, tls: bool = False) -> socket.socket:
@@ -357,9 +303,7 @@ def _listen(text: str, tls: bool = False) -> socket.socket:
         raise SystemExit("TLS is for a TCP link: --listen tls:HOST:PORT or tcp:HOST:PORT")
     if address.kind == "unix":
         return listen_unix(address.path, backlog=16)
-    s = socket.create_server((address.host, address.port), reuse_port=False)
-    s.listen(16)
-    return s
+    return socket.create_server((address.host, address.port), backlog=16)
 
 
 def serve(
@@ -372,9 +316,27 @@ def serve(
     """Serve every frontend that connects until one sends SHUTDOWN. A connection that
     fails TLS or the token check is logged and closed; the others go on."""
     inbox: queue.Queue[Any] = queue.Queue()
-    threading.Thread(
-        target=_accept, args=(listener, token, tls, inbox, engine), daemon=True, name="accept"
-    ).start()
+
+    def frontend(sock: socket.socket, who: str) -> None:
+        """One frontend's thread: TLS and the token check, then its frames into ``inbox``."""
+        link: Link | TlsLink = sock
+        try:
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                link = TlsLink(sock, tls, AUTH_TIMEOUT)
+            if token is not None and not authenticate(link, token, who):
+                link.close()
+                return
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("refused a frontend from %s: %s", who, exc)
+            sock.close()
+            return
+        conn = _Connection(link)
+        inbox.put((conn, _JOIN))
+        _receive(conn, inbox, engine)
+
+    threading.Thread(target=_accept, args=(listener, frontend), daemon=True, name="accept").start()
     _run(engine, inbox, governor or ThreadGovernor(1, enabled=False))
     return 0
 
@@ -385,63 +347,56 @@ def main(argv: list[str] | None = None) -> int:
     try:  # --model ORG/NAME[:QUANT] (a standalone worker; serve passes the path it resolved)
         config = replace(config, model_path=resolve_model(config.model_path).path)
     except ModelFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
     if (f := fault_point("worker.start")) is not None:
         f.apply()
     address = parse_address(config.listen)
-    # A Unix-socket worker shares its host with the frontend that connects to it.
-    threads, why = resolve_threads(config.threads, address.kind == "unix")
-    if config.tp == 1:  # --tp > 1: one thread per rank unless --threads (gpu/parallel/tp.py)
-        apply_threads(threads)
     tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
     if (refused := refused_at_start(config)) is not None:
-        print(f"error: {refused}", file=sys.stderr)
-        return 2
+        return _refuse(refused)
     # Listening before the model loads tells a frontend that spawned this worker that it
     # took its options and its device: it binds its own port only then (a refusal above
     # is one line and exit 2, and the frontend never listens).
     listener = _listen(config.listen, tls is not None)
     try:
-        return _load_and_serve(config, listener, tls, threads, why)
+        return _load_and_serve(config, listener, tls)
     finally:
         listener.close()
         if address.kind == "unix" and os.path.exists(address.path):
             os.unlink(address.path)  # nobody connects to a worker that has ended
 
 
+def _refuse(why: object) -> int:
+    """A worker that cannot start says why in one line, as `lifecycle serve` says it."""
+    print(f"error: {why}", file=sys.stderr)
+    return 2
+
+
 def _load_and_serve(
-    config: WorkerConfig,
-    listener: socket.socket,
-    tls: ssl.SSLContext | None,
-    threads: int,
-    why: str,
+    config: WorkerConfig, listener: socket.socket, tls: ssl.SSLContext | None
 ) -> int:
+    address = parse_address(config.listen)
+    # A Unix-socket worker shares its host with the frontend that connects to it.
+    threads, why = resolve_threads(config.threads, address.kind == "unix")
+    if config.tp == 1:  # --tp > 1: one thread per rank unless --threads (gpu/parallel/tp.py)
+        apply_threads(threads)
     try:
         engine = build_engine(config)
-    except ModelFileError as exc:  # one line, as `lifecycle serve` says it
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # options refused together (build_engine): one line too
+    except ModelFileError as exc:
+        return _refuse(exc)
+    except SystemExit as exc:  # options refused together (build_engine)
         if not isinstance(exc.code, str):
             raise
-        print(f"error: {exc.code}", file=sys.stderr)
-        return 2
-    address = parse_address(config.listen)
+        return _refuse(exc.code)
     if address.kind == "tcp" and config.token is None and address.host not in _LOOPBACK:
         log.warning("no worker token: anyone who reaches %s can use this worker", config.listen)
     kv_tokens = engine.config.kv_blocks * config.block_size
     context = engine.mc.context_length
     log.info(
         "listening on %s: %s, context %d tokens, KV cache %d tokens (%d blocks of %d, %s)",
-        config.listen,
-        engine.mc.name,
-        context,
-        kv_tokens,
-        engine.config.kv_blocks,
-        config.block_size,
-        engine.cache.element,
-    )
+        config.listen, engine.mc.name, context, kv_tokens, engine.config.kv_blocks,
+        config.block_size, engine.cache.element,
+    )  # fmt: skip
     governor = worker_governor(threads, engine.loaded.device.type, config.tp)
     log.info(
         "threads %d (%s)%s", threads, why,

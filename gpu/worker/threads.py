@@ -1,24 +1,17 @@
 """The worker's CPU threads: how many, set once in every pool, and fewer while other
-processes want the CPUs.
+processes want the CPUs (docs/worker.md, "Threads", has the measurements).
 
 How many (``resolve_threads``): ``--threads``, else ``OMP_NUM_THREADS`` where the
-environment sets it, else the CPUs this process may use (``wire/cpu_budget.py``:
-affinity and cgroup quota), less a core for a frontend beside it on a many-core host.
-Every pool takes that one number: torch's intra-op pool (OpenMP, which oneDNN uses too),
-the native kernels (they read ``torch.get_num_threads()`` at each call), and, through
-the environment, the OpenMP, MKL and OpenBLAS pools of processes this one starts.
+environment sets it, else the CPUs this process may use (``wire/cpu_budget.py``), less a
+core for a frontend beside it on a many-core host: torch's intra-op pool, the native
+kernels and, through the environment, the pools of processes this one starts.
 
 Fewer while the CPUs are taken (``ThreadGovernor``): each of a step's ~200 parallel
-regions ends at a barrier that waits for every thread of the team. When another busy
-process shares the cores, the scheduler runs one of ours only after that process's time
-slice (milliseconds), so every region waits a slice: 32 tokens took 12.6-13.4 s with
-two threads beside two busy loops against 0.34-0.37 s with one. The governor looks,
-a few times a second while steps run, at how long this process's threads waited for a
-CPU while runnable (``/proc/self/task/*/schedstat``, the scheduler's own run delay)
-and at how much of the allowed CPUs sat idle (``/proc/stat``): threads that waited
-take a thread away (down to one); a whole idle CPU gives one back (up to the resolved
-count). On the default quantized path the thread count changes no result
-(docs/determinism.md), so the governor only changes speed.
+regions ends at a barrier that waits for every thread, and a thread another busy
+process pushed off its core returns only after that process's time slice. The governor
+reads this process's run delay (``/proc/self/task/*/schedstat``) and the allowed CPUs'
+idle time (``/proc/stat``) and moves the count by one. The thread count changes no
+result on the default quantized path (docs/determinism.md): only speed.
 """
 
 from __future__ import annotations
@@ -26,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -102,8 +95,7 @@ def _idle_ticks(cpus: frozenset[int]) -> int:
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
-@dataclass(slots=True)
-class _Sample:
+class _Sample(NamedTuple):
     wall_ns: int
     delay_ns: int
     idle_ticks: int
@@ -113,12 +105,9 @@ class ThreadGovernor:
     """Between ``1`` and ``ceiling`` threads, moved by one at most every ``window_s``
     of stepping. Call ``after_step()`` after each step (cheap: a clock read)."""
 
-    # Our threads wait for a CPU even on a quiet machine: a pool thread woken for a
-    # parallel region waits out the scheduler's wake-up latency, while CPUs sit idle.
-    # Measured on the 2-vCPU VM at 32 streams, 2 threads, nothing else running: waited
-    # 0.05-0.31 CPUs with 0.00-0.22 idle; beside two busy loops: waited 0.81, idle 0.00.
-    # So the waiting that idle CPUs cannot explain is what counts: above CONTENDED a
-    # thread goes.
+    # Our threads wait for a CPU even on a quiet machine (a woken pool thread waits out
+    # the scheduler's wake-up latency while CPUs sit idle: docs/worker.md has the
+    # figures), so the waiting that idle CPUs cannot explain counts: above this a thread goes.
     CONTENDED = 0.3
     # A window in which the allowed CPUs were idle this many CPUs' worth on average
     # gives one back: a whole CPU nobody wanted while our steps ran.
@@ -156,7 +145,10 @@ class ThreadGovernor:
         threads = self.next_threads(waited, idle)
         log.debug("threads %d: waited %.2f CPUs for a CPU, %.2f idle", self.threads, waited, idle)
         if threads != self.threads:
-            self._set(threads, f"waited {waited:.2f} CPUs for a CPU, {idle:.2f} idle")
+            log.debug("threads %d -> %d", self.threads, threads)
+            self.threads = threads
+            self.changes += 1
+            torch.set_num_threads(threads)
 
     def next_threads(self, waited: float, idle: float) -> int:
         """The count after a window in which this process's threads waited ``waited``
@@ -171,9 +163,3 @@ class ThreadGovernor:
     def idle(self) -> None:
         """No steps for a while: the next window starts at the next step."""
         self._last = None
-
-    def _set(self, threads: int, why: str) -> None:
-        log.debug("threads %d -> %d (%s)", self.threads, threads, why)
-        self.threads = threads
-        self.changes += 1
-        torch.set_num_threads(threads)
