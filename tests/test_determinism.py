@@ -39,7 +39,8 @@ import hashlib, json, sys
 import torch
 from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
 from gpu.model.loader import load_model
-from gpu.runtime.runner import NativeTrunk, forward, trunk_for
+from gpu.runtime.runner import NativeTrunk, trunk_for
+from tests.model_steps import forward
 
 lm = load_model(sys.argv[1], device="cpu", weights="quantized")
 bs = 16

@@ -23,7 +23,8 @@ import torch
 from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
 from gpu.kernels import native
 from gpu.model.loader import LoadedModel, load_model
-from gpu.runtime.runner import NativeTrunk, forward, trunk_for
+from gpu.runtime.runner import NativeTrunk, trunk_for
+from tests.model_steps import forward
 from tests.threads import torch_threads
 from tests.tiny_gguf import TinyModel
 

@@ -101,7 +101,7 @@ def _fields(config: Any) -> dict[str, Any]:
 def test_random_model_generates_finite_logits_and_tokens(random_model: Path) -> None:
     lm = load_model(random_model, device="cpu")
     from gpu.cache.kv_cache import PagedKVCache, PrefillChunk
-    from gpu.runtime.runner import forward
+    from tests.model_steps import forward
 
     ids = [5, 40, 77, 100, 200, 30]
     cache = PagedKVCache(lm.config, 1, 16)

@@ -56,9 +56,9 @@ import torch
 from gpu.cache.kv_cache import PagedKVCache, PrefillChunk, kv_storage_dtype
 from gpu.kernels import native
 from gpu.model.loader import LoadedModel, load_model
-from gpu.runtime.runner import forward
 from modelfile.gguf_file import default_model_path
 from tests.dense_cache import DenseKVCache
+from tests.model_steps import forward
 
 # The module fixture runs 13 prompts (~420 forward passes): about 1-2 minutes on an idle
 # 2-core machine, several times that when the cores are shared.

@@ -19,7 +19,8 @@ import torch
 
 from gpu.model.loader import LoadedModel, load_model
 from gpu.runtime.engine import Engine, EngineConfig
-from gpu.runtime.sampling import SampleRow, sample
+from gpu.runtime.sampling import sample
+from tests.model_steps import SampleRow
 from tests.tiny_gguf import TinyModel
 from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import gpu.runtime.step_books
 from gpu.model.loader import LoadedModel, load_model
 from gpu.runtime.engine import Engine, EngineConfig
-from gpu.runtime.sampling import NON_FINITE, SampleRow, sample, sample_greedy
+from gpu.runtime.sampling import NON_FINITE, sample, sample_greedy
+from tests.model_steps import SampleRow
 from tests.tiny_gguf import TinyModel
 from wire import Finish, Step, StepEntry, SubmitEntry, decode_frame, encode_frame, pack_ids
 from wire.frames import K_STEP

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from gpu.cache.kv_cache import BlockManager, PagedKVCache, PrefillChunk, PrefixHit
 from gpu.model.loader import LoadedModel, load_model
 from gpu.runtime.engine import Engine, EngineConfig, ProtocolError
-from gpu.runtime.runner import forward
 from gpu.worker.generate import greedy_generate
 from tests.dense_cache import DenseKVCache
+from tests.model_steps import forward
 from tests.tiny_gguf import TinyModel
 from wire import StepEntry, SubmitEntry, f32s_to_list, ids_to_list, pack_ids
 

@@ -18,7 +18,8 @@ import torch
 
 from gpu.runtime.engine import Engine, EngineConfig
 from gpu.runtime.grammar import allowed_tokens
-from gpu.runtime.sampling import SampleRow, _constrain, sample
+from gpu.runtime.sampling import _constrain, sample
+from tests.model_steps import SampleRow
 from wire import SamplingParams, StepEntry, SubmitEntry, ids_to_list, pack_ids
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu.runtime.sampling import NON_FINITE, SampleRow, parse_request, sample, sample_plain
+from gpu.runtime.sampling import NON_FINITE, parse_request, sample, sample_plain
+from tests.model_steps import SampleRow
 from tests.wire_schema import EVERY_SAMPLING_FIELD
 from wire import SamplingParams, is_greedy
 

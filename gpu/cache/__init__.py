@@ -1,2 +1,1 @@
-"""The paged KV cache: block bookkeeping with the prefix cache (``blocks.py``), attention over
-blocks (``kv_cache.py``) and how big it is made (``memory.py``). A new cache layout goes here."""
+"""The paged KV cache: blocks, prefix cache, attention over blocks, its size; layouts go here."""

@@ -31,12 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpu.kernels.native import NativeKernels, load_kernels
-from gpu.model.linear import (
-    PackedLinear,
-    RowParallelLinear,
-    VocabParallelHead,
-    vocab_parallel_rows,
-)
+from gpu.model.linear import PackedLinear, RowParallelLinear, VocabParallelHead, vocab_parallel_rows
 from gpu.model.quant import QuantLinear, QuantWeight
 from gpu.model.rope import rope_inv_freq, rope_tables
 from gpu.model.shard import ShardPlan

@@ -1,1 +1,1 @@
-"""Tensor parallelism (``--tp K``): K ranks under ``torch.distributed``."""
+"""Tensor parallelism (--tp K): the ranks, and rank 0's steps told to its followers."""

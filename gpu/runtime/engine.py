@@ -30,13 +30,7 @@ from gpu.runtime.sampling import sample, sample_greedy
 from gpu.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
 from gpu.runtime.step import Step, lay_out
 from gpu.runtime.step_books import Books, terminal
-from wire import (
-    ErrorCode,
-    Finish,
-    StepEntry,
-    StepStats,
-    SubmitEntry,
-)
+from wire import ErrorCode, Finish, StepEntry, StepStats, SubmitEntry
 from wire.faults import fault_point
 
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]

@@ -49,7 +49,6 @@ __all__ = [
     "StepInput",
     "StepOutput",
     "Trunk",
-    "forward",
     "trunk_for",
 ]
 
@@ -94,23 +93,6 @@ def trunk_for(model: Llama, cache: PagedKVCache, ops: Ops = None, fuse: bool = T
         fused = FusedTrunk(model.config, model.spec, layers, rope, cache, kernels)
         return NativeTrunk(model, cache, fused)
     return partial(model.trunk, attn=cache, ops=ops)
-
-
-def forward(
-    model: Llama,
-    cache: PagedKVCache,
-    ids: Tensor,
-    positions: Tensor,
-    logits_indices: Tensor | None = None,
-    fuse: bool = True,
-) -> Tensor:
-    """One step of ``model`` on ``cache`` (declared with ``prepare``) as an engine runs
-    it, without an engine: the trunk ``trunk_for`` chooses, then the logits of rows
-    ``logits_indices`` (all rows if None). For a model driven by hand (tests,
-    benchmarks); a loop of steps keeps one ``trunk_for``."""
-    out = model.logits(trunk_for(model, cache, fuse=fuse)(ids, positions), logits_indices)
-    assert isinstance(out, Tensor)
-    return out
 
 
 @dataclass(slots=True)

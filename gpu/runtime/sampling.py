@@ -29,7 +29,6 @@ from wire.sampling import SamplingParams
 __all__ = [
     "NON_FINITE",
     "Row",
-    "SampleRow",
     "SampleResult",
     "parse_request",
     "sample",
@@ -72,23 +71,6 @@ class Row(Protocol):
     def greedy(self) -> bool: ...  # params.greedy, read once
     @property
     def plain(self) -> bool: ...  # not params.adjusts_logits, read once
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """A ``Row`` as plain data (tests and tools)."""
-
-    params: SamplingParams
-    prompt: Sequence[int]
-    output: Sequence[int]
-    generator: torch.Generator | None
-    eog_ids: Sequence[int] = ()
-    greedy: bool = field(init=False)
-    plain: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.greedy = self.params.greedy
-        self.plain = not self.params.adjusts_logits
 
 
 @dataclass(slots=True)
