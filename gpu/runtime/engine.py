@@ -24,11 +24,10 @@ from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.forks import fork_samplers
 from gpu.runtime.grammar import Grammars
 from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
-from gpu.runtime.pooling import pool
 from gpu.runtime.runner import Followers, ModelRunner
 from gpu.runtime.sampling import sample, sample_greedy
 from gpu.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
-from gpu.runtime.step import Step, lay_out
+from gpu.runtime.step import Step, lay_out, pool
 from gpu.runtime.step_books import Books, terminal
 from wire import ErrorCode, Finish, StepEntry, StepStats, SubmitEntry
 from wire.faults import fault_point

@@ -5,12 +5,13 @@ runs, and what the model gives back, in one place.
 (``StepInput``: token ids and positions in row order, the decode rows and prompt
 chunks, which rows need logits, the KV copies to make first) and the host's books of
 it (which sequences sample, score their prompt or pool it, and the logprob rows). The
-engine runs ``step.input`` and records the model's output on it (``ran``); what is then
-left is the host's: ``Engine._settle``.
+engine runs ``step.input`` and records the model's output on it (``ran``, with the embed
+vectors ``pool`` makes of it); what is then left is the host's: ``Engine._settle``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -21,7 +22,7 @@ from gpu.runtime.overlap import InFlight
 from gpu.runtime.runner import StepInput, StepOutput
 from gpu.runtime.scheduler import Sequence
 
-__all__ = ["Step", "lay_out"]
+__all__ = ["Step", "lay_out", "pool"]
 
 
 @dataclass(slots=True)
@@ -95,3 +96,23 @@ def lay_out(
     inp.want_hidden = any(s.options.return_hidden_states for s in samplers)
     inp.all_sampled_decodes = len(samplers) == len(decodes) == len(batch)
     return step
+
+
+def pool(
+    final_norm: Callable[[Tensor], Tensor], x: Tensor, pooling: list[tuple[Sequence, int, int]]
+) -> list[tuple[Sequence, Tensor]]:
+    """Pool this step's final hidden rows ``x`` (each embed request: its sequence, first
+    row, rows); the vectors of those whose prefill this step completes. Mean pooling sums
+    over the chunks, in fp32."""
+    done = []
+    for seq, row, n in pooling:
+        last = seq.num_computed + n == len(seq.tokens)
+        if seq.options.embed is None or seq.options.embed.pooling == "last":
+            if last:
+                done.append((seq, final_norm(x[row + n - 1]).float()))
+            continue
+        part = final_norm(x[row : row + n]).float().sum(0)
+        seq.pooled = part if seq.pooled is None else seq.pooled + part
+        if last:
+            done.append((seq, seq.pooled / len(seq.tokens)))
+    return done

@@ -1,5 +1,6 @@
 """A step's bookkeeping per row, kept to the least Python a row needs (issue 57): the
-STEP entries of its rows and the requests they end (``Books``).
+STEP entries of its rows and the requests they end (``Books``; why one ends after its
+newest token: ``finish_reason``).
 
 At batch 256 every line that runs once per row of every step costs about 0.1 ms of the
 step, which on a GPU is the whole limit. Almost every row of a decode step is "quiet":
@@ -19,7 +20,6 @@ from typing import Any
 
 import torch
 
-from gpu.runtime.finish import finish_reason
 from gpu.runtime.grammar import advance
 from gpu.runtime.logprobs import prompt_extra, token_extra
 from gpu.runtime.sampling import NON_FINITE
@@ -27,13 +27,47 @@ from gpu.runtime.scheduler import Sequence
 from wire import Finish, StepEntry, pack_f32s, pack_id
 from wire.faults import active_plan, fault_point
 
-__all__ = ["NON_FINITE_MESSAGE", "Books", "quiet_ends", "terminal", "token_entries"]
+__all__ = [
+    "NON_FINITE_MESSAGE",
+    "Books",
+    "finish_reason",
+    "quiet_ends",
+    "terminal",
+    "token_entries",
+]
 
 NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 # A StepEntry from its four fields without NamedTuple's keyword-handling ``__new__``:
 # 0.13 us a row against 0.21 (the same tuple).
 _new_tuple = tuple.__new__
+
+
+def finish_reason(
+    seq: Sequence, eog_ids: Collection[int], decode: Callable[[Seq[int]], str], grammar_end: int
+) -> list[Any] | None:
+    """The STEP entry's finish (``specs/wire.cddl``) or None: a grammar's refusal, a stop
+    id or end of generation, a finished grammar (ended with ``grammar_end``), a stop
+    string or pattern in the decoded tail of the output, the length."""
+    p, tok = seq.params, seq.tokens[-1]
+    if seq.grammar_error is not None:
+        return [Finish.ABORT, seq.grammar_error]
+    if tok in p.stop_token_ids or (not p.ignore_eos and tok in eog_ids):
+        return [Finish.STOP, tok]
+    if seq.grammar_done:  # nothing but the end could follow: end now, a step sooner
+        return [Finish.STOP, grammar_end]
+    if seq.stop_window:
+        tail = decode(seq.output[-seq.stop_window :])
+        for s in p.stop:
+            if s in tail:
+                return [Finish.STOP, s]
+        for i, pattern in enumerate(seq.stop_patterns):
+            m = next((m for m in pattern.finditer(tail) if m.end() > m.start()), None)
+            if m is not None:
+                return [Finish.STOP, m.group(0), i]
+    if seq.num_output >= p.max_new_tokens:
+        return [Finish.LENGTH, p.max_new_tokens]
+    return None
 
 
 def quiet_ends(seq: Sequence, eog: Collection[int]) -> frozenset[int] | None:
