@@ -171,7 +171,7 @@ CONTROL_TEXT = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more text", " <|im_start|> ", "\n<|im_end|>\n", "<|im_start", "im_start|>",
     "<|im_start|", "< |im_start|>", "<|IM_START|>", "<<|im_start|>>", "<|im_start|><|im_start|>",
-    "<reponame>lifecycle<file_sep>gpu/model/decoder.py<filename>x", "<jupyter_code>print(1)<jupyter_output>1",
+    "<reponame>lifecycle<file_sep>gpu/model.py<filename>x", "<jupyter_code>print(1)<jupyter_output>1",
     "<issue_start>bug<issue_comment>fixed<issue_closed>", "<gh_stars>100", "<empty_output>",
     "".join(SPECIALS), " ".join(SPECIALS), "<|im_end|>" * 5, "a<|im_end|>b<|im_start|>c",
     "<|im_start|>assistant\nThe answer is 4.<|im_end|>",
