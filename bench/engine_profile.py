@@ -191,7 +191,8 @@ def main() -> int:
 
 
 def side_by_side(args: argparse.Namespace) -> int:
-    """This tree against ``args.baseline``, A B A B, each run a fresh process."""
+    """This tree against ``args.baseline``, A B A B, each run a fresh process of the
+    tree's own copy of this script (whose imports match its layout)."""
     import statistics
     import subprocess
     import tempfile
@@ -207,7 +208,9 @@ def side_by_side(args: argparse.Namespace) -> int:
         for rep in range(args.reps):
             for name, tree in trees.items():
                 out = pathlib.Path(tmp) / f"{rep}-{len(runs[name])}-{name[:4]}.json"
-                cmd = [sys.executable, __file__, "--code", str(tree), "--json", str(out),
+                # each tree measured by its own copy of this script (its module layout)
+                script = tree / "bench" / "engine_profile.py"
+                cmd = [sys.executable, str(script), "--code", str(tree), "--json", str(out),
                        "--batch", str(args.batch), "--prompt", str(args.prompt),
                        "--steps", str(args.steps), "--top", "0"]  # fmt: skip
                 cmd += ["--tiny"] if args.tiny else ["--model", str(args.model)]
