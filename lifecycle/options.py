@@ -334,6 +334,8 @@ class AppConfig:
     kv_cache_tokens: int | None = forwarded(_WORKER)
     kv_memory_mib: int | None = forwarded(_WORKER)
     kv_cache_dtype: str | None = forwarded(_WORKER)
+    prefix_cache_dir: str | None = forwarded(_WORKER)
+    prefix_cache_disk_mib: int | None = forwarded(_WORKER)
     mem_fraction: float | None = forwarded(_WORKER)
     decode_graphs: str | None = forwarded(_WORKER)
     overlap: str | None = forwarded(_WORKER)

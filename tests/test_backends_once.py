@@ -1,7 +1,7 @@
 """Backends are chosen once, where an object is built (issue 57, point 2): no product
-code assigns an attribute of a model, cache, engine, runner, scheduler or graphs from
-outside it after construction, and a loaded model shared by engines of different kernels
-holds none of their choices."""
+code assigns an attribute of a model, cache, engine, runner, scheduler, graphs, block
+manager or disk tier from outside it after construction, and a loaded model shared by
+engines of different kernels holds none of their choices."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ PRODUCT = ("gpu", "lifecycle", "wire", "modelfile", "transport")
 # What an engine is made of: an attribute of one of these (by the name it goes by) is
 # the object's own business, set in its constructor.
 BUILT = frozenset({"model", "cache", "engine", "scheduler", "runner", "graphs", "mixed",
-                   "mixed_graphs", "lm", "loaded", "trunk"})  # fmt: skip
+                   "mixed_graphs", "lm", "loaded", "trunk", "blocks", "disk"})  # fmt: skip
 
 
 def _owner_names(node: ast.expr) -> list[str]:
@@ -78,6 +78,7 @@ engine.cache = engine.runner.cache = cache
 self.model.fuse_trunk = False
 engine.kv_plan, x = plan, 1
 setattr(cache, "ops", ops)
+blocks.evicted = self.write
 """
     good = """
 self.ops = ops
@@ -85,7 +86,7 @@ seq.started = True
 self.cache = cache
 out.followers = followers
 """
-    assert [line for line, _ in assignments_from_outside(bad)] == [2, 3, 3, 4, 5, 6]
+    assert sorted(line for line, _ in assignments_from_outside(bad)) == [2, 3, 3, 4, 5, 6, 7]
     assert assignments_from_outside(good) == []
 
 

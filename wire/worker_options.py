@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CPU_KV_MIB",
     "DEFAULT_MEM_FRACTION",
+    "DEFAULT_PREFIX_CACHE_DISK_MIB",
     "DEVICE_FORM",
     "DTYPES",
     "GRAPH_MODES",
@@ -55,6 +56,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; the frontend reads it from HELLO
 # fp32), near llama-server's default 32k-token f16 cache: with the quantized weights
 # (96 MiB) and the rest (~260 MiB) the worker stays near llama-server's resident size.
 DEFAULT_CPU_KV_MIB = 640
+DEFAULT_PREFIX_CACHE_DISK_MIB = 4096  # --prefix-cache-dir's bound (gpu/cache/disk.py)
 DEFAULT_MEM_FRACTION = 0.85  # CUDA: the KV cache's share of free memory (gpu/cache/memory.py)
 # On the CPU a step's time grows with its rows (about 1.8 ms a row at 32-64 rows), so a
 # prompt chunk that joins the decodes lengthens every stream's gap. Capping a mixed
@@ -194,6 +196,13 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("overlap", "launch each step before reading the previous step's sampled tokens, "
        "so the host's work runs while the device computes (auto: on CUDA; the same "
        "tokens either way)", choices=OVERLAP_MODES, default="auto", forwarded=True),
+    _w("prefix_cache_dir", "keep the prefix cache's full blocks in this directory too, so "
+       "a prefix outlives the worker: written as memory evicts them and at shutdown, read "
+       "back when a prompt's prefix matches (one model per directory; files of another "
+       "model, KV element or layout are removed; default: none)", forwarded=True),
+    _w("prefix_cache_disk_mib", "the most MiB --prefix-cache-dir holds (the least recently "
+       "used files go first)", type=int, default=DEFAULT_PREFIX_CACHE_DISK_MIB, minimum=1,
+       forwarded=True),
     _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE, minimum=1),
     _w("max_running", "requests the worker runs in one batch", type=int, default=64,
        minimum=1, forwarded=True, scripted=True),
@@ -244,6 +253,8 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
             return "--tp > 1 keeps the KV cache in --dtype: leave --kv-cache-dtype at auto"
         if v["kernels"] != "torch":
             return "--tp > 1 runs the torch ops on every rank: leave --kernels at torch"
+        if v["prefix_cache_dir"] is not None:
+            return "--prefix-cache-dir keeps whole blocks: it runs at --tp 1"
     if v["device"] == "cpu":
         if v["decode_graphs"] == "on":
             return "CUDA graphs need a CUDA device (use --decode-graphs eager or off)"

@@ -12,8 +12,10 @@ cached in LRU order and are evicted only when the free list runs dry.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["BlockManager", "NoFreeBlocks", "PrefixHit", "block_hash"]
@@ -24,8 +26,18 @@ class NoFreeBlocks(RuntimeError):
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Content hash of one full block, chained with its parent's (deterministic for ints)."""
-    return hash((parent, tuple(tokens)))
+    """Content hash of one full block, chained with its parent's: a stable digest (the
+    same in every process and release), so it also names the block on disk
+    (``gpu/cache/disk.py``)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+# What is told of a full cached block as ``allocate`` evicts it, while its KV is still
+# valid: (block, its hash, its parent's hash, its tokens).
+Evicted = Callable[[int, int, "int | None", tuple[int, ...]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +61,9 @@ class BlockManager:
     its rows are only ever copied).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, evicted: Evicted | None = None) -> None:
+        """``evicted``: told of each full cached block ``allocate`` evicts (the disk tier's,
+        ``gpu/runtime/disk_prefix.py``)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -62,6 +76,7 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._by_hash: dict[int, int] = {}
         self._children: dict[tuple[int | None, int], set[int]] = {}  # (parent, 1st token)
+        self.evicted = evicted
 
     @property
     def num_free(self) -> int:
@@ -81,6 +96,9 @@ class BlockManager:
                 b = self._free.pop()
             else:
                 b, _ = self._cached.popitem(last=False)
+                h, tokens = self._hash[b], self._tokens[b]
+                if self.evicted is not None and h is not None and tokens is not None:
+                    self.evicted(b, h, self._parent[b], tokens)
                 self._unregister(b)
             self.ref[b] = 1
             out.append(b)
@@ -181,6 +199,14 @@ class BlockManager:
         self._children.setdefault(key, set()).add(block)
         self._tokens[block] = tokens
         self._parent[block] = parent
+
+    def cached_full(self) -> Iterator[tuple[int, int, int | None, tuple[int, ...]]]:
+        """Every cached full block, most recently used first, as ``Evicted`` is told of
+        one (the disk tier's spill at shutdown)."""
+        for b in reversed(self._cached):
+            h, tokens = self._hash[b], self._tokens[b]
+            if h is not None and tokens is not None:
+                yield b, h, self._parent[b], tokens
 
     def flush(self) -> int:
         """Drop every unreferenced cached block; returns how many."""

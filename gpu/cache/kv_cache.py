@@ -381,3 +381,10 @@ class PagedKVCache:
         s, d = src * self.block_size, dst * self.block_size
         self.k[:, :, d : d + n] = self.k[:, :, s : s + n]
         self.v[:, :, d : d + n] = self.v[:, :, s : s + n]
+
+    def write_block(self, block: int, k: Tensor, v: Tensor) -> None:
+        """Write one whole block's K and V rows (``[n_layers, n_kv, block_size,
+        head_dim]`` each, the stored element: a block read back from disk)."""
+        s = block * self.block_size
+        self.k[:, :, s : s + self.block_size] = k
+        self.v[:, :, s : s + self.block_size] = v

@@ -20,6 +20,7 @@ from gpu.cache.kv_cache import BlockManager, PagedKVCache
 from gpu.cache.memory import KVPlan, MemoryFootprint
 from gpu.model.loader import LoadedModel
 from gpu.runtime.admission import Admission, ProtocolError, TooLong, declared_n, prefills
+from gpu.runtime.disk_prefix import disk_prefix_for
 from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.forks import fork_samplers
 from gpu.runtime.grammar import Grammars
@@ -56,13 +57,17 @@ class Engine:
         self.mc = loaded.config
         self.config = config
         self.kv_plan = kv_plan
-        self.blocks = BlockManager(config.kv_blocks, config.block_size)
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.runner = ModelRunner(loaded, config, self.max_context, cache_type, followers)
         self.cache = self.runner.cache
+        self.disk = disk_prefix_for(config.prefix_cache_dir, config.prefix_cache_disk_mib,
+                                    str(loaded.path), self.cache)  # fmt: skip
+        evicted = self.disk.write if self.disk is not None else None  # to disk, if a tier
+        self.blocks = BlockManager(config.kv_blocks, config.block_size, evicted)
         self.scheduler = Scheduler(
             self.blocks,
             SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
+            self.disk,
         )
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
@@ -110,6 +115,7 @@ class Engine:
             "kv_blocks_free": self.blocks.num_free,
             "kv_blocks_cached": self.blocks.num_cached,
             "rids": len(self.seqs) + len(self.reserved),
+            **(self.disk.store.info() if self.disk is not None else {}),
         }
 
     # -- ingress ---------------------------------------------------------------------
@@ -150,6 +156,7 @@ class Engine:
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         step = lay_out(batch, prev, self.scheduler.take_copies())  # its copies, run next
+        step.input.loads = self.scheduler.take_loads()  # blocks read back from disk, first
         out = self.runner.run(step.input)
         pooling = step.pooling
         pooled = (

@@ -10,6 +10,7 @@ from wire.worker_options import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_RUNNING,
+    DEFAULT_PREFIX_CACHE_DISK_MIB,
     DEFAULT_STEP_TOKENS,
 )
 
@@ -36,3 +37,7 @@ class EngineConfig:
     # The native fused trunk where it applies (gpu/runtime/runner.py, trunk_for); False keeps
     # every step on the torch path (benchmarks and tests compare the two).
     fuse_trunk: bool = True
+    # The prefix cache's disk tier (gpu/runtime/disk_prefix.py): its directory (None: none)
+    # and its bound in MiB.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_mib: int = DEFAULT_PREFIX_CACHE_DISK_MIB

@@ -14,7 +14,8 @@ It owns what depends on the device and the weights rather than on the requests:
   (docs/determinism.md), else the model's torch path through the kernels chosen
   (torch's or Triton's);
 - the LM head on just the rows that need logits (the largest matmul of the model);
-- the step's KV copies (``StepInput.copies``), made before the model runs;
+- the step's KV loads and copies (``StepInput.loads``, ``.copies``), made before the
+  model runs;
 - under ``--tp``, rank 0 tells its followers each step, which run it on the same runner
   over their shards (``gpu/parallel/tp.py``).
 """
@@ -114,6 +115,9 @@ class StepInput:
     # KV rows to copy before the model runs, in order: (src block, dst block, rows), the
     # scheduler's copy-on-write (``Scheduler.copy_rows``).
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Blocks read back from the prefix cache's disk tier (``gpu/runtime/disk_prefix.py``):
+    # (block, K rows, V rows), written before the copies.
+    loads: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -190,6 +194,8 @@ class ModelRunner:
             return self._run(step)
 
     def _run(self, step: StepInput) -> StepOutput:
+        for block, k, v in step.loads:
+            self.cache.write_block(block, k, v)
         for src, dst, n in step.copies:
             self.cache.copy_rows(src, dst, n)
         if (

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from gpu.cache.kv_cache import BlockManager
+from gpu.cache.kv_cache import BlockManager, PrefixHit
+from gpu.runtime.disk_prefix import DiskPrefix
 from wire.options import RequestOptions
 from wire.reasoning_budget import BudgetState
 from wire.sampling import SamplingParams
@@ -102,9 +104,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self, blocks: BlockManager, config: SchedulerConfig, disk: DiskPrefix | None = None
+    ) -> None:
         self.blocks = blocks
         self.config = config
+        self.disk = disk  # the prefix cache's disk tier (--prefix-cache-dir), if any
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # The next step's KV copies (src block, dst block, rows), in the order they were
@@ -121,6 +126,11 @@ class Scheduler:
         """The copies decided since the last step, in order (the step about to run's)."""
         copies, self._copies = self._copies, []
         return copies
+
+    def take_loads(self) -> list[tuple[int, Tensor, Tensor]]:
+        """The blocks read back from disk since the last step (``DiskPrefix``), whose
+        rows the runner writes before the copies and the model."""
+        return self.disk.take_loads() if self.disk is not None else []
 
     @property
     def has_work(self) -> bool:
@@ -212,8 +222,16 @@ class Scheduler:
         """Start from the longest cached prefix, to the token. At least one token is
         left to compute: the logits of the last one give the next token."""
         bs = self.blocks.block_size
-        hit = self.blocks.match_prefix(seq.tokens, min(len(seq.tokens) - 1, seq.prefix_limit))
+        limit = min(len(seq.tokens) - 1, seq.prefix_limit)
+        hit = self.blocks.match_prefix(seq.tokens, limit)
         seq.block_table, seq.block_hashes = hit.blocks, hit.hashes
+        # Where the blocks in memory stop, the disk's may go on (whole blocks only).
+        if self.disk is not None and self.disk.extend(
+            self.blocks, seq.tokens, hit.blocks, hit.hashes, limit
+        ):
+            if hit.partial is not None:
+                self.blocks.release([hit.partial])
+            hit = PrefixHit(hit.blocks, hit.hashes)
         seq.num_computed = len(hit.blocks) * bs
         if hit.partial is not None:
             if self.blocks.num_free:

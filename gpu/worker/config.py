@@ -72,6 +72,8 @@ class WorkerConfig:
     token: str | None = _D["token"]  # None: LIFECYCLE_WORKER_TOKEN
     tls_cert: str | None = _D["tls_cert"]
     tls_key: str | None = _D["tls_key"]  # when not in the certificate file
+    prefix_cache_dir: str | None = _D["prefix_cache_dir"]  # gpu/runtime/disk_prefix.py
+    prefix_cache_disk_mib: int = _D["prefix_cache_disk_mib"]
 
 
 def mixed_prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
@@ -179,7 +181,8 @@ def build_engine(config: WorkerConfig) -> Engine:
     engine_config = EngineConfig(
         blocks, config.block_size, config.max_running, config.max_pending, config.step_tokens,
         mixed_prefill_tokens(config, lm.device), graphs, config.overlap, config.kv_cache_dtype,
-        config.mixed_graphs, config.kernels,
+        config.mixed_graphs, config.kernels, prefix_cache_dir=config.prefix_cache_dir,
+        prefix_cache_disk_mib=config.prefix_cache_disk_mib,
     )  # fmt: skip
     engine = Engine(lm, engine_config, plan, followers=followers)
     if followers is not None:

@@ -45,6 +45,9 @@ def hello(engine: Engine) -> wire.Hello:
         "weights": "quantized" if engine.model.quantized() else "dense",
         "kv_dtype": engine.cache.element,
     }
+    if engine.disk is not None:  # the prefix cache's disk tier (--prefix-cache-dir)
+        capacity["prefix_cache_dir"] = str(engine.disk.store.root)
+        capacity["prefix_cache_disk_mib"] = c.prefix_cache_disk_mib
     if engine.kv_plan is not None:
         capacity.update(engine.kv_plan.info())
     return wire.Hello(model, capacity)

@@ -280,6 +280,8 @@ def _run(engine: Engine, inbox: queue.Queue[Any], governor: ThreadGovernor) -> N
     entries = engine.abort_all("worker shutting down")
     if entries:
         hub.send_entries(engine.step_no, entries)
+    if engine.disk is not None:  # the prefix cache outlives the worker
+        engine.disk.spill(engine.blocks)
     for conn in list(hub.conns.values()):
         conn.close()
 
