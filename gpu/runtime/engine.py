@@ -27,7 +27,7 @@ from gpu.runtime.grammar import Grammars
 from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.runtime.runner import Followers, ModelRunner
 from gpu.runtime.sampling import sample, sample_greedy
-from gpu.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+from gpu.runtime.scheduler import Scheduler, Sequence
 from gpu.runtime.step import Step, lay_out, pool
 from gpu.runtime.step_books import Books, terminal
 from wire import ErrorCode, Finish, StepEntry, StepStats, SubmitEntry
@@ -64,11 +64,7 @@ class Engine:
                                     str(loaded.path), self.cache)  # fmt: skip
         evicted = self.disk.write if self.disk is not None else None  # to disk, if a tier
         self.blocks = BlockManager(config.kv_blocks, config.block_size, evicted)
-        self.scheduler = Scheduler(
-            self.blocks,
-            SchedulerConfig(config.max_running, config.step_tokens, config.mixed_prefill_tokens),
-            self.disk,
-        )
+        self.scheduler = Scheduler(self.blocks, config, self.disk)
         self.seqs: dict[int, Sequence] = {}
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
         self.step_no = 0

@@ -21,22 +21,12 @@ from torch import Tensor
 
 from gpu.cache.kv_cache import BlockManager, PrefixHit
 from gpu.runtime.disk_prefix import DiskPrefix
+from gpu.runtime.engine_config import EngineConfig
 from wire.options import RequestOptions
 from wire.reasoning_budget import BudgetState
 from wire.sampling import SamplingParams
-from wire.worker_options import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
 
-__all__ = ["Scheduler", "SchedulerConfig", "Sequence"]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_running: int = DEFAULT_MAX_RUNNING
-    step_tokens: int = DEFAULT_STEP_TOKENS
-    # While any sequence is decoding, prompt tokens (new prefills and later chunks) per
-    # step stop at this: a chunk shares its step with every decode. The worker's default
-    # depends on the device (gpu/worker/config.py, CPU_MIXED_PREFILL_TOKENS).
-    mixed_prefill_tokens: int = DEFAULT_STEP_TOKENS
+__all__ = ["Scheduler", "Sequence"]
 
 
 @dataclass(slots=True, eq=False)
@@ -105,8 +95,11 @@ class Sequence:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, config: SchedulerConfig, disk: DiskPrefix | None = None
+        self, blocks: BlockManager, config: EngineConfig, disk: DiskPrefix | None = None
     ) -> None:
+        """``config``: the engine's, of which the scheduler reads its bounds (max_running,
+        step_tokens, mixed_prefill_tokens: while any sequence decodes, the prompt tokens
+        a step takes stop there, a chunk sharing its step with every decode)."""
         self.blocks = blocks
         self.config = config
         self.disk = disk  # the prefix cache's disk tier (--prefix-cache-dir), if any
