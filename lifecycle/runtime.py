@@ -27,7 +27,7 @@ from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.link.autoscale import AutoscaleConfig, autoscale_after, autoscale_bounds
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
-from lifecycle.link.supervisor import Supervisor, SupervisorConfig
+from lifecycle.link.supervisor import STOP_GRACE, Supervisor, SupervisorConfig
 from lifecycle.models import ModelSpec, model_arguments, models_in, split_name
 from lifecycle.options import MODEL_WORKER, OPTIONS, SCRIPTED_WORKER, AppConfig, read_key_file
 from lifecycle.tracing.metrics import Metrics
@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["AppConfig", "Runtime", "app_config", "server_args", "worker_addresses", "worker_args"]
 
 log = logging.getLogger("lifecycle.runtime")
+# Seconds a worker with a disk prefix cache has to stop: its spill writes the most recently
+# used blocks first, atomically, so one cut short keeps the newest (about 1,800 SmolLM2
+# blocks, 640 MiB, took a few seconds here).
+SPILL_GRACE = 30.0
 
 
 def worker_args(cfg: AppConfig) -> tuple[str, ...]:
@@ -350,6 +354,8 @@ def _supervisor_config(cfg: AppConfig, address: str | None, token: str | None) -
         hung_timeout=cfg.hung_timeout,
         warmup=cfg.warmup,
         max_queued=cfg.max_queued + CONTROL_HEADROOM,  # every admitted request, and probes
+        # a worker with a disk prefix cache writes its blocks out as it stops
+        stop_grace=SPILL_GRACE if cfg.prefix_cache_dir else STOP_GRACE,
     )
     if cfg.restart_backoff:
         sup_config = replace(sup_config, backoff=cfg.restart_backoff)

@@ -334,3 +334,14 @@ def test_a_spill_dates_the_most_recently_used_newest(lm: LoadedModel, tmp_path: 
     size = max(engine.disk.store.path(k).stat().st_size for k in new)
     again = _store(tmp_path, engine.disk.store.layout, max_bytes=4 * size)
     assert {k for k in old + new if k in again} == set(new)
+
+
+def test_a_worker_with_a_disk_cache_is_given_time_to_spill() -> None:
+    """A spawned worker is killed this long after its SHUTDOWN: longer with a disk tier,
+    whose spill writes the blocks out as it stops."""
+    from lifecycle.link.supervisor import STOP_GRACE
+    from lifecycle.runtime import SPILL_GRACE, AppConfig, _supervisor_config
+
+    plain = _supervisor_config(AppConfig(), None, None)
+    spilling = _supervisor_config(AppConfig(prefix_cache_dir="/tmp/kv"), None, None)
+    assert plain.stop_grace == STOP_GRACE < SPILL_GRACE == spilling.stop_grace

@@ -29,9 +29,19 @@ from lifecycle.link.worker_client import DEFAULT_MAX_QUEUED, WorkerClient
 from wire import WireError
 from wire.child import SUPERVISED
 
-__all__ = ["LoadFailed", "Supervisor", "SupervisorConfig", "WarmupFailed", "supervision_info"]
+__all__ = [
+    "STOP_GRACE",
+    "LoadFailed",
+    "Supervisor",
+    "SupervisorConfig",
+    "WarmupFailed",
+    "supervision_info",
+]
 
 log = logging.getLogger("lifecycle.link.supervisor")
+
+
+STOP_GRACE = 3.0  # seconds a spawned worker has to exit after SHUTDOWN, by default
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,9 @@ class SupervisorConfig:
     stable_after: float = 30.0  # a life this long resets the back-off
     token: str | None = None  # answers a remote worker's CHALLENGE (wire.auth)
     tls_ca: str | None = None  # CA file a tls: worker's certificate is checked with
+    # Seconds a spawned worker has to exit after its SHUTDOWN before it is killed: what
+    # it does then (a disk prefix cache's spill of its blocks, gpu/runtime/disk_prefix.py).
+    stop_grace: float = STOP_GRACE
 
 
 AUDIT_TIMEOUT = 5.0  # seconds an AUDIT may wait for the worker's step to end
@@ -298,7 +311,9 @@ class Supervisor:
             finally:
                 self.client = None
                 if proc is not None:
-                    await _reap(proc, grace=3.0 if self._stopping or not self._wanted else 0.0)
+                    await _reap(
+                        proc, self.config.stop_grace if self._stopping or not self._wanted else 0.0
+                    )
 
     async def _handshake(self, address: str, proc: anyio.abc.Process | None) -> WorkerClient:
         """Connected and HELLO read. A spawned worker listens before it loads its model,
