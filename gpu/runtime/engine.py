@@ -151,8 +151,8 @@ class Engine:
         fault = fault_point("worker.forward")
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
-        step = lay_out(batch, prev, self.scheduler.take_copies())  # its copies, run next
-        step.input.loads = self.scheduler.take_loads()  # blocks read back from disk, first
+        s = self.scheduler  # the step's cache operations, made by the runner before it runs
+        step = lay_out(batch, prev, s.take_copies(), s.take_loads())
         out = self.runner.run(step.input)
         pooling = step.pooling
         pooled = (

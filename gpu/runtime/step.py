@@ -49,13 +49,15 @@ def lay_out(
     batch: list[tuple[Sequence, int]],
     prev: InFlight | None,
     copies: list[tuple[int, int, int]] | None = None,
+    loads: list[tuple[int, Tensor, Tensor]] | None = None,
 ) -> Step:
     """``batch``'s rows in order: a decode that samples (the common row) takes the short
     way; prompt chunks add their prompt-logprob rows, the last row of a finished prompt
     samples (or scores, or pools). ``prev``: the overlapped step still in flight, whose
     sampled tokens some rows read on the device; ``copies``: the KV copies the
-    scheduler decided for this step (``Scheduler.take_copies``), in order."""
-    step = Step(batch, StepInput(copies=copies or []))
+    scheduler decided for this step (``Scheduler.take_copies``), in order; ``loads``: the
+    blocks read back from disk for it (``Scheduler.take_loads``), written first."""
+    step = Step(batch, StepInput(copies=copies or [], loads=loads or []))
     inp, rows, samplers = step.input, step.rows, step.samplers
     ids, pos, decodes, prefills = inp.ids, inp.pos, inp.decodes, inp.prefills
     future_rows: list[int] = []  # rows whose input the step in flight sampled
