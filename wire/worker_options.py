@@ -32,6 +32,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "OneLineParser",
     "OVERLAP_MODES",
+    "SPECULATIVE_MODES",
     "WEIGHT_MODES",
     "WORKER_OPTIONS",
     "WorkerOption",
@@ -45,6 +46,7 @@ GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/backends/graphs.py
 MIXED_GRAPH_MODES = ("auto", "off")  # gpu/backends/piecewise.py: auto is with the decode graphs
 KERNEL_MODES = ("torch", "triton")  # gpu/kernels/kernel_choice.py
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/runtime/engine.py, Engine.step
+SPECULATIVE_MODES = ("off", "ngram")  # gpu/runtime/speculation.py
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/model/loader.py
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/cache/kv_cache.py, kv_storage_dtype
 # --dtype's names, each to torch's name of the type (gpu/model/loader.py, resolve_device)
@@ -203,6 +205,16 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("prefix_cache_disk_mib", "the most MiB --prefix-cache-dir holds (the least recently "
        "used files go first)", type=int, default=DEFAULT_PREFIX_CACHE_DISK_MIB, minimum=1,
        forwarded=True),
+    _w("speculative", "speculative decoding: ngram proposes the tokens that followed the "
+       "latest earlier occurrence of the sequence's last tokens (prompt lookup), and one "
+       "step checks them all; the same tokens as without it, greedy or seeded",
+       choices=SPECULATIVE_MODES, default="off", forwarded=True),
+    _w("speculative_tokens", "the most tokens --speculative proposes for a request in "
+       "one step", type=int, default=6, minimum=1, maximum=32, forwarded=True),
+    _w("speculative_ngram_min", "the fewest last tokens an ngram proposal must match",
+       type=int, default=2, minimum=1, forwarded=True),
+    _w("speculative_ngram_max", "the most last tokens an ngram proposal tries to match "
+       "(the longest match wins)", type=int, default=4, minimum=1, forwarded=True),
     _w("block_size", "tokens per KV block", type=int, default=DEFAULT_BLOCK_SIZE, minimum=1),
     _w("max_running", "requests the worker runs in one batch", type=int, default=64,
        minimum=1, forwarded=True, scripted=True),
@@ -255,6 +267,8 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
             return "--tp > 1 runs the torch ops on every rank: leave --kernels at torch"
         if v["prefix_cache_dir"] is not None:
             return "--prefix-cache-dir keeps whole blocks: it runs at --tp 1"
+    if v["speculative_ngram_min"] > v["speculative_ngram_max"]:
+        return "--speculative-ngram-min must not exceed --speculative-ngram-max"
     if v["device"] == "cpu":
         if v["decode_graphs"] == "on":
             return "CUDA graphs need a CUDA device (use --decode-graphs eager or off)"

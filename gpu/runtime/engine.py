@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Sequence_
 from time import perf_counter
 from typing import Any
 
@@ -28,6 +29,7 @@ from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.runtime.runner import Followers, ModelRunner
 from gpu.runtime.sampling import sample, sample_greedy
 from gpu.runtime.scheduler import Scheduler, Sequence
+from gpu.runtime.speculation import SpecTotals, rewind, verify
 from gpu.runtime.step import Step, lay_out, pool
 from gpu.runtime.step_books import Books, terminal
 from wire import ErrorCode, Finish, StepEntry, StepStats, SubmitEntry
@@ -36,6 +38,9 @@ from wire.faults import fault_point
 __all__ = ["Engine", "EngineConfig", "ProtocolError", "TooLong"]
 
 log = logging.getLogger(__name__)
+
+# A step's speculating sequences: (first of its sampler rows, the sequence, its draft).
+Drafted = Sequence_[tuple[int, Sequence, list[int]]]
 
 
 class Engine:
@@ -69,6 +74,7 @@ class Engine:
         self.reserved: dict[int, Sequence] = {}  # rids of forks not yet made -> their parent
         self.step_no = 0
         self.step_stats = StepStats()  # every step's time, sequences and tokens
+        self.spec_totals = SpecTotals()  # every speculating request's proposals
         self._footprint: MemoryFootprint | None = None
         eog = tuple(sorted(self.mc.eog_ids))
         tok = loaded.tokenizer
@@ -112,6 +118,7 @@ class Engine:
             "kv_blocks_cached": self.blocks.num_cached,
             "rids": len(self.seqs) + len(self.reserved),
             **(self.disk.store.info() if self.disk is not None else {}),
+            **(self.spec_totals.load() if self.config.speculation.on else {}),
         }
 
     # -- ingress ---------------------------------------------------------------------
@@ -267,10 +274,10 @@ class Engine:
         if logits is None or not samplers:
             return entries
         logits, hid = ran.rows.samples(logits), ran.rows.samples(ran.hidden)
-        if self.overlap and hid is None and all(flies(s) for s in samplers):
+        if self.overlap and hid is None and not ran.drafts and all(flies(s) for s in samplers):
             self._in_flight = fly(samplers, logits)
             return entries
-        return entries + self._finish_step(samplers, logits, hid)
+        return entries + self._finish_step(samplers, logits, hid, ran.drafts)
 
     def _resolve(self, flight: InFlight) -> list[StepEntry]:
         """An overlapped step's tokens read at last: each sampler's placeholder becomes its
@@ -278,18 +285,66 @@ class Engine:
         return self.books.entries(flight.samplers, land(flight), None, None)
 
     def _finish_step(
-        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None
-    ) -> list[StepEntry]:
+        self, samplers: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
+        drafts: Drafted = (),
+    ) -> list[StepEntry]:  # fmt: skip
         """Sample one token for each of ``samplers`` and make their STEP entries.
 
         Per-row work is per-batch where it can be (issue 57): a batch whose every row is
         greedy and plain, with no grammar, forks, logprobs or hidden states (a decode
-        step's usual case), takes its tokens from one argmax and no other pass over it."""
+        step's usual case), takes its tokens from one argmax and no other pass over it.
+        ``drafts``: the speculating sequences' rows, checked before their entries are
+        made (``_speculated``)."""
         if all(s.argmax_only and s.matcher is None and not s.forks for s in samplers):
-            return self.books.entries(samplers, sample_greedy(logits), None, hidden)
+            tokens = sample_greedy(logits)
+            if drafts:
+                return self._speculated(samplers, tokens, None, hidden, drafts, [])
+            return self.books.entries(samplers, tokens, None, hidden)
         if any(s.forks for s in samplers):
             samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
+            drafts = [(samplers.index(seq), seq, d) for _, seq, d in drafts]  # rows moved
         want_lp = any(s.options.return_logprob for s in samplers)
         allowed = self.grammars.constrain(samplers)
+        # a sampled speculating row's generator, as it stands before its rows' draws
+        states = [(seq.generator, seq.generator.get_state()) if not seq.greedy and
+                  seq.generator is not None else None for _, seq, _ in drafts]  # fmt: skip
         result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
+        if drafts:
+            return self._speculated(samplers, result.tokens, result.logprobs, hidden, drafts,
+                                    states, logits.shape[1])  # fmt: skip
         return self.books.entries(samplers, result.tokens, result.logprobs, hidden)
+
+    def _speculated(
+        self, samplers: list[Sequence], tokens: list[int], lp: torch.Tensor | None,
+        hidden: torch.Tensor | None, drafts: Drafted,
+        states: list[tuple[torch.Generator, torch.Tensor] | None], vocab: int = 0,
+    ) -> list[StepEntry]:  # fmt: skip
+        """The entries of a step with speculating rows (``gpu/runtime/speculation.py``):
+        each draft checked against the tokens sampled at its positions, the rows past
+        its first mismatch dropped, the generators of sampled rows set back to where the
+        rows kept leave them (``states``: each one's before the draws of ``vocab``
+        values a row), and each sequence's accepted draft tokens counted as
+        computed once the entries have appended them."""
+        keep, accepted = verify(tokens, drafts)
+        totals = self.spec_totals
+        for i, ((_, seq, draft), a) in enumerate(zip(drafts, accepted, strict=True)):
+            assert seq.drafts is not None
+            seq.drafts.checked(len(draft), a)
+            totals.draft_tokens += len(draft)
+            totals.accepted_tokens += a
+            totals.verify_steps += 1
+            if states and (saved := states[i]) is not None and a < len(draft):
+                rewind(saved[0], saved[1], a + 1, vocab, torch.float32)
+        if len(keep) < len(tokens):
+            samplers = [samplers[i] for i in keep]
+            tokens = [tokens[i] for i in keep]
+            idx = torch.tensor(keep, device=self.loaded.device)
+            lp = None if lp is None else lp.index_select(0, idx)
+            hidden = None if hidden is None else hidden.index_select(0, idx)
+        entries = self.books.entries(samplers, tokens, lp, hidden)
+        for (_, seq, _), a in zip(drafts, accepted, strict=True):
+            if self.seqs.get(seq.rid) is seq:
+                self.scheduler.accepted(seq, a)
+            else:
+                seq.draft = []
+        return entries

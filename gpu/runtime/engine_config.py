@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu.runtime.speculation import Speculation
 from wire.worker_options import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_PENDING,
@@ -41,3 +42,5 @@ class EngineConfig:
     # and its bound in MiB.
     prefix_cache_dir: str | None = None
     prefix_cache_disk_mib: int = DEFAULT_PREFIX_CACHE_DISK_MIB
+    # Speculative decoding (gpu/runtime/speculation.py): off unless asked.
+    speculation: Speculation = Speculation()

@@ -22,11 +22,12 @@ from torch import Tensor
 from gpu.cache.kv_cache import BlockManager, PrefixHit
 from gpu.runtime.disk_prefix import DiskPrefix
 from gpu.runtime.engine_config import EngineConfig
+from gpu.runtime.speculation import Drafts, Speculation
 from wire.options import RequestOptions
 from wire.reasoning_budget import BudgetState
 from wire.sampling import SamplingParams
 
-__all__ = ["Scheduler", "Sequence"]
+__all__ = ["Scheduler", "Sequence", "speculates"]
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +71,10 @@ class Sequence:
     max_len: int = field(init=False)  # len(tokens) when max_new_tokens is reached
     # A started quiet row's ids that end it (``gpu/runtime/step_books.py``, set by the engine).
     ends: frozenset[int] | None = None
+    # Speculative decoding (``gpu/runtime/speculation.py``): its n-gram index and record,
+    # made at its first decode when it may speculate, and this step's draft tokens.
+    drafts: Drafts | None = None
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.greedy = self.params.greedy
@@ -93,6 +98,20 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
 
+def speculates(seq: Sequence) -> bool:
+    """Whether a started sequence may speculate: nothing but its logits decides its
+    tokens (no penalty, bias or EOG mask reads its output, no grammar or reasoning
+    budget, no hidden states asked) and it is not an embedding."""
+    o = seq.options
+    return (
+        seq.plain
+        and seq.matcher is None
+        and seq.budget is None
+        and not o.return_hidden_states
+        and o.embed is None
+    )
+
+
 class Scheduler:
     def __init__(
         self, blocks: BlockManager, config: EngineConfig, disk: DiskPrefix | None = None
@@ -103,6 +122,8 @@ class Scheduler:
         self.blocks = blocks
         self.config = config
         self.disk = disk  # the prefix cache's disk tier (--prefix-cache-dir), if any
+        spec = config.speculation
+        self.spec: Speculation | None = spec if spec.on else None  # --speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # The next step's KV copies (src block, dst block, rows), in the order they were
@@ -148,9 +169,15 @@ class Scheduler:
         bs = self.blocks.block_size
         preempted = 0
         chunks = False
+        spec = self.spec
         for seq in list(self.running):
             c = seq.num_computed
             left = len(seq.tokens) - c
+            if spec is not None and left == 1 and (n := self._speculate(seq, spec, budget)):
+                batch.append((seq, n))
+                budget -= n
+                chunks = True
+                continue
             if left == 1 and c < len(seq.block_table) * bs:
                 batch.append((seq, 1))  # a decode within its last block
                 budget -= 1
@@ -186,6 +213,35 @@ class Scheduler:
         if chunks:
             batch.sort(key=lambda e: e[1] > 1)
         return batch
+
+    def _speculate(self, seq: Sequence, spec: Speculation, budget: int) -> int:
+        """A decode's rows with its draft (``gpu/runtime/speculation.py``): 1 + the draft's
+        tokens, their blocks held; 0 when it proposes nothing (or they do not fit without
+        preempting anyone: the decode then goes on alone)."""
+        drafts = seq.drafts
+        if drafts is None:
+            if not seq.started or not speculates(seq):
+                return 0
+            drafts = seq.drafts = Drafts(spec)
+        most = min(seq.max_len - len(seq.tokens) - 1, budget - 1)
+        draft = drafts.propose(seq.tokens, most)
+        if not draft:
+            return 0
+        n = 1 + len(draft)
+        need = self._blocks_needed(seq, n)
+        if need > self.blocks.num_free:
+            return 0
+        if need:
+            seq.block_table += self.blocks.allocate(need)
+        seq.draft = draft
+        return n
+
+    def accepted(self, seq: Sequence, n: int) -> None:
+        """``n`` of ``seq``'s draft tokens were accepted (now its tokens): the KV the
+        step wrote for them is its own, past that is written over later."""
+        seq.draft = []
+        if n:
+            self.computed([(seq, n)])
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         bs = self.blocks.block_size
@@ -265,6 +321,8 @@ class Scheduler:
         per row, cold after the model, cost ~0.05 ms)."""
         bs = self.blocks.block_size
         for seq, n in batch:
+            if seq.draft:  # only its last token: the draft's are counted as accepted
+                n = 1
             c = seq.num_computed
             seq.num_computed = c + n
             if c % bs + n >= bs:

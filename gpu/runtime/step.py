@@ -39,6 +39,9 @@ class Step:
     logits: Tensor | None = None  # of ``input.logit_rows``, once run
     hidden: Tensor | None = None
     pooled: list[tuple[Sequence, Tensor]] = field(default_factory=list)  # embed requests
+    # Speculating sequences (``gpu/runtime/speculation.py``): (first of its rows in
+    # ``samplers``, the sequence, its draft); its rows are that one and ``len(draft)`` more.
+    drafts: list[tuple[int, Sequence, list[int]]] = field(default_factory=list)
 
     def ran(self, out: StepOutput, pooled: list[tuple[Sequence, Tensor]]) -> None:
         """The model's output for this step (and the embed requests' pooled vectors)."""
@@ -74,6 +77,15 @@ def lay_out(
             decodes.append((seq.block_table, c + 1))
             sample_rows.append(row)
             samplers.append(seq)
+            continue
+        if seq.draft:  # its last token and the draft, every row sampled
+            step.drafts.append((len(samplers), seq, seq.draft))
+            ids.append(seq.tokens[c])
+            ids += seq.draft
+            pos += range(c, c + n)
+            prefills.append(PrefillChunk(seq.block_table, c, n))
+            sample_rows += range(row, row + n)
+            samplers += [seq] * n
             continue
         ids += seq.tokens[c : c + n]
         pos += range(c, c + n)

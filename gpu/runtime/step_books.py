@@ -119,6 +119,8 @@ def terminal(
     retractions (and the prompt's length when it never started)."""
     extra = dict(extra or {})
     extra["num_retractions"] = seq.num_retractions
+    if seq.drafts is not None:  # it speculated: its proposals' record
+        extra.update(seq.drafts.extra())
     if not seq.started:
         extra["prompt_tokens"] = seq.prompt_len
     return StepEntry(seq.rid, new, finish, extra)

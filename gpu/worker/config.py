@@ -16,6 +16,7 @@ from gpu.cache.kv_cache import kv_storage_dtype
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
 from gpu.runtime.engine import Engine, EngineConfig
+from gpu.runtime.speculation import Speculation
 from wire.worker_options import (
     CPU_MIXED_PREFILL_TOKENS,
     DEFAULT_CPU_KV_MIB,
@@ -74,6 +75,10 @@ class WorkerConfig:
     tls_key: str | None = _D["tls_key"]  # when not in the certificate file
     prefix_cache_dir: str | None = _D["prefix_cache_dir"]  # gpu/runtime/disk_prefix.py
     prefix_cache_disk_mib: int = _D["prefix_cache_disk_mib"]
+    speculative: str = _D["speculative"]  # gpu/runtime/speculation.py
+    speculative_tokens: int = _D["speculative_tokens"]
+    speculative_ngram_min: int = _D["speculative_ngram_min"]
+    speculative_ngram_max: int = _D["speculative_ngram_max"]
 
 
 def mixed_prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
@@ -142,6 +147,12 @@ def refused_at_start(config: WorkerConfig) -> str | None:
     return refused_combination({**asdict(config), "device": device.type})
 
 
+def speculation(config: WorkerConfig) -> Speculation:
+    """``--speculative`` and its bounds as the engine takes them."""
+    return Speculation(config.speculative, config.speculative_tokens,
+                       config.speculative_ngram_min, config.speculative_ngram_max)  # fmt: skip
+
+
 def build_engine(config: WorkerConfig) -> Engine:
     followers = None
     if (refused := refused_combination(asdict(config))) is not None:
@@ -182,7 +193,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         blocks, config.block_size, config.max_running, config.max_pending, config.step_tokens,
         mixed_prefill_tokens(config, lm.device), graphs, config.overlap, config.kv_cache_dtype,
         config.mixed_graphs, config.kernels, prefix_cache_dir=config.prefix_cache_dir,
-        prefix_cache_disk_mib=config.prefix_cache_disk_mib,
+        prefix_cache_disk_mib=config.prefix_cache_disk_mib, speculation=speculation(config),
     )  # fmt: skip
     engine = Engine(lm, engine_config, plan, followers=followers)
     if followers is not None:

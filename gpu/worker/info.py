@@ -48,6 +48,9 @@ def hello(engine: Engine) -> wire.Hello:
     if engine.disk is not None:  # the prefix cache's disk tier (--prefix-cache-dir)
         capacity["prefix_cache_dir"] = str(engine.disk.store.root)
         capacity["prefix_cache_disk_mib"] = c.prefix_cache_disk_mib
+    if (spec := c.speculation).on:  # --speculative and its bounds
+        capacity["speculative"] = {"mode": spec.mode, "tokens": spec.tokens,
+                                   "ngram": [spec.ngram_min, spec.ngram_max]}  # fmt: skip
     if engine.kv_plan is not None:
         capacity.update(engine.kv_plan.info())
     return wire.Hello(model, capacity)

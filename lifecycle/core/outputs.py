@@ -21,7 +21,32 @@ from wire import Finish, RequestOptions, f32s_to_list, ids_to_list
 if TYPE_CHECKING:
     from lifecycle.core.params import GenerateItem
 
-__all__ = ["OutputOptions", "SampleOutput", "grammar_detail", "prompt_reasoning"]
+__all__ = [
+    "SPEC_KEYS",
+    "OutputOptions",
+    "SampleOutput",
+    "grammar_detail",
+    "prompt_reasoning",
+    "spec_meta",
+]
+
+# A speculating request's record in its terminal STEP entry (specs/wire.cddl): steps that
+# checked a proposal, tokens proposed, tokens of those accepted.
+SPEC_KEYS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+
+
+def spec_meta(spec: dict[str, int]) -> dict[str, Any]:
+    """``meta_info``'s speculative keys (SGLang's names): the record, the accepted share
+    of the proposed tokens, and the tokens a checked step gave on average (the accepted
+    ones and the one it samples itself)."""
+    proposed, correct, steps = (spec[k] for k in ("spec_num_proposed_drafts",
+                                                  "spec_num_correct_drafts", "spec_verify_ct"))  # fmt: skip
+    return {
+        **spec,
+        "spec_accept_rate": correct / proposed if proposed else 0.0,
+        "spec_accept_length": 1 + correct / steps if steps else 0.0,
+    }
+
 
 Entry = list[Any]  # [logprob | None, token_id, text | None]
 
@@ -113,6 +138,7 @@ class SampleOutput:
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0
         self.num_retractions = 0
+        self.spec: dict[str, int] = {}  # speculative decoding's record (its terminal entry)
         self.lp: dict[str, list[Any]] = {}
         self.hidden: list[list[float]] = []
         self.embedding: list[float] | None = None  # an embed request's pooled vector
@@ -146,6 +172,8 @@ class SampleOutput:
         self.prompt_tokens = extra.get("prompt_tokens", self.prompt_tokens)
         self.cached_tokens = extra.get("cached_tokens", self.cached_tokens)
         self.num_retractions = extra.get("num_retractions", self.num_retractions)
+        if "spec_verify_ct" in extra:
+            self.spec = {k: extra.get(k, 0) for k in SPEC_KEYS}
         if "embedding" in extra:
             self.embedding = f32s_to_list(extra["embedding"])
         if "grammar_compile_ms" in extra:
@@ -231,6 +259,8 @@ class SampleOutput:
             "num_retractions": self.num_retractions,
             "weight_version": self.opts.weight_version,
         }
+        if self.spec:
+            m.update(spec_meta(self.spec))
         if self.opts.dp_rank is not None:
             m["dp_rank"] = self.opts.dp_rank
         if e2e is not None:

@@ -349,6 +349,16 @@ class _LiveCollector(Collector):
             ):  # fmt: skip
                 if isinstance(load.get(key), int):
                     add(f"worker_{name}", help_text, w, load[key])
+            # Speculative decoding (--speculative): counters since the worker started.
+            for key, name, help_text in (
+                ("spec_num_proposed_drafts", "spec_draft_tokens",
+                 "Tokens speculative decoding proposed."),
+                ("spec_num_correct_drafts", "spec_accepted_tokens",
+                 "Proposed tokens that were accepted (each one a model step saved)."),
+                ("spec_verify_ct", "spec_verify_steps", "Proposals checked, one a request and step."),
+            ):  # fmt: skip
+                if isinstance(load.get(key), int):
+                    add(name, help_text, w, load[key], True)  # exposed as NAME_total
             total, free = load.get("kv_blocks_total"), load.get("kv_blocks_free")
             if isinstance(total, int) and isinstance(free, int):
                 add("worker_kv_blocks_used", "KV cache blocks in use.", w, total - free)

@@ -128,6 +128,7 @@ class FinishedTrace:
             "tokens": tokens,
             "prompt_tokens": extra.get("prompt_tokens"),
             "cached_tokens": extra.get("cached_tokens"),
+            "speculative": extra.get("speculative"),
             "ttft_ms": None if first is None else (first - rec.created_ns) / 1e6,
             "tokens_per_s": _rate(tokens, first, self.finished_ns),
             "finish_reasons": extra.get("finish_reasons"),

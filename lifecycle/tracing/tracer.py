@@ -42,6 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from lifecycle.core import fsm
 from lifecycle.core.fsm import RawEntry, RequestRecord
+from lifecycle.core.outputs import SPEC_KEYS
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import TERMINAL, Event, State
 from lifecycle.tracing.query import key_candidates
@@ -142,6 +143,9 @@ def call_probe(
             first = run.samples[0]
             out["prompt_tokens"] = first.prompt_tokens
             out["cached_tokens"] = first.cached_tokens
+            specs = [s.spec for s in run.samples if s.spec]
+            if specs:  # speculative decoding's record, summed over the samples
+                out["speculative"] = {k: sum(s[k] for s in specs) for k in SPEC_KEYS}
             out["finish_reasons"] = [
                 s.finish.get("type") if isinstance(s.finish, dict) else None for s in run.samples
             ]
