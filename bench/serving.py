@@ -8,6 +8,11 @@ Closed loop (``--max-concurrency C``, requests as fast as slots free up) or open
 wait for a slot, as in ``bench_serving``). A run stops issuing requests once
 ``--num-requests`` have started or ``--time-cap`` seconds have passed; requests in
 flight then finish. Metric definitions: ``bench/metrics.py``.
+
+``--dataset grounded`` sends input-grounded requests (rewrite a function or a paragraph
+with one change, repeat one: ``bench/workload.py``), each rendered in the chat template
+of ``--chat-template-model`` for ``/generate`` and completions (``--api chat`` sends the
+user's turn as it is), and by default lets the model stop at its end of turn.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import anyio
 from bench.apis import IGNORE_EOS_MODES, RequestSpec
 from bench.client import ConnectionPool, Target, send_request
 from bench.metrics import BenchmarkMetrics, RequestOutput, compute_metrics, format_report
-from bench.workload import Prompt, WorkloadConfig, make_workload
+from bench.workload import Prompt, WorkloadConfig, chat_wrapped, make_workload
 
 __all__ = ["LoadConfig", "LoadResult", "main", "run_load", "run_load_sync"]
 
@@ -202,13 +207,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson")
     p.add_argument("--time-cap", type=float, default=600.0, help="stop issuing after S seconds")
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--dataset", choices=("text", "ids", "jsonl"), default="text")
+    p.add_argument("--dataset", choices=("text", "ids", "jsonl", "grounded"), default="text")
     p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ignore-eos", choices=IGNORE_EOS_MODES, default="flag")
+    p.add_argument(
+        "--ignore-eos",
+        choices=IGNORE_EOS_MODES,
+        default=None,
+        help="default: off for --dataset grounded (answers end where the model ends "
+        "them), flag otherwise",
+    )
+    p.add_argument(
+        "--chat-template-model",
+        default=None,
+        metavar="FILE",
+        help="--dataset grounded on /generate or completions: the GGUF whose chat template "
+        "wraps each prompt (default: the bundled SmolLM2)",
+    )
     p.add_argument("--eog-ids", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--model", default="default", help="'model' field of OpenAI requests")
     p.add_argument("--stream-usage", action="store_true", help="ask for usage in OpenAI streams")
@@ -222,10 +240,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    grounded = args.dataset == "grounded"
     spec = RequestSpec(
         api=args.api,
         stream=not args.disable_stream,
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos or ("off" if grounded else "flag"),
         eog_ids=tuple(args.eog_ids),
         model=args.model,
         stream_usage=args.stream_usage,
@@ -242,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             path=args.dataset_path,
         )
     )
+    if grounded and args.api != "chat":
+        prompts = chat_wrapped(prompts, args.chat_template_model)
     cfg = LoadConfig(
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,

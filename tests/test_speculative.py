@@ -70,6 +70,9 @@ def test_drafts_follow_the_latest_longest_match() -> None:
     assert d.propose(tokens, 10) == [1, 2, 6]
     assert d.propose([*tokens, 1], 10) == [2, 6, 7]  # [7, 1] and [6, 7, 1] match now
     assert d.propose([4, 4, 3], 10) == []  # nothing ends in ...3 earlier
+    # a match one period back is a loop: the draft goes on around it
+    assert Drafts(NGRAM).propose([9, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert Drafts(NGRAM).propose([0, 0, 0], 6) == [0, 0, 0, 0, 0, 0]
     assert d.propose([*tokens, 1], 1) == [2]  # capped by what the request may still take
     assert Drafts(NGRAM).propose([1, 2, 3, 1], 10) == []  # one token is below ngram_min 2
 

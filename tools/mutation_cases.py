@@ -210,6 +210,39 @@ FEATURES = (
             "    if False:\n",
         ),
     ),
+    _m(
+        "spec_accepts_one_too_many",
+        "issue 59, point 1",
+        "speculative decoding keeps the row after a draft's first mismatch",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/speculation.py",
+            "        drop.update(range(first + a + 1, first + len(draft) + 1))\n",
+            "        drop.update(range(first + a + 2, first + len(draft) + 1))\n",
+        ),
+    ),
+    _m(
+        "spec_generator_not_rewound",
+        "issue 59, point 1",
+        "a sampled speculating row's generator keeps the draws of the rows dropped",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/engine.py",
+            "                rewind(saved[0], saved[1], a + 1, vocab, torch.float32)\n",
+            "                pass\n",
+        ),
+    ),
+    _m(
+        "spec_draft_published",
+        "issue 59, point 1",
+        "a speculating row's draft KV is counted computed before it was checked",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/scheduler.py",
+            "            if seq.draft:  # only its last token",
+            "            if False:  # only its last token",
+        ),
+    ),
 )
 
 # Each fault protection's named regression test (docs/faults.md, "Named regression tests").

@@ -170,12 +170,15 @@ class Scheduler:
         preempted = 0
         chunks = False
         spec = self.spec
+        # draft rows this step may add: a step of many decodes gains nothing from them
+        room = spec.step_rows - len(self.running) if spec is not None else 0
         for seq in list(self.running):
             c = seq.num_computed
             left = len(seq.tokens) - c
-            if spec is not None and left == 1 and (n := self._speculate(seq, spec, budget)):
+            if room > 0 and left == 1 and (n := self._speculate(seq, spec, min(budget, room + 1))):
                 batch.append((seq, n))
                 budget -= n
+                room -= n - 1
                 chunks = True
                 continue
             if left == 1 and c < len(seq.block_table) * bs:
@@ -214,13 +217,13 @@ class Scheduler:
             batch.sort(key=lambda e: e[1] > 1)
         return batch
 
-    def _speculate(self, seq: Sequence, spec: Speculation, budget: int) -> int:
+    def _speculate(self, seq: Sequence, spec: Speculation | None, budget: int) -> int:
         """A decode's rows with its draft (``gpu/runtime/speculation.py``): 1 + the draft's
         tokens, their blocks held; 0 when it proposes nothing (or they do not fit without
         preempting anyone: the decode then goes on alone)."""
         drafts = seq.drafts
         if drafts is None:
-            if not seq.started or not speculates(seq):
+            if spec is None or not seq.started or not speculates(seq):
                 return 0
             drafts = seq.drafts = Drafts(spec)
         most = min(seq.max_len - len(seq.tokens) - 1, budget - 1)

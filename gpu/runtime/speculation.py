@@ -49,6 +49,11 @@ class Speculation:
     tokens: int = 6  # the most draft tokens per request and step
     ngram_min: int = 2
     ngram_max: int = 4
+    # A step's rows at most, its decodes and their drafts, beyond which no draft is
+    # proposed: the native kernels' cost of a row falls as rows are added up to about
+    # 16 (the weights are unpacked once for all), and grows with each row after that, so
+    # a step of many decodes gains nothing from checking drafts too.
+    step_rows: int = 16
 
     @property
     def on(self) -> bool:
@@ -105,7 +110,8 @@ class Drafts:
 
     def propose(self, tokens: list[int], most: int) -> list[int]:
         """Up to ``min(k, most)`` tokens that followed the latest earlier occurrence of
-        the longest matching suffix of ``tokens``; [] when none matches or paused."""
+        the longest matching suffix of ``tokens`` (continued as a loop past the end);
+        [] when none matches or paused."""
         if self.pause:
             self.pause -= 1
             return []
@@ -123,7 +129,7 @@ class Drafts:
                 continue
             at = self.index[n].get(tuple(tokens[-n:]))
             if at is not None:
-                return tokens[at : at + want]
+                return _continued(tokens, at, want)
         return []
 
     def checked(self, proposed: int, accepted: int) -> None:
@@ -152,6 +158,17 @@ class Drafts:
             "spec_num_correct_drafts": self.accepted,
             "spec_verify_ct": self.verify_ct,
         }
+
+
+def _continued(tokens: list[int], at: int, want: int) -> list[int]:
+    """``want`` tokens from ``tokens[at]`` on, going on past the end into the draft
+    itself: a match near the end is a loop (``a b a b`` matched one period back), which
+    the draft continues for its whole length instead of stopping at the last token."""
+    draft = tokens[at : at + want]
+    period = len(tokens) - at
+    while len(draft) < want:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 def verify(
