@@ -338,6 +338,7 @@ class AppConfig:
     prefix_cache_disk_mib: int | None = forwarded(_WORKER)
     speculative: str | None = forwarded(_WORKER)
     speculative_tokens: int | None = forwarded(_WORKER)
+    speculative_draft: str | None = forwarded(_WORKER)
     speculative_ngram_min: int | None = forwarded(_WORKER)
     speculative_ngram_max: int | None = forwarded(_WORKER)
     mem_fraction: float | None = forwarded(_WORKER)

@@ -105,7 +105,7 @@ def test_verify_keeps_rows_up_to_the_first_mismatch() -> None:
 
 
 def test_options_refuse_what_cannot_run() -> None:
-    with pytest.raises(ValueError, match="off or ngram"):
+    with pytest.raises(ValueError, match="one of off, ngram, draft"):
         Speculation("eagle")
     with pytest.raises(ValueError, match="min <= max"):
         Speculation("ngram", ngram_min=4, ngram_max=2)
@@ -265,6 +265,62 @@ def test_frames_are_the_specs(lm: LoadedModel) -> None:
     validate_frame(wire.encode_frame(wire.Stats(1, load)))
 
 
+# -- a draft model ---------------------------------------------------------------------------
+DRAFT = Speculation("draft", tokens=4)
+
+
+def test_draft_model_as_itself_is_always_right(lm: LoadedModel) -> None:
+    """The served model as its own draft proposes exactly its tokens: every proposal is
+    accepted whole, which holds only if the draft's KV follows the served model's through
+    prompt chunks, prefix hits and accepted drafts (``Drafter.mirror``)."""
+    prompts = _prompts(lm)[:4]
+    params = [_greedy(40) for _ in prompts]
+    plain = run_to_end(_engine(lm, Speculation()), prompts, params)
+    spec = Engine(lm, EngineConfig(kv_blocks=400, step_tokens=32, mixed_prefill_tokens=16,
+                                   speculation=DRAFT), draft=lm)  # fmt: skip
+    assert run_to_end(spec, prompts, params) == plain
+    assert run_to_end(spec, prompts, params) == plain  # from the prefix cache
+    t = spec.spec_totals
+    assert t.verify_steps > 10 and t.accepted_tokens == t.draft_tokens
+
+
+def test_draft_model_of_other_weights(lm: LoadedModel) -> None:
+    """A draft that is another function of the same vocabulary (the same file's weights
+    dequantized to fp32, on the torch path): some proposals fail, the tokens stay the
+    served model's, greedy and seeded."""
+    from gpu.model.loader import load_model
+
+    dense = load_model(lm.path, device="cpu", weights="fp32")
+    prompts = _prompts(lm)[:4]
+    params = [_greedy(32) for _ in prompts[:2]] + [
+        {"max_new_tokens": 32, "temperature": 0.8, "seed": 3 + i} for i in range(2)
+    ]
+    plain = [run_to_end(_engine(lm, Speculation()), [p], [s])[0]
+             for p, s in zip(prompts, params, strict=True)]  # fmt: skip
+    spec = Engine(lm, EngineConfig(kv_blocks=400, speculation=DRAFT), draft=dense)
+    assert run_to_end(spec, prompts, params) == plain
+    t = spec.spec_totals
+    assert 0 < t.accepted_tokens < t.draft_tokens
+
+
+def test_draft_model_must_share_the_vocabulary(lm: LoadedModel, tiny_gguf: Any) -> None:
+    from gpu.model.loader import load_model
+
+    other = load_model(tiny_gguf.path, device="cpu")
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(lm, EngineConfig(kv_blocks=64, speculation=DRAFT), draft=other)
+
+
+def test_draft_options_go_together() -> None:
+    from wire.worker_options import refused_combination
+
+    assert "go together" in (refused_combination({"speculative": "draft"}) or "")
+    assert "go together" in (refused_combination({"speculative_draft": "m.gguf"}) or "")
+    both = {"speculative": "draft", "speculative_draft": "m.gguf"}
+    assert refused_combination(both) is None
+    assert "--prefix-cache-dir" in (refused_combination({**both, "prefix_cache_dir": "d"}) or "")
+
+
 # -- served ---------------------------------------------------------------------------------
 def test_served_record_and_the_same_tokens(lm: LoadedModel) -> None:
     from tests.scripted import lifecycle_server
@@ -296,3 +352,18 @@ def test_served_record_and_the_same_tokens(lm: LoadedModel) -> None:
         accepted = [line for line in metrics.splitlines()
                     if line.startswith("lifecycle_spec_accepted_tokens_total")]  # fmt: skip
         assert accepted and float(accepted[0].rsplit(" ", 1)[1]) >= meta["spec_num_correct_drafts"]
+
+
+def test_served_with_a_draft_model(lm: LoadedModel) -> None:
+    from tests.scripted import lifecycle_server
+
+    prompt = _prompts(lm)[2]
+    plain = run_to_end(_engine(lm, Speculation()), [prompt], [_greedy(24)])[0]
+    with lifecycle_server("--device", "cpu", "--speculative", "draft",
+                          "--speculative-draft", str(lm.path)) as base:  # fmt: skip
+        body = httpx.post(base + "/generate", timeout=120,
+                          json={"input_ids": prompt, "sampling_params": _greedy(24)}).json()  # fmt: skip
+        assert body["output_ids"] == plain
+        assert body["meta_info"]["spec_accept_rate"] == 1.0  # the model is its own draft
+        info = httpx.get(base + "/server_info", timeout=30).json()
+        assert f"'draft': '{lm.path}'" in repr(info)

@@ -46,7 +46,7 @@ GRAPH_MODES = ("auto", "on", "eager", "off")  # gpu/backends/graphs.py
 MIXED_GRAPH_MODES = ("auto", "off")  # gpu/backends/piecewise.py: auto is with the decode graphs
 KERNEL_MODES = ("torch", "triton")  # gpu/kernels/kernel_choice.py
 OVERLAP_MODES = ("auto", "on", "off")  # gpu/runtime/engine.py, Engine.step
-SPECULATIVE_MODES = ("off", "ngram")  # gpu/runtime/speculation.py
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # gpu/runtime/speculation.py
 WEIGHT_MODES = ("auto", "quantized", "fp32", "q8_0", "q4_0")  # gpu/model/loader.py
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")  # gpu/cache/kv_cache.py, kv_storage_dtype
 # --dtype's names, each to torch's name of the type (gpu/model/loader.py, resolve_device)
@@ -206,9 +206,13 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "used files go first)", type=int, default=DEFAULT_PREFIX_CACHE_DISK_MIB, minimum=1,
        forwarded=True),
     _w("speculative", "speculative decoding: ngram proposes the tokens that followed the "
-       "latest earlier occurrence of the sequence's last tokens (prompt lookup), and one "
-       "step checks them all; the same tokens as without it, greedy or seeded",
+       "latest earlier occurrence of the sequence's last tokens (prompt lookup), draft the "
+       "greedy tokens of --speculative-draft's model; one step checks them all, and the "
+       "tokens are the same as without it, greedy or seeded",
        choices=SPECULATIVE_MODES, default="off", forwarded=True),
+    _w("speculative_draft", "the draft model of --speculative draft: a GGUF file or a "
+       "Hugging Face folder with the served model's vocabulary, smaller and faster",
+       forwarded=True),
     _w("speculative_tokens", "the most tokens --speculative proposes for a request in "
        "one step", type=int, default=6, minimum=1, maximum=32, forwarded=True),
     _w("speculative_ngram_min", "the fewest last tokens an ngram proposal must match",
@@ -269,6 +273,11 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
             return "--prefix-cache-dir keeps whole blocks: it runs at --tp 1"
     if v["speculative_ngram_min"] > v["speculative_ngram_max"]:
         return "--speculative-ngram-min must not exceed --speculative-ngram-max"
+    if (v["speculative"] == "draft") != (v["speculative_draft"] is not None):
+        return "--speculative draft and --speculative-draft MODEL go together"
+    if v["speculative"] == "draft" and (v["tp"] > 1 or v["prefix_cache_dir"] is not None):
+        return ("--speculative draft keeps the draft model's KV beside the served one's: "
+                "not with --tp > 1 or --prefix-cache-dir")  # fmt: skip
     if v["device"] == "cpu":
         if v["decode_graphs"] == "on":
             return "CUDA graphs need a CUDA device (use --decode-graphs eager or off)"

@@ -22,6 +22,7 @@ from gpu.cache.memory import KVPlan, MemoryFootprint
 from gpu.model.loader import LoadedModel
 from gpu.runtime.admission import Admission, ProtocolError, TooLong, declared_n, prefills
 from gpu.runtime.disk_prefix import disk_prefix_for
+from gpu.runtime.drafter import Drafter
 from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.forks import fork_samplers
 from gpu.runtime.grammar import Grammars
@@ -51,12 +52,13 @@ class Engine:
         kv_plan: KVPlan | None = None,
         cache_type: Callable[..., PagedKVCache] = PagedKVCache,
         followers: Followers | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         """Every backend is chosen once, as the engine is made (the runner's: the kernels,
         the trunk, the cache, the graphs; the overlap): the loaded model is shared
         between engines and holds none of them. ``kv_plan``: how the cache was sized
         from the card's memory (None: from ``--kv-blocks`` / ``--kv-mib``);
-        ``cache_type``: what makes the cache; ``followers``: the runner's (``--tp``)."""
+        ``cache_type``: what makes the cache; ``followers``: the runner's (``--tp``); ``draft``: ``--speculative draft``'s model."""
         self.loaded = loaded
         self.model = loaded.model
         self.mc = loaded.config
@@ -65,6 +67,8 @@ class Engine:
         self.max_context = min(self.mc.context_length, config.kv_blocks * config.block_size)
         self.runner = ModelRunner(loaded, config, self.max_context, cache_type, followers)
         self.cache = self.runner.cache
+        self.drafter = None if draft is None else Drafter(draft, config, self.max_context,
+                                                          self.mc.vocab_size)  # fmt: skip
         self.disk = disk_prefix_for(config.prefix_cache_dir, config.prefix_cache_disk_mib,
                                     str(loaded.path), self.cache)  # fmt: skip
         evicted = self.disk.write if self.disk is not None else None  # to disk, if a tier
@@ -159,8 +163,12 @@ class Engine:
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         s = self.scheduler  # the step's cache operations, made by the runner before it runs
+        if self.drafter is not None and (drafting := [q for q, _ in batch if q.draft]):
+            self.drafter.fill(drafting)  # their drafts, before the step is laid out
         step = lay_out(batch, prev, s.take_copies(), s.take_loads())
         out = self.runner.run(step.input)
+        if self.drafter is not None:
+            self.drafter.mirror(step.input)
         pooling = step.pooling
         pooled = (
             pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []

@@ -227,7 +227,10 @@ class Scheduler:
                 return 0
             drafts = seq.drafts = Drafts(spec)
         most = min(seq.max_len - len(seq.tokens) - 1, budget - 1)
-        draft = drafts.propose(seq.tokens, most)
+        if self.spec is not None and self.spec.mode == "draft":  # the draft model fills it
+            draft = [0] * drafts.length(most)  # before the step is laid out (Drafter.fill)
+        else:
+            draft = drafts.propose(seq.tokens, most)
         if not draft:
             return 0
         n = 1 + len(draft)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from wire.worker_options import SPECULATIVE_MODES
+
 __all__ = ["Drafts", "Speculation", "SpecTotals", "rewind", "verify"]
 
 # A request's proposals back off after this many in a row accepted nothing; the pause
@@ -60,8 +62,9 @@ class Speculation:
         return self.mode != "off"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", "ngram"):
-            raise ValueError(f"speculative must be off or ngram, got {self.mode!r}")
+        if self.mode not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                             f"got {self.mode!r}")  # fmt: skip
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram sizes must satisfy 1 <= min <= max")
         if self.tokens < 1:
@@ -107,6 +110,14 @@ class Drafts:
         self.k = self.spec.tokens
         for n in range(self.spec.ngram_min, self.spec.ngram_max + 1):
             self.index[n] = {}
+
+    def length(self, most: int) -> int:
+        """A draft model's next draft length for this sequence: ``min(k, most)``, 0
+        while paused (the n-gram's ``propose`` follows the same rules)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return max(0, min(self.k, most))
 
     def propose(self, tokens: list[int], most: int) -> list[int]:
         """Up to ``min(k, most)`` tokens that followed the latest earlier occurrence of

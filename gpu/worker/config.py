@@ -77,6 +77,7 @@ class WorkerConfig:
     prefix_cache_disk_mib: int = _D["prefix_cache_disk_mib"]
     speculative: str = _D["speculative"]  # gpu/runtime/speculation.py
     speculative_tokens: int = _D["speculative_tokens"]
+    speculative_draft: str | None = _D["speculative_draft"]  # --speculative draft's model
     speculative_ngram_min: int = _D["speculative_ngram_min"]
     speculative_ngram_max: int = _D["speculative_ngram_max"]
 
@@ -195,7 +196,14 @@ def build_engine(config: WorkerConfig) -> Engine:
         config.mixed_graphs, config.kernels, prefix_cache_dir=config.prefix_cache_dir,
         prefix_cache_disk_mib=config.prefix_cache_disk_mib, speculation=speculation(config),
     )  # fmt: skip
-    engine = Engine(lm, engine_config, plan, followers=followers)
+    draft = None
+    if config.speculative_draft is not None:  # --speculative draft's model, beside it
+        draft = load_model(config.speculative_draft, device=str(lm.device), dtype=config.dtype,
+                           weights=config.weights, context_length=config.context_length)  # fmt: skip
+    try:
+        engine = Engine(lm, engine_config, plan, followers=followers, draft=draft)
+    except ValueError as exc:  # a draft model that does not fit the served one
+        raise SystemExit(str(exc)) from None
     if followers is not None:
         followers.start(engine_config, engine.max_context)  # they make the same runner
     return engine

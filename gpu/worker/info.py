@@ -51,6 +51,8 @@ def hello(engine: Engine) -> wire.Hello:
     if (spec := c.speculation).on:  # --speculative and its bounds
         capacity["speculative"] = {"mode": spec.mode, "tokens": spec.tokens,
                                    "ngram": [spec.ngram_min, spec.ngram_max]}  # fmt: skip
+        if engine.drafter is not None:
+            capacity["speculative"]["draft"] = str(engine.drafter.model.path)
     if engine.kv_plan is not None:
         capacity.update(engine.kv_plan.info())
     return wire.Hello(model, capacity)
