@@ -182,7 +182,8 @@ def _entries(engine: Engine, prompt: list[int], sampling: dict[str, Any],
         for e in engine.step():
             ids += ids_to_list(e.new_ids)
             extra = dict(e.extra or {})
-            for k in ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts"):
+            for k in ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts",
+                      "grammar_compile_ms", "grammar_cached"):  # fmt: skip
                 extra.pop(k, None)
             extras.append((extra, e.finish))
     return ids, extras
@@ -207,6 +208,37 @@ def test_stop_strings_and_lengths(lm: LoadedModel) -> None:
         assert got == _entries(_engine(lm, Speculation()), prompt, sampling, {})
         assert len(got[0]) <= sampling["max_new_tokens"]
         assert not spec.check() and spec.blocks.num_free == spec.blocks.num_blocks
+
+
+def test_grammar_constrained_equal(lm: LoadedModel) -> None:
+    """A constrained request speculates too: no draft token its grammar refuses is
+    proposed, each checked row is masked by the grammar after the draft before it, and
+    the tokens are those without speculation (greedy and seeded)."""
+    prompt = _prompts(lm)[1]  # counts on: "4, 5, 6, ..."
+    grammar = ["regex", r"( [0-9]{1,2},){1,8}"]
+    for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 4}):
+        sampling = {"max_new_tokens": 40, "grammar": grammar, **extra}
+        spec = _engine(lm)
+        got = _entries(spec, prompt, sampling, {})
+        assert got == _entries(_engine(lm, Speculation()), prompt, sampling, {})
+        assert _accepted(spec) > 5 and got[1][-1][1][0] == "stop"  # the grammar ended it
+
+
+def test_penalties_and_min_tokens_equal(lm: LoadedModel) -> None:
+    """Penalties and the end-of-generation mask read the output: each checked row reads
+    the output with the draft before it, as its decode row would."""
+    prompts = _prompts(lm)[:4]
+    params = [
+        {"max_new_tokens": 32, "temperature": 0, "frequency_penalty": 0.3},
+        {"max_new_tokens": 32, "temperature": 0, "repetition_penalty": 1.1},
+        {"max_new_tokens": 32, "temperature": 0.7, "seed": 2, "presence_penalty": 0.5},
+        {"max_new_tokens": 32, "temperature": 0, "min_new_tokens": 20},
+    ]
+    plain = [run_to_end(_engine(lm, Speculation()), [p], [s])[0]
+             for p, s in zip(prompts, params, strict=True)]  # fmt: skip
+    spec = _engine(lm)
+    assert run_to_end(spec, prompts, params) == plain
+    assert _accepted(spec) > 5
 
 
 def test_random_prompts_back_off(lm: LoadedModel) -> None:

@@ -233,6 +233,28 @@ FEATURES = (
         ),
     ),
     _m(
+        "spec_rows_read_the_output_unchecked",
+        "issue 59, point 1",
+        "a speculating row's penalties read the output without the draft before it",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/speculation.py",
+            "    if all(seq.plain for _, seq, _ in drafts):\n",
+            "    if True:\n",
+        ),
+    ),
+    _m(
+        "spec_grammar_row_masks",
+        "issue 59, point 1",
+        "a speculating row's grammar mask is the matcher's before the draft",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/grammar.py",
+            "    if not any(s.matcher is not None for _, s, _ in drafts):\n",
+            "    if True:\n",
+        ),
+    ),
+    _m(
         "spec_draft_published",
         "issue 59, point 1",
         "a speculating row's draft KV is counted computed before it was checked",

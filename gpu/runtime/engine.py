@@ -25,12 +25,12 @@ from gpu.runtime.disk_prefix import disk_prefix_for
 from gpu.runtime.drafter import Drafter
 from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.forks import fork_samplers
-from gpu.runtime.grammar import Grammars
+from gpu.runtime.grammar import Grammars, draft_matchers
 from gpu.runtime.overlap import InFlight, flies, fly, land, overlap_on
 from gpu.runtime.runner import Followers, ModelRunner
 from gpu.runtime.sampling import sample, sample_greedy
 from gpu.runtime.scheduler import Scheduler, Sequence
-from gpu.runtime.speculation import SpecTotals, rewind, verify
+from gpu.runtime.speculation import SpecTotals, draft_rows, rewind, verify
 from gpu.runtime.step import Step, lay_out, pool
 from gpu.runtime.step_books import Books, terminal
 from wire import ErrorCode, Finish, StepEntry, StepStats, SubmitEntry
@@ -312,11 +312,12 @@ class Engine:
             samplers, logits, hidden = fork_samplers(self, samplers, logits, hidden)
             drafts = [(samplers.index(seq), seq, d) for _, seq, d in drafts]  # rows moved
         want_lp = any(s.options.return_logprob for s in samplers)
-        allowed = self.grammars.constrain(samplers)
+        allowed = self.grammars.constrain(samplers, draft_matchers(samplers, drafts))
         # a sampled speculating row's generator, as it stands before its rows' draws
         states = [(seq.generator, seq.generator.get_state()) if not seq.greedy and
                   seq.generator is not None else None for _, seq, _ in drafts]  # fmt: skip
-        result = sample(logits, samplers, want_logprobs=want_lp, allowed=allowed)
+        rows = draft_rows(samplers, drafts) if drafts else samplers
+        result = sample(logits, rows, want_logprobs=want_lp, allowed=allowed)
         if drafts:
             return self._speculated(samplers, result.tokens, result.logprobs, hidden, drafts,
                                     states, logits.shape[1])  # fmt: skip

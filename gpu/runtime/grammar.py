@@ -27,7 +27,14 @@ import torch
 from modelfile.tokenizer import Tokenizer
 from wire.grammar import to_llguidance
 
-__all__ = ["CompiledGrammar", "Constrained", "Grammars", "advance", "allowed_tokens"]
+__all__ = [
+    "CompiledGrammar",
+    "Constrained",
+    "Grammars",
+    "advance",
+    "allowed_tokens",
+    "draft_matchers",
+]
 
 
 class CompiledGrammar:
@@ -101,12 +108,17 @@ class Grammars:
         )
         return torch.from_numpy(bitmask)
 
-    def constrain(self, samples: Sequence[Constrained]) -> tuple[list[int], torch.Tensor] | None:
-        """The step's constrained rows and their masks, for ``gpu.runtime.sampling.sample``."""
-        rows = [i for i, s in enumerate(samples) if s.matcher is not None]
+    def constrain(
+        self, samples: Sequence[Constrained], matchers: Sequence[object] | None = None
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The step's constrained rows and their masks, for ``gpu.runtime.sampling.sample``.
+        ``matchers``: each row's matcher when not its sample's own (a speculating
+        sample's rows past its first: ``draft_matchers``)."""
+        each = [s.matcher for s in samples] if matchers is None else matchers
+        rows = [i for i, m in enumerate(each) if m is not None]
         if not rows:
             return None
-        return rows, self.masks([samples[i].matcher for i in rows])
+        return rows, self.masks([each[i] for i in rows])
 
 
 class Constrained(Protocol):
@@ -124,6 +136,26 @@ def advance(sample: Constrained, token: int) -> str | None:
         return f"the grammar refused token {token}: {m.get_error()}"
     sample.grammar_done = m.is_stopped()
     return None
+
+
+def draft_matchers(
+    samples: Sequence[Constrained], drafts: Sequence[tuple[int, Constrained, list[int]]]
+) -> list[object] | None:
+    """Each row's matcher in a step with speculating samples (``drafts``: first row,
+    sample, draft): row j of a constrained sample's group is its matcher after the
+    draft's first j tokens (a copy; the draft was cut where the grammar refuses it).
+    None when no speculating sample is constrained."""
+    if not any(s.matcher is not None for _, s, _ in drafts):
+        return None
+    matchers = [s.matcher for s in samples]
+    for first, s, draft in drafts:
+        if s.matcher is None:
+            continue
+        m = s.matcher.deep_copy()
+        for j, tok in enumerate(draft, 1):
+            m.consume_token(tok)
+            matchers[first + j] = m if j == len(draft) else m.deep_copy()
+    return matchers
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -99,17 +99,12 @@ class Sequence:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether a started sequence may speculate: nothing but its logits decides its
-    tokens (no penalty, bias or EOG mask reads its output, no grammar or reasoning
-    budget, no hidden states asked) and it is not an embedding."""
+    """Whether a started sequence may speculate: no reasoning budget forces its tokens,
+    it asks no hidden states and it is not an embedding (penalties, masks and grammars
+    read each checked row's output as its decode row would: ``draft_rows``,
+    ``draft_matchers``)."""
     o = seq.options
-    return (
-        seq.plain
-        and seq.matcher is None
-        and seq.budget is None
-        and not o.return_hidden_states
-        and o.embed is None
-    )
+    return seq.budget is None and not o.return_hidden_states and o.embed is None
 
 
 class Scheduler:
@@ -228,9 +223,13 @@ class Scheduler:
             drafts = seq.drafts = Drafts(spec)
         most = min(seq.max_len - len(seq.tokens) - 1, budget - 1)
         if self.spec is not None and self.spec.mode == "draft":  # the draft model fills it
+            if seq.matcher is not None:  # (its proposals are not held to a grammar)
+                return 0
             draft = [0] * drafts.length(most)  # before the step is laid out (Drafter.fill)
         else:
             draft = drafts.propose(seq.tokens, most)
+            if draft and seq.matcher is not None:  # no token the grammar refuses
+                draft = draft[: seq.matcher.validate_tokens(draft)]
         if not draft:
             return 0
         n = 1 + len(draft)

@@ -35,7 +35,7 @@ import torch
 
 from wire.worker_options import SPECULATIVE_MODES
 
-__all__ = ["Drafts", "Speculation", "SpecTotals", "rewind", "verify"]
+__all__ = ["DraftRow", "Drafts", "SpecTotals", "Speculation", "draft_rows", "rewind", "verify"]
 
 # A request's proposals back off after this many in a row accepted nothing; the pause
 # doubles with each such run, up to MAX_PAUSE steps.
@@ -180,6 +180,35 @@ def _continued(tokens: list[int], at: int, want: int) -> list[int]:
     while len(draft) < want:
         draft.append(draft[len(draft) - period])
     return draft
+
+
+class DraftRow:
+    """Row j of a speculating sequence as the sampler reads it (``gpu.runtime.sampling.Row``):
+    the sequence with the draft's first j tokens in its output, so a penalty or an
+    end-of-generation mask (``min_new_tokens``) reads what its decode row would."""
+
+    __slots__ = ("seq", "output")
+
+    def __init__(self, seq: Any, output: list[int]) -> None:
+        self.seq, self.output = seq, output
+
+    def __getattr__(self, name: str) -> Any:  # params, prompt, generator, eog_ids, ...
+        return getattr(self.seq, name)
+
+
+def draft_rows(samplers: Seq[Any], drafts: Seq[tuple[int, Any, list[int]]]) -> list[Any]:
+    """The sampler's rows of a step with speculating sequences: each group's rows past
+    the first as ``DraftRow``s where the sequence's logits depend on its output (not
+    ``plain``); ``samplers`` itself when none does."""
+    if all(seq.plain for _, seq, _ in drafts):
+        return list(samplers)
+    rows = list(samplers)
+    for first, seq, draft in drafts:
+        if not seq.plain:
+            out = seq.output
+            for j in range(1, len(draft) + 1):
+                rows[first + j] = DraftRow(seq, out + draft[:j])
+    return rows
 
 
 def verify(
