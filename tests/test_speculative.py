@@ -297,6 +297,35 @@ def test_frames_are_the_specs(lm: LoadedModel) -> None:
     validate_frame(wire.encode_frame(wire.Stats(1, load)))
 
 
+@pytest.mark.parametrize("action", ["raise", "nan"])
+def test_a_fault_in_a_speculative_step(
+    lm: LoadedModel, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    """The worker process, its forward failing (or its logits NaN) in a step that checks
+    drafts: the request ends explicitly with what it had, the worker stays up, its books
+    balance, and the next request gets its tokens."""
+    from tests.worker_client import served_worker
+    from wire import Stats, StatsReq
+    from wire.faults import ENV_VAR, FaultPlan, FaultRule
+
+    prompt = _prompts(lm)[1]
+    plain = run_to_end(_engine(lm, Speculation()), [prompt], [_greedy(40)])[0]
+    monkeypatch.setenv(ENV_VAR, FaultPlan([FaultRule("worker.forward", action, nth=6)]).to_json())
+    with served_worker(str(tmp_path / "w.sock"), "--model", str(lm.path), "--speculative",
+                       "ngram", "--kv-cache-tokens", "4096") as c:  # fmt: skip
+        monkeypatch.delenv(ENV_VAR)
+        c.submit(1, prompt, _greedy(200))
+        r = c.wait([1])[1]
+        assert r.error is not None and r.error[0] == "internal" and r.finish is None, r
+        n = min(len(r.ids), len(plain))
+        assert 5 < len(r.ids) < 200 and r.ids[:n] == plain[:n]  # drafts were checked
+        load = c.request(StatsReq(1), Stats).load
+        assert load["integrity_ok"] and load["kv_blocks_free"] == load["kv_blocks_total"], load
+        assert load["spec_verify_ct"] >= 4
+        c.submit(2, prompt, _greedy(40))
+        assert c.wait([2])[2].ids == plain
+
+
 # -- a draft model ---------------------------------------------------------------------------
 DRAFT = Speculation("draft", tokens=4)
 
