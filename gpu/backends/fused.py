@@ -8,10 +8,11 @@ written in C, and what other architectures add to the layer (sliding windows, so
 caps, GeGLU, post-norms, per-layer RoPE tables), as the model's spec says
 (``modelfile/layer_spec.py``: the ``native`` backend's row). It applies
 when every projection is a ``QuantLinear``, the cache is fp32
-on the CPU with the native attention kernel; every row of the step then attends as one
-query (``PagedKVCache.row_queries``: decodes and prompt tokens alike, so a token's result
-does not depend on what else its step holds, how its prompt was chunked or what the
-prefix cache held: docs/determinism.md). Anything else takes the torch path, unchanged.
+on the CPU with the native attention kernel (stored as fp32, fp16 or q8_0: the C code
+writes each new K/V row in the cache's element, q8_0 quantized once as it is written);
+every row of the step then attends as one query (``PagedKVCache.row_queries``: decodes
+and prompt tokens alike, so a token's result does not depend on what else its step
+holds, how its prompt was chunked or what the prefix cache held: docs/determinism.md). Anything else takes the torch path, unchanged.
 
 The layer table (weight, norm and cache pointers) is built once per (model, cache);
 a step passes its rows, positions and block tables.
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from gpu.cache.kv_cache import PagedKVCache
-from gpu.kernels.native import NativeKernels
+from gpu.kernels.native import KV_KINDS, NativeKernels
 from gpu.model.decoder import LlamaWeights
 from gpu.model.quant import QuantLinear
 from modelfile.config import ModelConfig
@@ -91,7 +92,7 @@ class FusedTrunk:
         self.scale = cache.scale
         self.rows = cache.k.shape[2]
         self.block_size = cache.block_size
-        self.kv_half = int(cache.k.dtype == torch.float16)
+        self.kv_kind = KV_KINDS[cache.k.dtype]  # fp32 0, fp16 1, q8_0 2 (paged_attention.c)
 
     @staticmethod
     def applies(
@@ -103,7 +104,7 @@ class FusedTrunk:
             return False
         if refusal("native", spec) is not None or config.head_dim > 512:
             return False
-        if cache.dtype != torch.float32 or cache.k.dtype not in (torch.float16, torch.float32):
+        if cache.dtype != torch.float32 or cache.k.dtype not in KV_KINDS:
             return False
         return all(
             isinstance(w, QuantLinear)
@@ -127,7 +128,7 @@ class FusedTrunk:
             x.data_ptr(), x.shape[0], positions.data_ptr(), ctypes.addressof(self.table),
             c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps,
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], self.rows,
-            self.block_size, self.kv_half, self.scale, self.act, self.softcap,
+            self.block_size, self.kv_kind, self.scale, self.act, self.softcap,
             torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:

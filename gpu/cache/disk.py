@@ -5,7 +5,8 @@ One file per block, named by the block's chained hash (``gpu/cache/blocks.py``,
 ``block_hash``: a stable digest): a header (``MAGIC``, then JSON: the layout version, the
 model file's identity, the KV element, the block's shape, its hash, its parent's hash,
 its tokens, the payload's length), the payload (K then V, ``[n_layers, n_kv, block_size,
-head_dim]`` each, the cache's own bytes) and a blake2b digest of everything before it.
+head_dim]`` each, the cache's own bytes: a q8_0 cache's rows are ``head_dim / 32`` blocks
+of 34 bytes, copied as they are) and a blake2b digest of everything before it.
 ``get`` serves a file only when every one of those matches what is asked: a corrupt,
 truncated or foreign file (another model, KV element, shape or layout version) is logged,
 removed and read as a miss, never served. A file is written under a temporary name and
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,6 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from gpu.kernels.native import KV_Q8, kv_row_width
 
 __all__ = ["LAYOUT_VERSION", "MAGIC", "DiskLayout", "DiskPrefixCache", "model_identity"]
 
@@ -66,7 +70,7 @@ class DiskLayout:
     """What a block file must have been written with to be read here."""
 
     model: str  # ``model_identity``
-    kv_dtype: str  # the cache's element: float16, bfloat16, float32
+    kv_dtype: str  # the cache's element: float16, bfloat16, float32, q8_0
     n_layers: int
     n_kv_heads: int
     block_size: int
@@ -75,18 +79,20 @@ class DiskLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.n_layers, self.n_kv_heads, self.block_size, self.head_dim)
+        """A block's K (or V) rows as the cache holds them (``dtype``)."""
+        width = kv_row_width(self.dtype, self.head_dim)
+        return (self.n_layers, self.n_kv_heads, self.block_size, width)
 
     @property
     def dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.kv_dtype)
+        """The cache tensors' dtype: the element's, or uint8 for q8_0's bytes."""
+        dtype = KV_Q8 if self.kv_dtype == "q8_0" else getattr(torch, self.kv_dtype)
         assert isinstance(dtype, torch.dtype)
         return dtype
 
     @property
     def payload_bytes(self) -> int:
-        n = self.n_layers * self.n_kv_heads * self.block_size * self.head_dim
-        return 2 * n * self.dtype.itemsize
+        return 2 * math.prod(self.shape) * self.dtype.itemsize
 
 
 class DiskPrefixCache:

@@ -2,7 +2,8 @@
 re-exported here), and the attention backend.
 
 ``PagedKVCache`` holds the tensors (per layer ``[n_kv, num_blocks * block_size,
-head_dim]``, kv head outermost) and implements the model's ``AttentionBackend``. A step
+head_dim]``, kv head outermost; a q8_0 cache's rows are their bytes, ``head_dim / 32``
+blocks of 34: ``kv_storage_dtype``) and implements the model's ``AttentionBackend``. A step
 lays tokens out as every decoding sequence first (one query each) and then each prefill
 chunk (causal SDPA over its cached and new tokens). Decode attention on the CPU in fp32
 runs in a C kernel that reads each sequence's blocks in place (``gpu/kernels/native.py``);
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from gpu.cache.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.kernels.host import decode_slots, flat_tables, ints, to_device
-from gpu.kernels.native import load_kernels
+from gpu.kernels.native import KV_Q8, Q8_BLOCK, Q8_BYTES, kv_row_width, load_kernels
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import spec_of
 
@@ -35,6 +36,9 @@ __all__ = [
     "block_hash",
     "decode_bias",
     "decode_layout",
+    "kv_dtype_refusal",
+    "kv_storage_dtype",
+    "kv_value_bytes",
 ]
 
 
@@ -113,7 +117,7 @@ def _zeros(shape: tuple[int, ...], device: torch.device | str | None, dtype: tor
     return torch.zeros(shape, device=device, dtype=dtype)
 
 
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uint8}
 
 
 def kv_storage_dtype(
@@ -122,14 +126,45 @@ def kv_storage_dtype(
     """What the worker's paged cache stores K and V as (``--kv-cache-dtype``): ``auto`` is
     fp16 for quantized weights on the CPU (llama.cpp's f16 cache: half the memory a token
     of fp32, and next to the weights' own rounding a rounding of 2^-11 relative), else the
-    model's ``dtype``; ``fp16`` / ``bf16`` / ``fp32`` name it. Every path attends to the
-    stored values, read back as ``dtype``."""
+    model's ``dtype``; ``fp16`` / ``bf16`` / ``fp32`` name it. ``q8_0`` is llama.cpp's
+    block_q8_0 per 32 values of a row (an fp16 scale, 32 int8: 1.0625 bytes a value),
+    returned as ``KV_Q8`` (uint8: the cache holds the blocks' bytes), read in place by the
+    native kernels only (``kv_dtype_refusal``). Every path attends to the stored values,
+    read back as ``dtype``."""
     if choice == "auto":
         return torch.float16 if quantized and device.type == "cpu" else dtype
     return KV_DTYPES[choice]
 
 
-KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": KV_Q8}
+
+
+def kv_value_bytes(store: torch.dtype) -> float:
+    """Bytes one K or V value takes in a cache of ``store`` (``kv_storage_dtype``'s):
+    the element's size, 34 / 32 for q8_0."""
+    return Q8_BYTES / Q8_BLOCK if store == KV_Q8 else store.itemsize
+
+
+def kv_dtype_refusal(
+    choice: str, device: torch.device, quantized: bool, head_dim: int
+) -> str | None:
+    """Why ``--kv-cache-dtype choice`` cannot run here, in one line; None when it can. q8_0
+    is read in place by the CPU's native kernels under the fused trunk (quantized weights;
+    ``gpu/backends/fused.py``) and by nothing else."""
+    if choice != "q8_0":
+        return None
+    if device.type != "cpu":
+        return "--kv-cache-dtype q8_0 is read by the CPU's native kernels: use --device cpu"
+    if not quantized:
+        return ("--kv-cache-dtype q8_0 is read by the native fused trunk of quantized weights "
+                "(--weights auto on the CPU with the native kernels), not by dense weights")  # fmt: skip
+    if load_kernels() is None:
+        return (
+            "--kv-cache-dtype q8_0 needs the native CPU kernels (a C compiler, LIFECYCLE_NATIVE on)"
+        )
+    if head_dim % Q8_BLOCK:
+        return f"--kv-cache-dtype q8_0 stores blocks of 32 values: head_dim {head_dim} is not a multiple of 32"
+    return None
 
 
 def _pow2(n: int) -> bool:
@@ -163,12 +198,16 @@ class PagedKVCache:
         ``scratch_block``, that no sequence owns (padding rows of a captured decode step
         write there: ``gpu/backends/graphs.py``). ``ops``: ``gpu/kernels/triton_ops.py``
         (``--kernels triton``): decodes then read the cache in place, one kernel a layer,
-        where the block and the head are powers of two (Triton's blocks are)."""
+        where the block and the head are powers of two (Triton's blocks are). A q8_0 cache
+        (``kv_dtype`` ``KV_Q8``) is the native kernels' alone: fp32 on the CPU, head_dim a
+        multiple of 32, written and read by the fused trunk (the torch path refuses it)."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
-        shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, config.head_dim)
-        self.dtype = dtype
         store = kv_dtype or dtype
+        self.head_dim = config.head_dim
+        width = kv_row_width(store, config.head_dim)
+        shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, width)
+        self.dtype = dtype
         self.k = _zeros(shape, device, store)
         self.v = _zeros(shape, device, store)
         # Per-layer views made once: indexing self.k[layer] every call is an extra op.
@@ -191,10 +230,13 @@ class PagedKVCache:
         self.ops = ops
         self.triton_decode = ops is not None and _pow2(block_size) and _pow2(config.head_dim)
         fp32_cpu = self.device.type == "cpu" and dtype == torch.float32
-        use = native is not False and fp32_cpu and store in (torch.float16, torch.float32)
+        use = native is not False and fp32_cpu and store in (torch.float16, torch.float32, KV_Q8)
         self.kernels = load_kernels() if use else None
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
+        if store == KV_Q8 and (self.kernels is None or config.head_dim % Q8_BLOCK):
+            raise ValueError("a q8_0 KV cache is read by the native kernels alone: fp32 on the "
+                             "CPU, head_dim a multiple of 32")  # fmt: skip
         # The C kernel on the CPU, the Triton one with --kernels triton: the same call.
         self._paged: Callable[..., Tensor] | None = (
             self.kernels.paged_attention if self.kernels is not None
@@ -203,12 +245,17 @@ class PagedKVCache:
 
     @property
     def element(self) -> str:
-        """What K and V are stored as, by name: float16, bfloat16 or float32."""
-        return str(self.k.dtype).removeprefix("torch.")
+        """What K and V are stored as, by name: float16, bfloat16, float32 or q8_0."""
+        return "q8_0" if self.k.dtype == KV_Q8 else str(self.k.dtype).removeprefix("torch.")
 
     def nbytes(self) -> int:
         """Bytes of the K and V tensors, the scratch block included."""
         return self.k.nbytes + self.v.nbytes
+
+    def bytes_per_token(self) -> int:
+        """K and V of every layer for one token, as stored."""
+        n_layers, n_kv, _, width = self.k.shape
+        return 2 * n_layers * n_kv * width * self.k.element_size()
 
     def _slots(self, table: Sequence[int], n: int) -> list[int]:
         """The cache rows of a sequence's first ``n`` positions."""
@@ -310,6 +357,9 @@ class PagedKVCache:
         if lay is None:
             raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
+        if kc.dtype == KV_Q8:
+            raise RuntimeError("a q8_0 KV cache is written and read by the fused native trunk "
+                               "only (gpu/backends/fused.py), not the torch path")  # fmt: skip
         # Stored as the cache's element (rounded when it is narrower), and every path
         # attends to the stored values (``.to`` of the same dtype is no copy).
         k, v = k.to(kc.dtype), v.to(vc.dtype)

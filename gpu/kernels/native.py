@@ -29,6 +29,11 @@ from torch import Tensor
 from gpu.kernels.native_build import ISAS, build, kernel_cache_dir, native_enabled
 
 __all__ = [
+    "KV_KINDS",
+    "KV_Q8",
+    "Q8_BLOCK",
+    "Q8_BYTES",
+    "kv_row_width",
     "QL_PARTS",
     "QParts",
     "QUANT_TYPES",
@@ -73,6 +78,19 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
     return None if k % elems else k // elems * size
 
 
+# The KV cache's elements as paged_attention.c's kv_kind: a q8_0 cache is its rows'
+# bytes (llama.cpp's block_q8_0: an fp16 scale, then 32 int8), uint8 as torch holds them.
+KV_Q8 = torch.uint8
+KV_KINDS = {torch.float32: 0, torch.float16: 1, KV_Q8: 2}
+Q8_BLOCK, Q8_BYTES = 32, 34
+
+
+def kv_row_width(store: torch.dtype, head_dim: int) -> int:
+    """Elements of ``store`` in one cache row of ``head_dim`` values: ``head_dim``, or for
+    q8_0 its bytes (34 per 32 values)."""
+    return head_dim // Q8_BLOCK * Q8_BYTES if store == KV_Q8 else head_dim
+
+
 _lock = threading.Lock()
 _loaded: dict[str, NativeKernels | None] = {}
 
@@ -103,6 +121,7 @@ class NativeKernels:
                                  f32, p, p, p, i32, i64, i32, i32, f32, i32, f32, i32)  # fmt: skip
         self._softcap = bind("softcap_rows", None, p, i64, f32)
         self._rms_norm = bind("rms_norm_rows", None, p, p, p, i32, i32, f32)
+        self._kv_q8_quantize = bind("kv_q8_quantize", None, p, p, i64)
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
@@ -196,25 +215,41 @@ class NativeKernels:
                         ) -> Tensor:  # fmt: skip
         """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
         H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
-        fp32 or both fp16, ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D, H,
-        HD]``. Over the last ``window`` keys of each sequence (0: all), its scores capped
-        at ``softcap`` (0: not)."""
+        fp32 or both fp16, or both q8_0 rows (uint8 ``[KV, ROWS, HD / 32 * 34]``,
+        ``kv_q8_quantize``'s), ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D,
+        H, HD]``. Over the last ``window`` keys of each sequence (0: all), its scores
+        capped at ``softcap`` (0: not)."""
         d, h, hd = q.shape
-        kv, rows, _ = kc.shape
-        if kc.dtype != vc.dtype or kc.dtype not in (torch.float16, torch.float32):
+        kv, rows, width = kc.shape
+        kind = KV_KINDS.get(kc.dtype)
+        if kc.dtype != vc.dtype or kind is None:
             raise ValueError(
-                f"paged_attention reads an fp16 or fp32 cache, not {kc.dtype} / {vc.dtype}"
+                f"paged_attention reads an fp16, fp32 or q8_0 cache, not {kc.dtype} / {vc.dtype}"
             )
+        if width != kv_row_width(kc.dtype, hd):
+            raise ValueError(f"cache rows of {width} {kc.dtype} do not hold head_dim {hd}")
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
         out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
         rc = self._attention(
-            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.float16),
+            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), kind,
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), d, h, kv, hd, rows, block_size,
             tables.shape[1], scale, window, softcap, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("paged_attention: scratch allocation failed")
+        return out
+
+    def kv_q8_quantize(self, x: Tensor) -> Tensor:
+        """Rows of fp32 ``x [..., N]`` (N a multiple of 32) as the q8_0 cache stores them:
+        uint8 ``[..., N / 32 * 34]``, the kernel's own quantizer (paged_attention.c,
+        llama.cpp's ``quantize_row_q8_0_ref``)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] % Q8_BLOCK:
+            raise ValueError(f"kv_q8_quantize takes fp32 CPU rows of 32k values, not {x.dtype} "
+                             f"{tuple(x.shape)}")  # fmt: skip
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], kv_row_width(KV_Q8, x.shape[-1])), dtype=torch.uint8)
+        self._kv_q8_quantize(x.data_ptr(), out.data_ptr(), x.numel() // Q8_BLOCK)
         return out
 
     def softcap(self, x: Tensor, cap: float) -> Tensor:

@@ -108,9 +108,9 @@ def disk_prefix_for(
     if directory is None:
         return None
     c = cache
-    n_layers, n_kv, _, head_dim = c.k.shape
+    n_layers, n_kv = c.k.shape[:2]  # the rows' width is the element's (q8_0: bytes)
     layout = DiskLayout(model_identity(model_path), c.element, n_layers, n_kv, c.block_size,
-                        head_dim)  # fmt: skip
+                        c.head_dim)  # fmt: skip
     store = DiskPrefixCache(directory, disk_mib * 2**20, layout)
     log.info("prefix cache on disk: %s, %d blocks, %d of %d MiB", directory, len(store),
              store.bytes >> 20, disk_mib)  # fmt: skip

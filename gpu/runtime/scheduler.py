@@ -216,6 +216,8 @@ class Scheduler:
         """A decode's rows with its draft (``gpu/runtime/speculation.py``): 1 + the draft's
         tokens, their blocks held; 0 when it proposes nothing (or they do not fit without
         preempting anyone: the decode then goes on alone)."""
+        if seq.future is not None:  # its last token is still on the device (--overlap)
+            return 0
         drafts = seq.drafts
         if drafts is None:
             if spec is None or not seq.started or not speculates(seq):

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import wire
-from gpu.cache.kv_cache import kv_storage_dtype
+from gpu.cache.kv_cache import kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
 from gpu.runtime.engine import Engine, EngineConfig
@@ -89,13 +89,17 @@ def mixed_prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
     return config.step_tokens if device.type == "cuda" else CPU_MIXED_PREFILL_TOKENS
 
 
-def kv_blocks_for(config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: int) -> int:
+def kv_blocks_for(
+    config: WorkerConfig, n_layers: int, n_kv: int, head_dim: int, elem: float
+) -> int:
     """KV blocks for ``kv_cache_tokens`` (rounded down to whole blocks), else for
-    ``kv_memory_mib`` (default ``DEFAULT_CPU_KV_MIB``) of K and V of every layer; at least one."""
+    ``kv_memory_mib`` (default ``DEFAULT_CPU_KV_MIB``) of K and V of every layer, ``elem``
+    bytes a value (``kv_value_bytes``: 34 / 32 for q8_0); at least one."""
     tokens = config.kv_cache_tokens
     if tokens is None:
         mib = config.kv_memory_mib if config.kv_memory_mib is not None else DEFAULT_CPU_KV_MIB
-        tokens = mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem)
+        # exact: elem is a whole number of bytes or 17/16, head_dim then a multiple of 32
+        tokens = int(mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem))
     return max(1, tokens // config.block_size)
 
 
@@ -173,14 +177,19 @@ def build_engine(config: WorkerConfig) -> Engine:
     if (refused := refused_combination({**asdict(config), "device": lm.device.type})) is not None:
         raise SystemExit(refused)
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
-    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, lm.model.quantized())
-    elem = kv_dtype.itemsize  # bytes of the KV cache's element
+    quantized = lm.model.quantized()
+    if (
+        why := kv_dtype_refusal(config.kv_cache_dtype, lm.device, quantized, mc.head_dim)
+    ) is not None:
+        raise SystemExit(why)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, quantized)
+    elem = kv_value_bytes(kv_dtype)  # bytes of one stored value (q8_0: 34 / 32)
     plan = None
     if _sized_by_fraction(config, lm.device):
         plan = plan_kv(
             cuda_free_bytes(lm.device),
-            config.mem_fraction or DEFAULT_MEM_FRACTION,
-            mc, elem, config.block_size, config.step_tokens, config.max_running,
+            config.mem_fraction or DEFAULT_MEM_FRACTION,  # CUDA: never q8_0 (refused above)
+            mc, kv_dtype.itemsize, config.block_size, config.step_tokens, config.max_running,
             graphs=config.decode_graphs in ("auto", "on"),
         )  # fmt: skip
         blocks = plan.blocks
@@ -204,6 +213,10 @@ def build_engine(config: WorkerConfig) -> Engine:
         engine = Engine(lm, engine_config, plan, followers=followers, draft=draft)
     except ValueError as exc:  # a draft model that does not fit the served one
         raise SystemExit(str(exc)) from None
+    if config.kv_cache_dtype == "q8_0" and engine.runner.backends()["trunk"] != "fused":
+        raise SystemExit("--kv-cache-dtype q8_0 is read by the fused native trunk, which does "
+                         f"not run this {mc.arch} model (every projection quantized, every "
+                         "layer feature native): use --kv-cache-dtype auto")  # fmt: skip
     if followers is not None:
         followers.start(engine_config, engine.max_context)  # they make the same runner
     return engine

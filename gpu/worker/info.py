@@ -44,6 +44,7 @@ def hello(engine: Engine) -> wire.Hello:
         "overlap": engine.overlap,
         "weights": "quantized" if engine.model.quantized() else "dense",
         "kv_dtype": engine.cache.element,
+        "kv_bytes_per_token": engine.cache.bytes_per_token(),  # q8_0: 0.53x fp16's
     }
     if engine.disk is not None:  # the prefix cache's disk tier (--prefix-cache-dir)
         capacity["prefix_cache_dir"] = str(engine.disk.store.root)

@@ -35,7 +35,9 @@
  *   pos [M] int64 positions
  *   slots [M] int64 cache row of each new token; tables [M, maxnb], lens [M] int32
  *   layers[n_layers]: weights (GGUF blocks, GGML type codes), the layer's K/V cache
- *   [KV, rows, HD], its RoPE tables cos/sin [ctx, hd] (gpu/model/decoder.py) and its window
+ *   [KV, rows, HD] of kv_kind's element (fp32, fp16, or q8_0: each row HD / 32 blocks of
+ *   34 bytes, paged_attention.c), its RoPE tables cos/sin [ctx, hd]
+ *   (gpu/model/decoder.py) and its window
  *   act: 0 SiLU, 1 GELU (tanh form); softcap: the attention scores' cap (0: none)
  */
 #include <math.h>
@@ -48,15 +50,16 @@
 int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t m, int64_t n,
              int64_t k, int32_t threads);
 int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
-                    int32_t kv_half, const int32_t *tables, const int32_t *lens, float *out,
+                    int32_t kv_kind, const int32_t *tables, const int32_t *lens, float *out,
                     int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
                     int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads);
+void kv_q8_quantize(const float *x, uint8_t *out, int64_t nblocks);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
-    void *kc, *vc; /* the layer's cache: fp16 or fp32 (trunk_layers' kv_half) */
+    void *kc, *vc; /* the layer's cache: fp32, fp16 or q8_0 (trunk_layers' kv_kind) */
     const float *bqkv, *q_norm, *k_norm;     /* NULL where the architecture has none */
     const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
     const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd]; NULL: none */
@@ -93,14 +96,21 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
     }
 }
 
-/* n fp32 values into the cache at dst: fp16 rounded to nearest even (F16C where built)
- * when half, else copied. */
-static void to_cache(void *cache, int64_t at, const float *src, int32_t n, int32_t half) {
-    if (!half) {
-        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 }; /* paged_attention.c's kv_kind */
+
+/* One row of n fp32 values into the cache as its row `row`: fp32 copied; fp16 rounded to
+ * nearest even (F16C where built); q8_0 quantized once, here, by the one portable
+ * quantizer (kv_q8_quantize), so every build writes the same bytes. */
+static void to_cache(void *cache, int64_t row, const float *src, int32_t n, int32_t kind) {
+    if (kind == KV_F32) {
+        memcpy((float *)cache + row * n, src, sizeof(float) * (size_t)n);
         return;
     }
-    uint16_t *dst = (uint16_t *)cache + at;
+    if (kind == KV_Q8) {
+        kv_q8_quantize(src, (uint8_t *)cache + row * (n / 32 * 34), n / 32);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + row * n;
     int32_t i = 0;
 #ifdef FO_AVX2
     for (; i + 8 <= n; i += 8)
@@ -109,13 +119,15 @@ static void to_cache(void *cache, int64_t at, const float *src, int32_t n, int32
     for (; i < n; i++) dst[i] = fo_float_to_half(src[i]);
 }
 
-/* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take. */
+/* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take (a
+ * q8_0 cache's head_dim not a multiple of 32 among them). */
 int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *layers,
                  int32_t n_layers, int32_t hidden, int32_t inter, int32_t h, int32_t kv,
                  int32_t hd, float eps, const int64_t *slots, const int32_t *tables,
-                 const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, int32_t kv_half,
+                 const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, int32_t kv_kind,
                  float scale, int32_t act, float softcap, int32_t threads) {
     if (hd > 512 || hd % 2 || m < 1 || (act != ACT_SILU && act != ACT_GELU_TANH)) return -2;
+    if (kv_kind < KV_F32 || kv_kind > KV_Q8 || (kv_kind == KV_Q8 && hd % 32)) return -2;
     int64_t qkv_w = (int64_t)(h + 2 * kv) * hd, q_w = (int64_t)h * hd;
     float *hbuf = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
     float *qkv = malloc(sizeof(float) * (size_t)m * (size_t)qkv_w);
@@ -145,12 +157,12 @@ int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *lay
             if (L->cos) /* NULL: the layer rotates nothing (SmolLM3's every fourth) */
                 rope(row, h + kv, hd, L->cos + pos[r] * hd, L->sin + pos[r] * hd);
             for (int32_t j = 0; j < kv; j++) {
-                int64_t at = ((int64_t)j * rows + slots[r]) * hd;
-                to_cache(L->kc, at, row + q_w + (int64_t)j * hd, hd, kv_half);
-                to_cache(L->vc, at, row + q_w + (int64_t)(kv + j) * hd, hd, kv_half);
+                int64_t at = (int64_t)j * rows + slots[r]; /* the cache row */
+                to_cache(L->kc, at, row + q_w + (int64_t)j * hd, hd, kv_kind);
+                to_cache(L->vc, at, row + q_w + (int64_t)(kv + j) * hd, hd, kv_kind);
             }
         }
-        rc = paged_attention(qkv, qkv_w, L->kc, L->vc, kv_half, tables, lens, att, m, h, kv, hd,
+        rc = paged_attention(qkv, qkv_w, L->kc, L->vc, kv_kind, tables, lens, att, m, h, kv, hd,
                              rows, bs, maxnb, scale, L->window, softcap, threads);
         if (rc) break;
         if ((rc = q_linear(att, L->wo, y, L->t_o, m, hidden, q_w, threads))) break;

@@ -8,8 +8,10 @@
  * Layout (row-major, as PagedKVCache stores one layer):
  *   q      [D, H, HD]       fp32, the step's queries, RoPE applied; sequence s starts at
  *                           q + s * q_stride (the rows may be a strided slice)
- *   kc, vc [KV, ROWS, HD]   cache rows, fp32 or fp16 (kv_half; read as fp32, exactly);
- *                           row = block * BS + offset
+ *   kc, vc [KV, ROWS, HD]   cache rows, fp32, fp16 or q8_0 (kv_kind; read as fp32,
+ *                           exactly); row = block * BS + offset. A q8_0 row is HD / 32
+ *                           of llama.cpp's block_q8_0, 34 bytes each: the scale d as
+ *                           fp16, then 32 int8 q; value i is q[i] * d (kv_q8_quantize)
  *   tables [D, MAXNB]       int32 block table of each sequence
  *   lens   [D]              int32 keys per sequence (context including the new token)
  *   out    [D, H, HD]
@@ -55,29 +57,89 @@ static inline void halves_to_floats(float *restrict dst, const uint16_t *restric
     for (; i < n; i++) dst[i] = fo_half_to_float(src[i]);
 }
 
+/* The cache's elements (kv_kind): what one row of hd values takes. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, Q8_BLOCK = 32, Q8_BYTES = 34 };
+
+static inline size_t kv_row_bytes(int32_t kind, int32_t hd) {
+    if (kind == KV_Q8) return (size_t)hd / Q8_BLOCK * Q8_BYTES;
+    return (size_t)hd * (kind == KV_F16 ? 2 : 4);
+}
+
+/* llama.cpp's quantize_row_q8_0_ref (ggml-quants.c), for each of n blocks of 32 values:
+ * amax = the largest |x| (fabsf, a running maximum); d = amax / 127 in fp32; id = 1 / d
+ * (0 when d is 0); q[i] = roundf(x[i] * id), half away from zero; d stored as fp16,
+ * rounded to nearest even (GGML_FP32_TO_FP16: F16C's vcvtps2ph, fo_float_to_half here).
+ * id comes from the fp32 d, not the stored one, as there. Plain C with no reduction the
+ * compiler may reorder (a maximum is exact in any order), so every build gives the
+ * same bytes; called per row as the cache is written (gpu/kernels/csrc/fused_trunk.c). */
+void kv_q8_quantize(const float *restrict x, uint8_t *restrict out, int64_t nblocks) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        const float *v = x + b * Q8_BLOCK;
+        uint8_t *o = out + b * Q8_BYTES;
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            float a = fabsf(v[i]);
+            amax = amax > a ? amax : a; /* MAX(amax, fabsf(v)) */
+        }
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = fo_float_to_half(d);
+        memcpy(o, &dh, 2);
+        for (int i = 0; i < Q8_BLOCK; i++) o[2 + i] = (uint8_t)(int8_t)roundf(v[i] * id);
+    }
+}
+
+/* n q8_0 blocks at src as fp32 at dst: q * d, exact (|q| <= 128 has 8 bits and d's
+ * fp16 mantissa 11, so the product fits fp32's 24), so the vector path and the C loop
+ * give the same bits. */
+static inline void q8_to_floats(float *restrict dst, const uint8_t *restrict src, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += Q8_BYTES, dst += Q8_BLOCK) {
+        uint16_t dh;
+        memcpy(&dh, src, 2);
+        float d = fo_half_to_float(dh);
+        const int8_t *qs = (const int8_t *)(src + 2);
+        int i = 0;
+#ifdef FO_AVX2
+        __m256 vd = _mm256_set1_ps(d);
+        for (; i < Q8_BLOCK; i += 8) {
+            __m128i q8 = _mm_loadl_epi64((const __m128i *)(qs + i));
+            __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(qf, vd));
+        }
+#endif
+        for (; i < Q8_BLOCK; i++) dst[i] = (float)qs[i] * d;
+    }
+}
+
+/* `rows` cache rows of hd values at src, of element `kind` (not fp32), as fp32 at dst. */
+static inline void rows_to_floats(float *restrict dst, const void *restrict src, int32_t kind,
+                                  int64_t rows, int32_t hd) {
+    if (kind == KV_Q8) q8_to_floats(dst, src, rows * (hd / Q8_BLOCK));
+    else halves_to_floats(dst, src, rows * hd);
+}
+
 /* Where one (sequence, kv head) pair's key and value blocks come from, as fp32: the
- * cache's own rows when it holds fp32; when it holds fp16, either the blocks from
- * `from` on converted ahead for a run of rows of one sequence (kconv, vconv), or each
- * block converted into buf when it is read, once for all the pair's query heads. */
+ * cache's own rows when it holds fp32; when it holds fp16 or q8_0, either the blocks
+ * from `from` on converted ahead for a run of rows of one sequence (kconv, vconv), or
+ * each block converted into buf when it is read, once for all the pair's query heads. */
 typedef struct {
     const void *k, *v; /* the kv head's cache rows */
     const int32_t *table;
-    int32_t half, bs, hd, from;
+    int32_t kind, bs, hd, from; /* kind: KV_F32, KV_F16 or KV_Q8 */
     const float *kconv, *vconv; /* NULL: not converted ahead */
     float *buf;                 /* one block */
 } kv_src;
 
 static inline const void *raw_block(const kv_src *src, const void *base, int32_t b) {
-    size_t elem = src->half ? 2 : 4;
-    return (const char *)base + elem * (size_t)src->table[b] * (size_t)src->bs * (size_t)src->hd;
+    return (const char *)base +
+           kv_row_bytes(src->kind, src->hd) * (size_t)src->table[b] * (size_t)src->bs;
 }
 
 /* Block b's first n rows as fp32. */
 static inline const float *kv_block(const kv_src *src, const void *base, const float *conv,
                                     int32_t b, int32_t n) {
-    if (!src->half) return raw_block(src, base, b);
+    if (src->kind == KV_F32) return raw_block(src, base, b);
     if (conv) return conv + (int64_t)(b - src->from) * src->bs * src->hd;
-    halves_to_floats(src->buf, raw_block(src, base, b), (int64_t)n * src->hd);
+    rows_to_floats(src->buf, raw_block(src, base, b), src->kind, n, src->hd);
     return src->buf;
 }
 
@@ -97,7 +159,7 @@ static void one_pair64(const float *restrict q, const kv_src *src, int32_t first
                        float *restrict out) {
     enum { HD = 64 };
     int32_t bs = src->bs, nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
-    size_t bytes = (src->half ? 2 : 4) * (size_t)bs * HD;
+    size_t bytes = kv_row_bytes(src->kind, HD) * (size_t)bs;
     int ahead = !src->kconv; /* blocks read where they lie: prefetch the next */
     __m256 vscale = _mm256_set1_ps(scale);
     for (int32_t b = b0; b < nb; b++) {
@@ -192,18 +254,20 @@ static void one_pair(const float *restrict q, const kv_src *src, int32_t first, 
 }
 
 /* Consecutive rows of one sequence (a prompt chunk: the same block table) take at most
- * RUN rows a work item, its fp16 blocks converted once for all of them. */
+ * RUN rows a work item, its fp16 or q8_0 blocks converted once for all of them. */
 enum { RUN = 16 };
 
-/* Returns 0, or -1 when scratch memory could not be allocated (out is then unset).
- * kv_half: the cache holds fp16 (else fp32); window: keys per sequence a query attends
- * to, its own included (0: all); softcap: the scores' cap (0: none). */
+/* Returns 0, -1 when scratch memory could not be allocated (out is then unset), -2 for
+ * a q8_0 cache whose head_dim is not a multiple of 32. kv_kind: the cache holds fp32
+ * (0), fp16 (1) or q8_0 (2); window: keys per sequence a query attends to, its own
+ * included (0: all); softcap: the scores' cap (0: none). */
 int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
-                    int32_t kv_half, const int32_t *tables, const int32_t *lens, float *out,
+                    int32_t kv_kind, const int32_t *tables, const int32_t *lens, float *out,
                     int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
                     int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads) {
     int32_t g = h / kv;
     int32_t maxlen = 1;
+    if (kv_kind == KV_Q8 && hd % Q8_BLOCK) return -2;
     for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
     if (threads < 1) threads = 1;
     /* the runs: rows [run[i], run[i + 1]) */
@@ -217,15 +281,16 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
         else multi = 1;
     }
     run[nrun] = d;
-    /* per thread: one row's scores, one block, and (fp16, runs of rows) a sequence's blocks */
-    size_t conv = kv_half && multi ? (size_t)maxnb * bs * hd : 0;
+    /* per thread: one row's scores, one block, and (fp16 or q8_0, runs of rows) a
+     * sequence's blocks */
+    size_t conv = kv_kind != KV_F32 && multi ? (size_t)maxnb * bs * hd : 0;
     size_t per_thread = (size_t)g * maxlen + (size_t)bs * hd + 2 * conv;
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) {
         free(run);
         return -1;
     }
-    size_t elem = kv_half ? 2 : 4;
+    size_t row_bytes = kv_row_bytes(kv_kind, hd);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < (int64_t)nrun * kv; i++) {
 #ifdef _OPENMP
@@ -234,11 +299,11 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
         float *scores = scratch;
 #endif
         int32_t r = (int32_t)(i / kv), kvh = (int32_t)(i % kv);
-        size_t at = elem * (size_t)kvh * (size_t)rows * (size_t)hd;
+        size_t at = row_bytes * (size_t)kvh * (size_t)rows;
         kv_src src = {.k = (const char *)kc + at, .v = (const char *)vc + at,
-                      .table = tables + (int64_t)run[r] * maxnb, .half = kv_half, .bs = bs,
+                      .table = tables + (int64_t)run[r] * maxnb, .kind = kv_kind, .bs = bs,
                       .hd = hd, .buf = scores + (size_t)g * maxlen};
-        if (kv_half && run[r + 1] - run[r] > 1) { /* convert the run's blocks once */
+        if (kv_kind != KV_F32 && run[r + 1] - run[r] > 1) { /* convert the run's blocks once */
             int32_t lo = maxnb, hi = 0;
             for (int32_t s = run[r]; s < run[r + 1]; s++) {
                 int32_t n = lens[s], first = window > 0 && n > window ? n - window : 0;
@@ -249,8 +314,8 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
             float *kbuf = src.buf + (size_t)bs * hd, *vbuf = kbuf + conv;
             for (int32_t b = lo; b < hi; b++) {
                 size_t off = (size_t)(b - lo) * bs * hd;
-                halves_to_floats(kbuf + off, raw_block(&src, src.k, b), (int64_t)bs * hd);
-                halves_to_floats(vbuf + off, raw_block(&src, src.v, b), (int64_t)bs * hd);
+                rows_to_floats(kbuf + off, raw_block(&src, src.k, b), kv_kind, bs, hd);
+                rows_to_floats(vbuf + off, raw_block(&src, src.v, b), kv_kind, bs, hd);
             }
             src.from = lo, src.kconv = kbuf, src.vconv = vbuf;
         }
