@@ -58,7 +58,8 @@ class Engine:
         the trunk, the cache, the graphs; the overlap): the loaded model is shared
         between engines and holds none of them. ``kv_plan``: how the cache was sized
         from the card's memory (None: from ``--kv-blocks`` / ``--kv-mib``);
-        ``cache_type``: what makes the cache; ``followers``: the runner's (``--tp``); ``draft``: ``--speculative draft``'s model."""
+        ``cache_type``: what makes the cache; ``followers``: the runner's (``--tp``);
+        ``draft``: ``--speculative draft``'s model (``gpu/runtime/drafter.py``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.mc = loaded.config
