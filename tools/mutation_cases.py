@@ -260,9 +260,9 @@ FEATURES = (
         "a speculating row's draft KV is counted computed before it was checked",
         ("tests/test_speculative.py",),
         Edit(
-            "gpu/runtime/scheduler.py",
-            "            if seq.draft:  # only its last token",
-            "            if False:  # only its last token",
+            "gpu/runtime/engine.py",
+            "            batch = [(s, 1 if s.draft else n) for s, n in batch]\n",
+            "            pass\n",
         ),
     ),
 )

@@ -273,6 +273,8 @@ class Engine:
         batch = ran.batch
         if after_resolve:
             batch = [(s, n) for s, n in batch if seqs.get(s.rid) is s]
+        if ran.drafts:  # a speculating row's last token only: its draft's once accepted
+            batch = [(s, 1 if s.draft else n) for s, n in batch]
         self.scheduler.computed(batch)
         entries = [self.books.embedded(seq, vec) for seq, vec in ran.pooled]
         logits = ran.logits

@@ -328,8 +328,6 @@ class Scheduler:
         per row, cold after the model, cost ~0.05 ms)."""
         bs = self.blocks.block_size
         for seq, n in batch:
-            if seq.draft:  # only its last token: the draft's are counted as accepted
-                n = 1
             c = seq.num_computed
             seq.num_computed = c + n
             if c % bs + n >= bs:
