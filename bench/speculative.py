@@ -129,17 +129,26 @@ def first_difference(a: str, b: str) -> int:
     )
 
 
-def ngram_flags(help_text: str, tokens: int) -> list[str] | None:
+def ngram_flags(help_text: str, tokens: int, match: int = 4) -> list[str] | None:
     """llama-server's flags for its own n-gram speculation, from its ``--help``: the
-    ``--spec-type`` n-gram variant (``ngram-simple`` first: prompt lookup, as ours) and
-    ``--draft-max``; None where the build has no ``--spec-type`` with an n-gram type."""
+    ``--spec-type`` n-gram variant (``ngram-simple`` first: prompt lookup, as ours), its
+    lookup length ``match`` (ours: ``--speculative-ngram-max``; its default is 12) and
+    draft length ``tokens`` where the build names them (``--spec-ngram-simple-size-n`` /
+    ``-size-m``; older builds: ``--draft-max``); None where the build has no
+    ``--spec-type`` with an n-gram type."""
     line = next((ln for ln in help_text.splitlines() if "--spec-type" in ln), "")
     kinds = list(dict.fromkeys(re.findall(r"ngram[\w-]*", line)))
     if not kinds:
         return None
     kind = "ngram-simple" if "ngram-simple" in kinds else kinds[0]
     flags = ["--spec-type", kind]
-    return [*flags, "--draft-max", str(tokens)] if "--draft-max" in help_text else flags
+    if kind == "ngram-simple" and "--spec-ngram-simple-size-m" in help_text:
+        return [*flags, "--spec-ngram-simple-size-n", str(match),
+                "--spec-ngram-simple-size-m", str(tokens)]  # fmt: skip
+    removed = "--draft-max N" in help_text and "has been removed" in help_text
+    if "--draft-max" in help_text and not removed:
+        return [*flags, "--draft-max", str(tokens)]
+    return flags
 
 
 # --- servers --------------------------------------------------------------------------

@@ -54,6 +54,20 @@ def test_acceptance_reads_na_until_reported() -> None:
             ["--spec-type", "ngram-simple", "--draft-max", "6"],
         ),
         ("--spec-type [none|ngram-map-k]", ["--spec-type", "ngram-map-k"]),
+        (  # the llama.cpp of the sdist make bench-peer builds (0.3.36)
+            "--spec-type none,draft-simple,ngram-simple,ngram-map-k\n"
+            "--spec-ngram-simple-size-n N  ngram size N\n"
+            "--spec-ngram-simple-size-m N  ngram size M\n"
+            "--draft, --draft-n, --draft-max N  the argument has been removed.",
+            [
+                "--spec-type",
+                "ngram-simple",
+                "--spec-ngram-simple-size-n",
+                "4",
+                "--spec-ngram-simple-size-m",
+                "6",
+            ],
+        ),  # fmt: skip
         ("-md, --model-draft FNAME\n--draft-max N", None),  # a draft model only
     ],
 )
