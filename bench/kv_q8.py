@@ -1,8 +1,9 @@
-"""The q8_0 KV cache against the fp16 one on the bundled model, side by side in one run.
+"""The q8_0 and q4_0 KV caches against the fp16 one on the bundled model, side by side in
+one run.
 
     python bench/kv_q8.py [--tokens 4096] [--decode 48] [--threads N] [--model GGUF]
 
-Prints, for ``--kv-cache-dtype auto`` (fp16, the CPU default) and ``q8_0``:
+Prints, for ``--kv-cache-dtype auto`` (fp16, the CPU default), ``q8_0`` and ``q4_0``:
 
 - bytes per token (K and V of every layer as stored) and their ratio;
 - teacher-forced top-1 agreement: the same ``--tokens`` tokens of real text (this
@@ -12,11 +13,11 @@ Prints, for ``--kv-cache-dtype auto`` (fp16, the CPU default) and ``q8_0``:
   turn any change into another near-tie somewhere), and each cache's top-1 accuracy
   on the text's own next token;
 - decode ms/token at that context: one sequence continuing from the prefilled text, one
-  token a step, the two caches' steps timed in turn (A B A B) so drift falls on both;
+  token a step, the caches' steps timed in turn (A B C A B C) so drift falls on all;
   the median of each.
 
-Both run the fused native trunk as the worker does (quantized weights, native kernels).
-About a minute and a half on 2 idle cores.
+All run the fused native trunk as the worker does (quantized weights, native kernels).
+About two minutes on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from modelfile.vocab import load_tokenizer  # noqa: E402
 
 BLOCK = 16
 CHUNK = 256
-KINDS = ("auto", "q8_0")  # timed A B; fp32 is only prefilled (agreement's baseline)
+KINDS = ("auto", "q8_0", "q4_0")  # timed A B C; fp32 is only prefilled (agreement's baseline)
+QUANT = KINDS[1:]
 
 
 def real_text_ids(path: Path, n: int) -> list[int]:
@@ -118,11 +120,11 @@ def main() -> None:
         del runs["fp32"]
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         nxt = {k: ids[-1] for k in KINDS}
-        for _ in range(a.decode):  # A B A B: both see the same machine
+        for _ in range(a.decode):  # A B C A B C: all see the same machine
             for k in KINDS:
                 nxt[k], ms = runs[k].decode(nxt[k])
                 times[k].append(ms)
-    fp16, q8 = runs["auto"].cache, runs["q8_0"].cache
+    bpt = {k: r.cache.bytes_per_token() for k, r in runs.items()}
 
     def agree(x: str, y: str) -> str:
         same = sum(i == j for i, j in zip(argmax[x], argmax[y], strict=True))
@@ -133,21 +135,21 @@ def main() -> None:
         return f"{hits / (len(ids) - 1):.4f}"
 
     ms = {k: statistics.median(v[2:]) for k, v in times.items()}  # the first two warm up
-    print(f"{'':28}{'fp16 (auto)':>14}{'q8_0':>14}{'q8_0 / fp16':>14}")
-    bpt = fp16.bytes_per_token(), q8.bytes_per_token()
-    print(f"{'bytes per token':28}{bpt[0]:>14,}{bpt[1]:>14,}{bpt[1] / bpt[0]:>13.4f}x")
-    print(f"{'decode ms/token at ' + str(a.tokens):28}{ms['auto']:>14.2f}{ms['q8_0']:>14.2f}"
-          f"{ms['q8_0'] / ms['auto']:>13.3f}x")  # fmt: skip
-    print(
-        f"teacher-forced top-1 agreement, q8_0 vs fp16: {agree('q8_0', 'auto')}; "
-        f"fp32 vs fp16: {agree('fp32', 'auto')}; q8_0 vs fp32: {agree('q8_0', 'fp32')}"
-    )
+    print(f"{'':28}{'fp16 (auto)':>14}" + "".join(f"{k:>14}" for k in QUANT)
+          + "".join(f"{k + ' / fp16':>14}" for k in QUANT))  # fmt: skip
+    print(f"{'bytes per token':28}" + "".join(f"{bpt[k]:>14,}" for k in KINDS)
+          + "".join(f"{bpt[k] / bpt['auto']:>13.4f}x" for k in QUANT))  # fmt: skip
+    print(f"{'decode ms/token at ' + str(a.tokens):28}" + "".join(f"{ms[k]:>14.2f}" for k in KINDS)
+          + "".join(f"{ms[k] / ms['auto']:>13.3f}x" for k in QUANT))  # fmt: skip
+    print("teacher-forced top-1 agreement, " + "; ".join(
+        f"{k} vs fp16: {agree(k, 'auto')}" for k in QUANT) + f"; fp32 vs fp16: {agree('fp32', 'auto')}; "
+        + "; ".join(f"{k} vs fp32: {agree(k, 'fp32')}" for k in QUANT))  # fmt: skip
     print(f"top-1 = the text's next token: fp32 {truth('fp32')}, fp16 {truth('auto')}, "
-          f"q8_0 {truth('q8_0')}")  # fmt: skip
-    print(
-        f"(prefill of the three {prefill_s:.1f} s; steal {100 * steal_share(start, steal_ticks()):.1f} %; "
-        f"decode p10-p90 fp16 {_spread(times['auto'])}, q8_0 {_spread(times['q8_0'])})"
-    )
+          + ", ".join(f"{k} {truth(k)}" for k in QUANT))  # fmt: skip
+    print(f"(prefill of the four {prefill_s:.1f} s; steal "
+          f"{100 * steal_share(start, steal_ticks()):.1f} %; decode p10-p90 fp16 "
+          f"{_spread(times['auto'])}, " + ", ".join(f"{k} {_spread(times[k])}" for k in QUANT)
+          + ")")  # fmt: skip
 
 
 def _spread(v: list[float]) -> str:

@@ -197,10 +197,10 @@ _ANCHOR = "cache = PagedKVCache(lm.config, 24, bs)"
 _SCRIPT = _MIXED_STEP.replace(_ANCHOR, _ANCHOR[:-1] + ", kv_dtype=torch.uint8)")
 
 
-def _run_build(isa: str, model: Path) -> dict[str, object]:
+def _run_build(isa: str, model: Path, script: str = _SCRIPT) -> dict[str, object]:
     env = {**os.environ, "LIFECYCLE_NATIVE_ISA": isa, "PYTHONPATH": str(ROOT)}
     env.update(_TORCH_LEVEL.get(isa, {}))
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(model)], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", script, str(model)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -278,26 +278,34 @@ def hd32(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "hd32.gguf", spec)
 
 
-def test_the_disk_tier_carries_q8_blocks_to_a_new_engine(hd32: TinyModel, tmp_path: Path) -> None:
-    """A q8_0 engine spills its cached blocks; a new q8_0 engine on the directory reads
-    them back (the cold run's tokens, the prefix cached); an fp16 engine refuses them."""
-    lm = load_model(hd32.path, device="cpu", weights="quantized")
-    p = prompts(1, 200, seed=8, lo=300, hi=301)[0]
+def disk_round_trip(model: Path, tmp_path: Path, kv: str, other_kv: str, seed: int) -> Engine:
+    """An engine of ``--kv-cache-dtype kv`` spills its cached blocks; a new one on the
+    directory reads them back (the cold run's tokens, the prefix cached); an engine of
+    ``other_kv`` (returned) refuses them."""
+    lm = load_model(model, device="cpu", weights="quantized")
+    p = prompts(1, 200, seed=seed, lo=300, hi=301)[0]
     s = {**GREEDY, "max_new_tokens": 6}
 
     def engine(kv: str) -> Engine:
         return Engine(lm, EngineConfig(kv_blocks=64, block_size=16, kv_cache_dtype=kv,
                                        prefix_cache_dir=str(tmp_path)))  # fmt: skip
 
-    first = engine("q8_0")
+    first = engine(kv)
     cold = ids_of(run(first, [(1, p, s, {})])[1])
     assert first.disk is not None and first.disk.spill(first.blocks) > 0
-    warm = run(engine("q8_0"), [(2, p, s, {})])[2]
+    warm = run(engine(kv), [(2, p, s, {})])[2]
     assert ids_of(warm) == cold and warm[0].extra["cached_tokens"] == 18 * 16
-    other = engine("auto")
-    assert other.cache.element == "float16"
+    other = engine(other_kv)
     assert run(other, [(3, p, s, {})])[3][0].extra["cached_tokens"] == 0
     assert other.disk is not None and other.disk.store.dropped >= 1
+    return other
+
+
+def test_the_disk_tier_carries_q8_blocks_to_a_new_engine(hd32: TinyModel, tmp_path: Path) -> None:
+    """A q8_0 engine spills its cached blocks; a new q8_0 engine on the directory reads
+    them back (the cold run's tokens, the prefix cached); an fp16 engine refuses them."""
+    other = disk_round_trip(hd32.path, tmp_path, "q8_0", "auto", seed=8)
+    assert other.cache.element == "float16"
 
 
 # -- where it runs, and what it holds --------------------------------------------------------

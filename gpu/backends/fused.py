@@ -8,8 +8,9 @@ written in C, and what other architectures add to the layer (sliding windows, so
 caps, GeGLU, post-norms, per-layer RoPE tables), as the model's spec says
 (``modelfile/layer_spec.py``: the ``native`` backend's row). It applies
 when every projection is a ``QuantLinear``, the cache is fp32
-on the CPU with the native attention kernel (stored as fp32, fp16 or q8_0: the C code
-writes each new K/V row in the cache's element, q8_0 quantized once as it is written);
+on the CPU with the native attention kernel (stored as fp32, fp16, q8_0 or q4_0: the C
+code writes each new K/V row in the cache's element, q8_0 and q4_0 quantized once as it is
+written);
 every row of the step then attends as one query (``PagedKVCache.row_queries``: decodes
 and prompt tokens alike, so a token's result does not depend on what else its step
 holds, how its prompt was chunked or what the prefix cache held: docs/determinism.md). Anything else takes the torch path, unchanged.
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gpu.cache.kv_cache import PagedKVCache
-from gpu.kernels.native import KV_KINDS, NativeKernels
+from gpu.kernels.native import NativeKernels
 from gpu.model.decoder import LlamaWeights
 from gpu.model.quant import QuantLinear
 from modelfile.config import ModelConfig
@@ -92,7 +93,9 @@ class FusedTrunk:
         self.scale = cache.scale
         self.rows = cache.k.shape[2]
         self.block_size = cache.block_size
-        self.kv_kind = KV_KINDS[cache.k.dtype]  # fp32 0, fp16 1, q8_0 2 (paged_attention.c)
+        kind = cache.kv_element.kind  # fp32 0, fp16 1, q8_0 2, q4_0 3 (paged_attention.c)
+        assert kind is not None  # ``applies``
+        self.kv_kind = kind
 
     @staticmethod
     def applies(
@@ -104,7 +107,7 @@ class FusedTrunk:
             return False
         if refusal("native", spec) is not None or config.head_dim > 512:
             return False
-        if cache.dtype != torch.float32 or cache.k.dtype not in KV_KINDS:
+        if cache.dtype != torch.float32 or cache.kv_element.kind is None:
             return False
         return all(
             isinstance(w, QuantLinear)

@@ -5,8 +5,8 @@ One file per block, named by the block's chained hash (``gpu/cache/blocks.py``,
 ``block_hash``: a stable digest): a header (``MAGIC``, then JSON: the layout version, the
 model file's identity, the KV element, the block's shape, its hash, its parent's hash,
 its tokens, the payload's length), the payload (K then V, ``[n_layers, n_kv, block_size,
-head_dim]`` each, the cache's own bytes: a q8_0 cache's rows are ``head_dim / 32`` blocks
-of 34 bytes, copied as they are) and a blake2b digest of everything before it.
+head_dim]`` each, the cache's own bytes: a q8_0 or q4_0 cache's rows are ``head_dim / 32``
+blocks of 34 or 18 bytes, copied as they are) and a blake2b digest of everything before it.
 ``get`` serves a file only when every one of those matches what is asked: a corrupt,
 truncated or foreign file (another model, KV element, shape or layout version) is logged,
 removed and read as a miss, never served. A file is written under a temporary name and
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gpu.kernels.native import KV_Q8, kv_row_width
+from gpu.kernels.native import KV_ELEMENTS, KVElement
 
 __all__ = ["LAYOUT_VERSION", "MAGIC", "DiskLayout", "DiskPrefixCache", "model_identity"]
 
@@ -70,7 +70,7 @@ class DiskLayout:
     """What a block file must have been written with to be read here."""
 
     model: str  # ``model_identity``
-    kv_dtype: str  # the cache's element: float16, bfloat16, float32, q8_0
+    kv_dtype: str  # the cache's element: float16, bfloat16, float32, q8_0, q4_0
     n_layers: int
     n_kv_heads: int
     block_size: int
@@ -80,15 +80,18 @@ class DiskLayout:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """A block's K (or V) rows as the cache holds them (``dtype``)."""
-        width = kv_row_width(self.dtype, self.head_dim)
+        width = self.element.row_width(self.head_dim)
         return (self.n_layers, self.n_kv_heads, self.block_size, width)
 
     @property
+    def element(self) -> KVElement:
+        """The element ``kv_dtype`` names (``PagedKVCache.kv_element``)."""
+        return KV_ELEMENTS[self.kv_dtype]
+
+    @property
     def dtype(self) -> torch.dtype:
-        """The cache tensors' dtype: the element's, or uint8 for q8_0's bytes."""
-        dtype = KV_Q8 if self.kv_dtype == "q8_0" else getattr(torch, self.kv_dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
+        """The cache tensors' dtype: the element's, or uint8 for q8_0's and q4_0's bytes."""
+        return self.element.dtype
 
     @property
     def payload_bytes(self) -> int:

@@ -2,10 +2,10 @@
 re-exported here), and the attention backend.
 
 ``PagedKVCache`` holds the tensors (per layer ``[n_kv, num_blocks * block_size,
-head_dim]``, kv head outermost; a q8_0 cache's rows are their bytes, ``head_dim / 32``
-blocks of 34: ``kv_storage_dtype``) and implements the model's ``AttentionBackend``. A step
-lays tokens out as every decoding sequence first (one query each) and then each prefill
-chunk (causal SDPA over its cached and new tokens). Decode attention on the CPU in fp32
+head_dim]``, kv head outermost; a q8_0 or q4_0 cache's rows are their bytes, ``head_dim /
+32`` blocks of 34 or 18: ``kv_storage_dtype``) and implements the model's
+``AttentionBackend``. A step lays tokens out as every decoding sequence first (one query
+each) and then each prefill chunk (causal SDPA over its cached and new tokens). Decode attention on the CPU in fp32
 runs in a C kernel that reads each sequence's blocks in place (``gpu/kernels/native.py``);
 elsewhere, or without a C compiler, it is batched matmuls over a gather of whole blocks.
 """
@@ -23,7 +23,15 @@ from torch import Tensor
 
 from gpu.cache.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.kernels.host import decode_slots, flat_tables, ints, to_device
-from gpu.kernels.native import KV_Q8, Q8_BLOCK, Q8_BYTES, kv_row_width, load_kernels
+from gpu.kernels.native import (
+    KV_Q4,
+    KV_Q8,
+    Q8_BLOCK,
+    KVElement,
+    KVStore,
+    kv_element,
+    load_kernels,
+)
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import spec_of
 
@@ -122,48 +130,50 @@ _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.
 
 def kv_storage_dtype(
     choice: str, device: torch.device, dtype: torch.dtype, quantized: bool
-) -> torch.dtype:
+) -> KVStore:
     """What the worker's paged cache stores K and V as (``--kv-cache-dtype``): ``auto`` is
     fp16 for quantized weights on the CPU (llama.cpp's f16 cache: half the memory a token
     of fp32, and next to the weights' own rounding a rounding of 2^-11 relative), else the
     model's ``dtype``; ``fp16`` / ``bf16`` / ``fp32`` name it. ``q8_0`` is llama.cpp's
     block_q8_0 per 32 values of a row (an fp16 scale, 32 int8: 1.0625 bytes a value),
-    returned as ``KV_Q8`` (uint8: the cache holds the blocks' bytes), read in place by the
-    native kernels only (``kv_dtype_refusal``). Every path attends to the stored values,
-    read back as ``dtype``."""
+    returned as ``KV_Q8`` (its element: the cache holds the blocks' bytes, uint8), read in
+    place by the native kernels only (``kv_dtype_refusal``); ``q4_0`` likewise llama.cpp's
+    block_q4_0 (an fp16 scale, 32 4-bit values: 0.5625 bytes a value), ``KV_Q4``. Every
+    path attends to the stored values, read back as ``dtype``."""
     if choice == "auto":
         return torch.float16 if quantized and device.type == "cpu" else dtype
     return KV_DTYPES[choice]
 
 
-KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": KV_Q8}
+KV_DTYPES: dict[str, KVStore] = {"fp16": torch.float16, "bf16": torch.bfloat16,
+                                  "fp32": torch.float32, "q8_0": KV_Q8, "q4_0": KV_Q4}  # fmt: skip
+BLOCKED_KV = ("q8_0", "q4_0")  # --kv-cache-dtype's llama.cpp blocks: the native kernels'
 
 
-def kv_value_bytes(store: torch.dtype) -> float:
+def kv_value_bytes(store: KVStore) -> float:
     """Bytes one K or V value takes in a cache of ``store`` (``kv_storage_dtype``'s):
-    the element's size, 34 / 32 for q8_0."""
-    return Q8_BYTES / Q8_BLOCK if store == KV_Q8 else store.itemsize
+    the element's size, 34 / 32 for q8_0, 18 / 32 for q4_0."""
+    return kv_element(store).value_bytes
 
 
 def kv_dtype_refusal(
     choice: str, device: torch.device, quantized: bool, head_dim: int
 ) -> str | None:
     """Why ``--kv-cache-dtype choice`` cannot run here, in one line; None when it can. q8_0
-    is read in place by the CPU's native kernels under the fused trunk (quantized weights;
-    ``gpu/backends/fused.py``) and by nothing else."""
-    if choice != "q8_0":
+    and q4_0 are read in place by the CPU's native kernels under the fused trunk
+    (quantized weights; ``gpu/backends/fused.py``) and by nothing else."""
+    if choice not in BLOCKED_KV:
         return None
+    flag = f"--kv-cache-dtype {choice}"
     if device.type != "cpu":
-        return "--kv-cache-dtype q8_0 is read by the CPU's native kernels: use --device cpu"
+        return f"{flag} is read by the CPU's native kernels: use --device cpu"
     if not quantized:
-        return ("--kv-cache-dtype q8_0 is read by the native fused trunk of quantized weights "
+        return (f"{flag} is read by the native fused trunk of quantized weights "
                 "(--weights auto on the CPU with the native kernels), not by dense weights")  # fmt: skip
     if load_kernels() is None:
-        return (
-            "--kv-cache-dtype q8_0 needs the native CPU kernels (a C compiler, LIFECYCLE_NATIVE on)"
-        )
+        return f"{flag} needs the native CPU kernels (a C compiler, LIFECYCLE_NATIVE on)"
     if head_dim % Q8_BLOCK:
-        return f"--kv-cache-dtype q8_0 stores blocks of 32 values: head_dim {head_dim} is not a multiple of 32"
+        return f"{flag} stores blocks of 32 values: head_dim {head_dim} is not a multiple of 32"
     return None
 
 
@@ -188,7 +198,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         native: bool | None = None,
         scratch: bool = False,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: KVStore | None = None,
         ops: Any = None,
     ) -> None:
         """``dtype``: what attention computes in; ``kv_dtype``: what K and V are stored as
@@ -198,14 +208,17 @@ class PagedKVCache:
         ``scratch_block``, that no sequence owns (padding rows of a captured decode step
         write there: ``gpu/backends/graphs.py``). ``ops``: ``gpu/kernels/triton_ops.py``
         (``--kernels triton``): decodes then read the cache in place, one kernel a layer,
-        where the block and the head are powers of two (Triton's blocks are). A q8_0 cache
-        (``kv_dtype`` ``KV_Q8``) is the native kernels' alone: fp32 on the CPU, head_dim a
-        multiple of 32, written and read by the fused trunk (the torch path refuses it)."""
+        where the block and the head are powers of two (Triton's blocks are). A q8_0 or q4_0
+        cache (``kv_dtype`` ``KV_Q8`` / ``KV_Q4``: their elements, both held as uint8
+        bytes) is the native kernels' alone: fp32 on the CPU, head_dim a multiple of 32,
+        written and read by the fused trunk (the torch path refuses it)."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
-        store = kv_dtype or dtype
+        # What K and V hold, decided here once: the tensors' dtype cannot tell q8_0 from q4_0
+        self.kv_element: KVElement = kv_element(kv_dtype or dtype)
+        store = self.kv_element.dtype
         self.head_dim = config.head_dim
-        width = kv_row_width(store, config.head_dim)
+        width = self.kv_element.row_width(config.head_dim)
         shape = (config.n_layers, config.n_kv_heads, num_blocks * block_size, width)
         self.dtype = dtype
         self.k = _zeros(shape, device, store)
@@ -230,13 +243,13 @@ class PagedKVCache:
         self.ops = ops
         self.triton_decode = ops is not None and _pow2(block_size) and _pow2(config.head_dim)
         fp32_cpu = self.device.type == "cpu" and dtype == torch.float32
-        use = native is not False and fp32_cpu and store in (torch.float16, torch.float32, KV_Q8)
+        use = native is not False and fp32_cpu and self.kv_element.kind is not None
         self.kernels = load_kernels() if use else None
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
-        if store == KV_Q8 and (self.kernels is None or config.head_dim % Q8_BLOCK):
-            raise ValueError("a q8_0 KV cache is read by the native kernels alone: fp32 on the "
-                             "CPU, head_dim a multiple of 32")  # fmt: skip
+        if self.kv_element.blocked and (self.kernels is None or config.head_dim % Q8_BLOCK):
+            raise ValueError(f"a {self.element} KV cache is read by the native kernels alone: "
+                             "fp32 on the CPU, head_dim a multiple of 32")  # fmt: skip
         # The C kernel on the CPU, the Triton one with --kernels triton: the same call.
         self._paged: Callable[..., Tensor] | None = (
             self.kernels.paged_attention if self.kernels is not None
@@ -245,8 +258,8 @@ class PagedKVCache:
 
     @property
     def element(self) -> str:
-        """What K and V are stored as, by name: float16, bfloat16, float32 or q8_0."""
-        return "q8_0" if self.k.dtype == KV_Q8 else str(self.k.dtype).removeprefix("torch.")
+        """What K and V are stored as, by name: float16, bfloat16, float32, q8_0 or q4_0."""
+        return self.kv_element.name
 
     def nbytes(self) -> int:
         """Bytes of the K and V tensors, the scratch block included."""
@@ -357,9 +370,9 @@ class PagedKVCache:
         if lay is None:
             raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
-        if kc.dtype == KV_Q8:
-            raise RuntimeError("a q8_0 KV cache is written and read by the fused native trunk "
-                               "only (gpu/backends/fused.py), not the torch path")  # fmt: skip
+        if self.kv_element.blocked:
+            raise RuntimeError(f"a {self.element} KV cache is written and read by the fused "
+                               "native trunk only (gpu/backends/fused.py), not the torch path")  # fmt: skip
         # Stored as the cache's element (rounded when it is narrower), and every path
         # attends to the stored values (``.to`` of the same dtype is no copy).
         k, v = k.to(kc.dtype), v.to(vc.dtype)

@@ -40,7 +40,7 @@ __all__ = [
 
 
 def kv_bytes_per_token(mc: ModelConfig, elem: float) -> int:
-    """K and V of every layer for one token, ``elem`` bytes a value (34 / 32 for q8_0:
+    """K and V of every layer for one token, ``elem`` bytes a value (34 / 32 for q8_0, 18 / 32 for q4_0:
     ``gpu/cache/kv_cache.py``, ``kv_value_bytes``; exact, its head_dim a multiple of 32)."""
     return int(2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * elem)
 

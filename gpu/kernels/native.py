@@ -18,8 +18,9 @@ import ctypes
 import logging
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from gguf import GGMLQuantizationType
@@ -29,10 +30,15 @@ from torch import Tensor
 from gpu.kernels.native_build import ISAS, build, kernel_cache_dir, native_enabled
 
 __all__ = [
-    "KV_KINDS",
+    "KV_ELEMENTS",
+    "KV_Q4",
     "KV_Q8",
+    "KVElement",
+    "KVStore",
+    "Q4_BYTES",
     "Q8_BLOCK",
     "Q8_BYTES",
+    "kv_element",
     "kv_row_width",
     "QL_PARTS",
     "QParts",
@@ -78,17 +84,69 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
     return None if k % elems else k // elems * size
 
 
-# The KV cache's elements as paged_attention.c's kv_kind: a q8_0 cache is its rows'
-# bytes (llama.cpp's block_q8_0: an fp16 scale, then 32 int8), uint8 as torch holds them.
-KV_Q8 = torch.uint8
-KV_KINDS = {torch.float32: 0, torch.float16: 1, KV_Q8: 2}
-Q8_BLOCK, Q8_BYTES = 32, 34
+@dataclass(frozen=True, slots=True)
+class KVElement:
+    """What a KV cache stores each K and V value as, decided once where the cache is
+    built (``kv_element``): its name (HELLO's ``kv_dtype``, the disk tier's), the torch
+    dtype of the cache's tensors, paged_attention.c's ``kv_kind`` (None: the native
+    kernels do not read it) and, for llama.cpp's block formats, the values and bytes of
+    a block. q8_0 and q4_0 are both held as uint8 bytes: the element, not the tensors'
+    dtype, says which."""
+
+    name: str
+    dtype: torch.dtype
+    kind: int | None
+    block: int = 1  # values per block (1: a plain element)
+    block_bytes: int = 0  # bytes per block (0: the dtype's size)
+
+    def row_width(self, head_dim: int) -> int:
+        """Elements of ``dtype`` in one cache row of ``head_dim`` values."""
+        if self.block == 1:
+            return head_dim
+        return head_dim // self.block * self.block_bytes
+
+    @property
+    def value_bytes(self) -> float:
+        """Bytes one value takes: the dtype's size, 34 / 32 for q8_0, 18 / 32 for q4_0."""
+        return self.block_bytes / self.block if self.block > 1 else self.dtype.itemsize
+
+    @property
+    def blocked(self) -> bool:
+        """llama.cpp blocks (q8_0, q4_0): read by the native kernels alone."""
+        return self.block > 1
 
 
-def kv_row_width(store: torch.dtype, head_dim: int) -> int:
+# The KV cache's elements, as paged_attention.c's kv_kind: a q8_0 cache holds its rows'
+# bytes (llama.cpp's block_q8_0: an fp16 scale, then 32 int8), a q4_0 cache block_q4_0's
+# (an fp16 scale, then 16 bytes of 4-bit values), uint8 as torch holds them.
+Q8_BLOCK, Q8_BYTES, Q4_BYTES = 32, 34, 18
+KV_Q8 = KVElement("q8_0", torch.uint8, 2, Q8_BLOCK, Q8_BYTES)
+KV_Q4 = KVElement("q4_0", torch.uint8, 3, Q8_BLOCK, Q4_BYTES)
+KV_ELEMENTS = {
+    e.name: e
+    for e in (
+        KVElement("float32", torch.float32, 0),
+        KVElement("float16", torch.float16, 1),
+        KVElement("bfloat16", torch.bfloat16, None),  # the torch path's alone
+        KV_Q8,
+        KV_Q4,
+    )
+}
+# What a cache's ``kv_dtype`` takes: an element, or a float dtype (uint8 alone: q8_0,
+# the first byte element; q4_0 is named by its element only)
+KVStore: TypeAlias = torch.dtype | KVElement
+_BY_DTYPE = {e.dtype: e for e in reversed(KV_ELEMENTS.values())}  # uint8: q8_0
+
+
+def kv_element(store: KVStore) -> KVElement:
+    """The element ``store`` names (``KeyError`` for a dtype no cache holds)."""
+    return store if isinstance(store, KVElement) else _BY_DTYPE[store]
+
+
+def kv_row_width(store: KVStore, head_dim: int) -> int:
     """Elements of ``store`` in one cache row of ``head_dim`` values: ``head_dim``, or for
-    q8_0 its bytes (34 per 32 values)."""
-    return head_dim // Q8_BLOCK * Q8_BYTES if store == KV_Q8 else head_dim
+    q8_0 / q4_0 its bytes (34 / 18 per 32 values)."""
+    return kv_element(store).row_width(head_dim)
 
 
 _lock = threading.Lock()
@@ -122,6 +180,7 @@ class NativeKernels:
         self._softcap = bind("softcap_rows", None, p, i64, f32)
         self._rms_norm = bind("rms_norm_rows", None, p, p, p, i32, i32, f32)
         self._kv_q8_quantize = bind("kv_q8_quantize", None, p, p, i64)
+        self._kv_q4_quantize = bind("kv_q4_quantize", None, p, p, i64)
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
@@ -212,22 +271,25 @@ class NativeKernels:
 
     def paged_attention(self, q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, lens: Tensor,
                         block_size: int, scale: float, window: int = 0, softcap: float = 0.0,
-                        ) -> Tensor:  # fmt: skip
+                        element: KVElement | None = None) -> Tensor:  # fmt: skip
         """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
         H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
         fp32 or both fp16, or both q8_0 rows (uint8 ``[KV, ROWS, HD / 32 * 34]``,
-        ``kv_q8_quantize``'s), ``tables [D, MAXNB]`` and ``lens [D]`` int32; returns ``[D,
-        H, HD]``. Over the last ``window`` keys of each sequence (0: all), its scores
-        capped at ``softcap`` (0: not)."""
+        ``kv_q8_quantize``'s) or, with ``element`` ``KV_Q4``, q4_0 rows (``[KV, ROWS, HD /
+        32 * 18]``, ``kv_q4_quantize``'s), ``tables [D, MAXNB]`` and ``lens [D]`` int32;
+        returns ``[D, H, HD]``. Over the last ``window`` keys of each sequence (0: all),
+        its scores capped at ``softcap`` (0: not). ``element``: what the rows hold (None:
+        their dtype's, uint8 read as q8_0)."""
         d, h, hd = q.shape
         kv, rows, width = kc.shape
-        kind = KV_KINDS.get(kc.dtype)
-        if kc.dtype != vc.dtype or kind is None:
-            raise ValueError(
-                f"paged_attention reads an fp16, fp32 or q8_0 cache, not {kc.dtype} / {vc.dtype}"
-            )
-        if width != kv_row_width(kc.dtype, hd):
-            raise ValueError(f"cache rows of {width} {kc.dtype} do not hold head_dim {hd}")
+        elem = element or _BY_DTYPE.get(kc.dtype)
+        if kc.dtype != vc.dtype or elem is None or elem.kind is None or elem.dtype != kc.dtype:
+            raise ValueError(f"paged_attention reads an fp16, fp32, q8_0 or q4_0 cache, not "
+                             f"{kc.dtype} / {vc.dtype} as {elem}")  # fmt: skip
+        kind = elem.kind
+        if width != elem.row_width(hd):
+            raise ValueError(f"cache rows of {width} {kc.dtype} do not hold head_dim {hd} "
+                             f"of {elem.name}")  # fmt: skip
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
         out = torch.empty((d, h, hd), dtype=q.dtype, device=q.device)
@@ -236,6 +298,8 @@ class NativeKernels:
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), d, h, kv, hd, rows, block_size,
             tables.shape[1], scale, window, softcap, torch.get_num_threads(),
         )  # fmt: skip
+        if rc == -2:
+            raise ValueError(f"paged_attention does not take {elem.name} at head_dim {hd}")
         if rc != 0:
             raise MemoryError("paged_attention: scratch allocation failed")
         return out
@@ -244,12 +308,22 @@ class NativeKernels:
         """Rows of fp32 ``x [..., N]`` (N a multiple of 32) as the q8_0 cache stores them:
         uint8 ``[..., N / 32 * 34]``, the kernel's own quantizer (paged_attention.c,
         llama.cpp's ``quantize_row_q8_0_ref``)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] % Q8_BLOCK:
-            raise ValueError(f"kv_q8_quantize takes fp32 CPU rows of 32k values, not {x.dtype} "
-                             f"{tuple(x.shape)}")  # fmt: skip
+        return self._kv_quantize(x, KV_Q8, self._kv_q8_quantize)
+
+    def kv_q4_quantize(self, x: Tensor) -> Tensor:
+        """Rows of fp32 ``x [..., N]`` (N a multiple of 32) as the q4_0 cache stores them:
+        uint8 ``[..., N / 32 * 18]``, the kernel's own quantizer (paged_attention.c,
+        llama.cpp's ``quantize_row_q4_0_ref``)."""
+        return self._kv_quantize(x, KV_Q4, self._kv_q4_quantize)
+
+    @staticmethod
+    def _kv_quantize(x: Tensor, elem: KVElement, fn: Any) -> Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] % elem.block:
+            raise ValueError(f"kv_{elem.name[:2]}_quantize takes fp32 CPU rows of 32k values, "
+                             f"not {x.dtype} {tuple(x.shape)}")  # fmt: skip
         x = x.contiguous()
-        out = torch.empty((*x.shape[:-1], kv_row_width(KV_Q8, x.shape[-1])), dtype=torch.uint8)
-        self._kv_q8_quantize(x.data_ptr(), out.data_ptr(), x.numel() // Q8_BLOCK)
+        out = torch.empty((*x.shape[:-1], elem.row_width(x.shape[-1])), dtype=torch.uint8)
+        fn(x.data_ptr(), out.data_ptr(), x.numel() // elem.block)
         return out
 
     def softcap(self, x: Tensor, cap: float) -> Tensor:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import wire
-from gpu.cache.kv_cache import kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
+from gpu.cache.kv_cache import BLOCKED_KV, kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
 from gpu.runtime.engine import Engine, EngineConfig
@@ -94,11 +94,11 @@ def kv_blocks_for(
 ) -> int:
     """KV blocks for ``kv_cache_tokens`` (rounded down to whole blocks), else for
     ``kv_memory_mib`` (default ``DEFAULT_CPU_KV_MIB``) of K and V of every layer, ``elem``
-    bytes a value (``kv_value_bytes``: 34 / 32 for q8_0); at least one."""
+    bytes a value (``kv_value_bytes``: 34 / 32 for q8_0, 18 / 32 for q4_0); at least one."""
     tokens = config.kv_cache_tokens
     if tokens is None:
         mib = config.kv_memory_mib if config.kv_memory_mib is not None else DEFAULT_CPU_KV_MIB
-        # exact: elem is a whole number of bytes or 17/16, head_dim then a multiple of 32
+        # exact: elem is a whole number of bytes, 17/16 or 9/16, head_dim then a multiple of 32
         tokens = int(mib * 2**20 // (2 * n_layers * n_kv * head_dim * elem))
     return max(1, tokens // config.block_size)
 
@@ -183,13 +183,13 @@ def build_engine(config: WorkerConfig) -> Engine:
     ) is not None:
         raise SystemExit(why)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, quantized)
-    elem = kv_value_bytes(kv_dtype)  # bytes of one stored value (q8_0: 34 / 32)
+    elem = kv_value_bytes(kv_dtype)  # bytes of one stored value (q8_0: 34 / 32, q4_0: 18 / 32)
     plan = None
     if _sized_by_fraction(config, lm.device):
         plan = plan_kv(
             cuda_free_bytes(lm.device),
-            config.mem_fraction or DEFAULT_MEM_FRACTION,  # CUDA: never q8_0 (refused above)
-            mc, kv_dtype.itemsize, config.block_size, config.step_tokens, config.max_running,
+            config.mem_fraction or DEFAULT_MEM_FRACTION,  # CUDA: never q8_0/q4_0 (refused)
+            mc, int(elem), config.block_size, config.step_tokens, config.max_running,
             graphs=config.decode_graphs in ("auto", "on"),
         )  # fmt: skip
         blocks = plan.blocks
@@ -213,9 +213,9 @@ def build_engine(config: WorkerConfig) -> Engine:
         engine = Engine(lm, engine_config, plan, followers=followers, draft=draft)
     except ValueError as exc:  # a draft model that does not fit the served one
         raise SystemExit(str(exc)) from None
-    if config.kv_cache_dtype == "q8_0" and engine.runner.backends()["trunk"] != "fused":
-        raise SystemExit("--kv-cache-dtype q8_0 is read by the fused native trunk, which does "
-                         f"not run this {mc.arch} model (every projection quantized, every "
+    if config.kv_cache_dtype in BLOCKED_KV and engine.runner.backends()["trunk"] != "fused":
+        raise SystemExit(f"--kv-cache-dtype {config.kv_cache_dtype} is read by the fused "
+                         f"native trunk, which does not run this {mc.arch} model (every projection quantized, every "
                          "layer feature native): use --kv-cache-dtype auto")  # fmt: skip
     if followers is not None:
         followers.start(engine_config, engine.max_context)  # they make the same runner

@@ -35,8 +35,8 @@
  *   pos [M] int64 positions
  *   slots [M] int64 cache row of each new token; tables [M, maxnb], lens [M] int32
  *   layers[n_layers]: weights (GGUF blocks, GGML type codes), the layer's K/V cache
- *   [KV, rows, HD] of kv_kind's element (fp32, fp16, or q8_0: each row HD / 32 blocks of
- *   34 bytes, paged_attention.c), its RoPE tables cos/sin [ctx, hd]
+ *   [KV, rows, HD] of kv_kind's element (fp32, fp16, q8_0 or q4_0: each row HD / 32
+ *   blocks of 34 or 18 bytes, paged_attention.c), its RoPE tables cos/sin [ctx, hd]
  *   (gpu/model/decoder.py) and its window
  *   act: 0 SiLU, 1 GELU (tanh form); softcap: the attention scores' cap (0: none)
  */
@@ -54,12 +54,13 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
                     int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
                     int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads);
 void kv_q8_quantize(const float *x, uint8_t *out, int64_t nblocks);
+void kv_q4_quantize(const float *x, uint8_t *out, int64_t nblocks);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
     const uint8_t *wqkv, *wo, *wgu, *wdown;
     int32_t t_qkv, t_o, t_gu, t_down;
-    void *kc, *vc; /* the layer's cache: fp32, fp16 or q8_0 (trunk_layers' kv_kind) */
+    void *kc, *vc; /* the layer's cache: fp32, fp16, q8_0 or q4_0 (trunk_layers' kv_kind) */
     const float *bqkv, *q_norm, *k_norm;     /* NULL where the architecture has none */
     const float *post_attn_norm, *post_ffn_norm; /* NULL but for Gemma 2/3 */
     const float *cos, *sin;                  /* the layer's RoPE tables [ctx, hd]; NULL: none */
@@ -96,11 +97,12 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
     }
 }
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 }; /* paged_attention.c's kv_kind */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3 }; /* paged_attention.c's kv_kind */
 
 /* One row of n fp32 values into the cache as its row `row`: fp32 copied; fp16 rounded to
- * nearest even (F16C where built); q8_0 quantized once, here, by the one portable
- * quantizer (kv_q8_quantize), so every build writes the same bytes. */
+ * nearest even (F16C where built); q8_0 and q4_0 quantized once, here, by the one
+ * portable quantizer of each (kv_q8_quantize, kv_q4_quantize), so every build writes the
+ * same bytes. */
 static void to_cache(void *cache, int64_t row, const float *src, int32_t n, int32_t kind) {
     if (kind == KV_F32) {
         memcpy((float *)cache + row * n, src, sizeof(float) * (size_t)n);
@@ -108,6 +110,10 @@ static void to_cache(void *cache, int64_t row, const float *src, int32_t n, int3
     }
     if (kind == KV_Q8) {
         kv_q8_quantize(src, (uint8_t *)cache + row * (n / 32 * 34), n / 32);
+        return;
+    }
+    if (kind == KV_Q4) {
+        kv_q4_quantize(src, (uint8_t *)cache + row * (n / 32 * 18), n / 32);
         return;
     }
     uint16_t *dst = (uint16_t *)cache + row * n;
@@ -120,14 +126,14 @@ static void to_cache(void *cache, int64_t row, const float *src, int32_t n, int3
 }
 
 /* Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take (a
- * q8_0 cache's head_dim not a multiple of 32 among them). */
+ * q8_0 or q4_0 cache's head_dim not a multiple of 32 among them). */
 int trunk_layers(float *x, int32_t m, const int64_t *pos, const trunk_layer *layers,
                  int32_t n_layers, int32_t hidden, int32_t inter, int32_t h, int32_t kv,
                  int32_t hd, float eps, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, int32_t maxnb, int64_t rows, int32_t bs, int32_t kv_kind,
                  float scale, int32_t act, float softcap, int32_t threads) {
     if (hd > 512 || hd % 2 || m < 1 || (act != ACT_SILU && act != ACT_GELU_TANH)) return -2;
-    if (kv_kind < KV_F32 || kv_kind > KV_Q8 || (kv_kind == KV_Q8 && hd % 32)) return -2;
+    if (kv_kind < KV_F32 || kv_kind > KV_Q4 || (kv_kind >= KV_Q8 && hd % 32)) return -2;
     int64_t qkv_w = (int64_t)(h + 2 * kv) * hd, q_w = (int64_t)h * hd;
     float *hbuf = malloc(sizeof(float) * (size_t)m * (size_t)hidden);
     float *qkv = malloc(sizeof(float) * (size_t)m * (size_t)qkv_w);

@@ -8,10 +8,13 @@
  * Layout (row-major, as PagedKVCache stores one layer):
  *   q      [D, H, HD]       fp32, the step's queries, RoPE applied; sequence s starts at
  *                           q + s * q_stride (the rows may be a strided slice)
- *   kc, vc [KV, ROWS, HD]   cache rows, fp32, fp16 or q8_0 (kv_kind; read as fp32,
+ *   kc, vc [KV, ROWS, HD]   cache rows, fp32, fp16, q8_0 or q4_0 (kv_kind; read as fp32,
  *                           exactly); row = block * BS + offset. A q8_0 row is HD / 32
  *                           of llama.cpp's block_q8_0, 34 bytes each: the scale d as
- *                           fp16, then 32 int8 q; value i is q[i] * d (kv_q8_quantize)
+ *                           fp16, then 32 int8 q; value i is q[i] * d (kv_q8_quantize).
+ *                           A q4_0 row is HD / 32 of block_q4_0, 18 bytes each: d as
+ *                           fp16, then 16 bytes, value j's 4 bits q low in byte j and
+ *                           value j + 16's high; value i is (q[i] - 8) * d (kv_q4_quantize)
  *   tables [D, MAXNB]       int32 block table of each sequence
  *   lens   [D]              int32 keys per sequence (context including the new token)
  *   out    [D, H, HD]
@@ -58,10 +61,12 @@ static inline void halves_to_floats(float *restrict dst, const uint16_t *restric
 }
 
 /* The cache's elements (kv_kind): what one row of hd values takes. */
-enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, Q8_BLOCK = 32, Q8_BYTES = 34 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3 };
+enum { Q8_BLOCK = 32, Q8_BYTES = 34, Q4_BYTES = 18 }; /* a block's values (q4_0's too), bytes */
 
 static inline size_t kv_row_bytes(int32_t kind, int32_t hd) {
     if (kind == KV_Q8) return (size_t)hd / Q8_BLOCK * Q8_BYTES;
+    if (kind == KV_Q4) return (size_t)hd / Q8_BLOCK * Q4_BYTES;
     return (size_t)hd * (kind == KV_F16 ? 2 : 4);
 }
 
@@ -88,14 +93,80 @@ void kv_q8_quantize(const float *restrict x, uint8_t *restrict out, int64_t nblo
     }
 }
 
+/* A q8_0 or q4_0 block's scale d: its first two bytes, an fp16. */
+static inline float block_scale(const uint8_t *block) {
+    uint16_t dh;
+    memcpy(&dh, block, 2);
+    return fo_half_to_float(dh);
+}
+
+/* One 4-bit q of llama.cpp's quantize_row_q4_0_ref from y = x * id + 8.5f: MIN(15,
+ * (int8_t)y), which for every y a finite id gives (about 0.5 to 16.5) is the truncation
+ * clamped to 15. y is infinite or NaN only where id overflowed (|max| below 2^-125):
+ * there the C conversion is undefined, x86's gives 0 (what llama.cpp's scalar code
+ * stores), and so does this, on every build. */
+static inline uint8_t q4_nibble(float y) {
+    if (!(y >= 0.0f && y < INFINITY)) return 0; /* NaN, infinities (and no finite y < 0) */
+    return y >= 15.0f ? 15 : (uint8_t)(int32_t)y;
+}
+
+/* llama.cpp's quantize_row_q4_0_ref (ggml-quants.c), for each of n blocks of 32 values:
+ * max = the value of the largest |x| (the first of equals); d = max / -8 in fp32; id =
+ * 1 / d (0 when d is 0); q[j] = MIN(15, (int8_t)(x[j] * id + 8.5f)), the product and
+ * the sum each rounded to fp32 (no contraction: -ffp-contract=off); byte j holds q[j] in
+ * its low 4 bits and q[j + 16] in its high 4; d stored as fp16 rounded to nearest even.
+ * Plain C, as kv_q8_quantize: every build gives the same bytes. */
+void kv_q4_quantize(const float *restrict x, uint8_t *restrict out, int64_t nblocks) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        const float *v = x + b * Q8_BLOCK;
+        uint8_t *o = out + b * Q4_BYTES;
+        float amax = 0.0f, max = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            if (amax < fabsf(v[i])) amax = fabsf(v[i]), max = v[i];
+        }
+        float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = fo_float_to_half(d);
+        memcpy(o, &dh, 2);
+        for (int j = 0; j < Q8_BLOCK / 2; j++) {
+            float y0 = v[j] * id, y1 = v[j + Q8_BLOCK / 2] * id;
+            o[2 + j] = (uint8_t)(q4_nibble(y0 + 8.5f) | q4_nibble(y1 + 8.5f) << 4);
+        }
+    }
+}
+
+/* n q4_0 blocks at src as fp32 at dst: (q - 8) * d, exact (q - 8 has 4 bits and d's
+ * mantissa 11), so the vector path and the C loop give the same bits. */
+static inline void q4_to_floats(float *restrict dst, const uint8_t *restrict src, int64_t n) {
+    for (int64_t b = 0; b < n; b++, src += Q4_BYTES, dst += Q8_BLOCK) {
+        float d = block_scale(src);
+        const uint8_t *qs = src + 2;
+        int j = 0;
+#ifdef FO_AVX2
+        __m256 vd = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+        for (; j < Q8_BLOCK / 2; j += 8) {
+            __m128i q8 = _mm_loadl_epi64((const __m128i *)(qs + j));
+            __m256i lo = _mm256_cvtepu8_epi32(_mm_and_si128(q8, _mm_set1_epi8(0x0F)));
+            __m256i hi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q8, 4),
+                                                            _mm_set1_epi8(0x0F)));
+            __m256 l = _mm256_sub_ps(_mm256_cvtepi32_ps(lo), eight);
+            __m256 h = _mm256_sub_ps(_mm256_cvtepi32_ps(hi), eight);
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(l, vd));
+            _mm256_storeu_ps(dst + j + Q8_BLOCK / 2, _mm256_mul_ps(h, vd));
+        }
+#endif
+        for (; j < Q8_BLOCK / 2; j++) {
+            dst[j] = (float)((qs[j] & 0x0F) - 8) * d;
+            dst[j + Q8_BLOCK / 2] = (float)((qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
 /* n q8_0 blocks at src as fp32 at dst: q * d, exact (|q| <= 128 has 8 bits and d's
  * fp16 mantissa 11, so the product fits fp32's 24), so the vector path and the C loop
  * give the same bits. */
 static inline void q8_to_floats(float *restrict dst, const uint8_t *restrict src, int64_t n) {
     for (int64_t b = 0; b < n; b++, src += Q8_BYTES, dst += Q8_BLOCK) {
-        uint16_t dh;
-        memcpy(&dh, src, 2);
-        float d = fo_half_to_float(dh);
+        float d = block_scale(src);
         const int8_t *qs = (const int8_t *)(src + 2);
         int i = 0;
 #ifdef FO_AVX2
@@ -114,17 +185,18 @@ static inline void q8_to_floats(float *restrict dst, const uint8_t *restrict src
 static inline void rows_to_floats(float *restrict dst, const void *restrict src, int32_t kind,
                                   int64_t rows, int32_t hd) {
     if (kind == KV_Q8) q8_to_floats(dst, src, rows * (hd / Q8_BLOCK));
+    else if (kind == KV_Q4) q4_to_floats(dst, src, rows * (hd / Q8_BLOCK));
     else halves_to_floats(dst, src, rows * hd);
 }
 
 /* Where one (sequence, kv head) pair's key and value blocks come from, as fp32: the
- * cache's own rows when it holds fp32; when it holds fp16 or q8_0, either the blocks
+ * cache's own rows when it holds fp32; when it holds fp16, q8_0 or q4_0, either the blocks
  * from `from` on converted ahead for a run of rows of one sequence (kconv, vconv), or
  * each block converted into buf when it is read, once for all the pair's query heads. */
 typedef struct {
     const void *k, *v; /* the kv head's cache rows */
     const int32_t *table;
-    int32_t kind, bs, hd, from; /* kind: KV_F32, KV_F16 or KV_Q8 */
+    int32_t kind, bs, hd, from; /* kind: KV_F32, KV_F16, KV_Q8 or KV_Q4 */
     const float *kconv, *vconv; /* NULL: not converted ahead */
     float *buf;                 /* one block */
 } kv_src;
@@ -254,20 +326,22 @@ static void one_pair(const float *restrict q, const kv_src *src, int32_t first, 
 }
 
 /* Consecutive rows of one sequence (a prompt chunk: the same block table) take at most
- * RUN rows a work item, its fp16 or q8_0 blocks converted once for all of them. */
+ * RUN rows a work item, its fp16, q8_0 or q4_0 blocks converted once for all of them. */
 enum { RUN = 16 };
 
 /* Returns 0, -1 when scratch memory could not be allocated (out is then unset), -2 for
- * a q8_0 cache whose head_dim is not a multiple of 32. kv_kind: the cache holds fp32
- * (0), fp16 (1) or q8_0 (2); window: keys per sequence a query attends to, its own
- * included (0: all); softcap: the scores' cap (0: none). */
+ * a kv_kind it does not know or a q8_0 / q4_0 cache whose head_dim is not a multiple of
+ * 32. kv_kind: the cache holds fp32 (0), fp16 (1), q8_0 (2) or q4_0 (3); window: keys
+ * per sequence a query attends to, its own included (0: all); softcap: the scores' cap
+ * (0: none). */
 int paged_attention(const float *q, int64_t q_stride, const void *kc, const void *vc,
                     int32_t kv_kind, const int32_t *tables, const int32_t *lens, float *out,
                     int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
                     int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads) {
     int32_t g = h / kv;
     int32_t maxlen = 1;
-    if (kv_kind == KV_Q8 && hd % Q8_BLOCK) return -2;
+    if (kv_kind < KV_F32 || kv_kind > KV_Q4) return -2;
+    if ((kv_kind == KV_Q8 || kv_kind == KV_Q4) && hd % Q8_BLOCK) return -2;
     for (int32_t s = 0; s < d; s++) maxlen = lens[s] > maxlen ? lens[s] : maxlen;
     if (threads < 1) threads = 1;
     /* the runs: rows [run[i], run[i + 1]) */
@@ -281,7 +355,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
         else multi = 1;
     }
     run[nrun] = d;
-    /* per thread: one row's scores, one block, and (fp16 or q8_0, runs of rows) a
+    /* per thread: one row's scores, one block, and (not fp32, runs of rows) a
      * sequence's blocks */
     size_t conv = kv_kind != KV_F32 && multi ? (size_t)maxnb * bs * hd : 0;
     size_t per_thread = (size_t)g * maxlen + (size_t)bs * hd + 2 * conv;
