@@ -14,9 +14,10 @@ kernel matches fp64 to fp32 accumulation error.
 Every output is one function of its row of x and its row of w, defined in the kernel's
 header (an exact integer per block, one FMA per block in block order):
 ``q_linear_reference`` computes that definition output by output, and every path of the
-kernel (decode's one to three rows, the panels of 8 or 16 weight rows with their row
-tails, a second chunk of rows), thread count and build (AVX-512 VNNI, AVX-VNNI, AVX2,
-portable C) equals it. Those are asserted bit for bit.
+kernel (decode's one or two rows against four weight rows at once, the panels of 8 or 16
+weight rows with their one-pass row counts, a second chunk of rows), every row count
+from 1 to 20, thread count and build (AVX-512 VNNI, AVX-VNNI, AVX2, portable C) equals it.
+Those are asserted bit for bit.
 """
 
 from __future__ import annotations
@@ -164,20 +165,29 @@ def test_a_row_is_the_same_in_any_call(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(one, alone[:97])
 
 
+# Every row count from 1 to 20: decode (one or two rows against four weight rows at once),
+# the panels from three rows on (one pass for up to 8 rows, 4 without AVX-512; then
+# passes of 8 and the rest), so every threshold and its neighbours; then 31-33 and 300
+# (a second chunk of 256 rows).
+ROW_COUNTS = (*range(1, 21), 31, 32, 33, 300)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_path_is_the_definition(qtype: GGMLQuantizationType) -> None:
-    """Decode (1-3 rows), the panels (full, their 2- and 1-row tails, 37 outputs: a
-    partial panel) and a second chunk of rows (300 > 256), on two threads, against the
-    header's definition computed output by output."""
+    """Every row count of ``ROW_COUNTS`` (so every path: decode's one and two rows, the
+    panels and their tails, 37 outputs: a partial panel and a partial group of four), on
+    one thread and two, against the header's definition computed output by output."""
     k = kdim(qtype, 1536)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(11)) * 3
     x[3] = 0.0  # a zero block: scale 0
     x[5, :32] = TIES  # exact ties at the int8 rounding
     blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=11))
     ref = kernels().q_linear_reference(x, blocks, int(qtype))
-    with torch_threads(2):
-        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17, 300):
-            assert torch.equal(kernels().q_linear(x[:m], blocks, int(qtype)), ref[:m]), m
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for m in ROW_COUNTS:
+                y = kernels().q_linear(x[:m], blocks, int(qtype))
+                assert torch.equal(y, ref[:m]), (threads, m)
 
 
 @pytest.mark.parametrize("isa", native_build.other_isas())
@@ -188,10 +198,13 @@ def test_every_build_computes_the_same_bits(qtype: GGMLQuantizationType, isa: st
     x[3] = 0.0  # a zero block: scale 0
     x[5, :32] = TIES  # exact ties at the int8 rounding
     blocks = torch.from_numpy(random_blocks(qtype, 51, 1536, seed=9))
-    for m in (1, 2, 5, 70):
-        assert torch.equal(
-            other.q_linear(x[:m], blocks, int(qtype)), kernels().q_linear(x[:m], blocks, int(qtype))
-        ), (isa, m)
+    ref = kernels().q_linear_reference(x, blocks, int(qtype))
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for m in (*range(1, 21), 70):
+                y = other.q_linear(x[:m], blocks, int(qtype))
+                assert torch.equal(y, ref[:m]), (isa, threads, m)
+                assert torch.equal(y, kernels().q_linear(x[:m], blocks, int(qtype))), (isa, m)
     assert torch.equal(
         other.q_dequantize(blocks, int(qtype), 1536),
         kernels().q_dequantize(blocks, int(qtype), 1536),
