@@ -467,8 +467,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-tokens",
         type=int,
-        default=6,
-        help="most tokens proposed a step (ours, and llama-server's --draft-max)",
+        default=12,
+        help="most tokens proposed a step (ours, the worker's default; and llama-server's draft "
+        "length)",
     )
     p.add_argument(
         "--peer",

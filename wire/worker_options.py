@@ -217,7 +217,8 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
        "Hugging Face folder with the served model's vocabulary, smaller and faster",
        forwarded=True),
     _w("speculative_tokens", "the most tokens --speculative proposes for a request in "
-       "one step", type=int, default=6, minimum=1, maximum=32, forwarded=True),
+       "one step (at most 15 at one stream: a step's decodes and drafts stay within 16 "
+       "rows)", type=int, default=12, minimum=1, maximum=32, forwarded=True),
     _w("speculative_ngram_min", "the fewest last tokens an ngram proposal must match",
        type=int, default=2, minimum=1, forwarded=True),
     _w("speculative_ngram_max", "the most last tokens an ngram proposal tries to match "
