@@ -255,6 +255,17 @@ FEATURES = (
         ),
     ),
     _m(
+        "spec_draft_kv_not_mirrored",
+        "issue 59, point 1",
+        "the draft model's cache misses the served model's steps (its proposals go stale)",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/engine.py",
+            "            self.drafter.mirror(step.input)\n",
+            "            pass\n",
+        ),
+    ),
+    _m(
         "spec_draft_published",
         "issue 59, point 1",
         "a speculating row's draft KV is counted computed before it was checked",
