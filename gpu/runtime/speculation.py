@@ -115,8 +115,8 @@ class Drafts:
             self.index[n] = {}
 
     def length(self, most: int) -> int:
-        """A draft model's next draft length for this sequence: ``min(k, most)``, 0
-        while paused (the n-gram's ``propose`` follows the same rules)."""
+        """The next draft's most tokens for this sequence: ``min(k, most)``, 0 while
+        paused (a draft model's proposals, and ``propose``'s)."""
         if self.pause:
             self.pause -= 1
             return 0
@@ -125,9 +125,9 @@ class Drafts:
     def propose(self, tokens: list[int], most: int) -> list[int]:
         """Up to ``min(k, most)`` tokens that followed the latest earlier occurrence of
         the longest matching suffix of ``tokens`` (continued as a loop past the end);
-        [] when none matches or paused."""
-        if self.pause:
-            self.pause -= 1
+        [] when none matches or paused (``length``'s rule: one for both proposers)."""
+        want = self.length(most)
+        if not want:
             return []
         end = len(tokens) - 1  # n-grams ending at positions < len(tokens)
         for i in range(self.indexed + 1, end + 1):
@@ -135,9 +135,6 @@ class Drafts:
                 if i >= n:
                     table[tuple(tokens[i - n : i])] = i
         self.indexed = max(self.indexed, end)
-        want = min(self.k, most)
-        if want <= 0:
-            return []
         for n in range(self.spec.ngram_max, self.spec.ngram_min - 1, -1):
             if len(tokens) < n + 1:
                 continue
