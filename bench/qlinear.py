@@ -16,6 +16,9 @@ neighbour makes the second OpenMP thread wait for a time slice: ~1.6 ms a call);
 10 % steal or 0.1 cores of others the run is flagged as not comparable.
 ``python bench/qlinear.py [THREADS ...] [--rows 1,2,32,500]`` (default threads 1 2, rows 1,2).
 
+``Q4_1p`` / ``Q8_0p`` are the same blocks packed into panels by ``q_pack``, the layout
+the loader keeps where the build packs (gpu/model/quant.py): the packed and the file's
+layouts compute the same bits, so the columns compare speed only.
 ``--kinds Q4_1,Q8_0`` leaves fp32 out, ``--reps`` sets the passes; ``--against REV`` also
 builds quant_linear.c as git revision REV has it (alone, with the same flags, into a
 temporary directory) and times it interleaved with the working tree's as ``Q4_1@REV`` /
@@ -64,7 +67,9 @@ SHAPES = {  # name -> the GGUF tensors fused into it, as the loader fuses them
     "gate_up": ("ffn_gate", "ffn_up"),
     "down": ("ffn_down",),
 }
-KINDS = ("fp32", "Q4_1", "Q8_0")
+# Q4_1p / Q8_0p: the same blocks packed into panels (q_pack), as the loader keeps them
+# where the build packs (gpu/model/quant.py)
+KINDS = ("fp32", "Q4_1", "Q8_0", "Q4_1p", "Q8_0p")
 REPO = Path(__file__).resolve().parent.parent
 ROWS = (1, 2)  # default --rows: decode at batch 1-2
 REPS = 15
@@ -75,9 +80,10 @@ OTHERS_LIMIT = 0.10  # cores other processes kept busy: they take our second thr
 class Weights:
     """One shape's weights for every layer (or the head), in the three forms."""
 
-    def __init__(self, f: GGUFFile, names: list[list[str]]) -> None:
+    def __init__(self, f: GGUFFile, names: list[list[str]], kn: NativeKernels) -> None:
         self.fp32: list[PackedLinear] = []
         self.blocks: dict[str, list[torch.Tensor]] = {"Q4_1": [], "Q8_0": []}
+        self.packed: dict[str, list[torch.Tensor | None]] = {"Q4_1": [], "Q8_0": []}
         for group in names:
             dense = np.concatenate([f.dequantize(n) for n in group])
             self.fp32.append(PackedLinear(torch.from_numpy(dense)))
@@ -88,12 +94,15 @@ class Weights:
                 else:
                     raw = quantize(dense, qtype)
                 self.blocks[kind].append(torch.from_numpy(np.ascontiguousarray(raw)))
+                self.packed[kind].append(
+                    kn.q_pack(self.blocks[kind][-1], int(qtype), dense.shape[1])
+                )
         self.n, self.k = self.fp32[0].weight.shape
 
     def bytes_per_call(self, kind: str) -> int:
         if kind == "fp32":
             return self.n * self.k * 4
-        row = quant_row_bytes(int(Q[kind.partition("@")[0]]), self.k)
+        row = quant_row_bytes(int(Q[kind.partition("@")[0].removesuffix("p")]), self.k)
         assert row is not None
         return self.n * row
 
@@ -147,6 +156,11 @@ def runner(
     ``Q4_1@REV`` runs ``old``."""
     if kind == "fp32":
         return lambda: [lin(x) for lin in w.fp32]
+    if kind.endswith("p"):  # packed: this tree's kernels, whichever side --against times
+        packed, qtype, n = w.packed[kind[:-1]], int(Q[kind[:-1]]), w.n
+        kernels = load_kernels()
+        assert kernels is not None and all(wp is not None for wp in packed)
+        return lambda: [kernels.q_linear_packed(x, wp, qtype, n) for wp in packed]  # type: ignore[arg-type]
     name, _, rev = kind.partition("@")
     qtype, fn = int(Q[name]), (old if rev and old is not None else kn).q_linear
     return lambda: [fn(x, b, qtype) for b in w.blocks[name]]
@@ -250,7 +264,7 @@ def main() -> int:
         "--rows", default=",".join(map(str, ROWS)),
         help="comma-separated row counts (decode batch sizes; 500 for a prefill)",
     )  # fmt: skip
-    ap.add_argument("--kinds", default=",".join(KINDS), help="of fp32, Q4_1, Q8_0")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="of " + ", ".join(KINDS))
     ap.add_argument("--reps", type=int, default=REPS, help="passes per path and shape")
     ap.add_argument(
         "--against", metavar="REV",
@@ -266,17 +280,17 @@ def main() -> int:
     old = QLinearAt(args.against) if args.against else None
     mine: NativeKernels | QLinearAt = kn
     if old is not None:  # both sides built and called the same way
-        kinds += tuple(f"{k}@{args.against}" for k in kinds if k != "fp32")
+        kinds += tuple(f"{k}@{args.against}" for k in kinds if k in ("Q4_1", "Q8_0"))
         mine = QLinearAt(None)
     f = GGUFFile(default_model_path())
     n_layers = sum(1 for n in f.tensors if n.endswith(".attn_q.weight"))
     t = time.perf_counter()
     with torch.inference_mode():
         weights = {
-            name: Weights(f, [[f"blk.{i}.{p}.weight" for p in parts] for i in range(n_layers)])
+            name: Weights(f, [[f"blk.{i}.{p}.weight" for p in parts] for i in range(n_layers)], kn)
             for name, parts in SHAPES.items()
         }
-        weights["head"] = Weights(f, [["token_embd.weight"]])
+        weights["head"] = Weights(f, [["token_embd.weight"]], kn)
         print(f"{f.path.name}: {n_layers} layers, weights ready in {time.perf_counter() - t:.1f}s")
         for threads in args.threads:
             run(mine, weights, n_layers, threads, rows_list, kinds, old, args.reps)

@@ -290,3 +290,123 @@ def test_each_types_output_is_the_recorded_one(qtype: GGMLQuantizationType) -> N
             for m in (1, 8)
         )
     assert got == KERNEL_DIGESTS[qtype.name], qtype.name
+
+
+# ---- Packed weights (q_pack): the layout the loader keeps where the build has vector paths
+
+PACKS = (
+    KERNELS is not None
+    and KERNELS.q_pack(torch.from_numpy(random_blocks(Q.Q4_1, 16, 32, seed=0)), int(Q.Q4_1), 32)
+    is not None
+)
+
+
+def packed(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
+    wp = kernels().q_pack(blocks, int(qtype), k)
+    assert wp is not None
+    return wp
+
+
+@pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_weights_are_the_definition(qtype: GGMLQuantizationType) -> None:
+    """Packed, every row count of ``ROW_COUNTS`` (one row, the 8- and 4-row passes and
+    their tails, AMX's groups of 16 where the CPU has it, a second chunk of 256) on one
+    thread and two equals the definition on the file's blocks, bit for bit; 37 outputs:
+    a partial panel. Its rows read back are the file's dequantization, and it is the
+    file's size (the k-quants with offsets 4 bytes more per 256 weights)."""
+    k = kdim(qtype, 1536)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(11)) * 3
+    x[3] = 0.0
+    x[5, :32] = TIES
+    blocks = torch.from_numpy(random_blocks(qtype, 37, k, seed=11))
+    wp = packed(blocks, qtype, k)
+    extra = 4 * (k // 256) if qtype in (Q.Q4_K, Q.Q5_K) else 0
+    assert wp.numel() == 48 * (blocks.shape[1] + extra)  # 37 rows padded to 3 panels of 16
+    ref = kernels().q_linear_reference(x, blocks, int(qtype))
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for m in ROW_COUNTS:
+                y = kernels().q_linear_packed(x[:m], wp, int(qtype), 37)
+                assert torch.equal(y, ref[:m]), (threads, m)
+    ids = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(
+        kernels().q_packed_rows(wp, ids, int(qtype), 37, k),
+        kernels().q_dequantize(blocks[ids].contiguous(), int(qtype), k),
+    )
+
+
+@pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_output_is_the_recorded_one(qtype: GGMLQuantizationType) -> None:
+    """The same digests as the file's blocks give (``KERNEL_DIGESTS``): one function."""
+    import hashlib
+
+    k = kdim(qtype, 512)
+    rng = np.random.default_rng(53)
+    x = torch.from_numpy((rng.integers(-4096, 4096, (8, k)) / 512).astype(np.float32))
+    wp = packed(torch.from_numpy(random_blocks(qtype, 37, k, seed=53)), qtype, k)
+    with torch_threads(2):
+        got = tuple(
+            hashlib.sha256(
+                kernels().q_linear_packed(x[:m], wp, int(qtype), 37).numpy().tobytes()
+            ).hexdigest()[:16]
+            for m in (1, 8)
+        )
+    assert got == KERNEL_DIGESTS[qtype.name], qtype.name
+
+
+@pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
+@pytest.mark.parametrize("isa", native_build.other_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_build_packs_and_computes_the_same_bits(
+    qtype: GGMLQuantizationType, isa: str
+) -> None:
+    """Each build packs the same bytes (the layout is not the build's) and computes the
+    same bits from them; the portable build packs nothing."""
+    other = native.load_kernels_built_for(isa)
+    k = kdim(qtype, 1536)
+    blocks = torch.from_numpy(random_blocks(qtype, 51, k, seed=9))
+    wp = packed(blocks, qtype, k)
+    theirs = other.q_pack(blocks, int(qtype), k)
+    if isa == "portable":
+        assert theirs is None
+        return
+    assert theirs is not None and torch.equal(theirs, wp)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(9))
+    ref = kernels().q_linear_reference(x, blocks, int(qtype))
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for m in (*range(1, 21), 70):
+                assert torch.equal(other.q_linear_packed(x[:m], wp, int(qtype), 51), ref[:m])
+
+
+@pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
+def test_parts_mix_packed_and_file_blocks() -> None:
+    """A fused weight in parts of different types (Q4_K_M's q/k/v), some packed and some
+    not: each part's columns are its own call's."""
+    from gpu.model.quant import QuantLinear, QuantWeight
+
+    k = 512
+    q = QuantWeight(torch.from_numpy(random_blocks(Q.Q4_K, 40, k, seed=1)), Q.Q4_K, k)
+    v = QuantWeight(torch.from_numpy(random_blocks(Q.Q6_K, 24, k, seed=2)), Q.Q6_K, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    want = torch.cat([QuantLinear(q, kernels())(x), QuantLinear(v, kernels())(x)], dim=1)
+    for parts in ([q.packed(kernels()), v], [q, v.packed(kernels())],
+                  [q.packed(kernels()), v.packed(kernels())]):  # fmt: skip
+        assert torch.equal(QuantLinear(parts, kernels())(x), want)
+    pq = q.packed(kernels())
+    assert pq.shape == (40, k) and pq.packed(kernels()) is pq
+    assert torch.equal(pq.rows(torch.tensor([[3, 39]])), q.rows(torch.tensor([[3, 39]])))
+
+
+@pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
+def test_packed_rejects_what_it_cannot_read() -> None:
+    blocks = torch.from_numpy(random_blocks(Q.Q4_1, 20, 64, seed=0))
+    wp = packed(blocks, Q.Q4_1, 64)
+    with pytest.raises(ValueError, match="packed rows"):  # 20 rows pack to 2 panels, not 3
+        kernels().q_linear_packed(torch.zeros(1, 64), wp, int(Q.Q4_1), 40)
+    with pytest.raises(ValueError, match="packed rows"):
+        kernels().q_linear_packed(torch.zeros(1, 64), wp, int(Q.Q8_0), 20)
+    with pytest.raises(IndexError):
+        kernels().q_packed_rows(wp, torch.tensor([20]), int(Q.Q4_1), 20, 64)

@@ -171,7 +171,9 @@ class StepGraphs:
         self.batch_sizes = tuple(sizes)
         self.max_blocks = -(-max_context // cache.block_size)
         self.max_graphs = max_graphs
-        self.vocab = int(model.embed.shape[0])
+        self.vocab = (
+            model.config.vocab_size
+        )  # the head's rows (modelfile/check.py holds the file to it)
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self._buffers: _Buffers | None = None  # made with the first capture
         self.replays = 0

@@ -41,6 +41,8 @@ __all__ = [
     "kv_element",
     "kv_row_width",
     "QL_PARTS",
+    "QP_FLAG",
+    "QP_ROWS",
     "QParts",
     "QUANT_TYPES",
     "quant_row_bytes",
@@ -60,6 +62,10 @@ QUANT_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 # q_linear's qtype for a weight in parts of different types (``QParts``).
 QL_PARTS = -1
+# q_linear's qtype bit for a weight packed into panels by ``q_pack`` (its type's code
+# or'ed with it), and the rows of a panel.
+QP_FLAG = 0x100
+QP_ROWS = 16
 QL_MAX_PARTS = 4
 
 
@@ -174,6 +180,9 @@ class NativeKernels:
         self._q_linear = bind("q_linear", rc, p, p, p, i32, i32, i64, i64, i32)
         self._q_linear_reference = bind("q_linear_reference", rc, p, p, p, i32, i32, i64, i64)
         self._q_dequantize = bind("q_dequantize", rc, p, p, i32, i64, i64)
+        self._q_pack = bind("q_pack", rc, p, p, i32, i64, i64)
+        self._q_packed_bytes = bind("q_packed_bytes", i64, i32, i64, i64)
+        self._q_packed_rows = bind("q_packed_rows", rc, p, p, i64, p, i32, i64, i64)
         # gpu/backends/fused.py builds its arguments
         self.trunk_layers = bind("trunk_layers", rc, p, i32, p, p, i32, i32, i32, i32, i32, i32,
                                  f32, p, p, p, i32, i64, i32, i32, f32, i32, f32, i32)  # fmt: skip
@@ -203,6 +212,55 @@ class NativeKernels:
         if fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), qtype, m, w.shape[0], k, *threads) != 0:
             raise MemoryError(f"{name}: scratch allocation failed")
         return y
+
+    def q_pack(self, w: Tensor, qtype: int, k: int) -> Tensor | None:
+        """``w``'s rows (blocks as ``q_linear`` takes them) packed into panels of
+        ``QP_ROWS`` (quant_linear.c, ``q_pack``: the same bytes, give or take, laid out
+        for the decode path): uint8 ``[panels, bytes]``. None where this build does not
+        pack (no AVX2)."""
+        _check_blocks(w, qtype, k)
+        n = w.shape[0]
+        size = self._q_packed_bytes(qtype, n, k)
+        if size == 0:
+            return None
+        panels = -(-n // QP_ROWS)
+        out = torch.empty((panels, size // panels), dtype=torch.uint8)
+        rc = self._q_pack(w.data_ptr(), out.data_ptr(), qtype, n, k)
+        if rc != 0:
+            raise MemoryError("q_pack: allocation failed") if rc == -1 else ValueError(rc)
+        return out
+
+    def q_linear_packed(self, x: Tensor, wp: Tensor, qtype: int, n: int) -> Tensor:
+        """``q_linear`` (the same function, bit for bit) for ``n`` rows packed by
+        ``q_pack``."""
+        x = _fp32_rows(x)
+        m, k = x.shape
+        self._check_packed(wp, qtype, n, k)
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = self._q_linear(x.data_ptr(), wp.data_ptr(), y.data_ptr(), qtype | QP_FLAG, m, n, k,
+                            torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise MemoryError("q_linear: scratch allocation failed")
+        return y
+
+    def q_packed_rows(self, wp: Tensor, ids: Tensor, qtype: int, n: int, k: int) -> Tensor:
+        """Rows ``ids`` of ``n`` packed rows of ``k`` as fp32 ``[len(ids), k]``: what
+        ``q_dequantize`` gives for the same rows of the file's blocks."""
+        self._check_packed(wp, qtype, n, k)
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((ids.numel(), k), dtype=torch.float32)
+        rc = self._q_packed_rows(wp.data_ptr(), ids.data_ptr(), ids.numel(), out.data_ptr(),
+                                 qtype, n, k)  # fmt: skip
+        if rc != 0:
+            raise IndexError(f"row ids outside 0 .. {n - 1}")
+        return out
+
+    def _check_packed(self, wp: Tensor, qtype: int, n: int, k: int) -> None:
+        size = self._q_packed_bytes(qtype, n, k) if qtype in QUANT_TYPES else 0
+        if size == 0 or wp.dtype != torch.uint8 or wp.numel() != size:
+            raise ValueError(f"{tuple(wp.shape)} {wp.dtype} is not {n} packed rows of {k}")
+        if not wp.is_contiguous() or wp.device.type != "cpu":
+            raise ValueError("packed weights must be a contiguous CPU tensor")
 
     def q_linear_parts(self, x: Tensor, parts: QParts, n: int) -> Tensor:
         """``q_linear`` over a weight in parts (``QParts``, checked by its maker: each

@@ -221,10 +221,10 @@ class _Reader:
             return self.place(self.joined(parts, self.get))
         if all(t in KERNEL_TYPES for t in types):
             groups = itertools.groupby(zip(parts, types, strict=True), key=lambda p: p[1])
-            runs = [QuantWeight(self.joined([p for p, _ in group], self.raw_blocks), qtype, k)
+            runs = [self.packed(QuantWeight(self.joined([p for p, _ in group], self.raw_blocks), qtype, k))
                     for qtype, group in groups]  # fmt: skip
             return runs[0] if len(runs) == 1 else runs
-        w = requantize(self.joined(parts, self.get))
+        w = self.packed(requantize(self.joined(parts, self.get)))
         kinds = sorted({t.name for t in types if t not in _FLOAT_TYPES})
         if kinds:  # floats quantized on request are no loss to report
             key = "+".join(kinds)
@@ -232,6 +232,14 @@ class _Reader:
             was += sum(self.sizes.get(name, 0) for name, _, _ in parts)
             self.requantized[key] = (n + len(parts), was, now + w.blocks.numel())
         return w
+
+    @staticmethod
+    def packed(w: QuantWeight) -> QuantWeight:
+        """``w`` as the kernels read it fastest: packed into panels where their build packs
+        (``QuantWeight.packed``; quantized weights exist only where the kernels load)."""
+        kernels = load_kernels()
+        assert kernels is not None
+        return w.packed(kernels)
 
     def single(self, name: str, shape: tuple[int, int]) -> torch.Tensor | QuantWeight:
         w = self.matrix([(name, shape, None)])

@@ -9,6 +9,11 @@ nothing dequantized ahead: ``QuantLinear`` multiplies by the blocks in place
 row whatever the call holds), and the embedding dequantizes just the rows a step looks
 up. Types the kernel does not read (Q2_K, Q3_K, the IQ types, ...) are requantized once
 at load (``requantize``; the loader logs which and what it costs).
+
+Where the kernels' build has vector paths, the loader keeps each matrix packed
+(``QuantWeight.packed``): the same blocks re-laid in panels of 16 rows by ``q_pack``
+(quant_linear.c), which decode and small batches read without unpacking a row per call.
+The function computed is the same, bit for bit; only the layout differs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch import Tensor
 from gpu.kernels.native import (
     QL_MAX_PARTS,
     QL_PARTS,
+    QP_FLAG,
+    QP_ROWS,
     QUANT_TYPES,
     NativeKernels,
     QParts,
@@ -41,13 +48,27 @@ KERNEL_TYPES = frozenset(Q(t) for t in QUANT_TYPES)
 
 @dataclass(frozen=True, eq=False)
 class QuantWeight:
-    """A matrix ``[rows, k]`` as GGUF blocks: uint8 ``[rows, quant_row_bytes(qtype, k)]``."""
+    """A matrix ``[rows, k]`` as GGUF blocks: uint8 ``[rows, quant_row_bytes(qtype, k)]``,
+    or, with ``packed_rows`` (the rows), those blocks packed by ``q_pack`` into uint8
+    ``[panels of QP_ROWS, bytes]`` (``packed``)."""
 
     blocks: Tensor
     qtype: Q
     k: int
+    packed_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.packed_rows is not None:
+            panels = -(-self.packed_rows // QP_ROWS)
+            if (
+                self.blocks.dtype != torch.uint8
+                or self.blocks.dim() != 2
+                or self.blocks.shape[0] != panels
+            ):
+                raise ValueError(
+                    f"{tuple(self.blocks.shape)} is not {self.packed_rows} packed rows"
+                )
+            return
         row = quant_row_bytes(int(self.qtype), self.k)  # None unless k is whole blocks
         if row is None or self.blocks.dtype != torch.uint8 or self.blocks.shape[1:] != (row,):
             raise ValueError(
@@ -56,16 +77,34 @@ class QuantWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.blocks.shape[0]), self.k
+        rows = self.packed_rows if self.packed_rows is not None else int(self.blocks.shape[0])
+        return rows, self.k
+
+    @property
+    def code(self) -> int:
+        """The type as ``q_linear`` takes it: the GGML code, with ``QP_FLAG`` when packed."""
+        return int(self.qtype) | (QP_FLAG if self.packed_rows is not None else 0)
+
+    def packed(self, kernels: NativeKernels) -> QuantWeight:
+        """This matrix packed into panels (``q_pack``), or itself where ``kernels``' build
+        does not pack or it already is."""
+        if self.packed_rows is not None:
+            return self
+        wp = kernels.q_pack(self.blocks.contiguous(), int(self.qtype), self.k)
+        return self if wp is None else QuantWeight(wp, self.qtype, self.k, self.shape[0])
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows ``ids`` dequantized to fp32 ``[*ids.shape, k]``, exactly as gguf.quants
         dequantizes them (the embedding lookup)."""
-        raw = self.blocks[ids.reshape(-1)]
-        if self.qtype not in (Q.Q8_0, Q.Q4_1):
+        if self.packed_rows is not None or self.qtype not in (Q.Q8_0, Q.Q4_1):
             kernels = load_kernels()
             assert kernels is not None  # a QuantWeight of these types exists only with them
+            if self.packed_rows is not None:
+                out = kernels.q_packed_rows(self.blocks, ids, int(self.qtype), *self.shape)
+                return out.reshape(*ids.shape, self.k)
+            raw = self.blocks[ids.reshape(-1)]
             return kernels.q_dequantize(raw, int(self.qtype), self.k).reshape(*ids.shape, self.k)
+        raw = self.blocks[ids.reshape(-1)]
         nb = self.k // 32
         raw = raw.view(-1, nb, 34 if self.qtype == Q.Q8_0 else 20)
         d = raw[..., 0:2].view(torch.float16).float()
@@ -107,7 +146,7 @@ class QuantLinear:
         self.n = sum(p.shape[0] for p in parts)
         if isinstance(weight, QuantWeight):
             self.blocks = weight.blocks.contiguous()
-            self.qtype, self.ptr = int(weight.qtype), self.blocks.data_ptr()
+            self.qtype, self.ptr = weight.code, self.blocks.data_ptr()
             return
         if not 1 < len(parts) <= QL_MAX_PARTS or len({p.k for p in parts}) != 1:
             raise ValueError(f"{len(parts)} parts of {sorted({p.k for p in parts})} columns")
@@ -115,7 +154,7 @@ class QuantLinear:
         desc, at = QParts(), 0
         desc.n = len(parts)
         for i, p in enumerate(parts):
-            desc.qtype[i], desc.rows[i] = int(p.qtype), p.shape[0]
+            desc.qtype[i], desc.rows[i] = p.code, p.shape[0]
             desc.w[i] = self.blocks.data_ptr() + at
             at += p.blocks.numel()
         self._parts, self.qtype, self.ptr = desc, QL_PARTS, ctypes.addressof(desc)
@@ -125,4 +164,6 @@ class QuantLinear:
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         if self._parts is not None:
             return self.kernels.q_linear_parts(x, self._parts, self.n)
+        if self.qtype & QP_FLAG:
+            return self.kernels.q_linear_packed(x, self.blocks, self.qtype & ~QP_FLAG, self.n)
         return self.kernels.q_linear(x, self.blocks, self.qtype)

@@ -1027,6 +1027,473 @@ static void scratch_free(scratch *s) {
 #endif
 }
 
+/* ---- Panel-packed weights (q_pack): the decode and small-batch path ------------------- */
+
+/* A weight packed once at load (q_pack) so the kernel never unpacks a row per call: its
+ * rows in panels of QP_W = 16 outputs (the last panel padded with zero rows), and each
+ * panel's blocks of 32, in order, as the panels above interleave them, but still at the
+ * file's width: every weight an unsigned integer u = wq + z (z: 8 for Q4_0, 16 for Q5_0,
+ * 32 for Q6_K, 128 for Q8_0, 0 for the types with an offset), in eight groups of four
+ * elements ([group G][16 outputs][4 elements], elements 4G .. 4G+3):
+ *
+ *   4 bits (Q4_0, Q4_1, Q4_K): 256 B, [G < 4][16][4], low nibble element 4G+e, high
+ *           nibble element 16+4G+e (group G + 4), as the file pairs them;
+ *   5 bits (Q5_0, Q5_1, Q5_K): those 256 B, then 64 B [16][4] whose bit G is element
+ *           4G+e's fifth bit;
+ *   6 bits (Q6_K): the 256 B of low nibbles, then 128 B [H < 2][16][4] whose bits 2g, 2g+1
+ *           are element 4(4H+g)+e's top two;
+ *   8 bits (Q8_0): 512 B [G < 8][16][4].
+ *
+ * Before a block (types of 32) or a super-block of 8 blocks (k-quants), the scales, at
+ * the file's width too: Q4_0, Q5_0, Q8_0: d [16] fp16; Q4_1, Q5_1: d, m [16] fp16; Q4_K,
+ * Q5_K: d, dmin [16] fp16, sc [8][16] and m [8][16] uint8 (the 6-bit pairs); Q6_K: d [16]
+ * fp16, sc [16][16] int8. A packed weight is the file's size (Q4_K and Q5_K 4 bytes more
+ * per super-block), the same on every build.
+ *
+ * One dpbusd of x's four signed bytes (broadcast) against a group's unsigned weights adds
+ * four products into all 16 outputs' sums (no horizontal sums, no per-call unpacking),
+ * and the zero comes off as z times x's block sum: the same integer dot as the
+ * definition, then the same scale product and FMA per block, in the same order. Rows of
+ * x go 8 at a time (4 where vectors are 256 bits) against the panel's registers, at
+ * every row count: AMX's tile products gain nothing here (16-500 rows of SmolLM2's
+ * layers were as fast or faster without them, 2026-12-07), since the integer products
+ * are not what a packed block costs. Without AVX2 nothing is packed (q_packed_bytes is
+ * 0). */
+enum { QP_FLAG = 0x100, QP_W = 16 };
+
+static int qp_bits(int32_t t) {
+    switch (t) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q4_K: return 4;
+    case GGML_Q5_0: case GGML_Q5_1: case GGML_Q5_K: return 5;
+    case GGML_Q6_K: return 6;
+    case GGML_Q8_0: return 8;
+    default: return 0;
+    }
+}
+static int qp_zero(int32_t t) {
+    return t == GGML_Q4_0 ? 8 : t == GGML_Q5_0 ? 16 : t == GGML_Q6_K ? 32 : t == GGML_Q8_0 ? 128 : 0;
+}
+/* Bytes of one block's weights in a panel, of the scales before a unit, of a unit (one
+ * block, or a k-quant's super-block) and of a panel of rows of k. */
+static int64_t qp_qbytes(int32_t t) {
+    switch (qp_bits(t)) {
+    case 4: return 256;
+    case 5: return 320;
+    case 6: return 384;
+    default: return 512;
+    }
+}
+static int64_t qp_head(int32_t t) {
+    switch (t) {
+    case GGML_Q4_1: case GGML_Q5_1: return 64;
+    case GGML_Q4_K: case GGML_Q5_K: return 64 + 256;
+    case GGML_Q6_K: return 32 + 256;
+    default: return 32;
+    }
+}
+static int64_t qp_unit(int32_t t) { return qp_head(t) + (block_elems(t) / QK) * qp_qbytes(t); }
+static int64_t qp_panel_bytes(int32_t t, int64_t k) { return k / block_elems(t) * qp_unit(t); }
+
+/* Bytes q_pack writes for n rows of k of type t: 0 where this build does not pack or
+ * the shape is not whole blocks. */
+int64_t q_packed_bytes(int32_t t, int64_t n, int64_t k) {
+#ifdef QL_AVX2
+    if (!qp_bits(t) || !block_bytes(t) || k <= 0 || k % block_elems(t) || n < 0) return 0;
+    return (n + QP_W - 1) / QP_W * qp_panel_bytes(t, k);
+#else
+    (void)t, (void)n, (void)k;
+    return 0;
+#endif
+}
+
+/* The file's scales of a unit of row w (unit s): d, m (or dmin) as fp16 bits, sc, mn. */
+static void qp_scales(int32_t t, const uint8_t *blk, uint16_t *d, uint16_t *m, uint8_t *sc,
+                      uint8_t *mn) {
+    *m = 0;
+    if (t == GGML_Q6_K) {
+        memcpy(d, blk + 208, 2);
+        memcpy(sc, blk + 192, 16);
+        return;
+    }
+    memcpy(d, blk, 2);
+    if (has_offset(t)) memcpy(m, blk + 2, 2);
+    if (t == GGML_Q4_K || t == GGML_Q5_K)
+        for (int j = 0; j < 8; j++) {
+            int a, b;
+            scale_min_k4(j, blk + 4, &a, &b);
+            sc[j] = (uint8_t)a, mn[j] = (uint8_t)b;
+        }
+}
+
+/* n rows of type t (w, the file's blocks) into out (q_packed_bytes(t, n, k) bytes).
+ * Returns 0, -1 without memory, -2 for a type or shape this build does not pack. */
+int q_pack(const uint8_t *w, uint8_t *out, int32_t t, int64_t n, int64_t k) {
+    if (!q_packed_bytes(t, n, k)) return -2;
+    const int64_t nb = k / QK, row_bytes = k / block_elems(t) * block_bytes(t);
+    const int64_t units = k / block_elems(t), per = block_elems(t) / QK, qb = qp_qbytes(t);
+    const int bits = qp_bits(t), z = qp_zero(t), kq = per > 1;
+    unpacked u;
+    if (!unpacked_alloc(&u, nb)) return -1;
+    const int64_t panels = (n + QP_W - 1) / QP_W;
+    memset(out, 0, (size_t)(panels * qp_panel_bytes(t, k)));
+    for (int64_t j = 0; j < n; j++) {
+        const int o = (int)(j % QP_W);
+        uint8_t *pp = out + j / QP_W * qp_panel_bytes(t, k);
+        const uint8_t *row = w + j * row_bytes;
+        unpack_row_c(t, row, nb, &u);
+        for (int64_t s = 0; s < units; s++) {
+            uint8_t *head = pp + s * qp_unit(t);
+            uint16_t d, m;
+            uint8_t sc[16] = {0}, mn[8] = {0};
+            qp_scales(t, row + s * block_bytes(t), &d, &m, sc, mn);
+            memcpy(head + 2 * o, &d, 2);
+            if (t == GGML_Q6_K) {
+                for (int i = 0; i < 16; i++) head[32 + 16 * i + o] = sc[i];
+            } else if (kq) {
+                memcpy(head + 32 + 2 * o, &m, 2);
+                for (int i = 0; i < 8; i++) head[64 + 16 * i + o] = sc[i], head[192 + 16 * i + o] = mn[i];
+            } else if (has_offset(t)) {
+                memcpy(head + 32 + 2 * o, &m, 2);
+            }
+            for (int64_t jb = 0; jb < per; jb++) {
+                uint8_t *q = head + qp_head(t) + jb * qb;
+                const int8_t *wq = u.q + (s * per + jb) * QK;
+                for (int e = 0; e < 4; e++)
+                    for (int g = 0; g < 8; g++) {
+                        const int v = wq[4 * g + e] + z; /* 0 .. 2^bits - 1 */
+                        const int at = o * 4 + e;
+                        if (bits == 8) {
+                            q[g * 64 + at] = (uint8_t)v;
+                            continue;
+                        }
+                        q[(g & 3) * 64 + at] |= (uint8_t)((v & 15) << (g < 4 ? 0 : 4));
+                        if (bits == 5) q[256 + at] |= (uint8_t)(((v >> 4) & 1) << g);
+                        if (bits == 6) q[256 + (g / 4) * 64 + at] |= (uint8_t)(((v >> 4) & 3) << (2 * (g & 3)));
+                    }
+            }
+        }
+    }
+    unpacked_free(&u);
+    return 0;
+}
+
+/* Output o of a packed panel pp, block b: its integers u - z into wq[32] and its
+ * scales (lo: elements 0-15, hi: 16-31, mo: the offset), as unpack_row_c has them. */
+static void qp_block(int32_t t, const uint8_t *pp, int64_t b, int o, int8_t *wq, float *lo,
+                     float *hi, float *mo) {
+    const int64_t per = block_elems(t) / QK;
+    const uint8_t *head = pp + b / per * qp_unit(t), *q = head + qp_head(t) + b % per * qp_qbytes(t);
+    const int bits = qp_bits(t), z = qp_zero(t), jb = (int)(b % per);
+    uint16_t h;
+    memcpy(&h, head + 2 * o, 2);
+    const float d = fo_half_to_float(h);
+    *mo = 0.0f;
+    if (t == GGML_Q6_K) {
+        *lo = d * (float)(int8_t)head[32 + 16 * (2 * jb) + o];
+        *hi = d * (float)(int8_t)head[32 + 16 * (2 * jb + 1) + o];
+    } else if (per > 1) {
+        memcpy(&h, head + 32 + 2 * o, 2);
+        *lo = *hi = d * (float)head[64 + 16 * jb + o];
+        *mo = -(fo_half_to_float(h) * (float)head[192 + 16 * jb + o]);
+    } else {
+        *lo = *hi = d;
+        if (has_offset(t)) memcpy(&h, head + 32 + 2 * o, 2), *mo = fo_half_to_float(h);
+    }
+    for (int g = 0; g < 8; g++)
+        for (int e = 0; e < 4; e++) {
+            const int at = o * 4 + e;
+            int v;
+            if (bits == 8) {
+                v = q[g * 64 + at];
+            } else {
+                v = (q[(g & 3) * 64 + at] >> (g < 4 ? 0 : 4)) & 15;
+                if (bits == 5) v |= ((q[256 + at] >> g) & 1) << 4;
+                if (bits == 6) v |= ((q[256 + (g / 4) * 64 + at] >> (2 * (g & 3))) & 3) << 4;
+            }
+            wq[4 * g + e] = (int8_t)(v - z);
+        }
+}
+
+/* Rows ids[0 .. count) of a packed weight (n rows of k) as fp32 [count][k], what
+ * q_dequantize gives for the file's blocks (the embedding's lookups). Returns 0, -2 for
+ * a type or shape this build does not pack or an id out of range. */
+int q_packed_rows(const uint8_t *wp, const int64_t *ids, int64_t count, float *out, int32_t t,
+                  int64_t n, int64_t k) {
+    if (!q_packed_bytes(t, n, k)) return -2;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -2;
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *pp = wp + ids[i] / QP_W * qp_panel_bytes(t, k);
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t wq[QK];
+            float lo, hi, mo;
+            qp_block(t, pp, b, (int)(ids[i] % QP_W), wq, &lo, &hi, &mo);
+            for (int e = 0; e < QK; e++)
+                out[i * k + b * QK + e] = fmaf(e < 16 ? lo : hi, (float)wq[e], mo);
+        }
+    }
+    return 0;
+}
+
+#ifdef QL_AVX2
+/* Vectors of QV outputs: 16 with AVX512 (a panel), else 8 (half a panel). */
+#ifdef QL_Z
+#define QV 16
+#define QP_ROWS 8
+typedef __m512i qvi;
+typedef __m512 qvf;
+#define QV_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define QV_SET1B(v) _mm512_set1_epi8((char)(v))
+#define QV_SET1I(v) _mm512_set1_epi32(v)
+#define QV_AND(a, b) _mm512_and_si512(a, b)
+#define QV_OR(a, b) _mm512_or_si512(a, b)
+#define QV_XOR(a, b) _mm512_xor_si512(a, b)
+#define QV_SRLI16(a, n) _mm512_srli_epi16(a, n)
+#define QV_SLLI16(a, n) _mm512_slli_epi16(a, n)
+#define QV_ADDI(a, b) _mm512_add_epi32(a, b)
+#define QV_SUBI(a, b) _mm512_sub_epi32(a, b)
+#define QV_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#define QV_U8F(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
+#define QV_I8F(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
+#define QV_DP(acc, w, x4) _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4))
+#define QV_SET1F(v) _mm512_set1_ps(v)
+#define QV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define QV_CVT(v) _mm512_cvtepi32_ps(v)
+#define QV_STORE(p, v) _mm512_storeu_ps(p, v)
+#else
+#define QV 8
+#define QP_ROWS 4
+typedef __m256i qvi;
+typedef __m256 qvf;
+#define QV_LOADI(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define QV_SET1B(v) _mm256_set1_epi8((char)(v))
+#define QV_SET1I(v) _mm256_set1_epi32(v)
+#define QV_AND(a, b) _mm256_and_si256(a, b)
+#define QV_OR(a, b) _mm256_or_si256(a, b)
+#define QV_XOR(a, b) _mm256_xor_si256(a, b)
+#define QV_SRLI16(a, n) _mm256_srli_epi16(a, n)
+#define QV_SLLI16(a, n) _mm256_slli_epi16(a, n)
+#define QV_ADDI(a, b) _mm256_add_epi32(a, b)
+#define QV_SUBI(a, b) _mm256_sub_epi32(a, b)
+#define QV_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define QV_U8F(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
+#define QV_I8F(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
+#define QV_SET1F(v) _mm256_set1_ps(v)
+#define QV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define QV_CVT(v) _mm256_cvtepi32_ps(v)
+#define QV_STORE(p, v) _mm256_storeu_ps(p, v)
+#ifdef QL_VNNI
+#define QV_DP(acc, w, x4) QL_DPBUSD(acc, w, _mm256_set1_epi32(x4))
+#else
+/* maddubs pairs: u <= 63 against |x| <= 127, at most 16,002: no saturation (Q8_0 goes
+ * by the sign trick, QV_DPS) */
+#define QV_DP(acc, w, x4)                                                                     \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)),   \
+                                            _mm256_set1_epi16(1)))
+#endif
+#endif
+#if defined(QL_VNNI)
+#define QP_SIGNED8 0 /* Q8_0 biased like the rest: u = wq + 128, less 128 times x's sum */
+#else
+#define QP_SIGNED8 1
+/* Q8_0's u against x without VNNI: wq = u ^ 0x80 signed, the sign trick, no zero */
+#define QV_DPS(acc, w, x4)                                                                    \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(                                                  \
+                              _mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))), \
+                                                   _mm256_sign_epi8(_mm256_set1_epi32(x4),    \
+                                                                    _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
+                              _mm256_set1_epi16(1)))
+#endif
+
+/* Block b's eight groups of QV outputs' integers u (outputs h * QV onwards) into W. */
+static inline __attribute__((always_inline)) void qp_weights(const int bits, const uint8_t *q,
+                                                             int h, qvi *W) {
+    const int at = h * QV * 4;
+    if (bits == 8) {
+        for (int g = 0; g < 8; g++) W[g] = QV_LOADI(q + g * 64 + at);
+        return;
+    }
+    const qvi low4 = QV_SET1B(15);
+    for (int g = 0; g < 4; g++) {
+        const qvi v = QV_LOADI(q + g * 64 + at);
+        W[g] = QV_AND(v, low4);
+        W[g + 4] = QV_AND(QV_SRLI16(v, 4), low4);
+    }
+    if (bits == 5) {
+        const qvi hb = QV_LOADI(q + 256 + at), b4 = QV_SET1B(0x10);
+        W[0] = QV_OR(W[0], QV_AND(QV_SLLI16(hb, 4), b4));
+        W[1] = QV_OR(W[1], QV_AND(QV_SLLI16(hb, 3), b4));
+        W[2] = QV_OR(W[2], QV_AND(QV_SLLI16(hb, 2), b4));
+        W[3] = QV_OR(W[3], QV_AND(QV_SLLI16(hb, 1), b4));
+        W[4] = QV_OR(W[4], QV_AND(hb, b4));
+        W[5] = QV_OR(W[5], QV_AND(QV_SRLI16(hb, 1), b4));
+        W[6] = QV_OR(W[6], QV_AND(QV_SRLI16(hb, 2), b4));
+        W[7] = QV_OR(W[7], QV_AND(QV_SRLI16(hb, 3), b4));
+    } else if (bits == 6) {
+        const qvi b45 = QV_SET1B(0x30);
+        for (int H = 0; H < 2; H++) {
+            const qvi hb = QV_LOADI(q + 256 + H * 64 + at);
+            W[4 * H] = QV_OR(W[4 * H], QV_AND(QV_SLLI16(hb, 4), b45));
+            W[4 * H + 1] = QV_OR(W[4 * H + 1], QV_AND(QV_SLLI16(hb, 2), b45));
+            W[4 * H + 2] = QV_OR(W[4 * H + 2], QV_AND(hb, b45));
+            W[4 * H + 3] = QV_OR(W[4 * H + 3], QV_AND(QV_SRLI16(hb, 2), b45));
+        }
+    }
+}
+
+/* R rows of x (xq, their block sums xs [r][nb][2]) against QV outputs (h: which half of
+ * the panel where QV is 8) of a packed panel pp of type t: y[r][0 .. cols). */
+static inline __attribute__((always_inline)) void qp_rows_k(const int32_t t, const int R,
+                                                            const uint8_t *pp, int h,
+                                                            const xblock *xq, const int32_t *xs,
+                                                            int64_t nb, float *y, int64_t ldy,
+                                                            int cols) {
+    const int bits = qp_bits(t), offset = has_offset(t), six = t == GGML_Q6_K;
+    const int per = block_elems(t) / QK;
+    const int z = (t == GGML_Q8_0 && QP_SIGNED8) ? 0 : qp_zero(t);
+    const int signed8 = t == GGML_Q8_0 && QP_SIGNED8;
+    const int64_t unit = qp_unit(t), qb = qp_qbytes(t), hb = qp_head(t);
+    qvf acc[R], ms[R];
+    for (int r = 0; r < R; r++) acc[r] = ms[r] = (qvf){0};
+    qvf dv = (qvf){0}, dm = (qvf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        const int jb = (int)(b % per);
+        const uint8_t *head = pp + b / per * unit, *q = head + hb + jb * qb;
+        _mm_prefetch((const char *)(q + PF_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q + PF_BYTES + 64), _MM_HINT_T0);
+        if (bits == 8) {
+            _mm_prefetch((const char *)(q + PF_BYTES + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + PF_BYTES + 192), _MM_HINT_T0);
+        }
+        qvi W[8];
+        qp_weights(bits, q, h, W);
+        qvf lo, hi = (qvf){0}, mo = (qvf){0};
+        if (per > 1) {
+            if (jb == 0) {
+                dv = QV_HALVES(head + 2 * QV * h);
+                if (!six) dm = QV_HALVES(head + 32 + 2 * QV * h);
+            }
+            if (six) {
+                lo = dv * QV_I8F(head + 32 + 16 * (2 * jb) + QV * h);
+                hi = dv * QV_I8F(head + 32 + 16 * (2 * jb + 1) + QV * h);
+            } else {
+                lo = dv * QV_U8F(head + 64 + 16 * jb + QV * h);
+                mo = -(dm * QV_U8F(head + 192 + 16 * jb + QV * h));
+            }
+        } else {
+            lo = QV_HALVES(head + 2 * QV * h);
+            if (offset) mo = QV_HALVES(head + 32 + 2 * QV * h);
+        }
+        for (int r = 0; r < R; r++) {
+            const xblock *xr = xq + r * nb + b;
+            const ql_i32 *x4 = (const ql_i32 *)xr->q;
+            qvi i0 = (qvi){0}, i1 = (qvi){0};
+            for (int g = 0; g < 4; g++) {
+#ifdef QV_DPS
+                if (signed8) {
+                    i0 = QV_DPS(i0, W[g], x4[g]);
+                    i1 = QV_DPS(i1, W[g + 4], x4[g + 4]);
+                    continue;
+                }
+#endif
+                i0 = QV_DP(i0, W[g], x4[g]);
+                i1 = QV_DP(i1, W[g + 4], x4[g + 4]);
+            }
+            const int32_t *sx = xs + (r * nb + b) * 2;
+            const qvf dx = QV_SET1F(xr->d);
+            if (six) {
+                i0 = QV_SUBI(i0, QV_SET1I(32 * sx[0]));
+                i1 = QV_SUBI(i1, QV_SET1I(32 * sx[1]));
+                acc[r] = QV_FMA(lo * dx, QV_CVT(i0), acc[r]);
+                acc[r] = QV_FMA(hi * dx, QV_CVT(i1), acc[r]);
+            } else {
+                qvi dot = QV_ADDI(i0, i1);
+                if (z) dot = QV_SUBI(dot, QV_SET1I(z * (sx[0] + sx[1])));
+                acc[r] = QV_FMA(lo * dx, QV_CVT(dot), acc[r]);
+            }
+            if (offset) ms[r] = ms[r] + mo * QV_SET1F(xr->s);
+        }
+    }
+    (void)signed8;
+    for (int r = 0; r < R; r++) {
+        float out[QV];
+        if (offset) acc[r] = acc[r] + ms[r];
+        QV_STORE(out, acc[r]);
+        memcpy(y + r * ldy, out, sizeof(float) * (size_t)cols);
+    }
+}
+
+#define DEF_QP(T, R)                                                                          \
+    static void qp_##T##_##R(const uint8_t *pp, int h, const xblock *xq, const int32_t *xs,   \
+                             int64_t nb, float *y, int64_t ldy, int cols) {                   \
+        qp_rows_k(GGML_##T, R, pp, h, xq, xs, nb, y, ldy, cols);                              \
+    }
+#define DEF_QPS(R)                                                                            \
+    DEF_QP(Q8_0, R) DEF_QP(Q4_1, R) DEF_QP(Q4_0, R) DEF_QP(Q5_0, R) DEF_QP(Q5_1, R)           \
+    DEF_QP(Q4_K, R) DEF_QP(Q5_K, R) DEF_QP(Q6_K, R)
+DEF_QPS(1) DEF_QPS(2) DEF_QPS(4)
+#if QP_ROWS == 8
+DEF_QPS(8)
+#endif
+
+/* rows rows of x against a packed panel (cols of its outputs real). */
+static void qp_rows(int32_t t, const uint8_t *pp, const xblock *xq, const int32_t *xs, int64_t nb,
+                    int32_t rows, float *y, int64_t ldy, int cols) {
+#define QP_CALL(R)                                                                            \
+    switch (t) {                                                                              \
+    case GGML_Q8_0: qp_Q8_0_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q4_1: qp_Q4_1_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q4_0: qp_Q4_0_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q5_0: qp_Q5_0_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q5_1: qp_Q5_1_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q4_K: qp_Q4_K_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q5_K: qp_Q5_K_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    case GGML_Q6_K: qp_Q6_K_##R(pp, h, xr, sr, nb, yr, ldy, hc); break;                       \
+    }
+    for (int h = 0; h * QV < cols; h++) {
+        const int hc = cols - h * QV < QV ? cols - h * QV : QV;
+        for (int32_t r = 0; r < rows;) {
+            const xblock *xr = xq + (int64_t)r * nb;
+            const int32_t *sr = xs + (int64_t)r * nb * 2;
+            float *yr = y + r * ldy + h * QV;
+            const int32_t left = rows - r;
+#if QP_ROWS == 8
+            if (left >= 8) {
+                QP_CALL(8) r += 8;
+                continue;
+            }
+#endif
+            if (left >= 4) {
+                QP_CALL(4) r += 4;
+            } else if (left >= 2) {
+                QP_CALL(2) r += 2;
+            } else {
+                QP_CALL(1) r += 1;
+            }
+        }
+    }
+#undef QP_CALL
+}
+
+/* A packed weight's part of a call (as run_part for the file's blocks): xs, x's block
+ * sums [m][nb][2] (elements 0-15, 16-31). */
+static void run_packed(const uint8_t *w, int32_t t, int64_t n, float *y, int64_t ldy,
+                       const xblock *xq, const int32_t *xs, int32_t m, int64_t k) {
+    const int64_t nb = k / QK, pb = qp_panel_bytes(t, k), panels = (n + QP_W - 1) / QP_W;
+    for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
+        const int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            const int64_t j = pi * QP_W;
+            const int cols = n - j < QP_W ? (int)(n - j) : QP_W;
+            qp_rows(t, w + pi * pb, xq + (int64_t)r0 * nb, xs + (int64_t)r0 * nb * 2, nb, rows,
+                    y + (int64_t)r0 * ldy + j, ldy, cols);
+        }
+    }
+}
+#endif /* QL_AVX2 */
+
 /* One weight matrix's part of a call: n rows of w (GGML type qtype) into columns of y
  * (ldy apart), for the m rows of x already quantized (xq; xu: the same bytes + 128, for
  * four rows and more). Called inside the parallel region by every thread (its loops are
@@ -1102,9 +1569,16 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     const q_parts *parts = qtype == QL_PARTS ? (const q_parts *)(const void *)w : &one;
     if (parts->n < 1 || parts->n > QL_MAX_PARTS || m < 0 || k % QK) return -2;
     int64_t total = 0;
+    int packed = 0, plain = 0;
     for (int i = 0; i < parts->n; i++) {
-        int32_t t = parts->qtype[i];
+        int32_t t = parts->qtype[i] & ~QP_FLAG;
         if (!block_bytes(t) || k % block_elems(t) || parts->rows[i] < 0) return -2;
+        if (parts->qtype[i] & QP_FLAG) {
+            if (!q_packed_bytes(t, parts->rows[i], k)) return -2;
+            packed = 1;
+        } else {
+            plain = 1;
+        }
         total += parts->rows[i];
     }
     if (total != n) return -2;
@@ -1112,20 +1586,22 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     int64_t nb = k / QK;
     int failed = 0;
 #ifdef QL_AMX
-    if (m >= 16) amx_usable(); /* asked once, before the threads */
+    if (m >= 16 && plain) amx_usable(); /* asked once, before the threads */
 #endif
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
     /* x's bytes plus 128 (unsigned) for the panels; NULL below four rows */
     uint8_t *xu = NULL;
+    /* packed weights: x's block sums, elements 0-15 and 16-31 */
+    int32_t *xs = packed ? malloc(sizeof(int32_t) * 2 * (size_t)(nb * m)) : NULL;
 #ifdef QL_AVX2
-    if (m >= 4) xu = malloc((size_t)(m * nb * QK));
-    if (m >= 4 && !xu) {
-        free(xq);
+    if (m >= 4 && plain) xu = malloc((size_t)(m * nb * QK));
+    if ((m >= 4 && plain && !xu) || (packed && !xs)) {
+        free(xq), free(xu), free(xs);
         return -1;
     }
 #endif
     if (!xq) {
-        free(xu);
+        free(xu), free(xs);
         return -1;
     }
 #pragma omp parallel num_threads(threads)
@@ -1133,6 +1609,13 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
 #pragma omp for schedule(static)
         for (int32_t r = 0; r < m; r++) {
             quantize_row(x + (int64_t)r * k, nb, xq + (int64_t)r * nb);
+            if (xs)
+                for (int64_t b = 0; b < nb; b++) {
+                    const int8_t *q = xq[(int64_t)r * nb + b].q;
+                    int32_t lo = 0, hi = 0;
+                    for (int i = 0; i < 16; i++) lo += q[i], hi += q[i + 16];
+                    xs[((int64_t)r * nb + b) * 2] = lo, xs[((int64_t)r * nb + b) * 2 + 1] = hi;
+                }
 #ifdef QL_AVX2
             if (xu)
                 for (int64_t b = 0; b < nb; b++)
@@ -1142,11 +1625,11 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
                                          _mm256_set1_epi8((char)0x80)));
 #endif
         }
-        /* decode streams the weights without scratch */
+        /* decode and packed weights stream without scratch */
         scratch s, *sp = NULL;
-        int need = 1;
+        int need = plain;
 #ifdef QL_AVX2
-        need = m >= 4;
+        need = m >= 4 && plain;
 #endif
         if (need) {
             if (scratch_alloc(&s, nb)) {
@@ -1158,13 +1641,19 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         }
         int64_t col = 0;
         for (int i = 0; i < parts->n; i++) {
-            run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, xu, m, k, sp);
+#ifdef QL_AVX2
+            if (parts->qtype[i] & QP_FLAG)
+                run_packed(parts->w[i], parts->qtype[i] & ~QP_FLAG, parts->rows[i], y + col, n, xq, xs, m, k);
+            else
+#endif
+                run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, xu, m, k, sp);
             col += parts->rows[i];
         }
         if (need) scratch_free(&s);
     }
     free(xq);
     free(xu);
+    free(xs);
     return failed ? -1 : 0;
 }
 
