@@ -15,7 +15,8 @@ pass (the mean accepted per verify step); and checks that every request's greedy
 the same with and without speculation, printing each mismatch loudly and exiting 1.
 
 ``--peer llama-server`` adds llama.cpp's server without and with its own n-gram
-speculation (``--spec-type``) to the rotation, where its build has it.
+speculation (``--spec-type``) to the rotation, where its build has it
+(``bench/speculative_peer.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import re
 import shlex
-import subprocess
 import sys
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -36,12 +35,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (make bench): the repository's packages
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import llama_server  # noqa: E402
+from bench import llama_server, speculative_peer  # noqa: E402
 from bench.apis import RequestSpec, build_body  # noqa: E402
 from bench.compare import LevelResult  # noqa: E402
-from bench.contenders import OURS_CMD, ROOT, Contender, default_model_path  # noqa: E402
+from bench.contenders import OURS_CMD, Contender, default_model_path  # noqa: E402
 from bench.cpu_steal import steal_share, steal_ticks  # noqa: E402
-from bench.procs import ServerProcess, free_port  # noqa: E402
+from bench.procs import free_port  # noqa: E402
 from bench.serving import LoadConfig, run_load_sync  # noqa: E402
 from bench.workload import Prompt, WorkloadConfig, chat_wrapped, make_workload  # noqa: E402
 
@@ -52,7 +51,6 @@ __all__ = [
     "first_difference",
     "main",
     "metric_totals",
-    "ngram_flags",
     "print_report",
     "run",
 ]
@@ -67,7 +65,7 @@ META_KEYS = (
     ("spec_num_correct_drafts", "spec_accepted_tokens"),
     ("spec_verify_ct",),
 )
-PAIRS = (("off", "ngram"), ("llama-off", "llama-ngram"))  # (without, with) speculation
+PAIRS = (("off", "ngram"), speculative_peer.LABELS)  # (without, with) speculation
 
 
 @dataclass(slots=True)
@@ -129,46 +127,7 @@ def first_difference(a: str, b: str) -> int:
     )
 
 
-def ngram_flags(help_text: str, tokens: int, match: int = 4) -> list[str] | None:
-    """llama-server's flags for its own n-gram speculation, from its ``--help``: the
-    ``--spec-type`` n-gram variant (``ngram-simple`` first: prompt lookup, as ours), its
-    lookup length ``match`` (ours: ``--speculative-ngram-max``; its default is 12) and
-    draft length ``tokens`` where the build names them (``--spec-ngram-simple-size-n`` /
-    ``-size-m``; older builds: ``--draft-max``); None where the build has no
-    ``--spec-type`` with an n-gram type."""
-    line = next((ln for ln in help_text.splitlines() if "--spec-type" in ln), "")
-    kinds = list(dict.fromkeys(re.findall(r"ngram[\w-]*", line)))
-    if not kinds:
-        return None
-    kind = "ngram-simple" if "ngram-simple" in kinds else kinds[0]
-    flags = ["--spec-type", kind]
-    if kind == "ngram-simple" and "--spec-ngram-simple-size-m" in help_text:
-        return [*flags, "--spec-ngram-simple-size-n", str(match),
-                "--spec-ngram-simple-size-m", str(tokens)]  # fmt: skip
-    removed = "--draft-max N" in help_text and "has been removed" in help_text
-    if "--draft-max" in help_text and not removed:
-        return [*flags, "--draft-max", str(tokens)]
-    return flags
-
-
 # --- servers --------------------------------------------------------------------------
-
-
-def _start(label: str, argv: list[str], kind: str, args: argparse.Namespace) -> Contender | None:
-    print(f"starting {label}: {shlex.join(argv)}", flush=True)
-    try:
-        proc = ServerProcess.start(
-            label,
-            argv,
-            int(argv[argv.index("--port") + 1]),
-            "/health",
-            args.start_timeout,
-            cwd=ROOT,
-        )
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        print(f"{label} did not start, leaving it out:\n{exc}", file=sys.stderr)
-        return None
-    return Contender(label, proc, RequestSpec(api="generate"), kind=kind)
 
 
 def _ours(mode: str, model: str, args: argparse.Namespace) -> Contender | None:
@@ -181,30 +140,8 @@ def _ours(mode: str, model: str, args: argparse.Namespace) -> Contender | None:
         )
     )
     argv += ["--speculative", mode, "--speculative-tokens", str(args.speculative_tokens)]
-    return _start(mode, argv, "ours", args)
-
-
-def _peers(model: str, args: argparse.Namespace) -> list[Contender]:
-    binary = llama_server.binary_path(args.llama_server)
-    if note := llama_server.skip_note(binary):
-        print(note, file=sys.stderr)
-        return []
-    help_run = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
-    flags = ngram_flags(help_run.stdout + help_run.stderr, args.speculative_tokens)
-    if flags is None:
-        print(
-            f"{binary} has no n-gram speculation (no --spec-type ngram-* in its --help): "
-            "skipping the peer",
-            file=sys.stderr,
-        )
-        return []
-    out = []
-    for label, extra in (("llama-off", []), ("llama-ngram", flags)):
-        argv = llama_server.server_argv(binary, model, free_port()) + extra
-        c = _start(label, argv, "llama-server", args)
-        if c is not None:
-            out.append(dataclasses.replace(c, spec=llama_server.peer_spec()))
-    return out
+    spec = RequestSpec(api="generate")
+    return speculative_peer.start_contender(mode, argv, spec, "ours", args.start_timeout)
 
 
 # --- the runs -------------------------------------------------------------------------
@@ -282,17 +219,15 @@ def _probe(
 ) -> tuple[list[str | None], Acceptance]:
     """Every prompt non-streaming, 8 at a time, untimed: the texts and the acceptance each
     response reports (ours: ``meta_info``; llama-server: ``timings`` of /completion)."""
-    if c.kind == "ours":
-        path, unary = "/generate", dataclasses.replace(spec, stream=False)
-    else:
-        path, eos = "/completion", {"ignore_eos": True} if spec.ignore_eos == "flag" else {}
+    ours = c.kind == "ours"
+    path = "/generate" if ours else speculative_peer.PROBE_PATH
+    unary = dataclasses.replace(spec, stream=False)
 
     def one(p: Prompt) -> dict[str, Any]:
-        if c.kind == "ours":
+        if ours:
             body = build_body(unary, p.prompt, p.output_len)
         else:
-            fields = {"prompt": p.prompt, "n_predict": p.output_len, "temperature": 0.0, **eos}
-            body = json.dumps(fields).encode()
+            body = speculative_peer.probe_body(p, spec)
         url = f"http://{c.proc.host}:{c.proc.port}{path}"
         req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -308,14 +243,14 @@ def _probe(
                 print(f"   {c.label}: a non-streaming request failed: {exc}", file=sys.stderr)
                 texts.append(None)
                 continue
-            if c.kind == "ours":
+            if ours:
                 meta = obj.get("meta_info") or {}
                 texts.append(obj.get("text", ""))
                 acc.add(*(next((meta[k] for k in ks if k in meta), None) for ks in META_KEYS))
             else:
-                t = obj.get("timings") or {}
-                texts.append(obj.get("content", ""))
-                acc.add(t.get("draft_n"), t.get("draft_n_accepted"), None)
+                text, counts = speculative_peer.probe_reading(obj)
+                texts.append(text)
+                acc.add(*counts)
     return texts, acc
 
 
@@ -421,11 +356,7 @@ def print_report(out: Results, labels: list[str]) -> None:
                 print(f"  acceptance {lb} (per request, non-streaming pass): {acc.line()}")
     _print_same(out.same)
     if out.peer_same.compared:
-        peer = out.peer_same
-        print(
-            f"llama-server, its own texts without and with its speculation: "
-            f"{len(peer.mismatches)} of {peer.compared} differ (not our promise)"
-        )
+        print(speculative_peer.same_line(out.peer_same))
 
 
 def _print_same(same: SameTokens) -> None:
@@ -518,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [c for c in (_ours("off", model, args), _ours("ngram", model, args)) if c]
     try:
         if args.peer:
-            contenders += _peers(model, args)
+            contenders += speculative_peer.start_peers(
+                model, args.speculative_tokens, args.llama_server, args.start_timeout
+            )
         if len(contenders) < 2:
             print("nothing to compare: a server did not start", file=sys.stderr)
             return 1

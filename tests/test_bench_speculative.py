@@ -1,5 +1,7 @@
-"""bench/speculative.py: its parts in memory (the counters it reads, llama-server's flags,
-the same-tokens check), and one tiny run end to end on the bundled model (slow)."""
+"""bench/speculative.py and its llama-server part, bench/speculative_peer.py: their parts
+in memory (the counters it reads, llama-server's flags and its /completion requests and
+responses, the same-tokens check), and one tiny run end to end on the bundled model
+(slow)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from bench.apis import RequestSpec
 from bench.speculative import (
+    PAIRS,
     Acceptance,
+    Results,
     SameTokens,
     first_difference,
     main,
     metric_totals,
-    ngram_flags,
 )
+from bench.speculative_peer import LABELS, ngram_flags, probe_body, probe_reading, same_line
+from bench.workload import Prompt
 
 METRICS = """\
 # HELP lifecycle_spec_draft_tokens_total Tokens speculative decoding proposed.
@@ -73,6 +79,29 @@ def test_acceptance_reads_na_until_reported() -> None:
 )
 def test_llama_server_ngram_flags_from_its_help(help_text: str, flags: list[str] | None) -> None:
     assert ngram_flags(help_text, 6) == flags
+
+
+def test_llama_server_completion_request_and_its_reading() -> None:
+    p = Prompt("hello", 1, 8)
+    forced = json.loads(probe_body(p, RequestSpec(api="completions", ignore_eos="flag")))
+    assert forced == {"prompt": "hello", "n_predict": 8, "temperature": 0.0, "ignore_eos": True}
+    grounded = RequestSpec(api="completions", ignore_eos="off")
+    assert "ignore_eos" not in json.loads(probe_body(p, grounded))
+    reply = {"content": "hi", "timings": {"draft_n": 10, "draft_n_accepted": 7}}
+    assert probe_reading(reply) == ("hi", (10, 7, None))
+    assert probe_reading({}) == ("", (None, None, None))
+
+
+def test_peer_pair_is_checked_and_reported_apart() -> None:
+    assert PAIRS[1] == LABELS == ("llama-off", "llama-ngram")
+    out = Results()
+    out.check("x", {"off": ["a"], "ngram": ["a"], "llama-off": ["b"], "llama-ngram": ["c"]})
+    assert (out.same.compared, out.same.mismatches) == (1, [])
+    assert out.peer_same.compared == 1 and len(out.peer_same.mismatches) == 1
+    assert same_line(out.peer_same) == (
+        "llama-server, its own texts without and with its speculation: 1 of 1 differ "
+        "(not our promise)"
+    )
 
 
 def test_same_tokens_reports_each_mismatch_where_it_starts() -> None:

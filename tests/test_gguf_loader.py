@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
 
 from gpu.kernels import native
 from gpu.model.decoder import PackedLinear
@@ -125,6 +126,18 @@ def test_quantized_weights_keep_the_file_blocks(
     ids = torch.tensor([[3, 0], [len(tiny.tokens) - 1, 7]])
     assert torch.equal(embed.rows(ids), w["token_embd.weight"][ids])
     assert cast(QuantLinear, lm.model.head).blocks.data_ptr() == lm.model.embed.data_ptr()
+    # packed into panels where the build packs (the same function, bit for bit: the
+    # file's layout computes the same outputs)
+    kernels = lin.kernels
+    packs = kernels.q_pack(torch.zeros(16, 20, dtype=torch.uint8), int(Q.Q4_1), 32) is not None
+    for ws in (qkv, gate_up, o, down, [embed]):
+        assert all((p.packed_rows is not None) == packs for p in ws)
+    if packs:
+        q = w["blk.1.attn_q.weight"]
+        file_q = QuantWeight(torch.from_numpy(quantize(q.numpy(), Q.Q4_1)), Q.Q4_1, q.shape[1])
+        assert torch.equal(
+            QuantLinear(file_q, kernels)(x), QuantLinear(file_q.packed(kernels), kernels)(x)
+        )
     dense = load_model(tiny.path, device="cpu", weights="fp32")
     assert lm.model.weight_bytes() * 3 < dense.model.weight_bytes()
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from gpu.model.loader import LoadedModel
+from gpu.runtime.drafter import DraftMismatch
 from gpu.runtime.engine import Engine, EngineConfig
 from gpu.runtime.speculation import Drafts, Speculation, verify
 from tests.engine_runs import run_to_end
@@ -368,7 +369,7 @@ def test_draft_model_must_share_the_vocabulary(lm: LoadedModel, tiny_gguf: Any) 
     from gpu.model.loader import load_model
 
     other = load_model(tiny_gguf.path, device="cpu")
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(DraftMismatch, match="vocabulary"):  # the worker refuses to start
         Engine(lm, EngineConfig(kv_blocks=64, speculation=DRAFT), draft=other)
 
 

@@ -276,6 +276,39 @@ FEATURES = (
             "            pass\n",
         ),
     ),
+    _m(
+        "packed_fifth_bit_dropped",
+        "issue 59, one stream",
+        "q_pack leaves out the Q5 types' fifth bits",
+        ("tests/test_qlinear.py",),
+        Edit(
+            "gpu/kernels/csrc/quant_linear.c",
+            "                        if (bits == 5) q[256 + at] |=",
+            "                        if (bits == 55) q[256 + at] |=",
+        ),
+    ),
+    _m(
+        "packed_zero_half_sum",
+        "issue 59, one stream",
+        "a packed block's zero point comes off with x's first half-block sum only",
+        ("tests/test_qlinear.py",),
+        Edit(
+            "gpu/kernels/csrc/quant_linear.c",
+            "if (z) dot = QV_SUBI(dot, QV_SET1I(z * (sx[0] + sx[1])));",
+            "if (z) dot = QV_SUBI(dot, QV_SET1I(z * sx[0]));",
+        ),
+    ),
+    _m(
+        "packed_never",
+        "issue 59, one stream",
+        "the loader keeps the file's layout where the build packs (slower, the same bits)",
+        ("tests/test_gguf_loader.py",),
+        Edit(
+            "gpu/model/quant.py",
+            "        return self if wp is None else QuantWeight(wp, self.qtype, self.k, self.shape[0])",
+            "        return self",
+        ),
+    ),
 )
 
 # Each fault protection's named regression test (docs/faults.md, "Named regression tests").

@@ -138,15 +138,30 @@ KV_ELEMENTS = {
         KV_Q4,
     )
 }
-# What a cache's ``kv_dtype`` takes: an element, or a float dtype (uint8 alone: q8_0,
-# the first byte element; q4_0 is named by its element only)
+# What a cache's ``kv_dtype`` takes: an element, or a dtype that one element alone is held
+# as (the float ones). uint8 holds both q8_0 and q4_0: those are named by their element.
 KVStore: TypeAlias = torch.dtype | KVElement
-_BY_DTYPE = {e.dtype: e for e in reversed(KV_ELEMENTS.values())}  # uint8: q8_0
+_HELD_AS = {d: tuple(e for e in KV_ELEMENTS.values() if e.dtype == d)
+            for d in dict.fromkeys(e.dtype for e in KV_ELEMENTS.values())}  # fmt: skip
+_BY_DTYPE = {dtype: held[0] for dtype, held in _HELD_AS.items() if len(held) == 1}
 
 
 def kv_element(store: KVStore) -> KVElement:
-    """The element ``store`` names (``KeyError`` for a dtype no cache holds)."""
-    return store if isinstance(store, KVElement) else _BY_DTYPE[store]
+    """The element ``store`` names: itself, or the one element held as that dtype
+    (``ValueError`` for uint8, which holds both q8_0 and q4_0: the element must be named;
+    ``KeyError`` for a dtype no cache holds)."""
+    if isinstance(store, KVElement):
+        return store
+    held = _HELD_AS.get(store, ())
+    if len(held) > 1:
+        raise ValueError(_ambiguous(store))
+    return _BY_DTYPE[store]
+
+
+def _ambiguous(dtype: torch.dtype) -> str:
+    names = " and ".join(e.name for e in _HELD_AS[dtype])
+    return (f"a bare {dtype} does not say what a KV cache holds: {dtype} holds both {names}; "
+            "name the element (KV_Q8, KV_Q4)")  # fmt: skip
 
 
 def kv_row_width(store: KVStore, head_dim: int) -> int:
@@ -180,7 +195,7 @@ class NativeKernels:
         self._q_linear = bind("q_linear", rc, p, p, p, i32, i32, i64, i64, i32)
         self._q_linear_reference = bind("q_linear_reference", rc, p, p, p, i32, i32, i64, i64)
         self._q_dequantize = bind("q_dequantize", rc, p, p, i32, i64, i64)
-        self._q_pack = bind("q_pack", rc, p, p, i32, i64, i64)
+        self._q_pack = bind("q_pack", rc, p, p, i32, i64, i64, i32)
         self._q_packed_bytes = bind("q_packed_bytes", i64, i32, i64, i64)
         self._q_packed_rows = bind("q_packed_rows", rc, p, p, i64, p, i32, i64, i64)
         # gpu/backends/fused.py builds its arguments
@@ -225,7 +240,7 @@ class NativeKernels:
             return None
         panels = -(-n // QP_ROWS)
         out = torch.empty((panels, size // panels), dtype=torch.uint8)
-        rc = self._q_pack(w.data_ptr(), out.data_ptr(), qtype, n, k)
+        rc = self._q_pack(w.data_ptr(), out.data_ptr(), qtype, n, k, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("q_pack: allocation failed") if rc == -1 else ValueError(rc)
         return out
@@ -332,14 +347,16 @@ class NativeKernels:
                         element: KVElement | None = None) -> Tensor:  # fmt: skip
         """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
         H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
-        fp32 or both fp16, or both q8_0 rows (uint8 ``[KV, ROWS, HD / 32 * 34]``,
-        ``kv_q8_quantize``'s) or, with ``element`` ``KV_Q4``, q4_0 rows (``[KV, ROWS, HD /
+        fp32 or both fp16, or, with ``element`` ``KV_Q8``, q8_0 rows (uint8 ``[KV, ROWS, HD
+        / 32 * 34]``, ``kv_q8_quantize``'s) or, with ``KV_Q4``, q4_0 rows (``[KV, ROWS, HD /
         32 * 18]``, ``kv_q4_quantize``'s), ``tables [D, MAXNB]`` and ``lens [D]`` int32;
         returns ``[D, H, HD]``. Over the last ``window`` keys of each sequence (0: all),
         its scores capped at ``softcap`` (0: not). ``element``: what the rows hold (None:
-        their dtype's, uint8 read as q8_0)."""
+        their dtype's; uint8 rows, q8_0's or q4_0's, must be named: ``ValueError``)."""
         d, h, hd = q.shape
         kv, rows, width = kc.shape
+        if element is None and len(_HELD_AS.get(kc.dtype, ())) > 1:
+            raise ValueError(f"paged_attention: {_ambiguous(kc.dtype)} (element=)")
         elem = element or _BY_DTYPE.get(kc.dtype)
         if kc.dtype != vc.dtype or elem is None or elem.kind is None or elem.dtype != kc.dtype:
             raise ValueError(f"paged_attention reads an fp16, fp32, q8_0 or q4_0 cache, not "

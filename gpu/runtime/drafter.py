@@ -20,7 +20,12 @@ from gpu.runtime.runner import ModelRunner, StepInput
 from gpu.runtime.sampling import sample_greedy
 from gpu.runtime.scheduler import Sequence
 
-__all__ = ["Drafter"]
+__all__ = ["DraftMismatch", "Drafter"]
+
+
+class DraftMismatch(ValueError):
+    """A draft model that cannot serve beside the served one (its vocabulary or its
+    context): the worker refuses to start with the reason."""
 
 
 class Drafter:
@@ -30,10 +35,10 @@ class Drafter:
     def __init__(self, draft: LoadedModel, config: EngineConfig, max_context: int,
                  vocab: int) -> None:  # fmt: skip
         if draft.config.vocab_size != vocab:
-            raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} "
+            raise DraftMismatch(f"the draft model's vocabulary has {draft.config.vocab_size} "
                              f"tokens, the served model's {vocab}: they must be the same")  # fmt: skip
         if draft.config.context_length < max_context:
-            raise ValueError(f"the draft model serves {draft.config.context_length} tokens, "
+            raise DraftMismatch(f"the draft model serves {draft.config.context_length} tokens, "
                              f"the served model {max_context}: give --context-length "
                              f"{draft.config.context_length} or less")  # fmt: skip
         eager = replace(config, decode_graphs="off", mixed_graphs="off", prefix_cache_dir=None)

@@ -15,6 +15,7 @@ import wire
 from gpu.cache.kv_cache import BLOCKED_KV, kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
+from gpu.runtime.drafter import DraftMismatch
 from gpu.runtime.engine import Engine, EngineConfig
 from gpu.runtime.speculation import Speculation
 from wire.worker_options import (
@@ -211,7 +212,7 @@ def build_engine(config: WorkerConfig) -> Engine:
                            weights=config.weights, context_length=config.context_length)  # fmt: skip
     try:
         engine = Engine(lm, engine_config, plan, followers=followers, draft=draft)
-    except ValueError as exc:  # a draft model that does not fit the served one
+    except DraftMismatch as exc:  # a draft model that does not fit the served one
         raise SystemExit(str(exc)) from None
     if config.kv_cache_dtype in BLOCKED_KV and engine.runner.backends()["trunk"] != "fused":
         raise SystemExit(f"--kv-cache-dtype {config.kv_cache_dtype} is read by the fused "

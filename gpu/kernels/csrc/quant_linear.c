@@ -1125,56 +1125,67 @@ static void qp_scales(int32_t t, const uint8_t *blk, uint16_t *d, uint16_t *m, u
         }
 }
 
-/* n rows of type t (w, the file's blocks) into out (q_packed_bytes(t, n, k) bytes).
- * Returns 0, -1 without memory, -2 for a type or shape this build does not pack. */
-int q_pack(const uint8_t *w, uint8_t *out, int32_t t, int64_t n, int64_t k) {
+/* n rows of type t (w, the file's blocks) into out (q_packed_bytes(t, n, k) bytes), the
+ * panels split between threads. Returns 0, -1 without memory, -2 for a type or shape
+ * this build does not pack. */
+int q_pack(const uint8_t *w, uint8_t *out, int32_t t, int64_t n, int64_t k, int32_t threads) {
     if (!q_packed_bytes(t, n, k)) return -2;
     const int64_t nb = k / QK, row_bytes = k / block_elems(t) * block_bytes(t);
     const int64_t units = k / block_elems(t), per = block_elems(t) / QK, qb = qp_qbytes(t);
+    const int64_t pb = qp_panel_bytes(t, k), panels = (n + QP_W - 1) / QP_W;
     const int bits = qp_bits(t), z = qp_zero(t), kq = per > 1;
-    unpacked u;
-    if (!unpacked_alloc(&u, nb)) return -1;
-    const int64_t panels = (n + QP_W - 1) / QP_W;
-    memset(out, 0, (size_t)(panels * qp_panel_bytes(t, k)));
-    for (int64_t j = 0; j < n; j++) {
-        const int o = (int)(j % QP_W);
-        uint8_t *pp = out + j / QP_W * qp_panel_bytes(t, k);
-        const uint8_t *row = w + j * row_bytes;
-        unpack_row_c(t, row, nb, &u);
-        for (int64_t s = 0; s < units; s++) {
-            uint8_t *head = pp + s * qp_unit(t);
-            uint16_t d, m;
-            uint8_t sc[16] = {0}, mn[8] = {0};
-            qp_scales(t, row + s * block_bytes(t), &d, &m, sc, mn);
-            memcpy(head + 2 * o, &d, 2);
-            if (t == GGML_Q6_K) {
-                for (int i = 0; i < 16; i++) head[32 + 16 * i + o] = sc[i];
-            } else if (kq) {
-                memcpy(head + 32 + 2 * o, &m, 2);
-                for (int i = 0; i < 8; i++) head[64 + 16 * i + o] = sc[i], head[192 + 16 * i + o] = mn[i];
-            } else if (has_offset(t)) {
-                memcpy(head + 32 + 2 * o, &m, 2);
-            }
-            for (int64_t jb = 0; jb < per; jb++) {
-                uint8_t *q = head + qp_head(t) + jb * qb;
-                const int8_t *wq = u.q + (s * per + jb) * QK;
-                for (int e = 0; e < 4; e++)
-                    for (int g = 0; g < 8; g++) {
-                        const int v = wq[4 * g + e] + z; /* 0 .. 2^bits - 1 */
-                        const int at = o * 4 + e;
-                        if (bits == 8) {
-                            q[g * 64 + at] = (uint8_t)v;
-                            continue;
-                        }
-                        q[(g & 3) * 64 + at] |= (uint8_t)((v & 15) << (g < 4 ? 0 : 4));
-                        if (bits == 5) q[256 + at] |= (uint8_t)(((v >> 4) & 1) << g);
-                        if (bits == 6) q[256 + (g / 4) * 64 + at] |= (uint8_t)(((v >> 4) & 3) << (2 * (g & 3)));
+    int failed = 0;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        unpacked u;
+        const int ok = unpacked_alloc(&u, nb);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            uint8_t *pp = out + pi * pb;
+            memset(pp, 0, (size_t)pb);
+            for (int o = 0; ok && o < QP_W && pi * QP_W + o < n; o++) {
+                const uint8_t *row = w + (pi * QP_W + o) * row_bytes;
+                unpack_row_c(t, row, nb, &u);
+                for (int64_t s = 0; s < units; s++) {
+                    uint8_t *head = pp + s * qp_unit(t);
+                    uint16_t d, m;
+                    uint8_t sc[16] = {0}, mn[8] = {0};
+                    qp_scales(t, row + s * block_bytes(t), &d, &m, sc, mn);
+                    memcpy(head + 2 * o, &d, 2);
+                    if (t == GGML_Q6_K) {
+                        for (int i = 0; i < 16; i++) head[32 + 16 * i + o] = sc[i];
+                    } else if (kq) {
+                        memcpy(head + 32 + 2 * o, &m, 2);
+                        for (int i = 0; i < 8; i++) head[64 + 16 * i + o] = sc[i], head[192 + 16 * i + o] = mn[i];
+                    } else if (has_offset(t)) {
+                        memcpy(head + 32 + 2 * o, &m, 2);
                     }
+                    for (int64_t jb = 0; jb < per; jb++) {
+                        uint8_t *q = head + qp_head(t) + jb * qb;
+                        const int8_t *wq = u.q + (s * per + jb) * QK;
+                        for (int e = 0; e < 4; e++)
+                            for (int g = 0; g < 8; g++) {
+                                const int v = wq[4 * g + e] + z; /* 0 .. 2^bits - 1 */
+                                const int at = o * 4 + e;
+                                if (bits == 8) {
+                                    q[g * 64 + at] = (uint8_t)v;
+                                    continue;
+                                }
+                                q[(g & 3) * 64 + at] |= (uint8_t)((v & 15) << (g < 4 ? 0 : 4));
+                                if (bits == 5) q[256 + at] |= (uint8_t)(((v >> 4) & 1) << g);
+                                if (bits == 6) q[256 + (g / 4) * 64 + at] |= (uint8_t)(((v >> 4) & 3) << (2 * (g & 3)));
+                            }
+                    }
+                }
             }
         }
+        if (ok) unpacked_free(&u);
     }
-    unpacked_free(&u);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* Output o of a packed panel pp, block b: its integers u - z into wq[32] and its
