@@ -1371,11 +1371,10 @@ static inline __attribute__((always_inline)) void qp_rows_k(const int32_t t, con
     for (int64_t b = 0; b < nb; b++) {
         const int jb = (int)(b % per);
         const uint8_t *head = pp + b / per * unit, *q = head + hb + jb * qb;
-        _mm_prefetch((const char *)(q + PF_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(q + PF_BYTES + 64), _MM_HINT_T0);
-        if (bits == 8) {
-            _mm_prefetch((const char *)(q + PF_BYTES + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q + PF_BYTES + 192), _MM_HINT_T0);
+        { /* every line of this block's bytes (and of its unit's scales), PF_BYTES ahead */
+            const uint8_t *from = (per > 1 && jb) ? q : head, *to = q + qb;
+            for (const uint8_t *a = from; a < to; a += 64)
+                _mm_prefetch((const char *)(a + PF_BYTES), _MM_HINT_T0);
         }
         qvi W[8];
         qp_weights(bits, q, h, W);
