@@ -310,10 +310,10 @@ def packed(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.T
 @pytest.mark.skipif(not PACKS, reason="this build has no vector paths: nothing is packed")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_packed_weights_are_the_definition(qtype: GGMLQuantizationType) -> None:
-    """Packed, every row count of ``ROW_COUNTS`` (one row, the 8- and 4-row passes and
-    their tails, AMX's groups of 16 where the CPU has it, a second chunk of 256) on one
-    thread and two equals the definition on the file's blocks, bit for bit; 37 outputs:
-    a partial panel. Its rows read back are the file's dequantization, and it is the
+    """Packed, every row count of ``ROW_COUNTS`` and 70 (one row, the 8- and 4-row passes
+    and their tails; from 64 rows AMX's groups of 16 where the CPU has it, 70: four
+    groups and a tail of 6; a second chunk of 256) on one thread and two equals the
+    definition on the file's blocks, bit for bit; 37 outputs: a partial panel. Its rows read back are the file's dequantization, and it is the
     file's size (the k-quants with offsets 4 bytes more per 256 weights)."""
     k = kdim(qtype, 1536)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(11)) * 3
@@ -326,7 +326,7 @@ def test_packed_weights_are_the_definition(qtype: GGMLQuantizationType) -> None:
     ref = kernels().q_linear_reference(x, blocks, int(qtype))
     for threads in (1, 2):
         with torch_threads(threads):
-            for m in ROW_COUNTS:
+            for m in (*ROW_COUNTS, 70):
                 y = kernels().q_linear_packed(x[:m], wp, int(qtype), 37)
                 assert torch.equal(y, ref[:m]), (threads, m)
     ids = torch.tensor([36, 0, 17, 17, 5])

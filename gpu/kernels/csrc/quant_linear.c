@@ -1054,12 +1054,16 @@ static void scratch_free(scratch *s) {
  * four products into all 16 outputs' sums (no horizontal sums, no per-call unpacking),
  * and the zero comes off as z times x's block sum: the same integer dot as the
  * definition, then the same scale product and FMA per block, in the same order. Rows of
- * x go 8 at a time (4 where vectors are 256 bits) against the panel's registers, at
- * every row count: AMX's tile products gain nothing here (16-500 rows of SmolLM2's
- * layers were as fast or faster without them, 2026-12-07), since the integer products
- * are not what a packed block costs. Without AVX2 nothing is packed (q_packed_bytes is
- * 0). */
+ * x go 8 at a time (4 where vectors are 256 bits) against the panel's registers. With
+ * AMX and QP_AMX_ROWS rows or more (a prefill), each panel is widened to the int8 panel
+ * of the path above (no transpose) and groups of 16 rows take its tile products: a
+ * 512-token prefill of the 0.5B shape 1,296 -> 1,113 ms; below 64 rows the vector
+ * panels were as fast or faster (2026-12-07). Without AVX2 nothing is packed
+ * (q_packed_bytes is 0). */
 enum { QP_FLAG = 0x100, QP_W = 16 };
+#ifndef QP_AMX_ROWS
+#define QP_AMX_ROWS 64
+#endif
 
 static int qp_bits(int32_t t) {
     switch (t) {
@@ -1486,19 +1490,68 @@ static void qp_rows(int32_t t, const uint8_t *pp, const xblock *xq, const int32_
 #undef QP_CALL
 }
 
+#ifdef QL_AMX
+/* A packed panel's integers widened to the panels path's int8 (u - z) and its scales,
+ * for amx_rows (which needs no seeds). */
+static void qp_panel_build(int32_t t, const uint8_t *pp, int64_t nb, const panel *p) {
+    const int bits = qp_bits(t), per = block_elems(t) / QK, six = t == GGML_Q6_K;
+    const int64_t unit = qp_unit(t), qb = qp_qbytes(t), hb = qp_head(t);
+    const __m512i zv = _mm512_set1_epi8((char)qp_zero(t));
+    __m512 dv = _mm512_setzero_ps(), dm = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int jb = (int)(b % per);
+        const uint8_t *head = pp + b / per * unit, *q = head + hb + jb * qb;
+        __m512i W[8];
+        qp_weights(bits, q, 0, W);
+        for (int g = 0; g < 8; g++) _mm512_storeu_si512(p->q + b * 8 * PW * 4 + g * PW * 4, _mm512_sub_epi8(W[g], zv));
+        __m512 lo, hi, mo = _mm512_setzero_ps();
+        if (per > 1) {
+            if (jb == 0) {
+                dv = QV_HALVES(head);
+                if (!six) dm = QV_HALVES(head + 32);
+            }
+            if (six) {
+                lo = dv * QV_I8F(head + 32 + 16 * (2 * jb));
+                hi = dv * QV_I8F(head + 32 + 16 * (2 * jb + 1));
+            } else {
+                lo = hi = dv * QV_U8F(head + 64 + 16 * jb);
+                mo = -(dm * QV_U8F(head + 192 + 16 * jb));
+            }
+        } else {
+            lo = hi = QV_HALVES(head);
+            if (has_offset(t)) mo = QV_HALVES(head + 32);
+        }
+        _mm512_storeu_ps(p->lo + b * PW, lo);
+        _mm512_storeu_ps(p->hi + b * PW, hi);
+        _mm512_storeu_ps(p->mo + b * PW, mo);
+    }
+}
+#endif
+
 /* A packed weight's part of a call (as run_part for the file's blocks): xs, x's block
  * sums [m][nb][2] (elements 0-15, 16-31). */
 static void run_packed(const uint8_t *w, int32_t t, int64_t n, float *y, int64_t ldy,
-                       const xblock *xq, const int32_t *xs, int32_t m, int64_t k) {
+                       const xblock *xq, const int32_t *xs, int32_t m, int64_t k, const scratch *s) {
     const int64_t nb = k / QK, pb = qp_panel_bytes(t, k), panels = (n + QP_W - 1) / QP_W;
+    (void)s;
     for (int32_t r0 = 0; r0 < m; r0 += XCHUNK) {
         const int32_t rows = m - r0 < XCHUNK ? m - r0 : XCHUNK;
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
             const int64_t j = pi * QP_W;
             const int cols = n - j < QP_W ? (int)(n - j) : QP_W;
-            qp_rows(t, w + pi * pb, xq + (int64_t)r0 * nb, xs + (int64_t)r0 * nb * 2, nb, rows,
-                    y + (int64_t)r0 * ldy + j, ldy, cols);
+            const uint8_t *pp = w + pi * pb;
+            int32_t r = 0;
+#ifdef QL_AMX
+            if (amx_state == 1 && rows >= QP_AMX_ROWS && s) {
+                qp_panel_build(t, pp, nb, &s->p);
+                r = rows / 16 * 16;
+                amx_rows(panel_kind(t), &s->p, xq + (int64_t)r0 * nb, nb, r, y + (int64_t)r0 * ldy + j, ldy, cols);
+            }
+#endif
+            if (r < rows)
+                qp_rows(t, pp, xq + (int64_t)(r0 + r) * nb, xs + (int64_t)(r0 + r) * nb * 2, nb, rows - r,
+                        y + (int64_t)(r0 + r) * ldy + j, ldy, cols);
         }
     }
 }
@@ -1596,7 +1649,7 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     int64_t nb = k / QK;
     int failed = 0;
 #ifdef QL_AMX
-    if (m >= 16 && plain) amx_usable(); /* asked once, before the threads */
+    if ((m >= 16 && plain) || (m >= QP_AMX_ROWS && packed)) amx_usable(); /* asked once, before the threads */
 #endif
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
     /* x's bytes plus 128 (unsigned) for the panels; NULL below four rows */
@@ -1635,11 +1688,14 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
                                          _mm256_set1_epi8((char)0x80)));
 #endif
         }
-        /* decode and packed weights stream without scratch */
+        /* decode and packed weights stream without scratch (but for AMX's tiles) */
         scratch s, *sp = NULL;
         int need = plain;
 #ifdef QL_AVX2
         need = m >= 4 && plain;
+#endif
+#ifdef QL_AMX
+        need = need || (m >= QP_AMX_ROWS && packed && amx_state == 1);
 #endif
         if (need) {
             if (scratch_alloc(&s, nb)) {
@@ -1653,7 +1709,8 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         for (int i = 0; i < parts->n; i++) {
 #ifdef QL_AVX2
             if (parts->qtype[i] & QP_FLAG)
-                run_packed(parts->w[i], parts->qtype[i] & ~QP_FLAG, parts->rows[i], y + col, n, xq, xs, m, k);
+                run_packed(parts->w[i], parts->qtype[i] & ~QP_FLAG, parts->rows[i], y + col, n, xq, xs, m, k,
+                           sp);
             else
 #endif
                 run_part(parts->w[i], parts->qtype[i], parts->rows[i], y + col, n, xq, xu, m, k, sp);
