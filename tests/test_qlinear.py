@@ -294,11 +294,7 @@ def test_each_types_output_is_the_recorded_one(qtype: GGMLQuantizationType) -> N
 
 # ---- Packed weights (q_pack): the layout the loader keeps where the build has vector paths
 
-PACKS = (
-    KERNELS is not None
-    and KERNELS.q_pack(torch.from_numpy(random_blocks(Q.Q4_1, 16, 32, seed=0)), int(Q.Q4_1), 32)
-    is not None
-)
+PACKS = KERNELS is not None and KERNELS.packs
 
 
 def packed(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:

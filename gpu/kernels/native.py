@@ -198,6 +198,8 @@ class NativeKernels:
         self._q_pack = bind("q_pack", rc, p, p, i32, i64, i64, i32)
         self._q_packed_bytes = bind("q_packed_bytes", i64, i32, i64, i64)
         self._q_packed_rows = bind("q_packed_rows", rc, p, p, i64, p, i32, i64, i64)
+        # whether this build packs weights (q_pack; the portable build does not)
+        self.packs = self._q_packed_bytes(3, QP_ROWS, 32) > 0
         # gpu/backends/fused.py builds its arguments
         self.trunk_layers = bind("trunk_layers", rc, p, i32, p, p, i32, i32, i32, i32, i32, i32,
                                  f32, p, p, p, i32, i64, i32, i32, f32, i32, f32, i32)  # fmt: skip

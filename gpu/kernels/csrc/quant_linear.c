@@ -1357,6 +1357,34 @@ static inline __attribute__((always_inline)) void qp_weights(const int bits, con
     }
 }
 
+/* Block jb of a unit's scales (head: the unit's; h: which QV outputs): lo, hi (Q6_K's
+ * second half; the others' is lo) and mo (the offset, 0 for types without), as
+ * unpack_row_c computes them; dv and dm carry a k-quant unit's d and dmin from its
+ * first block to the rest. */
+static inline __attribute__((always_inline)) void qp_block_scales(const int32_t t,
+                                                                  const uint8_t *head, int jb,
+                                                                  int h, qvf *dv, qvf *dm,
+                                                                  qvf *lo, qvf *hi, qvf *mo) {
+    const int per = block_elems(t) / QK, six = t == GGML_Q6_K;
+    *mo = (qvf){0};
+    if (per > 1) {
+        if (jb == 0) {
+            *dv = QV_HALVES(head + 2 * QV * h);
+            if (!six) *dm = QV_HALVES(head + 32 + 2 * QV * h);
+        }
+        if (six) {
+            *lo = *dv * QV_I8F(head + 32 + 16 * (2 * jb) + QV * h);
+            *hi = *dv * QV_I8F(head + 32 + 16 * (2 * jb + 1) + QV * h);
+        } else {
+            *lo = *hi = *dv * QV_U8F(head + 64 + 16 * jb + QV * h);
+            *mo = -(*dm * QV_U8F(head + 192 + 16 * jb + QV * h));
+        }
+    } else {
+        *lo = *hi = QV_HALVES(head + 2 * QV * h);
+        if (has_offset(t)) *mo = QV_HALVES(head + 32 + 2 * QV * h);
+    }
+}
+
 /* R rows of x (xq, their block sums xs [r][nb][2]) against QV outputs (h: which half of
  * the panel where QV is 8) of a packed panel pp of type t: y[r][0 .. cols). */
 static inline __attribute__((always_inline)) void qp_rows_k(const int32_t t, const int R,
@@ -1382,23 +1410,8 @@ static inline __attribute__((always_inline)) void qp_rows_k(const int32_t t, con
         }
         qvi W[8];
         qp_weights(bits, q, h, W);
-        qvf lo, hi = (qvf){0}, mo = (qvf){0};
-        if (per > 1) {
-            if (jb == 0) {
-                dv = QV_HALVES(head + 2 * QV * h);
-                if (!six) dm = QV_HALVES(head + 32 + 2 * QV * h);
-            }
-            if (six) {
-                lo = dv * QV_I8F(head + 32 + 16 * (2 * jb) + QV * h);
-                hi = dv * QV_I8F(head + 32 + 16 * (2 * jb + 1) + QV * h);
-            } else {
-                lo = dv * QV_U8F(head + 64 + 16 * jb + QV * h);
-                mo = -(dm * QV_U8F(head + 192 + 16 * jb + QV * h));
-            }
-        } else {
-            lo = QV_HALVES(head + 2 * QV * h);
-            if (offset) mo = QV_HALVES(head + 32 + 2 * QV * h);
-        }
+        qvf lo, hi, mo;
+        qp_block_scales(t, head, jb, h, &dv, &dm, &lo, &hi, &mo);
         for (int r = 0; r < R; r++) {
             const xblock *xr = xq + r * nb + b;
             const ql_i32 *x4 = (const ql_i32 *)xr->q;
@@ -1494,7 +1507,7 @@ static void qp_rows(int32_t t, const uint8_t *pp, const xblock *xq, const int32_
 /* A packed panel's integers widened to the panels path's int8 (u - z) and its scales,
  * for amx_rows (which needs no seeds). */
 static void qp_panel_build(int32_t t, const uint8_t *pp, int64_t nb, const panel *p) {
-    const int bits = qp_bits(t), per = block_elems(t) / QK, six = t == GGML_Q6_K;
+    const int bits = qp_bits(t), per = block_elems(t) / QK;
     const int64_t unit = qp_unit(t), qb = qp_qbytes(t), hb = qp_head(t);
     const __m512i zv = _mm512_set1_epi8((char)qp_zero(t));
     __m512 dv = _mm512_setzero_ps(), dm = _mm512_setzero_ps();
@@ -1504,23 +1517,8 @@ static void qp_panel_build(int32_t t, const uint8_t *pp, int64_t nb, const panel
         __m512i W[8];
         qp_weights(bits, q, 0, W);
         for (int g = 0; g < 8; g++) _mm512_storeu_si512(p->q + b * 8 * PW * 4 + g * PW * 4, _mm512_sub_epi8(W[g], zv));
-        __m512 lo, hi, mo = _mm512_setzero_ps();
-        if (per > 1) {
-            if (jb == 0) {
-                dv = QV_HALVES(head);
-                if (!six) dm = QV_HALVES(head + 32);
-            }
-            if (six) {
-                lo = dv * QV_I8F(head + 32 + 16 * (2 * jb));
-                hi = dv * QV_I8F(head + 32 + 16 * (2 * jb + 1));
-            } else {
-                lo = hi = dv * QV_U8F(head + 64 + 16 * jb);
-                mo = -(dm * QV_U8F(head + 192 + 16 * jb));
-            }
-        } else {
-            lo = hi = QV_HALVES(head);
-            if (has_offset(t)) mo = QV_HALVES(head + 32);
-        }
+        __m512 lo, hi, mo;
+        qp_block_scales(t, head, jb, 0, &dv, &dm, &lo, &hi, &mo);
         _mm512_storeu_ps(p->lo + b * PW, lo);
         _mm512_storeu_ps(p->hi + b * PW, hi);
         _mm512_storeu_ps(p->mo + b * PW, mo);
