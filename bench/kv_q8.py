@@ -2,22 +2,28 @@
 one run.
 
     python bench/kv_q8.py [--tokens 4096] [--decode 48] [--threads N] [--model GGUF]
+                          [--weights auto,fp32]
 
-Prints, for ``--kv-cache-dtype auto`` (fp16, the CPU default), ``q8_0`` and ``q4_0``:
+For each ``--weights`` mode (default both: ``auto``, the quantized weights the worker
+serves on the fused native trunk, then ``fp32``, dequantized weights on the torch path,
+where no matmul rounds its input to int8), prints, for ``--kv-cache-dtype fp16`` (what
+``auto`` stores for quantized weights on the CPU), ``q8_0`` and ``q4_0``:
 
 - bytes per token (K and V of every layer as stored) and their ratio;
 - teacher-forced top-1 agreement: the same ``--tokens`` tokens of real text (this
   repository's README and docs, prose lines) prefilled through each cache in chunks of
   256, every position's argmax compared; beside it the same for an fp32 cache against
-  fp16 (what rounding K and V at all costs on this model: its int8-rounded activations
-  turn any change into another near-tie somewhere), and each cache's top-1 accuracy
-  on the text's own next token;
+  fp16 (what rounding K and V at all costs on this model: with quantized weights the
+  int8-rounded activations turn any change into another near-tie somewhere, so this is
+  the floor of every cache there; with fp32 weights it is almost 1), and each cache's
+  top-1 accuracy on the text's own next token;
 - decode ms/token at that context: one sequence continuing from the prefilled text, one
   token a step, the caches' steps timed in turn (A B C A B C) so drift falls on all;
   the median of each.
 
-All run the fused native trunk as the worker does (quantized weights, native kernels).
-About two minutes on 2 idle cores.
+Each mode runs the trunk the worker runs for it (``trunk_for``): the fused native trunk
+for quantized weights, the torch path for fp32 ones; q8_0 and q4_0 rows are rotated and
+quantized by the kernels' one writer either way. About four minutes on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from modelfile.vocab import load_tokenizer  # noqa: E402
 
 BLOCK = 16
 CHUNK = 256
-KINDS = ("auto", "q8_0", "q4_0")  # timed A B C; fp32 is only prefilled (agreement's baseline)
+KINDS = ("fp16", "q8_0", "q4_0")  # timed A B C; fp32 is only prefilled (agreement's baseline)
 QUANT = KINDS[1:]
 
 
@@ -74,7 +80,8 @@ class Run:
         blocks = -(-tokens // BLOCK)
         self.cache = PagedKVCache(lm.config, blocks, BLOCK, lm.device, lm.dtype, kv_dtype=kv)
         self.trunk: Trunk = trunk_for(lm.model, self.cache)
-        assert isinstance(self.trunk, NativeTrunk), "the fused trunk runs both caches"
+        # the fused trunk for quantized weights, for every cache; else the torch path
+        assert isinstance(self.trunk, NativeTrunk) == lm.model.quantized()
         self.lm, self.table, self.len = lm, list(range(blocks)), 0
 
     def prefill(self, ids: list[int]) -> list[int]:
@@ -104,14 +111,23 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=96, help="decode steps timed per cache")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--weights", default="auto,fp32", help="weight modes, in turn")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    lm = load_model(a.model, device="cpu")
+    for weights in a.weights.split(","):
+        report(a, weights)
+        print()
+
+
+def report(a: argparse.Namespace, weights: str) -> None:
+    """The figures of one weight mode."""
+    lm = load_model(a.model, device="cpu", weights=weights)
     ids = real_text_ids(lm.path, a.tokens)
     runs = {k: Run(lm, k, a.tokens + a.decode + 1) for k in (*KINDS, "fp32")}
-    print(f"{lm.path.name}: {a.tokens} tokens of README + docs, torch threads "
-          f"{torch.get_num_threads()}, block {BLOCK}")  # fmt: skip
+    trunk = "fused native trunk" if lm.model.quantized() else "torch path"
+    print(f"{lm.path.name}, --weights {weights} ({trunk}): {a.tokens} tokens of README + "
+          f"docs, torch threads {torch.get_num_threads()}, block {BLOCK}")  # fmt: skip
     start = steal_ticks()
     with torch.inference_mode():
         t = time.perf_counter()
@@ -135,20 +151,20 @@ def main() -> None:
         return f"{hits / (len(ids) - 1):.4f}"
 
     ms = {k: statistics.median(v[2:]) for k, v in times.items()}  # the first two warm up
-    print(f"{'':28}{'fp16 (auto)':>14}" + "".join(f"{k:>14}" for k in QUANT)
+    print(f"{'':28}{'fp16':>14}" + "".join(f"{k:>14}" for k in QUANT)
           + "".join(f"{k + ' / fp16':>14}" for k in QUANT))  # fmt: skip
     print(f"{'bytes per token':28}" + "".join(f"{bpt[k]:>14,}" for k in KINDS)
-          + "".join(f"{bpt[k] / bpt['auto']:>13.4f}x" for k in QUANT))  # fmt: skip
+          + "".join(f"{bpt[k] / bpt['fp16']:>13.4f}x" for k in QUANT))  # fmt: skip
     print(f"{'decode ms/token at ' + str(a.tokens):28}" + "".join(f"{ms[k]:>14.2f}" for k in KINDS)
-          + "".join(f"{ms[k] / ms['auto']:>13.3f}x" for k in QUANT))  # fmt: skip
+          + "".join(f"{ms[k] / ms['fp16']:>13.3f}x" for k in QUANT))  # fmt: skip
     print("teacher-forced top-1 agreement, " + "; ".join(
-        f"{k} vs fp16: {agree(k, 'auto')}" for k in QUANT) + f"; fp32 vs fp16: {agree('fp32', 'auto')}; "
+        f"{k} vs fp16: {agree(k, 'fp16')}" for k in QUANT) + f"; fp32 vs fp16: {agree('fp32', 'fp16')}; "
         + "; ".join(f"{k} vs fp32: {agree(k, 'fp32')}" for k in QUANT))  # fmt: skip
-    print(f"top-1 = the text's next token: fp32 {truth('fp32')}, fp16 {truth('auto')}, "
+    print(f"top-1 = the text's next token: fp32 {truth('fp32')}, fp16 {truth('fp16')}, "
           + ", ".join(f"{k} {truth(k)}" for k in QUANT))  # fmt: skip
     print(f"(prefill of the four {prefill_s:.1f} s; steal "
           f"{100 * steal_share(start, steal_ticks()):.1f} %; decode p10-p90 fp16 "
-          f"{_spread(times['auto'])}, " + ", ".join(f"{k} {_spread(times[k])}" for k in QUANT)
+          f"{_spread(times['fp16'])}, " + ", ".join(f"{k} {_spread(times[k])}" for k in QUANT)
           + ")")  # fmt: skip
 
 

@@ -1,21 +1,27 @@
 """The quantized KV caches, q8_0 and q4_0 (``--kv-cache-dtype q8_0`` / ``q4_0``, issue 59,
 point 2): llama.cpp's block_q8_0 (an fp16 scale, 32 int8: 34 bytes) and block_q4_0 (an
-fp16 scale, 16 bytes of 4-bit values: 18 bytes) per 32 values of a K or V row, written
-once by the fused trunk and read in place by the native attention kernel as ``q * d`` and
-``(q - 8) * d``. Both are held as uint8 tensors: the element (``KV_Q8``, ``KV_Q4``) says
-which, decided where the cache is built; a bare uint8 is refused.
+fp16 scale, 16 bytes of 4-bit values: 18 bytes) per 32 values of a K or V row, each row
+rotated first (``kv_rotate``: the Walsh-Hadamard matrix over groups of the largest power of
+two dividing head_dim) and written once by the kernels' one writer (``kv_store``) on the
+fused trunk and the torch path alike, read in place by the native attention kernel as
+``q * d`` and ``(q - 8) * d`` with the query rotated and the output rotated back. Both are
+held as uint8 tensors: the element (``KV_Q8``, ``KV_Q4``) says which, decided where the
+cache is built; a bare uint8 is refused.
 
 Each quantizer is held to a numpy transcription of llama.cpp's ``quantize_row_q8_0_ref``
 / ``quantize_row_q4_0_ref`` byte for byte (ties, zeros, the signed maximum, extremes:
-one test each). The rest is the same test for both elements, parametrized (ids ``q8_0``,
-``q4_0``): every build quantizes to the same bytes; the attention over a quantized cache
-equals the same kernel over an fp32 cache of the dequantized values (bit for bit: both
-readings are exact) and an fp64 reference within a derived bound, and unnamed uint8 rows
-are refused; every build of the kernels runs a mixed step to the same bits; an engine on
-the bundled model gives the same greedy tokens alone, batched, after a prefix-cache hit
-and chunked; the disk tier carries the blocks' bytes, refused by every other element; the
-refusals name where the native kernels do not read it; the capacity in tokens follows 34
-(q8_0) or 18 (q4_0) bytes per 32 values.
+one test each); the rotation is Sylvester's Hadamard matrix and its own inverse within
+its derived bound, and a stored row is the rotated row quantized. The rest is the same
+test for both elements, parametrized (ids ``q8_0``, ``q4_0``): every build quantizes and
+stores to the same bytes; the attention over a quantized cache equals the same kernel over
+an fp32 cache of the blocks' values with the query rotated and the output rotated back
+(bit for bit) and an fp64 reference within a derived bound, and unnamed uint8 rows are
+refused; every build of the kernels runs a mixed step to the same bits; an engine on the
+bundled model gives the same greedy tokens alone, batched, after a prefix-cache hit and
+chunked; the torch path (fp32 weights) stores the writer's rows and attends to their
+values, and the worker serves it; the disk tier carries the blocks' bytes, refused by
+every other element; the refusals name where the native kernels do not read it; the
+capacity in tokens follows 34 (q8_0) or 18 (q4_0) bytes per 32 values.
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ import torch
 
 from gpu.cache.blocks import block_hash
 from gpu.cache.disk import DiskLayout, DiskPrefixCache
-from gpu.cache.kv_cache import PagedKVCache, kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
+from gpu.cache.kv_cache import (
+    PagedKVCache,
+    PrefillChunk,
+    kv_dtype_refusal,
+    kv_storage_dtype,
+    kv_value_bytes,
+)
 from gpu.cache.memory import kv_bytes_per_token
 from gpu.kernels import native, native_build
 from gpu.kernels.native import KV_Q4, KV_Q8, KVElement, kv_element, kv_row_width
@@ -204,11 +216,70 @@ def test_the_q4_quantizer_is_llama_cpps_reference_byte_for_byte() -> None:
 
 
 @pytest.mark.parametrize("elem", ELEMENTS)
-def test_every_build_quantizes_to_the_same_bytes(elem: KVElement) -> None:
+def test_every_build_quantizes_and_stores_to_the_same_bytes(elem: KVElement) -> None:
     x = AWKWARD_ROWS[elem.name]()
-    want = _quantize(_kernels(), elem)(x)
+    kern = _kernels()
+    want, stored, back = _quantize(kern, elem)(x), kern.kv_store(x, elem), kern.kv_values(
+        kern.kv_store(x, elem), elem, 128)  # fmt: skip
     for isa in native_build.other_isas():
-        assert torch.equal(_quantize(native.load_kernels_built_for(isa), elem)(x), want), isa
+        other = native.load_kernels_built_for(isa)
+        assert torch.equal(_quantize(other, elem)(x), want), isa
+        assert torch.equal(other.kv_store(x, elem), stored), isa
+        # the bits (the awkward rows' infinite scales read back as infinities and NaNs)
+        assert torch.equal(other.kv_values(stored, elem, 128).view(torch.int32),
+                           back.view(torch.int32)), isa  # fmt: skip
+
+
+# -- the rotation ----------------------------------------------------------------------------
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
+def test_the_rotation_is_the_walsh_hadamard_matrix_and_its_own_inverse(hd: int) -> None:
+    """``kv_rotate`` multiplies each group of G values (G the largest power of two
+    dividing head_dim) by the order-G Walsh-Hadamard matrix (Sylvester's, +-1 entries):
+    equal to the fp64 product within the butterflies' log2(G) roundings; twice, the
+    second time times 1 / G, the values back within that bound; 1 / G is exact."""
+    kern, g = _kernels(), _group(hd)
+    x = torch.randn(7, hd, generator=torch.Generator().manual_seed(hd)) * 3
+    h = np.array([[1.0]])
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    xs = x.double().numpy().reshape(7, -1, g)
+    want = (xs @ h.T).reshape(7, hd)
+    lg = int(np.log2(g))
+    bound = 1.001 * lg * EPS * np.broadcast_to(np.abs(xs).sum(-1, keepdims=True),
+                                                xs.shape).reshape(7, hd)  # fmt: skip
+    got = kern.kv_rotate(x.clone())
+    assert (np.abs(got.double().numpy() - want) <= bound).all()
+    back = kern.kv_rotate(got.clone(), 1 / g)
+    # the first rotation's error, summed over the group and over G, then the second's
+    assert (np.abs(back.double().numpy() - x.double().numpy()) <= 2 * bound).all()
+    assert torch.equal(kern.kv_rotate(got.clone(), 1 / g) * g, kern.kv_rotate(got.clone()))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kern.kv_rotate(torch.zeros(2, 48))
+
+
+@pytest.mark.parametrize("elem", ELEMENTS)
+def test_a_stored_row_is_the_rotated_row_quantized_and_reads_back_rotated_back(
+    elem: KVElement,
+) -> None:
+    """``kv_store`` = llama.cpp's quantizer of ``kv_rotate``'s rows, byte for byte;
+    ``kv_values`` = the blocks' values rotated back, bit for bit; and the rotation earns
+    its place: on rows with a few large channels (as RoPE'd keys have) the values read
+    back lie closer to the rows than the same quantizer's without rotation."""
+    kern = _kernels()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 128, generator=g)
+    x[:, [3, 40, 77]] *= 30  # outlier channels
+    stored = kern.kv_store(x, elem)
+    assert torch.equal(stored, _quantize(kern, elem)(kern.kv_rotate(x.clone())))
+    blocks = torch.from_numpy(DEQUANTIZE[elem.name](stored.numpy()))
+    back = kern.kv_values(stored, elem, 128)
+    assert torch.equal(back, kern.kv_rotate(blocks.clone(), 1 / 128))
+    plain = torch.from_numpy(DEQUANTIZE[elem.name](_quantize(kern, elem)(x).numpy()))
+    assert (back - x).norm() < 0.75 * (plain - x).norm()
+    with pytest.raises(ValueError, match="as q8_0 or q4_0"):
+        kern.kv_store(x, KVElement("float16", torch.float16, 1))
+    with pytest.raises(ValueError, match="kv_values reads"):
+        kern.kv_values(stored, elem, 64)
 
 
 # -- attention over a quantized cache --------------------------------------------------------
@@ -253,24 +324,56 @@ def _reference(q: torch.Tensor, k: np.ndarray, v: np.ndarray, tables: torch.Tens
 ATTENTION_SEED = {"q8_0": 0, "q4_0": 4}  # added to hd + window: each element's own cases
 
 
-@pytest.mark.parametrize(("hd", "window"), [(64, 0), (32, 0), (64, 13), (128, 20)])
+def _group(hd: int) -> int:
+    """The rotation's group: the largest power of two dividing ``hd``."""
+    return hd & -hd
+
+
+def _rotated_back(x: np.ndarray, bound: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp64 ``H x / G`` over each group of G values of the last axis, and the bound on
+    the kernel's fp32 ``kv_rotate(x, 1 / G)`` of an ``x`` that is itself within ``bound``:
+    each output is a signed sum of the group's G values (|H| is all ones), so it carries
+    their summed bound over G, plus the butterflies' log2(G) roundings, each at most eps
+    of a partial sum no larger than the sum of the |x| it holds."""
+    g = _group(x.shape[-1])
+    h = np.array([[1.0]])
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    xs = x.reshape(*x.shape[:-1], -1, g)
+    out = (xs @ h.T / g).reshape(x.shape)
+    b = bound.reshape(xs.shape)
+    err = (b.sum(-1, keepdims=True)
+           + int(np.log2(g)) * EPS * (np.abs(xs) + b).sum(-1, keepdims=True)) / g * 1.001  # fmt: skip
+    return out, np.broadcast_to(err, xs.shape).reshape(x.shape)
+
+
+@pytest.mark.parametrize(("hd", "window"), [(64, 0), (32, 0), (64, 13), (128, 20), (96, 0)])
 @pytest.mark.parametrize("elem", ELEMENTS)
-def test_attention_reads_the_dequantized_values(elem: KVElement, hd: int, window: int) -> None:
-    """head_dim 64 (the AVX2 path) and 32 / 128 (the portable loop): the quantized cache
-    gives the same bits as an fp32 cache holding ``q * d`` (q8_0) or ``(q - 8) * d``
-    (q4_0), and within the derived bound of fp64 attention over those values; every build
-    the same bits; a sequence alone the same as in the batch; rows read as the other
-    element refused for their width, and uint8 rows unnamed refused (uint8 holds both)."""
+def test_attention_reads_the_rotated_values_and_rotates_back(
+    elem: KVElement, hd: int, window: int
+) -> None:
+    """head_dim 64 (the AVX2 path) and 32 / 96 / 128 (the portable loop; 96 rotates in
+    groups of 32): the quantized cache holds ``kv_store``'s rows (each rotated, then
+    quantized), and its attention gives the same bits as the same kernel over an fp32
+    cache holding what the blocks stand for (``q * d``, ``(q - 8) * d``: the rotated
+    values) with the query rotated (``kv_rotate`` times 1 / G) and the output rotated
+    back; within the derived bound of fp64 attention over those values, rotated back in
+    fp64; every build the same bits; a sequence alone the same as in the batch; rows read
+    as the other element refused for their width, and uint8 rows unnamed refused (uint8
+    holds both)."""
     q, k, v, tables, lens = _case(hd, hd + window + ATTENTION_SEED[elem.name])
-    kern, scale, bs = _kernels(), hd**-0.5, 16
-    quantize, dequantize = _quantize(kern, elem), DEQUANTIZE[elem.name]
-    kq, vq = quantize(k), quantize(v)
+    kern, scale, bs, g = _kernels(), hd**-0.5, 16, _group(hd)
+    dequantize = DEQUANTIZE[elem.name]
+    kq, vq = kern.kv_store(k, elem), kern.kv_store(v, elem)
     kf, vf = dequantize(kq.numpy()), dequantize(vq.numpy())
     got = kern.paged_attention(q, kq, vq, tables, lens, bs, scale, window, element=elem)
-    same = kern.paged_attention(q, torch.from_numpy(kf), torch.from_numpy(vf), tables, lens, bs,
-                                scale, window)  # fmt: skip
-    assert torch.equal(got, same)
-    want, bound = _reference(q, kf, vf, tables, lens, bs, scale, window)
+    qr = kern.kv_rotate(q.clone(), 1 / g)
+    rotated = kern.paged_attention(qr, torch.from_numpy(kf), torch.from_numpy(vf), tables, lens,
+                                   bs, scale, window)  # fmt: skip
+    assert torch.equal(got, kern.kv_rotate(rotated.clone(), 1 / g))
+    want_r, bound_r = _reference(qr, kf, vf, tables, lens, bs, scale, window)
+    assert (np.abs(rotated.double().numpy() - want_r) <= bound_r).all()
+    want, bound = _rotated_back(want_r, bound_r)
     assert (np.abs(got.double().numpy() - want) <= bound).all()
     alone = kern.paged_attention(q[3:4], kq, vq, tables[3:4], lens[3:4], bs, scale, window,
                                  element=elem)  # fmt: skip
@@ -294,7 +397,7 @@ def test_rows_of_a_prompt_chunk_read_the_blocks_converted_once(elem: KVElement) 
     """Consecutive rows of one table (a chunk: converted ahead once) equal each row alone."""
     q, k, v, _, _ = _case(64, CHUNK_SEED[elem.name])
     kern = _kernels()
-    kq, vq = _quantize(kern, elem)(k), _quantize(kern, elem)(v)
+    kq, vq = kern.kv_store(k, elem), kern.kv_store(v, elem)
     tables = torch.tensor([[2, 0, 5, 1, 3, 4]] * 5, dtype=torch.int32)
     lens = torch.tensor([60, 61, 62, 63, 64], dtype=torch.int32)
     run_ = kern.paged_attention(q, kq, vq, tables, lens, 16, 0.125, element=elem)
@@ -471,8 +574,7 @@ def test_the_disk_tier_carries_the_blocks_to_a_new_engine(
     ("values", "why"),
     [
         ({"device": "cuda"}, "{kv} is read by the CPU's native kernels: use --device cpu"),
-        ({"device": "cpu", "weights": "fp32"}, "quantized weights"),
-        ({"kernels": "triton"}, "quantized weights"),
+        ({"kernels": "triton"}, "{kv} is read by the CPU's native kernels, not Triton's"),
         ({"tp": 2}, "leave --kv-cache-dtype at auto"),
     ],
 )
@@ -483,32 +585,82 @@ def test_it_is_refused_where_the_native_kernels_do_not_read_it(
     assert elem.name in KV_CACHE_DTYPES
     got = refused_combination({"kv_cache_dtype": elem.name, **values})
     assert got is not None and why.format(kv=elem.name) in got
-    assert refused_combination({"kv_cache_dtype": elem.name, "device": "cpu"}) is None
+    for weights in ("auto", "quantized", "fp32"):  # the fused trunk or the torch path
+        cpu = {"kv_cache_dtype": elem.name, "device": "cpu", "weights": weights}
+        assert refused_combination(cpu) is None
 
 
 @pytest.mark.parametrize("elem", ELEMENTS)
-def test_the_engine_refuses_it_without_the_fused_trunk(
-    elem: KVElement, tiny_gguf: TinyModel, hd32: TinyModel
+def test_the_engine_refuses_it_where_the_kernels_cannot_store_it(
+    elem: KVElement, tiny_gguf: TinyModel
 ) -> None:
     cpu, kv = torch.device("cpu"), elem.name
-    dense = kv_dtype_refusal(kv, cpu, False, 64) or ""
-    assert f"{kv} is read by the native fused trunk" in dense and "dense weights" in dense
-    assert "--device cpu" in (kv_dtype_refusal(kv, torch.device("cuda"), True, 64) or "")
-    assert kv_dtype_refusal("fp16", cpu, False, 64) is None
+    assert kv_dtype_refusal(kv, cpu, 64) is None and kv_dtype_refusal("fp16", cpu, 16) is None
+    assert "--device cpu" in (kv_dtype_refusal(kv, torch.device("cuda"), 64) or "")
+    assert "rotates rows of at most 512 values" in (kv_dtype_refusal(kv, cpu, 544) or "")
     with pytest.raises(SystemExit, match=f"{kv} stores blocks of 32 values: head_dim 16 is not "
                        "a multiple of 32"):  # fmt: skip
         build_engine(WorkerConfig(model_path=str(tiny_gguf.path), device="cpu",
                                   kv_cache_dtype=kv, kv_memory_mib=1))  # fmt: skip
-    with pytest.raises(SystemExit, match="quantized weights"):
-        build_engine(WorkerConfig(model_path=str(hd32.path), device="cpu", weights="fp32",
-                                  kv_cache_dtype=kv, kv_memory_mib=1))  # fmt: skip
-    # the torch path never reads a quantized cache: it says so rather than misread the bytes
-    lm = load_model(hd32.path, device="cpu", weights="quantized")
-    torch_path = Engine(lm, EngineConfig(kv_blocks=8, block_size=16, kv_cache_dtype=kv,
-                                         fuse_trunk=False))  # fmt: skip
-    with pytest.raises(RuntimeError, match=f"a {kv} KV cache is written and read by the fused "
-                       "native trunk only"):  # fmt: skip
-        run(torch_path, [(1, [5, 6, 7], {**GREEDY, "max_new_tokens": 2}, {})])
+
+
+@pytest.mark.parametrize("elem", ELEMENTS)
+def test_the_torch_path_stores_kv_store_rows_and_attends_to_their_values(
+    elem: KVElement, hd32: TinyModel
+) -> None:
+    """The torch path (fp32 weights; a model the fused trunk does not run) on a q8_0 or
+    q4_0 cache: each new K/V row written as ``kv_store`` writes it; a prompt chunk, alone
+    and after a cached prefix, attends to what the rows stand for (``kv_values``) exactly
+    as an fp32 cache holding those values does (the same SDPA inputs: the same bits); a
+    decode is the native kernel's on the blocks, told their element."""
+    kern = _kernels()
+    lm = load_model(hd32.path, device="cpu", weights="fp32")
+    c = lm.config
+    blocked = PagedKVCache(c, 4, 16, kv_dtype=elem)
+    plain = PagedKVCache(c, 4, 16, kv_dtype=torch.float32)
+    assert blocked.kernels is not None and plain.kernels is not None
+    g = torch.Generator().manual_seed(BLOCK_BYTES[elem.name])
+    table, layer = [2, 0, 3], 1
+
+    def qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.randn(n, c.n_heads, c.head_dim, generator=g),
+                *(torch.randn(n, c.n_kv_heads, c.head_dim, generator=g) * 3 for _ in range(2)))  # fmt: skip
+
+    for start, n in ((0, 20), (20, 7)):  # a fresh chunk, then one after its cached prefix
+        q, k, v = qkv(n)
+        for cache in (blocked, plain):
+            cache.prepare([], [PrefillChunk(table, start, n)])
+        got = blocked(layer, q, k, v)
+        kb, vb = kern.kv_store(k, elem), kern.kv_store(v, elem)
+        stored = kern.kv_values(kb, elem, c.head_dim), kern.kv_values(vb, elem, c.head_dim)
+        assert torch.equal(got, plain(layer, q, *stored))
+        rows = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(start, start + n)])
+        assert torch.equal(blocked.k[layer][:, rows], kb.transpose(0, 1))
+        assert torch.equal(blocked.v[layer][:, rows], vb.transpose(0, 1))
+    q, k, v = qkv(1)
+    blocked.prepare([(table, 28)], [])
+    got = blocked(layer, q, k, v)
+    tables, lens = torch.tensor([table], dtype=torch.int32), torch.tensor([28], dtype=torch.int32)
+    want = kern.paged_attention(q, blocked.k[layer], blocked.v[layer], tables, lens, 16,
+                                blocked.scale, element=elem)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("elem", ELEMENTS)
+def test_the_worker_serves_it_with_fp32_weights(elem: KVElement, hd32: TinyModel) -> None:
+    """``--weights fp32 --kv-cache-dtype q8_0`` (q4_0) starts (the torch path) and serves
+    greedy requests to their length, a second time after its prefix is cached, from
+    blocks of the element's bytes."""
+    engine = build_engine(WorkerConfig(model_path=str(hd32.path), device="cpu", weights="fp32",
+                                       kv_cache_dtype=elem.name, kv_memory_mib=1))  # fmt: skip
+    assert engine.runner.backends()["trunk"] == "torch" and engine.cache.kv_element == elem
+    assert engine.cache.k.shape[-1] == BLOCK_BYTES[elem.name]  # head_dim 32: one block
+    p = prompts(1, 200, seed=PROMPT_SEED[elem.name], lo=40, hi=41)[0]
+    s = {**GREEDY, "max_new_tokens": 6}
+    first = run(engine, [(1, p, s, {})])[1]
+    again = run(engine, [(2, p, s, {})])[2]
+    assert len(ids_of(first)) == len(ids_of(again)) == 6
+    assert again[0].extra["cached_tokens"] == len(p) - 1
 
 
 def test_the_element_is_the_caches_own_not_its_dtypes(hd32: TinyModel) -> None:

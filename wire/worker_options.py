@@ -181,8 +181,8 @@ WORKER_OPTIONS: tuple[WorkerOption, ...] = (
     _w("kv_cache_dtype", "what the KV cache stores K and V as (auto: fp16 for quantized "
        "weights on the CPU, as llama.cpp's f16 cache, else --dtype; q8_0: llama.cpp's "
        "q8_0 blocks, 34 bytes per 32 values, 0.53x fp16's memory a token; q4_0: its "
-       "q4_0 blocks, 18 bytes per 32 values, 0.28x; both on the CPU with quantized "
-       "weights only); attention reads them back in --dtype",
+       "q4_0 blocks, 18 bytes per 32 values, 0.28x; both rotated per row before they are "
+       "rounded, on the CPU's native kernels only); attention reads them back in --dtype",
        choices=KV_CACHE_DTYPES, default="auto", forwarded=True),
     _w("kv_memory_mib", "the KV cache's size in MiB, K and V of every layer in "
        f"--kv-cache-dtype (default: {DEFAULT_CPU_KV_MIB} on the CPU; on CUDA, --mem-fraction); not with "
@@ -275,12 +275,12 @@ def refused_combination(values: Mapping[str, Any]) -> str | None:
             return "--tp > 1 runs the torch ops on every rank: leave --kernels at torch"
         if v["prefix_cache_dir"] is not None:
             return "--prefix-cache-dir keeps whole blocks: it runs at --tp 1"
-    if (kv := v["kv_cache_dtype"]) in ("q8_0", "q4_0"):  # the CPU's fused native trunk's
+    if (kv := v["kv_cache_dtype"]) in ("q8_0", "q4_0"):  # the CPU's native kernels'
         if str(v["device"]).startswith("cuda"):
             return f"--kv-cache-dtype {kv} is read by the CPU's native kernels: use --device cpu"
-        if v["weights"] == "fp32" or v["kernels"] != "torch":
-            return (f"--kv-cache-dtype {kv} is read by the native fused trunk of quantized "
-                    "weights: leave --weights and --kernels at their defaults")  # fmt: skip
+        if v["kernels"] != "torch":
+            return (f"--kv-cache-dtype {kv} is read by the CPU's native kernels, not Triton's: "
+                    "leave --kernels at torch")  # fmt: skip
     if v["speculative_ngram_min"] > v["speculative_ngram_max"]:
         return "--speculative-ngram-min must not exceed --speculative-ngram-max"
     if (v["speculative"] == "draft") != (v["speculative_draft"] is not None):

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"LCKVBLK\x00"
 # What a file's payload means; raise it whenever the KV layout or the rows' meaning
-# changes (a file of another version is foreign).
-LAYOUT_VERSION = 1
+# changes (a file of another version is foreign). 2: q8_0 and q4_0 rows hold the rotated
+# K and V (paged_attention.c's kv_rotate), not K and V.
+LAYOUT_VERSION = 2
 _DIGEST = 32  # bytes of the blake2b digest that ends every file
 _SUFFIX = ".kvb"
 _SAMPLE = 1 << 20  # bytes read from each end of a model file for its identity

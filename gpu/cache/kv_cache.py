@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,7 @@ def kv_storage_dtype(
 
 KV_DTYPES: dict[str, KVStore] = {"fp16": torch.float16, "bf16": torch.bfloat16,
                                   "fp32": torch.float32, "q8_0": KV_Q8, "q4_0": KV_Q4}  # fmt: skip
+MAX_BLOCKED_HEAD_DIM = 512  # paged_attention.c's kv_store_rows rotates a row in place
 BLOCKED_KV = ("q8_0", "q4_0")  # --kv-cache-dtype's llama.cpp blocks: the native kernels'
 
 
@@ -156,24 +158,24 @@ def kv_value_bytes(store: KVStore) -> float:
     return kv_element(store).value_bytes
 
 
-def kv_dtype_refusal(
-    choice: str, device: torch.device, quantized: bool, head_dim: int
-) -> str | None:
+def kv_dtype_refusal(choice: str, device: torch.device, head_dim: int) -> str | None:
     """Why ``--kv-cache-dtype choice`` cannot run here, in one line; None when it can. q8_0
-    and q4_0 are read in place by the CPU's native kernels under the fused trunk
-    (quantized weights; ``gpu/backends/fused.py``) and by nothing else."""
+    and q4_0 are written and read by the CPU's native kernels: under the fused trunk
+    (quantized weights; ``gpu/backends/fused.py``) and on the torch path (fp32 weights,
+    a model the fused trunk does not run) alike, and by nothing else."""
     if choice not in BLOCKED_KV:
         return None
     flag = f"--kv-cache-dtype {choice}"
     if device.type != "cpu":
         return f"{flag} is read by the CPU's native kernels: use --device cpu"
-    if not quantized:
-        return (f"{flag} is read by the native fused trunk of quantized weights "
-                "(--weights auto on the CPU with the native kernels), not by dense weights")  # fmt: skip
     if load_kernels() is None:
         return f"{flag} needs the native CPU kernels (a C compiler, LIFECYCLE_NATIVE on)"
     if head_dim % Q8_BLOCK:
         return f"{flag} stores blocks of 32 values: head_dim {head_dim} is not a multiple of 32"
+    if head_dim > MAX_BLOCKED_HEAD_DIM:
+        return (
+            f"{flag} rotates rows of at most {MAX_BLOCKED_HEAD_DIM} values, not head_dim {head_dim}"
+        )
     return None
 
 
@@ -210,8 +212,9 @@ class PagedKVCache:
         (``--kernels triton``): decodes then read the cache in place, one kernel a layer,
         where the block and the head are powers of two (Triton's blocks are). A q8_0 or q4_0
         cache (``kv_dtype`` ``KV_Q8`` / ``KV_Q4``: their elements, both held as uint8
-        bytes) is the native kernels' alone: fp32 on the CPU, head_dim a multiple of 32,
-        written and read by the fused trunk (the torch path refuses it)."""
+        bytes) is the native kernels' alone: fp32 on the CPU, head_dim a multiple of 32 up
+        to 512, its rows rotated and quantized by their one writer (``kv_store``) on the
+        fused trunk and the torch path alike."""
         self.scratch_block: int | None = num_blocks if scratch else None
         num_blocks += int(scratch)
         # What K and V hold, decided here once: the tensors' dtype cannot tell q8_0 from q4_0
@@ -247,12 +250,17 @@ class PagedKVCache:
         self.kernels = load_kernels() if use else None
         if native and self.kernels is None:
             raise RuntimeError("native kernels were asked for but are unavailable")
-        if self.kv_element.blocked and (self.kernels is None or config.head_dim % Q8_BLOCK):
+        if self.kv_element.blocked and (
+            self.kernels is None or config.head_dim % Q8_BLOCK
+            or config.head_dim > MAX_BLOCKED_HEAD_DIM
+        ):  # fmt: skip
             raise ValueError(f"a {self.element} KV cache is read by the native kernels alone: "
-                             "fp32 on the CPU, head_dim a multiple of 32")  # fmt: skip
-        # The C kernel on the CPU, the Triton one with --kernels triton: the same call.
+                             "fp32 on the CPU, head_dim a multiple of 32 up to 512")  # fmt: skip
+        # The C kernel on the CPU (told the element: uint8 rows are q8_0 or q4_0), the
+        # Triton one with --kernels triton: the same call.
         self._paged: Callable[..., Tensor] | None = (
-            self.kernels.paged_attention if self.kernels is not None
+            partial(self.kernels.paged_attention, element=self.kv_element)
+            if self.kernels is not None
             else ops.paged_decode if ops is not None else None
         )  # fmt: skip
 
@@ -370,14 +378,15 @@ class PagedKVCache:
         if lay is None:
             raise RuntimeError("PagedKVCache.prepare() must be called before forward()")
         kc, vc = self._k_layers[layer], self._v_layers[layer]
+        # Stored as the cache's element (rounded when it is narrower; q8_0 / q4_0 rows
+        # rotated and quantized by the kernels' one writer), and every path attends to
+        # the stored values (``.to`` of the same dtype is no copy).
         if self.kv_element.blocked:
-            raise RuntimeError(f"a {self.element} KV cache is written and read by the fused "
-                               "native trunk only (gpu/backends/fused.py), not the torch path")  # fmt: skip
-        # Stored as the cache's element (rounded when it is narrower), and every path
-        # attends to the stored values (``.to`` of the same dtype is no copy).
-        k, v = k.to(kc.dtype), v.to(vc.dtype)
-        kc.index_copy_(1, lay.slots, k.transpose(0, 1))
-        vc.index_copy_(1, lay.slots, v.transpose(0, 1))
+            k, v = self._store_blocks(kc, k, lay.slots), self._store_blocks(vc, v, lay.slots)
+        else:
+            k, v = k.to(kc.dtype), v.to(vc.dtype)
+            kc.index_copy_(1, lay.slots, k.transpose(0, 1))
+            vc.index_copy_(1, lay.slots, v.transpose(0, 1))
         k, v = k.to(self.dtype), v.to(self.dtype)
         window = self.windows[layer]
         outs = []
@@ -394,10 +403,27 @@ class PagedKVCache:
             if mask is None or mask.shape[1] == n:  # nothing cached before the chunk: its
                 keys, vals = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:  # own k/v are all the keys; else every key of the sequence, gathered
-                keys, vals = kc.index_select(1, index), vc.index_select(1, index)
-                keys, vals = keys.to(self.dtype), vals.to(self.dtype)
+                keys, vals = (
+                    self._values(kc.index_select(1, index)),
+                    self._values(vc.index_select(1, index)),
+                )
             outs.append(self._chunk(q[row : row + n], keys, vals, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _store_blocks(self, cache: Tensor, x: Tensor, slots: Tensor) -> Tensor:
+        """Rows ``x [T, n_kv, hd]`` written into a q8_0 or q4_0 layer ``cache`` at
+        ``slots``; returns the values they now stand for (what attention reads)."""
+        assert self.kernels is not None  # a blocked cache is built with them only
+        b = self.kernels.kv_store(x.to(torch.float32), self.kv_element)
+        cache.index_copy_(1, slots, b.transpose(0, 1))
+        return self.kernels.kv_values(b, self.kv_element, self.head_dim)
+
+    def _values(self, rows: Tensor) -> Tensor:
+        """Cache rows gathered as stored, as the values attention reads, in ``dtype``."""
+        if self.kv_element.blocked:
+            assert self.kernels is not None
+            return self.kernels.kv_values(rows, self.kv_element, self.head_dim).to(self.dtype)
+        return rows.to(self.dtype)
 
     def _chunk(self, q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor | None) -> Tensor:
         """One prompt chunk's attention: its queries ``[n, heads, hd]`` over ``keys`` /

@@ -207,6 +207,9 @@ class NativeKernels:
         self._rms_norm = bind("rms_norm_rows", None, p, p, p, i32, i32, f32)
         self._kv_q8_quantize = bind("kv_q8_quantize", None, p, p, i64)
         self._kv_q4_quantize = bind("kv_q4_quantize", None, p, p, i64)
+        self._kv_rotate = bind("kv_rotate", None, p, i64, i32, f32)
+        self._kv_store_rows = bind("kv_store_rows", rc, p, p, i32, i64, i32)
+        self._kv_load_rows = bind("kv_load_rows", rc, p, p, i32, i64, i32)
 
     def q_linear(self, x: Tensor, w: Tensor, qtype: int) -> Tensor:
         """``x [M, K] fp32 @ w^T`` with ``w`` a GGUF tensor's blocks, uint8 ``[N,
@@ -350,8 +353,9 @@ class NativeKernels:
         """Decode attention from the paged cache (``gpu/kernels/csrc/paged_attention.c``): ``q [D,
         H, HD]`` fp32 (rows may be strided), ``kc``/``vc [KV, ROWS, HD]`` contiguous, both
         fp32 or both fp16, or, with ``element`` ``KV_Q8``, q8_0 rows (uint8 ``[KV, ROWS, HD
-        / 32 * 34]``, ``kv_q8_quantize``'s) or, with ``KV_Q4``, q4_0 rows (``[KV, ROWS, HD /
-        32 * 18]``, ``kv_q4_quantize``'s), ``tables [D, MAXNB]`` and ``lens [D]`` int32;
+        / 32 * 34]``) or, with ``KV_Q4``, q4_0 rows (``[KV, ROWS, HD / 32 * 18]``), both as
+        ``kv_store`` writes them (rotated: each query is rotated the same way and each
+        output back), ``tables [D, MAXNB]`` and ``lens [D]`` int32;
         returns ``[D, H, HD]``. Over the last ``window`` keys of each sequence (0: all),
         its scores capped at ``softcap`` (0: not). ``element``: what the rows hold (None:
         their dtype's; uint8 rows, q8_0's or q4_0's, must be named: ``ValueError``)."""
@@ -392,6 +396,48 @@ class NativeKernels:
         uint8 ``[..., N / 32 * 18]``, the kernel's own quantizer (paged_attention.c,
         llama.cpp's ``quantize_row_q4_0_ref``)."""
         return self._kv_quantize(x, KV_Q4, self._kv_q4_quantize)
+
+    def kv_store(self, x: Tensor, elem: KVElement) -> Tensor:
+        """Rows of fp32 ``x [..., HD]`` (HD a multiple of 32, at most 512) as a cache of
+        ``elem`` (``KV_Q8`` or ``KV_Q4``) stores them: uint8 ``[..., elem.row_width(HD)]``,
+        each row rotated (``kv_rotate``) and then quantized by llama.cpp's rule
+        (``kv_q8_quantize`` / ``kv_q4_quantize``): paged_attention.c's ``kv_store_rows``,
+        the one writer of those caches."""
+        if not elem.blocked or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"kv_store writes fp32 CPU rows as q8_0 or q4_0, not {x.dtype} "
+                             f"as {elem.name}")  # fmt: skip
+        x = x.contiguous()
+        hd = x.shape[-1]
+        out = torch.empty((*x.shape[:-1], elem.row_width(hd)), dtype=torch.uint8)
+        if self._kv_store_rows(x.data_ptr(), out.data_ptr(), elem.kind, x.numel() // hd, hd):
+            raise ValueError(f"kv_store takes head_dim a multiple of 32 up to 512, not {hd}")
+        return out
+
+    def kv_values(self, b: Tensor, elem: KVElement, head_dim: int) -> Tensor:
+        """The fp32 values ``[..., head_dim]`` that rows of a q8_0 or q4_0 cache ``b
+        [..., elem.row_width(head_dim)]`` stand for: the blocks read back exactly, then
+        rotated back (paged_attention.c's ``kv_load_rows``)."""
+        if not elem.blocked or b.dtype != torch.uint8 or b.shape[-1] != elem.row_width(head_dim):
+            raise ValueError(f"kv_values reads {elem.name} rows of head_dim {head_dim}, not "
+                             f"{b.dtype} {tuple(b.shape)}")  # fmt: skip
+        b = b.contiguous()
+        out = torch.empty((*b.shape[:-1], head_dim), dtype=torch.float32)
+        rows = b.numel() // b.shape[-1] if b.numel() else 0
+        if self._kv_load_rows(b.data_ptr(), out.data_ptr(), elem.kind, rows, head_dim):
+            raise ValueError(f"kv_values takes head_dim a multiple of 32 up to 512, not {head_dim}")
+        return out
+
+    def kv_rotate(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """``x [..., HD]`` fp32 (HD a multiple of 32) rotated in place and returned: each
+        group of G values (G the largest power of two dividing HD) times the Walsh-Hadamard
+        matrix of order G (+-1 entries), then ``scale``; ``scale`` 1 / G rotates back."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"kv_rotate takes contiguous fp32 CPU rows, not {x.dtype}")
+        hd = x.shape[-1]
+        if hd % 32:
+            raise ValueError(f"kv_rotate takes rows of a multiple of 32 values, not {hd}")
+        self._kv_rotate(x.data_ptr(), x.numel() // hd, hd, scale)
+        return x
 
     @staticmethod
     def _kv_quantize(x: Tensor, elem: KVElement, fn: Any) -> Tensor:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import wire
-from gpu.cache.kv_cache import BLOCKED_KV, kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
+from gpu.cache.kv_cache import kv_dtype_refusal, kv_storage_dtype, kv_value_bytes
 from gpu.cache.memory import cuda_free_bytes, plan_kv
 from gpu.model.loader import load_model, resolve_device
 from gpu.runtime.drafter import DraftMismatch
@@ -179,9 +179,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         raise SystemExit(refused)
     mc = lm.config  # at --tp > 1 rank 0's shard: the KV budget is per rank
     quantized = lm.model.quantized()
-    if (
-        why := kv_dtype_refusal(config.kv_cache_dtype, lm.device, quantized, mc.head_dim)
-    ) is not None:
+    if (why := kv_dtype_refusal(config.kv_cache_dtype, lm.device, mc.head_dim)) is not None:
         raise SystemExit(why)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, lm.device, lm.dtype, quantized)
     elem = kv_value_bytes(kv_dtype)  # bytes of one stored value (q8_0: 34 / 32, q4_0: 18 / 32)
@@ -214,10 +212,6 @@ def build_engine(config: WorkerConfig) -> Engine:
         engine = Engine(lm, engine_config, plan, followers=followers, draft=draft)
     except DraftMismatch as exc:  # a draft model that does not fit the served one
         raise SystemExit(str(exc)) from None
-    if config.kv_cache_dtype in BLOCKED_KV and engine.runner.backends()["trunk"] != "fused":
-        raise SystemExit(f"--kv-cache-dtype {config.kv_cache_dtype} is read by the fused "
-                         f"native trunk, which does not run this {mc.arch} model (every projection quantized, every "
-                         "layer feature native): use --kv-cache-dtype auto")  # fmt: skip
     if followers is not None:
         followers.start(engine_config, engine.max_context)  # they make the same runner
     return engine

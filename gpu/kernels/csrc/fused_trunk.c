@@ -53,8 +53,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
                     int32_t kv_kind, const int32_t *tables, const int32_t *lens, float *out,
                     int32_t d, int32_t h, int32_t kv, int32_t hd, int64_t rows, int32_t bs,
                     int32_t maxnb, float scale, int32_t window, float softcap, int32_t threads);
-void kv_q8_quantize(const float *x, uint8_t *out, int64_t nblocks);
-void kv_q4_quantize(const float *x, uint8_t *out, int64_t nblocks);
+int kv_store_rows(const float *x, uint8_t *out, int32_t kind, int64_t rows, int32_t hd);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
@@ -100,20 +99,16 @@ static void rope(float *v, int32_t heads, int32_t hd, const float *cos, const fl
 enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3 }; /* paged_attention.c's kv_kind */
 
 /* One row of n fp32 values into the cache as its row `row`: fp32 copied; fp16 rounded to
- * nearest even (F16C where built); q8_0 and q4_0 quantized once, here, by the one
- * portable quantizer of each (kv_q8_quantize, kv_q4_quantize), so every build writes the
+ * nearest even (F16C where built); q8_0 and q4_0 rotated and quantized once, here, by
+ * their one portable writer (kv_store_rows, paged_attention.c), so every build writes the
  * same bytes. */
 static void to_cache(void *cache, int64_t row, const float *src, int32_t n, int32_t kind) {
     if (kind == KV_F32) {
         memcpy((float *)cache + row * n, src, sizeof(float) * (size_t)n);
         return;
     }
-    if (kind == KV_Q8) {
-        kv_q8_quantize(src, (uint8_t *)cache + row * (n / 32 * 34), n / 32);
-        return;
-    }
-    if (kind == KV_Q4) {
-        kv_q4_quantize(src, (uint8_t *)cache + row * (n / 32 * 18), n / 32);
+    if (kind == KV_Q8 || kind == KV_Q4) {
+        kv_store_rows(src, (uint8_t *)cache + row * (n / 32 * (kind == KV_Q8 ? 34 : 18)), kind, 1, n);
         return;
     }
     uint16_t *dst = (uint16_t *)cache + row * n;

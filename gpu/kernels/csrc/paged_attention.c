@@ -14,7 +14,9 @@
  *                           fp16, then 32 int8 q; value i is q[i] * d (kv_q8_quantize).
  *                           A q4_0 row is HD / 32 of block_q4_0, 18 bytes each: d as
  *                           fp16, then 16 bytes, value j's 4 bits q low in byte j and
- *                           value j + 16's high; value i is (q[i] - 8) * d (kv_q4_quantize)
+ *                           value j + 16's high; value i is (q[i] - 8) * d (kv_q4_quantize).
+ *                           Both hold the rotated row (kv_store_rows): each query is
+ *                           rotated the same way, and each output back (kv_rotate)
  *   tables [D, MAXNB]       int32 block table of each sequence
  *   lens   [D]              int32 keys per sequence (context including the new token)
  *   out    [D, H, HD]
@@ -90,6 +92,34 @@ void kv_q8_quantize(const float *restrict x, uint8_t *restrict out, int64_t nblo
         uint16_t dh = fo_float_to_half(d);
         memcpy(o, &dh, 2);
         for (int i = 0; i < Q8_BLOCK; i++) o[2 + i] = (uint8_t)(int8_t)roundf(v[i] * id);
+    }
+}
+
+/* The rotation of a q8_0 or q4_0 cache's rows. One K or V row of hd values (hd a
+ * multiple of 32) is rotated before it is quantized, in groups of G = the largest power
+ * of two dividing hd (64 for head_dim 64, 128 for 128, 32 for 96), by the Walsh-Hadamard
+ * matrix H of order G, unnormalized (+-1 entries; H H = G I). A few channels of K are
+ * often far larger than the rest (RoPE's low frequencies), and one such channel sets its
+ * block's scale, so the other 31 keep few of their 8 or 4 bits; H spreads every channel
+ * over the whole group, and the block's steps shrink with its largest value. Attention
+ * needs no unrotated key: scores are (H q / G) . (H k) = q . k, and the output is
+ * H (sum_t w_t H v_t) / G = sum_t w_t v_t (paged_attention below). Products by 1 / G are
+ * exact (a power of two), and the butterflies are one add or subtract each in a fixed
+ * order, so every build rotates to the same bits. With H k in place of k the quantizers
+ * below are unchanged: llama.cpp's, byte for byte. */
+void kv_rotate(float *restrict x, int64_t rows, int32_t hd, float scale) {
+    int32_t g = hd & -hd;
+    for (int64_t r = 0; r < rows * (hd / g); r++) {
+        float *v = x + r * g;
+        for (int32_t len = 1; len < g; len <<= 1)
+            for (int32_t i = 0; i < g; i += 2 * len)
+                for (int32_t j = i; j < i + len; j++) {
+                    float a = v[j], b = v[j + len];
+                    v[j] = a + b;
+                    v[j + len] = a - b;
+                }
+        if (scale != 1.0f)
+            for (int32_t i = 0; i < g; i++) v[i] *= scale;
     }
 }
 
@@ -187,6 +217,37 @@ static inline void rows_to_floats(float *restrict dst, const void *restrict src,
     if (kind == KV_Q8) q8_to_floats(dst, src, rows * (hd / Q8_BLOCK));
     else if (kind == KV_Q4) q4_to_floats(dst, src, rows * (hd / Q8_BLOCK));
     else halves_to_floats(dst, src, rows * hd);
+}
+
+/* `rows` rows of hd fp32 values at x as a q8_0 (kind KV_Q8) or q4_0 (KV_Q4) cache
+ * stores them, at out (kv_row_bytes apart): each row rotated (kv_rotate), then quantized
+ * (kv_q8_quantize, kv_q4_quantize). The one writer of those caches: the fused trunk's
+ * rows (fused_trunk.c) and the torch path's (gpu/cache/kv_cache.py). Returns 0, -2 for
+ * another kind or an hd that is not a multiple of 32 or above 512. */
+int kv_store_rows(const float *restrict x, uint8_t *restrict out, int32_t kind, int64_t rows,
+                  int32_t hd) {
+    if ((kind != KV_Q8 && kind != KV_Q4) || hd % Q8_BLOCK || hd > 512) return -2;
+    float tmp[512];
+    size_t rb = kv_row_bytes(kind, hd);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(tmp, x + r * hd, sizeof(float) * (size_t)hd);
+        kv_rotate(tmp, 1, hd, 1.0f);
+        if (kind == KV_Q8) kv_q8_quantize(tmp, out + r * rb, hd / Q8_BLOCK);
+        else kv_q4_quantize(tmp, out + r * rb, hd / Q8_BLOCK);
+    }
+    return 0;
+}
+
+/* The values `rows` q8_0 or q4_0 rows at src stand for, as fp32 at dst: the blocks read
+ * back (q * d, (q - 8) * d: exact), then rotated back (H / G: kv_rotate). What the torch
+ * path attends to where it gathers a prompt's keys; the kernel below instead rotates the
+ * query and the output. Returns as kv_store_rows. */
+int kv_load_rows(const uint8_t *restrict src, float *restrict dst, int32_t kind, int64_t rows,
+                 int32_t hd) {
+    if ((kind != KV_Q8 && kind != KV_Q4) || hd % Q8_BLOCK || hd > 512) return -2;
+    rows_to_floats(dst, src, kind, rows, hd);
+    kv_rotate(dst, rows, hd, 1.0f / (float)(hd & -hd));
+    return 0;
 }
 
 /* Where one (sequence, kv head) pair's key and value blocks come from, as fp32: the
@@ -358,7 +419,10 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
     /* per thread: one row's scores, one block, and (not fp32, runs of rows) a
      * sequence's blocks */
     size_t conv = kv_kind != KV_F32 && multi ? (size_t)maxnb * bs * hd : 0;
-    size_t per_thread = (size_t)g * maxlen + (size_t)bs * hd + 2 * conv;
+    /* q8_0 and q4_0 rows are rotated (kv_rotate): so is each query, into its own room */
+    int rotated = kv_kind == KV_Q8 || kv_kind == KV_Q4;
+    size_t qroom = rotated ? (size_t)g * hd : 0;
+    size_t per_thread = (size_t)g * maxlen + (size_t)bs * hd + 2 * conv + qroom;
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) {
         free(run);
@@ -385,7 +449,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
                 lo = first / bs < lo ? first / bs : lo;
                 hi = (n + bs - 1) / bs > hi ? (n + bs - 1) / bs : hi;
             }
-            float *kbuf = src.buf + (size_t)bs * hd, *vbuf = kbuf + conv;
+            float *kbuf = src.buf + (size_t)bs * hd + qroom, *vbuf = kbuf + conv;
             for (int32_t b = lo; b < hi; b++) {
                 size_t off = (size_t)(b - lo) * bs * hd;
                 rows_to_floats(kbuf + off, raw_block(&src, src.k, b), kv_kind, bs, hd);
@@ -402,13 +466,20 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
                 continue;
             }
             int32_t first = window > 0 && n > window ? n - window : 0;
-#ifdef FO_AVX2
-            if (hd == 64) {
-                one_pair64(qs, &src, first, n, g, scale, softcap, scores, os);
-                continue;
+            float rot = 1.0f / (float)(hd & -hd);
+            if (rotated) { /* H q / G against the stored H k */
+                float *qr = src.buf + (size_t)bs * hd;
+                memcpy(qr, qs, sizeof(float) * (size_t)g * hd);
+                kv_rotate(qr, g, hd, rot);
+                qs = qr;
             }
+#ifdef FO_AVX2
+            if (hd == 64)
+                one_pair64(qs, &src, first, n, g, scale, softcap, scores, os);
+            else
 #endif
-            one_pair(qs, &src, first, n, g, scale, softcap, scores, os);
+                one_pair(qs, &src, first, n, g, scale, softcap, scores, os);
+            if (rotated) kv_rotate(os, g, hd, rot); /* sum_t w_t H v_t, back: H . / G */
         }
     }
     free(scratch);
