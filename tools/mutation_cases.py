@@ -313,7 +313,7 @@ FEATURES = (
         "kv_query_unrotated",
         "issue 59, q8_0 KV",
         "attention over a q8_0 / q4_0 cache scores the query as it is against the rotated keys",
-        ("tests/test_kv_quantized.py",),
+        ("tests/test_kv_rows.py",),
         Edit(
             "gpu/kernels/csrc/paged_attention.c",
             "            if (rotated) { /* H q / G against the stored H k */",
@@ -324,7 +324,7 @@ FEATURES = (
         "kv_store_unrotated",
         "issue 59, q8_0 KV",
         "the q8_0 / q4_0 writer quantizes the row without rotating it first",
-        ("tests/test_kv_quantized.py",),
+        ("tests/test_kv_rows.py",),
         Edit(
             "gpu/kernels/csrc/paged_attention.c",
             "        kv_rotate(tmp, 1, hd, 1.0f);\n",

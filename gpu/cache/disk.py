@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gpu.kernels.native import KV_ELEMENTS, KVElement
+from gpu.kernels.kv_element import KV_ELEMENTS, KVElement
 
 __all__ = ["LAYOUT_VERSION", "MAGIC", "DiskLayout", "DiskPrefixCache", "model_identity"]
 

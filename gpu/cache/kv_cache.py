@@ -24,15 +24,8 @@ from torch import Tensor
 
 from gpu.cache.blocks import BlockManager, NoFreeBlocks, PrefixHit, block_hash
 from gpu.kernels.host import decode_slots, flat_tables, ints, to_device
-from gpu.kernels.native import (
-    KV_Q4,
-    KV_Q8,
-    Q8_BLOCK,
-    KVElement,
-    KVStore,
-    kv_element,
-    load_kernels,
-)
+from gpu.kernels.kv_element import KV_Q4, KV_Q8, Q8_BLOCK, KVElement, KVStore, kv_element
+from gpu.kernels.native import load_kernels
 from modelfile.config import ModelConfig
 from modelfile.layer_spec import spec_of
 

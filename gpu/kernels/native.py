@@ -18,28 +18,18 @@ import ctypes
 import logging
 import subprocess
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from gpu.kernels.kv_element import KV_Q4, KV_Q8, KVElement, kv_element
 from gpu.kernels.native_build import ISAS, build, kernel_cache_dir, native_enabled
 
 __all__ = [
-    "KV_ELEMENTS",
-    "KV_Q4",
-    "KV_Q8",
-    "KVElement",
-    "KVStore",
-    "Q4_BYTES",
-    "Q8_BLOCK",
-    "Q8_BYTES",
-    "kv_element",
-    "kv_row_width",
     "QL_PARTS",
     "QP_FLAG",
     "QP_ROWS",
@@ -88,86 +78,6 @@ def quant_row_bytes(qtype: int, k: int) -> int | None:
         return None
     elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     return None if k % elems else k // elems * size
-
-
-@dataclass(frozen=True, slots=True)
-class KVElement:
-    """What a KV cache stores each K and V value as, decided once where the cache is
-    built (``kv_element``): its name (HELLO's ``kv_dtype``, the disk tier's), the torch
-    dtype of the cache's tensors, paged_attention.c's ``kv_kind`` (None: the native
-    kernels do not read it) and, for llama.cpp's block formats, the values and bytes of
-    a block. q8_0 and q4_0 are both held as uint8 bytes: the element, not the tensors'
-    dtype, says which."""
-
-    name: str
-    dtype: torch.dtype
-    kind: int | None
-    block: int = 1  # values per block (1: a plain element)
-    block_bytes: int = 0  # bytes per block (0: the dtype's size)
-
-    def row_width(self, head_dim: int) -> int:
-        """Elements of ``dtype`` in one cache row of ``head_dim`` values."""
-        if self.block == 1:
-            return head_dim
-        return head_dim // self.block * self.block_bytes
-
-    @property
-    def value_bytes(self) -> float:
-        """Bytes one value takes: the dtype's size, 34 / 32 for q8_0, 18 / 32 for q4_0."""
-        return self.block_bytes / self.block if self.block > 1 else self.dtype.itemsize
-
-    @property
-    def blocked(self) -> bool:
-        """llama.cpp blocks (q8_0, q4_0): read by the native kernels alone."""
-        return self.block > 1
-
-
-# The KV cache's elements, as paged_attention.c's kv_kind: a q8_0 cache holds its rows'
-# bytes (llama.cpp's block_q8_0: an fp16 scale, then 32 int8), a q4_0 cache block_q4_0's
-# (an fp16 scale, then 16 bytes of 4-bit values), uint8 as torch holds them.
-Q8_BLOCK, Q8_BYTES, Q4_BYTES = 32, 34, 18
-KV_Q8 = KVElement("q8_0", torch.uint8, 2, Q8_BLOCK, Q8_BYTES)
-KV_Q4 = KVElement("q4_0", torch.uint8, 3, Q8_BLOCK, Q4_BYTES)
-KV_ELEMENTS = {
-    e.name: e
-    for e in (
-        KVElement("float32", torch.float32, 0),
-        KVElement("float16", torch.float16, 1),
-        KVElement("bfloat16", torch.bfloat16, None),  # the torch path's alone
-        KV_Q8,
-        KV_Q4,
-    )
-}
-# What a cache's ``kv_dtype`` takes: an element, or a dtype that one element alone is held
-# as (the float ones). uint8 holds both q8_0 and q4_0: those are named by their element.
-KVStore: TypeAlias = torch.dtype | KVElement
-_HELD_AS = {d: tuple(e for e in KV_ELEMENTS.values() if e.dtype == d)
-            for d in dict.fromkeys(e.dtype for e in KV_ELEMENTS.values())}  # fmt: skip
-_BY_DTYPE = {dtype: held[0] for dtype, held in _HELD_AS.items() if len(held) == 1}
-
-
-def kv_element(store: KVStore) -> KVElement:
-    """The element ``store`` names: itself, or the one element held as that dtype
-    (``ValueError`` for uint8, which holds both q8_0 and q4_0: the element must be named;
-    ``KeyError`` for a dtype no cache holds)."""
-    if isinstance(store, KVElement):
-        return store
-    held = _HELD_AS.get(store, ())
-    if len(held) > 1:
-        raise ValueError(_ambiguous(store))
-    return _BY_DTYPE[store]
-
-
-def _ambiguous(dtype: torch.dtype) -> str:
-    names = " and ".join(e.name for e in _HELD_AS[dtype])
-    return (f"a bare {dtype} does not say what a KV cache holds: {dtype} holds both {names}; "
-            "name the element (KV_Q8, KV_Q4)")  # fmt: skip
-
-
-def kv_row_width(store: KVStore, head_dim: int) -> int:
-    """Elements of ``store`` in one cache row of ``head_dim`` values: ``head_dim``, or for
-    q8_0 / q4_0 its bytes (34 / 18 per 32 values)."""
-    return kv_element(store).row_width(head_dim)
 
 
 _lock = threading.Lock()
@@ -361,9 +271,14 @@ class NativeKernels:
         their dtype's; uint8 rows, q8_0's or q4_0's, must be named: ``ValueError``)."""
         d, h, hd = q.shape
         kv, rows, width = kc.shape
-        if element is None and len(_HELD_AS.get(kc.dtype, ())) > 1:
-            raise ValueError(f"paged_attention: {_ambiguous(kc.dtype)} (element=)")
-        elem = element or _BY_DTYPE.get(kc.dtype)
+        elem = element
+        if elem is None:
+            try:
+                elem = kv_element(kc.dtype)
+            except ValueError as exc:  # uint8 rows, q8_0's or q4_0's, unnamed
+                raise ValueError(f"paged_attention: {exc} (element=)") from None
+            except KeyError:
+                pass  # a dtype no cache holds: refused below
         if kc.dtype != vc.dtype or elem is None or elem.kind is None or elem.dtype != kc.dtype:
             raise ValueError(f"paged_attention reads an fp16, fp32, q8_0 or q4_0 cache, not "
                              f"{kc.dtype} / {vc.dtype} as {elem}")  # fmt: skip
