@@ -48,9 +48,11 @@ class Speculation:
     """``--speculative``'s mode and bounds (``wire/worker_options.py``), one value."""
 
     mode: str = "off"
-    # the most draft tokens per request and step: on this CPU's kernels a step of 13 rows
-    # costs about 3.5 decodes, and a copying answer accepts most of them (grounded
-    # prompts, SmolLM2, one stream: 1.64x at 6, 1.95x at 12, 1.99x at 16; 2026-12-07)
+    # the most draft tokens per request and step: on this CPU's packed kernels a step of
+    # 13 rows costs about 2.1 decodes of SmolLM2 (1.9 of the 0.5B shape; 7 rows 1.4 and
+    # 1.25), and a copying answer accepts most of them (grounded prompts, SmolLM2, one
+    # stream, its greedy answers replayed through ``Drafts`` at those costs: 3.01x at 6,
+    # 3.10x at 8, 3.27x at 12, 3.28x at 15; served, 2.86x at 12; 2026-12-07)
     tokens: int = 12
     ngram_min: int = 2
     ngram_max: int = 4
