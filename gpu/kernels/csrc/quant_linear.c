@@ -1055,15 +1055,29 @@ static void scratch_free(scratch *s) {
  * and the zero comes off as z times x's block sum: the same integer dot as the
  * definition, then the same scale product and FMA per block, in the same order. Rows of
  * x go 8 at a time (4 where vectors are 256 bits) against the panel's registers. With
- * AMX and QP_AMX_ROWS rows or more (a prefill), each panel is widened to the int8 panel
- * of the path above (no transpose) and groups of 16 rows take its tile products: a
- * 512-token prefill of the 0.5B shape 1,296 -> 1,113 ms; below 64 rows the vector
- * panels were as fast or faster (2026-12-07). Without AVX2 nothing is packed
- * (q_packed_bytes is 0). */
+ * AMX and qp_amx_rows(t) rows or more (a prefill, a step of many decodes), each panel is
+ * widened to the int8 panel of the path above (no transpose) and groups of 16 rows take
+ * its tile products: a 512-token prefill of the 0.5B shape 1,296 -> 1,113 ms. Where the
+ * tiles start pays off depends on the type: a vector pass unpacks every block again for
+ * each 8 rows, which costs most for the 5-bit type and least for the 4-bit ones with an
+ * offset, whose tile products need the offset term besides. From cache, two threads,
+ * 4,864 x 1,024, vector / tiles at 32 rows: Q4_0 0.74 / 0.59 ms, Q5_0 0.83 / 0.60, Q8_0
+ * 0.80 / 0.70, Q4_1 0.69 / 0.72, and at 48 tiles win for those three and tie for Q4_1;
+ * Q4_K and Q6_K (the 0.5B shape's ffn_down) were no faster at 32 (2026-12-07). So
+ * Q4_0, Q5_0 and Q8_0 take tiles from QP_AMX_ROWS_SIMPLE rows, the others from
+ * QP_AMX_ROWS. Without AVX2 nothing is packed (q_packed_bytes is 0). */
 enum { QP_FLAG = 0x100, QP_W = 16 };
 #ifndef QP_AMX_ROWS
 #define QP_AMX_ROWS 64
 #endif
+#ifndef QP_AMX_ROWS_SIMPLE
+#define QP_AMX_ROWS_SIMPLE 32
+#endif
+
+/* The rows from which a packed weight of type t takes AMX's tiles (above). */
+static inline int32_t qp_amx_rows(int32_t t) {
+    return t == GGML_Q4_0 || t == GGML_Q5_0 || t == GGML_Q8_0 ? QP_AMX_ROWS_SIMPLE : QP_AMX_ROWS;
+}
 
 static int qp_bits(int32_t t) {
     switch (t) {
@@ -1546,7 +1560,7 @@ static void run_packed(const uint8_t *w, int32_t t, int64_t n, float *y, int64_t
             const uint8_t *pp = w + pi * pb;
             int32_t r = 0;
 #ifdef QL_AMX
-            if (amx_state == 1 && rows >= QP_AMX_ROWS && s) {
+            if (amx_state == 1 && rows >= qp_amx_rows(t) && s) {
                 qp_panel_build(t, pp, nb, &s->p);
                 r = rows / 16 * 16;
                 amx_rows(panel_kind(t), &s->p, xq + (int64_t)r0 * nb, nb, r, y + (int64_t)r0 * ldy + j, ldy, cols);
@@ -1635,13 +1649,14 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     const q_parts *parts = qtype == QL_PARTS ? (const q_parts *)(const void *)w : &one;
     if (parts->n < 1 || parts->n > QL_MAX_PARTS || m < 0 || k % QK) return -2;
     int64_t total = 0;
-    int packed = 0, plain = 0;
+    int packed = 0, plain = 0, tiled = 0; /* tiled: a packed part takes AMX's tiles */
     for (int i = 0; i < parts->n; i++) {
         int32_t t = parts->qtype[i] & ~QP_FLAG;
         if (!block_bytes(t) || k % block_elems(t) || parts->rows[i] < 0) return -2;
         if (parts->qtype[i] & QP_FLAG) {
             if (!q_packed_bytes(t, parts->rows[i], k)) return -2;
             packed = 1;
+            tiled = tiled || m >= qp_amx_rows(t);
         } else {
             plain = 1;
         }
@@ -1652,7 +1667,7 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
     int64_t nb = k / QK;
     int failed = 0;
 #ifdef QL_AMX
-    if ((m >= 16 && plain) || (m >= QP_AMX_ROWS && packed)) amx_usable(); /* asked once, before the threads */
+    if ((m >= 16 && plain) || tiled) amx_usable(); /* asked once, before the threads */
 #endif
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * m));
     /* x's bytes plus 128 (unsigned) for the panels; NULL below four rows */
@@ -1698,7 +1713,7 @@ int q_linear(const float *x, const uint8_t *w, float *y, int32_t qtype, int32_t 
         need = m >= 4 && plain;
 #endif
 #ifdef QL_AMX
-        need = need || (m >= QP_AMX_ROWS && packed && amx_state == 1);
+        need = need || (tiled && amx_state == 1);
 #endif
         if (need) {
             if (scratch_alloc(&s, nb)) {
