@@ -12,7 +12,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from lifecycle.options import MODEL_WORKER, add_flags, option_values
+from lifecycle.option_args import add_flags, option_values
+from lifecycle.options import MODEL_WORKER
 from lifecycle.runtime import app_config
 from lifecycle.tracing.cli import add_trace_parser, run_trace
 from wire.worker_options import OneLineParser

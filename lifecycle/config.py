@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lifecycle.options import OPTIONS, Option
+from lifecycle.option_fields import Option
+from lifecycle.options import OPTIONS
 
 __all__ = ["ConfigError", "ENV_PREFIX", "env_values", "file_values", "layered"]
 

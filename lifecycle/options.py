@@ -9,138 +9,28 @@ else. ``forwarded(...)`` fields are the worker's options (``wire.worker_options`
 type and checks are the worker's), which ``lifecycle serve`` passes on. ``fed_by(...)``
 fields are computed from the options they list (``--api-key`` and ``--api-key-file`` make
 ``api_keys``; ``runtime.app_config`` says how); ``_PROCESS`` options set up the process
-(logging, a fault plan), not the app. ``OPTIONS`` is all of them, in ``--help``'s order,
-made from these declarations. Options marked ``server`` are about the HTTP listener and
-its clients (address, TLS, keys, timeouts of a socket): the Engine has none and refuses
-them by name.
+(logging, a fault plan), not the app. The declarators and the ``Option`` they make are in
+``lifecycle/option_fields.py``. ``OPTIONS`` is all of them, in ``--help``'s order, made
+from these declarations; ``lifecycle/option_args.py`` makes them flags and checks the
+Engine's keywords. Options marked ``server`` are about the HTTP listener and its clients
+(address, TLS, keys, timeouts of a socket): the Engine has none and refuses them by name.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from types import NoneType, UnionType
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+from dataclasses import dataclass, field
+from typing import Any
 
 from lifecycle.core.buffers import ADMISSION_BOUND
 from lifecycle.core.origin import DEFAULT_PUBLIC_ROUTES
 from lifecycle.core.states import DRAIN
 from lifecycle.link.pool import POLICIES as ROUTER_POLICIES
 from lifecycle.models import ModelSpec
+from lifecycle.option_fields import Option, declared, fed_by, forwarded, option
 from lifecycle.tracing.tracer import TraceConfig
-from wire.worker_options import WORKER_OPTIONS, WorkerOption, refused_value, value_parser
 
-__all__ = [
-    "MODEL_WORKER",
-    "OPTIONS",
-    "SCRIPTED_WORKER",
-    "AppConfig",
-    "Option",
-    "add_flags",
-    "engine_values",
-    "option_values",
-    "read_key_file",
-]
-
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    name: str  # the Engine keyword; the flag is --name-with-dashes
-    help: str
-    group: str
-    type: Callable[[str], Any] | None = str  # None: a switch (store_true)
-    default: Any = None
-    repeat: bool = False  # the flag may be given several times (a list)
-    server: bool = False  # the HTTP listener's: not an Engine option
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    form: tuple[str, str] | None = None  # a pattern the value matches, and it in words
-    worker: WorkerOption | None = None  # a forwarded option: the worker's, whose checks apply
-    const: Any = None  # the flag's value when given without one (``--ray`` alone)
-    into: str | None = None  # the AppConfig field it sets (None: the process's, _PROCESS)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def refused(self, value: Any) -> str | None:
-        """Why ``value`` is not one this option takes (``refused_value``), or None; a list
-        (a repeated flag) item by item."""
-        if self.worker is not None:
-            return self.worker.refused(value)
-        for item in value if isinstance(value, list | tuple) else [value]:
-            why = refused_value(item, self.choices, self.minimum, self.maximum, self.form)
-            if why is not None:
-                return why
-        return None
-
-    def parse(self, text: str) -> Any:
-        """A flag's text as the option's value (``wire.worker_options.value_parser``)."""
-        assert self.type is not None
-        return value_parser(self.type, self.refused)(text)
-
-
-# The keys of a field's metadata: how its option is made once the field's name and
-# annotation are known (``option``, ``forwarded``), and the options it is made from.
-_OPTION, _INPUTS = "lifecycle.option", "lifecycle.inputs"
-
-
-@overload
-def option(help: str, group: str, *, default: _T, **kw: Any) -> _T: ...
-@overload
-def option(help: str, group: str, **kw: Any) -> Any: ...
-def option(help: str, group: str, *, default: Any = None, **kw: Any) -> Any:
-    """An ``AppConfig`` field that is an option of the same name, taken as it is. Its type
-    is the annotation's (``int | None``: an integer; ``bool``: a switch) unless ``type``
-    says how to read the flag's text; a repeatable option's flag starts unset (None)."""
-
-    def make(name: str, annotation: Any, default: Any) -> Option:
-        rest = {k: v for k, v in kw.items() if k != "type"}
-        read = kw["type"] if "type" in kw else _reader(annotation)
-        unset = None if kw.get("repeat") else default
-        return Option(name, help, group, type=read, default=unset, into=name, **rest)
-
-    return field(default=default, metadata={_OPTION: make})
-
-
-def forwarded(group: str) -> Any:
-    """A worker option ``lifecycle serve`` offers and passes on (``runtime.worker_args``)
-    as the field of its name: its help, type and checks are the worker's
-    (``wire.worker_options``); unset (None), the worker's own default applies."""
-
-    def make(name: str, annotation: Any, default: Any) -> Option:
-        o = _WORKER_OPTIONS[name]
-        assert o.forwarded, name
-        choices = f"{' | '.join(o.choices)}: " if o.choices else ""
-        help = choices + o.help_with_default
-        return Option(name, help, group, type=o.type, worker=o, into=name)
-
-    return field(default=None, metadata={_OPTION: make})
-
-
-def fed_by(*inputs: Option, default: _T) -> _T:
-    """An ``AppConfig`` field computed from these options (``runtime.app_config``)."""
-    return field(default=default, metadata={_INPUTS: inputs})
-
-
-def _reader(annotation: Any) -> Callable[[str], Any] | None:
-    """How a flag's text becomes a field's value: its annotation's type, less None (the
-    items' type, for a tuple); a ``bool``: None, a switch."""
-    union = get_origin(annotation) in (Union, UnionType)
-    kind = next(k for k in get_args(annotation) if k is not NoneType) if union else annotation
-    if get_origin(kind) is tuple:  # tuple[str, ...]: str
-        kind = get_args(kind)[0]
-    if kind is bool:
-        return None
-    assert kind in (str, int, float), f"an option's field of type {annotation}: give type="
-    return kind
+__all__ = ["MODEL_WORKER", "OPTIONS", "SCRIPTED_WORKER", "AppConfig"]
 
 
 def _known(kind: str, name: str) -> str:
@@ -156,17 +46,6 @@ def _known(kind: str, name: str) -> str:
     return name
 
 
-def read_key_file(path: str | Path) -> tuple[str, ...]:
-    """``--api-key-file``: one key per line; blank lines and ``#`` comments are skipped."""
-    keys = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line)
-    return tuple(keys)
-
-
-_WORKER_OPTIONS = {o.name: o for o in WORKER_OPTIONS}
 _MODEL, _WORKER, _REQ, _HTTP, _TRACE = (
     "model",
     "the worker",
@@ -565,71 +444,4 @@ _PROCESS = (
     ),
 )
 
-
-def _declared(config: type) -> tuple[Option, ...]:
-    """The options ``config``'s fields declare, in their order: a field's own, then those
-    it is fed by."""
-    hints = get_type_hints(config)
-    found: list[Option] = []
-    for f in fields(config):
-        if (make := f.metadata.get(_OPTION)) is not None:
-            found.append(make(f.name, hints[f.name], f.default))
-        found += (replace(o, into=f.name) for o in f.metadata.get(_INPUTS, ()))
-    return tuple(found)
-
-
-OPTIONS: tuple[Option, ...] = (*_declared(AppConfig), *_PROCESS)
-_BY_NAME = {o.name: o for o in OPTIONS}
-
-
-def add_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
-    """Every option as a flag of ``parser``, in its group (``server=False``: the
-    Engine's, without the HTTP listener's)."""
-    groups: dict[str, Any] = {}
-    for o in OPTIONS:
-        if o.server and not server:
-            continue
-        g = groups.get(o.group) or groups.setdefault(o.group, parser.add_argument_group(o.group))
-        if o.type is None:
-            g.add_argument(o.flag, action="store_true", help=o.help)
-        elif o.repeat:
-            g.add_argument(o.flag, action="append", default=None, type=o.parse, help=o.help)
-        elif o.const is not None:
-            g.add_argument(
-                o.flag, nargs="?", const=o.const, type=o.parse, default=o.default, help=o.help,
-                metavar=o.metavar or _meta(o),
-            )  # fmt: skip
-        else:
-            shown = o.help if o.default in (None, "") else f"{o.help} (default: %(default)s)"
-            g.add_argument(
-                o.flag, type=o.parse, default=o.default, help=shown, metavar=o.metavar or _meta(o)
-            )
-
-
-def _meta(o: Option) -> str:
-    """The flag's placeholder in --help: its choices, else its name."""
-    return (
-        "{" + ",".join(o.worker.choices) + "}" if o.worker and o.worker.choices else o.name.upper()
-    )
-
-
-def option_values(args: argparse.Namespace, *, server: bool = True) -> dict[str, Any]:
-    """The options' values from parsed flags (``server=False``: as ``add_flags``)."""
-    return {o.name: getattr(args, o.name) for o in OPTIONS if server or not o.server}
-
-
-def engine_values(model: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The Engine's keywords over the defaults; an unknown or server-only one is a
-    TypeError that names it (and the nearest option)."""
-    for name in kwargs:
-        o = _BY_NAME.get(name)
-        if o is None:
-            near = difflib.get_close_matches(name, list(_BY_NAME), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise TypeError(f"Engine() got an unknown option {name!r}{hint}")
-        if o.server:
-            raise TypeError(f"{name!r} is an option of the HTTP server; the Engine has none")
-        if (why := o.refused(kwargs[name])) is not None:
-            raise ValueError(f"Engine() option {name!r}: {why}")
-    values = {o.name: o.default for o in OPTIONS}
-    return {**values, **kwargs, "model": model if model is not None else kwargs.get("model")}
+OPTIONS: tuple[Option, ...] = (*declared(AppConfig), *_PROCESS)

@@ -29,10 +29,12 @@ from lifecycle.link.autoscale import AutoscaleConfig, autoscale_after, autoscale
 from lifecycle.link.pool import POLICIES, Router, WorkerPool
 from lifecycle.link.supervisor import STOP_GRACE, Supervisor, SupervisorConfig
 from lifecycle.models import ModelSpec, model_arguments, models_in, split_name
-from lifecycle.options import MODEL_WORKER, OPTIONS, SCRIPTED_WORKER, AppConfig, read_key_file
+from lifecycle.option_args import read_key_file
+from lifecycle.options import MODEL_WORKER, OPTIONS, SCRIPTED_WORKER, AppConfig
 from lifecycle.tracing.metrics import Metrics
+from lifecycle.tracing.probes import Recorder, call_probe
 from lifecycle.tracing.replay import replay_record
-from lifecycle.tracing.tracer import Recorder, TraceConfig, Tracer, call_probe
+from lifecycle.tracing.tracer import TraceConfig, Tracer
 from modelfile.hub import repo_of_path, resolve_model
 from wire.auth import resolve_token
 from wire.worker_options import WORKER_OPTIONS

@@ -20,7 +20,8 @@ from lifecycle.core.fsm import RequestRecord, new_request
 from lifecycle.core.registry import Registry
 from lifecycle.core.states import Cause, Event
 from lifecycle.core.submission import Submission
-from lifecycle.tracing.tracer import Probe, TraceConfig, Tracer, default_probe
+from lifecycle.tracing.probes import Probe, default_probe
+from lifecycle.tracing.tracer import TraceConfig, Tracer
 from transport import JSONResponse, Request, Response, Router, Server, ServerConfig
 
 TO_STREAMING = (Event.VALIDATE, Event.ADMIT, Event.DISPATCH, Event.FIRST_TOKEN)

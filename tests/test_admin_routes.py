@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from lifecycle.cli import _build_parser
-from lifecycle.options import option_values
+from lifecycle.option_args import option_values
 from lifecycle.runtime import app_config
 
 from .app_helpers import running_app

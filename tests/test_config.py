@@ -12,7 +12,9 @@ import pytest
 
 from lifecycle.cli import parse_args
 from lifecycle.config import ConfigError, env_values, file_values
-from lifecycle.options import OPTIONS, Option, engine_values, option_values
+from lifecycle.option_args import engine_values, option_values
+from lifecycle.option_fields import Option
+from lifecycle.options import OPTIONS
 from lifecycle.runtime import app_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import pytest
 from lifecycle.core.fsm import RequestRecord
 from lifecycle.core.sampling import SamplingRequest
 from lifecycle.core.states import Cause, Event
-from lifecycle.tracing.tracer import default_probe
+from lifecycle.tracing.probes import default_probe
 from tests.cdp import Page, chromium_page, chromium_path
 from tests.debug_helpers import debug_server
 

@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 
 from lifecycle.api.auth import Auth, AuthConfig, Caller
 from lifecycle.cli import _build_parser
-from lifecycle.options import option_values, read_key_file
+from lifecycle.option_args import option_values, read_key_file
 from lifecycle.runtime import app_config
 from transport import Headers, Request
 

@@ -24,13 +24,14 @@ layers of six and their own RoPE base).
   Q6_K, q/k/v in two parts; at rows of 64 llama.cpp's fallbacks Q5_0 and Q8_0).
   The served path computes the same bits on every CPU (docs/determinism.md), so these
   are this code's values on these files, not one machine's.
-* Served end to end: ``lifecycle serve --model`` on each architecture's file gives the
-  greedy tokens of the served path run in-process on the same file, token for token, and
-  answers ``/v1/chat/completions``.
 * Between our own paths: the paged cache equals the dense one (fp32 weights, prompt
   chunks and decodes, the C kernel and the gather), the fused native trunk the torch
   path on quantized weights (rows within 0.3; greedy picks token for token, at most one
   apart), and the captured decode step the plain one on a windowed family.
+
+The server on one such file per architecture: tests/test_families_served.py. What the
+configuration reads where a file leaves it unsaid, and Phi-3's LongRoPE factors chosen
+by context: tests/test_families_config.py.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -48,8 +48,14 @@ from gpu.cache.kv_cache import PrefillChunk
 from gpu.kernels import native
 from gpu.model.loader import load_model
 from gpu.runtime.runner import NativeTrunk, trunk_for
-from modelfile.config import RopeScaling
 from tests.dense_cache import DenseKVCache
+from tests.family_helpers import (
+    FP32_FACTOR,
+    hf_logits,
+    needs_kernels,
+    paged_greedy,
+    prompt_ids,
+)
 from tests.hf_reference import (
     FAMILIES,
     Family,
@@ -58,17 +64,12 @@ from tests.hf_reference import (
     dequantized_state,
     write_family_gguf,
 )
-from tests.scripted import lifecycle_server
 from tests.test_model import PagedSeqs, run_steps
 
 pytest.importorskip("transformers")
-needs_kernels = pytest.mark.skipif(
-    native.load_kernels() is None, reason="quantized weights need the native kernels"
-)
 
 PROMPT_LEN = 120
 GREEDY = 24
-FP32_FACTOR = 4.0
 SERVED_DECODES = 8  # of the 120 positions against transformers, the last run as decodes
 # The served path against transformers in float64 on the weights it holds, per family and
 # file type: (positions of the 120 whose top-1 differs, largest logit difference).
@@ -110,21 +111,6 @@ SERVED_DIFF_FACTOR = 1.5
 # moved rows by at most 0.146 (the teacher-forced 120 positions above, every file; 0.107
 # in the mixed step below); the bound is twice that.
 FUSED_GAP = 0.3
-SERVED = [
-    "llama3",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gemma2",
-    "smollm3",
-    "granite",
-    "olmo2",
-]  # one family per architecture, served for real
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(i) for i in torch.randint(4, 269, (n,), generator=g)]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -136,23 +122,6 @@ def family(request: pytest.FixtureRequest) -> Family:
 def hf_models(family: Family) -> tuple[Any, Any]:
     """(float64, float32) transformers models with the same random weights."""
     return build_hf(family), build_hf(family, dtype=torch.float32)
-
-
-def _hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].to(torch.float64)
-
-
-def _greedy(lm: Any, prompt: list[int], n: int, fuse: bool = True,
-            follow: list[int] | None = None) -> tuple[list[int], torch.Tensor]:  # fmt: skip
-    """Quantized weights on the paged cache: the prompt, then ``n`` decodes, each of the
-    token picked (``follow``'s instead, where given). (the picks, the decodes' logits)"""
-    seqs, picks, rows, step = PagedSeqs(lm, 1, 256, fuse=fuse), [], [], prompt
-    for i in range(n):
-        rows.append(run_steps(lm.model, seqs, [([0], [step])])[0][-1])
-        picks.append(int(rows[-1].argmax()))
-        step = [follow[i] if follow else picks[-1]]
-    return picks, torch.stack(rows).double()
 
 
 def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
@@ -201,8 +170,8 @@ def test_config_reads_the_family(family: Family, hf_models: tuple[Any, Any],
 def test_fp32_logits_match_transformers(family: Family, hf_models: tuple[Any, Any],
                                         tmp_path: pathlib.Path) -> None:  # fmt: skip
     hf64, hf32 = hf_models
-    ids = _prompt(PROMPT_LEN, 1)
-    want, theirs = _hf_logits(hf64, ids), _hf_logits(hf32, ids)
+    ids = prompt_ids(PROMPT_LEN, 1)
+    want, theirs = hf_logits(hf64, ids), hf_logits(hf32, ids)
     lm = load_model(write_family_gguf(family, hf32, tmp_path / "f32.gguf"), device="cpu",
                     weights="fp32")  # fmt: skip
     ours = run_steps(lm.model, DenseKVCache(lm.config, 1, 256), [([0], [ids])])[0]
@@ -214,7 +183,7 @@ def test_fp32_logits_match_transformers(family: Family, hf_models: tuple[Any, An
 def test_fp32_greedy_equals_transformers(family: Family, hf_models: tuple[Any, Any],
                                          tmp_path: pathlib.Path) -> None:  # fmt: skip
     hf64, hf32 = hf_models
-    prompt = _prompt(20, 2)
+    prompt = prompt_ids(20, 2)
     with torch.no_grad():
         out = hf64.generate(
             torch.tensor([prompt]), max_new_tokens=GREEDY, do_sample=False, eos_token_id=None,
@@ -241,8 +210,8 @@ def _served_vs_transformers(family: Family, hf32: Any, file_type: FileType,
     through the paged cache. ``fuse=False``: the torch path on the same weights."""
     reference = build_hf(family)
     reference.load_state_dict(dequantized_state(hf32, file_type))
-    ids = _prompt(PROMPT_LEN, 1)
-    want = _hf_logits(reference.to(torch.float64), ids)
+    ids = prompt_ids(PROMPT_LEN, 1)
+    want = hf_logits(reference.to(torch.float64), ids)
     lm = load_model(write_family_gguf(family, hf32, path, file_type), device="cpu",
                     weights="quantized")  # fmt: skip
     assert lm.model.quantized()
@@ -303,7 +272,7 @@ def test_paged_cache_equals_the_dense_cache(family: Family, hf_models: tuple[Any
         pytest.skip("no native kernels")
     lm = load_model(write_family_gguf(family, hf_models[1], tmp_path / "f32.gguf"),
                     device="cpu", weights="fp32")  # fmt: skip
-    ids = _prompt(PROMPT_LEN + 4, 4)
+    ids = prompt_ids(PROMPT_LEN + 4, 4)
     prompt, tail = ids[:PROMPT_LEN], ids[PROMPT_LEN:]
     dense = run_steps(lm.model, DenseKVCache(lm.config, 1, 256),
                       [([0], [prompt]), *[([0], [[t]]) for t in tail]])  # fmt: skip
@@ -338,9 +307,9 @@ def test_fused_trunk_matches_the_torch_path(family: Family, hf_models: tuple[Any
 
     lm = load_model(write_family_gguf(family, hf_models[1], tmp_path / "q8.gguf", Q.Q8_0),
                     device="cpu", weights="quantized")  # fmt: skip
-    prompts = [_prompt(40, 5), _prompt(4, 6), _prompt(50, 7)]
+    prompts = [prompt_ids(40, 5), prompt_ids(4, 6), prompt_ids(50, 7)]
     cache, tables = _prefilled(lm, prompts, room=32, spare=3)
-    chunk, fresh = _prompt(30, 8), _prompt(40, 9)
+    chunk, fresh = prompt_ids(30, 8), prompt_ids(40, 9)
     free = [b for b in range(cache.num_blocks) if all(b not in t for t in tables)]
     decodes = [(tables[0], 41), (tables[1], 5)]
     prefills = [PrefillChunk(tables[2], 50, len(chunk)), PrefillChunk(free[:3], 0, len(fresh))]
@@ -357,8 +326,8 @@ def test_fused_trunk_matches_the_torch_path(family: Family, hf_models: tuple[Any
     assert int(apart.sum()) <= 1, apart
     assert float((got - want).abs().max()) <= FUSED_GAP
     assert int((got.argmax(-1) != want.argmax(-1)).sum()) <= 1
-    tokens, fused = _greedy(lm, _prompt(40, 12), GREEDY)
-    picks, torch_path = _greedy(lm, _prompt(40, 12), GREEDY, fuse=False, follow=tokens)
+    tokens, fused = paged_greedy(lm, prompt_ids(40, 12), GREEDY)
+    picks, torch_path = paged_greedy(lm, prompt_ids(40, 12), GREEDY, fuse=False, follow=tokens)
     assert float((fused - torch_path).abs().max()) <= FUSED_GAP
     # Every logit within FUSED_GAP of the other path's: the picks can differ only where
     # the torch path's top two are within 2 * FUSED_GAP (a near tie), and nowhere else
@@ -374,26 +343,6 @@ def native_kernels_missing() -> bool:
 
 
 @needs_kernels
-def test_longrope_reads_the_short_factors_within_the_original_context(
-    tmp_path: pathlib.Path,
-) -> None:
-    """Phi-3 served at no more than its original context reads the short factors, as
-    llama.cpp chooses by context and transformers by sequence length (the family's own
-    file, at 256 tokens, reads the long ones: test_fp32_logits_match_transformers)."""
-    family = FAMILIES["phi3"]
-    hf64, hf32 = build_hf(family), build_hf(family, dtype=torch.float32)
-    original = family.config["original_max_position_embeddings"]
-    ids = _prompt(original, 3)
-    want, theirs = _hf_logits(hf64, ids), _hf_logits(hf32, ids)
-    path = write_family_gguf(family, hf32, tmp_path / "f32.gguf")
-    lm = load_model(path, device="cpu", weights="fp32", context_length=original)
-    assert not lm.config.rope_scaling.long_factors(lm.config.context_length)
-    ours = run_steps(lm.model, DenseKVCache(lm.config, 1, original), [([0], [ids])])[0]
-    err, their_err = float((ours.double() - want).abs().max()), float((theirs - want).abs().max())
-    assert err <= FP32_FACTOR * their_err, (err, their_err)
-
-
-@needs_kernels
 @pytest.mark.parametrize("name", ["phi3", "gemma2", "gemma3"])
 def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.Path) -> None:
     """The static-buffer decode step (``--decode-graphs eager``: gather + bmm with each
@@ -406,127 +355,9 @@ def test_windowed_graph_steps_match_the_plain_step(name: str, tmp_path: pathlib.
     path = write_family_gguf(family, build_hf(family, dtype=torch.float32),
                              tmp_path / "q8.gguf", Q.Q8_0)  # fmt: skip
     lm = load_model(path, device="cpu")
-    prompts = [_prompt(n, 10 + n) for n in (5, 23, 40)]
+    prompts = [prompt_ids(n, 10 + n) for n in (5, 23, 40)]
 
     def engine(graphs: str) -> Engine:
         return Engine(lm, EngineConfig(64, 16, 8, 64, 512, 512, decode_graphs=graphs))
 
     assert _generate(engine("eager"), prompts, 40) == _generate(engine("off"), prompts, 40)
-
-
-def _metadata_only(path: pathlib.Path, arch: str, keys: dict[str, Any]) -> pathlib.Path:
-    """A GGUF of keys and no tensors: what ``config_from_gguf`` reads."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in keys.items():
-        if isinstance(value, list):
-            w.add_array(f"{arch}.{key}", value)
-        elif isinstance(value, float):
-            w.add_float32(f"{arch}.{key}", value)
-        else:
-            w.add_uint32(f"{arch}.{key}", value)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    return path
-
-
-@pytest.mark.parametrize(
-    ("layers", "scale"), [(42, 256**-0.5), (46, (4608 / 32) ** -0.5)], ids=["9b", "27b"]
-)
-def test_gemma2_query_scale_and_window_pattern(layers: int, scale: float,
-                                               tmp_path: pathlib.Path) -> None:  # fmt: skip
-    """What a Gemma 2 file does not say, as llama.cpp reads it: the 27B model (46 layers)
-    scales queries by 1/sqrt(hidden / heads) (its query_pre_attn_scalar, 144), the
-    others by 1/sqrt(head size); the window is 4096 keys on the even layers unless the
-    file says otherwise (``attention.sliding_window_pattern``: a period, or per layer)."""
-    from modelfile.config import config_from_gguf
-    from modelfile.gguf_meta import GGUFMetadata
-    from tests.tiny_gguf import tiny_vocab
-
-    keys: dict[str, Any] = {"block_count": layers, "embedding_length": 4608,
-                            "feed_forward_length": 36864, "attention.head_count": 32,
-                            "attention.head_count_kv": 16, "attention.key_length": 256}  # fmt: skip
-    tokens = tiny_vocab()[0]
-    c = config_from_gguf(GGUFMetadata(_metadata_only(tmp_path / "a.gguf", "gemma2", keys)), tokens)
-    assert c.query_scale == pytest.approx(scale, rel=1e-12)
-    assert c.sliding_window == 4096 and c.window_layers == tuple(range(0, layers, 2))
-    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0)
-    flags = [i % 3 == 0 for i in range(layers)]
-    for pattern, want in ((3, [i for i in range(layers) if i % 3 < 2]),
-                          (flags, [i for i in range(layers) if i % 3 == 0])):  # fmt: skip
-        more = {
-            **keys,
-            "attention.sliding_window": 512,
-            "attention.sliding_window_pattern": pattern,
-        }
-        c = config_from_gguf(GGUFMetadata(_metadata_only(tmp_path / "b.gguf", "gemma2", more)),
-                             tokens)  # fmt: skip
-        assert c.sliding_window == 512 and list(c.window_layers) == want
-
-
-def test_rope_scaling_kinds_outside_the_table_are_refused(tmp_path: pathlib.Path) -> None:
-    import gguf
-
-    from modelfile.gguf_meta import GGUFMetadata, ModelFileError
-    from tests.tiny_gguf import tiny_vocab
-
-    path = tmp_path / "longrope.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", 1), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("attention.head_count", 4)):  # fmt: skip
-        w.add_uint32(f"llama.{key}", value)
-    w.add_string("llama.rope.scaling.type", "longrope")
-    w.add_float32("llama.rope.scaling.factor", 4.0)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    from modelfile.config import config_from_gguf
-
-    with pytest.raises(ModelFileError, match="rope.scaling.type 'longrope' unsupported"):
-        config_from_gguf(GGUFMetadata(path), tiny_vocab()[0])
-    assert RopeScaling().kind == "none"
-
-
-@pytest.fixture(scope="module")
-def family_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    """One Q8_0 file per architecture (Llama 3 for llama)."""
-    out = {}
-    for name in SERVED:
-        fam = FAMILIES[name]
-        model = build_hf(fam, dtype=torch.float32)
-        out[name] = write_family_gguf(
-            fam, model, tmp_path_factory.mktemp("families") / f"{name}.gguf", Q.Q8_0
-        )
-    return out
-
-
-@pytest.mark.parametrize("name", SERVED)
-def test_each_architecture_is_served(name: str, family_files: dict[str, pathlib.Path]) -> None:
-    """The server's greedy tokens are those of the served path run in-process on the same
-    file, token for token (greedy decoding is deterministic: docs/determinism.md), so
-    the figures against transformers above are the server's."""
-    prompt = _prompt(20, 2)
-    want = _greedy(load_model(family_files[name], device="cpu"), prompt, 8)[0]
-    with lifecycle_server("--model", str(family_files[name]), "--device", "cpu") as base:
-        r = httpx.post(
-            base + "/generate",
-            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
-                  "temperature": 0, "ignore_eos": True}},
-            timeout=60,
-        )  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert r.json()["output_ids"] == want
-        r = httpx.post(
-            base + "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
-                  "temperature": 0},
-            timeout=60,
-        )  # fmt: skip
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] >= 1
-        assert body["choices"][0]["finish_reason"] in ("stop", "length")

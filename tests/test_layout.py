@@ -40,6 +40,8 @@ _TOP = {
     "lifecycle.runtime",
     "lifecycle.engine",
     "lifecycle.options",
+    "lifecycle.option_args",
+    "lifecycle.option_fields",
 }
 _ROOMS = {
     "lifecycle.api",

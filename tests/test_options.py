@@ -7,7 +7,8 @@ import pytest
 
 from lifecycle.app import AppConfig
 from lifecycle.cli import _build_parser
-from lifecycle.options import OPTIONS, engine_values, option_values
+from lifecycle.option_args import engine_values, option_values
+from lifecycle.options import OPTIONS
 from lifecycle.runtime import app_config
 
 

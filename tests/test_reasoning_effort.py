@@ -16,12 +16,8 @@ import httpx
 import openai
 import pytest
 
-from lifecycle.faces.openai_params import (
-    REASONING_EFFORTS,
-    OpenAIError,
-    parse_chat,
-    reasoning_variables,
-)
+from lifecycle.faces.openai_chat_inputs import REASONING_EFFORTS, reasoning_variables
+from lifecycle.faces.openai_params import OpenAIError, parse_chat
 from modelfile.chat import ChatTemplate
 
 from .scripted import echoed_chat_prompt, template_server

@@ -140,7 +140,7 @@ def test_a_worker_failing_twice_the_same_way_at_start_is_not_restarted_forever(
     ],
 )
 def test_the_engine_refuses_the_same_values(kwargs: dict[str, object], says: str) -> None:
-    from lifecycle.options import engine_values
+    from lifecycle.option_args import engine_values
 
     with pytest.raises(ValueError, match="Engine\\(\\) option") as exc:
         engine_values(None, kwargs)

@@ -19,7 +19,7 @@ import pytest
 
 from lifecycle.app import App
 from lifecycle.chat.tool_formats import TOOL_FORMAT_ALIASES, TOOL_FORMATS, tool_format
-from lifecycle.options import add_flags, option_values
+from lifecycle.option_args import add_flags, option_values
 
 from .app_helpers import running_app
 from .tool_cases import TOOLS, USER

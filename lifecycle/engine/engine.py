@@ -35,7 +35,7 @@ from lifecycle.engine.requests import (
 )
 from lifecycle.faces.openai import OpenAIFace
 from lifecycle.faces.server_info import server_state
-from lifecycle.options import engine_values
+from lifecycle.option_args import engine_values
 from lifecycle.runtime import Runtime, app_config, server_args
 from modelfile.gguf_meta import ModelFileError
 

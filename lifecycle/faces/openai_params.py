@@ -2,11 +2,12 @@
 
 OpenAI fields are renamed onto SGLang's ``sampling_params`` and checked by the same
 ``parse_sampling_params`` as ``/generate`` (one set of rules, one set of messages); only
-what exists in OpenAI alone (``max_tokens``, ``logprobs``, ``echo``, ``messages``,
-``stream_options``) is checked here, the tool fields by ``tool_params``. Errors carry
-OpenAI's shape (``param`` names the OpenAI field) and status: 400 for bad input, 404
-``model_not_found``; beside it, SGLang's flat ``ErrorResponse`` fields, so that the
-clients of both read them (``OpenAIError.body``, the one place they are written).
+what exists in OpenAI alone (``max_tokens``, ``logprobs``, ``echo``, ``stream_options``)
+is checked here, the ``messages`` and the chat template's variables by
+``openai_chat_inputs``, the tool fields by ``tool_params``. Errors carry OpenAI's shape
+(``param`` names the OpenAI field) and status: 400 for bad input, 404 ``model_not_found``;
+beside it, SGLang's flat ``ErrorResponse`` fields, so that the clients of both read them
+(``OpenAIError.body``, the one place they are written).
 """
 
 from __future__ import annotations
@@ -16,30 +17,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lifecycle.chat.tool_formats import ToolFormat
-from lifecycle.chat.tool_params import (
-    ToolParamError,
-    ToolSpec,
-    check_tool_answers,
-    message_tool_calls,
-    parse_tools,
-    tool_grammar,
-)
+from lifecycle.chat.tool_params import ToolParamError, ToolSpec, parse_tools, tool_grammar
 from lifecycle.core.errors import RequestError
 from lifecycle.core.fields import accept_unknown
 from lifecycle.core.params import MAX_SEQUENCES, GenerateItem, GenerateRequest
 from lifecycle.core.sampling import SamplingRequest, parse_sampling_params
+from lifecycle.faces.openai_chat_inputs import chat_messages, template_kwargs
 from lifecycle.faces.openai_errors import OpenAIError
-from modelfile.chat import RESERVED_VARIABLES
 from wire import MAX_REASONING_BUDGET, RequestOptions
 
-__all__ = [
-    "REASONING_EFFORTS",
-    "OpenAIRequest",
-    "chat_messages",
-    "parse_chat",
-    "parse_completion",
-    "reasoning_variables",
-]
+__all__ = ["OpenAIRequest", "parse_chat", "parse_completion"]
 
 COMPLETION_MAX_TOKENS = 16  # SGLang's CompletionRequest default; chat: up to the context
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs; used for completions too
@@ -83,11 +70,6 @@ _CHAT |= {"chat_template_kwargs", "separate_reasoning", "reasoning_effort"}
 # Qwen's (DashScope's ``thinking_budget``, which SGLang's chat took too).
 _BUDGETS = ("thinking_token_budget", "thinking_budget")
 _CHAT |= {*_BUDGETS}
-# OpenAI's reasoning_effort values, as the official SDK types them (its newer versions
-# send "none", "minimal", "xhigh" and "max" too; DeepSeek V4's template reads "max").
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_REASONING = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's, by any name
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,55 +314,6 @@ def parse_completion(
     )
 
 
-def _content(message: dict[str, Any], i: int) -> str | list[dict[str, str]]:
-    """The text, or the list of text parts (the template decides: ``tool_prompt``)."""
-    content = message.get("content")
-    if content is None:
-        return ""  # beside tool_calls: "" (vLLM's), which templates render; null breaks some
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise _bad(f"messages[{i}].content: only text parts are supported.", "messages")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad(f"messages[{i}].content: a text part needs a string text.", "messages")
-            parts.append({"type": "text", "text": text})
-        return parts
-    raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
-
-
-def chat_messages(raw: Any) -> list[dict[str, Any]]:
-    """The messages as the chat template expects them: role and content (text or text
-    parts), a ``name``, an assistant's ``tool_calls`` and reasoning, a tool message's
-    ``tool_call_id`` (``tool_params``)."""
-    if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty list.", "messages")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(raw):
-        role = m.get("role") if isinstance(m, dict) else None
-        if not isinstance(role, str) or role not in _ROLES:
-            raise _bad(
-                f"messages[{i}] must be an object with a role in {sorted(_ROLES)}.", "messages"
-            )
-        role = "system" if role == "developer" else role
-        message: dict[str, Any] = {"role": role, "content": _content(m, i)}
-        if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
-        if role == "assistant" and m.get("tool_calls") is not None:
-            message["tool_calls"] = message_tool_calls(m["tool_calls"], i)
-        for field in _REASONING if role == "assistant" else ():
-            if isinstance(m.get(field), str):
-                message[field] = m[field]  # the template reads it (modelfile/chat.py)
-        if role == "tool":
-            message["tool_call_id"] = m.get("tool_call_id")
-        out.append(message)
-    check_tool_answers(out)
-    return out
-
-
 def _chat_tools(
     body: dict[str, Any], sp: SamplingRequest, fmt: ToolFormat | None
 ) -> tuple[ToolSpec | None, SamplingRequest]:
@@ -398,39 +331,6 @@ def _chat_tools(
                              "with response_format, regex or ebnf.", "tool_choice")  # fmt: skip
     grammar = ("lark", tool_grammar(tools, fmt))
     return tools, replace(sp, params=replace(sp.params, grammar=grammar))
-
-
-def reasoning_variables(effort: str) -> dict[str, Any]:
-    """The chat template variables a reasoning effort sets: ``reasoning_effort`` itself
-    (gpt-oss', Solar's, Cohere's, DeepSeek V4's templates read it) and
-    ``enable_thinking`` (Qwen3's, DeepSeek's, GLM's, SmolLM3's...), false only for
-    ``none``. Every chat-shaped API maps its own control onto these (issue 56, point 4)."""
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
-
-
-def _reasoning_effort(body: dict[str, Any]) -> str | None:
-    effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise _bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
-                   f"{effort!r}.", "reasoning_effort")  # fmt: skip
-    return effort
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
-    """``chat_template_kwargs``: extra variables for the chat template (vLLM's and
-    SGLang's), e.g. Qwen3's ``enable_thinking``; the ones the server sets are refused.
-    ``reasoning_effort`` adds its variables (``reasoning_variables``) under them: a
-    variable the client sets in ``chat_template_kwargs`` wins."""
-    raw = body.get("chat_template_kwargs")
-    effort = _reasoning_effort(body)
-    if raw is None:
-        return None if effort is None else reasoning_variables(effort)
-    if not isinstance(raw, dict):
-        raise _bad("chat_template_kwargs must be an object.", "chat_template_kwargs")
-    if clash := sorted(RESERVED_VARIABLES & raw.keys()):
-        raise _bad(f"chat_template_kwargs cannot set {clash}: the server sets them.",
-                   "chat_template_kwargs")  # fmt: skip
-    return raw if effort is None else {**reasoning_variables(effort), **raw}
 
 
 def _thinking_budget(body: dict[str, Any]) -> int | None:
@@ -491,7 +391,7 @@ def parse_chat(
         include_usage=include_usage,
         continuous_usage=continuous,
         continue_final=cont,
-        template_kwargs=_template_kwargs(body),
+        template_kwargs=template_kwargs(body),
         separate_reasoning=body.get("separate_reasoning") is None
         or _bool_field(body, "separate_reasoning"),
         logprobs=(top or 0) if want else None,

@@ -1,17 +1,17 @@
 """The tracer: the ring of finished traces, the trace log and the live transition feed.
 
 A server's ``Tracer`` watches every model it serves: ``watch`` gives it one model's
-requests (its id, registry, probe and recorder) as a ``TracedModel``, which that model's
-frontend feed subscribes (``lifecycle.core.events``): one ring, one trace log (one writer
-per file) and one live feed for all of them, each trace naming its model. Alone (tests,
-``with tracer:``) it is the process-wide transition observer
-(``lifecycle.core.fsm.set_observer``) of the model given to its constructor. On each
-edge it does almost nothing: when a request reaches a terminal state it goes into the
-ring (and, once the worker holds nothing for it, into the log); when someone watches the
-feed, the edge is appended to one pending list. ``run()`` is the driver: every
+requests (its id, registry, probe and recorder: ``lifecycle.tracing.probes``) as a
+``TracedModel``, which that model's frontend feed subscribes (``lifecycle.core.events``):
+one ring, one trace log (one writer per file) and one live feed for all of them, each
+trace naming its model. Alone (tests, ``with tracer:``) it is the process-wide transition
+observer (``lifecycle.core.fsm.set_observer``) of the model given to its constructor. On
+each edge it does almost nothing: when a request reaches a terminal state it goes into
+the ring (and, once the worker holds nothing for it, into the log); when someone watches
+the feed, the edge is appended to one pending list. ``run()`` is the driver: every
 ``feed_interval`` it turns the pending list into one JSON message for all subscribers
-(a few hundred live requests make one message per tick, not one per edge) and flushes
-the log.
+(``lifecycle.tracing.feed``; a few hundred live requests make one message per tick, not
+one per edge) and flushes the log.
 
 The observer runs inside the request path (``RequestRecord.advance`` and ``fail``, the
 worker link's release), so it never raises: a bug in it is logged once with its
@@ -32,131 +32,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import anyio
 import orjson
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from lifecycle.core import fsm
 from lifecycle.core.fsm import RawEntry, RequestRecord
-from lifecycle.core.outputs import SPEC_KEYS
 from lifecycle.core.registry import Registry
-from lifecycle.core.states import TERMINAL, Event, State
+from lifecycle.core.states import TERMINAL, State
+from lifecycle.tracing.feed import Subscriber
+from lifecycle.tracing.probes import Probe, Recorder, default_probe
 from lifecycle.tracing.query import key_candidates
 from lifecycle.tracing.store import FinishedTrace, TraceLog, TraceRing, detail_json, live_summary
 
-if TYPE_CHECKING:
-    from lifecycle.core.call import GenerateCall
-
-__all__ = [
-    "Probe",
-    "Recorder",
-    "TraceConfig",
-    "TracedModel",
-    "Tracer",
-    "call_probe",
-    "default_probe",
-    "worker_probe",
-]
+__all__ = ["TraceConfig", "TracedModel", "Tracer"]
 
 log = logging.getLogger("lifecycle.tracing")
 
-_DONE, _ERROR, _DISPATCH = State.DONE, State.ERROR, Event.DISPATCH
+_DONE, _ERROR = State.DONE, State.ERROR
 assert frozenset({_DONE, _ERROR}) == TERMINAL
-
-# What the tracer asks about a request beyond its record: {"tokens": int, "worker": str}.
-Probe = Callable[[RequestRecord], dict[str, Any]]
-# What a finished request's trace keeps to replay it (``lifecycle.tracing.replay``): its
-# prompt and output ids, sampling parameters and model; None when there is nothing to keep.
-Recorder = Callable[[RequestRecord], dict[str, Any] | None]
-
-
-def worker_probe(worker: Callable[[], str | None]) -> Probe:
-    """A probe reporting the record's token counter and ``worker()`` as the worker: for a
-    live request while the worker holds it, for a finished one if it was ever dispatched."""
-
-    def probe(rec: RequestRecord) -> dict[str, Any]:
-        return {"tokens": rec.tokens, "worker": worker() if _served(rec) else None}
-
-    return probe
-
-
-def _served(rec: RequestRecord) -> bool:
-    """Whether a worker has (had) the request: held now, or dispatched once."""
-    # DONE implies it was dispatched: only an error needs the (short) trace scanned.
-    state = rec.state
-    return (
-        rec.held_by_worker
-        or state is _DONE
-        or (state is _ERROR and any(e[3] is _DISPATCH for e in rec._trace))
-    )
-
-
-default_probe: Probe = worker_probe(lambda: "worker")
-
-
-class CallIndex(Protocol):
-    """The live calls by record (``lifecycle.core.live_calls.LiveCalls``)."""
-
-    def of(self, rec_id: int) -> GenerateCall | None: ...
-
-
-# The worker a call's client belongs to: (its index in the pool, its name), or None.
-WorkerOf = Callable[[Any], "tuple[int, str] | None"]
-
-
-def call_probe(
-    calls: CallIndex, worker_of: WorkerOf, fallback: Callable[[], str | None], prompts: bool
-) -> Probe:
-    """``worker_probe``'s answer plus what the request's call knows: the client's address,
-    prompt and cached tokens, each sample's finish reason, the sampling parameters, the
-    worker that served it (its index under ``--dp``), a rejection's HTTP status, how long
-    it waited for its model to load (``model_wait``, seconds) and, with ``prompts``
-    (``--trace-prompts``), the prompt's text. Asked when a request is listed and once at
-    its terminal edge, while its call still owns it."""
-    base = worker_probe(fallback)
-
-    def probe(rec: RequestRecord) -> dict[str, Any]:
-        out = base(rec)
-        call = calls.of(rec.id)
-        if call is None:
-            return out
-        origin = call.origin
-        if origin is not None:
-            out["client"] = origin.client
-        if call.http_status is not None:
-            out["status"] = call.http_status
-        if call.model_wait is not None:  # it waited for its model to load on demand
-            out["model_wait"] = call.model_wait
-        if out["worker"] is not None and call.client is not None:
-            served = worker_of(call.client)
-            if served is not None:
-                out["worker_index"], out["worker"] = served
-        run = next((r for r in call.runs if r.rec is rec), None)
-        if run is None or run.item is None:
-            return out
-        out["sampling"] = run.item.sampling
-        if run.samples:
-            first = run.samples[0]
-            out["prompt_tokens"] = first.prompt_tokens
-            out["cached_tokens"] = first.cached_tokens
-            specs = [s.spec for s in run.samples if s.spec]
-            if specs:  # speculative decoding's record, summed over the samples
-                out["speculative"] = {k: sum(s[k] for s in specs) for k in SPEC_KEYS}
-            out["finish_reasons"] = [
-                s.finish.get("type") if isinstance(s.finish, dict) else None for s in run.samples
-            ]
-            if prompts:
-                text = run.item.text
-                out["prompt"] = (
-                    text if text is not None else call.host.codec.decode(list(first.prompt), False)
-                )
-        return out
-
-    return probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +126,7 @@ class Tracer:
                 self._log_failed(exc, "open")
         # Monotonic trace times + offset = wall-clock time (measured once: one clock pair).
         self.offset_ns = time.time_ns() - time.monotonic_ns()
-        self._subscribers: list[_Subscriber] = []
+        self._subscribers: list[Subscriber] = []
         self._pending: list[list[Any]] = []
         self._overflow = False
         self.logged = 0
@@ -475,7 +372,7 @@ class Tracer:
         behind loses messages and gets ``"resync": true`` on the next one it receives.
         """
         send, recv = anyio.create_memory_object_stream[bytes](self.config.subscriber_queue)
-        sub = _Subscriber(send)
+        sub = Subscriber(send)
         self._subscribers.append(sub)
         sub.offer(self._message("snapshot", [], resync=False))
         return recv
@@ -538,27 +435,3 @@ def _find_live(reg: Registry | None, key: str) -> RequestRecord | None:
         if rec is not None:
             return rec
     return reg.by_client_rid(key) or reg.by_request_id(key)
-
-
-class _Subscriber:
-    __slots__ = ("send", "lagging")
-
-    def __init__(self, send: MemoryObjectSendStream[bytes]) -> None:
-        self.send = send
-        self.lagging = False
-
-    @property
-    def closed(self) -> bool:
-        return self.send.statistics().open_receive_streams == 0
-
-    def offer(self, message: bytes) -> None:
-        if self.lagging:
-            # Tell the client it missed messages: it re-reads /debug/requests.
-            message = message.replace(b'"resync":false', b'"resync":true', 1)
-        try:
-            self.send.send_nowait(message)
-            self.lagging = False
-        except anyio.WouldBlock:
-            self.lagging = True
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
