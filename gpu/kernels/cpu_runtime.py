@@ -10,6 +10,9 @@
   trims freed heap back to the OS, so every step faults the same tens of MB in again; a
   fixed mmap threshold and a high trim threshold keep that memory in the heap.
 
+* **A load's temporaries.** With that trim threshold the blocks a load reads, copies and
+  packs stay in the heap once freed; ``trim_heap`` gives their pages back after the load.
+
 An environment that already sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
 """
 
@@ -20,7 +23,7 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["SPIN_COUNT", "TRIM_THRESHOLD", "tune_cpu_runtime"]
+__all__ = ["SPIN_COUNT", "TRIM_THRESHOLD", "trim_heap", "tune_cpu_runtime"]
 
 SPIN_COUNT = "30000"
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
@@ -45,3 +48,15 @@ def tune_cpu_runtime() -> dict[str, object]:
         except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep defaults
             pass
     return applied
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``): what a load
+    freed, kept resident by the trim threshold above. False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False

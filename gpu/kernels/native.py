@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from gpu.kernels.arena import Arena, TorchArena
 from gpu.kernels.kv_element import KV_Q4, KV_Q8, KVElement, kv_element
 from gpu.kernels.native_build import ISAS, build, kernel_cache_dir, native_enabled
 
@@ -143,18 +144,19 @@ class NativeKernels:
             raise MemoryError(f"{name}: scratch allocation failed")
         return y
 
-    def q_pack(self, w: Tensor, qtype: int, k: int) -> Tensor | None:
+    def q_pack(self, w: Tensor, qtype: int, k: int, arena: Arena | None = None) -> Tensor | None:
         """``w``'s rows (blocks as ``q_linear`` takes them) packed into panels of
         ``QP_ROWS`` (quant_linear.c, ``q_pack``: the same bytes, give or take, laid out
-        for the decode path): uint8 ``[panels, bytes]``. None where this build does not
-        pack (no AVX2)."""
+        for the decode path): uint8 ``[panels, bytes]``, carved from ``arena`` (a model's
+        ``WeightArena``; default ``torch.empty``). None where this build does not pack
+        (no AVX2)."""
         _check_blocks(w, qtype, k)
         n = w.shape[0]
         size = self._q_packed_bytes(qtype, n, k)
         if size == 0:
             return None
         panels = -(-n // QP_ROWS)
-        out = torch.empty((panels, size // panels), dtype=torch.uint8)
+        out = (arena or TorchArena()).empty((panels, size // panels))
         rc = self._q_pack(w.data_ptr(), out.data_ptr(), qtype, n, k, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("q_pack: allocation failed") if rc == -1 else ValueError(rc)

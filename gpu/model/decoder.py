@@ -112,7 +112,8 @@ class LlamaWeights(nn.Module):
     ) -> Linear:
         if isinstance(w, QuantWeight | list):
             lin = QuantLinear(w, _kernels())
-            self.register_buffer(name, lin.blocks, persistent=False)
+            for i, blocks in enumerate(lin.blocks):  # one per part: each read where it lies
+                self.register_buffer(name if i == 0 else f"{name}_{i}", blocks, persistent=False)
             return lin
         setattr(self, name, nn.Parameter(w, requires_grad=False))
         return (RowParallelLinear if reduce else PackedLinear)(getattr(self, name))
@@ -173,22 +174,29 @@ class Llama(nn.Module):
         self._quantized = any(isinstance(lin, QuantLinear) for lin in self.linears())
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor the model holds for its weights, each storage counted once:
+        """Bytes of every tensor the model holds for its weights, each byte counted once:
         the parameters and buffers, and the extra copies the linear layers keep (a packed
-        or interleaved fp32 copy, quantized blocks)."""
+        or interleaved fp32 copy, quantized blocks). A contiguous tensor counts its own
+        bytes (packed weights are carved side by side from shared chunks, whose unused
+        tails are never touched: ``gpu/kernels/arena.py``), another its whole storage."""
         tensors = [*self.parameters(), *self.buffers()]
         for lin in self.linears():
             for name in (n for cls in type(lin).__mro__ for n in getattr(cls, "__slots__", ())):
-                if isinstance(value := getattr(lin, name, None), Tensor):
-                    tensors.append(value)
-        seen: dict[int, int] = {}
+                value = getattr(lin, name, None)
+                for t in value if isinstance(value, tuple) else (value,):
+                    if isinstance(t, Tensor):
+                        tensors.append(t)
+        opaque: dict[int, int] = {}
+        spans: list[tuple[int, int]] = []
         for t in tensors:
             if t.layout == torch._mkldnn:  # type: ignore[attr-defined]  # opaque: no storage
-                seen[id(t)] = t.numel() * t.element_size()
+                opaque[id(t)] = t.numel() * t.element_size()
+            elif t.is_contiguous():  # its bytes (packed weights share arena chunks)
+                spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
             else:
                 st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        return sum(seen.values())
+                spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        return sum(opaque.values()) + _union_bytes(spans)
 
     def quantized(self) -> bool:
         """Whether any weight is kept as quantized blocks."""
@@ -356,6 +364,16 @@ def _head(w: Tensor | QuantWeight, lm_head: Tensor, plan: ShardPlan | None,
     if plan is not None:
         return VocabParallelHead(lm_head, plan.rank, plan.world, config.vocab_size)
     return PackedLinear(lm_head)
+
+
+def _union_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes covered by the address ranges ``[start, end)``, overlaps counted once."""
+    total, reach = 0, 0
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _param(t: Tensor | None) -> nn.Parameter | None:

@@ -28,6 +28,8 @@ import psutil
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gpu.kernels.arena import weight_arena
+from gpu.kernels.cpu_runtime import trim_heap
 from gpu.kernels.native import load_kernels
 from gpu.model.decoder import Llama, LlamaWeights
 from gpu.model.quant import KERNEL_TYPES, QuantWeight, requantize
@@ -105,6 +107,8 @@ def load_model(
     with torch.inference_mode():
         model = _Reader(f, config, dev, dt, quant, plan, _AT_LOAD.get(weights)).build()
     model.eval()
+    if dev.type == "cpu":
+        trim_heap()  # the file's blocks read, copied and packed: their heap pages back
     t_end = time.perf_counter()
     log.info(
         "loaded %s (%s) on %s/%s, %s weights (%.0f MiB), in %.2fs (open %.2fs, tokenizer %.2fs, "
@@ -164,6 +168,7 @@ class _Reader:
         self.total, self.done = sum(self.sizes.values()), 0
         # type name -> (tensors, bytes in the file, bytes as Q8_0) the kernels cannot read
         self.requantized: dict[str, tuple[int, int, int]] = {}
+        self.arena = weight_arena()  # the packed weights' memory, in the order they are read
         self.q_rows, self.kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         # a llama file's q/k rows (and biases) are permuted for llama.cpp's RoPE: undone
         self.q_perm: int | None = c.n_heads if c.rope_permuted else None
@@ -233,13 +238,14 @@ class _Reader:
             self.requantized[key] = (n + len(parts), was, now + w.blocks.numel())
         return w
 
-    @staticmethod
-    def packed(w: QuantWeight) -> QuantWeight:
+    def packed(self, w: QuantWeight) -> QuantWeight:
         """``w`` as the kernels read it fastest: packed into panels where their build packs
-        (``QuantWeight.packed``; quantized weights exist only where the kernels load)."""
+        (``QuantWeight.packed``; quantized weights exist only where the kernels load),
+        carved from this load's arena right after the matrix packed before it, so the
+        layers lie in memory in the order a step reads them (``gpu/kernels/arena.py``)."""
         kernels = load_kernels()
         assert kernels is not None
-        return w.packed(kernels)
+        return w.packed(kernels, self.arena)
 
     def single(self, name: str, shape: tuple[int, int]) -> torch.Tensor | QuantWeight:
         w = self.matrix([(name, shape, None)])

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from torch import Tensor
 
+from gpu.kernels.arena import Arena
 from gpu.kernels.native import (
     QL_MAX_PARTS,
     QL_PARTS,
@@ -85,12 +86,12 @@ class QuantWeight:
         """The type as ``q_linear`` takes it: the GGML code, with ``QP_FLAG`` when packed."""
         return int(self.qtype) | (QP_FLAG if self.packed_rows is not None else 0)
 
-    def packed(self, kernels: NativeKernels) -> QuantWeight:
-        """This matrix packed into panels (``q_pack``), or itself where ``kernels``' build
-        does not pack or it already is."""
+    def packed(self, kernels: NativeKernels, arena: Arena | None = None) -> QuantWeight:
+        """This matrix packed into panels (``q_pack``, carved from ``arena``), or itself
+        where ``kernels``' build does not pack or it already is."""
         if self.packed_rows is not None:
             return self
-        wp = kernels.q_pack(self.blocks.contiguous(), int(self.qtype), self.k)
+        wp = kernels.q_pack(self.blocks.contiguous(), int(self.qtype), self.k, arena)
         return self if wp is None else QuantWeight(wp, self.qtype, self.k, self.shape[0])
 
     def rows(self, ids: Tensor) -> Tensor:
@@ -135,7 +136,8 @@ class QuantLinear:
     native kernel. The only approximation is x's rounding to int8 per block of 32
     (llama.cpp's; about 2^-8 relative per block). ``ptr`` and ``qtype`` are what
     ``q_linear`` takes (for parts, a ``QParts`` and ``QL_PARTS``); ``blocks`` holds every
-    byte of the weight."""
+    byte of the weight: its one tensor, or each part's, read where it lies (the loader
+    carved them one after the other: ``gpu/kernels/arena.py``)."""
 
     __slots__ = ("_parts", "blocks", "kernels", "n", "ptr", "qtype", "weights")
 
@@ -144,19 +146,16 @@ class QuantLinear:
         self._parts: QParts | None = None
         self.weights = parts = (weight,) if isinstance(weight, QuantWeight) else tuple(weight)
         self.n = sum(p.shape[0] for p in parts)
+        self.blocks = tuple(p.blocks.contiguous() for p in parts)
         if isinstance(weight, QuantWeight):
-            self.blocks = weight.blocks.contiguous()
-            self.qtype, self.ptr = weight.code, self.blocks.data_ptr()
+            self.qtype, self.ptr = weight.code, self.blocks[0].data_ptr()
             return
         if not 1 < len(parts) <= QL_MAX_PARTS or len({p.k for p in parts}) != 1:
             raise ValueError(f"{len(parts)} parts of {sorted({p.k for p in parts})} columns")
-        self.blocks = torch.cat([p.blocks.reshape(-1) for p in parts])
-        desc, at = QParts(), 0
+        desc = QParts()
         desc.n = len(parts)
-        for i, p in enumerate(parts):
-            desc.qtype[i], desc.rows[i] = p.code, p.shape[0]
-            desc.w[i] = self.blocks.data_ptr() + at
-            at += p.blocks.numel()
+        for i, (p, b) in enumerate(zip(parts, self.blocks, strict=True)):
+            desc.qtype[i], desc.rows[i], desc.w[i] = p.code, p.shape[0], b.data_ptr()
         self._parts, self.qtype, self.ptr = desc, QL_PARTS, ctypes.addressof(desc)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -165,5 +164,5 @@ class QuantLinear:
         if self._parts is not None:
             return self.kernels.q_linear_parts(x, self._parts, self.n)
         if self.qtype & QP_FLAG:
-            return self.kernels.q_linear_packed(x, self.blocks, self.qtype & ~QP_FLAG, self.n)
-        return self.kernels.q_linear(x, self.blocks, self.qtype)
+            return self.kernels.q_linear_packed(x, self.blocks[0], self.qtype & ~QP_FLAG, self.n)
+        return self.kernels.q_linear(x, self.blocks[0], self.qtype)
