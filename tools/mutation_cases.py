@@ -331,6 +331,28 @@ FEATURES = (
             "",
         ),
     ),
+    _m(
+        "arena_torch_empty",
+        "issue 59, one stream",
+        "the loader packs every matrix into torch.empty's memory, wherever the heap has room",
+        ("tests/test_weight_arena.py",),
+        Edit(
+            "gpu/kernels/arena.py",
+            "    return WeightArena() if huge_pages_advisable() else TorchArena()",
+            "    return TorchArena()",
+        ),
+    ),
+    _m(
+        "arena_not_advised",
+        "issue 59, one stream",
+        "the arena's chunks are never advised for huge pages (4 KiB pages where THP is madvise)",
+        ("tests/test_weight_arena.py",),
+        Edit(
+            "gpu/kernels/arena.py",
+            "    m.madvise(mmap.MADV_HUGEPAGE, start, size)\n",
+            "",
+        ),
+    ),
 )
 
 # Each fault protection's named regression test (docs/faults.md, "Named regression tests").
