@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from gpu.kernels import native, native_build
+from tests.threads import torch_threads
 from tests.tiny_gguf import TinyModel
 
 pytestmark = pytest.mark.skipif(
@@ -124,13 +125,15 @@ KV_ELEMENTS = [torch.float32, torch.float16]  # what the paged cache may store
 
 
 @pytest.mark.parametrize("kv_dtype", KV_ELEMENTS)
-@pytest.mark.parametrize("hd", [64, 32])
-def test_attention_builds_agree(hd: int, kv_dtype: torch.dtype) -> None:
-    """The attention kernel alone, every build, head_dim 64 (the AVX2 path) and 32 (the
-    portable loop in every build), keys not a multiple of 8 or of the block, from an fp32
-    and an fp16 cache."""
-    g = torch.Generator().manual_seed(hd)
-    d, h, kv, bs, nb = 5, 6, 2, 16, 6
+@pytest.mark.parametrize("kv", [2, 1])
+@pytest.mark.parametrize("hd", [64, 32, 40, 128, 256])
+def test_attention_builds_agree(hd: int, kv: int, kv_dtype: torch.dtype) -> None:
+    """The attention kernel alone, every build (the vector paths: head_dim 64, 128 and
+    256 unrolled, any other multiple of 8 looped; the portable build's scalar loop), keys
+    not a multiple of 8 or of the block, from an fp32 and an fp16 cache; with one KV head
+    the five rows of one block table are split into two work items for two threads."""
+    g = torch.Generator().manual_seed(hd + kv)
+    d, h, bs, nb = 5, 6, 16, 6
     q = torch.randn(d, h, hd, generator=g)
     kc = (torch.randn(kv, nb * bs, hd, generator=g) * 2).to(kv_dtype)
     vc = torch.randn(kv, nb * bs, hd, generator=g).to(kv_dtype)
@@ -143,9 +146,12 @@ def test_attention_builds_agree(hd: int, kv_dtype: torch.dtype) -> None:
         other = native.load_kernels_built_for(isa)
         got = other.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5)
         assert torch.equal(got, want), isa
-    # and one sequence alone equals it in the batch
+    # and one sequence alone equals it in the batch; on two threads too, where one KV
+    # head's rows of one block table are split into a work item per thread
     alone = kernels.paged_attention(q[3:4], kc, vc, tables[3:4], lens[3:4], bs, hd**-0.5)
     assert torch.equal(alone, want[3:4])
+    with torch_threads(2):
+        assert torch.equal(kernels.paged_attention(q, kc, vc, tables, lens, bs, hd**-0.5), want)
     if kv_dtype == torch.float16:  # fp16 is read exactly: the fp32 cache of the same values
         same = kernels.paged_attention(q, kc.float(), vc.float(), tables, lens, bs, hd**-0.5)
         assert torch.equal(same, want)
@@ -153,7 +159,8 @@ def test_attention_builds_agree(hd: int, kv_dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", KV_ELEMENTS)
 @pytest.mark.parametrize(("hd", "window", "softcap"),
-                         [(64, 13, 0.0), (32, 13, 0.0), (64, 0, 2.0), (32, 20, 2.0)])  # fmt: skip
+                         [(64, 13, 0.0), (32, 13, 0.0), (64, 0, 2.0), (32, 20, 2.0),
+                          (128, 13, 0.0), (256, 20, 2.0), (40, 0, 0.0)])  # fmt: skip
 def test_windowed_and_capped_attention(
     hd: int, window: int, softcap: float, kv_dtype: torch.dtype
 ) -> None:

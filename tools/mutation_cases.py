@@ -332,6 +332,17 @@ FEATURES = (
         ),
     ),
     _m(
+        "attention_v_unfused",
+        "issue 59, speculation's checks",
+        "the vector attention's last keys' dot products multiply and add in two roundings",
+        ("tests/test_determinism.py",),
+        Edit(
+            "gpu/kernels/csrc/paged_attention.c",
+            "                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), a);",
+            "                    a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d)));",
+        ),
+    ),
+    _m(
         "arena_torch_empty",
         "issue 59, one stream",
         "the loader packs every matrix into torch.empty's memory, wherever the heap has room",

@@ -29,7 +29,9 @@
  * is in the call and on every build (fixed_order.h): a score is the lanes-and-tree sum
  * of q[d] * k[d] (lane d % 8) times scale; the softmax's denominator the lanes-and-tree
  * sum of exp_fixed(score - max); each output the sum over keys in order of
- * weight * v[d], one fused multiply-add a key.
+ * weight * v[d], one fused multiply-add a key. Work items are (run of rows, kv head):
+ * a run is up to RUN consecutive rows of one block table, fewer where the items would
+ * not fill the threads; which run a row is in changes nothing of its result.
  */
 #include <math.h>
 #include <stdint.h>
@@ -283,14 +285,16 @@ static inline void prefetch(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
 }
 
-/* head_dim 64: eight keys' dot products per query at a time, one horizontal reduction
- * for all eight; the weighted sum of values block by block, each query's 64 outputs in
- * registers across the block. Keys first .. len - 1 (first > 0 under a sliding window);
- * scores[p - first] is key p's. */
-static void one_pair64(const float *restrict q, const kv_src *src, int32_t first, int32_t len,
-                       int32_t g, float scale, float softcap, float *restrict scores,
-                       float *restrict out) {
-    enum { HD = 64 };
+/* head_dim HD, a multiple of 8: eight keys' dot products per query at a time, one
+ * horizontal reduction for all eight; the weighted sum of values block by block, each
+ * query's outputs in registers across the block, 64 at a time. Keys first .. len - 1
+ * (first > 0 under a sliding window); scores[p - first] is key p's. Each lane sums what
+ * one_pair's l[d % 8] and o[d] sum, in the same order: the same bits. Instantiated for
+ * 64, 128 and 256 (constants: unrolled) and for any other multiple of 8. */
+static inline __attribute__((always_inline)) void
+one_pair_v(const int32_t HD, const float *restrict q, const kv_src *src, int32_t first,
+           int32_t len, int32_t g, float scale, float softcap, float *restrict scores,
+           float *restrict out) {
     int32_t bs = src->bs, nb = (len + bs - 1) / bs, b0 = first / bs, nk = len - first;
     size_t bytes = kv_row_bytes(src->kind, HD) * (size_t)bs;
     int ahead = !src->kconv; /* blocks read where they lie: prefetch the next */
@@ -336,19 +340,33 @@ static void one_pair64(const float *restrict q, const kv_src *src, int32_t first
         if (ahead && b + 1 < nb) prefetch(raw_block(src, src->v, b + 1), bytes);
         for (int32_t j = 0; j < g; j++) {
             const float *sc = scores + (int64_t)j * nk + b * bs - first;
-            float *o = out + (int64_t)j * HD;
-            __m256 a[8];
-            for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_ps(o + r * 8);
-            for (int32_t t = t0; t < n; t++) {
-                __m256 w = _mm256_broadcast_ss(sc + t);
-                const float *v = vb + (int64_t)t * HD;
-                for (int r = 0; r < 8; r++)
-                    a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
+            for (int32_t c = 0; c < HD; c += 64) { /* 64 outputs (or the last few) at a time */
+                const int nr = HD - c < 64 ? (HD - c) / 8 : 8;
+                float *o = out + (int64_t)j * HD + c;
+                __m256 a[8];
+                for (int r = 0; r < nr; r++) a[r] = _mm256_loadu_ps(o + r * 8);
+                for (int32_t t = t0; t < n; t++) {
+                    __m256 w = _mm256_broadcast_ss(sc + t);
+                    const float *v = vb + (int64_t)t * HD + c;
+                    for (int r = 0; r < nr; r++)
+                        a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + r * 8), a[r]);
+                }
+                for (int r = 0; r < nr; r++) _mm256_storeu_ps(o + r * 8, a[r]);
             }
-            for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + r * 8, a[r]);
         }
     }
 }
+
+#define ONE_PAIR_V(NAME, HD)                                                                  \
+    static void NAME(const float *restrict q, const kv_src *src, int32_t first, int32_t len,  \
+                     int32_t g, float scale, float softcap, float *restrict scores,           \
+                     float *restrict out) {                                                   \
+        one_pair_v(HD, q, src, first, len, g, scale, softcap, scores, out);                   \
+    }
+ONE_PAIR_V(one_pair64, 64)
+ONE_PAIR_V(one_pair128, 128)
+ONE_PAIR_V(one_pair256, 256)
+ONE_PAIR_V(one_pair8, src->hd)
 #endif
 
 /* Any head_dim that is a multiple of 8: the same function in portable C. */
@@ -408,10 +426,15 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
     /* the runs: rows [run[i], run[i + 1]) */
     int32_t *run = malloc(sizeof(int32_t) * ((size_t)d + 1));
     if (!run) return -1;
+    /* rows a run takes: RUN, or fewer where the work items (runs times KV heads) would
+       not fill the threads: a short prompt chunk or a speculative check of one sequence
+       over one or two KV heads (the rows are the same functions whichever run they are in) */
+    int32_t cap = RUN, fill = (threads + kv - 1) / kv;
+    if (fill > 1 && (d + fill - 1) / fill < cap) cap = (d + fill - 1) / fill;
     int32_t nrun = 0, multi = 0;
     for (int32_t s = 0; s < d; s++) {
         const int32_t *t = tables + (int64_t)s * maxnb;
-        if (s == 0 || s - run[nrun - 1] >= RUN || memcmp(t, t - maxnb, sizeof(int32_t) * maxnb))
+        if (s == 0 || s - run[nrun - 1] >= cap || memcmp(t, t - maxnb, sizeof(int32_t) * maxnb))
             run[nrun++] = s;
         else multi = 1;
     }
@@ -474,8 +497,10 @@ int paged_attention(const float *q, int64_t q_stride, const void *kc, const void
                 qs = qr;
             }
 #ifdef FO_AVX2
-            if (hd == 64)
-                one_pair64(qs, &src, first, n, g, scale, softcap, scores, os);
+            if (hd == 64) one_pair64(qs, &src, first, n, g, scale, softcap, scores, os);
+            else if (hd == 128) one_pair128(qs, &src, first, n, g, scale, softcap, scores, os);
+            else if (hd == 256) one_pair256(qs, &src, first, n, g, scale, softcap, scores, os);
+            else if (hd % 8 == 0) one_pair8(qs, &src, first, n, g, scale, softcap, scores, os);
             else
 #endif
                 one_pair(qs, &src, first, n, g, scale, softcap, scores, os);
