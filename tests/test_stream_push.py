@@ -1,13 +1,16 @@
 """Streamed ``/generate`` chunks written from the worker link's wake-up (``GenerateCall.
 set_push``, ``lifecycle/api/native.py`` ``_push``) while the socket takes them at once:
-the same events, in the same order, as the owner task writes when it is woken for each
+the same output, in the same order, as the owner task writes when it is woken for each
 chunk, over an in-process server and the scripted worker (known outputs, paced steps).
+Where the frames are cut is timing: an owner woken late (a loaded machine, a step of
+5 ms) writes every step since in one frame, so the streams are compared joined.
 
 The owner path is the one a request with ``X-Request-Timeout`` takes (a deadline keeps
 the owner awake on its own clock, so no push is installed)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import socket
@@ -45,10 +48,10 @@ def _events(body: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def _shape(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """What must agree: each event's new text and ids, its index, how it ended."""
-    return [(e.get("index"), e["text"], tuple(e["output_ids"]), e["meta_info"]["finish_reason"],
-             e["meta_info"]["completion_tokens"]) for e in events]  # fmt: skip
+def _by_index(events: list[dict[str, Any]], incremental: bool) -> dict[Any, dict[str, Any]]:
+    """Each sample's whole output (``_whole``), keyed by its index (None without ``n``)."""
+    keys = list(dict.fromkeys(e.get("index") for e in events))
+    return {k: _whole([e for e in events if e.get("index") == k], incremental) for k in keys}
 
 
 async def _stream(c: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str]) -> bytes:
@@ -87,9 +90,10 @@ async def test_pushed_chunks_are_the_owners_chunks(monkeypatch: pytest.MonkeyPat
                 pushed.clear()
                 woken = _events(await _stream(c, body, {"X-Request-Timeout": "60"}))
                 assert not pushed  # a deadline: no push installed
-                assert _shape(fast) == _shape(woken)
-                ids = [i for e in fast if e.get("index", 0) == 0 for i in e["output_ids"]]
-                assert ids == echo_ids(body)
+                whole = _by_index(fast, incremental=True)
+                assert whole == _by_index(woken, incremental=True)
+                first = whole[0 if "index" in fast[0] else None]
+                assert first["output_ids"] == echo_ids(body)
 
 
 async def test_cumulative_chunks_too() -> None:
@@ -100,8 +104,9 @@ async def test_cumulative_chunks_too() -> None:
             body = echo_body(3, 30)
             fast = _events(await _stream(c, body, {}))
             woken = _events(await _stream(c, body, {"X-Request-Timeout": "60"}))
-    assert _shape(fast) == _shape(woken)
-    assert fast[-1]["output_ids"] == echo_ids(body)
+    whole = _whole(fast, incremental=False)
+    assert whole == _whole(woken, incremental=False)
+    assert whole["output_ids"] == echo_ids(body)
 
 
 def _small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,26 +207,29 @@ async def test_the_push_waits_for_a_socket_that_stops_taking(
 
 def _whole(events: list[dict[str, Any]], incremental: bool) -> dict[str, Any]:
     """The output a stream delivered, however its frames were cut (a frame written late
-    carries every step since): incremental frames joined; cumulative frames each checked
-    to be the final output cut after its tokens, growing, and the last taken."""
+    carries every step since): incremental frames joined, each counting the tokens so
+    far; cumulative frames each checked to be the final output cut after its tokens,
+    growing, and the last taken."""
     if incremental:
-        parts = [(e["text"], e["output_ids"], e["meta_info"]["output_token_logprobs"],
-                  e["meta_info"]["output_top_logprobs"]) for e in events]  # fmt: skip
+        parts = [(e["text"], e["output_ids"], e["meta_info"].get("output_token_logprobs", []),
+                  e["meta_info"].get("output_top_logprobs", [])) for e in events]  # fmt: skip
         text = "".join(p[0] for p in parts)
         ids = [i for p in parts for i in p[1]]
+        counts = [e["meta_info"]["completion_tokens"] for e in events]
+        assert counts == list(itertools.accumulate(len(p[1]) for p in parts))
         logprobs = [x for p in parts for x in p[2]]
         top = [x for p in parts for x in p[3]]
     else:
         last = events[-1]
         text, ids = last["text"], last["output_ids"]
-        logprobs = last["meta_info"]["output_token_logprobs"]
-        top = last["meta_info"]["output_top_logprobs"]
+        logprobs = last["meta_info"].get("output_token_logprobs", [])
+        top = last["meta_info"].get("output_top_logprobs", [])
         seen = 0
         for e in events:
             n = len(e["output_ids"])
             assert n > seen and e["output_ids"] == ids[:n]
             assert e["meta_info"]["completion_tokens"] == n
-            assert e["meta_info"]["output_token_logprobs"] == logprobs[:n]
+            assert e["meta_info"].get("output_token_logprobs", []) == logprobs[:n]
             assert text.startswith(e["text"])
             seen = n
     assert events[-1]["meta_info"]["completion_tokens"] == len(ids)
