@@ -100,8 +100,9 @@ def test_touched_chunks_are_backed_by_huge_pages() -> None:
 @needs_packing
 def test_the_bundled_models_weights_lie_in_step_order() -> None:
     """Layer by layer, q/k/v, o, gate/up, down, then the embedding (the tied head): each
-    right after the one before it (a new chunk where it does not fit), every one read where it lies (a layer's parts too), in huge
-    pages where they can be had; ``weight_bytes`` counts each byte once."""
+    right after the one before it (a new chunk where it does not fit), every one read
+    where it lies (a layer's parts too), in huge pages where they can be had;
+    ``weight_bytes`` counts each byte once."""
     lm = load_model(None, device="cpu", weights="quantized")
     lins = [cast(QuantLinear, lin) for lin in lm.model.linears()]
     tensors = [b for lin in lins[:-1] for b in lin.blocks] + [lm.model.embed]

@@ -31,6 +31,16 @@ TRIM_THRESHOLD = 512 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def _libc() -> ctypes.CDLL | None:
+    """The C library, where it is glibc-like and loadable (Linux); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_cpu_runtime() -> dict[str, object]:
     """Apply both settings; returns what was set (for the worker's log)."""
     applied: dict[str, object] = {}
@@ -38,14 +48,13 @@ def tune_cpu_runtime() -> dict[str, object]:
         if "torch" not in sys.modules:  # libgomp reads it once, when torch loads it
             os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
             applied["GOMP_SPINCOUNT"] = SPIN_COUNT
-    if sys.platform.startswith("linux"):
+    if (libc := _libc()) is not None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             if libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1:
                 applied["mmap_threshold"] = MMAP_THRESHOLD
             if libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
                 applied["trim_threshold"] = TRIM_THRESHOLD
-        except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep defaults
+        except AttributeError:  # not glibc (musl has no mallopt): keep defaults
             pass
     return applied
 
@@ -53,10 +62,9 @@ def tune_cpu_runtime() -> dict[str, object]:
 def trim_heap() -> bool:
     """Return the heap's free pages to the system (glibc's ``malloc_trim``): what a load
     freed, kept resident by the trim threshold above. False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
+    if (libc := _libc()) is None:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc
+    except AttributeError:  # not glibc
         return False

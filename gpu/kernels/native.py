@@ -1,15 +1,16 @@
 """Small C kernels for the CPU path, compiled on first use with the system C compiler.
 
 Only what torch cannot do well with its own ops lives here: decode attention read
-straight from the paged KV cache (``gpu/kernels/csrc/paged_attention.c``), linear layers at
-one or two rows from a row-interleaved weight copy (``gpu/kernels/csrc/small_linear.c``), and
-grammar masks applied to logits in place (``gpu/kernels/csrc/token_mask.c``), linear layers
-straight from GGUF quantized blocks (``gpu/kernels/csrc/quant_linear.c``), and a step's
-decoder layers in one call over those (``gpu/kernels/csrc/fused_trunk.c``, ``gpu/backends/fused.py``). The
-library is built once per source, compiler and flag set into the kernel cache
-(``gpu/kernels/native_build.py``) and loaded with ctypes; the build takes about a second.
-No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the torch path in place
-(same results to rounding, slower at long contexts), with one log line saying why.
+straight from the paged KV cache (``gpu/kernels/csrc/paged_attention.c``), linear layers
+at one or two rows from a row-interleaved weight copy (``gpu/kernels/csrc/small_linear.c``),
+grammar masks applied to logits in place (``gpu/kernels/csrc/token_mask.c``), linear
+layers straight from GGUF quantized blocks (``gpu/kernels/csrc/quant_linear.c``), and a
+step's decoder layers in one call over those (``gpu/kernels/csrc/fused_trunk.c``,
+``gpu/backends/fused.py``). The library is built once per source, compiler and flag set
+into the kernel cache (``gpu/kernels/native_build.py``) and loaded with ctypes; the build
+takes about a second. No compiler, a failed build, or ``LIFECYCLE_NATIVE=0`` leaves the
+torch path in place (same results to rounding, slower at long contexts), with one log line
+saying why.
 """
 
 from __future__ import annotations
