@@ -171,7 +171,11 @@ class Llama(nn.Module):
             self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype, device=device)
         self._qk_dim = (config.n_heads + config.n_kv_heads) * config.head_dim
         self._shape = (config.hidden,)
-        self._quantized = any(isinstance(lin, QuantLinear) for lin in self.linears())
+        # The native kernels the quantized linears hold (None without any): the final
+        # norm, the softcap and the embedding's lookups use the same, looked up once.
+        self._native = next(
+            (lin.kernels for lin in self.linears() if isinstance(lin, QuantLinear)), None
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds for its weights, each byte counted once:
@@ -200,7 +204,7 @@ class Llama(nn.Module):
 
     def quantized(self) -> bool:
         """Whether any weight is kept as quantized blocks."""
-        return self._quantized
+        return self._native is not None
 
     def linears(self) -> list[Linear]:
         """Every projection of the model, the LM head last."""
@@ -229,7 +233,7 @@ class Llama(nn.Module):
     def embed_rows(self, input_ids: Tensor) -> Tensor:
         """The embedded rows ``[T, hidden]`` the first layer reads."""
         if self.embed_q is not None:
-            x = self.embed_q.rows(input_ids)
+            x = self.embed_q.rows(input_ids, self._native)
         elif self.plan is not None:
             x = vocab_parallel_rows(self.embed, input_ids, self.plan.vocab)
         else:
@@ -270,8 +274,14 @@ class Llama(nn.Module):
         """The final hidden state of trunk rows ``x``: what the LM head reads (embeddings).
         With quantized weights the native norm, as the fused trunk's: torch's reduction
         order may change with the CPU's vector width (docs/determinism.md)."""
-        if self._quantized and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
-            return _kernels().rms_norm(x, self.norm, self.config.rms_eps)
+        native = self._native
+        if (
+            native is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+        ):
+            return native.rms_norm(x, self.norm, self.config.rms_eps)
         return F.rms_norm(x, self._shape, self.norm, self.config.rms_eps)
 
     def logits(
@@ -284,8 +294,9 @@ class Llama(nn.Module):
         if self.spec.logit_scale != 1.0:  # Granite: the logits divided by its scale
             logits = logits / self.spec.logit_scale
         if cap := self.spec.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
-            if self.quantized() and logits.device.type == "cpu" and logits.is_contiguous():
-                logits = _kernels().softcap(logits, cap)  # the same bits on every CPU
+            native = self._native
+            if native is not None and logits.device.type == "cpu" and logits.is_contiguous():
+                logits = native.softcap(logits, cap)  # the same bits on every CPU
             else:
                 logits = torch.tanh(logits / cap) * cap
         return (logits, h) if return_hidden else logits

@@ -94,11 +94,12 @@ class QuantWeight:
         wp = kernels.q_pack(self.blocks.contiguous(), int(self.qtype), self.k, arena)
         return self if wp is None else QuantWeight(wp, self.qtype, self.k, self.shape[0])
 
-    def rows(self, ids: Tensor) -> Tensor:
+    def rows(self, ids: Tensor, kernels: NativeKernels | None = None) -> Tensor:
         """Rows ``ids`` dequantized to fp32 ``[*ids.shape, k]``, exactly as gguf.quants
-        dequantizes them (the embedding lookup)."""
+        dequantizes them (the embedding lookup); through ``kernels`` where given (a
+        model's, held since it was built), else the process's (``load_kernels``)."""
         if self.packed_rows is not None or self.qtype not in (Q.Q8_0, Q.Q4_1):
-            kernels = load_kernels()
+            kernels = kernels or load_kernels()
             assert kernels is not None  # a QuantWeight of these types exists only with them
             if self.packed_rows is not None:
                 out = kernels.q_packed_rows(self.blocks, ids, int(self.qtype), *self.shape)
