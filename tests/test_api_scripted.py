@@ -226,6 +226,12 @@ def test_duplicate_live_rid_is_refused(url: str) -> None:
 LONG = {"sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
 
 
+def _tokens_so_far(url: str, rid: str) -> int:
+    """Request ``rid``'s output tokens by its trace (0 until the server knows it)."""
+    r = httpx.get(f"{url}/debug/requests/{rid}")
+    return int(r.json()["tokens"]) if r.status_code == 200 else 0
+
+
 def test_abort_request_ends_running_request(url: str) -> None:
     import threading
 
@@ -243,7 +249,10 @@ def test_abort_request_ends_running_request(url: str) -> None:
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # until it has output (an abort before is no test)
+    while _tokens_so_far(url, "to-abort") == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     assert httpx.post(url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
     t.join(10)
     out = result["r"].json()
@@ -291,11 +300,15 @@ def test_disconnect_while_queued_in_worker_and_frontend(url: str) -> None:
     socks = [
         _raw_request(url, {"input_ids": [i + 1], "stream": i % 2 == 0, **LONG}) for i in range(6)
     ]
-    _wait_running(url, 2)
-    info = _info(url)
-    assert info["live_requests"] == 6
-    assert info["internal_states"][0]["waiting"] == 2
-    assert info["internal_states"][0]["dispatch_queue"] == 2
+    deadline = time.monotonic() + 10  # until all six are in: the last may still be parsed
+    while (
+        (info := _info(url))["live_requests"],
+        info["internal_states"][0]["running"],
+        info["internal_states"][0]["waiting"],
+        info["internal_states"][0]["dispatch_queue"],
+    ) != (6, 2, 2, 2):
+        assert time.monotonic() < deadline, info
+        time.sleep(0.02)
     for s in reversed(socks):  # queued ones first
         s.close()
     info = _wait_idle(url, timeout=3)

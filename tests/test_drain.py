@@ -116,9 +116,10 @@ async def test_sigterm_drains_streams_then_exits_zero() -> None:
                     await o["started"].wait()
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            await anyio.sleep(0.3)
             async with httpx.AsyncClient(timeout=10) as fresh:
-                health = await fresh.get(url + "/health")
+                with anyio.fail_after(DRAIN_TIMEOUT / 2):  # however late the signal lands
+                    while (health := await fresh.get(url + "/health")).status_code == 200:
+                        await anyio.sleep(0.01)
                 refused = await fresh.post(url + "/generate", json=_body(1, 1, False))
             assert health.status_code == DRAIN.health_status
             assert refused.status_code == 503 and "retry-after" in refused.headers

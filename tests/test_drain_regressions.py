@@ -32,14 +32,19 @@ def _post(body: bytes) -> bytes:
     return head + b"content-length: %d\r\n\r\n" % len(body) + body
 
 
-async def _sigterm_after_sending(sent: bytes, pause: float) -> bytes:
-    """A fresh server; ``sent`` written on one connection, SIGTERM ``pause`` s later: every
-    byte the connection then gets until the server closes it (the server exits)."""
+async def _sigterm_after_sending(sent: bytes, pause: float, traced: str | None = None) -> bytes:
+    """A fresh server; ``sent`` written on one connection, SIGTERM ``pause`` s later (and
+    once request ``traced`` is known to the server, however long that takes): every byte
+    the connection then gets until the server closes it (the server exits)."""
     proc, url = _serve()
     try:
         async with await anyio.connect_tcp(*_host_port(url)) as sock:
             await sock.send(sent)
             await anyio.sleep(pause)
+            async with httpx.AsyncClient(timeout=10) as c:
+                with anyio.fail_after(30):
+                    while traced and (await c.get(f"{url}/debug/requests/{traced}")).is_error:
+                        await anyio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             data = await read_until_closed(sock, 10)
         await anyio.to_thread.run_sync(lambda: proc.wait(20))
@@ -52,8 +57,9 @@ async def test_drain_answers_every_pipelined_request() -> None:
     """issue 37 item 7: three requests pipelined on one connection before SIGTERM get
     three answers (the first served, the rest 503), the last saying Connection: close;
     before, the two behind the first were dropped unanswered."""
-    bodies = [json.dumps(_body(i, 30, False)).encode() for i in range(3)]
-    data = await _sigterm_after_sending(b"".join(_post(b) for b in bodies), 0.2)
+    bodies = [json.dumps({**_body(i, 60, False), "rid": f"p{i}"}).encode() for i in range(3)]
+    # the first is served (1.2 s) from before the signal: the rest wait behind it
+    data = await _sigterm_after_sending(b"".join(_post(b) for b in bodies), 0.0, traced="p0")
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", data) == [b"200", b"503", b"503"], data
     assert data.lower().count(b"connection: close") == 1
     assert data.lower().count(f"retry-after: {DRAIN.refused.retry_after}".encode()) == 2
@@ -90,9 +96,14 @@ async def test_drain_503s_share_one_retry_after() -> None:
                 unary.update(status=r.status_code, headers=r.headers)
 
             tg.start_soon(one_unary)
-            await anyio.sleep(0.5)
+            with anyio.fail_after(30):  # the unary one under way, then the signal
+                while (await c.get(url + "/server_info")).json()["live_requests"] < 1:
+                    await anyio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
-            await anyio.sleep(0.3)
+            async with httpx.AsyncClient(timeout=10) as fresh:  # the signal landed
+                with anyio.fail_after(30):
+                    while (await fresh.get(url + "/health")).status_code != 503:
+                        await anyio.sleep(0.01)
             refusal = await _raw_refusal(url)
         await anyio.to_thread.run_sync(lambda: proc.wait(20))
     finally:

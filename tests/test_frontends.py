@@ -119,16 +119,28 @@ def test_a_scrape_of_any_frontend_is_the_whole_server() -> None:
         for _ in range(10):
             r = httpx.post(url + "/generate", json=body, headers={"Connection": "close"})
             assert r.status_code == 200, r.text
-        time.sleep(1.5)  # each frontend publishes its own every second
-        totals = []
-        for _ in range(12):
+
+        def scrape() -> tuple[str, float]:
             text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
             families = {f.name: f for f in text_string_to_metric_families(text)}
             samples = families["lifecycle_http_requests"].samples
             assert {s.labels["frontend"] for s in samples} <= {"0", "1"}
             rss = families["lifecycle_process_resident_memory_bytes"].samples
             assert sorted(s.labels["frontend"] for s in rss) == ["0", "1"]
-            totals.append(sum(s.value for s in samples if s.labels["endpoint"] == "/generate"))
+            return text, sum(s.value for s in samples if s.labels["endpoint"] == "/generate")
+
+        # each frontend publishes its own every second: until both have, however late
+        deadline = time.monotonic() + 20
+        seen = [scrape()[1]]
+        while seen[-1] != 10:
+            assert time.monotonic() < deadline and seen[-1] <= 10, seen
+            time.sleep(0.1)
+            seen.append(scrape()[1])
+        assert seen == sorted(seen), seen  # never back
+        totals = []
+        for _ in range(12):
+            text, total = scrape()
+            totals.append(total)
         assert totals == [10] * 12, totals
         if shutil.which("promtool"):
             check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),

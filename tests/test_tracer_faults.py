@@ -107,7 +107,10 @@ def test_full_disk_trace_log_is_reported_and_serving_goes_on(
     the log off and reports it once; the requests, the ring and the server go on."""
     with start_server(*ARGS, "--trace-log", "/dev/full") as srv:
         _short(srv)
-        time.sleep(0.3)  # the tick flushes the line: ENOSPC
+        deadline = time.monotonic() + 20  # a tick flushes the line: ENOSPC, the log off
+        while _metric(srv, "lifecycle_trace_log_ok") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         _short(srv)
         _assert_stream_whole(_stream(srv, 7))
         time.sleep(0.3)
