@@ -56,8 +56,8 @@ MISSED_THEN = (
     _m("gemma2_final_softcap", "issue 54, point 4",
        "Gemma 2's final logit soft cap 1.25 times too large on the served (quantized CPU) path",
        ("tests/test_families.py",),
-       Edit("gpu/model/decoder.py", "logits = _kernels().softcap(logits, cap)",
-            "logits = _kernels().softcap(logits, cap * 1.25)")),
+       Edit("gpu/model/decoder.py", "logits = native.softcap(logits, cap)",
+            "logits = native.softcap(logits, cap * 1.25)")),
     _m("llama3_rope_blend", "issue 54, point 5",
        "Llama 3's RoPE blend between the wavelength limits divides by (high + low)",
        ("tests/test_hf_folder.py",),
@@ -188,6 +188,19 @@ _LOST_DISPATCH = Edit(
 
 # Features since (each new feature adds the mutations its tests must catch).
 FEATURES = (
+    _m(
+        "frontends_drain_in_turn",
+        "issue 53, point 6",
+        "--frontends N: a signal to the launcher drains one frontend, the next once it ended",
+        ("tests/test_signals.py::test_every_signal_drains_every_frontend_at_once",),
+        Edit(
+            "lifecycle/frontends.py",
+            "    for child in frontends:\n        child.signal(CHILD_DRAIN)\n",
+            "    for child in frontends:\n        child.signal(CHILD_DRAIN)\n"
+            "        while child.proc is not None and child.proc.poll() is None:\n"
+            "            time.sleep(0.05)\n",
+        ),
+    ),
     _m(
         "thinking_budget_one_late",
         "issue 56, point 4",
