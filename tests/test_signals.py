@@ -149,5 +149,13 @@ def test_a_killed_launcher_leaves_no_frontend_or_worker() -> None:
         alive = children
         while alive and time.monotonic() < deadline:
             time.sleep(0.05)
-            alive = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+            alive = [c for c in alive if _running(c)]
         assert alive == [], [" ".join(c.cmdline()) for c in alive]
+
+
+def _running(p: psutil.Process) -> bool:
+    """Whether ``p`` still runs (a zombie does not; one reaped meanwhile neither)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
