@@ -331,6 +331,32 @@ def test_a_fault_in_a_speculative_step(
 DRAFT = Speculation("draft", tokens=4)
 
 
+def test_the_mirror_runs_a_checks_last_row_only() -> None:
+    """``Drafter.mirror``'s step: a decode, a check of a sequence ``fill`` ran (its last
+    token and a draft of 3) and a prompt chunk become the decode, the check's last row as
+    a decode (``fill`` wrote the other three) and the whole prompt chunk, decodes first;
+    a check whose draft is not ``fill``'s (another length) stays whole."""
+    from types import SimpleNamespace
+
+    from gpu.cache.kv_cache import PrefillChunk
+    from gpu.runtime.drafter import _past_fill
+    from gpu.runtime.runner import StepInput
+
+    dec, chk, pro = [1, 2], [3, 4], [5]
+    step = StepInput(
+        ids=[10, 20, 21, 22, 23, 30, 31], pos=[7, 40, 41, 42, 43, 0, 1], decodes=[(dec, 8)],
+        prefills=[PrefillChunk(chk, 40, 4), PrefillChunk(pro, 0, 2)], copies=[(1, 2, 3)],
+    )  # fmt: skip
+    seq = SimpleNamespace(block_table=chk, draft=[21, 22, 23])
+    cut = _past_fill(step, [seq])  # type: ignore[list-item]
+    assert (cut.ids, cut.pos) == ([10, 23, 30, 31], [7, 43, 0, 1])
+    assert cut.decodes == [(dec, 8), (chk, 44)]
+    assert cut.prefills == [PrefillChunk(pro, 0, 2)] and cut.copies == [(1, 2, 3)]
+    other = SimpleNamespace(block_table=chk, draft=[21, 22])
+    assert _past_fill(step, [other]) is step  # type: ignore[list-item]
+    assert _past_fill(step, []) is step
+
+
 def test_draft_model_as_itself_is_always_right(lm: LoadedModel) -> None:
     """The served model as its own draft proposes exactly its tokens: every proposal is
     accepted whole, which holds only if the draft's KV follows the served model's through

@@ -274,8 +274,19 @@ FEATURES = (
         ("tests/test_speculative.py",),
         Edit(
             "gpu/runtime/engine.py",
-            "            self.drafter.mirror(step.input)\n",
+            "            self.drafter.mirror(step.input, drafting)\n",
             "            pass\n",
+        ),
+    ),
+    _m(
+        "spec_draft_mirror_cuts_prompts",
+        "issue 59, point 1",
+        "the draft model's mirror runs only the last row of every chunk, prompt chunks too",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/drafter.py",
+            "        if drafted.get(id(c.block_table)) == c.n:\n",
+            "        if True:\n",
         ),
     ),
     _m(

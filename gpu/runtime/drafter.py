@@ -7,13 +7,17 @@ draft KV of every block is there whenever the served model's is: after prefix hi
 copy-on-write copies, forks and preemptions alike. Before a step whose batch has
 speculating sequences, ``fill`` runs the draft model k times on them, one row each, and
 takes its greedy tokens as their drafts; those rows write draft KV past the sequences'
-computed tokens, which the step's mirror writes again with the same values.
+computed tokens. Of such a sequence's check rows the mirror then runs only the last
+(its last draft token): ``fill`` wrote the others from the same inputs, one row at a
+time, which is the same bits as the check's rows together (the kernels' batch
+invariance, docs/determinism.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from gpu.cache.kv_cache import PrefillChunk
 from gpu.model.loader import LoadedModel
 from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.runner import ModelRunner, StepInput
@@ -45,9 +49,12 @@ class Drafter:
         self.model = draft
         self.runner = ModelRunner(draft, eager, max_context)
 
-    def mirror(self, step: StepInput) -> None:
-        """The draft model's KV of the served model's step: the same rows, no logits."""
-        self.runner.run(replace(step, logit_rows=[], want_hidden=False, loads=[]))
+    def mirror(self, step: StepInput, filled: list[Sequence]) -> None:
+        """The draft model's KV of the served model's step: the same rows, no logits;
+        of the check rows of each of ``filled`` (the sequences ``fill`` ran this step),
+        only the last, the others written by ``fill`` already."""
+        bare = replace(step, logit_rows=[], want_hidden=False, loads=[])
+        self.runner.run(bare if step.future is not None else _past_fill(bare, filled))
 
     def fill(self, seqs: list[Sequence]) -> None:
         """Each of ``seqs``' drafts (placeholders, their length decided) as the draft
@@ -64,3 +71,31 @@ class Drafter:
             assert out.logits is not None
             for s, tok in zip(rows, sample_greedy(out.logits), strict=True):
                 s.draft[j] = tok
+
+
+def _past_fill(step: StepInput, filled: list[Sequence]) -> StepInput:
+    """``step`` with each check of ``filled`` (a prompt chunk of its last token and its
+    draft) cut to its last row, a decode row; rows stay decodes first, then the chunks
+    left, each in its order. ``step`` itself where no check is cut."""
+    drafted = {id(s.block_table): len(s.draft) + 1 for s in filled}
+    n = len(step.decodes)
+    ids, pos, decodes = step.ids[:n], step.pos[:n], list(step.decodes)
+    rest_ids: list[int] = []
+    rest_pos: list[int] = []
+    prefills: list[PrefillChunk] = []
+    row = n
+    for c in step.prefills:
+        if drafted.get(id(c.block_table)) == c.n:
+            last = row + c.n - 1
+            ids.append(step.ids[last])
+            pos.append(step.pos[last])
+            decodes.append((list(c.block_table), c.start + c.n))
+        else:
+            rest_ids += step.ids[row : row + c.n]
+            rest_pos += step.pos[row : row + c.n]
+            prefills.append(c)
+        row += c.n
+    if len(prefills) == len(step.prefills):
+        return step
+    return replace(step, ids=ids + rest_ids, pos=pos + rest_pos, decodes=decodes,
+                   prefills=prefills, all_sampled_decodes=False)  # fmt: skip
