@@ -332,10 +332,11 @@ DRAFT = Speculation("draft", tokens=4)
 
 
 def test_the_mirror_runs_a_checks_last_row_only() -> None:
-    """``Drafter.mirror``'s step: a decode, a check of a sequence ``fill`` ran (its last
-    token and a draft of 3) and a prompt chunk become the decode, the check's last row as
-    a decode (``fill`` wrote the other three) and the whole prompt chunk, decodes first;
-    a check whose draft is not ``fill``'s (another length) stays whole."""
+    """``Drafter.mirror``'s step: a decode, a check (``lay_out``'s chunk of a sequence's
+    last token and a draft of 3, which ``fill`` ran) and a prompt chunk become the decode,
+    the check's last row as a decode (``fill`` wrote the other three) and the whole
+    prompt chunk, decodes first; chunks of no check stay whole, and a step without checks
+    is run as it is."""
     from types import SimpleNamespace
 
     from gpu.cache.kv_cache import PrefillChunk
@@ -348,12 +349,12 @@ def test_the_mirror_runs_a_checks_last_row_only() -> None:
         prefills=[PrefillChunk(chk, 40, 4), PrefillChunk(pro, 0, 2)], copies=[(1, 2, 3)],
     )  # fmt: skip
     seq = SimpleNamespace(block_table=chk, draft=[21, 22, 23])
-    cut = _past_fill(step, [seq])  # type: ignore[list-item]
+    cut = _past_fill(step, [(1, seq, seq.draft)])  # type: ignore[list-item]
     assert (cut.ids, cut.pos) == ([10, 23, 30, 31], [7, 43, 0, 1])
     assert cut.decodes == [(dec, 8), (chk, 44)]
     assert cut.prefills == [PrefillChunk(pro, 0, 2)] and cut.copies == [(1, 2, 3)]
-    other = SimpleNamespace(block_table=chk, draft=[21, 22])
-    assert _past_fill(step, [other]) is step  # type: ignore[list-item]
+    other = SimpleNamespace(block_table=[9], draft=[21, 22])  # a check not in this step
+    assert _past_fill(step, [(1, other, other.draft)]) == step  # type: ignore[list-item]
     assert _past_fill(step, []) is step
 
 

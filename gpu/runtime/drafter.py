@@ -23,6 +23,7 @@ from gpu.runtime.engine_config import EngineConfig
 from gpu.runtime.runner import ModelRunner, StepInput
 from gpu.runtime.sampling import sample_greedy
 from gpu.runtime.scheduler import Sequence
+from gpu.runtime.step import Step
 
 __all__ = ["DraftMismatch", "Drafter"]
 
@@ -49,12 +50,12 @@ class Drafter:
         self.model = draft
         self.runner = ModelRunner(draft, eager, max_context)
 
-    def mirror(self, step: StepInput, filled: list[Sequence]) -> None:
+    def mirror(self, step: Step) -> None:
         """The draft model's KV of the served model's step: the same rows, no logits;
-        of the check rows of each of ``filled`` (the sequences ``fill`` ran this step),
-        only the last, the others written by ``fill`` already."""
-        bare = replace(step, logit_rows=[], want_hidden=False, loads=[])
-        self.runner.run(bare if step.future is not None else _past_fill(bare, filled))
+        of each check's rows (``step.drafts``: ``fill`` ran them this step) only the
+        last, the others written by ``fill`` already."""
+        bare = replace(step.input, logit_rows=[], want_hidden=False, loads=[])
+        self.runner.run(bare if bare.future is not None else _past_fill(bare, step.drafts))
 
     def fill(self, seqs: list[Sequence]) -> None:
         """Each of ``seqs``' drafts (placeholders, their length decided) as the draft
@@ -73,11 +74,13 @@ class Drafter:
                 s.draft[j] = tok
 
 
-def _past_fill(step: StepInput, filled: list[Sequence]) -> StepInput:
-    """``step`` with each check of ``filled`` (a prompt chunk of its last token and its
-    draft) cut to its last row, a decode row; rows stay decodes first, then the chunks
-    left, each in its order. ``step`` itself where no check is cut."""
-    drafted = {id(s.block_table): len(s.draft) + 1 for s in filled}
+def _past_fill(step: StepInput, drafts: list[tuple[int, Sequence, list[int]]]) -> StepInput:
+    """``step`` with each check of ``drafts`` (a prompt chunk of a sequence's last token
+    and its draft: ``lay_out``) cut to its last row, a decode row; rows stay decodes
+    first, then the chunks left, each in its order. ``step`` itself without checks."""
+    if not drafts:
+        return step
+    checks = {id(seq.block_table) for _, seq, _ in drafts}
     n = len(step.decodes)
     ids, pos, decodes = step.ids[:n], step.pos[:n], list(step.decodes)
     rest_ids: list[int] = []
@@ -85,7 +88,7 @@ def _past_fill(step: StepInput, filled: list[Sequence]) -> StepInput:
     prefills: list[PrefillChunk] = []
     row = n
     for c in step.prefills:
-        if drafted.get(id(c.block_table)) == c.n:
+        if id(c.block_table) in checks:
             last = row + c.n - 1
             ids.append(step.ids[last])
             pos.append(step.pos[last])
@@ -95,7 +98,5 @@ def _past_fill(step: StepInput, filled: list[Sequence]) -> StepInput:
             rest_pos += step.pos[row : row + c.n]
             prefills.append(c)
         row += c.n
-    if len(prefills) == len(step.prefills):
-        return step
     return replace(step, ids=ids + rest_ids, pos=pos + rest_pos, decodes=decodes,
                    prefills=prefills, all_sampled_decodes=False)  # fmt: skip

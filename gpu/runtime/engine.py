@@ -164,13 +164,12 @@ class Engine:
         if fault is not None:
             fault = fault.apply()  # raise, delay, stall or kill here; "nan" below
         s = self.scheduler  # the step's cache operations, made by the runner before it runs
-        drafting: list[Sequence] = []
         if self.drafter is not None and (drafting := [q for q, _ in batch if q.draft]):
             self.drafter.fill(drafting)  # their drafts, before the step is laid out
         step = lay_out(batch, prev, s.take_copies(), s.take_loads())
         out = self.runner.run(step.input)
         if self.drafter is not None:
-            self.drafter.mirror(step.input, drafting)
+            self.drafter.mirror(step)
         pooling = step.pooling
         pooled = (
             pool(self.model.final_norm, out.x, pooling) if pooling and out.x is not None else []
