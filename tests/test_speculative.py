@@ -242,6 +242,39 @@ def test_penalties_and_min_tokens_equal(lm: LoadedModel) -> None:
     assert _accepted(spec) > 5
 
 
+def test_no_draft_while_a_prompt_is_prefilled(lm: LoadedModel) -> None:
+    """A step with prompt work (a request waiting, a running prompt's chunk) proposes no
+    draft: its rows are the chunk's, and a check beside it would slow the new request's
+    first token. Once the new prompt is in, both speculate again; the tokens are those
+    of the engine without speculation."""
+    engine = _engine(lm, mixed_prefill_tokens=8)
+    first, second = _prompts(lm)[0], _prompts(lm)[3]
+    errors, _ = engine.submit([SubmitEntry(1, pack_ids(first), _greedy(96), {})])
+    assert not errors
+    out: dict[int, list[int]] = {1: [], 2: []}
+
+    def step() -> None:
+        for e in engine.step():
+            out[e.rid] += ids_to_list(e.new_ids)
+
+    while engine.spec_totals.verify_steps == 0:
+        step()
+    assert engine.submit([SubmitEntry(2, pack_ids(second), _greedy(48), {})]) == ([], [])
+    s, prompt_steps = engine.scheduler, 0
+    while s.waiting or any(len(q.tokens) - q.num_computed > 1 for q in s.running):
+        checks = engine.spec_totals.verify_steps
+        step()
+        prompt_steps += 1
+        assert engine.spec_totals.verify_steps == checks, prompt_steps
+    assert prompt_steps >= len(second) // 8  # the second prompt took that many chunks
+    checks = engine.spec_totals.verify_steps
+    while engine.has_work:
+        step()
+    assert engine.spec_totals.verify_steps > checks and not engine.check()
+    plain = run_to_end(_engine(lm, Speculation()), [first, second], [_greedy(96), _greedy(48)])
+    assert [out[1], out[2]] == plain
+
+
 def test_random_prompts_back_off(lm: LoadedModel) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(3)]

@@ -290,6 +290,17 @@ FEATURES = (
         ),
     ),
     _m(
+        "spec_drafts_beside_prompt_work",
+        "issue 59, point 1",
+        "a step with a prompt chunk or a request waiting still proposes drafts",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/scheduler.py",
+            "        if room > 0 and (\n            self.waiting or any(",
+            "        if room < 0 and (\n            self.waiting or any(",
+        ),
+    ),
+    _m(
         "spec_draft_published",
         "issue 59, point 1",
         "a speculating row's draft KV is counted computed before it was checked",

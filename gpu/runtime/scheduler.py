@@ -165,8 +165,13 @@ class Scheduler:
         preempted = 0
         chunks = False
         spec = self.spec
-        # draft rows this step may add: a step of many decodes gains nothing from them
+        # draft rows this step may add: a step of many decodes gains nothing from them,
+        # and prompt work (a running prompt's chunk, a request to admit) fills its rows
         room = spec.step_rows - len(self.running) if spec is not None else 0
+        if room > 0 and (
+            self.waiting or any(len(s.tokens) - s.num_computed > 1 for s in self.running)
+        ):
+            room = 0
         for seq in list(self.running):
             c = seq.num_computed
             left = len(seq.tokens) - c
