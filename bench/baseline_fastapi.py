@@ -10,8 +10,10 @@ a floor for a real Python frontend.
     python -m bench.baseline_fastapi --port 0     # prints "LISTENING <host> <port>"
 
 A request may carry ``"scripted_fault"``: ``"http_500"`` (answer 500), ``"truncate"``
-(stop the stream half-way without ``[DONE]``), or ``"drop"`` (break the connection
-half-way). The load generator's tests use these to check failures are counted.
+(stop the stream half-way without ``[DONE]``), ``"drop"`` (break the connection
+half-way), or, on ``/generate``, ``"short"`` (one token fewer than asked, ended as if
+whole). The load generator's tests use these to check failures and short answers are
+counted.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def build_app(delay_s: float = 0.0) -> FastAPI:
         if fault == "http_500":
             return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
         n = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
+        n -= fault == "short"
         key = "input_ids" if "input_ids" in body else "text"
         frames = _generate_frames(n, _prompt_tokens(body, key), str(next(counter)))
         if body.get("stream"):

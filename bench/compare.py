@@ -70,6 +70,7 @@ class LevelResult:
     long_cpu_s: float = 0.0
     long_tokens: int = 0
     long_requests: int = 0
+    short: int = 0  # successful requests whose token count was not the forced one
 
     def add_long(self, res: LoadResult, server_cpu_s: float) -> None:
         self.long_cpu_s += server_cpu_s
@@ -81,6 +82,7 @@ class LevelResult:
     ) -> None:
         self.rep_steal.append(steal)
         self.outputs += res.outputs
+        self.short += len(res.short)
         self.duration_s += res.metrics.duration_s
         self.requests_sent += len(res.outputs)
         self.server_cpu_s += server_cpu_s
@@ -94,6 +96,7 @@ class LevelResult:
         return {
             "completed": m.completed,
             "failed": m.failed,
+            "short": self.short,
             "output_tok_s": m.output_throughput,
             "rep_output_tok_s": self.rep_tok_s,
             "request_throughput": m.request_throughput,
@@ -160,6 +163,9 @@ def compare(contenders: list[Contender], args: argparse.Namespace) -> dict[int, 
                 )
                 res = run_load_sync(c.target, c.spec, prompts, cfg)
                 steal = steal_share(steal0, steal_ticks())
+                for i, got, want in res.short:  # every forced token must arrive
+                    print(f"!! {c.label}: request {i} (seed {seed}) counted {got} tokens "
+                          f"where {want} were forced", flush=True)  # fmt: skip
                 # Whatever else ran meanwhile: machine busy time minus the server's
                 # process tree and this client. Above ~10% of a core the figures are noise.
                 foreign = busy_cpu_seconds() - busy0 - (c.proc.tree_cpu_seconds() - tree0)
@@ -225,6 +231,11 @@ def print_table(summary: dict[int, dict[str, Any]], labels: list[str], frontend:
         )
 
     print("\nrequests completed/failed: " + per_level(lambda r: f"{r['completed']}/{r['failed']}"))
+    if any(r.get("short") for lv in summary.values() for r in lv.values()):
+        print(
+            "!! requests with fewer or more tokens than forced: "
+            + per_level(lambda r: str(r.get("short", 0)))
+        )
     print(
         "other processes' CPU during the runs, % of one core (above ~10 the figures are noise): "
         + per_level(lambda r: f"{r['foreign_cpu_pct']:.0f}")

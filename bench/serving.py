@@ -60,6 +60,10 @@ class LoadResult:
     client_cpu_s: float
     connections_opened: int
     errors: dict[str, int] = field(default_factory=dict)
+    # Requests that succeeded with fewer or more tokens than they forced (``ignore_eos``
+    # on): (prompt index, tokens the client counted, tokens forced). A server that keeps
+    # every token has none.
+    short: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_dict(self, details: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = self.metrics.to_dict()
@@ -69,6 +73,7 @@ class LoadResult:
             client_cpu_pct=100 * self.client_cpu_s / max(self.metrics.duration_s, 1e-9),
             connections_opened=self.connections_opened,
             errors=self.errors,
+            short=self.short,
         )
         if details:
             d["requests"] = [asdict(o) for o in self.outputs]
@@ -172,6 +177,12 @@ async def _timed_run(
         if not o.success:
             key = o.error.split(":", 1)[0][:60]
             errors[key] = errors.get(key, 0) + 1
+    forced = spec.ignore_eos != "off"
+    short = [
+        (i, o.output_len, prompts[i].output_len)
+        for i, o in enumerate(outputs)
+        if forced and o is not None and o.success and o.output_len != prompts[i].output_len
+    ]
     return LoadResult(
         metrics=compute_metrics(done, duration),
         outputs=done,
@@ -179,6 +190,7 @@ async def _timed_run(
         client_cpu_s=cpu,
         connections_opened=pool.opened,
         errors=errors,
+        short=short,
     )
 
 
@@ -286,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for err, n in sorted(result.errors.items()):
         print(f"  failed x{n}: {err}")
+    for i, got, want in result.short:
+        print(f"  !! request {i}: {got} tokens counted where {want} were forced")
     if args.output_file:
         d.update(
             api=args.api,

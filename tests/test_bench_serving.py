@@ -46,7 +46,7 @@ def test_load_against_baseline(baseline: Target, api: str, stream: bool) -> None
     res = _run(baseline, RequestSpec(api=api, stream=stream))
     m = res.metrics
     assert (m.completed, m.failed, res.not_started) == (6, 0, 0)
-    assert (m.total_input, m.total_output) == (48, 30)
+    assert (m.total_input, m.total_output) == (48, 30) and res.short == []
     assert res.connections_opened <= 4  # keep-alive: one per concurrent slot (+ warm-up)
     for o in res.outputs:
         assert o.ttft > 0 and o.latency >= o.ttft
@@ -74,6 +74,19 @@ def test_scripted_failures_are_counted(
     assert (res.metrics.completed, res.metrics.failed) == (0, 4)
     assert res.metrics.total_output == 0 and res.metrics.output_throughput == 0
     assert all(error in o.error for o in res.outputs), [o.error for o in res.outputs]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_short_answer_is_named(baseline: Target, stream: bool) -> None:
+    """A request that forced 5 tokens and got 4, ended as if whole, succeeds and is
+    listed (prompt index, counted, forced); without forcing, fewer tokens are the
+    model's choice and nothing is listed."""
+    spec = RequestSpec(stream=stream, extra_body={"scripted_fault": "short"})
+    res = _run(baseline, spec, n=3, conc=1)
+    assert (res.metrics.completed, res.metrics.failed) == (3, 0)
+    assert res.short == [(0, 4, 5), (1, 4, 5), (2, 4, 5)]
+    free = RequestSpec(stream=stream, ignore_eos="off", extra_body={"scripted_fault": "short"})
+    assert _run(baseline, free, n=3, conc=1).short == []
 
 
 def test_refused_connection_is_a_failure() -> None:
