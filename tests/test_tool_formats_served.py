@@ -2,15 +2,21 @@
 chat API's ``regex`` forces the model to write a call in the server's format
 (``tool_call_parser``), so the parser, not the model, is under test. Unary and streamed
 run side by side: the calls read back, and the streamed fragments of each call add up to
-the unary reply's arguments. One in-process app per format (the format is the server's),
-its worker the real one; the CLI accepts every name (``--tool-call-parser``)."""
+the unary reply's arguments. One in-process app per format (the format is the frontend's),
+each in turn connected to one real worker started for the module (``lifecycle worker
+--listen``, as a worker started elsewhere is); the CLI accepts every name
+(``--tool-call-parser``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +26,7 @@ import pytest
 from lifecycle.app import App
 from lifecycle.chat.tool_formats import TOOL_FORMAT_ALIASES, TOOL_FORMATS, tool_format
 from lifecycle.option_args import add_flags, option_values
+from wire.child import stop_process
 
 from .app_helpers import running_app
 from .tool_cases import TOOLS, USER
@@ -39,10 +46,27 @@ def _forced_text(fmt: str) -> tuple[str, str | None]:
     return (call, None) if fmt in LEAD_ONLY else ("Sure. " + call, "Sure.")
 
 
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The bundled model's real worker, listening on a unix socket, for every format."""
+    sock = tmp_path_factory.mktemp("formats") / "w.sock"
+    argv = [sys.executable, "-m", "lifecycle", "worker", "--listen", f"unix:{sock}",
+            "--device", "cpu", "--max-running", "2", "--kv-cache-tokens", "1024"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "the worker did not listen in time"
+            time.sleep(0.05)
+        yield f"unix:{sock}"
+    finally:
+        stop_process(proc)
+
+
 @pytest.fixture(params=sorted(TOOL_FORMATS))
-async def served(request: Any) -> AsyncIterator[tuple[str, App]]:
-    async with running_app(worker_module="gpu.worker", device="cpu", max_running=2,
-                           kv_cache_tokens=1024, tool_call_parser=request.param) as app:  # fmt: skip
+async def served(request: Any, worker: str) -> AsyncIterator[tuple[str, App]]:
+    async with running_app(worker=worker, tool_call_parser=request.param) as app:
         yield request.param, app
 
 
