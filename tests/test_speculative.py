@@ -275,6 +275,26 @@ def test_no_draft_while_a_prompt_is_prefilled(lm: LoadedModel) -> None:
     assert [out[1], out[2]] == plain
 
 
+def test_a_request_held_by_max_running_does_not_stop_drafts(lm: LoadedModel) -> None:
+    """With --max-running 1 the second request waits for the first to end, whatever a
+    step holds: the first speculates meanwhile (its end comes sooner)."""
+    engine = _engine(lm, max_running=1)
+    first, second = _prompts(lm)[0], _prompts(lm)[3]
+    entries = [SubmitEntry(1, pack_ids(first), _greedy(64), {}),
+               SubmitEntry(2, pack_ids(second), _greedy(16), {})]  # fmt: skip
+    assert engine.submit(entries) == ([], [])
+    out: dict[int, list[int]] = {1: [], 2: []}
+    while not out[2]:
+        for e in engine.step():
+            out[e.rid] += ids_to_list(e.new_ids)
+    assert len(out[1]) == 64 and engine.spec_totals.accepted_tokens > 5
+    while engine.has_work:
+        for e in engine.step():
+            out[e.rid] += ids_to_list(e.new_ids)
+    plain = run_to_end(_engine(lm, Speculation()), [first, second], [_greedy(64), _greedy(16)])
+    assert [out[1], out[2]] == plain
+
+
 def test_random_prompts_back_off(lm: LoadedModel) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(3)]

@@ -296,8 +296,19 @@ FEATURES = (
         ("tests/test_speculative.py",),
         Edit(
             "gpu/runtime/scheduler.py",
-            "        if room > 0 and (\n            self.waiting or any(",
-            "        if room < 0 and (\n            self.waiting or any(",
+            "        if room > 0 and (\n            (self.waiting and",
+            "        if room < 0 and (\n            (self.waiting and",
+        ),
+    ),
+    _m(
+        "spec_queue_past_max_running_stops_drafts",
+        "issue 59, point 1",
+        "a request that --max-running keeps waiting stops the running ones' drafts",
+        ("tests/test_speculative.py",),
+        Edit(
+            "gpu/runtime/scheduler.py",
+            "(self.waiting and len(self.running) < self.config.max_running)\n            or",
+            "self.waiting\n            or",
         ),
     ),
     _m(

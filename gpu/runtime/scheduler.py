@@ -166,10 +166,12 @@ class Scheduler:
         chunks = False
         spec = self.spec
         # draft rows this step may add: a step of many decodes gains nothing from them,
-        # and prompt work (a running prompt's chunk, a request to admit) fills its rows
+        # and prompt work (a running prompt's chunk, a request this step may admit) fills
+        # its rows; a request kept waiting by --max-running waits for the running to end
         room = spec.step_rows - len(self.running) if spec is not None else 0
         if room > 0 and (
-            self.waiting or any(len(s.tokens) - s.num_computed > 1 for s in self.running)
+            (self.waiting and len(self.running) < self.config.max_running)
+            or any(len(s.tokens) - s.num_computed > 1 for s in self.running)
         ):
             room = 0
         for seq in list(self.running):
@@ -199,7 +201,7 @@ class Scheduler:
                 prefill -= n
                 chunks = True
         while (
-            self.waiting
+            (self.waiting and len(self.running) < self.config.max_running)
             and min(budget, prefill) > 0
             and len(self.running) < self.config.max_running
         ):
