@@ -211,8 +211,8 @@ def test_stale_keep_alive_connection_is_retried_once() -> None:
                 data = b""
                 while b"\r\n\r\n" not in data or not data.endswith(b"}"):
                     data += conn.recv(65536)
+                served.append(1)  # before the reply: the client may count at once
                 conn.sendall(reply)
-                served.append(1)
 
     thread = threading.Thread(target=scripted_peer, daemon=True)
     thread.start()
