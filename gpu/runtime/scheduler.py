@@ -201,7 +201,7 @@ class Scheduler:
                 prefill -= n
                 chunks = True
         while (
-            (self.waiting and len(self.running) < self.config.max_running)
+            self.waiting
             and min(budget, prefill) > 0
             and len(self.running) < self.config.max_running
         ):
