@@ -271,7 +271,7 @@ FEATURES = (
         "spec_draft_kv_not_mirrored",
         "issue 59, point 1",
         "the draft model's cache misses the served model's steps (its proposals go stale)",
-        ("tests/test_speculative.py",),
+        ("tests/test_speculative_draft.py",),
         Edit(
             "gpu/runtime/engine.py",
             "            self.drafter.mirror(step)\n",
@@ -282,7 +282,7 @@ FEATURES = (
         "spec_draft_mirror_cuts_prompts",
         "issue 59, point 1",
         "the draft model's mirror runs only the last row of every chunk, prompt chunks too",
-        ("tests/test_speculative.py",),
+        ("tests/test_speculative_draft.py",),
         Edit(
             "gpu/runtime/drafter.py",
             "        if id(c.block_table) in checks:\n",
@@ -315,7 +315,7 @@ FEATURES = (
         "spec_draft_published",
         "issue 59, point 1",
         "a speculating row's draft KV is counted computed before it was checked",
-        ("tests/test_speculative.py",),
+        ("tests/test_speculative.py", "tests/test_speculative_draft.py"),
         Edit(
             "gpu/runtime/engine.py",
             "            batch = [(s, 1 if s.draft else n) for s, n in batch]\n",
