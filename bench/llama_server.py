@@ -25,6 +25,7 @@ __all__ = [
     "binary_path",
     "build_flags",
     "cache_dir",
+    "cache_root",
     "peer_spec",
     "rss_mib",
     "server_argv",
@@ -42,14 +43,21 @@ BUILD_NOTE = (
 )
 
 
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """``${XDG_CACHE_HOME:-~/.cache}/lifecycle``: where the benchmarks keep what they build
+    or fetch outside the repository (llama-server, ``tools/pypi_gguf.py``'s models)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
+    return Path(base) / "lifecycle"
+
+
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$LIFECYCLE_PEER_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/lifecycle/llama-server``:
-    the same rule as ``tools/build_llama_server.sh``."""
+    """``$LIFECYCLE_PEER_CACHE``, else ``cache_root() / "llama-server"``: the same rule as
+    ``tools/build_llama_server.sh``."""
     env = os.environ if env is None else env
     if env.get("LIFECYCLE_PEER_CACHE"):
         return Path(env["LIFECYCLE_PEER_CACHE"])
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
-    return Path(base) / "lifecycle" / "llama-server"
+    return cache_root(env) / "llama-server"
 
 
 def binary_path(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Path:

@@ -33,6 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.llama_server import cache_root  # noqa: E402
+
 __all__ = ["MODELS", "Model", "assemble", "cache_dir", "fetch", "main"]
 
 
@@ -69,8 +73,7 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LIFECYCLE_MODEL_CACHE"):
         return Path(env["LIFECYCLE_MODEL_CACHE"])
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".cache")
-    return Path(base) / "lifecycle" / "gguf"
+    return cache_root(env) / "gguf"
 
 
 def _digest(path: Path) -> str:
