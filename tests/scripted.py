@@ -63,6 +63,25 @@ def lifecycle_server(*args: str, wait_ready: bool = True) -> Iterator[str]:
 
 
 @contextmanager
+def listening_worker(sock: Path, *args: str, log: Path, timeout: float = 120.0) -> Iterator[str]:
+    """``python -m lifecycle worker --listen unix:SOCK ARGS`` from this checkout, its
+    output in ``log``: a worker started elsewhere, as a frontend's ``--worker`` names it.
+    Yields that address once the socket exists; stopped at the end."""
+    argv = [sys.executable, "-m", "lifecycle", "worker", "--listen", f"unix:{sock}", *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while not sock.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the worker did not listen in time"
+            time.sleep(0.05)
+        yield f"unix:{sock}"
+    finally:
+        stop_process(proc)
+
+
+@contextmanager
 def server_process(
     *args: str,
     wait_ready: bool = True,

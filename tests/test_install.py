@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
 import venv
 import zipfile
@@ -28,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.scripted import listening_worker
 from tests.test_frontend_no_torch import generate_once, serve_process, torch_libraries
 from tests.tiny_gguf import TinyModel
-from wire.child import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lifecycle", "transport", "wire", "modelfile", "gpu")
@@ -221,20 +220,9 @@ def test_serves_on_the_scripted_worker(
 def remote_worker(tiny_gguf: TinyModel, tmp_path: Path) -> Iterator[str]:
     """``lifecycle worker --listen unix:...`` from this checkout's venv (it has torch)."""
     pytest.importorskip("torch", reason="the remote worker needs torch in this venv")
-    sock = tmp_path / "w.sock"
-    argv = [sys.executable, "-m", "lifecycle", "worker", "--listen", f"unix:{sock}"]
-    argv += ["--model", str(tiny_gguf.path), "--device", "cpu", "--kv-cache-tokens", "256"]
-    with open(tmp_path / "worker.log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            assert proc.poll() is None, (tmp_path / "worker.log").read_text()
-            assert time.monotonic() < deadline, "worker did not listen in time"
-            time.sleep(0.05)
-        yield f"unix:{sock}"
-    finally:
-        stop_process(proc)
+    args = ("--model", str(tiny_gguf.path), "--device", "cpu", "--kv-cache-tokens", "256")
+    with listening_worker(tmp_path / "w.sock", *args, log=tmp_path / "worker.log", timeout=60) as a:
+        yield a
 
 
 def test_serves_through_a_worker_started_elsewhere(

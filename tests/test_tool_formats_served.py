@@ -12,11 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,9 +22,9 @@ import pytest
 from lifecycle.app import App
 from lifecycle.chat.tool_formats import TOOL_FORMAT_ALIASES, TOOL_FORMATS, tool_format
 from lifecycle.option_args import add_flags, option_values
-from wire.child import stop_process
 
 from .app_helpers import running_app
+from .scripted import listening_worker
 from .tool_cases import TOOLS, USER
 
 ADD_ONLY = [t for t in TOOLS if t["function"]["name"] == "add"]  # a short prompt
@@ -49,19 +45,10 @@ def _forced_text(fmt: str) -> tuple[str, str | None]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The bundled model's real worker, listening on a unix socket, for every format."""
-    sock = tmp_path_factory.mktemp("formats") / "w.sock"
-    argv = [sys.executable, "-m", "lifecycle", "worker", "--listen", f"unix:{sock}",
-            "--device", "cpu", "--max-running", "2", "--kv-cache-tokens", "1024"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent)
-    try:
-        deadline = time.monotonic() + 120
-        while not sock.exists():
-            assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the worker did not listen in time"
-            time.sleep(0.05)
-        yield f"unix:{sock}"
-    finally:
-        stop_process(proc)
+    folder = tmp_path_factory.mktemp("formats")
+    args = ("--device", "cpu", "--max-running", "2", "--kv-cache-tokens", "1024")
+    with listening_worker(folder / "w.sock", *args, log=folder / "worker.log") as address:
+        yield address
 
 
 @pytest.fixture(params=sorted(TOOL_FORMATS))
